@@ -1,0 +1,390 @@
+"""ModelArgs: the inference configuration, and its one mapping from the nested HF config.json.
+
+Field names are the inference names (upstream `ModelArgs`, the keys of the inference config
+written beside the shards). The HF config goes through `HF_TO_ARGS` and its two siblings; a key
+in none of the tables is an error, and so is a missing one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv41_convert.errors import ConfigError
+
+# text_config key -> ModelArgs field
+HF_TO_ARGS: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "dim",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_hidden_layers": "n_layers",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "num_attention_heads": "n_heads",
+    "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts",
+    "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func",
+    "norm_topk_prob": "norm_topk_prob",
+    "routed_scaling_factor": "route_scale",
+    "swiglu_limit": "swiglu_limit",
+    "q_lora_rank": "q_lora_rank",
+    "head_dim": "head_dim",
+    "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "sliding_window": "window_size",
+    "compress_ratios": "compress_ratios",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "compress_rope_theta": "compress_rope_theta",
+    "rope_theta": "rope_theta",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+    "candidate_block_size": "candidate_block_size",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "engram_layer_ids": "engram_layer_ids",
+    "engram_num_embeddings": "engram_num_embeddings",
+    "engram_max_ngram_size": "engram_max_ngram_size",
+    "engram_vocab_size": "engram_vocab_size",
+    "engram_n_heads": "engram_n_heads",
+    "engram_head_dim": "engram_head_dim",
+    "engram_pad_token_id": "engram_pad_id",
+    "engram_compressed_vocab_size": "engram_compressed_vocab_size",
+    "dspark_block_size": "dspark_block_size",
+    "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
+    "dspark_markov_rank": "dspark_markov_rank",
+    "dspark_n_routed_experts": "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+}
+
+# text_config.rope_scaling key -> ModelArgs field
+HF_ROPE_TO_ARGS: dict[str, str] = {
+    "factor": "rope_factor",
+    "original_max_position_embeddings": "original_seq_len",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+}
+
+# vision_config key -> ModelArgs field
+HF_VISION_TO_ARGS: dict[str, str] = {
+    "num_hidden_layers": "vision_n_layers",
+    "hidden_size": "vision_dim",
+    "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim",
+    "patch_size": "vision_patch_size",
+    "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio",
+    "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels",
+    "max_wh_ratio": "vision_max_wh_ratio",
+}
+
+# Keys that carry no ModelArgs field. A value given here is the only one the model supports;
+# None means any value is accepted (provenance only).
+HF_TEXT_FIXED: dict[str, Any] = {
+    "model_type": None,
+    "num_key_value_heads": 1,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": None,
+    "initializer_range": None,
+    "use_cache": None,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": None,
+    "topk_method": None,
+    "rope_scaling": None,  # handled through HF_ROPE_TO_ARGS
+}
+HF_ROPE_FIXED: dict[str, Any] = {"rope_type": "yarn"}
+HF_VISION_FIXED: dict[str, Any] = {"model_type": None}
+HF_TOP_FIXED: dict[str, Any] = {
+    "architectures": None,
+    "model_type": None,
+    "dtype": None,
+    "torch_dtype": None,
+    "transformers_version": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "image_token_id": None,  # -> image_token_id
+    "quantization_config": None,
+    "text_config": None,
+    "vision_config": None,
+}
+HF_QUANT_KEYS = ("quant_method", "activation_scheme", "weight_block_size", "scale_fmt", "expert_dtype")
+
+# ModelArgs fields that size runtime buffers rather than describe the checkpoint; they are not
+# part of config.json and are chosen by the caller.
+RUNTIME_FIELDS = ("max_batch_size", "max_seq_len", "temperature")
+
+TUPLE_FIELDS = (
+    "compress_ratios",
+    "kv_source_layers",
+    "index_source_layers",
+    "engram_layer_ids",
+    "engram_num_embeddings",
+    "dspark_target_layer_ids",
+)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The inference configuration of DeepSeek V4.1 (names as in upstream inference/config.json).
+
+    `compress_ratios` has one entry per layer, backbone then MTP stages. Vision is off when
+    `vision_n_layers == 0`; Engram is off when `engram_layer_ids` is empty.
+    """
+
+    vocab_size: int
+    dim: int
+    moe_inter_dim: int
+    n_layers: int
+    n_mtp_layers: int
+    n_heads: int
+    n_routed_experts: int
+    n_shared_experts: int
+    n_activated_experts: int
+    score_func: str
+    route_scale: float
+    swiglu_limit: float
+    q_lora_rank: int
+    head_dim: int
+    rope_head_dim: int
+    norm_eps: float
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    compress_rope_theta: float
+    original_seq_len: int
+    rope_theta: float
+    rope_factor: float
+    beta_fast: int
+    beta_slow: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_source_layer: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    engram_layer_ids: tuple[int, ...]
+    engram_num_embeddings: tuple[int, ...]
+    engram_max_ngram_size: int
+    engram_vocab_size: int
+    engram_n_heads: int
+    engram_head_dim: int
+    engram_pad_id: int
+    engram_compressed_vocab_size: int
+    dspark_block_size: int
+    dspark_noise_token_id: int
+    dspark_target_layer_ids: tuple[int, ...]
+    dspark_markov_rank: int
+    dspark_n_routed_experts: int
+    dspark_n_activated_experts: int
+    vision_n_layers: int
+    vision_dim: int
+    vision_n_heads: int
+    vision_inter_dim: int
+    vision_patch_size: int
+    vision_rope_theta: float
+    vision_downsample_ratio: int
+    vision_max_n_token: int
+    vision_min_pixels: int
+    vision_max_wh_ratio: float | None
+    image_token_id: int
+    dtype: str  # "fp8" (published) or "bf16" (an unquantized source)
+    expert_dtype: str | None  # "fp4" (published) or None
+    norm_topk_prob: bool = True
+    max_batch_size: int = field(default=4, compare=False)
+    max_seq_len: int = field(default=4096, compare=False)
+    temperature: float = field(default=0.0, compare=False)
+
+    @property
+    def vision_enabled(self) -> bool:
+        return self.vision_n_layers > 0
+
+    @property
+    def n_all_layers(self) -> int:
+        """Backbone layers plus MTP stages; MTP stage k is layer `n_layers + k`."""
+        return self.n_layers + self.n_mtp_layers
+
+    def moe_config(self, layer_id: int) -> tuple[int, int]:
+        """(routed, activated) experts of a layer; MTP stages use the dspark counts."""
+        if layer_id < self.n_layers:
+            return self.n_routed_experts, self.n_activated_experts
+        return (
+            self.dspark_n_routed_experts or self.n_routed_experts,
+            self.dspark_n_activated_experts or self.n_activated_experts,
+        )
+
+    def with_runtime(self, **runtime: Any) -> ModelArgs:
+        """A copy with runtime fields (max_batch_size, max_seq_len, temperature) changed."""
+        unknown = set(runtime) - set(RUNTIME_FIELDS)
+        if unknown:
+            raise ValueError(f"not runtime fields: {sorted(unknown)}")
+        return dataclasses.replace(self, **runtime)
+
+    def to_inference_dict(self) -> dict[str, Any]:
+        """The inference config.json written beside the shards (runtime fields left out)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name in RUNTIME_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_inference_dict(cls, data: dict[str, Any], source: str = "<inference config>") -> ModelArgs:
+        """Build from the inference config (ModelArgs names). Every field must be present."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        optional = set(RUNTIME_FIELDS) | {"norm_topk_prob"}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{source}: unknown keys {unknown}; is this a V4.1 inference config?")
+        missing = sorted(names - set(data) - optional)
+        if missing:
+            raise ConfigError(f"{source}: missing keys {missing}")
+        kwargs = {k: tuple(v) if k in TUPLE_FIELDS else v for k, v in data.items()}
+        args = cls(**kwargs)
+        args.validate(source)
+        return args
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], source: str = "<config.json>") -> ModelArgs:
+        """Build from the nested Hugging Face config.json (text_config / vision_config /
+        quantization_config). Unknown and missing keys are errors."""
+        _check_keys(data, HF_TOP_FIXED, {}, source)
+        if "text_config" not in data:
+            raise ConfigError(f"{source}: no text_config; is this a V4.1 config.json?")
+        text = data["text_config"]
+        kwargs: dict[str, Any] = {}
+        _check_keys(text, HF_TEXT_FIXED, HF_TO_ARGS, f"{source} text_config")
+        for hf_key, arg in HF_TO_ARGS.items():
+            if hf_key not in text:
+                raise ConfigError(f"{source}: text_config.{hf_key} is missing (-> ModelArgs.{arg})")
+            kwargs[arg] = text[hf_key]
+        rope = text.get("rope_scaling")
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: text_config.rope_scaling must be a YaRN dict, found {rope!r}")
+        _check_keys(rope, HF_ROPE_FIXED, HF_ROPE_TO_ARGS, f"{source} text_config.rope_scaling")
+        for hf_key, arg in HF_ROPE_TO_ARGS.items():
+            if hf_key not in rope:
+                raise ConfigError(f"{source}: text_config.rope_scaling.{hf_key} is missing")
+            kwargs[arg] = rope[hf_key]
+
+        vision = data.get("vision_config")
+        if vision is None:
+            kwargs.update(_NO_VISION)
+        else:
+            _check_keys(vision, HF_VISION_FIXED, HF_VISION_TO_ARGS, f"{source} vision_config")
+            for hf_key, arg in HF_VISION_TO_ARGS.items():
+                if hf_key not in vision:
+                    raise ConfigError(f"{source}: vision_config.{hf_key} is missing")
+                kwargs[arg] = vision[hf_key]
+        if "image_token_id" not in data:
+            raise ConfigError(f"{source}: image_token_id is missing")
+        kwargs["image_token_id"] = data["image_token_id"]
+
+        quant = data.get("quantization_config")
+        if quant is None:
+            kwargs["dtype"], kwargs["expert_dtype"] = "bf16", None
+        else:
+            unknown = sorted(set(quant) - set(HF_QUANT_KEYS))
+            if unknown:
+                raise ConfigError(f"{source}: quantization_config has unknown keys {unknown}")
+            if quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size", [])) != [32, 32]:
+                raise ConfigError(
+                    f"{source}: quantization_config must be fp8 with weight_block_size [32, 32], "
+                    f"found {quant.get('quant_method')!r} {quant.get('weight_block_size')!r}"
+                )
+            if quant.get("scale_fmt") != "ue8m0":
+                raise ConfigError(f"{source}: scale_fmt {quant.get('scale_fmt')!r}, expected 'ue8m0'")
+            kwargs["dtype"] = "fp8"
+            kwargs["expert_dtype"] = quant.get("expert_dtype")
+        for name in TUPLE_FIELDS:
+            kwargs[name] = tuple(kwargs[name])
+        args = cls(**kwargs)
+        args.validate(source)
+        return args
+
+    def validate(self, source: str) -> None:
+        """Cross-field checks the model relies on."""
+        n_all = self.n_all_layers
+        if len(self.compress_ratios) != n_all:
+            raise ConfigError(
+                f"{source}: compress_ratios has {len(self.compress_ratios)} entries, expected "
+                f"n_layers + n_mtp_layers = {n_all}"
+            )
+        if any(r not in (0, 1, 2, 4) for r in self.compress_ratios):
+            raise ConfigError(f"{source}: compress_ratios {self.compress_ratios} holds unsupported ratios")
+        for layer in self.kv_source_layers:
+            if not 0 <= layer < self.n_layers or self.compress_ratios[layer] == 0:
+                raise ConfigError(f"{source}: kv source layer {layer} must be a backbone layer with compress_ratio > 0")
+        for layer in self.index_source_layers:
+            if not 0 <= layer < self.n_layers or self.compress_ratios[layer] == 0:
+                raise ConfigError(f"{source}: index source layer {layer} must be a backbone layer with compress_ratio > 0")
+        if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
+            raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
+        if self.dtype not in ("fp8", "bf16"):
+            raise ConfigError(f"{source}: dtype {self.dtype!r}, expected 'fp8' or 'bf16'")
+        if self.expert_dtype not in ("fp4", None):
+            raise ConfigError(f"{source}: expert_dtype {self.expert_dtype!r}, expected 'fp4' or none")
+        if self.head_dim % self.o_groups or (self.n_heads * self.head_dim) % self.o_groups:
+            raise ConfigError(f"{source}: n_heads * head_dim must divide into o_groups={self.o_groups}")
+
+
+_NO_VISION: dict[str, Any] = {
+    "vision_n_layers": 0,
+    "vision_dim": 0,
+    "vision_n_heads": 0,
+    "vision_inter_dim": 0,
+    "vision_patch_size": 0,
+    "vision_rope_theta": 0.0,
+    "vision_downsample_ratio": 0,
+    "vision_max_n_token": 0,
+    "vision_min_pixels": 0,
+    "vision_max_wh_ratio": None,
+}
+
+
+def _check_keys(data: dict[str, Any], fixed: dict[str, Any], mapped: dict[str, str], where: str) -> None:
+    unknown = sorted(set(data) - set(fixed) - set(mapped))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; add them to dsv41_convert/config.py if the format changed")
+    for key, expected in fixed.items():
+        if expected is not None and key in data and data[key] != expected:
+            raise ConfigError(f"{where}: {key} = {data[key]!r}, this model supports only {expected!r}")
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    """Read a JSON file, naming it in the error."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: not found") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def load_model_args(path: Path) -> ModelArgs:
+    """ModelArgs from either config file: the nested HF config.json (has `text_config`) or the
+    inference config (flat ModelArgs names)."""
+    data = load_json(path)
+    if "text_config" in data:
+        return ModelArgs.from_hf_dict(data, str(path))
+    return ModelArgs.from_inference_dict(data, str(path))

@@ -1,0 +1,34 @@
+"""The error types a user can meet. Each message names the file and tensor, what was found,
+what was expected, and a next step. `cli.main` turns them into `error: ...` and exit code 2."""
+
+
+class ConvertError(Exception):
+    """Base of every input problem: bad config, bad checkpoint, bad option."""
+
+
+class ConfigError(ConvertError):
+    """config.json is missing a key, has an unknown one, or has a value the model cannot take."""
+
+
+class HeaderError(ConvertError):
+    """A safetensors header is unreadable, corrupt, oversized, or points outside its file."""
+
+
+class FormatError(ConvertError):
+    """Tensor data is not what its dtype promises (NaN/Inf to quantize, a lossy cast, bad scale)."""
+
+
+class PlanError(ConvertError):
+    """The checkpoint's tensors do not fit the rules: missing, extra, wrong dtype or shape, bad tp."""
+
+
+class OutputError(ConvertError):
+    """The output folder is unsafe to write: not empty without --overwrite, inside the source, full."""
+
+
+class DownloadError(ConvertError):
+    """The Hub refused or lost a file: auth, 404, network, disk, checksum."""
+
+
+class VerifyInputError(ConvertError):
+    """verify was given inputs it cannot compare (prompts, reference logits, shard set)."""

@@ -1,0 +1,73 @@
+"""Terminal output for cli.py: rich progress and tables on stderr, results and JSON on stdout.
+
+Library code never prints; it takes a `progress(event)` callback. This module makes such callbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    """One JSON document on stdout, for pipelines."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def error(message: str) -> None:
+    stderr.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+
+
+def warn(message: str) -> None:
+    stderr.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+
+def info(message: str) -> None:
+    stderr.print(message, highlight=False)
+
+
+ProgressFn = Callable[[str, int, int], None]
+"""progress(label, done, total): `label` names a task (e.g. an output file); done/total in bytes."""
+
+
+@contextmanager
+def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
+    """A rich progress display with one bar per label, bytes, speed and ETA, on stderr."""
+    if quiet:
+        yield lambda label, done, total: None
+        return
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    tasks: dict[str, TaskID] = {}
+    with Progress(*columns, console=stderr, transient=False) as progress:
+        progress.console.print(title, highlight=False)
+
+        def update(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = progress.add_task(label, total=total)
+            progress.update(tasks[label], completed=done, total=total)
+
+        yield update
