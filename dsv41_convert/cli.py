@@ -29,12 +29,219 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 
 
 # --- commands: make-tiny ---
+# imports for this section only (the lead may hoist them to the top)
+from dsv41_convert import cli_options as opts  # noqa: E402
+
+
+@app.command("make-tiny")
+def make_tiny(
+    out: opts.OutArg,
+    seed: opts.SeedOpt = 0,
+    source_dtype: opts.SourceDtypeOpt = "fp8",
+    vision: opts.VisionOpt = True,
+    shards: opts.LayerShardsOpt = None,
+    preset: opts.PresetOpt = "tiny",
+    overwrite: opts.OverwriteOpt = False,
+    as_json: opts.JsonOpt = False,
+) -> None:
+    """Write a Hugging Face-format DeepSeek V4.1 checkpoint with random weights, laid out like the published one.
+
+    Examples:
+      dsv41-convert make-tiny /tmp/tiny
+      dsv41-convert make-tiny /tmp/tiny-bf16 --source-dtype bf16 --seed 1
+      dsv41-convert make-tiny /tmp/medium --preset medium --no-vision --shards 2
+    """
+    from dsv41_convert.errors import ConfigError
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import write_checkpoint
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
+    if source_dtype not in ("fp8", "bf16"):
+        raise ConfigError(f"--source-dtype {source_dtype!r}: expected fp8 or bf16")
+    with report.byte_progress(f"make-tiny {preset} -> {out}", quiet=as_json) as progress:
+        summary = write_checkpoint(
+            out,
+            PRESETS[preset],
+            seed=seed,
+            quantized=source_dtype == "fp8",
+            vision=vision,
+            layer_shards=shards,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    if as_json:
+        report.print_json(summary)
+    else:
+        report.info(
+            f"wrote {len(summary['files'])} shards, {summary['n_tensors']} tensors, "
+            f"{summary['total_size'] / 2**20:.1f} MiB to {summary['out']}"
+        )
+        report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
+
 
 # --- commands: plan, shard ---
+from dsv41_convert import cli_options as _shard_opts  # noqa: E402
+
+
+@app.command("plan")
+def plan_cmd(
+    src: _shard_opts.SrcArg,
+    tp: _shard_opts.TpOpt = 1,
+    expert_dtype: _shard_opts.ExpertDtypeOpt = "fp4",
+    as_json: _shard_opts.JsonOpt = False,
+) -> None:
+    """Read headers and index only, validate, and show each rank file: tensors, bytes, rules.
+
+    Examples:
+      dsv41-convert plan ./DeepSeek-V4.1-Flash --tp 8
+      dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
+    """
+    from dsv41_convert.plan import build_plan, summarize
+
+    plan = build_plan(src, tp, expert_dtype)
+    if as_json:
+        return report.print_json(plan.to_dict())
+    _plan_table(summarize(plan))
+
+
+def _plan_table(summary: dict) -> None:
+    """Per rank: file, tensors, bytes; then how many tensors each rule and action made (rank 0, then totals)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    ranks = Table(title=f"{summary['src']}  tp {summary['tp']}  experts {summary['expert_dtype']}")
+    for col in ("rank", "file", "tensors", "bytes"):
+        ranks.add_column(col, justify="right" if col != "file" else "left")
+    for r in summary["ranks"]:
+        ranks.add_row(str(r["rank"]), r["file"], str(r["tensors"]), f"{r['bytes']:,}")
+    ranks.add_row("", "total", str(sum(r["tensors"] for r in summary["ranks"])), f"{summary['total_bytes']:,}")
+    rules = Table(title=escape("tensors per rule [action], per rank"))
+    rules.add_column(escape("rule [action]"), overflow="fold")
+    for r in summary["ranks"]:
+        rules.add_column(str(r["rank"]), justify="right")
+    names = sorted({k for r in summary["ranks"] for k in r["rules"]})
+    for name in names:
+        rules.add_row(escape(name), *(str(r["rules"].get(name, 0)) for r in summary["ranks"]))
+    report.stdout.print(ranks)
+    report.stdout.print(rules)
+
+
+@app.command("shard")
+def shard_cmd(
+    src: _shard_opts.SrcArg,
+    out: _shard_opts.OutArg,
+    tp: _shard_opts.TpOpt = 1,
+    expert_dtype: _shard_opts.ExpertDtypeOpt = "fp4",
+    workers: _shard_opts.WorkersOpt = 1,
+    ranks: _shard_opts.RanksOpt = None,
+    resume: _shard_opts.ResumeOpt = False,
+    overwrite: _shard_opts.OverwriteOpt = False,
+    device: _shard_opts.DeviceOpt = "cpu",
+    dry_run: _shard_opts.DryRunOpt = False,
+    as_json: _shard_opts.JsonOpt = False,
+) -> None:
+    """Write model{r}-mp{N}.safetensors for every rank r, the tokenizer, config.json and manifest.json.
+
+    Examples:
+      dsv41-convert shard ./DeepSeek-V4.1-Flash ./mp8 --tp 8 --workers 4
+      dsv41-convert shard ./ckpt ./mp4 --tp 4 --expert-dtype fp8 --ranks 0,1
+      dsv41-convert shard ./ckpt ./mp4 --tp 4 --resume
+      torchrun --nproc-per-node 8 -m dsv41_convert.cli shard ./ckpt ./mp8 --tp 8
+    """
+    from dsv41_convert.errors import PlanError
+    from dsv41_convert.execute import execute
+    from dsv41_convert.plan import build_plan, summarize
+
+    try:
+        rank_list = [int(r) for r in ranks.split(",")] if ranks else None
+    except ValueError as exc:
+        raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
+    plan = build_plan(src, tp, expert_dtype)
+    if dry_run:
+        return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
+    with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
+        summary = execute(
+            plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
+            progress=progress,
+        )  # fmt: skip
+    if as_json:
+        return report.print_json(summary)
+    report.info(
+        f"wrote {len(summary['written'])} file(s), {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
+        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; "
+        f"manifest: {summary['manifest'] or 'pending (not every rank is done yet)'}"
+    )
+
 
 # --- commands: verify, reference-logits, check, demo ---
 
 # --- commands: download ---
+# imports for this section only (the lead may hoist them to the top)
+from pathlib import Path  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+from dsv41_convert.cli_options import JsonOpt  # noqa: E402
+
+RepoIdArg = Annotated[str, typer.Argument(help="Hub repo id: owner/name.")]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit (default: main).")]
+LocalDirOpt = Annotated[Path | None, typer.Option("--local-dir", help="Put the files here, not in the HF cache.")]
+IncludeOpt = Annotated[list[str] | None, typer.Option("--include", help="Only files matching this glob; repeatable.")]
+ExcludeOpt = Annotated[list[str] | None, typer.Option("--exclude", help="Skip files matching this glob; repeatable.")]
+WorkersOpt = Annotated[int, typer.Option("--max-workers", min=1, help="Files fetched (and hashed) at once.")]
+VerifyOnlyOpt = Annotated[
+    bool, typer.Option("--verify-only", help="No network: check the local copy against the download record.")
+]
+
+
+@app.command("download")
+def download_cmd(
+    repo_id: RepoIdArg,
+    revision: RevisionOpt = None,
+    local_dir: LocalDirOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    max_workers: WorkersOpt = 8,
+    verify_only: VerifyOnlyOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Download a checkpoint from the Hugging Face Hub and check every file (size, sha256, headers, index).
+
+    Files found missing or corrupt are fetched again, and only those. Without --local-dir the files go to
+    the HF cache (HF_HOME); HF_TOKEN authenticates, HF_ENDPOINT picks the Hub, HF_HUB_OFFLINE=1 only checks.
+    Exit 1 if a check fails, 2 on a Hub, network or disk error.
+
+    Examples:
+      dsv41-convert download deepseek-ai/DeepSeek-V4.1-Flash --local-dir ./v41
+      dsv41-convert download deepseek-ai/DeepSeek-V4.1-Flash --include "*.json" --include "model-0000[1-2]*"
+      dsv41-convert download deepseek-ai/DeepSeek-V4.1-Flash --local-dir ./v41 --verify-only --json
+    """
+    from dsv41_convert import download as dl
+
+    patterns = {"include": include or [], "exclude": exclude or []}
+    with report.byte_progress(f"{'verifying' if verify_only else 'downloading'} {repo_id}") as progress:
+        if verify_only:
+            result = dl.verify_local(
+                repo_id, revision=revision, local_dir=local_dir, workers=max_workers, progress=progress, **patterns
+            )
+        else:
+            result = dl.download(
+                repo_id, revision=revision, local_dir=local_dir, max_workers=max_workers, progress=progress, **patterns
+            )
+    for problem in result.problems:
+        report.error(str(problem))
+    if json_out:
+        report.print_json(result.to_json())
+    else:
+        report.stdout.print(str(result.folder), highlight=False, soft_wrap=True)
+    verdict = "all checks passed" if result.ok else f"{len(result.problems)} problems"
+    report.info(
+        f"{result.files} files, {result.nbytes / 1e9:.2f} GB, commit {result.commit or 'unknown'}; "
+        f"fetched {len(result.fetched)}, re-fetched {len(result.refetched)}; checked {result.checks}: {verdict}"
+    )
+    if not result.ok:
+        raise typer.Exit(1)
+
 
 # --- end of commands ---
 
@@ -42,7 +249,8 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 def main() -> None:
     """Entry point: ConvertError -> `error: ...` on stderr and exit 2; anything else keeps its traceback."""
     try:
-        app(standalone_mode=False)
+        # in non-standalone mode click returns typer.Exit's code instead of exiting with it
+        code = app(standalone_mode=False)
     except ConvertError as exc:
         if _debug["on"]:
             raise
@@ -60,6 +268,8 @@ def main() -> None:
             exc.show()
             sys.exit(2)
         raise
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""Is a downloaded checkpoint folder whole? Checks that need no network.
+
+Three layers, each one cheap enough to run on its own:
+- the download record (`Record`): every file's size, sha256 (LFS files) and git blob id, as the Hub
+  published them at download time, saved beside the files so `--verify-only` works offline;
+- file checks against that record: present, right size, right hash;
+- checkpoint checks from the files themselves: each safetensors header passes `safetensors_header`'s
+  checks (its tensors tile 8 + header + data == the file size), and `model.safetensors.index.json`
+  names exactly the tensors of each shard.
+
+Nothing here talks to the Hub or prints; `download.py` does the fetching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsv41_convert.errors import DownloadError, HeaderError
+from dsv41_convert.safetensors_header import read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+_CHUNK = 8 * 1024 * 1024
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a Hub revision. `sha256` is set for LFS files; `git_sha1` (the git blob id) for all."""
+
+    path: str
+    size: int
+    sha256: str | None = None
+    git_sha1: str | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the Hub said about a revision when we downloaded it; saved as JSON beside the files."""
+
+    repo_id: str
+    revision: str  # as asked: a branch, tag or commit
+    commit: str  # what it resolved to
+    files: tuple[RemoteFile, ...]  # every file of the revision
+    include: tuple[str, ...] = ()  # the selection downloaded (globs); verify checks the same by default
+    exclude: tuple[str, ...] = ()
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"format": 1, **asdict(self), "files": [asdict(f) for f in self.files]}
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: Path) -> Record | None:
+        """The record at `path`, or None if there is none. A record we cannot read is an error, not None."""
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            files = tuple(RemoteFile(**f) for f in data["files"])
+            return Record(
+                data["repo_id"],
+                data["revision"],
+                data["commit"],
+                files,
+                tuple(data.get("include", ())),
+                tuple(data.get("exclude", ())),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DownloadError(
+                f"{path}: unreadable download record ({exc}); download again, or delete it to check headers only"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the folder. `kind`: missing, size, sha256, git-sha1, header or index."""
+
+    path: str
+    kind: str
+    found: str
+    expected: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.kind}: found {self.found}, expected {self.expected}"
+
+
+# --- hashes ---
+
+
+def file_digests(path: Path, *, sha256: bool, git_sha1: bool, progress: Callable[[int], None] | None = None) -> dict:
+    """sha256 and/or git blob sha1 (sha1 of b"blob {size}\\0" + content) of one file, in one read."""
+    size = path.stat().st_size
+    h256 = hashlib.sha256() if sha256 else None
+    h1 = hashlib.sha1(b"blob %d\0" % size) if git_sha1 else None
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            if h256 is not None:
+                h256.update(chunk)
+            if h1 is not None:
+                h1.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    out = {}
+    if h256 is not None:
+        out["sha256"] = h256.hexdigest()
+    if h1 is not None:
+        out["git_sha1"] = h1.hexdigest()
+    return out
+
+
+def check_files(
+    root: Path,
+    files: Iterable[RemoteFile],
+    *,
+    hashes: bool = True,
+    workers: int = 4,
+    progress: Progress | None = None,
+) -> list[Problem]:
+    """Compare each file under `root` with its record: presence, size, then hash (sha256 if LFS, else git id).
+
+    Files are hashed on `workers` threads (hashlib drops the GIL on large buffers). Problems come back in
+    the order of `files`.
+    """
+    files = list(files)
+    total = sum(f.size for f in files)
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n  # a lost update under threads only makes the bar lag; the total is reported at the end
+        if progress is not None:
+            progress("verify", done[0], total)
+
+    def one(f: RemoteFile) -> Problem | None:
+        path = root / f.path
+        if not path.is_file():
+            tick(f.size)
+            return Problem(f.path, "missing", "no file", f"{f.size} bytes")
+        size = path.stat().st_size
+        if size != f.size:
+            tick(f.size)
+            return Problem(f.path, "size", f"{size} bytes", f"{f.size} bytes")
+        if not hashes or (f.sha256 is None and f.git_sha1 is None):
+            tick(f.size)
+            return None
+        want256 = f.sha256 is not None
+        got = file_digests(path, sha256=want256, git_sha1=not want256, progress=tick)
+        if want256 and got["sha256"] != f.sha256:
+            return Problem(f.path, "sha256", got["sha256"], f.sha256)
+        if not want256 and got["git_sha1"] != f.git_sha1:
+            return Problem(f.path, "git-sha1", got["git_sha1"], str(f.git_sha1))
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        found = list(pool.map(one, files))
+    if progress is not None:
+        progress("verify", total, total)
+    return [p for p in found if p is not None]
+
+
+# --- safetensors headers and the index ---
+
+
+def _header_names(root: Path, rel: str) -> set[str]:
+    """Tensor names of one shard after the full header check; raises HeaderError with what is wrong."""
+    return set(read_header(root / rel).tensors)
+
+
+def check_checkpoint(root: Path, paths: Iterable[str]) -> list[Problem]:
+    """Headers and index of the safetensors files among `paths` (relative to `root`).
+
+    - every `*.safetensors` in `paths` that exists: the header parses and its tensors tile the file;
+    - if the index is among `paths`: each shard it names exists, and the tensor names the index gives
+      that shard equal the names in the shard's header.
+    A listed file that does not exist is left to `check_files` (it reports it as missing), except shards
+    named by the index, which are reported here.
+    """
+    paths = list(paths)
+    problems: list[Problem] = []
+    names: dict[str, set[str] | None] = {}  # None: the header is broken, already reported
+    for rel in paths:
+        path = root / rel
+        if not rel.endswith(".safetensors") or not path.is_file():
+            continue
+        try:
+            names[rel] = _header_names(root, rel)
+        except HeaderError as exc:
+            names[rel] = None
+            problems.append(_header_problem(root, rel, exc))
+    if INDEX_NAME in paths and (root / INDEX_NAME).is_file():
+        problems += _check_index(root, names)
+    return problems
+
+
+def _check_index(root: Path, names: dict[str, set[str] | None]) -> list[Problem]:
+    try:
+        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [Problem(INDEX_NAME, "index", f"unreadable ({exc})", "JSON with a weight_map")]
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(tensor)
+    problems = []
+    for shard, want in sorted(by_shard.items()):
+        if not (root / shard).is_file():
+            problems.append(Problem(shard, "missing", "no file", f"a shard with {len(want)} tensors ({INDEX_NAME})"))
+            continue
+        if shard in names and names[shard] is None:
+            continue
+        have = names.get(shard)
+        if have is None:
+            try:
+                have = _header_names(root, shard)
+            except HeaderError as exc:
+                problems.append(_header_problem(root, shard, exc))
+                continue
+        if have != want:
+            extra, lost = sorted(have - want), sorted(want - have)
+            problems.append(
+                Problem(
+                    shard,
+                    "index",
+                    f"{len(extra)} tensors not in the index {_few(extra)}",
+                    f"{len(lost)} tensors the index puts here {_few(lost)}",
+                )
+            )
+    return problems
+
+
+def _header_problem(root: Path, rel: str, exc: HeaderError) -> Problem:
+    found = str(exc).removeprefix(f"{root / rel}: ")
+    return Problem(rel, "header", found, "a header whose tensors tile the file exactly (8 + header + data bytes)")
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(names[:3])
+    return f"({shown}{', ...' if len(names) > 3 else ''})" if names else ""

@@ -1,0 +1,200 @@
+"""Where a download lives on disk, and checking it there without network.
+
+A download goes to `local_dir` (our record at `local_dir/.dsv41-download.json`) or to the HF cache
+(`models--owner--name/snapshots/{commit}`, our record at `models--owner--name/.dsv41-download/{commit}.json`,
+outside snapshots/ so huggingface_hub's cache scans never meet a file it did not write).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from huggingface_hub import constants
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import filter_repo_objects
+
+from dsv41_convert.errors import DownloadError
+from dsv41_convert.hub_integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
+
+RECORD_NAME = ".dsv41-download.json"
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class DownloadReport:
+    """What `download` or `verify_local` did and found. `problems` empty means every check passed."""
+
+    repo_id: str
+    revision: str
+    commit: str | None
+    folder: Path
+    files: int
+    nbytes: int
+    checks: str  # which checks ran, in words
+    offline: bool = False
+    fetched: tuple[str, ...] = ()  # every file transferred in this run
+    refetched: tuple[str, ...] = ()  # of those, the ones that were on disk but wrong (size or hash)
+    problems: tuple[Problem, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "folder": str(self.folder),
+            "files": self.files,
+            "bytes": self.nbytes,
+            "checks": self.checks,
+            "offline": self.offline,
+            "fetched": list(self.fetched),
+            "refetched": list(self.refetched),
+            "ok": self.ok,
+            "problems": [vars(p) for p in self.problems],
+        }
+
+
+# --- where things live ---
+
+
+@dataclass(frozen=True)
+class Place:
+    folder: Path  # the checkpoint files
+    record: Path  # our record of the revision
+
+
+def place_of(repo_id: str, commit: str, local_dir: Path | None, cache_dir: Path | None) -> Place:
+    if local_dir is not None:
+        return Place(Path(local_dir), Path(local_dir) / RECORD_NAME)
+    storage = storage_of(repo_id, cache_dir)
+    return Place(storage / "snapshots" / commit, storage / ".dsv41-download" / f"{commit}.json")
+
+
+def storage_of(repo_id: str, cache_dir: Path | None) -> Path:
+    return Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
+def _cached_commit(repo_id: str, revision: str, cache_dir: Path | None) -> str | None:
+    if COMMIT.fullmatch(revision):
+        return revision
+    ref = storage_of(repo_id, cache_dir) / "refs" / revision
+    return ref.read_text().strip() if ref.is_file() else None
+
+
+def offline() -> bool:
+    env = os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    return env or constants.HF_HUB_OFFLINE
+
+
+def selected(files: Sequence[RemoteFile], include: Sequence[str], exclude: Sequence[str]) -> list[RemoteFile]:
+    return list(
+        filter_repo_objects(
+            files, allow_patterns=list(include) or None, ignore_patterns=list(exclude) or None, key=lambda f: f.path
+        )
+    )
+
+
+# --- offline check ---
+
+
+def verify_local(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    local_dir: Path | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    cache_dir: Path | None = None,
+    workers: int = 4,
+    progress: Progress | None = None,
+) -> DownloadReport:
+    """Check a downloaded folder without network: against our record when there is one (sizes and hashes),
+    else from the files alone (safetensors headers, sizes implied by them, the index)."""
+    rev = revision or constants.DEFAULT_REVISION
+    if local_dir is not None:
+        place = Place(Path(local_dir), Path(local_dir) / RECORD_NAME)
+    else:
+        commit = _cached_commit(repo_id, rev, cache_dir)
+        if commit is None:
+            raise DownloadError(
+                f"{repo_id}@{rev}: not in the HF cache ({storage_of(repo_id, cache_dir)}); download it first, "
+                "or give the folder with --local-dir"
+            )
+        place = place_of(repo_id, commit, None, cache_dir)
+    if not place.folder.is_dir():
+        raise DownloadError(f"{place.folder}: no such folder; download {repo_id} first")
+    record = Record.load(place.record)
+    if record is not None and record.repo_id != repo_id:
+        raise DownloadError(f"{place.folder}: holds {record.repo_id} (per {place.record.name}), not {repo_id}")
+    if record is not None and revision is not None and revision not in (record.revision, record.commit):
+        raise DownloadError(
+            f"{place.folder}: holds revision {record.revision} (commit {record.commit}), not {revision}; "
+            "download that revision into another folder"
+        )
+    if record is None:
+        paths = [p for p in _local_paths(place.folder) if _wanted(p, include, exclude)]
+        problems = drop_unwanted(check_checkpoint(place.folder, paths), include, exclude)
+        nbytes = sum((place.folder / p).stat().st_size for p in paths)
+        checks = "headers, index and sizes only: no download record, so no hashes"
+        return DownloadReport(
+            repo_id, rev, None, place.folder, len(paths), nbytes, checks, True, problems=tuple(problems)
+        )
+    if not include and not exclude:  # by default, check what was downloaded
+        include, exclude = record.include, record.exclude
+    files = selected(record.files, include, exclude)
+    problems = check_files(place.folder, files, workers=workers, progress=progress)
+    problems += drop_unwanted(check_checkpoint(place.folder, [f.path for f in files]), include, exclude)
+    return DownloadReport(
+        repo_id,
+        record.revision,
+        record.commit,
+        place.folder,
+        len(files),
+        sum(f.size for f in files),
+        "sizes, sha256 / git ids from the download record, headers, index",
+        True,
+        problems=tuple(_dedup(problems)),
+    )
+
+
+def _local_paths(folder: Path) -> list[str]:
+    out = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and not rel.startswith(".cache/") and rel != RECORD_NAME:
+            out.append(rel)
+    return out
+
+
+def _wanted(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    return bool(
+        list(filter_repo_objects([path], allow_patterns=list(include) or None, ignore_patterns=list(exclude) or None))
+    )
+
+
+def drop_unwanted(problems: list[Problem], include: Sequence[str], exclude: Sequence[str]) -> list[Problem]:
+    """A shard the index names but the user filtered out is not missing."""
+    return [p for p in problems if p.kind != "missing" or _wanted(p.path, include, exclude)]
+
+
+def _dedup(problems: list[Problem]) -> list[Problem]:
+    seen, out = set(), []
+    for p in problems:
+        if (p.path, p.kind) not in seen:
+            seen.add((p.path, p.kind))
+            out.append(p)
+    return out
+
+
+def listing(problems: Sequence[Problem], limit: int = 5) -> str:
+    shown = "; ".join(str(p) for p in problems[:limit])
+    return shown + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")

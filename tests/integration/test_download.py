@@ -1,0 +1,303 @@
+"""`download` against a fake Hub on 127.0.0.1: full fetch, resume, repair, 404, revision pins, auth, offline.
+
+huggingface_hub reads HF_ENDPOINT and HF_HOME once, at import; the fixture therefore patches its
+`constants` module as well as the environment, and the library calls get the endpoint and cache explicitly.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+
+import huggingface_hub.constants as hf_constants
+import pytest
+from hubserver import FakeHub, published_checkpoint, tiny_checkpoint
+from huggingface_hub import HfApi
+from typer.testing import CliRunner
+
+from dsv41_convert import download as dl
+from dsv41_convert import hub_fetch
+from dsv41_convert.cli import app
+from dsv41_convert.errors import DownloadError
+
+REPO = "acme/tiny"
+C0, C1 = "0" * 40, "1" * 40  # commits: C0 is tag v0 (seed 0), C1 is main (seed 1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    # small synthetic shards keep the quick suite quick; test_make_tiny_checkpoint hosts the real layout
+    return {C0: tiny_checkpoint(0), C1: tiny_checkpoint(1)}
+
+
+@pytest.fixture
+def hub(checkpoints, tmp_path, monkeypatch):
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    with FakeHub() as server:
+        server.add_repo(REPO, {C0: dict(checkpoints[C0]), C1: dict(checkpoints[C1])}, {"main": C1, "v0": C0})
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
+        template = server.url + "/{repo_id}/resolve/{revision}/{filename}"
+        monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+        yield server
+
+
+def fetch(hub, tmp_path, **kw):
+    kw.setdefault("local_dir", tmp_path / "local")
+    return dl.download(REPO, endpoint=hub.url, retries=1, backoff_s=0.01, **kw)
+
+
+def shards(files):
+    return sorted(p for p in files if p.endswith(".safetensors"))
+
+
+def test_full_download_matches_hub_and_writes_record(hub, tmp_path, checkpoints):
+    report = fetch(hub, tmp_path)
+    want = checkpoints[C1]
+    assert report.ok and report.commit == C1 and report.files == len(want)
+    assert sorted(report.fetched) == sorted(want)
+    for path, data in want.items():
+        assert (tmp_path / "local" / path).read_bytes() == data
+    record = json.loads((tmp_path / "local" / dl.RECORD_NAME).read_text())
+    assert record["commit"] == C1 and {f["path"] for f in record["files"]} == set(want)
+    assert all(len(hub.gets(p)) == 1 for p in want)  # each file sent once
+
+
+def test_second_run_fetches_nothing(hub, tmp_path):
+    fetch(hub, tmp_path)
+    before = len([e for e in hub.log if e.method == "GET" and "/resolve/" in e.path])
+    report = fetch(hub, tmp_path)
+    after = len([e for e in hub.log if e.method == "GET" and "/resolve/" in e.path])
+    assert report.ok and report.fetched == () and after == before
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_interrupted_transfer_resumes_by_range(hub, tmp_path, checkpoints, monkeypatch, in_cache):
+    monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 1024)  # so bytes reach the disk before the cut
+    target = shards(checkpoints[C1])[0]
+    size = len(checkpoints[C1][target])
+    assert size > 4096
+    hub.drop_after[target] = 3000
+    kw = {"local_dir": None, "cache_dir": tmp_path / "cache"} if in_cache else {}
+    report = fetch(hub, tmp_path, **kw)
+    assert report.ok and (report.folder / target).read_bytes() == checkpoints[C1][target]
+    first, second = hub.gets(target)
+    assert first.range is None and first.body_bytes == 3000
+    start = int(second.range.removeprefix("bytes=").rstrip("-"))
+    assert second.status == 206 and 0 < start <= 3000
+    assert second.body_bytes == size - start  # the rest only, not the whole file again
+
+
+def test_rerun_resumes_a_partial_file_left_by_a_killed_run(hub, tmp_path, checkpoints):
+    target, other = shards(checkpoints[C1])
+    data = checkpoints[C1][target]
+    local = tmp_path / "local"
+    listing = hub_fetch.fetch_record(HfApi(endpoint=hub.url), REPO, None, retries=0, backoff_s=0)
+    record = {f.path: f for f in listing.files}
+    hub_fetch.partial_path(local, record[target]).parent.mkdir(parents=True)
+    hub_fetch.partial_path(local, record[target]).write_bytes(data[:2500])  # what a killed run left behind
+    too_long = b"x" * (len(checkpoints[C1][other]) + 1)  # cannot be a prefix: start over
+    hub_fetch.partial_path(local, record[other]).write_bytes(too_long)
+    report = fetch(hub, tmp_path)
+    assert report.ok and (local / target).read_bytes() == data
+    (get,) = hub.gets(target)
+    assert get.range == "bytes=2500-" and get.status == 206 and get.body_bytes == len(data) - 2500
+    (restart,) = hub.gets(other)
+    assert restart.range is None and (local / other).read_bytes() == checkpoints[C1][other]
+    assert not (local / hub_fetch.PARTIAL_DIR).exists()  # renamed into place, the folder cleaned up
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_corruption_found_by_verify_only_and_refetched(hub, tmp_path, checkpoints, in_cache):
+    kw = {"local_dir": None, "cache_dir": tmp_path / "cache"} if in_cache else {}
+    first = fetch(hub, tmp_path, **kw)
+    bad, good = shards(checkpoints[C1])[-1], shards(checkpoints[C1])[0]
+    path = first.folder / bad
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte off: only the hash can tell
+    path.resolve().write_bytes(bytes(data))
+
+    verdict = dl.verify_local(REPO, local_dir=kw.get("local_dir", tmp_path / "local"), cache_dir=kw.get("cache_dir"))
+    assert [(p.path, p.kind) for p in verdict.problems] == [(bad, "sha256")]
+
+    report = fetch(hub, tmp_path, **kw)
+    assert report.ok and report.refetched == (bad,) and report.fetched == (bad,)
+    assert path.read_bytes() == checkpoints[C1][bad]
+    assert len(hub.gets(bad)) == 2 and len(hub.gets(good)) == 1  # only the bad file came again
+
+
+def test_missing_file_on_server_names_the_file(hub, tmp_path, checkpoints):
+    target = shards(checkpoints[C1])[-1]
+    hub.repos[REPO].hidden.add(target)
+    with pytest.raises(DownloadError, match=rf"{target}: file not found on the Hub \(404\)"):
+        fetch(hub, tmp_path)
+
+
+@pytest.mark.parametrize("revision", ["v0", C0])
+def test_revision_pin_gets_that_revisions_bytes(hub, tmp_path, checkpoints, revision):
+    report = fetch(hub, tmp_path, local_dir=None, cache_dir=tmp_path / "cache", revision=revision)
+    assert report.ok and report.commit == C0 and report.folder.name == C0
+    for path, data in checkpoints[C0].items():
+        assert (report.folder / path).read_bytes() == data
+    differ = [p for p in shards(checkpoints[C0]) if checkpoints[C0][p] != checkpoints[C1][p]]
+    assert differ  # the two revisions really are different bytes
+    assert all("/resolve/" + C0 + "/" in e.path for e in hub.log if "/resolve/" in e.path)
+
+
+def test_unknown_revision_is_a_clear_error(hub, tmp_path):
+    with pytest.raises(DownloadError, match=r"revision 'nope' not found \(404\)"):
+        fetch(hub, tmp_path, revision="nope")
+
+
+def test_private_repo_without_token_mentions_hf_token(hub, tmp_path, monkeypatch):
+    hub.repos[REPO].token = "sesame"
+    with pytest.raises(DownloadError, match=r"401.*HF_TOKEN is not set"):
+        fetch(hub, tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "wrong")
+    with pytest.raises(DownloadError, match=r"invalid credentials.*HF_TOKEN"):
+        fetch(hub, tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "sesame")
+    assert fetch(hub, tmp_path).ok
+
+
+def test_gated_repo_says_accept_conditions(hub, tmp_path):
+    hub.repos[REPO].gated = True
+    with pytest.raises(DownloadError, match=r"gated repo.*HF_TOKEN"):
+        fetch(hub, tmp_path)
+
+
+def test_unknown_repo_is_404(hub, tmp_path):
+    with pytest.raises(DownloadError, match=r"acme/nothing.*repository not found \(404\)"):
+        dl.download("acme/nothing", local_dir=tmp_path / "x", endpoint=hub.url, retries=0)
+
+
+def test_network_down_after_retries(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(DownloadError, match=r"network error talking to .*after 2 attempts"):
+        dl.download(REPO, local_dir=tmp_path / "x", endpoint=dead, retries=1, backoff_s=0.01)
+
+
+def test_disk_full_before_start(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 100})())
+    with pytest.raises(DownloadError, match=r"GB to download into .*only 0.00 GB free"):
+        fetch(hub, tmp_path)
+    assert not [e for e in hub.log if e.method == "GET" and "/resolve/" in e.path]
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_disk_full_during_transfer(hub, tmp_path, monkeypatch, in_cache):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hub_fetch, "http_get", full)  # our resumable path (local dir)
+    monkeypatch.setattr(hub_fetch, "hf_hub_download", full)  # huggingface_hub's (HF cache)
+    kw = {"local_dir": None, "cache_dir": tmp_path / "cache"} if in_cache else {}
+    with pytest.raises(DownloadError, match=r"disk full .*ENOSPC"):
+        fetch(hub, tmp_path, **kw)
+
+
+def test_offline_download_checks_local_copy_without_network(hub, tmp_path, monkeypatch):
+    fetch(hub, tmp_path)
+    n = len(hub.log)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    report = fetch(hub, tmp_path)
+    assert report.ok and report.offline and len(hub.log) == n
+    (tmp_path / "local" / "config.json").unlink()
+    with pytest.raises(DownloadError, match=r"HF_HUB_OFFLINE.*config.json: missing"):
+        fetch(hub, tmp_path)
+
+
+def test_verify_without_record_checks_headers_and_says_so(hub, tmp_path, checkpoints):
+    fetch(hub, tmp_path)
+    (tmp_path / "local" / dl.RECORD_NAME).unlink()
+    target = tmp_path / "local" / shards(checkpoints[C1])[0]
+    target.write_bytes(target.read_bytes()[:-10])
+    report = dl.verify_local(REPO, local_dir=tmp_path / "local")
+    assert "no download record" in report.checks
+    assert [(p.path, p.kind) for p in report.problems] == [(target.name, "header")]
+
+
+def test_index_naming_other_tensors_is_reported(hub, tmp_path):
+    files = tiny_checkpoint(2)
+    index = json.loads(files["model.safetensors.index.json"])
+    index["weight_map"]["layers.0.attn.extra.weight"] = "model-00001-of-00002.safetensors"
+    index["weight_map"]["mtp.0.norm.weight"] = "model-00003-of-00003.safetensors"
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    hub.add_repo("acme/broken", {C0: files}, {"main": C0})
+    report = dl.download("acme/broken", local_dir=tmp_path / "b", endpoint=hub.url, retries=0)
+    found = {(p.path, p.kind, p.found) for p in report.problems}
+    assert ("model-00003-of-00003.safetensors", "missing", "not in the repo at this revision") in found
+    assert any(p == "model-00001-of-00002.safetensors" and k == "index" for p, k, _ in found)
+
+
+def test_folder_of_another_repo_is_refused(hub, tmp_path):
+    fetch(hub, tmp_path)
+    hub.add_repo("acme/other", {C0: tiny_checkpoint(0)}, {"main": C0})
+    with pytest.raises(DownloadError, match=r"already holds acme/tiny"):
+        dl.download("acme/other", local_dir=tmp_path / "local", endpoint=hub.url, retries=0)
+
+
+def test_include_exclude_select_files(hub, tmp_path, checkpoints):
+    report = fetch(hub, tmp_path, include=["*.json"], exclude=["tokenizer*"])
+    want = {p for p in checkpoints[C1] if p.endswith(".json") and not p.startswith("tokenizer")}
+    assert set(report.fetched) == want and report.ok  # the index's shards were filtered out: not "missing"
+    verdict = dl.verify_local(REPO, local_dir=tmp_path / "local")  # the record remembers the selection
+    assert verdict.ok and verdict.files == len(want)
+    everything = dl.verify_local(REPO, local_dir=tmp_path / "local", include=["*"])
+    assert {p.kind for p in everything.problems} == {"missing"}
+
+
+def test_resolve_source_path_or_repo_id(hub, tmp_path, checkpoints):
+    assert dl.resolve_source(tmp_path) == tmp_path
+    folder = dl.resolve_source(f"{REPO}@v0", endpoint=hub.url, cache_dir=tmp_path / "cache")
+    assert folder.name == C0
+    assert all((folder / p).read_bytes() == d for p, d in checkpoints[C0].items())
+    with pytest.raises(DownloadError, match=r"not a Hub repo id"):
+        dl.resolve_source(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_cli_json_verify_only_and_errors(hub, tmp_path, checkpoints):
+    runner = CliRunner()
+    local = str(tmp_path / "cli")
+    ok = runner.invoke(app, ["download", REPO, "--local-dir", local, "--json"])
+    assert ok.exit_code == 0, ok.output
+    summary = json.loads(ok.stdout)
+    assert summary["ok"] and summary["commit"] == C1 and summary["files"] == len(checkpoints[C1])
+
+    target = tmp_path / "cli" / shards(checkpoints[C1])[0]
+    target.write_bytes(b"\0" * target.stat().st_size)
+    bad = runner.invoke(app, ["download", REPO, "--local-dir", local, "--verify-only", "--json"])
+    assert bad.exit_code == 1
+    problems = json.loads(bad.stdout)["problems"]
+    assert {p["path"] for p in problems} == {target.name}
+    assert {p["kind"] for p in problems} == {"sha256", "header"}  # zeroed: wrong hash, and no header either
+
+    hub.repos[REPO].token = "sesame"
+    denied = runner.invoke(app, ["download", REPO, "--local-dir", str(tmp_path / "cli2")])
+    assert isinstance(denied.exception, DownloadError) and "HF_TOKEN" in str(denied.exception)
+
+
+@pytest.mark.slow
+def test_make_tiny_checkpoint_downloads_and_checks(hub, tmp_path):
+    files = published_checkpoint(3, tmp_path)  # make-tiny output (falls back to the synthetic one without it)
+    hub.add_repo("acme/made", {C0: files}, {"main": C0})
+    report = dl.download("acme/made", cache_dir=tmp_path / "cache", endpoint=hub.url, retries=0)
+    assert report.ok and report.files == len(files) and sorted(report.fetched) == sorted(files)
+    assert all((report.folder / p).read_bytes() == d for p, d in files.items())
+    shard = shards(files)[len(shards(files)) // 2]
+    blob = (report.folder / shard).resolve()
+    blob.write_bytes(blob.read_bytes()[:-1])  # truncated: both the record and the header notice
+    verdict = dl.verify_local("acme/made", cache_dir=tmp_path / "cache")
+    assert {(p.path, p.kind) for p in verdict.problems} == {(shard, "size"), (shard, "header")}
+    assert dl.download("acme/made", cache_dir=tmp_path / "cache", endpoint=hub.url).refetched == (shard,)
