@@ -1,0 +1,108 @@
+"""The lossless MXFP4 -> fp8 cast of routed experts (upstream convert.py --expert-dtype fp8).
+
+Legend: O/I = output rows/input columns (logical), G = fp4 scale groups along I, Ob/Ib = 32x32 block counts.
+
+Each 32x32 output block gets one e8m0 scale: the largest fp4 scale it covers divided by 2**6. Every
+e2m1 value is then multiplied by its own power-of-two offset 2**k (its fp4 scale / the block scale,
+k <= 6; 6 * 2**6 = 384 fits under e4m3's 448). A negative k shifts values toward e4m3's least subnormal
+(2**-9): every value survives down to k = -8, none below k = -10, so a block whose scales spread too far
+would round or flush values; that raises FormatError instead of rounding.
+
+The cast itself is a lookup: one table row per offset k holds the two e4m3 bytes and an exactness flag
+for each of the 256 fp4 byte values, so the weight is never expanded to float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41_convert.errors import FormatError
+from dsv41_convert.quant.checks import require_dtype
+from dsv41_convert.quant.e8m0 import E8M0_MIN_EXP
+from dsv41_convert.quant.fp4 import E2M1_VALUES
+from dsv41_convert.quant.fp8 import pad_blocks
+
+FP8_BLOCK = 32  # output block, both dims, as upstream
+MAX_OFFSET_BITS = 6  # largest k with 6 * 2**k <= 448
+K_MIN = -11  # offsets below this are clamped to it: they lose every nonzero value either way
+
+
+def _pair_tables() -> tuple[Tensor, Tensor]:
+    """For k in K_MIN..6 and each fp4 byte: its two e4m3 bytes and whether each is exact.
+
+    -> bytes: [(7 - K_MIN) * 256, 2]  uint8, row (k - K_MIN) * 256 + byte, low nibble first
+       exact: [(7 - K_MIN) * 256, 2]  bool
+    """
+    byte = torch.arange(256)
+    vals_BN = torch.stack([E2M1_VALUES[byte & 0x0F], E2M1_VALUES[byte >> 4]], dim=-1)
+    vals_BN = torch.where(vals_BN == 0, 0.0, vals_BN)  # as upstream convert.py: code 8 (-0) is written as +0
+    y_KBN = vals_BN * torch.exp2(torch.arange(K_MIN, MAX_OFFSET_BITS + 1, dtype=torch.float32))[:, None, None]
+    q_KBN = y_KBN.to(torch.float8_e4m3fn)  # |y| <= 384: never saturates; exactness is checked, not assumed
+    return q_KBN.view(torch.uint8).reshape(-1, 2), (q_KBN.float() == y_KBN).reshape(-1, 2)
+
+
+_BYTES_TABLE, _EXACT_TABLE = _pair_tables()
+# 1-d forms for index_select (much faster than advanced indexing): each byte pair as one int16, viewed
+# back to bytes after the gather, so the layout round-trips on any byte order
+_PAIR16 = _BYTES_TABLE.contiguous().view(torch.int16).view(-1)
+_PAIR_EXACT = _EXACT_TABLE.all(dim=-1)
+
+
+def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Tensor, Tensor]:
+    """Re-express an MXFP4 weight as e4m3 with 32x32 e8m0 block scales, bit-exact in value.
+
+    block scale = max(fp4 scales in the 32x32 block) / 2**6, raised to 2**-127 if it would fall below
+      (upstream's formula wherever its result is representable; the raise keeps every offset <= 2**6);
+    w8 = e2m1 value * (fp4 scale / block scale), which must be exact in e4m3.
+    So decode_fp8_blocks(w8, s8) == decode_mxfp4(packed, s) value for value (in float32, before any cast);
+    the bytes equal upstream's, which writes the fp4 -0 (code 8) as e4m3 +0.
+    Raises FormatError naming `name`, the block and the element when a value would round or underflow
+    in e4m3, or when an fp4 scale is NaN (byte 255).
+
+    packed: [out, in/2]                     float4_e2m1fn_x2 / int8 / uint8 (logical [out, in])
+    s: [out, ceil(in/block)]                float8_e8m0fnu; `block` an even divisor of 32
+    -> w8: [out, in]                        float8_e4m3fn
+       s8: [ceil(out/32), ceil(in/32)]      float8_e8m0fnu
+    """
+    require_dtype(packed, (torch.float4_e2m1fn_x2, torch.int8, torch.uint8), f"{name}: fp4_to_fp8 weight")
+    require_dtype(s, (torch.float8_e8m0fnu,), f"{name}: fp4_to_fp8 scale")
+    if block < 2 or block % 2 or FP8_BLOCK % block:
+        raise ValueError(f"{name}: fp4 block {block} must be an even divisor of the fp8 block {FP8_BLOCK}")
+    if packed.dim() != 2:
+        raise ValueError(f"{name}: fp4_to_fp8 wants a 2-d weight, got {list(packed.shape)}")
+    out, half = packed.shape
+    inp = 2 * half
+    want = (out, -(-inp // block))
+    if tuple(s.shape) != want:
+        raise ValueError(f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}")
+    s_OG = s.float()
+    if torch.isnan(s_OG).any():
+        first = [int(i) for i in torch.isnan(s_OG).nonzero()[0]]
+        raise FormatError(f"{name}: scale is NaN (e8m0 byte 255) at {first}; expected a power of two; corrupt shard?")
+
+    groups_per_block = FP8_BLOCK // block
+    # zero padding never wins the max: every real scale is > 0
+    s8 = pad_blocks(s_OG, FP8_BLOCK, groups_per_block).amax(dim=(1, 3)) / 2.0**MAX_OFFSET_BITS  # [Ob, Ib]
+    s8 = s8.clamp_min(2.0**E8M0_MIN_EXP)
+    s8_OG = s8.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(groups_per_block, 1)[:, : want[1]]
+    # both are powers of two (2**-127 included: frexp handles subnormals), so k is exact
+    k_OG = torch.frexp(s_OG).exponent - torch.frexp(s8_OG).exponent
+    row_OG = (k_OG.clamp_min(K_MIN) - K_MIN) * 256
+    row = row_OG.repeat_interleave(block // 2, dim=1)[:, :half] + packed.view(torch.uint8)  # [O, I/2] int32
+    row = row.view(-1)
+    if not bool(_PAIR_EXACT.index_select(0, row).all()):
+        o, j, nib = (int(i) for i in (~_EXACT_TABLE[row.view(out, half)]).nonzero()[0])
+        _raise_lossy(name, packed, s_OG, s8, k_OG, o, 2 * j + nib, block)
+    w8 = _PAIR16.index_select(0, row).view(torch.uint8).view(out, inp).view(torch.float8_e4m3fn)
+    return w8, s8.to(torch.float8_e8m0fnu)
+
+
+def _raise_lossy(name: str, packed: Tensor, s_OG: Tensor, s8: Tensor, k_OG: Tensor, o: int, i: int, block: int):
+    code = int(packed.view(torch.uint8)[o, i // 2]) >> (4 * (i % 2)) & 0x0F
+    bo, bi = o // FP8_BLOCK, i // FP8_BLOCK
+    raise FormatError(
+        f"{name}: fp4->fp8 cast of block ({bo}, {bi}) is lossy at [{o}, {i}]: value {float(E2M1_VALUES[code])} "
+        f"x offset 2**{int(k_OG[o, i // block])} is not exact in e4m3 (fp4 scale {float(s_OG[o, i // block])}, "
+        f"block scale {float(s8[bo, bi])}); the block's scales spread too far; keep this tensor in fp4"
+    )

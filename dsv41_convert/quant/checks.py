@@ -1,0 +1,34 @@
+"""Input checks shared by the weight encoders: a quantized weight must come from finite values."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41_convert.errors import FormatError
+
+
+def require_finite(w: Tensor, name: str) -> None:
+    """Raise FormatError naming `name` and the first NaN/Inf index; saturating one would hide it.
+
+    w: [...]  any float dtype
+    """
+    bad = ~torch.isfinite(w)
+    if not bad.any():
+        return
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    value = float(w[first])
+    raise FormatError(
+        f"{name}: found {value} at index {list(first)} ({int(bad.sum())} non-finite of {w.numel()}) "
+        f"in {w.dtype} {list(w.shape)}; expected finite values to quantize; check the source tensor"
+    )
+
+
+def require_dtype(t: Tensor, allowed: tuple[torch.dtype, ...], what: str) -> None:
+    """ValueError when a caller hands over a tensor of the wrong dtype (a programming error)."""
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"{what}: got {t.dtype} {list(t.shape)}, expected one of {names}")
+
+
+FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)

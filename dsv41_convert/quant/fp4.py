@@ -1,0 +1,161 @@
+"""fp4 e2m1 codes, their nibble packing, and MXFP4 weights (e2m1 with one e8m0 scale per 32).
+
+An e2m1 code is 4 bits: bit 3 is the sign, codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6. Two codes share a
+byte, the even element in the low nibble; torch calls such a byte float4_e2m1fn_x2 and the checkpoint
+stores the same bytes as I8. Codes 0 and 8 are +0 and -0: compare decoded values, not bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dsv41_convert.quant.checks import FLOAT_INPUTS, require_dtype, require_finite
+from dsv41_convert.quant.e8m0 import pow2_ceil
+
+FP4_MAX = 6.0
+# the kernels multiply by this float32 reciprocal rather than divide by 6; we do the same
+FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+MXFP4_AMAX_FLOOR = 6 * 2.0**-126  # keeps the smallest scale at 2**-126, a normal float32
+
+_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = torch.tensor(_MAGNITUDES + tuple(-m for m in _MAGNITUDES), dtype=torch.float32)
+"""Value of each 4-bit code 0..15, float32 [16]; code 8 is -0.0."""
+
+_BYTES = (torch.uint8, torch.int8)
+# the two values of every packed byte (low nibble first) as one int64, for a fast 1-d index_select
+_BYTE_PAIRS = torch.stack([E2M1_VALUES[torch.arange(256) & 0x0F], E2M1_VALUES[torch.arange(256) >> 4]], dim=-1)
+_BYTE_PAIRS64 = _BYTE_PAIRS.contiguous().view(torch.int64).view(-1)
+
+# Midpoints between neighbouring magnitudes. bucketize (right=False) counts the bounds strictly below |x|,
+# so a tie rounds down; where the upper neighbour has the even code (0.75 -> 1.0 code 2, 1.75 -> 2.0
+# code 4, 3.5 -> 4.0 code 6) the bound is moved one float32 ulp down so that the tie rounds up.
+_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+_E2M1_BOUNDS = torch.where(_TIE_UP, torch.nextafter(_E2M1_MIDS, torch.zeros(7)), _E2M1_MIDS)
+
+
+def encode_e2m1(x: Tensor) -> Tensor:
+    """Round to the nearest e2m1 code; ties go to the even code; magnitudes clamp at 6.
+
+    The sign bit follows torch.signbit, so -0.0 and negatives that round to zero give code 8 (-0).
+    NaN gives code 0 or 8 (as the upstream comparison-based rounding does).
+
+    x: [...]  float32 / bfloat16 / float16
+    -> [...]  uint8 codes 0..15
+    """
+    x = x.float()
+    sign = torch.signbit(x).to(torch.uint8) << 3
+    # code = how many rounding boundaries lie below |x| (inf counts all 7: it clamps to 6)
+    code = torch.bucketize(torch.nan_to_num(x.abs(), nan=0.0), _E2M1_BOUNDS, out_int32=True)
+    return code.to(torch.uint8) | sign
+
+
+def decode_e2m1(codes: Tensor) -> Tensor:
+    """Value of each code (exact).
+
+    codes: [...]  uint8 0..15
+    -> [...]      float32
+    """
+    require_dtype(codes, (torch.uint8,), "decode_e2m1 codes")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError(f"decode_e2m1: codes must be 0..15, got max {int(codes.max())}")
+    return E2M1_VALUES[codes.long()]
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """Two codes per byte: element 2k in the low nibble, 2k+1 in the high nibble.
+
+    codes: [..., n]    uint8 0..15, n even
+    -> [..., n/2]      uint8
+    """
+    require_dtype(codes, (torch.uint8,), "pack_nibbles codes")
+    if codes.size(-1) % 2:
+        raise ValueError(f"pack_nibbles: last dim must be even, got {list(codes.shape)}")
+    return (codes[..., 0::2] & 0x0F) | ((codes[..., 1::2] & 0x0F) << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of `pack_nibbles`.
+
+    packed: [..., m]   uint8 / int8 / float4_e2m1fn_x2 (bytes reinterpreted, not converted)
+    -> [..., 2m]       uint8 codes 0..15
+    """
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+def as_fp4(packed: Tensor) -> Tensor:
+    """Reinterpret packed e2m1 bytes (the checkpoint's I8) as torch's fp4 pair dtype; no copy.
+
+    packed: [out, in/2]  int8 / uint8
+    -> [out, in/2]       float4_e2m1fn_x2 (logical [out, in]), same storage
+    """
+    require_dtype(packed, _BYTES, "as_fp4")
+    return packed.view(torch.float4_e2m1fn_x2)
+
+
+def as_int8(packed: Tensor) -> Tensor:
+    """Reinterpret fp4 pairs as the checkpoint's I8 bytes; no copy.
+
+    packed: [out, in/2]  float4_e2m1fn_x2 (or uint8 / int8)
+    -> [out, in/2]       int8, same storage
+    """
+    require_dtype(packed, (torch.float4_e2m1fn_x2, *_BYTES), "as_int8")
+    return packed.view(torch.int8)
+
+
+def encode_mxfp4(w: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Tensor, Tensor]:
+    """Quantize a weight to MXFP4: e2m1 codes with one e8m0 scale per `block` along the last dim.
+
+    amax = max |w| over the block, floored at 6 * 2**-126;
+    scale = 2**ceil(log2(amax * f32(1/6))) from the float32 bits;
+    code = e2m1 of w / scale, clamped to +-6, nearest-even (see `encode_e2m1`).
+    A last dim not a multiple of `block` gets ceil(in/block) scales. NaN or Inf in `w` raises
+    FormatError naming `name` and the first bad index.
+
+    w: [..., in]                 float32 / bfloat16 / float16, in even
+    -> packed: [..., in/2]       float4_e2m1fn_x2 (logical [..., in])
+       s: [..., ceil(in/block)]  float8_e8m0fnu
+    """
+    require_dtype(w, FLOAT_INPUTS, f"{name}: encode_mxfp4 input")
+    if w.dim() < 1 or w.size(-1) % 2:
+        raise ValueError(f"{name}: encode_mxfp4 wants an even last dim, got {list(w.shape)}")
+    if block < 1:
+        raise ValueError(f"{name}: block must be >= 1, got {block}")
+    require_finite(w, name)
+    inp = w.size(-1)
+    wf = w.float()
+    if inp % block:
+        wf = F.pad(wf, (0, -inp % block))
+    groups = wf.unflatten(-1, (-1, block))
+    amax = groups.abs().amax(dim=-1).clamp_min(MXFP4_AMAX_FLOOR)
+    s = pow2_ceil(amax * FP4_MAX_INV)
+    codes = encode_e2m1(groups / s.unsqueeze(-1)).flatten(-2)[..., :inp]
+    return pack_nibbles(codes).view(torch.float4_e2m1fn_x2), s.to(torch.float8_e8m0fnu)
+
+
+def decode_mxfp4(packed: Tensor, s: Tensor, block: int = 32, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Multiply each decoded e2m1 value by its block's scale in float32, then cast to `dtype`.
+
+    The float32 product is exact unless it overflows (6 * 2**127 -> inf); one rounding at the cast.
+
+    packed: [..., in/2]          float4_e2m1fn_x2 / int8 / uint8 (logical [..., in])
+    s: [..., ceil(in/block)]     float8_e8m0fnu
+    -> [..., in]                 dtype (bfloat16 by default)
+    """
+    require_dtype(packed, (torch.float4_e2m1fn_x2, *_BYTES), "decode_mxfp4 weight")
+    require_dtype(s, (torch.float8_e8m0fnu,), "decode_mxfp4 scale")
+    inp = 2 * packed.size(-1)
+    want = (*packed.shape[:-1], -(-inp // block))
+    if tuple(s.shape) != want:
+        raise ValueError(
+            f"decode_mxfp4: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}"
+        )
+    v = _BYTE_PAIRS64.index_select(0, packed.reshape(-1).view(torch.uint8).int()).view(torch.float32)
+    v = v.view(*packed.shape[:-1], inp)
+    if inp % block:
+        v = F.pad(v, (0, -inp % block))
+    v = v.unflatten(-1, (-1, block)) * s.float().unsqueeze(-1)
+    return v.flatten(-2)[..., :inp].to(dtype)

@@ -1,0 +1,289 @@
+"""fp8 e4m3 block weights, checked against a scalar e4m3 reference built from the bit layout."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41_convert.errors import FormatError
+from dsv41_convert.quant import decode_fp8_blocks, e4m3_saturate, encode_fp8_blocks, infer_block
+
+# --- independent reference -------------------------------------------------------------------------
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal dtype, shape, NaN positions and values (atol=0, rtol=0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b))
+    assert torch.equal(a[~nan], b[~nan]), (a[~nan] != b[~nan]).nonzero()[:5].tolist()
+
+
+def e4m3_value(byte: int) -> float:
+    """Value of an e4m3fn byte from its fields: 1 sign, 4 exponent (bias 7), 3 mantissa; S.1111.111 is NaN."""
+    sign, exp, man = byte >> 7, (byte >> 3) & 0xF, byte & 0x7
+    if exp == 0xF and man == 0x7:
+        return math.nan
+    mag = man * 2.0**-9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+    return -mag if sign else mag
+
+
+E4M3_POS = np.array([e4m3_value(b) for b in range(0x7F)])  # bytes 0..126, increasing, max 448
+
+
+def e4m3_ref(x: np.ndarray) -> np.ndarray:
+    """Bytes of RNE(x) in e4m3, saturating at 448; x is float64 and already exact. Ties go to the even byte."""
+    x = np.asarray(x, dtype=np.float64)
+    mag = np.minimum(np.abs(x), 448.0)
+    hi = np.clip(np.searchsorted(E4M3_POS, mag), 1, len(E4M3_POS) - 1)
+    lo = hi - 1
+    dlo, dhi = mag - E4M3_POS[lo], E4M3_POS[hi] - mag
+    pick = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    return (pick | (np.signbit(x) << 7)).astype(np.uint8)
+
+
+def ceil_exp(v: np.ndarray) -> np.ndarray:
+    """Exact ceil(log2(v)) for positive finite values."""
+    m, e = np.frexp(np.asarray(v, dtype=np.float64))
+    return np.where(m == 0.5, e - 1, e)
+
+
+def encode_ref(w: np.ndarray, bo: int, bi: int, ue8m0: bool = True):
+    """Loop-over-blocks reference: amax floored at f32(1e-4), scale from f32(amax * f32(1/448))."""
+    out, inp = w.shape
+    nob, nib = -(-out // bo), -(-inp // bi)
+    q = np.zeros(w.shape, dtype=np.uint8)
+    s = np.zeros((nob, nib), dtype=np.float64)
+    for r in range(nob):
+        for c in range(nib):
+            blk = w[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi].astype(np.float32)
+            amax = max(np.float32(np.abs(blk).max()), np.float32(1e-4))
+            prod = np.float32(amax) * np.float32(1 / 448)
+            if ue8m0:
+                scale = 2.0 ** int(ceil_exp(prod))
+                vals = blk.astype(np.float64) / scale  # a power of two: exact
+            else:
+                scale = float(prod)
+                vals = (blk / np.float32(prod)).astype(np.float64)  # float32 division, as the code does
+            s[r, c] = scale
+            q[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi] = e4m3_ref(vals)
+    return q, s
+
+
+def bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint8).numpy()
+
+
+# --- e4m3 rounding -----------------------------------------------------------------------------------
+
+
+def test_reference_table_matches_torch_decode():
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    want = np.array([e4m3_value(b) for b in range(256)])
+    np.testing.assert_array_equal(every, want)
+
+
+def test_saturate_keeps_every_e4m3_value():
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = finite[(finite & 0x7F) != 0x7F]
+    x = finite.view(torch.float8_e4m3fn).float()
+    np.testing.assert_array_equal(bytes_of(e4m3_saturate(x)), finite.numpy())
+
+
+def test_saturate_rounds_midpoints_half_to_even():
+    mids = (E4M3_POS[:-1] + E4M3_POS[1:]) / 2  # exact in float32: one more mantissa bit
+    x = np.concatenate([mids, -mids]).astype(np.float32)
+    got = bytes_of(e4m3_saturate(torch.from_numpy(x)))
+    np.testing.assert_array_equal(got, e4m3_ref(x))
+    assert np.all(got % 2 == 0)  # the even neighbour wins every tie
+    np.testing.assert_array_equal(got, bytes_of(torch.from_numpy(x).to(torch.float8_e4m3fn)))
+
+
+@pytest.mark.parametrize(
+    ("x", "want"),
+    [(448.0, 448.0), (464.0, 448.0), (1e30, 448.0), (math.inf, 448.0), (-math.inf, -448.0), (2.0**-10, 0.0)],
+)
+def test_saturate_clamps(x, want):
+    assert e4m3_saturate(torch.tensor([x])).float().item() == want
+
+
+def test_saturate_subnormals_and_signed_zero():
+    x = torch.tensor([2.0**-9, 3 * 2.0**-10, 2.0**-10 * 1.0001, -0.0, -(2.0**-11)])
+    got = e4m3_saturate(x)
+    assert got.float().tolist() == [2.0**-9, 2.0**-8, 2.0**-9, 0.0, 0.0]
+    assert bytes_of(got).tolist()[3:] == [0x80, 0x80]  # sign kept on zeros
+
+
+def test_saturate_matches_reference_on_random_floats():
+    gen = np.random.default_rng(1)
+    x = (gen.standard_normal(50000) * np.exp2(gen.integers(-14, 10, 50000))).astype(np.float32)
+    np.testing.assert_array_equal(bytes_of(e4m3_saturate(torch.from_numpy(x))), e4m3_ref(x))
+
+
+# --- encode_fp8_blocks ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [((64, 96), (32, 32)), ((70, 100), (32, 32)), ((130, 260), (128, 128)), ((9, 256), (1, 32)), ((7, 45), (1, 32))],
+)
+def test_encode_matches_block_reference(shape, block):
+    gen = np.random.default_rng(sum(shape))
+    w = (gen.standard_normal(shape) * np.exp2(gen.integers(-12, 12, (shape[0], 1)))).astype(np.float32)
+    q, s = encode_fp8_blocks(torch.from_numpy(w), block)
+    q_ref, s_ref = encode_ref(w, *block)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
+    assert tuple(s.shape) == s_ref.shape
+    np.testing.assert_array_equal(bytes_of(q), q_ref)
+    np.testing.assert_array_equal(s.float().numpy(), s_ref)
+
+
+def test_encode_float32_scales_match_reference():
+    gen = np.random.default_rng(2)
+    w = gen.standard_normal((40, 70)).astype(np.float32)
+    q, s = encode_fp8_blocks(torch.from_numpy(w), (32, 32), scale_fmt=None)
+    q_ref, s_ref = encode_ref(w, 32, 32, ue8m0=False)
+    assert s.dtype == torch.float32
+    np.testing.assert_array_equal(bytes_of(q), q_ref)
+    np.testing.assert_array_equal(s.numpy(), s_ref.astype(np.float32))
+
+
+def test_encode_bfloat16_input_equals_its_float32_value():
+    w = torch.randn(64, 64).bfloat16()
+    for a, b in zip(encode_fp8_blocks(w), encode_fp8_blocks(w.float()), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_encode_exact_block_max_448_keeps_values():
+    w = torch.zeros(32, 32)
+    w[0, 0], w[3, 4], w[31, 31] = 448.0, -0.5, 2.0**-9
+    q, s = encode_fp8_blocks(w)
+    assert s.float().item() == 1.0
+    assert torch.equal(q.float(), w)
+
+
+def test_encode_block_max_just_over_448_doubles_scale():
+    w = torch.zeros(32, 32)
+    w[0, 0] = 449.0
+    q, s = encode_fp8_blocks(w)
+    assert s.float().item() == 2.0 and q.float()[0, 0].item() == 224.0
+
+
+def test_encode_zero_block_gets_floored_scale():
+    q, s = encode_fp8_blocks(torch.zeros(32, 64))
+    # floor 1e-4 * f32(1/448) = 2.2e-7, rounded up to 2**-22
+    assert s.float().tolist() == [[2.0**-22, 2.0**-22]]
+    assert not q.float().any()
+
+
+def test_encode_subnormal_inputs_flush_like_the_reference():
+    w = np.full((32, 32), 1e-40, dtype=np.float32)  # float32 subnormal input
+    w[0, 0] = 3e-6  # amax above the floor: scale 2**-17, values far below e4m3's smallest subnormal
+    q, s = encode_fp8_blocks(torch.from_numpy(w))
+    q_ref, s_ref = encode_ref(w, 32, 32)
+    np.testing.assert_array_equal(bytes_of(q), q_ref)
+    np.testing.assert_array_equal(s.float().numpy(), s_ref)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_encode_non_finite_names_tensor_and_index(bad):
+    w = torch.randn(40, 40)
+    w[5, 33] = bad
+    w[7, 1] = bad
+    with pytest.raises(FormatError, match=r"layers\.3\.attn\.wq_a\.weight: found (nan|inf|-inf) at index \[5, 33\]"):
+        encode_fp8_blocks(w, name="layers.3.attn.wq_a.weight")
+
+
+def test_encode_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="2-d"):
+        encode_fp8_blocks(torch.zeros(4, 4, 4))
+    with pytest.raises(ValueError, match="scale_fmt"):
+        encode_fp8_blocks(torch.zeros(4, 4), scale_fmt="e4m3")
+    with pytest.raises(ValueError, match="int8"):
+        encode_fp8_blocks(torch.zeros(4, 4, dtype=torch.int8))
+
+
+# --- decode_fp8_blocks ------------------------------------------------------------------------------
+
+
+def decode_ref(q: torch.Tensor, s: torch.Tensor, bo: int, bi: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expand every scale to its block with repeat_interleave, multiply in float64 (exact), cast once."""
+    full = s.double().repeat_interleave(bo, 0).repeat_interleave(bi, 1)[: q.size(0), : q.size(1)]
+    return (q.double() * full).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("shape", "block"), [((96, 64), (32, 32)), ((70, 100), (32, 32)), ((256, 384), (128, 128))])
+def test_decode_matches_reference(shape, block, dtype):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+    q[(q & 0x7F) == 0x7F] = 0  # no NaN bytes
+    q = q.view(torch.float8_e4m3fn)
+    s_shape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    s = torch.randint(100, 150, s_shape, generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu)
+    got = decode_fp8_blocks(q, s, dtype=dtype)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert_same(got, decode_ref(q, s, *block, dtype))
+
+
+def test_decode_with_float32_scales_and_explicit_block():
+    q = torch.randn(8, 64).to(torch.float8_e4m3fn)
+    s = torch.rand(8, 2) + 0.1
+    got = decode_fp8_blocks(q, s, block=(1, 32), dtype=torch.float32)
+    assert_same(got, decode_ref(q, s, 1, 32, torch.float32))
+
+
+def test_decode_engram_rows_layout():
+    q = torch.randn(5, 256).to(torch.float8_e4m3fn)
+    s = torch.randint(120, 130, (5, 8), dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu)
+    assert_same(decode_fp8_blocks(q, s), decode_ref(q, s, 1, 32, torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "s_shape", "block"),
+    [
+        ((64, 96), (2, 3), (32, 32)),
+        ((70, 100), (3, 4), (32, 32)),
+        ((256, 512), (2, 4), (128, 128)),
+        ((130, 300), (2, 3), (128, 128)),
+        ((7, 256), (7, 8), (1, 32)),
+    ],
+)
+def test_infer_block(q_shape, s_shape, block):
+    assert infer_block(q_shape, s_shape) == block
+
+
+def test_infer_block_overlap_decodes_the_same():
+    # a 32x32 weight with one scale fits both 32x32 and 128x128: either reading gives the same values
+    q = torch.randn(32, 32).to(torch.float8_e4m3fn)
+    s = torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert torch.equal(decode_fp8_blocks(q, s), decode_fp8_blocks(q, s, block=(128, 128)))
+
+
+def test_infer_block_rejects_unknown_grid():
+    with pytest.raises(ValueError, match=r"scale \[3, 3\] fits no known block"):
+        infer_block((64, 64), (3, 3))
+
+
+def test_decode_rejects_mismatched_explicit_block():
+    q = torch.zeros(64, 64).to(torch.float8_e4m3fn)
+    s = torch.ones(2, 2).to(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_fp8_blocks(q, s, block=(128, 128))
+
+
+# --- round trip -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128), (1, 32)])
+def test_round_trip_error_bound_and_idempotence(block):
+    w = torch.randn(150, 200) * torch.logspace(-3, 3, 150).unsqueeze(1)
+    q, s = encode_fp8_blocks(w, block)
+    d = decode_fp8_blocks(q, s, dtype=torch.float32)
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2**-4 relative; below 2**-6 * scale the step is 2**-9 * scale
+    scale = decode_fp8_blocks(torch.ones_like(q, dtype=torch.float32).to(torch.float8_e4m3fn), s, block, torch.float32)
+    bound = torch.maximum(w.abs() * 2.0**-4, scale * 2.0**-10)
+    assert bool(((d - w).abs() <= bound).all())
+    q2, s2 = encode_fp8_blocks(d, block)
+    assert torch.equal(decode_fp8_blocks(q2, s2, dtype=torch.float32), d)
