@@ -1,9 +1,15 @@
 """Shared fixtures. GPU tests skip themselves where CUDA or tilelang is missing."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+# Tiny models on a 2-core machine: one intra-op thread is many times faster than two contending ones,
+# and spawned ranks inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,299 @@
+"""Engram n-gram hashing: which table rows each position looks up.
+
+Three fixed ingredients decide the hash, and each must match training bit for bit, because a
+wrong hash fails silently (it just reads other rows):
+- the compressed token map: token ids folded together when their decoded text normalizes alike,
+  numbered in first-seen order over the tokenizer's ids (built from the checkpoint's tokenizer.json);
+- one odd multiplier per (engram layer, look-back), drawn from `numpy.random.default_rng(10007 * layer)`;
+- one prime bucket count per (engram layer, n-gram size, head): the successive primes above
+  `engram_vocab_size - 1`, handed out layer by layer, n-gram size by n-gram size, head by head.
+
+At a position the n-gram of size n is the current compressed id and the n-1 before it; look-back
+stops at the start of the sequence and at image positions (both read as the pad id from then on).
+The hash of the n-gram is the XOR of `id_k * multiplier_k` over its look-backs k, reduced modulo its
+prime and shifted by the cumulative row offset of its (n, head) bucket range: 24 columns per layer
+for the released model (n = 2..4, 8 heads).
+
+Legend: B batch, L positions, G engram layers, N = max_ngram_size look-backs (current included),
+C = (N - 1) * n_heads hash columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from dsv41_convert.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from dsv41_convert.config import ModelArgs
+
+# bases that make Miller-Rabin deterministic for every n < 3.3e24 (far above any bucket count)
+_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+# id written into the hash history for a position that takes no part in any n-gram (image spans)
+DEAD = -1
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic primality test for the bucket counts (exact below 3.3e24)."""
+    if n < 2:
+        return False
+    for p in _MR_BASES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _MR_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def primes_above(start: int) -> Iterator[int]:
+    """The primes greater than `start`, in increasing order."""
+    n = start + 1
+    while True:
+        if is_prime(n):
+            yield n
+        n += 1
+
+
+@dataclass(frozen=True)
+class EngramLayout:
+    """Bucket layout of the Engram tables, shared by the hashing and the `Engram` modules.
+
+    primes[g][n - 2][head] is the bucket count of n-gram size n and `head` in engram layer g.
+    Each layer's table is these ranges laid end to end, so `num_embeddings[g]` (from the config) is
+    their sum for the released model.
+    """
+
+    max_ngram_size: int
+    layer_ids: tuple[int, ...]
+    num_embeddings: tuple[int, ...]
+    primes: tuple[tuple[tuple[int, ...], ...], ...]
+    n_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_args(cls, args: ModelArgs) -> EngramLayout | None:
+        """The layout of `args`, or None when the model has no Engram layers."""
+        layer_ids = tuple(args.engram_layer_ids)
+        if not layer_ids:
+            return None
+        # one shared sequence: a prime is never reused by a later (layer, n-gram) row
+        supply = primes_above(args.engram_vocab_size - 1)
+        n_rows = args.engram_max_ngram_size - 1
+        primes = tuple(
+            tuple(tuple(next(supply) for _ in range(args.engram_n_heads)) for _ in range(n_rows)) for _ in layer_ids
+        )
+        return cls(
+            max_ngram_size=args.engram_max_ngram_size,
+            layer_ids=layer_ids,
+            num_embeddings=tuple(args.engram_num_embeddings),
+            primes=primes,
+            n_heads=args.engram_n_heads,
+            head_dim=args.engram_head_dim,
+        )
+
+    @property
+    def n_hash_cols(self) -> int:
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    def table_rows(self) -> tuple[int, ...]:
+        """Rows each layer's buckets need: the sum of its primes."""
+        return tuple(sum(p for row in layer for p in row) for layer in self.primes)
+
+    def row_offsets(self) -> list[list[int]]:
+        """[G][C]: first table row of each hash column's bucket range (n-gram major, head minor)."""
+        out = []
+        for layer in self.primes:
+            flat = [p for row in layer for p in row]
+            out.append([sum(flat[:i]) for i in range(len(flat))])
+        return out
+
+
+def hash_multipliers(layer_ids: tuple[int, ...], max_ngram_size: int, compressed_vocab_size: int) -> torch.Tensor:
+    """Odd per-layer multipliers, one per look-back, small enough that id * multiplier fits int64.
+
+    -> [G, N]  int64
+    """
+    bound = max(1, np.iinfo(np.int64).max // compressed_vocab_size // 2)
+    rows = []
+    for layer_id in layer_ids:
+        draws = np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64)
+        rows.append(torch.from_numpy(draws * 2 + 1))
+    return torch.stack(rows)
+
+
+def _token_normalizer():
+    from tokenizers import Regex, normalizers
+
+    # a token that is only whitespace would strip to "" and merge with unrelated tokens; a
+    # private-use placeholder carries its single space through Strip
+    keep = "\ue000"
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), keep),
+            normalizers.Strip(),
+            normalizers.Replace(keep, " "),
+        ]
+    )
+
+
+def compressed_token_map(tokenizer: Tokenizer) -> tuple[list[int], int]:
+    """Fold every token id onto the compressed id space the n-grams are hashed in.
+
+    Each id is decoded alone (special tokens kept, no clean-up); the text is normalized (NFKC, NFD,
+    accents stripped, lowercased, whitespace runs collapsed, stripped) and ids with equal keys share
+    a compressed id. A decode holding U+FFFD is a partial UTF-8 byte token and is keyed by its raw
+    token string. Compressed ids are numbered in order of first appearance.
+
+    -> (map: one compressed id per token id, number of compressed ids)
+    """
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    normalizer = _token_normalizer()
+    numbering: dict[str, int] = {}
+    out = []
+    for token_id, text in enumerate(texts):
+        if "\ufffd" in text:
+            key = tokenizer.id_to_token(token_id)
+        else:
+            key = normalizer.normalize_str(text) or text
+        out.append(numbering.setdefault(key, len(numbering)))
+    return out, len(numbering)
+
+
+def load_token_map(tokenizer_json: Path, expected_size: int) -> list[int]:
+    """The compressed token map of `tokenizer_json`, checked against engram_compressed_vocab_size."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    except Exception as exc:  # the tokenizers library raises its own untyped errors
+        raise ConfigError(f"{tokenizer_json}: not a readable tokenizer.json ({exc})") from exc
+    return checked_token_map(tokenizer, expected_size, str(tokenizer_json))
+
+
+def checked_token_map(tokenizer: Tokenizer, expected_size: int, source: str = "tokenizer.json") -> list[int]:
+    """`compressed_token_map`, raising ConfigError when its size is not `expected_size`."""
+    token_map, size = compressed_token_map(tokenizer)
+    if size != expected_size:
+        raise ConfigError(
+            f"{source}: its compressed Engram token map has {size} entries, but the config's "
+            f"engram_compressed_vocab_size is {expected_size}; every hash multiplier depends on it, so "
+            f"this tokenizer.json does not belong to this checkpoint (use the checkpoint's own tokenizer.json)"
+        )
+    return token_map
+
+
+def resolve_token_map(tokenizer: Tokenizer | str | Path | list[int] | None, expected_size: int) -> list[int]:
+    """The compressed token map from whichever form the caller holds (see NgramHashState)."""
+    if tokenizer is None:
+        raise ConfigError(
+            "this model has Engram layers, whose hashes need the checkpoint's tokenizer.json; none was given"
+        )
+    if isinstance(tokenizer, (str, Path)):
+        return load_token_map(Path(tokenizer), expected_size)
+    if isinstance(tokenizer, list):
+        if max(tokenizer, default=-1) + 1 != expected_size:
+            raise ConfigError(
+                f"token map holds {max(tokenizer, default=-1) + 1} compressed ids, "
+                f"engram_compressed_vocab_size is {expected_size}"
+            )
+        return tokenizer
+    return checked_token_map(tokenizer, expected_size)
+
+
+class NgramHashState(nn.Module):
+    """Per-position Engram hash ids, with the compressed-id history kept across prefill and decode.
+
+    Buffers (none persistent): token_map [vocab] int64, multipliers [G, N] int64, primes
+    [G, N-1, heads] int64, offsets [G, C] int64, cache [max_batch_size, max_seq_len] int64.
+    """
+
+    def __init__(self, args: ModelArgs, layout: EngramLayout, tokenizer: Tokenizer | str | Path | list[int] | None):
+        """`tokenizer`: the checkpoint's tokenizer (a `tokenizers.Tokenizer` or the path of its
+        tokenizer.json), or an already built compressed token map."""
+        super().__init__()
+        token_map = resolve_token_map(tokenizer, args.engram_compressed_vocab_size)
+        self.layout = layout
+        self.max_ngram_size = layout.max_ngram_size
+        if not 0 <= args.engram_pad_id < len(token_map):
+            raise ConfigError(f"engram_pad_id {args.engram_pad_id} is outside the tokenizer ({len(token_map)} ids)")
+        self.pad_id = token_map[args.engram_pad_id]
+        multipliers = hash_multipliers(layout.layer_ids, layout.max_ngram_size, args.engram_compressed_vocab_size)
+        self.token_map: torch.Tensor
+        self.multipliers: torch.Tensor
+        self.primes: torch.Tensor
+        self.offsets: torch.Tensor
+        self.cache: torch.Tensor
+        self.register_buffer("token_map", torch.tensor(token_map, dtype=torch.int64), persistent=False)
+        self.register_buffer("multipliers", multipliers, persistent=False)
+        self.register_buffer("primes", torch.tensor(layout.primes, dtype=torch.int64), persistent=False)
+        self.register_buffer("offsets", torch.tensor(layout.row_offsets(), dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "cache", torch.full((args.max_batch_size, args.max_seq_len), DEAD, dtype=torch.int64), persistent=False
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hash ids of the n-grams ending at each new position; positions before `start_pos` must
+        have gone through an earlier call.
+
+        input_ids:  [B, L]        int64 token ids
+        token_mask: [B, L] bool   False at positions outside every n-gram (image spans); None = all True
+        -> [B, L, G, C]           int64 table rows (offsets included), per engram layer
+        """
+        bsz, seqlen = input_ids.shape
+        n = self.max_ngram_size
+        ids = self.token_map[input_ids]
+        if token_mask is not None:
+            ids = ids.masked_fill(~token_mask, DEAD)
+        self.cache[:bsz, start_pos : start_pos + seqlen] = ids
+
+        # the n-1 ids before the chunk come from the cache; before position 0 there is nothing,
+        # which reads as DEAD just like an image position
+        lo = max(0, start_pos - (n - 1))
+        history = self.cache[:bsz, lo : start_pos + seqlen]
+        missing = (n - 1) - (start_pos - lo)
+        history = torch.cat([history.new_full((bsz, missing), DEAD), history], dim=1)
+        windows = history.unfold(1, n, 1).flip(-1)  # [B, L, N]; index k = k positions back
+        # once a look-back hits DEAD, every longer one is cut off too
+        cut = (windows == DEAD).int().cummax(dim=-1).values.bool()
+        tokens = windows.masked_fill(cut, self.pad_id)
+
+        products = tokens.unsqueeze(2) * self.multipliers  # [B, L, G, N]
+        acc = products[..., 0]
+        cols = []
+        for k in range(1, n):
+            acc = acc ^ products[..., k]
+            cols.append(acc.unsqueeze(-1) % self.primes[:, k - 1])  # [B, L, G, heads]
+        return torch.cat(cols, dim=-1) + self.offsets
+
+
+def expected_table_rows(args: ModelArgs) -> tuple[int, ...]:
+    """Rows each Engram table needs for `args` (the sum of its primes); empty without Engram."""
+    layout = EngramLayout.from_args(args)
+    return () if layout is None else layout.table_rows()
