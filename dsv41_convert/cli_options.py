@@ -14,3 +14,16 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Plan and validate, w
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 ExpertDtypeOpt = Annotated[str, typer.Option("--expert-dtype", help="Routed experts as fp4 (as published) or fp8.")]
+SourceDtypeOpt = Annotated[
+    str, typer.Option("--source-dtype", help="fp8: the published fp8/fp4 layout; bf16: the same model unquantized.")
+]
+VisionOpt = Annotated[bool, typer.Option("--vision/--no-vision", help="Include the vision tower and aligner.")]
+LayerShardsOpt = Annotated[
+    int | None, typer.Option("--shards", min=1, help="Files for the backbone layers (default: one per layer).")
+]
+PresetOpt = Annotated[str, typer.Option("--preset", help="tiny (a few MB) or medium (real hidden sizes, GBs).")]
+WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Local worker processes (one rank file each).")]
+RanksOpt = Annotated[str | None, typer.Option("--ranks", help="Only these output ranks, e.g. 0,3 (default: all).")]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Continue a run: skip rank files whose size and sha256 match their record.")
+]

@@ -74,6 +74,27 @@ def primes_above(start: int) -> Iterator[int]:
         n += 1
 
 
+def bucket_primes(
+    n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """primes[g][n - 2][head]: the bucket count of n-gram size n and `head` in Engram layer g.
+
+    One shared increasing sequence of primes above vocab_size - 1, handed out layer by layer, so a
+    prime is never reused by a later (layer, n-gram) row.
+    """
+    supply = primes_above(vocab_size - 1)
+    return tuple(
+        tuple(tuple(next(supply) for _ in range(n_heads)) for _ in range(max_ngram_size - 1)) for _ in range(n_layers)
+    )
+
+
+def engram_table_rows(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> tuple[int, ...]:
+    """Rows of each Engram layer's table (config engram_num_embeddings): the sum of its primes."""
+    return tuple(
+        sum(p for row in layer for p in row) for layer in bucket_primes(n_layers, max_ngram_size, n_heads, vocab_size)
+    )
+
+
 @dataclass(frozen=True)
 class EngramLayout:
     """Bucket layout of the Engram tables, shared by the hashing and the `Engram` modules.
@@ -96,12 +117,7 @@ class EngramLayout:
         layer_ids = tuple(args.engram_layer_ids)
         if not layer_ids:
             return None
-        # one shared sequence: a prime is never reused by a later (layer, n-gram) row
-        supply = primes_above(args.engram_vocab_size - 1)
-        n_rows = args.engram_max_ngram_size - 1
-        primes = tuple(
-            tuple(tuple(next(supply) for _ in range(args.engram_n_heads)) for _ in range(n_rows)) for _ in layer_ids
-        )
+        primes = bucket_primes(len(layer_ids), args.engram_max_ngram_size, args.engram_n_heads, args.engram_vocab_size)
         return cls(
             max_ngram_size=args.engram_max_ngram_size,
             layer_ids=layer_ids,

@@ -1,0 +1,155 @@
+"""A small, real tokenizer.json for synthetic checkpoints.
+
+The tokenizer is a byte-level BPE (any text tokenizes and decodes back) with exactly `vocab_size`
+ids:
+
+    0, 1, 2              bos, eos, pad (special)
+    3 .. 258             the 256 byte symbols
+    259 .. vocab-3       merges: first learned from a built-in word list, then filler merges
+                         (an existing token + one lowercase letter) until the vocab is full
+    vocab-2, vocab-1     image token, DSpark noise token (special)
+
+Vocab and merges are built here, in a fixed order, so the file is identical for identical
+arguments (no trainer, no hash-map order).
+
+The Engram compressed token map of this tokenizer is `model.engram_hash.compressed_token_map`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+IMAGE, NOISE = "<｜deepseek_image｜>", "<｜dspark_noise｜>"
+N_HEAD_SPECIALS, N_TAIL_SPECIALS = 3, 2
+
+# text the merges are learned from: common English words, digits and code-ish fragments
+_CORPUS = """
+the of and to in is was for that on with as by at from his her he she it they we you this which
+be are were been have has had not but or an all one two three four five six seven eight nine ten
+there their what when where who how can will would could should about into over after before
+model layer token weight scale expert attention window index candidate source shard tensor value
+hello world small large number first second third last time year people way day man woman child
+water light sound music story house school state city country system program question answer
+Hello World The This That There When Where What How Model Layer Token
+0 1 2 3 4 5 6 7 8 9 10 12 16 32 64 100 128 256 512 1000 2024 2025 2026
+def return import class self None True False print for while if else elif range len
+( ) [ ] { } , . : ; ! ? ' " - + * / = == != <= >= -> # @ % & | ^ ~
+"""
+
+_FILL_LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
+
+
+def byte_symbols() -> list[str]:
+    """The byte-level alphabet: byte b -> one printable character (printable Latin-1 bytes map to
+    themselves, the rest to U+0100 upwards, in byte order), as the ByteLevel pre-tokenizer uses."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def _learned_merges(alphabet: list[str], budget: int) -> list[tuple[str, str]]:
+    """Greedy BPE over the built-in corpus; ties go to the lexicographically smallest pair."""
+    byte_of = dict(enumerate(alphabet))
+    words: Counter[tuple[str, ...]] = Counter()
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    for line in _CORPUS.strip().splitlines():
+        for piece, _ in pre.pre_tokenize_str(" " + line):
+            words[tuple(piece)] += 1
+    del byte_of
+    merges: list[tuple[str, str]] = []
+    while len(merges) < budget:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for a, b in itertools.pairwise(word):
+                pairs[(a, b)] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        merged: Counter[tuple[str, ...]] = Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += count
+        words = merged
+    return merges
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer with exactly `vocab_size` ids (layout in the module docstring)."""
+    n_merges = vocab_size - N_HEAD_SPECIALS - 256 - N_TAIL_SPECIALS
+    if n_merges < 0:
+        raise ValueError(f"vocab_size {vocab_size} < {N_HEAD_SPECIALS + 256 + N_TAIL_SPECIALS} (specials + bytes)")
+    alphabet = byte_symbols()
+    vocab: dict[str, int] = {BOS: 0, EOS: 1, PAD: 2}
+    for sym in alphabet:
+        vocab[sym] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for a, b in _learned_merges(alphabet, n_merges):
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    tokens = list(vocab)[N_HEAD_SPECIALS:]
+    i = 0
+    while len(merges) < n_merges:  # filler: token + letter, breadth first over the growing vocab
+        base = tokens[i]
+        i += 1
+        for c in _FILL_LETTERS:
+            if len(merges) == n_merges:
+                break
+            if base + c not in vocab:
+                vocab[base + c] = len(vocab)
+                tokens.append(base + c)
+                merges.append((base, c))
+    vocab[IMAGE] = vocab_size - 2
+    vocab[NOISE] = vocab_size - 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, PAD, IMAGE, NOISE)])
+    return tok
+
+
+def tokenizer_config(model_max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json, shaped like the published one (pad is id 2, as config.json says)."""
+
+    def added(content: str) -> dict[str, Any]:
+        return {
+            "__type": "AddedToken",
+            "content": content,
+            "lstrip": False,
+            "normalized": True,
+            "rstrip": False,
+            "single_word": False,
+        }
+
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": added(BOS),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": added(EOS),
+        "legacy": True,
+        "model_max_length": model_max_length,
+        "pad_token": added(PAD),
+        "sp_model_kwargs": {},
+        "unk_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }

@@ -1,0 +1,231 @@
+"""Write a synthetic checkpoint: config.json, tokenizer files, shards, index (last).
+
+Shards follow the published grouping, one group per file except the backbone layers, which are
+spread over `layer_shards` files (default: one per layer, as published):
+
+    vision + aligner | embed + image_* | layers (without Engram) x K | head + norm | mtp.k each | layers.i.engram each
+
+Each shard is built alone (values drawn, quantized, saved) and written as `<file>.partial`, then
+renamed, so memory holds one shard at a time and a half-written file never has the final name.
+safetensors orders a header by dtype then name and we add no metadata, so the bytes depend only on
+the arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dsv41_convert.config import ModelArgs
+from dsv41_convert.errors import OutputError, PlanError
+from dsv41_convert.model.engram_hash import compressed_token_map
+from dsv41_convert.synth.presets import Preset, hf_config
+from dsv41_convert.synth.tensors import FileTensor, Param, catalogue, file_tensors, group_order
+from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
+from dsv41_convert.synth.weights import draw, encode_params
+
+ProgressFn = Callable[[str, int, int], None]
+INDEX = "model.safetensors.index.json"
+_DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
+_SAFETENSORS_DTYPE = {
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.int8: "I8",
+}
+_SMALL = 1 << 28  # bytes; below this, one torch thread (small ops on 2+ threads mostly wait on each other)
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str
+    params: tuple[Param, ...]
+    tensors: tuple[FileTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_DTYPE_BYTES[t.dtype] * _numel(t.shape) for t in self.tensors)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan_shards(args: ModelArgs, quantized: bool, layer_shards: int | None = None) -> list[Shard]:
+    """The shard files of a checkpoint and what each holds, in file order."""
+    k = args.n_layers if layer_shards is None else layer_shards
+    if not 1 <= k <= args.n_layers:
+        raise PlanError(f"--shards {k}: the backbone has {args.n_layers} layers, so 1..{args.n_layers} layer shards")
+    by_group: dict[str, list[Param]] = {}
+    for p in catalogue(args):
+        by_group.setdefault(p.group, []).append(p)
+    # contiguous, as even as possible: the first (n_layers % k) files take one layer more
+    per, extra = divmod(args.n_layers, k)
+    layer_file = []
+    for f in range(k):
+        layer_file += [f] * (per + (f < extra))
+    files: list[list[Param]] = []
+    layer_base = None
+    for group in group_order(args):
+        if group.startswith("layer."):
+            f = layer_file[int(group.split(".")[1])]
+            if layer_base is None:
+                layer_base = len(files)
+            if layer_base + f == len(files):
+                files.append([])
+            files[layer_base + f] += by_group[group]
+        else:
+            files.append(list(by_group.get(group, [])))
+    n = len(files)
+    return [
+        Shard(
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors",
+            tuple(params),
+            tuple(t for p in params for t in file_tensors(p, quantized)),
+        )
+        for i, params in enumerate(files)
+    ]
+
+
+def _is_ours(name: str) -> bool:
+    return (
+        name in ("config.json", "tokenizer.json", "tokenizer_config.json", INDEX)
+        or (name.startswith("model-") and ".safetensors" in name)
+        or name.endswith(".partial")
+    )
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder; give a folder path")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
+        foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
+        if foreign:
+            raise OutputError(
+                f"{out}: holds files a checkpoint does not ({foreign[:5]}); --overwrite only replaces "
+                "checkpoint files, so pick an empty folder"
+            )
+        for p in out.iterdir():
+            p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def write_shard(out: Path, shard: Shard, seed: int, quantized: bool, progress: ProgressFn | None = None) -> int:
+    """Build one shard's tensors and save them; returns the file size in bytes."""
+    total, done = shard.nbytes, 0
+    if progress:
+        progress(shard.file, 0, total)
+    param_bytes = {p.name: 0 for p in shard.params}
+    for t in shard.tensors:
+        param_bytes[t.param] += _DTYPE_BYTES[t.dtype] * _numel(t.shape)
+
+    def drawn() -> Iterator[tuple[Param, torch.Tensor]]:
+        # lazily, so at most one batch of float values is alive besides the encoded shard
+        built = 0
+        for p in shard.params:
+            yield p, draw(p, seed)
+            built += param_bytes[p.name]
+            if progress:
+                progress(shard.file, built * 9 // 10, total)  # the last tenth is the save
+
+    tensors = encode_params(drawn(), quantized)
+    planned = {t.name: t for t in shard.tensors}
+    # the catalogue and the encoder must agree exactly; a difference is a bug here, not bad input
+    assert set(tensors) == set(planned), sorted(set(tensors) ^ set(planned))
+    for name, t in tensors.items():
+        want = planned[name]
+        assert (_SAFETENSORS_DTYPE[t.dtype], tuple(t.shape)) == (want.dtype, want.shape), (name, t.dtype, t.shape)
+        done += t.nbytes
+    tmp = out / (shard.file + ".partial")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, out / shard.file)
+    if progress:
+        progress(shard.file, done, total)
+    return (out / shard.file).stat().st_size
+
+
+def write_checkpoint(
+    out: Path,
+    preset: Preset,
+    *,
+    seed: int = 0,
+    quantized: bool = True,
+    vision: bool = True,
+    layer_shards: int | None = None,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Write a complete HF-format checkpoint with random weights into `out`.
+
+    quantized: True writes the published fp8/fp4 layout, False the same model as plain BF16
+               (no .scale tensors, no quantization_config).
+    progress:  progress(file, bytes_done, bytes_total), once at the start and end of each shard.
+    Returns a summary: files with sizes, tensor count, total_size, the config.
+    """
+    out = Path(out)
+    tok = build_tokenizer(preset.vocab_size)
+    _, compressed = compressed_token_map(tok)
+    config = hf_config(preset, compressed_vocab_size=compressed, quantized=quantized, vision=vision)
+    args = ModelArgs.from_hf_dict(config, f"preset {preset.name}")
+    shards = plan_shards(args, quantized, layer_shards)  # every check before the first byte is touched
+    _prepare_out(out, overwrite)
+
+    _write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    _write_text(out / "tokenizer.json", tok.to_str(pretty=True))
+    model_max = config["text_config"]["max_position_embeddings"]
+    _write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max), indent=2, ensure_ascii=False))
+
+    total_bytes = sum(s.nbytes for s in shards)
+    files = []
+    with _torch_threads(1 if total_bytes < _SMALL else None):
+        for shard in shards:
+            size = write_shard(out, shard, seed, quantized, progress)
+            files.append({"file": shard.file, "bytes": size, "tensors": len(shard.tensors)})
+
+    weight_map = {t.name: s.file for s in shards for t in s.tensors}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
+    return {
+        "out": str(out),
+        "preset": preset.name,
+        "seed": seed,
+        "source_dtype": "fp8" if quantized else "bf16",
+        "vision": vision,
+        "n_tensors": len(weight_map),
+        "total_size": total_bytes,
+        "engram_compressed_vocab_size": compressed,
+        "files": files,
+    }

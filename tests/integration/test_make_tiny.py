@@ -1,0 +1,249 @@
+"""make-tiny end to end: the written checkpoint against the published layout rules, the config,
+the tokenizer, the fp8 <-> bf16 round trip, determinism and the command line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
+
+from dsv41_convert.cli import app, main
+from dsv41_convert.config import load_model_args
+from dsv41_convert.errors import OutputError
+from dsv41_convert.model.engram_hash import compressed_token_map
+from dsv41_convert.quant import encode_fp8_blocks, encode_mxfp4
+from dsv41_convert.quant.fp4 import as_int8
+from dsv41_convert.synth.presets import TINY, hf_config
+from dsv41_convert.synth.tensors import Fmt, catalogue, file_tensors
+from dsv41_convert.synth.weights import decode_file_tensors
+from dsv41_convert.synth.write import write_checkpoint
+
+CATALOG = Path("/work/shared/reference/v41-flash.tensor-catalog.json")
+_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
+
+
+def _headers(folder: Path) -> dict[str, dict[str, dict]]:
+    """file -> {tensor: {dtype, shape, data_offsets}}, read straight from the safetensors headers."""
+    out = {}
+    for path in sorted(folder.glob("model-*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        assert "__metadata__" not in header
+        out[path.name] = header
+    return out
+
+
+def _load_all(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(folder.glob("model-*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def _sha(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_fp8")
+    write_checkpoint(out, TINY, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_bf16")
+    write_checkpoint(out, TINY, seed=0, quantized=False)
+    return out
+
+
+def test_file_set_and_index(fp8_dir):
+    shards = [f"model-{i:05d}-of-00014.safetensors" for i in range(1, 15)]
+    assert sorted(p.name for p in fp8_dir.iterdir()) == sorted(
+        ["config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", *shards]
+    )
+    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())
+    headers = _headers(fp8_dir)
+    union = {name: file for file, h in headers.items() for name in h}
+    assert sum(len(h) for h in headers.values()) == len(union)  # no name in two files
+    assert index["weight_map"] == union
+    data = sum(math.prod(t["shape"]) * _BYTES[t["dtype"]] for h in headers.values() for t in h.values())
+    assert index["metadata"]["total_size"] == data
+    for file, h in headers.items():  # tensors tile the data area exactly
+        end = max(t["data_offsets"][1] for t in h.values())
+        header_len = struct.unpack("<Q", (fp8_dir / file).read_bytes()[:8])[0]
+        assert (fp8_dir / file).stat().st_size == 8 + header_len + end
+
+
+def test_published_shard_grouping(fp8_dir):
+    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    by_file: dict[str, set[str]] = {}
+    for name, file in index.items():
+        by_file.setdefault(file, set()).add(name)
+    files = [by_file[f] for f in sorted(by_file)]
+    assert all(n.startswith(("vision.", "aligner.")) for n in files[0])
+    assert files[1] == {"embed.weight", "image_start", "image_end", "image_newline"}
+    for i in range(6):
+        assert {n.split(".")[1] for n in files[2 + i]} == {str(i)} and not [n for n in files[2 + i] if ".engram." in n]
+    assert files[8] == {"head.weight", "norm.weight"}
+    for k in range(3):
+        assert all(n.startswith(f"mtp.{k}.") for n in files[9 + k])
+    assert all(n.startswith("layers.0.engram.") for n in files[12]) and len(files[12]) == 6
+    assert all(n.startswith("layers.1.engram.") for n in files[13]) and len(files[13]) == 6
+
+
+@pytest.mark.skipif(not CATALOG.exists(), reason="no published catalog")
+def test_names_and_dtypes_follow_the_published_catalog(fp8_dir):
+    published: dict[str, str] = {}
+    for row in json.loads(CATALOG.read_text()):
+        published[row["pattern"]] = row["dtype"]
+    found: dict[str, str] = {}
+    for h in _headers(fp8_dir).values():
+        for name, t in h.items():
+            pattern = re.sub(r"\.\d+(?=\.|$)", ".{}", name)
+            assert published.get(pattern) == t["dtype"], (name, t["dtype"], published.get(pattern))
+            found[pattern] = t["dtype"]
+    # tiny enables every feature, so every published pattern occurs and nothing else
+    assert set(found) == set(published)
+
+
+def test_shape_relations(fp8_dir):
+    a = load_model_args(fp8_dir / "config.json")
+    t = {n: (h["dtype"], h["shape"]) for hd in _headers(fp8_dir).values() for n, h in hd.items()}
+    for name, (dtype, shape) in t.items():
+        if not name.endswith(".scale"):
+            continue
+        wdtype, wshape = t[name.removesuffix("scale") + "weight"]
+        assert dtype == "F8_E8M0", name
+        if wdtype == "I8":  # packed e2m1: [out, in/2], scale per 32 of the logical in
+            assert shape == [wshape[0], 2 * wshape[1] // 32], name
+        elif ".engram.embed." in name:
+            assert shape == [wshape[0], wshape[1] // 32], name
+        else:
+            assert wdtype == "F8_E4M3" and shape == [math.ceil(wshape[0] / 32), math.ceil(wshape[1] / 32)], name
+    assert t["layers.0.ffn.experts.15.w1.weight"] == ("I8", [a.moe_inter_dim, a.dim // 2])
+    assert t["mtp.0.ffn.experts.7.w2.weight"] == ("I8", [a.dim, a.moe_inter_dim // 2])
+    assert "mtp.0.ffn.experts.8.w1.weight" not in t and "layers.0.ffn.experts.16.w1.weight" not in t
+    for i, layer in enumerate(a.engram_layer_ids):
+        assert t[f"layers.{layer}.engram.embed.weight"] == ("F8_E4M3", [a.engram_num_embeddings[i], a.engram_head_dim])
+    assert t["layers.3.attn.wo_a.weight"] == ("F8_E4M3", [a.o_groups * a.o_lora_rank, a.n_heads * a.head_dim // 8])
+    assert t["layers.1.attn.compressor.wgate.weight"][0] == "BF16" and "layers.3.attn.compressor.wgate.weight" not in t
+    assert "layers.5.attn.indexer.wk.weight" not in t and "layers.5.attn.indexer.wq_b.weight" in t
+    assert t["mtp.2.confidence_head.proj.weight"] == ("BF16", [1, a.dim + a.dspark_markov_rank])
+    # every header tensor is exactly what the catalogue plans
+    planned = {f.name: (f.dtype, list(f.shape)) for p in catalogue(a) for f in file_tensors(p, True)}
+    assert planned == t
+
+
+def test_config_and_tokenizer(fp8_dir):
+    config = json.loads((fp8_dir / "config.json").read_text())
+    a = load_model_args(fp8_dir / "config.json")
+    tok = Tokenizer.from_file(str(fp8_dir / "tokenizer.json"))
+    _, size = compressed_token_map(tok)
+    assert size == a.engram_compressed_vocab_size
+    assert config == hf_config(TINY, compressed_vocab_size=size)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 1, 2)
+    assert a.dtype == "fp8" and a.expert_dtype == "fp4" and a.vision_enabled
+    text = "The indexer picks 8 of 32 compressed positions; ünïcode too."
+    assert tok.decode(tok.encode(text).ids) == text
+    tc = json.loads((fp8_dir / "tokenizer_config.json").read_text())
+    assert tok.token_to_id(tc["bos_token"]["content"]) == 0 and tok.token_to_id(tc["eos_token"]["content"]) == 1
+
+
+def test_bf16_is_the_same_model(fp8_dir, bf16_dir):
+    """bf16 values == decoded fp8/fp4 values, bit for bit; and quantizing them gives the fp8 bytes."""
+    a = load_model_args(fp8_dir / "config.json")
+    assert load_model_args(bf16_dir / "config.json").dtype == "bf16"
+    q8, b16 = _load_all(fp8_dir), _load_all(bf16_dir)
+    assert set(b16) == {n for n in q8 if not n.endswith(".scale")}
+    experts: dict[int, list[str]] = {}
+    for p in catalogue(a):
+        bf = b16[p.name if p.fmt in (Fmt.BF16, Fmt.F32) else f"{p.name}.weight"]
+        dec = decode_file_tensors(p, q8)
+        assert bf.dtype == dec.dtype and torch.equal(bf.view(torch.uint8), dec.view(torch.uint8)), p.name
+        if p.fmt is Fmt.FP4:  # re-encoded below, stacked by in-features (scales are per row)
+            experts.setdefault(bf.size(1), []).append(p.name)
+        elif p.fmt in (Fmt.FP8, Fmt.FP8_ROWS):
+            q, s = encode_fp8_blocks(bf, block=(32, 32) if p.fmt is Fmt.FP8 else (1, 32), name=p.name)
+            assert torch.equal(q.view(torch.uint8), q8[f"{p.name}.weight"].view(torch.uint8)), p.name
+            assert torch.equal(s.view(torch.uint8), q8[f"{p.name}.scale"].view(torch.uint8)), p.name
+    assert sum(len(v) for v in experts.values()) == 3 * (6 * 16 + 3 * 8)
+    for names in experts.values():
+        packed, s = encode_mxfp4(torch.cat([b16[f"{n}.weight"] for n in names]))
+        assert torch.equal(as_int8(packed), torch.cat([q8[f"{n}.weight"] for n in names]))
+        assert torch.equal(s.view(torch.uint8), torch.cat([q8[f"{n}.scale"] for n in names]).view(torch.uint8))
+
+
+def test_values_are_model_like(fp8_dir):
+    q8 = _load_all(fp8_dir)
+    assert all(torch.isfinite(t.float()).all() for n, t in q8.items() if t.dtype != torch.int8)
+    scales = torch.cat([t.view(torch.uint8).flatten() for n, t in q8.items() if n.endswith(".scale")])
+    assert len(torch.unique(scales)) >= 6  # several exponents, not one scale everywhere
+    # norms follow the released checkpoint's means (tensors.NORM_MEAN), 10% spread
+    for name, mean in (("layers.2.attn_norm", 0.025), ("layers.2.attn.q_norm", 0.97), ("norm", 1.0)):
+        w = q8[f"{name}.weight"].float()
+        assert abs(w.mean().item() / mean - 1) < 0.05 and 0.05 < w.std().item() / mean < 0.15, name
+    assert q8["layers.0.hc_attn_fn"].abs().max().item() < 0.1
+    assert q8["layers.0.ffn.gate.bias"].abs().max().item() < 0.1
+
+
+@pytest.mark.slow
+def test_deterministic_bytes_and_layout_independent_values(fp8_dir, tmp_path):
+    again = tmp_path / "again"
+    write_checkpoint(again, TINY, seed=0)
+    assert _sha(again) == _sha(fp8_dir)
+    other = tmp_path / "seed1"
+    write_checkpoint(other, TINY, seed=1, vision=False, layer_shards=2)
+    assert len(list(other.glob("model-*.safetensors"))) == 9
+    a, b = _load_all(fp8_dir), _load_all(other)
+    assert not [n for n in b if n.startswith(("vision.", "aligner.", "image_")) or n.endswith("bias_vl")]
+    assert not torch.equal(
+        a["layers.0.attn.wq_a.weight"].view(torch.uint8), b["layers.0.attn.wq_a.weight"].view(torch.uint8)
+    )
+    same = tmp_path / "seed0_2shards"
+    write_checkpoint(same, TINY, seed=0, layer_shards=2)
+    c = _load_all(same)
+    assert c.keys() == a.keys()
+    assert all(torch.equal(a[n].view(torch.uint8), c[n].view(torch.uint8)) for n in a)
+
+
+def test_refuses_non_empty_out(fp8_dir, tmp_path):
+    with pytest.raises(OutputError, match="not empty"):
+        write_checkpoint(fp8_dir, TINY)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match=r"notes\.txt"):
+        write_checkpoint(tmp_path, TINY, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_cli_json_summary(tmp_path):
+    out = tmp_path / "cli"
+    result = CliRunner().invoke(app, ["make-tiny", str(out), "--no-vision", "--shards", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["source_dtype"] == "fp8" and summary["vision"] is False
+    assert [f["file"] for f in summary["files"]] == [f"model-{i:05d}-of-00008.safetensors" for i in range(1, 9)]
+    assert sum(f["tensors"] for f in summary["files"]) == summary["n_tensors"]
+
+
+def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "x").write_text("")
+    for extra, message in ([[], "not empty"], [["--overwrite", "--shards", "7"], "--shards 7"]):
+        monkeypatch.setattr(sys, "argv", ["dsv41-convert", "make-tiny", str(tmp_path), *extra])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "x").exists()
