@@ -1,0 +1,139 @@
+"""Strict loading of one rank's deployable shard, `model{rank}-mp{world}.safetensors`.
+
+The header is read and compared with the model's state dict before a byte of data is loaded:
+key sets, dtypes and shapes must agree. torch's `load_state_dict` would silently convert dtypes
+(an fp8 `wo_a` loads into the bf16 parameter as garbage-free-looking numbers, its scale
+ignored); here any dtype difference is an error, except one exact widening that upstream's
+deployable format relies on: a bf16 tensor in the file for the float32 `weight` of a layer (the
+head, the ratio>1 compressor, the MTP heads, the vision norms: upstream keeps them fp32 in the
+model and bf16 on disk). Bare fp32 parameters (hc_*, attn_sink, gate biases) are F32 on disk.
+
+Header parsing and byte-range reads are `dsv41_convert.safetensors_header`'s (no mmap of the whole
+file, which fails for files larger than memory); data goes straight into the parameters, in file order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsv41_convert.errors import PlanError
+from dsv41_convert.model import parallel
+from dsv41_convert.safetensors_header import Header, pread_exact, read_header
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,  # shape in the header is the logical one: last dim = 2 x torch's
+}
+TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def shard_path(folder: Path | str, rank: int, world_size: int) -> Path:
+    return Path(folder) / f"model{rank}-mp{world_size}.safetensors"
+
+
+def _file_view(p: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """How a parameter looks in a safetensors header: (dtype string, logical shape)."""
+    shape = tuple(p.shape)
+    if p.dtype == torch.float4_e2m1fn_x2:
+        shape = (*shape[:-1], 2 * shape[-1])
+    return TORCH_TO_SAFETENSORS[p.dtype], shape
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module]]:
+    """The model's state-dict tensors and their owning modules; a tensor reachable under several
+    names (the MTP stages' tied embed/head) is listed once, under its first name."""
+    owners = dict(model.named_modules())
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = (t, owners[name.rpartition(".")[0]])
+    return out
+
+
+def _widening_ok(file_dtype: str, p: torch.Tensor, name: str) -> bool:
+    """bf16 on disk, fp32 in the model: allowed for a layer's `weight` (Linear, head, norm), never
+    for the bare fp32 parameters the checkpoint itself stores in F32 (hc_*, attn_sink, gate biases)."""
+    return file_dtype == "BF16" and p.dtype == torch.float32 and name.rpartition(".")[2] == "weight"
+
+
+def check_header(model: nn.Module, header: Header) -> None:
+    """Raise PlanError naming every tensor whose presence, dtype or shape differs from the model."""
+    expected = expected_tensors(model)
+    tensors, path = header.tensors, header.path
+    problems = []
+    for name in sorted(set(expected) - set(tensors)):
+        dtype, shape = _file_view(expected[name][0])
+        problems.append(f"{name}: missing from the shard (model wants {dtype} {list(shape)})")
+    for name in sorted(set(tensors) - set(expected)):
+        e = tensors[name]
+        problems.append(f"{name}: in the shard ({e.dtype} {list(e.shape)}) but not in the model")
+    for name in sorted(set(tensors) & set(expected)):
+        p = expected[name][0]
+        e = tensors[name]
+        want_dtype, want_shape = _file_view(p)
+        if e.dtype != want_dtype and not _widening_ok(e.dtype, p, name):
+            problems.append(f"{name}: found {e.dtype} {list(e.shape)}, model wants {want_dtype} {list(want_shape)}")
+        elif e.shape != want_shape:
+            problems.append(f"{name}: found shape {list(e.shape)}, model wants {list(want_shape)} ({want_dtype})")
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise PlanError(
+            f"{path}: {len(problems)} tensor(s) do not match the model:\n  {shown}{more}\n"
+            "Was the shard written for this config and tp size by `dsv41-convert shard`?"
+        )
+
+
+def _read_into(fd: int, t: torch.Tensor, offset: int, path: str) -> None:
+    """Fill the contiguous CPU tensor `t` with the file's bytes from `offset`."""
+    pread_exact(fd, memoryview(t.view(torch.uint8).reshape(-1).numpy()), offset, path)
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, folder: Path | str, rank: int | None = None, world_size: int | None = None) -> Path:
+    """Load this rank's shard into `model` after checking its header against the state dict.
+
+    rank / world_size default to torch.distributed's (0 / 1 without a process group).
+    Returns the path loaded. Raises PlanError (keys, dtypes, shapes) or HeaderError (file).
+    """
+    rank = parallel.rank() if rank is None else rank
+    world_size = parallel.world_size() if world_size is None else world_size
+    path = shard_path(folder, rank, world_size)
+    if not path.is_file():
+        raise PlanError(f"{path}: shard not found; was it written for tp={world_size}?")
+    header = read_header(path)
+    check_header(model, header)
+    expected = expected_tensors(model)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, e in header.tensors.items():  # file order
+            p = expected[name][0]
+            file_dtype = SAFETENSORS_DTYPES[e.dtype]
+            if p.dtype == file_dtype and p.device.type == "cpu" and p.is_contiguous():
+                _read_into(fd, p.data, e.begin, str(path))
+            else:
+                tmp = torch.empty(p.shape if p.dtype == file_dtype else e.shape, dtype=file_dtype)
+                _read_into(fd, tmp, e.begin, str(path))
+                p.data.copy_(tmp.to(p.dtype))  # same dtype, or the exact bf16 -> fp32 widening
+    finally:
+        os.close(fd)
+    return path

@@ -1,0 +1,223 @@
+"""The DeepSeek V4.1 text model: embed -> hc copies -> blocks -> collapse -> norm -> head.
+
+Engram, vision and the DSpark MTP stages are built only when the config has them; their modules
+(engram*.py, vision.py, image_processor.py, mtp.py) are imported only then.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41_convert.model import parallel
+from dsv41_convert.model.attention import Attention, SharedAttentionRuntime
+from dsv41_convert.model.block import Block, make_identity_pre_mix
+from dsv41_convert.model.layers import ParallelEmbedding, RMSNorm, dense_dtype
+
+if TYPE_CHECKING:
+    from dsv41_convert.config import ModelArgs
+
+
+class ParallelHead(nn.Module):
+    """The output projection, vocab rows split over ranks; fp32 so the logits come out fp32.
+
+    weight: [vocab / world, dim]  float32 (the shards hold it in bf16; loading widens it exactly)
+    """
+
+    def __init__(self, vocab_size: int, dim: int, norm_eps: float = 1e-6, hc_eps: float = 1e-6):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.dim = dim
+        self.norm_eps = norm_eps
+        self.hc_eps = hc_eps
+        self.part_vocab_size = vocab_size // parallel.world_size()
+        self.weight = nn.Parameter(torch.empty(self.part_vocab_size, dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, full_logits: bool = False) -> torch.Tensor:
+        """x: [b, s, dim] -> [b, vocab] (last position) or [b, s, vocab] (full_logits), float32,
+        gathered over ranks"""
+        if not full_logits:
+            x = x[:, -1]
+        return parallel.all_gather_last(F.linear(x.float(), self.weight))
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Next token: argmax at temperature 0, else a Gumbel-max draw (the same distribution as
+    multinomial sampling of softmax(logits / temperature)).
+
+    logits: [..., vocab] float32 -> [...] int64
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1, dtype=torch.float32)
+    return probs.div_(torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+class Transformer(nn.Module):
+    """DeepSeek V4.1. world_size/rank come from torch.distributed at construction (one model per
+    process); the tokenizer is needed only by Engram's n-gram hashing.
+
+    embed: [vocab / world, dim] bfloat16; norm: [dim] bfloat16; head: [vocab / world, dim] float32.
+    """
+
+    def __init__(self, args: ModelArgs, tokenizer=None):
+        super().__init__()
+        self.args = args
+        self.max_seq_len = args.max_seq_len
+        self.max_batch_size = args.max_batch_size
+        self.temperature = args.temperature
+        self.norm_eps = args.norm_eps
+        self.hc_eps = args.hc_eps
+        with dense_dtype(args):
+            self.engram_layout = None
+            self.engram_hash = None
+            if args.engram_layer_ids:
+                from dsv41_convert.model.engram_hash import EngramLayout, NgramHashState
+
+                self.engram_layout = EngramLayout.from_args(args)
+                self.engram_hash = NgramHashState(args, self.engram_layout, tokenizer)
+            self.embed = ParallelEmbedding(args.vocab_size, args.dim)
+            self.layers = nn.ModuleList(Block(i, args, self.engram_layout) for i in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, self.norm_eps)
+            self.head = ParallelHead(args.vocab_size, args.dim, self.norm_eps, self.hc_eps)
+            self.mtp = nn.ModuleList()
+            self.target_layer_ids = tuple(args.dspark_target_layer_ids)
+            if args.dspark_block_size:
+                from dsv41_convert.model.mtp import DSparkBlock
+
+                for k in range(args.n_mtp_layers):
+                    self.mtp.append(DSparkBlock(args.n_layers + k, args))
+                    # tied to the backbone: aliases in state_dict(), absent from the shards
+                    self.mtp[-1].embed = self.embed
+                    self.mtp[-1].head = self.head
+            self.hc_mult = args.hc_mult
+            self.vision = None
+            if args.vision_enabled:
+                from dsv41_convert.model.vision import Aligner, ViT
+
+                self.vision = ViT(args)
+                self.aligner = Aligner(args)
+                # learned embeddings of the image span's delimiters
+                self.image_start = nn.Parameter(torch.empty(args.dim, dtype=torch.bfloat16))
+                self.image_end = nn.Parameter(torch.empty(args.dim, dtype=torch.bfloat16))
+                self.image_newline = nn.Parameter(torch.empty(args.dim, dtype=torch.bfloat16))
+        # one runtime per model, shared by its attention layers (the MTP stages' too)
+        self.shared_attn = SharedAttentionRuntime()
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.shared = self.shared_attn
+
+    @torch.inference_mode()
+    def encode_image(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
+        """patches: [n_vit_h * n_vit_w, 3 * patch^2] -> [image tokens, dim] (ViT, then aligner)"""
+        return self.aligner(self.vision(patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
+
+    def merge_image_embeddings(self, images, h: torch.Tensor) -> None:
+        """Write each image's span into h in place: IMAGE slots take the aligner rows in row-major
+        order, the delimiters their learned embeddings. images: per batch row, a list of images."""
+        from dsv41_convert.model.image_processor import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
+
+        for row, row_images in enumerate(images):
+            for img in row_images or ():
+                types = img.types.to(h.device)
+                span = h[row, img.start : img.start + types.numel()]
+                span[types == IMAGE_START] = self.image_start.to(h.dtype)
+                span[types == IMAGE_END] = self.image_end.to(h.dtype)
+                span[types == IMAGE_NEW_LINE] = self.image_newline.to(h.dtype)
+                embeds = self.encode_image(img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
+                span[types == IMAGE] = embeds.to(h.dtype)
+
+    def _check_inputs(self, input_ids: torch.Tensor, start_pos: int) -> None:
+        bsz, seqlen = input_ids.shape
+        if bsz > self.max_batch_size:
+            raise ValueError(f"batch {bsz} exceeds max_batch_size {self.max_batch_size}")
+        if start_pos + seqlen > self.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len {self.max_seq_len}")
+        if start_pos > 0 and seqlen != 1:
+            raise ValueError(f"decode (start_pos {start_pos} > 0) takes one token per step, got {seqlen}")
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int = 0,
+        images=None,
+        token_types: torch.Tensor | None = None,
+        *,
+        all_logits: bool = False,
+        hidden_states: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Prefill (start_pos 0, the whole prompt) or one decode step (start_pos > 0, one token).
+
+        input_ids:   [b, s] int64
+        token_types: [b, s] int, -1 for text, >= 0 inside image spans (with `images`)
+        all_logits:  logits of every position instead of the last
+        hidden_states: if a dict, filled with this rank's per-module outputs (cloned):
+            "embed" [b, s, dim], "layers.{i}.attn" / "layers.{i}.ffn" [b, s, dim],
+            "layers.{i}" [b, s, hc, dim], "norm" [b, s, dim]
+        -> output_ids [b] (or [b, s]) int64, logits [b, vocab] (or [b, s, vocab]) float32,
+           main_hidden [b, s, len(target_layer_ids) * dim] bfloat16 for the MTP stages, or None
+        """
+        self._check_inputs(input_ids, start_pos)
+        hooks = self._capture(hidden_states) if hidden_states is not None else []
+        try:
+            image_mask = None if token_types is None else token_types >= 0
+            # image tokens take no part in an n-gram and get no Engram contribution
+            engram_mask = None if image_mask is None else ~image_mask
+            hashes = None
+            if self.engram_hash is not None:
+                hashes = self.engram_hash(input_ids, start_pos, engram_mask)
+            h = self.embed(input_ids)
+            if images is not None:
+                if start_pos != 0:
+                    raise ValueError("image spans must lie in the first prefill chunk (start_pos 0)")
+                self.merge_image_embeddings(images, h)
+            if hidden_states is not None:
+                hidden_states["embed"] = h.clone()
+            h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]
+            main_hiddens = []
+            pre_mix = make_identity_pre_mix(h, self.hc_mult)
+            for i, layer in enumerate(self.layers):
+                if layer.engram is not None:
+                    h = layer.engram(h, hashes[:, :, layer.engram.layer_hash_index, :], engram_mask)
+                if i in self.target_layer_ids:  # the MTP stages read the target layers' inputs
+                    main_hiddens.append(h.mean(dim=2))
+                h, pre_mix = layer(h, start_pos, pre_mix, image_mask)
+                if hidden_states is not None:
+                    hidden_states[f"layers.{i}"] = h.clone()
+            h = self.norm(layer.hc_pre(h, pre_mix))
+            if hidden_states is not None:
+                hidden_states["norm"] = h.clone()
+            logits = self.head(h, full_logits=all_logits)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        output_ids = sample(logits, self.temperature)
+        main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
+        return output_ids, logits, main_hidden
+
+    def _capture(self, store: dict[str, torch.Tensor]) -> list:
+        """Forward hooks that copy each layer's attention and MoE output into `store`."""
+
+        def saver(key: str):
+            def hook(_module, _inputs, output):
+                store[key] = output.clone()
+
+            return hook
+
+        hooks = []
+        for i, layer in enumerate(self.layers):
+            hooks.append(layer.attn.register_forward_hook(saver(f"layers.{i}.attn")))
+            hooks.append(layer.ffn.register_forward_hook(saver(f"layers.{i}.ffn")))
+        return hooks
+
+    @torch.inference_mode()
+    def forward_spec(self, input_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int = 0):
+        """The DSpark draft stages (mtp.py): seeds their caches at start_pos 0, else returns
+        (draft ids, logits, confidence)."""
+        from dsv41_convert.model.mtp import forward_spec
+
+        return forward_spec(self, input_ids, main_hidden, start_pos)

@@ -1,0 +1,122 @@
+"""load_shards: the header is checked against the model before any data is read, and any
+difference (key, dtype, shape) is an error naming the tensor; then the bytes load unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_testing import random_state_dict, tiny_args
+from safetensors.torch import save_file
+
+from dsv41_convert.errors import HeaderError, PlanError
+from dsv41_convert.model import Transformer, load_shards
+from dsv41_convert.model.load import expected_tensors
+from dsv41_convert.quant.fp8 import encode_fp8_blocks
+from dsv41_convert.safetensors_header import read_header
+
+ARGS = tiny_args(
+    n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=-1
+)
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, torch.Tensor]:
+    return random_state_dict(ARGS, seed=3)
+
+
+def _write(folder: Path, sd: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(folder / "model0-mp1.safetensors"))
+    return folder
+
+
+def test_loads_every_tensor_bit_exactly(tmp_path, state):
+    model = Transformer(ARGS)
+    load_shards(model, _write(tmp_path, state))
+    for name, (p, _) in expected_tensors(model).items():
+        file_t = state[name]
+        if p.dtype != file_t.dtype:  # the documented exact widening: bf16 file -> fp32 Linear/head
+            assert (name, file_t.dtype, p.dtype) in {(name, torch.bfloat16, torch.float32)}
+            assert torch.equal(p.detach(), file_t.float()), name
+        else:
+            assert torch.equal(p.detach().view(torch.uint8), file_t.view(torch.uint8)), name
+    assert model.head.weight.dtype == torch.float32  # widened on load, as upstream's load_model does
+
+
+def test_widening_is_documented_for_linear_and_head_only(state):
+    assert state["head.weight"].dtype == torch.bfloat16
+    assert state["layers.1.attn.compressor.wgate.weight"].dtype == torch.bfloat16
+    assert state["layers.0.hc_attn_fn"].dtype == torch.float32
+
+
+def _expect(tmp_path: Path, sd: dict[str, torch.Tensor], pattern: str, exc=PlanError) -> None:
+    with pytest.raises(exc, match=pattern):
+        load_shards(Transformer(ARGS), _write(tmp_path, sd))
+
+
+def test_missing_tensor(tmp_path, state):
+    sd = dict(state)
+    del sd["layers.1.attn.indexer.weights_proj.weight"]
+    _expect(tmp_path, sd, r"layers\.1\.attn\.indexer\.weights_proj\.weight: missing from the shard \(model wants BF16")
+
+
+def test_unexpected_tensor(tmp_path, state):
+    sd = dict(state, **{"layers.0.attn.wo_a.scale": torch.ones(1, 1, dtype=torch.float8_e8m0fnu)})
+    _expect(tmp_path, sd, r"layers\.0\.attn\.wo_a\.scale: in the shard \(F8_E8M0 \[1, 1\]\) but not in the model")
+
+
+def test_fp8_wo_a_is_refused_not_converted(tmp_path, state):
+    """The raw checkpoint's wo_a is fp8 + scale; torch would silently cast the fp8 values into
+    the bf16 parameter and ignore the scale."""
+    w = state["layers.0.attn.wo_a.weight"]
+    q, s = encode_fp8_blocks(w.float())
+    sd = dict(state, **{"layers.0.attn.wo_a.weight": q, "layers.0.attn.wo_a.scale": s})
+    _expect(tmp_path, sd, r"layers\.0\.attn\.wo_a\.weight: found F8_E4M3 \[256, 64\], model wants BF16")
+
+
+def test_int8_expert_bytes_are_refused(tmp_path, state):
+    """The published checkpoint stores packed e2m1 as I8; the shards must say F4."""
+    name = "layers.1.ffn.experts.3.w2.weight"
+    sd = dict(state, **{name: state[name].view(torch.int8)})
+    _expect(tmp_path, sd, r"experts\.3\.w2\.weight: found I8 \[64, 32\], model wants F4 \[64, 64\]")
+
+
+def test_fp32_parameter_stored_bf16_is_refused(tmp_path, state):
+    sd = dict(state, **{"layers.0.hc_attn_fn": state["layers.0.hc_attn_fn"].bfloat16()})
+    _expect(tmp_path, sd, r"layers\.0\.hc_attn_fn: found BF16 \[24, 256\], model wants F32")
+
+
+def test_wrong_shape(tmp_path, state):
+    sd = dict(state, **{"layers.0.attn.attn_sink": torch.zeros(4)})
+    _expect(tmp_path, sd, r"layers\.0\.attn\.attn_sink: found shape \[4\], model wants \[8\]")
+
+
+def test_all_problems_are_listed(tmp_path, state):
+    sd = dict(state)
+    del sd["norm.weight"]
+    del sd["embed.weight"]
+    _expect(tmp_path, sd, r"2 tensor\(s\) do not match the model:\n  embed\.weight: .*\n  norm\.weight")
+
+
+def test_wrong_tp_size_names_the_file(tmp_path, state):
+    folder = _write(tmp_path, state)
+    with pytest.raises(PlanError, match=r"model0-mp2\.safetensors: shard not found; was it written for tp=2"):
+        load_shards(Transformer(ARGS), folder, rank=0, world_size=2)
+
+
+def test_corrupt_header(tmp_path):
+    (tmp_path / "model0-mp1.safetensors").write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    with pytest.raises(HeaderError, match="header length 1000000 runs past the end"):
+        load_shards(Transformer(ARGS), tmp_path)
+    (tmp_path / "model0-mp1.safetensors").write_bytes((5).to_bytes(8, "little") + b"{oops")
+    with pytest.raises(HeaderError, match="not valid JSON"):
+        read_header(tmp_path / "model0-mp1.safetensors")
+
+
+def test_truncated_data(tmp_path, state):
+    path = _write(tmp_path, state) / "model0-mp1.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(HeaderError, match="truncated shard"):
+        load_shards(Transformer(ARGS), tmp_path)
