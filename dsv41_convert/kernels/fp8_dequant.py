@@ -1,0 +1,107 @@
+"""fp8 e4m3 -> bf16 block dequantization on CUDA, bit-exact with `quant.fp8.decode_fp8_blocks`.
+
+Exactness: bit-exact (atol=0, rtol=0). Each value is f32(q) * f32(scale) (one float32 multiply, the
+e8m0 byte decoded from its exponent bits, byte 0 as the subnormal 2**-127) rounded once to the
+output dtype with the hardware's nearest-even conversion, exactly the reference's arithmetic.
+
+Layout: q is [O, I] with I static; each thread converts 16 contiguous e4m3 bytes of one row (one
+16-byte load, 32-byte store), reading the one scale they share.
+"""
+
+import tilelang
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from dsv41_convert.kernels.bits import e8m0_to_f32
+
+# dtype aliases
+F32 = "float32"
+E4M3 = "float8_e4m3fn"
+U8 = "uint8"
+TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: F32}
+
+# pass configs: exact float ops
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+
+THREADS = 256
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def fp8_dequant_kernel(in_features: int, bo: int, bi: int, e8m0: bool, out_dtype: str, unroll: int = 4):
+    """[O, in_features] e4m3 with bo x bi block scales (e8m0 bytes or float32) -> out_dtype."""
+    o = T.symbolic("O")
+    i_dim = in_features
+    vec = 16
+    while i_dim % vec or bi % vec:
+        vec //= 2
+    vpr = i_dim // vec
+    per_cta = THREADS * unroll
+    ib = -(-i_dim // bi)
+    s_dtype = U8 if e8m0 else F32
+
+    @T.prim_func
+    def fp8_dequant_(
+        q: T.Tensor[(o, i_dim), E4M3],
+        s: T.Tensor[(T.ceildiv(o, bo), ib), s_dtype],
+        y: T.Tensor[(o, i_dim), out_dtype],
+    ):
+        with T.Kernel(T.ceildiv(o * vpr, per_cta), threads=THREADS) as bx:
+            tx = T.get_thread_binding()
+            ql = T.alloc_local((unroll, vec), E4M3)
+            sl = T.alloc_local((unroll,), F32)
+            for k in T.unroll(unroll):
+                slot = bx * per_cta + k * THREADS + tx
+                row = slot // vpr
+                col = (slot % vpr) * vec
+                if row < o:
+                    for v in T.vectorized(vec):
+                        ql[k, v] = q[row, col + v]
+                    if e8m0:
+                        sl[k] = e8m0_to_f32(s[row // bo, col // bi])  # s.float()
+                    else:
+                        sl[k] = s[row // bo, col // bi]
+            for k in T.unroll(unroll):
+                slot = bx * per_cta + k * THREADS + tx
+                row = slot // vpr
+                col = (slot % vpr) * vec
+                if row < o:
+                    for v in T.vectorized(vec):
+                        y[row, col + v] = T.Cast(out_dtype, T.Cast(F32, ql[k, v]) * sl[k])  # (q.float() * s).to(dtype)
+
+    return fp8_dequant_
+
+
+def decode_fp8_blocks(
+    q: Tensor, s: Tensor, block: tuple[int, int] | None = None, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """Multiply each e4m3 block by its scale; same result as quant.fp8.decode_fp8_blocks.
+
+    q: [out, in]                        float8_e4m3fn, CUDA
+    s: [ceil(out/bo), ceil(in/bi)]      float8_e8m0fnu or float32, CUDA
+    -> [out, in]                        dtype (bfloat16 / float16 / float32)
+    `block` None infers it from the shapes, as the reference does.
+    """
+    from dsv41_convert.quant.fp8 import infer_block
+
+    if q.dtype != torch.float8_e4m3fn or s.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        raise ValueError(f"decode_fp8_blocks: got {q.dtype} {list(q.shape)} and {s.dtype} {list(s.shape)}")
+    if q.dim() != 2 or s.dim() != 2 or not (q.is_cuda and s.is_cuda) or dtype not in TL_DTYPES:
+        raise ValueError(f"decode_fp8_blocks: wants 2-d CUDA q and s, got {list(q.shape)} and {list(s.shape)}")
+    bo, bi = infer_block(q.shape, s.shape) if block is None else (int(block[0]), int(block[1]))
+    want = (-(-q.size(0) // bo), -(-q.size(1) // bi))
+    if tuple(s.shape) != want:
+        raise ValueError(
+            f"scale {list(s.shape)} does not fit weight {list(q.shape)} in {bo}x{bi} blocks: want {list(want)}"
+        )
+    e8m0 = s.dtype == torch.float8_e8m0fnu
+    y = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if q.numel():
+        s_arg = s.contiguous().view(torch.uint8) if e8m0 else s.contiguous()
+        fp8_dequant_kernel(q.size(1), bo, bi, e8m0, TL_DTYPES[dtype])(q.contiguous(), s_arg, y)
+    return y
+
+
+def warm_up(in_features: int, block: tuple[int, int] = (32, 32), dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile the e8m0 kernel for weights with `in_features` columns before collectives start."""
+    fp8_dequant_kernel(in_features, block[0], block[1], True, TL_DTYPES[dtype])

@@ -1,0 +1,172 @@
+"""fp8 e4m3 block quantization of weights on CUDA, bit-exact with `quant.fp8.encode_fp8_blocks`.
+
+Exactness: bit-exact (atol=0, rtol=0) on every finite input, for 32x32 and 128x128 blocks (this
+kernel) and (1, B) row blocks (the `act_quant` kernel), with ue8m0 or float32 scales. The block amax
+is a max (exact); the scale is amax * f32(1/448) floored at 1e-4 first (one float32 multiply, as the
+reference), rounded up to a power of two from its exponent bits for ue8m0; w / scale is a multiply by
+the exact reciprocal for ue8m0 and an IEEE division (fast math off) for float32 scales; the e4m3 cast
+is the hardware's nearest-even conversion after the reference's clamp to +-448. A NaN or Inf raises
+FormatError naming the tensor (counted on the GPU as the data streams through, then reported by the
+reference's own check).
+
+Layout: w is [O, I] with I static (one compiled kernel per in-features, block and dtypes). A team of
+threads (one warp for 32x32, the whole CTA for 128x128) owns one block; each thread loads 16 bytes of
+one row at a time, reduces its values, then the team combines maxima by xor-shuffles (and shared
+memory across warps). Rows or columns past the edge read as zeros, as the reference's padding.
+"""
+
+import tilelang
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from dsv41_convert.kernels import act_quant as rows
+from dsv41_convert.kernels.bits import nonfinite, pow2_ceil_exp, recip_pow2_from_exp
+from dsv41_convert.quant.checks import require_finite
+
+# dtype aliases
+F32 = "float32"
+E4M3 = "float8_e4m3fn"
+U8 = "uint8"
+I32 = "int32"
+TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: F32}
+
+# pass configs: IEEE division for float32 scales, exact float ops
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+
+THREADS = 256
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4  # as quant.fp8
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bool):
+    """bo x bi blocks over [O, in_features]; pow2: ue8m0 scales stored as e8m0 bytes, else float32."""
+    o = T.symbolic("O")
+    i_dim = in_features
+    vec = 16 // (4 if in_dtype == F32 else 2)
+    while i_dim % vec or bi % vec:
+        vec //= 2
+    block_vecs = bo * bi // vec
+    team = 32 if block_vecs <= 32 * 16 else THREADS  # threads per block
+    assert block_vecs % team == 0, "block too small for a warp"
+    per_lane = block_vecs // team
+    teams = THREADS // team  # blocks per CTA, side by side along the columns
+    warps_per_team = team // 32
+    vpr = bi // vec  # vectors per block row
+    ib = -(-i_dim // bi)
+    s_dtype = U8 if pow2 else F32
+
+    @T.prim_func
+    def fp8_quant_(
+        w: T.Tensor[(o, i_dim), in_dtype],
+        q: T.Tensor[(o, i_dim), E4M3],
+        s: T.Tensor[(T.ceildiv(o, bo), ib), s_dtype],
+        nonfinite_count: T.Tensor[(1,), I32],
+    ):
+        with T.Kernel(T.ceildiv(ib, teams), T.ceildiv(o, bo), threads=THREADS) as (bx, by):
+            tx = T.get_thread_binding()
+            wl = T.alloc_local((per_lane, vec), F32)
+            amax = T.alloc_local((1,), F32)
+            bad = T.alloc_local((1,), I32)
+            partial = T.alloc_shared((teams, warps_per_team), F32)
+            lane = tx % team
+            bcol = bx * teams + tx // team  # block column of this thread's team
+            bad[0] = 0
+            for k in T.unroll(per_lane):
+                idx = lane + k * team
+                row = by * bo + idx // vpr
+                col = bcol * bi + (idx % vpr) * vec
+                if row < o and col < i_dim:
+                    for v in T.vectorized(vec):
+                        wl[k, v] = T.Cast(F32, w[row, col + v])  # w.float()
+                else:
+                    for v in T.vectorized(vec):
+                        wl[k, v] = T.float32(0)  # pad_blocks: zeros
+            amax[0] = T.float32(0)
+            for k in T.unroll(per_lane):
+                for v in T.unroll(vec):
+                    amax[0] = T.max(amax[0], T.abs(wl[k, v]))  # tiles.abs().amax((1, 3)), this thread's part
+                    if nonfinite(wl[k, v]):
+                        bad[0] = 1
+            for d in T.unroll(5):
+                amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << d))  # ... over the warp
+            if warps_per_team > 1:
+                # ... and over the team's warps
+                if tx % 32 == 0:
+                    partial[tx // team, lane // 32] = amax[0]
+                T.sync_threads()
+                for j in T.unroll(warps_per_team):
+                    amax[0] = T.max(amax[0], partial[tx // team, j])
+            amax[0] = T.max(amax[0], T.float32(AMAX_FLOOR)) * T.float32(1.0 / FP8_MAX)  # clamp_min, * f32(1/448)
+            if pow2:
+                e = pow2_ceil_exp(amax[0])  # s = pow2_ceil(s)
+                inv = recip_pow2_from_exp(e)  # 1/s, exact
+                if lane == 0 and bcol < ib:
+                    s[by, bcol] = T.Cast(U8, e)  # s.to(float8_e8m0fnu)
+                for k in T.unroll(per_lane):
+                    idx = lane + k * team
+                    row = by * bo + idx // vpr
+                    col = bcol * bi + (idx % vpr) * vec
+                    if row < o and col < i_dim:
+                        for v in T.vectorized(vec):
+                            q[row, col + v] = T.Cast(E4M3, T.clamp(wl[k, v] * inv, -FP8_MAX, FP8_MAX))  # e4m3_saturate
+            else:
+                if lane == 0 and bcol < ib:
+                    s[by, bcol] = amax[0]
+                for k in T.unroll(per_lane):
+                    idx = lane + k * team
+                    row = by * bo + idx // vpr
+                    col = bcol * bi + (idx % vpr) * vec
+                    if row < o and col < i_dim:
+                        for v in T.vectorized(vec):
+                            q[row, col + v] = T.Cast(E4M3, T.clamp(wl[k, v] / amax[0], -FP8_MAX, FP8_MAX))
+            if bad[0] != 0:
+                T.atomic_add(nonfinite_count[0], 1)
+
+    return fp8_quant_
+
+
+def encode_fp8_blocks(
+    w: Tensor, block: tuple[int, int] = (32, 32), scale_fmt: str | None = "ue8m0", name: str = "<tensor>"
+) -> tuple[Tensor, Tensor]:
+    """Quantize a weight to e4m3 with one scale per bo x bi block; same result as quant.fp8.encode_fp8_blocks.
+
+    Blocks: (32, 32), (128, 128) or (1, B) with B a power of two <= 256.
+
+    w: [out, in]                        float32 / bfloat16 / float16, CUDA
+    -> q: [out, in]                     float8_e4m3fn
+       s: [ceil(out/bo), ceil(in/bi)]   float8_e8m0fnu (ue8m0) or float32 (scale_fmt None)
+    Raises FormatError naming `name` for NaN/Inf, ValueError for a shape or dtype it cannot take.
+    """
+    bo, bi = (int(b) for b in block)
+    if w.dtype not in TL_DTYPES or not w.is_cuda or w.dim() != 2:
+        raise ValueError(f"{name}: encode_fp8_blocks wants a 2-d CUDA float weight, got {w.dtype} {list(w.shape)}")
+    if scale_fmt not in ("ue8m0", None):
+        raise ValueError(f"{name}: scale_fmt must be 'ue8m0' or None, got {scale_fmt!r}")
+    if (bo, bi) not in ((32, 32), (128, 128)) and not (bo == 1 and 2 <= bi <= 256 and bi & (bi - 1) == 0):
+        raise ValueError(f"{name}: block {block} has no kernel; use (32, 32), (128, 128) or (1, 2**k)")
+    if w.size(1) % 2 and bo == 1:
+        raise ValueError(f"{name}: (1, {bi}) blocks need an even row length, got {list(w.shape)}")
+    w = w.contiguous()
+    pow2 = scale_fmt == "ue8m0"
+    counter = torch.zeros(1, dtype=torch.int32, device=w.device)
+    if bo == 1:
+        q, s = rows.quantize_rows(w, bi, pow2, pow2, False, counter)
+    else:
+        out, inp = w.shape
+        q = torch.empty(out, inp, dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty(-(-out // bo), -(-inp // bi), dtype=torch.uint8 if pow2 else torch.float32, device=w.device)
+        if w.numel():
+            fp8_quant_kernel(inp, bo, bi, TL_DTYPES[w.dtype], pow2)(w, q, s, counter)
+    if int(counter.item()):
+        require_finite(w, name)  # raises FormatError with the reference's message
+    return q, (s.view(torch.float8_e8m0fnu) if pow2 else s)
+
+
+def warm_up(in_features: int, block: tuple[int, int] = (32, 32), dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile the ue8m0 kernel for weights with `in_features` columns before collectives start."""
+    if block[0] == 1:
+        rows.act_quant_kernel(in_features, block[1], TL_DTYPES[dtype], True, True, False)
+    else:
+        fp8_quant_kernel(in_features, block[0], block[1], TL_DTYPES[dtype], True)
