@@ -1,0 +1,16 @@
+"""`dsv41-convert verify`: run converted weights on every rank and compare their logits with a reference.
+
+prompts.py     built-in and JSONL prompts
+runner.py      one prompt through the model: prefill, decode steps, DSpark drafts, hidden states
+source.py      the source checkpoint transformed in memory at tp 1 (the engine's plan + transform)
+reference.py   reference outputs from the source at tp 1
+reffile.py     the reference-logits file format
+twin.py        the converter's expected output cut into ranks, for a bit-exact like-for-like run
+launch.py      one process per rank: spawn, or join torchrun
+ranks.py       the per-rank body: load, run the twin and the converted files
+metrics.py     top-1, KL, cosine, max abs diff
+thresholds.py  pass/fail bounds per mode
+localize.py    the first diverging module and the differing tensors
+run.py         the whole check
+table.py       the rich table for the CLI
+"""

@@ -1,0 +1,142 @@
+"""One process per tensor-parallel rank: spawn them here, or join a torchrun launch.
+
+`launch(target, payload, tp, device)` calls the top-level function `target(payload)` once on every
+rank, inside an initialised process group (gloo on CPU, nccl on CUDA), and returns rank 0's result.
+
+- Under torchrun (RANK and WORLD_SIZE in the environment, MASTER_ADDR/PORT set by it) this process is
+  one of the ranks: it joins the group, runs `target`, and gets the result on rank 0 (None elsewhere).
+  This is how verify runs across machines.
+- Otherwise tp 1 runs in this process with no group at all, and tp > 1 starts tp fresh processes on
+  this machine (torch.multiprocessing, start method "forkserver", torch preloaded). Each rank writes its result, or the
+  ConvertError it met, to a temporary folder; rank 0's result comes back, and the first rank's input
+  error is raised again here so that the CLI reports it as one.
+
+`target` must agree with its peers on failures: a rank that raises while the others wait in a
+collective would hang them until the group's timeout (`TIMEOUT`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsv41_convert import errors
+from dsv41_convert.errors import ConvertError, VerifyInputError
+
+TIMEOUT = datetime.timedelta(minutes=10)
+START_METHOD = "forkserver"  # see launch()
+
+
+def torchrun_world() -> int | None:
+    """WORLD_SIZE of an enclosing torchrun launch, or None when not launched by one."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def backend_for(device: str) -> str:
+    if device not in ("cpu", "cuda"):
+        raise VerifyInputError(f"--device {device!r}: expected cpu or cuda")
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, threads: int | None = None) -> Any:
+    """Run `target(payload)` on tp ranks; -> rank 0's return value (None on other torchrun ranks).
+
+    threads: torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
+    """
+    backend = backend_for(device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise VerifyInputError("--device cuda: no CUDA device is available")
+    world = torchrun_world()
+    if world is not None:
+        if world != tp:
+            raise VerifyInputError(f"torchrun started {world} ranks but --tp is {tp}; they must be equal")
+        return _joined(target, payload, backend, device)
+    if tp == 1:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        return target(payload)
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise VerifyInputError(f"--tp {tp} on cuda needs {tp} GPUs, found {torch.cuda.device_count()}")
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    # forkserver: one helper process imports torch and the target's module once, and every rank is
+    # forked from it; with "spawn" each rank imports torch itself (seconds of CPU each, 8 ranks on 2 cores)
+    multiprocessing.set_forkserver_preload(["torch", __name__, target.__module__])
+    with tempfile.TemporaryDirectory(prefix="dsv41-verify-") as tmp:
+        # the payload travels as a file: passed as an argument, every tensor in it would become a
+        # shared-memory file descriptor, and a forkserver hands a child at most a few hundred
+        torch.save(payload, Path(tmp) / "payload.pt")
+        port = _free_port()
+        mp.start_processes(
+            _spawned,
+            args=(tp, port, backend, device, target, tmp, threads or default_threads(tp)),
+            nprocs=tp,
+            join=True,
+            start_method=START_METHOD,
+        )
+        for rank in range(tp):
+            err = Path(tmp) / f"rank{rank}.error"
+            if err.exists():
+                kind, message = err.read_text().split("\n", 1)
+                cls = getattr(errors, kind, ConvertError)
+                raise cls(message if tp == 1 else f"rank {rank}: {message}")
+        return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
+
+
+def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: str) -> Any:
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=TIMEOUT)
+    try:
+        result = target(payload)
+    finally:
+        dist.destroy_process_group()
+    return result if int(os.environ["RANK"]) == 0 else None
+
+
+def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, tmp: str, threads: int) -> None:
+    """Body of a spawned rank: join the group, run target, leave the result or input error in tmp."""
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp))
+    os.environ.update(LOCAL_RANK=str(rank))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=tp, timeout=TIMEOUT)
+    dist.barrier()  # every pair connected before any rank can finish and tear the group down
+    try:
+        result, error = None, None
+        try:
+            result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
+        except ConvertError as exc:  # an input error: reported by the parent, not a crash
+            error = exc
+        dist.barrier()  # nobody leaves while a peer still talks to it
+        if error is not None:
+            (Path(tmp) / f"rank{rank}.error").write_text(f"{type(error).__name__}\n{error}")
+        elif rank == 0:
+            torch.save(result, Path(tmp) / "rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def default_threads(tp: int) -> int:
+    """Intra-op threads per rank so that tp ranks share the cores without oversubscribing them
+    (oversubscribed torch threads spin and can slow a CPU run down tenfold)."""
+    return max(1, (os.cpu_count() or 1) // tp)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,120 @@
+"""The prompts verify runs: built-in defaults, or a JSONL file.
+
+Each JSONL line is one prompt, an object with exactly one of
+    {"input_ids": [int, ...]}          token ids, used as given
+    {"text": "..."}                    tokenized with CONVERTED's tokenizer.json (no special tokens added)
+and optionally "image": "path" (text prompts only; the image span is placed after the text, built by
+dsv41_convert.model.image_processor). Blank lines and lines starting with '#' are skipped.
+
+The defaults are token ids, so they need no tokenizer: three prompts of 40 tokens each, longer than
+the tiny preset's 16-token sliding window and its 4-token candidate blocks, so compressed attention,
+the indexer and the candidate selection all take part. The ids are drawn from a fixed generator and
+avoid the top of the vocabulary (the image and DSpark noise tokens live there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv41_convert.errors import VerifyInputError
+
+DEFAULT_LENGTH = 40
+DEFAULT_COUNT = 3
+RESERVED_TAIL = 8  # ids this close to the vocab end are special in the published tokenizer layout
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its ids, and where it came from (for the report)."""
+
+    input_ids: tuple[int, ...]
+    label: str
+    text: str | None = None
+    image: str | None = None  # path of an image placed after the text
+
+
+def default_prompts(vocab_size: int, count: int = DEFAULT_COUNT, length: int = DEFAULT_LENGTH) -> list[Prompt]:
+    """`count` prompts of `length` ids in [3, vocab_size - RESERVED_TAIL), the same for every vocab size
+    prefix (a fixed generator per prompt)."""
+    high = vocab_size - RESERVED_TAIL
+    if high <= 3:
+        raise VerifyInputError(f"vocab_size {vocab_size} is too small for the built-in prompts")
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(1000 + i)
+        ids = torch.randint(3, high, (length,), generator=g).tolist()
+        out.append(Prompt(tuple(ids), f"default-{i}"))
+    return out
+
+
+def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> list[Prompt]:
+    """Read a JSONL prompt file; text lines need `tokenizer_path` (a tokenizer.json).
+
+    Raises VerifyInputError naming the file and line for malformed lines, unknown keys, ids outside
+    [0, vocab_size), and text without a tokenizer.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise VerifyInputError(f"{path}: cannot read the prompt file ({exc})") from exc
+    tokenizer = None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise VerifyInputError(f"{where}: not a JSON object ({exc})") from exc
+        if not isinstance(obj, dict):
+            raise VerifyInputError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"input_ids", "text", "image"})
+        if unknown:
+            raise VerifyInputError(f"{where}: unknown keys {unknown}; expected input_ids or text, optionally image")
+        if ("input_ids" in obj) == ("text" in obj):
+            raise VerifyInputError(f"{where}: give exactly one of input_ids and text")
+        image = obj.get("image")
+        if image is not None and not isinstance(image, str):
+            raise VerifyInputError(f"{where}: image must be a path string")
+        if image is not None:
+            image = str((path.parent / image) if not Path(image).is_absolute() else Path(image))
+        if "input_ids" in obj:
+            ids = obj["input_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise VerifyInputError(f"{where}: input_ids must be a non-empty list of integers")
+            if image is not None:
+                raise VerifyInputError(f"{where}: image goes with a text prompt, not with input_ids")
+            prompts.append(Prompt(tuple(ids), f"line-{n}"))
+        else:
+            text = obj["text"]
+            if not isinstance(text, str) or not text:
+                raise VerifyInputError(f"{where}: text must be a non-empty string")
+            if tokenizer is None:
+                tokenizer = _tokenizer(tokenizer_path, where)
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            if not ids and image is None:
+                raise VerifyInputError(f"{where}: text tokenizes to no tokens")
+            prompts.append(Prompt(tuple(ids), f"line-{n}", text=text, image=image))
+        bad = [t for t in prompts[-1].input_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise VerifyInputError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if not prompts:
+        raise VerifyInputError(f"{path}: no prompts in the file")
+    return prompts
+
+
+def _tokenizer(path: Path | None, where: str):
+    from tokenizers import Tokenizer
+
+    if path is None or not Path(path).is_file():
+        raise VerifyInputError(f"{where}: a text prompt needs tokenizer.json beside the weights; not found at {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses for a bad file
+        raise VerifyInputError(f"{path}: not a readable tokenizer.json ({exc})") from exc

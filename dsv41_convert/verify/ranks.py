@@ -1,0 +1,89 @@
+"""The per-rank body of verify: load this rank's shard into the bundled model and run the prompts.
+
+Runs inside a process group set up by verify.launch (or with none at tp 1). A shard that does not
+fit the model (a missing tensor, a wrong dtype or shape) is a verification failure, not a crash: the
+ranks exchange their load errors before any collective of the forward pass, so all of them stop
+together and rank 0 returns every rank's message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv41_convert.config import load_model_args
+from dsv41_convert.errors import HeaderError, PlanError
+from dsv41_convert.model import parallel
+from dsv41_convert.model.load import load_shards
+from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, build_model, load_state, run_prompt
+from dsv41_convert.verify.twin import rank_state
+
+
+@dataclass
+class RankJob:
+    folder: str
+    max_seq_len: int
+    inputs: list[ModelInput]
+    teachers: list[torch.Tensor]  # per prompt, decode_ids [T + 1] of the reference
+    n_decode: int
+    device: str
+    capture_hidden: bool = True
+    twin: dict[str, torch.Tensor] | None = None  # the converter's expected tp-1 output (verify.twin)
+
+
+@dataclass
+class LoadFailure:
+    messages: list[tuple[int, str]]  # (rank, message)
+
+
+@dataclass
+class RankResult:
+    runs: list[PromptRun]  # the converted files
+    twin_runs: list[PromptRun] | None  # the twin, same ranks, same order of everything
+
+
+def run_converted(job: RankJob) -> RankResult | LoadFailure:
+    """Build the model for this rank, check that model{rank}-mp{world}.safetensors loads on every rank,
+    then run every prompt on the twin (when given) and on the shard."""
+    folder = Path(job.folder)
+    args = load_model_args(folder / "config.json").with_runtime(
+        max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0
+    )
+    tokenizer = folder / "tokenizer.json"
+    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    error = _try_load(model, folder)
+    errors = [error]
+    if parallel.is_distributed():
+        errors = [None] * parallel.world_size()
+        torch.distributed.all_gather_object(errors, error)
+    if any(errors):
+        return LoadFailure([(r, e) for r, e in enumerate(errors) if e])
+    twin_runs = None
+    if job.twin is not None:
+        load_state(model, rank_state(model, job.twin, parallel.rank(), parallel.world_size()))
+        twin_runs = _run_all(model, job, args)
+        load_shards(model, folder)  # loaded cleanly above, so it loads again
+    return RankResult(_run_all(model, job, args), twin_runs)
+
+
+def _try_load(model, folder: Path) -> str:
+    """'' when this rank's shard loads, else the loader's message (it names the tensors)."""
+    try:
+        load_shards(model, folder)
+    except (PlanError, HeaderError) as exc:
+        return str(exc)
+    return ""
+
+
+def _run_all(model, job: RankJob, args) -> list[PromptRun]:
+    if job.device != "cpu":
+        model = model.to(job.device)
+    runs = []
+    for inp, teacher in zip(job.inputs, job.teachers, strict=True):
+        inp = attach_images(inp, args)
+        runs.append(run_prompt(model, inp, job.n_decode, teacher, job.capture_hidden, job.device))
+    if job.device != "cpu":
+        model.to("cpu")  # the next load reads into CPU parameters
+    return runs

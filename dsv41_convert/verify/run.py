@@ -1,0 +1,261 @@
+"""verify: run the converted weights and the reference over the same prompts, compare, judge, localize.
+
+    result = verify(VerifyOptions(converted, reference=src), progress=print_to_stderr)
+    result.ok, result.to_json()
+
+The reference is either the source checkpoint (computed here, tp 1, weights transformed in memory)
+or a reference-logits file. The converted folder is run with one process per rank (verify.launch).
+Under torchrun every rank calls `verify`; each computes (or reads) the same reference, only rank 0
+compares, and the other ranks get None.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.errors import ConfigError, VerifyInputError
+from dsv41_convert.verify import launch as launcher
+from dsv41_convert.verify import localize, reffile
+from dsv41_convert.verify.metrics import Stats, compare, merge
+from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
+from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
+from dsv41_convert.verify.runner import PromptRun
+from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
+
+Progress = Callable[[str], None]
+# config fields that may differ between the source and the converted folder
+FORMAT_FIELDS = ("dtype", "expert_dtype")
+
+
+@dataclass
+class VerifyOptions:
+    converted: Path
+    reference: Path | None = None  # SRC
+    reference_logits: Path | None = None  # FILE
+    prompts: Path | None = None
+    device: str = "cpu"
+    tp: int | None = None
+    n_decode: int = DEFAULT_DECODE_STEPS
+    max_seq_len: int | None = None
+    overrides: dict[str, float | None] = field(default_factory=dict)
+    localize: bool = True
+    threads: int | None = None  # torch threads per process (default: cores / tp)
+
+
+@dataclass
+class PromptResult:
+    label: str
+    tokens: int
+    sections: dict[str, Stats]  # against the tp-1 reference
+    failures: list[str]
+    twin: dict[str, Stats] = field(default_factory=dict)  # against the twin (verify.twin), must be exact
+
+
+@dataclass
+class VerifyResult:
+    converted: str
+    reference: str
+    tp: int
+    device: str
+    thresholds: Thresholds
+    prompts: list[PromptResult]
+    overall: dict[str, Stats]
+    failures: list[str]  # "<section>: <limit broken>", or the load errors
+    load_error: str | None = None
+    localization: localize.Localization | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    twin: dict[str, Stats] = field(default_factory=dict)  # overall, against the twin
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "converted": self.converted,
+            "reference": self.reference,
+            "tp": self.tp,
+            "device": self.device,
+            "mode": self.thresholds.mode,
+            "thresholds": self.thresholds.to_json(),
+            "overall": {k: v.to_json() for k, v in self.overall.items()},
+            "twin": {k: v.to_json() for k, v in self.twin.items()} or None,
+            "prompts": [
+                {
+                    "label": p.label,
+                    "tokens": p.tokens,
+                    "sections": {k: v.to_json() for k, v in p.sections.items()},
+                    "twin": {k: v.to_json() for k, v in p.twin.items()} or None,
+                    "failures": p.failures,
+                }
+                for p in self.prompts
+            ],
+            "failures": self.failures,
+            "load_error": self.load_error,
+            "localization": self.localization.to_json() if self.localization else None,
+            "seconds": self.seconds,
+        }
+
+
+def shard_tp(folder: Path, requested: int | None) -> int:
+    """The tp of the rank files in `folder` (model{r}-mp{N}.safetensors); --tp must agree."""
+    found = sorted({int(p.stem.rsplit("-mp", 1)[1]) for p in folder.glob("model*-mp*.safetensors")})
+    if requested is not None:
+        if requested not in found:
+            raise VerifyInputError(f"{folder}: no model*-mp{requested}.safetensors files (found tp {found or 'none'})")
+        return requested
+    if len(found) != 1:
+        raise VerifyInputError(f"{folder}: rank files for tp {found or 'none'}; pass --tp to pick one")
+    return found[0]
+
+
+def _check_same_model(src_args: ModelArgs, conv_args: ModelArgs, src: Path, conv: Path) -> None:
+    a, b = src_args.to_inference_dict(), conv_args.to_inference_dict()
+    differ = sorted(k for k in a if k not in FORMAT_FIELDS and a[k] != b.get(k))
+    if differ:
+        raise VerifyInputError(f"{conv} was not converted from {src}: config differs in {differ[:8]}")
+
+
+def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResult | None:
+    """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError for
+    unusable inputs (exit 2); a mismatch, including a shard that does not load, is a failed result."""
+    say = progress or (lambda _msg: None)
+    conv = Path(opts.converted)
+    if (opts.reference is None) == (opts.reference_logits is None):
+        raise VerifyInputError("give exactly one of --reference SRC and --reference-logits FILE")
+    if not (conv / "config.json").is_file():
+        raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
+    conv_args = load_model_args(conv / "config.json")
+    tp = shard_tp(conv, opts.tp)
+    launcher.backend_for(opts.device)
+    threads = opts.threads or launcher.default_threads(tp)
+    if opts.device == "cpu":
+        torch.set_num_threads(threads)  # the reference runs here; at tp 1 the converted model too
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    src_ref: SourceReference | None = None
+    if opts.reference is not None:
+        src = Path(opts.reference)
+        src_args = load_model_args(src / "config.json")
+        _check_same_model(src_args, conv_args, src, conv)
+        tokenizer = conv / "tokenizer.json"
+        prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
+        src_ref = compute_reference(src, prompts, opts.n_decode, opts.max_seq_len, opts.device, True, say)
+        ref = src_ref.reference
+        ref_name = str(src)
+    else:
+        if opts.prompts is not None:
+            raise VerifyInputError("--prompts goes with --reference SRC; a reference-logits file holds its prompts")
+        ref = reffile.load(Path(opts.reference_logits), 128)
+        ref_name = str(opts.reference_logits)
+        if ref.runs[0].logits.shape[-1] != conv_args.vocab_size:
+            raise VerifyInputError(
+                f"{opts.reference_logits}: vocab {ref.runs[0].logits.shape[-1]}, {conv} has {conv_args.vocab_size}"
+            )
+    seconds["reference"] = time.perf_counter() - t0
+    lossless = ref.source_format == "fp8"
+    mode = choose_mode(ref.source_format, lossless, tp, ref.device == opts.device)
+    thresholds = default_thresholds(mode).override(**opts.overrides)
+
+    expected = None
+    if src_ref is not None:
+        say("twin: the converter's tp-1 output, in memory")
+        expected = _expected(src_ref, Path(opts.reference), conv_args)
+    say(f"converted: {conv} on {tp} rank(s) ({opts.device})" + (", beside its twin" if expected else ""))
+    t1 = time.perf_counter()
+    teachers = [r.decode_ids for r in ref.runs]
+    job = RankJob(str(conv), ref.max_seq_len, ref.inputs, teachers, ref.n_decode, opts.device, twin=expected)
+    out = launcher.launch(run_converted, job, tp, opts.device, threads)
+    seconds["converted"] = time.perf_counter() - t1
+    if out is None:
+        return None
+    result = VerifyResult(str(conv), ref_name, tp, opts.device, thresholds, [], {}, [], seconds=seconds)
+    if isinstance(out, LoadFailure):
+        result.load_error = "\n".join(f"rank {r}: {m}" for r, m in out.messages)
+        result.failures = [f"load: {result.load_error}"]
+    else:
+        _compare_all(result, ref, out, thresholds)
+    if not result.ok and opts.localize:
+        say("localizing the mismatch")
+        t2 = time.perf_counter()
+        result.localization = _localize(result, ref, out, expected, conv, conv_args, tp, thresholds)
+        seconds["localize"] = time.perf_counter() - t2
+    return result
+
+
+def _sections(ref: PromptRun, got: PromptRun, has_all: bool) -> dict[str, Stats]:
+    out = {"last": compare(ref.logits, got.logits)}
+    if has_all:
+        out["all"] = compare(ref.logits_all, got.logits_all)
+    if ref.decode_logits.shape[0]:
+        out["decode"] = compare(ref.decode_logits, got.decode_logits)
+    if ref.draft_logits is not None and got.draft_logits is not None:
+        out["draft"] = compare(ref.draft_logits, got.draft_logits)
+    return out
+
+
+def _expected(src_ref: SourceReference, src: Path, conv_args: ModelArgs):
+    """The converter's tp-1 output for CONVERTED's options, computed in memory."""
+    from dsv41_convert.verify.source import expected_shards
+
+    expert_dtype = "fp4" if conv_args.expert_dtype == "fp4" else "fp8"
+    if src_ref.reference.source_format == "fp8" and expert_dtype == "fp4":
+        return src_ref.state  # a pass-through: the reference weights are the tp-1 output
+    return expected_shards(src, expert_dtype)
+
+
+def _compare_all(result: VerifyResult, ref: reffile.Reference, out: RankResult, th: Thresholds) -> None:
+    twins = out.twin_runs or [None] * len(out.runs)
+    for label, inp, r, g, w in zip(ref.labels, ref.inputs, ref.runs, out.runs, twins, strict=True):
+        sections = _sections(r, g, ref.has_logits_all)
+        fails = [f"{k}: {msg}" for k, s in sections.items() for msg in judge(s, th.bounds[k])]
+        twin = _sections(w, g, True) if w is not None else {}
+        fails += [f"twin {k}: {msg}" for k, s in twin.items() for msg in judge(s, EXACT)]
+        result.prompts.append(PromptResult(label, len(inp.input_ids), sections, fails, twin))
+    for key in SECTIONS:
+        parts = [p.sections[key] for p in result.prompts if key in p.sections]
+        if parts:
+            result.overall[key] = merge(parts)
+            result.failures += [f"{key}: {msg}" for msg in judge(result.overall[key], th.bounds[key])]
+    for key in SECTIONS:
+        parts = [p.twin[key] for p in result.prompts if key in p.twin]
+        if parts:
+            result.twin[key] = merge(parts)
+            result.failures += [f"twin {key}: {msg}" for msg in judge(result.twin[key], EXACT)]
+
+
+def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: int, th: Thresholds):
+    loc = localize.Localization()
+    if isinstance(out, LoadFailure):
+        loc.note = "the shards do not load into the model; see the load error"
+    else:
+        # against the twin the first differing bit counts; against the tp-1 reference, the mode's tolerance
+        ref_hidden, rtol = [r.hidden for r in ref.runs], th.hidden_rtol
+        if out.twin_runs is not None:
+            ref_hidden, rtol = [r.hidden for r in out.twin_runs], 0.0
+        conv_hidden = [r.hidden for r in out.runs]
+        if any(ref_hidden):
+            loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
+        backbone_failed = any("draft" not in f.split(":")[0] for f in result.failures)
+        if loc.module is None and not backbone_failed:
+            loc.module = "mtp"
+            loc.note = "the backbone agrees; the DSpark stages (mtp.*) differ"
+        elif loc.module is None and any(ref_hidden):
+            loc.module = "head"
+            loc.note = "every prefill module output agrees within tolerance; the head or a decode-only path differs"
+        elif not any(ref_hidden):
+            loc.note = "the reference file holds no hidden states: module not localized"
+    if expected is None:
+        loc.note = (loc.note + "; " if loc.note else "") + "tensor diff needs --reference SRC"
+        return loc
+    ranks = localize.read_rank_files(conv, tp)
+    scope = localize.scope(loc.module, conv_args.n_layers) if loc.module else ()
+    loc.tensors = localize.diff_tensors(ranks, expected, scope)
+    return loc

@@ -1,0 +1,113 @@
+"""The source checkpoint transformed in memory at tp 1, no files written: verify's reference weights.
+
+The converter (plan.py + transform.py) has no in-memory entry point, so this is a thin one: it builds
+the engine's own tp-1 plan and runs each planned action through `transform.apply` on tensors read
+from the source shards. Two flavours:
+
+- `expected_shards(src, expert_dtype)`: exactly what `shard --tp 1` would write (quantized where the
+  converter quantizes). Localization diffs the converted ranks against this.
+- `reference_state(src)`: what the reference model runs. For a published (fp8/fp4) source it is the
+  same as above. For an unquantized (bf16) source the quantizing actions are skipped and the weights
+  stay bf16 (the model is then built with dtype "bf16"); only the Engram tables are still quantized
+  to per-row fp8, because the model has no bf16 Engram path.
+
+Everything is held in RAM: fine for verify's small models, not for a 500 GB checkpoint (use
+`--reference-logits` computed on a big machine for those).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dsv41_convert.plan import ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.safetensors_header import DTYPE_BITS, pread_exact
+from dsv41_convert.transform import DTYPES, apply, quantizer_for
+
+QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
+BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
+
+Progress = Callable[[str, int, int], None]
+
+
+def _read(src: Path, rd: Read, fds: dict[str, int]) -> Tensor:
+    """Rows [r0, r1) and columns [c0, c1) of one source tensor, in its file dtype.
+
+    -> [r1 - r0, *shape[1:]] (or [r1 - r0, c1 - c0])  DTYPES[rd.dtype]; a 0-d tensor comes back 0-d
+    """
+    if rd.file not in fds:
+        fds[rd.file] = os.open(src / rd.file, os.O_RDONLY)
+    fd = fds[rd.file]
+    shape = rd.shape if rd.shape else (1,)
+    row_elems = 1
+    for d in shape[1:]:
+        row_elems *= d
+    row_bytes = DTYPE_BITS[rd.dtype] * row_elems // 8
+    buf = bytearray((rd.r1 - rd.r0) * row_bytes)
+    if buf:
+        pread_exact(fd, memoryview(buf), rd.offset + rd.r0 * row_bytes, str(src / rd.file))
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    dtype = torch.int8 if rd.dtype == "I8" else DTYPES[rd.dtype]
+    t = raw.view(dtype).reshape(rd.r1 - rd.r0, *shape[1:])
+    if rd.c1 >= 0:
+        t = t[:, rd.c0 : rd.c1].contiguous()
+    return t.reshape(()) if not rd.shape else t
+
+
+def _as_output(t: Tensor, out: OutTensor) -> Tensor:
+    """A copied tensor in its output dtype: I8 expert bytes become e2m1 pairs, bytes unchanged."""
+    if out.dtype == "F4":
+        return t.view(torch.uint8).view(torch.float4_e2m1fn_x2)
+    want = DTYPES[out.dtype]
+    return t if t.dtype == want else t.view(want)
+
+
+def _run(plan: ConversionPlan, skip_quant: bool, progress: Progress | None) -> dict[str, Tensor]:
+    src = Path(plan.src)
+    (rank_file,) = plan.files
+    q = quantizer_for("cpu")
+    out: dict[str, Tensor] = {}
+    fds: dict[str, int] = {}
+    tensors = rank_file.tensors
+    try:
+        for i, t in enumerate(tensors):
+            if progress is not None:
+                progress("transform source", i, len(tensors))
+            if t.name in out or (t.group and t.part != 0):
+                continue  # a group's scale is made with its weight
+            inputs = [_read(src, rd, fds) for rd in t.reads]
+            if t.action in BYTE_COPIES:
+                out[t.name] = _as_output(inputs[0], t)
+                continue
+            if skip_quant and t.action in QUANTIZING:
+                out[t.name] = inputs[0].to(torch.bfloat16)
+                continue
+            results = apply(t.action, inputs, q, t.name, t.dtype, t.block)
+            if t.group:
+                out[t.name], out[t.name.removesuffix(".weight") + ".scale"] = results
+            else:
+                out[t.name] = results[0]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if progress is not None:
+        progress("transform source", len(tensors), len(tensors))
+    return out
+
+
+def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | None = None) -> dict[str, Tensor]:
+    """The tensors `shard SRC OUT --tp 1 --expert-dtype X` writes, computed in memory.
+
+    -> name -> tensor in the rank file's dtype (F4 as float4_e2m1fn_x2 [out, in/2])
+    """
+    return _run(build_plan(Path(src), 1, expert_dtype), skip_quant=False, progress=progress)
+
+
+def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, dict[str, Tensor]]:
+    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor)."""
+    plan = build_plan(Path(src), 1, "fp4")
+    return plan.source_format, _run(plan, skip_quant=plan.source_format == "bf16", progress=progress)

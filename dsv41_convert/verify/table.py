@@ -1,0 +1,64 @@
+"""Rich renderables of a VerifyResult, for cli.py to print (this module prints nothing)."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from dsv41_convert.verify.metrics import Stats
+from dsv41_convert.verify.run import VerifyResult
+from dsv41_convert.verify.thresholds import SECTIONS
+
+COLUMNS = ("prompt", "vs", "what", "rows", "top1", "KL mean", "KL max", "cos min", "max|d|")
+
+
+def _row(table: Table, prompt: str, vs: str, section: str, s: Stats, bad: bool) -> None:
+    style = "red" if bad else None
+    table.add_row(
+        prompt, vs, section, str(s.rows), f"{s.top1:.2f}", f"{s.kl_mean:.2g}", f"{s.kl_max:.2g}",
+        f"{s.cos_min:.4f}", f"{s.max_abs:.2g}", style=style,
+    )  # fmt: skip
+
+
+def render(result: VerifyResult) -> Group:
+    """A metrics table (per prompt, then overall; against the tp-1 reference and the twin), then the
+    verdict, the failures and the localization."""
+    title = f"verify {result.converted} (tp {result.tp}, {result.device}) vs {result.reference}"
+    title += f"  [{result.thresholds.mode}]"
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption="tp1: against the tp-1 reference; twin: against the converter's expected output on the same ranks",
+    )
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("prompt", "vs", "section") else "right")
+    for p in result.prompts:
+        for vs, sections in (("tp1", p.sections), ("twin", p.twin)):
+            for key in SECTIONS:
+                if key in sections:
+                    bad = any(f.startswith(f"{'twin ' if vs == 'twin' else ''}{key}:") for f in p.failures)
+                    _row(table, p.label, vs, key, sections[key], bad)
+    for vs, overall in (("tp1", result.overall), ("twin", result.twin)):
+        for key in SECTIONS:
+            if key in overall:
+                prefix = "twin " if vs == "twin" else ""
+                bad = any(f.startswith(f"{prefix}{key}:") for f in result.failures)
+                _row(table, "overall", vs, key, overall[key], bad)
+    parts: list = [table]
+    verdict = Text("PASS", style="bold green") if result.ok else Text("FAIL", style="bold red")
+    parts.append(Text.assemble(verdict, f"  mode {result.thresholds.mode}"))
+    for f in result.failures:
+        parts.append(Text(f"  {f}", style="red"))
+    loc = result.localization
+    if loc is not None:
+        if loc.module:
+            parts.append(Text(f"first diverging module: {loc.module}", style="bold"))
+        for t in loc.tensors[:12]:
+            where = f" (ranks {', '.join(map(str, t.ranks))})" if t.ranks else ""
+            parts.append(Text(f"  tensor {t.name}{where}: {t.what}"))
+        if len(loc.tensors) > 12:
+            parts.append(Text(f"  ... and {len(loc.tensors) - 12} more tensors"))
+        if loc.note:
+            parts.append(Text(f"  note: {loc.note}", style="dim"))
+    return Group(*parts)

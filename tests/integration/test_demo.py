@@ -1,0 +1,85 @@
+"""The CLI of verify, reference-logits, check and demo: exit codes 0 / 1 / 2 and what they print."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dsv41_convert.execute import execute
+from dsv41_convert.plan import build_plan
+from dsv41_convert.synth.presets import TINY
+from dsv41_convert.synth.write import write_checkpoint
+
+CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+pytestmark = pytest.mark.slow  # subprocesses importing torch, a tiny checkpoint per module
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    write_checkpoint(root / "src", TINY, seed=1, quantized=True, vision=False)
+    execute(build_plan(root / "src", 1), root / "mp1")
+    return root
+
+
+def test_check_passes_then_names_the_corrupt_file(converted, tmp_path):
+    ok = _cli("check", str(converted / "mp1"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ok"] is True
+    bad = tmp_path / "mp1"
+    subprocess.run(["cp", "-r", str(converted / "mp1"), str(bad)], check=True)
+    shard = bad / "model0-mp1.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    res = _cli("check", str(bad))
+    assert res.returncode == 1
+    assert "model0-mp1.safetensors: sha256" in res.stderr
+    assert _cli("check", str(tmp_path / "nowhere")).returncode == 2
+
+
+def test_verify_usage_errors_exit_2(converted):
+    res = _cli("verify", str(converted / "mp1"))
+    assert res.returncode == 2 and "exactly one of --reference" in res.stderr
+    res = _cli("verify", str(converted / "mp1"), "--reference", str(converted / "src"), "--tp", "2")
+    assert res.returncode == 2 and "no model*-mp2.safetensors" in res.stderr
+
+
+@pytest.mark.slow
+def test_reference_logits_then_verify_pass_and_fail(converted, tmp_path):
+    ref = tmp_path / "ref.safetensors"
+    res = _cli("reference-logits", str(converted / "src"), str(ref), "--decode-steps", "1", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    ok = _cli("verify", str(converted / "mp1"), "--reference-logits", str(ref), "--json", "--threads", "1")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["ok"] and report["mode"] == "exact" and report["overall"]["all"]["max_abs"] == 0
+    tensors = load_file(str(ref))
+    with safe_open(str(ref), "pt") as f:
+        meta = f.metadata()
+    tensors["logits"] = tensors["logits"] + torch.linspace(0, 1, tensors["logits"].shape[-1])
+    save_file(tensors, str(ref), metadata=meta)
+    bad = _cli("verify", str(converted / "mp1"), "--reference-logits", str(ref), "--threads", "1")
+    assert bad.returncode == 1
+    assert "FAIL" in bad.stdout and "last: " in bad.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_demo(tmp_path):
+    res = _cli("demo", str(tmp_path / "demo"), "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] and report["tp"] == 8
+    assert all(s["max_abs"] == 0 for s in report["twin"].values())
+    assert set(report["stage_seconds"]) == {"make-tiny", "shard", "verify"}

@@ -1,0 +1,45 @@
+"""verify.launch: ranks in a gloo group, rank 0's result back, an input error raised again."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsv41_convert.errors import PlanError
+from dsv41_convert.verify.launch import launch
+
+
+def sum_of_ranks(payload: int) -> dict:
+    x = torch.tensor([float(dist.get_rank() + payload)])
+    dist.all_reduce(x)
+    return {"sum": x.item(), "world": dist.get_world_size(), "rank": dist.get_rank()}
+
+
+def fail_on_rank_1(_payload) -> None:
+    if dist.get_rank() == 1:
+        raise PlanError("layers.0.attn.wq_b.weight: planted")
+
+
+def no_group(payload):
+    return payload, dist.is_initialized()
+
+
+def test_tp1_runs_in_process_without_a_group():
+    assert launch(no_group, 7, 1, "cpu") == (7, False)
+
+
+@pytest.mark.dist
+def test_spawned_ranks_return_rank0_result():
+    assert launch(sum_of_ranks, 10, 3, "cpu", threads=1) == {"sum": 33.0, "world": 3, "rank": 0}
+
+
+@pytest.mark.dist
+def test_input_error_on_one_rank_comes_back_as_its_type():
+    with pytest.raises(PlanError, match=r"rank 1: layers.0.attn.wq_b.weight: planted"):
+        launch(fail_on_rank_1, None, 2, "cpu", threads=1)
+
+
+def test_bad_device():
+    from dsv41_convert.errors import VerifyInputError
+
+    with pytest.raises(VerifyInputError, match="--device 'tpu'"):
+        launch(no_group, None, 1, "tpu")

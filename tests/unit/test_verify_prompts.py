@@ -1,0 +1,52 @@
+"""verify.prompts: built-in prompts and the JSONL format."""
+
+import json
+
+import pytest
+
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.synth.tokenizer import build_tokenizer
+from dsv41_convert.verify.prompts import DEFAULT_LENGTH, default_prompts, load_prompts
+
+
+def test_defaults_are_fixed_and_longer_than_the_tiny_window():
+    a, b = default_prompts(512), default_prompts(512)
+    assert a == b and len(a) == 3
+    assert all(len(p.input_ids) == DEFAULT_LENGTH > 16 for p in a)
+    assert all(3 <= t < 512 - 8 for p in a for t in p.input_ids)
+    assert a[0].input_ids != a[1].input_ids
+
+
+def test_jsonl_ids_and_text(tmp_path):
+    tok = build_tokenizer(512)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    lines = [json.dumps({"input_ids": [5, 6, 7]}), "", "# comment", json.dumps({"text": "hello world"})]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    prompts = load_prompts(tmp_path / "p.jsonl", tmp_path / "tokenizer.json", 512)
+    assert prompts[0].input_ids == (5, 6, 7) and prompts[0].label == "line-1"
+    assert prompts[1].input_ids == tuple(tok.encode("hello world", add_special_tokens=False).ids)
+    assert prompts[1].label == "line-4" and prompts[1].text == "hello world"
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("not json", r"p.jsonl:1: not a JSON object"),
+        (json.dumps({"input_ids": [1], "text": "x"}), r"exactly one of"),
+        (json.dumps({"input_ids": [1, 600]}), r"\[600\] outside the vocabulary"),
+        (json.dumps({"ids": [1]}), r"unknown keys \['ids'\]"),
+        (json.dumps({"input_ids": []}), r"non-empty list"),
+        (json.dumps({"input_ids": [1], "image": "a.png"}), r"image goes with a text prompt"),
+        (json.dumps({"text": "hi"}), r"needs tokenizer.json"),
+    ],
+)
+def test_bad_lines_name_file_and_line(tmp_path, line, match):
+    (tmp_path / "p.jsonl").write_text(line + "\n")
+    with pytest.raises(VerifyInputError, match=match):
+        load_prompts(tmp_path / "p.jsonl", None, 512)
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "p.jsonl").write_text("\n# only a comment\n")
+    with pytest.raises(VerifyInputError, match="no prompts"):
+        load_prompts(tmp_path / "p.jsonl", None, 512)

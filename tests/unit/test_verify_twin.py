@@ -1,0 +1,64 @@
+"""verify.twin.cut and verify.localize.diff_tensors on hand-made tensors."""
+
+import pytest
+import torch
+
+from dsv41_convert.errors import PlanError
+from dsv41_convert.verify.localize import diff_tensors, first_divergence, module_order
+from dsv41_convert.verify.twin import cut
+
+
+def test_cut_rows_columns_replicated():
+    full = torch.arange(24.0).reshape(6, 4)
+    assert torch.equal(cut(full, torch.Size([3, 4]), 1, 2, "w"), full[3:])
+    assert torch.equal(cut(full, torch.Size([6, 2]), 1, 2, "w"), full[:, 2:])
+    assert cut(full, torch.Size([6, 4]), 1, 2, "w") is full
+    with pytest.raises(PlanError, match=r"w: cannot cut a \[6, 4\]"):
+        cut(full, torch.Size([5, 4]), 0, 2, "w")
+
+
+def test_cut_pads_the_last_rank_with_zero_weights_and_unit_scales():
+    w = torch.ones(5, 2).to(torch.float8_e4m3fn)
+    s = torch.full((5, 1), 4.0).to(torch.float8_e8m0fnu)
+    last_w, last_s = cut(w, torch.Size([3, 2]), 1, 2, "w"), cut(s, torch.Size([3, 1]), 1, 2, "s")
+    assert last_w.float().tolist() == [[1, 1], [1, 1], [0, 0]]
+    assert last_s.view(torch.uint8).flatten().tolist() == [129, 129, 127]
+
+
+def _fp4(codes):
+    from dsv41_convert.quant.fp4 import pack_nibbles
+
+    return pack_nibbles(torch.tensor(codes, dtype=torch.uint8)).view(torch.float4_e2m1fn_x2)
+
+
+def test_diff_names_the_tensor_and_rank_and_ignores_signed_zero():
+    name = "layers.0.ffn.experts.1.w1.weight"
+    want = _fp4([[1, 2, 0, 3]])
+    plus_zero_as_minus = _fp4([[1, 2, 8, 3]])  # code 8 is -0: the same value
+    assert diff_tensors([{name: plus_zero_as_minus}, {}], {name: want}, ()) == []
+    wrong = _fp4([[1, 2, 0, 11]])  # 1.5 -> -1.5
+    (d,) = diff_tensors([{}, {name: wrong}], {name: want}, ("layers.0.ffn.",))
+    assert d.name == name and d.ranks == (1,) and d.in_scope and d.what.startswith("1 of 4 values differ")
+
+
+def test_diff_finds_the_rank_of_a_bad_split_piece_and_a_diverged_replica():
+    col, rep = "layers.0.attn.wq_b.weight", "layers.0.attn_norm.weight"
+    want = {col: torch.arange(8.0).reshape(4, 2).bfloat16(), rep: torch.ones(3).bfloat16()}
+    bad = want[col].clone()
+    bad[3, 0] = -1
+    ranks = [{col: want[col][:2], rep: want[rep]}, {col: bad[2:], rep: want[rep] * 2}]
+    diffs = {d.name: d for d in diff_tensors(ranks, want, ())}
+    assert diffs[col].ranks == (1,) and diffs[rep].ranks == (1,)
+
+
+def test_first_divergence_in_forward_order():
+    keys = ["norm", "layers.1", "layers.0.ffn", "embed", "layers.1.attn", "layers.0.attn", "layers.0"]
+    assert sorted(keys, key=module_order) == [
+        "embed", "layers.0.attn", "layers.0.ffn", "layers.0", "layers.1.attn", "layers.1", "norm",
+    ]  # fmt: skip
+    ref = {k: torch.ones(4) for k in keys}
+    conv = dict(ref, **{"layers.1.attn": torch.ones(4) * 1.01, "layers.1": torch.ones(4) * 2})
+    first, errors = first_divergence([ref], [conv], 0.0)
+    assert first == "layers.1.attn"
+    assert first_divergence([ref], [conv], 0.05)[0] == "layers.1"
+    assert dict(errors)["layers.0"] == 0.0
