@@ -5,7 +5,7 @@ spread over `layer_shards` files (default: one per layer, as published):
 
     vision + aligner | embed + image_* | layers (without Engram) x K | head + norm | mtp.k each | layers.i.engram each
 
-Each shard is built alone (values drawn, quantized, saved) and written as `<file>.partial`, then
+Each shard is built alone (values drawn, already in the file's dtypes, then saved) and written as `<file>.partial`, then
 renamed, so memory holds one shard at a time and a half-written file never has the final name.
 safetensors orders a header by dtype then name and we add no metadata, so the bytes depend only on
 the arguments.
@@ -30,7 +30,7 @@ from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.synth.presets import Preset, hf_config
 from dsv41_convert.synth.tensors import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
-from dsv41_convert.synth.weights import draw, encode_params
+from dsv41_convert.synth.weights import param_tensors
 
 ProgressFn = Callable[[str, int, int], None]
 INDEX = "model.safetensors.index.json"
@@ -148,20 +148,14 @@ def write_shard(out: Path, shard: Shard, seed: int, quantized: bool, progress: P
     total, done = shard.nbytes, 0
     if progress:
         progress(shard.file, 0, total)
-    param_bytes = {p.name: 0 for p in shard.params}
-    for t in shard.tensors:
-        param_bytes[t.param] += _DTYPE_BYTES[t.dtype] * _numel(t.shape)
-
-    def drawn() -> Iterator[tuple[Param, torch.Tensor]]:
-        # lazily, so at most one batch of float values is alive besides the encoded shard
-        built = 0
-        for p in shard.params:
-            yield p, draw(p, seed)
-            built += param_bytes[p.name]
-            if progress:
-                progress(shard.file, built * 9 // 10, total)  # the last tenth is the save
-
-    tensors = encode_params(drawn(), quantized)
+    tensors: dict[str, torch.Tensor] = {}
+    built = 0
+    for p in shard.params:
+        drawn = param_tensors(p, seed, quantized)
+        tensors.update(drawn)
+        built += sum(t.nbytes for t in drawn.values())
+        if progress:
+            progress(shard.file, built * 9 // 10, total)  # the last tenth is the save
     planned = {t.name: t for t in shard.tensors}
     # the catalogue and the encoder must agree exactly; a difference is a bug here, not bad input
     assert set(tensors) == set(planned), sorted(set(tensors) ^ set(planned))

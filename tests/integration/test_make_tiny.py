@@ -197,6 +197,12 @@ def test_values_are_model_like(fp8_dir):
         assert abs(w.mean().item() / mean - 1) < 0.05 and 0.05 < w.std().item() / mean < 0.15, name
     assert q8["layers.0.hc_attn_fn"].abs().max().item() < 0.1
     assert q8["layers.0.ffn.gate.bias"].abs().max().item() < 0.1
+    # quantized projections decode to their Init std, times ~1.32 (rms of 2**k, k in {-1, 0, 1}) when jittered
+    a = load_model_args(fp8_dir / "config.json")
+    for key, lo, hi in (("experts", 1.2, 1.45), ("shared_experts", 1.2, 1.45), ("engram.embed", 0.95, 1.05)):
+        ps = [p for p in catalogue(a) if key in p.name and p.fmt in (Fmt.FP8, Fmt.FP4, Fmt.FP8_ROWS)]
+        rel = torch.cat([(decode_file_tensors(p, q8).float() / p.init.std).flatten() for p in ps])
+        assert abs(rel.mean().item()) < 0.01 and lo < rel.std().item() < hi, (key, rel.std().item())
 
 
 @pytest.mark.slow

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
+from dsv41_convert.config import ModelArgs
 from dsv41_convert.quant import decode_fp8_blocks, decode_mxfp4, encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_fp4
-from dsv41_convert.synth.tensors import Fmt, Init, Param
-from dsv41_convert.synth.weights import decode_file_tensors, draw, encode_param, encode_params, param_seed
+from dsv41_convert.synth.presets import MEDIUM, hf_config
+from dsv41_convert.synth.quantized import e2m1_pair_table, e4m3_table
+from dsv41_convert.synth.tensors import Fmt, Init, Param, catalogue
+from dsv41_convert.synth.weights import decode_file_tensors, draw, param_seed, param_tensors
+
+_BLOCKS = {Fmt.FP8: (32, 32), Fmt.FP8_ROWS: (1, 32)}
 
 
 def _p(name="layers.0.attn.wq_a", shape=(96, 160), fmt=Fmt.FP8, std=160**-0.5, jitter=True) -> Param:
@@ -18,77 +26,119 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def test_draw_is_seeded_per_name():
-    a = draw(_p(), 0)
-    assert torch.equal(a, draw(_p(), 0))
-    assert not torch.equal(a, draw(_p(), 1))
-    assert not torch.equal(a, draw(_p(name="layers.1.attn.wq_a"), 0))
+def _assert_canonical(p: Param, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Quantizing the bf16 layout's values gives the fp8 layout's bytes; the bf16 values are their decode."""
+    q8, b16 = param_tensors(p, seed, True), param_tensors(p, seed, False)
+    q, s = q8[f"{p.name}.weight"], q8[f"{p.name}.scale"]
+    w = b16[f"{p.name}.weight"]
+    assert w.dtype == torch.bfloat16 and tuple(w.shape) == p.shape
+    if p.fmt is Fmt.FP4:
+        assert (q.dtype, tuple(q.shape)) == (torch.int8, (p.shape[0], p.shape[1] // 2))
+        q2, s2 = encode_mxfp4(w, name=p.name)
+        dec = decode_mxfp4(as_fp4(q), s)
+    else:
+        assert q.dtype == torch.float8_e4m3fn and not torch.isnan(q.float()).any()
+        q2, s2 = encode_fp8_blocks(w, block=_BLOCKS[p.fmt], name=p.name)
+        dec = decode_fp8_blocks(q, s, _BLOCKS[p.fmt])
+    assert s.dtype == torch.float8_e8m0fnu
+    assert torch.equal(_bytes(q2), _bytes(q)), p.name
+    assert torch.equal(_bytes(s2), _bytes(s)), p.name
+    assert torch.equal(w.view(torch.int16), dec.view(torch.int16)), p.name
+    assert torch.equal(decode_file_tensors(p, q8).view(torch.int16), w.view(torch.int16))
+    return q8
+
+
+def test_seeded_per_name():
+    a = param_tensors(_p(), 0, True)["layers.0.attn.wq_a.weight"]
+    assert torch.equal(_bytes(a), _bytes(param_tensors(_p(), 0, True)["layers.0.attn.wq_a.weight"]))
+    assert not torch.equal(_bytes(a), _bytes(param_tensors(_p(), 1, True)["layers.0.attn.wq_a.weight"]))
+    other = param_tensors(_p(name="layers.1.attn.wq_a"), 0, True)["layers.1.attn.wq_a.weight"]
+    assert not torch.equal(_bytes(a), _bytes(other))
     assert param_seed(0, "x") == param_seed(0, "x") != param_seed(0, "y")
 
 
-def test_draw_statistics():
-    w = draw(_p(shape=(512, 512), std=0.05, jitter=False), 3)
-    assert abs(w.mean().item()) < 0.002 and abs(w.std().item() - 0.05) < 0.002
-    norm = draw(Param("n.weight", (4096,), Fmt.BF16, "head", Init(0.1, 1.0)), 0)
-    assert abs(norm.mean().item() - 1.0) < 0.01
+def test_float_draw_statistics():
+    norm = Param("n.weight", (4096,), Fmt.BF16, "head", Init(0.1, 1.0))
+    w = draw(norm, 0)
+    assert torch.equal(w, draw(norm, 0))
+    assert abs(w.mean().item() - 1.0) < 0.01 and abs(w.std().item() - 0.1) < 0.005
+    with pytest.raises(ValueError, match="wq_a"):
+        draw(_p(), 0)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shape", "std"),
+    [
+        (Fmt.FP8, (512, 512), 0.05),
+        (Fmt.FP8, (256, 1024), 1.6 * 1024**-0.5),
+        (Fmt.FP8_ROWS, (512, 256), 1.0),
+        (Fmt.FP4, (256, 1024), 1.5 * 1024**-0.5),
+        (Fmt.FP4, (512, 256), 0.3),
+    ],
+)
+def test_quantized_statistics_follow_the_init(fmt, shape, std):
+    """Unjittered: decoded values have mean 0 and the Init std within 4% (rounding and anchors included)."""
+    p = _p(shape=shape, fmt=fmt, std=std, jitter=False)
+    w = decode_file_tensors(p, param_tensors(p, 0, True)).float()
+    assert abs(w.mean().item()) < 0.02 * std
+    assert abs(w.std().item() / std - 1) < 0.04, w.std().item()
 
 
 def test_jitter_spreads_scale_exponents():
-    p = _p(shape=(256, 256))
-    s = encode_param(p, draw(p, 0), True)["layers.0.attn.wq_a.scale"]
-    assert len(torch.unique(_bytes(s))) >= 3
+    for fmt in (Fmt.FP8, Fmt.FP4):
+        p = _p(shape=(256, 256), fmt=fmt)
+        s = param_tensors(p, 0, True)["layers.0.attn.wq_a.scale"]
+        assert len(torch.unique(_bytes(s))) == 3  # base exponent -1, 0, +1
 
 
-def _fixed_point_fp8(q, s, block):
-    q2, s2 = encode_fp8_blocks(decode_fp8_blocks(q, s, block, torch.bfloat16), block=block)
-    assert torch.equal(_bytes(q2), _bytes(q)) and torch.equal(_bytes(s2), _bytes(s))
+@pytest.mark.parametrize(
+    ("fmt", "shape"),
+    [
+        *((Fmt.FP8, shape) for shape in ((96, 160), (40, 70), (1, 33))),
+        *((Fmt.FP8_ROWS, shape) for shape in ((40, 64), (3, 50))),
+        *((Fmt.FP4, shape) for shape in ((64, 96), (33, 70), (1, 2))),
+    ],
+)
+def test_quantized_draws_are_canonical(fmt, shape):
+    for seed in range(3):
+        _assert_canonical(_p(shape=shape, fmt=fmt), seed)
 
 
-def test_fp8_is_canonical_and_bf16_is_its_decode():
-    p = _p(shape=(96, 160))
-    w = draw(p, 0)
-    w[0, 0] = 448 * 2.0**-8  # a block whose largest code is 448: canonical form doubles its scale
-    fp8 = encode_param(p, w, True)
-    q, s = fp8["layers.0.attn.wq_a.weight"], fp8["layers.0.attn.wq_a.scale"]
-    assert (q.dtype, s.dtype, tuple(s.shape)) == (torch.float8_e4m3fn, torch.float8_e8m0fnu, (3, 5))
-    _fixed_point_fp8(q, s, (32, 32))
-    bf16 = encode_param(p, w, False)["layers.0.attn.wq_a.weight"]
-    assert bf16.dtype == torch.bfloat16
-    assert torch.equal(bf16.view(torch.int16), decode_fp8_blocks(q, s, (32, 32)).view(torch.int16))
-    # the canonical form moves values by at most one e4m3 step from the float draw
-    assert torch.allclose(bf16.float(), w, rtol=2**-3, atol=2**-9 * s.float().max().item())
+def test_medium_shaped_slices_are_canonical():
+    """Every quantized kind of the medium catalogue, with its real std and in-features, 64 rows of it."""
+    config = hf_config(MEDIUM, compressed_vocab_size=MEDIUM.engram_vocab_size, quantized=True, vision=False)
+    args = ModelArgs.from_hf_dict(config, "medium")
+    seen = {}
+    for p in catalogue(args):
+        if p.fmt in (Fmt.FP8, Fmt.FP8_ROWS, Fmt.FP4):
+            seen.setdefault((p.name.split(".")[-1], p.fmt, p.shape[1]), p)
+    assert len(seen) >= 10
+    for p in seen.values():
+        _assert_canonical(dataclasses.replace(p, shape=(64, p.shape[1])))
 
 
-def test_engram_rows_are_canonical_per_32():
-    p = Param("layers.0.engram.embed", (40, 64), Fmt.FP8_ROWS, "engram.0", Init(1.0))
-    t = encode_param(p, draw(p, 0), True)
-    q, s = t["layers.0.engram.embed.weight"], t["layers.0.engram.embed.scale"]
-    assert tuple(s.shape) == (40, 2)
-    _fixed_point_fp8(q, s, (1, 32))
+def test_tables_hold_no_nan_and_follow_the_gaussian():
+    t8 = e4m3_table(100.0)
+    assert t8.numel() == 1 << 16 and not ((t8 & 0x7F) == 0x7F).any()
+    v = t8.view(torch.float8_e4m3fn).float()
+    assert abs(v.std().item() / 100 - 1) < 0.02 and abs(v.mean().item()) < 2
+    t4 = e2m1_pair_table(1.5)
+    codes = torch.stack([t4 & 0x0F, t4 >> 4])
+    vals = decode_mxfp4(t4.view(1, -1), torch.ones(1, 4096, dtype=torch.float8_e8m0fnu), block=32)
+    assert abs(vals.float().std().item() / 1.5 - 1) < 0.05
+    assert (codes & 7).max() == 7  # the clamped tail (6) is drawn too
 
 
-def test_fp4_experts_are_canonical_int8_and_bf16_is_their_decode():
-    ps = [_p(name=f"layers.0.ffn.experts.{e}.w{k}", shape=(64, 96), fmt=Fmt.FP4) for e in range(3) for k in (1, 3)]
-    ps.append(_p(name="layers.0.ffn.experts.0.w2", shape=(96, 64), fmt=Fmt.FP4))
-    items = [(p, draw(p, 0)) for p in ps]
-    fp8, bf16 = encode_params(items, True), encode_params(items, False)
-    for p, w in items:
-        q, s = fp8[f"{p.name}.weight"], fp8[f"{p.name}.scale"]
-        out, inp = w.shape
-        assert (q.dtype, tuple(q.shape), tuple(s.shape)) == (torch.int8, (out, inp // 2), (out, inp // 32))
-        q2, s2 = encode_mxfp4(decode_mxfp4(as_fp4(q), s))
-        assert torch.equal(_bytes(q2), _bytes(q)) and torch.equal(_bytes(s2), _bytes(s)), p.name
-        b = bf16[f"{p.name}.weight"]
-        assert torch.equal(b.view(torch.int16), decode_mxfp4(as_fp4(q), s).view(torch.int16))
-        # batching experts is only a speed-up: the same bytes as one call per tensor
-        alone = encode_param(p, w, True)
-        assert torch.equal(_bytes(alone[f"{p.name}.weight"]), _bytes(q))
-        assert torch.equal(decode_file_tensors(p, fp8).view(torch.int16), b.view(torch.int16))
+def test_bad_init_is_refused():
+    with pytest.raises(ValueError, match="mean 0"):
+        param_tensors(Param("x", (32, 32), Fmt.FP8, "g", Init(0.1, 1.0)), 0, True)
+    with pytest.raises(ValueError, match="exponents"):
+        param_tensors(_p(std=1e-9), 0, True)
 
 
-def test_plain_formats_pass_through():
+def test_plain_formats():
     f32 = Param("layers.0.hc_attn_base", (24,), Fmt.F32, "layer.0", Init(0.1))
     bf = Param("norm.weight", (64,), Fmt.BF16, "head", Init(0.1, 1.0))
-    w32, wb = draw(f32, 0), draw(bf, 0)
-    assert torch.equal(encode_param(f32, w32, True)["layers.0.hc_attn_base"], w32)
-    assert torch.equal(encode_param(bf, wb, False)["norm.weight"], wb.bfloat16())
+    assert torch.equal(param_tensors(f32, 0, True)["layers.0.hc_attn_base"], draw(f32, 0))
+    assert torch.equal(param_tensors(bf, 0, False)["norm.weight"], draw(bf, 0).bfloat16())
+    assert torch.equal(param_tensors(bf, 0, True)["norm.weight"], draw(bf, 0).bfloat16())
