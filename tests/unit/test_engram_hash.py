@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from reference_data import REAL_CONFIG
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.errors import ConfigError
@@ -21,8 +21,6 @@ from dsv41_convert.model.engram_hash import (
 )
 from dsv41_convert.synth.presets import TINY, hf_config
 from dsv41_convert.synth.tokenizer import build_tokenizer
-
-REAL_CONFIG = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "v41-flash.config.json"
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-from pathlib import Path
 
 import pytest
+from reference_data import REFERENCE as REF
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import PlanError
@@ -15,11 +15,6 @@ from dsv41_convert.model.engram_hash import engram_table_rows, is_prime
 from dsv41_convert.synth.presets import MEDIUM, PRESETS, TINY, hf_config
 from dsv41_convert.synth.tensors import catalogue, file_tensors
 from dsv41_convert.synth.write import plan_shards
-
-REF = Path("/work/shared/reference")
-if not REF.exists():  # the metadata lives beside the repo on the dev machine; CI carries a copy
-    REF = Path(__file__).resolve().parents[1] / "data" / "reference"
-needs_ref = pytest.mark.skipif(not (REF / "v41-flash.tensor-catalog.json").exists(), reason="no reference metadata")
 
 
 def _published_catalog() -> dict[str, tuple[str, list[int]]]:
@@ -48,7 +43,6 @@ def real_shards():
     return plan_shards(real, quantized=True)
 
 
-@needs_ref
 def test_catalogue_of_the_real_config_is_the_published_catalog(real_shards):
     mine = {t.name: (t.dtype, list(t.shape)) for s in real_shards for t in s.tensors}
     published = _published_catalog()
@@ -58,7 +52,6 @@ def test_catalogue_of_the_real_config_is_the_published_catalog(real_shards):
     assert {k: v for k, v in mine.items() if published[k] != v} == {}
 
 
-@needs_ref
 def test_engram_rows_reproduce_the_published_config():
     text = json.loads((REF / "v41-flash.config.json").read_text())["text_config"]
     rows = engram_table_rows(2, text["engram_max_ngram_size"], text["engram_n_heads"], text["engram_vocab_size"])
@@ -71,7 +64,6 @@ def test_is_prime_matches_trial_division():
     assert is_prime(16000057) and not is_prime(16000057 * 3)
 
 
-@needs_ref
 def test_published_shard_grouping_for_the_real_config(real_shards):
     index = json.loads(gzip.open(REF / "v41-flash.model.safetensors.index.RECONSTRUCTED.json.gz").read())
     assert {t.name: s.file for s in real_shards for t in s.tensors} == index["weight_map"]
