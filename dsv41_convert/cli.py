@@ -175,6 +175,188 @@ def shard_cmd(
 
 
 # --- commands: verify, reference-logits, check, demo ---
+from pathlib import Path  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+from dsv41_convert import cli_options as _verify_opts  # noqa: E402
+
+ConvertedArg = Annotated[Path, typer.Argument(help="Folder written by `shard`: rank files, config.json, tokenizer.")]
+ReferenceOpt = Annotated[
+    Path | None, typer.Option("--reference", help="Source checkpoint: reference logits at tp 1, computed here.")
+]
+ReferenceLogitsOpt = Annotated[
+    Path | None, typer.Option("--reference-logits", help="File written by `reference-logits` (safetensors).")
+]
+PromptsOpt = Annotated[
+    Path | None, typer.Option("--prompts", help='JSONL: {"input_ids": [...]} or {"text": "..."}, optional "image".')
+]
+VerifyTpOpt = Annotated[int | None, typer.Option("--tp", min=1, help="Rank count (default: from the rank files).")]
+DecodeOpt = Annotated[int, typer.Option("--decode-steps", min=0, help="Greedy decode steps after each prompt.")]
+MaxSeqOpt = Annotated[int | None, typer.Option("--max-seq-len", min=1, help="Runtime max_seq_len (default: auto).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch threads per process (cores / tp).")]
+AtolOpt = Annotated[float | None, typer.Option("--atol", min=0.0, help="Max |ref - conv| logit difference.")]
+MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", min=0.0, help="Max per-row KL(ref || conv), nats.")]
+MaxKlMeanOpt = Annotated[float | None, typer.Option("--max-kl-mean", min=0.0, help="Max mean KL(ref || conv).")]
+MinTop1Opt = Annotated[float | None, typer.Option("--min-top1", min=0.0, max=1.0, help="Min top-1 agreement.")]
+MinCosOpt = Annotated[float | None, typer.Option("--min-cos", min=-1.0, max=1.0, help="Min per-row cosine.")]
+NoLocalizeOpt = Annotated[bool, typer.Option("--no-localize", help="On failure, skip the hidden-state/tensor diff.")]
+DemoDirArg = Annotated[Path, typer.Argument(help="Working folder (created).")]
+
+
+@app.command("verify")
+def verify_cmd(
+    converted: ConvertedArg,
+    reference: ReferenceOpt = None,
+    reference_logits: ReferenceLogitsOpt = None,
+    prompts: PromptsOpt = None,
+    device: _verify_opts.DeviceOpt = "cpu",
+    tp: VerifyTpOpt = None,
+    decode_steps: DecodeOpt = 3,
+    max_seq_len: MaxSeqOpt = None,
+    threads: ThreadsOpt = None,
+    atol: AtolOpt = None,
+    max_kl: MaxKlOpt = None,
+    max_kl_mean: MaxKlMeanOpt = None,
+    min_top1: MinTop1Opt = None,
+    min_cos: MinCosOpt = None,
+    no_localize: NoLocalizeOpt = False,
+    as_json: _verify_opts.JsonOpt = False,
+) -> None:
+    """Run the converted weights (one process per rank) and compare their logits with a reference.
+
+    The reference is the source checkpoint (run here at tp 1, weights transformed in memory) or a file
+    from `reference-logits`. With a source, the converter's expected output is also run on the same
+    ranks ("twin") and must agree bit for bit. Compared per prompt and overall: last-position and
+    all-position logits, greedy decode steps, DSpark drafts. On failure, names the first diverging
+    module and (with a source) the tensors that differ. Under torchrun, joins its process group.
+    Exit 0 pass, 1 mismatch, 2 input error.
+
+    Examples:
+      dsv41-convert verify ./mp8 --reference ./DeepSeek-V4.1-Flash-tiny
+      dsv41-convert verify ./mp8 --reference-logits ref.safetensors --json
+      torchrun --nproc-per-node 8 -m dsv41_convert.cli verify ./mp8 --reference-logits ref.safetensors --device cuda
+    """
+    from dsv41_convert.verify.run import VerifyOptions, verify
+    from dsv41_convert.verify.table import render
+
+    overrides = {"atol": atol, "max_kl": max_kl, "max_kl_mean": max_kl_mean, "min_top1": min_top1, "min_cos": min_cos}
+    opts = VerifyOptions(
+        converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
+        not no_localize, threads,
+    )  # fmt: skip
+    result = verify(opts, progress=None if as_json else report.info)
+    if result is None:  # a torchrun rank other than 0
+        return
+    if as_json:
+        report.print_json(result.to_json())
+    else:
+        report.stdout.print(render(result))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command("reference-logits")
+def reference_logits_cmd(
+    src: _verify_opts.SrcArg,
+    out: Annotated[Path, typer.Argument(help="Output .safetensors file.")],
+    prompts: PromptsOpt = None,
+    device: _verify_opts.DeviceOpt = "cpu",
+    decode_steps: DecodeOpt = 3,
+    max_seq_len: MaxSeqOpt = None,
+    threads: ThreadsOpt = None,
+    as_json: _verify_opts.JsonOpt = False,
+) -> None:
+    """Compute reference logits from SRC at tp 1 (weights transformed in memory) and save them for
+    `verify --reference-logits`: prompts, last/all-position logits, decode steps, DSpark drafts and the
+    per-module hidden states (format: dsv41_convert/verify/reffile.py).
+
+    Examples:
+      dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --device cuda
+      dsv41-convert reference-logits ./tiny ref.safetensors --prompts prompts.jsonl --decode-steps 5
+    """
+    import torch
+
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.verify import reffile
+    from dsv41_convert.verify.reference import compute_reference, read_prompts
+
+    if threads:
+        torch.set_num_threads(threads)
+    args = load_model_args(src / "config.json")
+    tokenizer = src / "tokenizer.json"
+    prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
+    ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
+    reffile.save(ref, out)
+    summary = {
+        "out": str(out),
+        "prompts": len(ref.runs),
+        "decode_steps": ref.n_decode,
+        "max_seq_len": ref.max_seq_len,
+        "source_format": ref.source_format,
+        "bytes": out.stat().st_size,
+    }
+    if as_json:
+        report.print_json(summary)
+    else:
+        report.stdout.print(str(out), highlight=False, soft_wrap=True)
+        report.info(f"{summary['prompts']} prompts, {summary['decode_steps']} decode steps, {summary['bytes']:,} bytes")
+
+
+@app.command("check")
+def check_cmd(out: _verify_opts.OutArg, as_json: _verify_opts.JsonOpt = False) -> None:
+    """Check every file listed in OUT/manifest.json (size, then sha256) without running the model.
+
+    Exit 1 naming each missing, resized or corrupt file.
+
+    Examples:
+      dsv41-convert check ./mp8
+      dsv41-convert check ./mp8 --json
+    """
+    from dsv41_convert.manifest_check import check_folder
+
+    with report.byte_progress(f"check {out}", quiet=as_json) as progress:
+        result = check_folder(out, progress=progress)
+    for problem in result.problems:
+        report.error(problem)
+    if as_json:
+        report.print_json(result.to_json())
+    else:
+        report.stdout.print(f"{'ok' if result.ok else 'FAILED'}: {out}", highlight=False)
+        report.info(f"{len(result.checked)} files match the manifest, {len(result.problems)} do not")
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command("demo")
+def demo_cmd(
+    folder: DemoDirArg = Path("dsv41-demo"),
+    tp: _verify_opts.TpOpt = 8,
+    seed: _verify_opts.SeedOpt = 0,
+    overwrite: _verify_opts.OverwriteOpt = False,
+    threads: ThreadsOpt = None,
+    as_json: _verify_opts.JsonOpt = False,
+) -> None:
+    """The main job on a tiny model: make-tiny, shard --tp 8, verify (8 ranks on the CPU), in under a minute.
+
+    Examples:
+      dsv41-convert demo
+      dsv41-convert demo /tmp/demo --tp 4 --overwrite
+    """
+    from dsv41_convert.demo import run_demo
+    from dsv41_convert.verify.table import render
+
+    with report.byte_progress("demo", quiet=True) as progress:
+        result, seconds = run_demo(
+            folder, tp, seed, overwrite, step=None if as_json else report.info, progress=progress, threads=threads
+        )
+    if as_json:
+        report.print_json(result.to_json() | {"stage_seconds": seconds})
+    else:
+        report.stdout.print(render(result))
+        report.info(", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()) + f"; total {sum(seconds.values()):.1f} s")
+    if not result.ok:
+        raise typer.Exit(1)
+
 
 # --- commands: download ---
 # imports for this section only (the lead may hoist them to the top)

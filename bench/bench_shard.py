@@ -1,0 +1,220 @@
+"""Benchmark `dsv41-convert shard --tp 8` against `cp` of the same bytes and an all-in-RAM converter.
+
+    python bench/bench_shard.py /tmp/bench [--gb 4.5] [--workers 2] [--keep]
+
+1. writes a published-format (fp8/fp4) checkpoint of about --gb GB into WORK/src (real hidden sizes,
+   3 layers of 64 experts + 1 MTP stage of 16, so routed experts are most of the bytes as in the real
+   model; random bytes: the conversion copies and reinterprets, it never looks at values);
+2. times, each from a cold page cache for its files (posix_fadvise DONTNEED, then sync):
+   - `cp` of the shards + sync,
+   - `dsv41-convert shard SRC OUT --tp 8` (it fsyncs every file),
+   - the all-in-RAM approach of upstream convert.py (tests/reference_convert.py: load everything, build
+     every rank's dict, save_file each, fsync);
+3. records peak RSS: of the whole process tree (sampled every 0.1 s) and of the largest single process;
+4. prints a JSON result and a markdown table row for docs/BENCHMARKS.md; deletes WORK unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsv41_convert.config import ModelArgs  # noqa: E402
+from dsv41_convert.layout import published_layout  # noqa: E402
+from dsv41_convert.safetensors_header import build_header, nbytes  # noqa: E402
+
+REAL_CONFIG = ROOT / "tests" / "data" / "reference" / "v41-flash.config.json"
+
+
+def bench_config(n_layers: int) -> dict:
+    cfg = copy.deepcopy(json.loads(REAL_CONFIG.read_text()))
+    del cfg["vision_config"]
+    t = cfg["text_config"]
+    t.update(
+        vocab_size=32768, num_hidden_layers=n_layers, n_routed_experts=64, engram_n_heads=2, num_nextn_predict_layers=1,
+        compress_ratios=[0, 2, 1] + [1] * (n_layers - 3) + [0], kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2], candidate_source_layer_id=2, engram_layer_ids=[1],
+        engram_num_embeddings=[1_000_003], dspark_target_layer_ids=[n_layers - 1], dspark_n_routed_experts=16,
+    )  # fmt: skip
+    return cfg
+
+
+def write_source(src: Path, gb: float) -> int:
+    """A published-format checkpoint of about `gb` GB, one shard per layer. -> bytes written"""
+    n_layers = 3
+    while True:
+        cfg = bench_config(n_layers)
+        layout = published_layout(ModelArgs.from_hf_dict(cfg))
+        total = sum(nbytes(d, s) for d, s in layout.values())
+        if total >= gb * 1e9 or n_layers > 60:
+            break
+        n_layers += 1
+    src.mkdir(parents=True)
+    groups: dict[str, list[str]] = {}
+    for name in layout:
+        key = ".".join(name.split(".")[:2]) if name.startswith(("layers.", "mtp.")) else "top"
+        if ".engram.embed." in name:
+            key = "engram"
+        groups.setdefault(key, []).append(name)
+    # one random pool, written at shifting offsets: the bytes only need to exist, and drawing 5 GB of
+    # random numbers would take longer than the benchmark
+    pool = np.random.default_rng(0).integers(0, 256, 2 * (64 << 20), dtype=np.uint8).tobytes()
+    shift = 0
+    weight_map = {}
+    written = 0
+    for i, names in enumerate(groups.values()):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        header, spans = build_header([(n, *layout[n]) for n in names])
+        with open(src / file, "wb") as f:
+            f.write(header)
+            for _, begin, end in spans:
+                left = end - begin
+                while left:
+                    n = min(left, 64 << 20)
+                    f.write(pool[shift : shift + n])
+                    left, shift = left - n, (shift + 4097) % (64 << 20)
+            written += f.tell()
+        weight_map.update(dict.fromkeys(names, file))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    return written
+
+
+def evict(*folders: Path) -> None:
+    """Drop the page cache of every file under `folders` (clean pages only: sync first)."""
+    os.sync()
+    for folder in folders:
+        for p in folder.rglob("*") if folder.exists() else []:
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+
+def _tree_rss(root: int) -> int:
+    """Summed RSS (bytes) of `root` and its descendants."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            statm = Path(f"/proc/{d}/statm").read_text().split()
+        except OSError:
+            continue
+        parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+        rss[int(d)] = int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(p for p, pp in parents.items() if pp == pid)
+    return total
+
+
+def measure(cmd: list[str]) -> dict:
+    """Wall time, peak tree RSS and peak single-process RSS of `cmd` (which must succeed)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.1)
+    seconds = time.perf_counter() - t0
+    err = proc.stderr.read().decode()
+    code = os.waitstatus_to_exitcode(status)
+    if code:
+        raise SystemExit(f"{cmd} failed ({code}):\n{err[-2000:]}")
+    return {
+        "seconds": round(seconds, 2),
+        "peak_tree_rss_gib": round(peak / 2**30, 3),
+        "max_process_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 3),  # the child or any descendant it reaped
+    }
+
+
+IN_RAM = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from reference_convert import reference_convert
+from safetensors.torch import save_file
+out = Path({out!r}); out.mkdir(parents=True, exist_ok=True)
+for r, sd in enumerate(reference_convert(Path({src!r}), 8)):
+    p = out / f"model{{r}}-mp8.safetensors"
+    save_file(sd, p)
+    fd = os.open(p, os.O_RDONLY); os.fsync(fd); os.close(fd)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--gb", type=float, default=4.5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--skip-in-ram", action="store_true")
+    a = ap.parse_args()
+    work = a.work
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    src = work / "src"
+    try:
+        t0 = time.perf_counter()
+        size = write_source(src, a.gb)
+        gen = time.perf_counter() - t0
+        shards = sorted(str(p) for p in src.glob("*.safetensors"))
+        (work / "cp").mkdir()
+        evict(src)
+        cp = measure(["sh", "-c", 'cp "$@" ' + str(work / "cp") + " && sync", "cp", *shards])
+        shutil.rmtree(work / "cp")
+        evict(src)
+        ours = measure([sys.executable, "-m", "dsv41_convert.cli", "shard", str(src), str(work / "out"), "--tp", "8",
+                        "--workers", str(a.workers), "--json"])  # fmt: skip
+        out_bytes = sum(p.stat().st_size for p in (work / "out").glob("model*.safetensors"))
+        shutil.rmtree(work / "out")
+        in_ram = None
+        if not a.skip_in_ram:
+            evict(src)
+            script = IN_RAM.format(tests=str(ROOT / "tests"), out=str(work / "ram"), src=str(src))
+            in_ram = measure([sys.executable, "-c", script])
+            shutil.rmtree(work / "ram")
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM",
+        "source_gb": round(size / 1e9, 3),
+        "output_gb": round(out_bytes / 1e9, 3),
+        "generate_s": round(gen, 1),
+        "workers": a.workers,
+        "cp": cp,
+        "shard": ours,
+        "in_ram": in_ram,
+        "shard_vs_cp": round(ours["seconds"] / cp["seconds"], 2),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

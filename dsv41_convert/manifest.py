@@ -1,0 +1,97 @@
+"""Done records and manifest.json: what a run finished, so --resume can skip it and anyone can check it.
+
+Each finished rank file gets a done record (OUT/.dsv41-convert/<file>.done.json: size, sha256, the plan
+digest). manifest.json is written last, once every rank file of the plan has one: sha256 and size of
+every output file, the source index digest and revision, and the options used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+DONE_DIR = ".dsv41-convert"
+MANIFEST = "manifest.json"
+FORMAT = "dsv41-convert manifest v1"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temporary name, fsync, rename: the file is either absent, old or complete."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # torchrun processes write the same files
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def done_path(out: Path, file: str) -> Path:
+    return out / DONE_DIR / f"{file}.done.json"
+
+
+def write_done(out: Path, file: str, size: int, sha256: str, plan_digest: str) -> None:
+    (out / DONE_DIR).mkdir(exist_ok=True)
+    record = {"file": file, "size": size, "sha256": sha256, "plan_digest": plan_digest}
+    atomic_write(done_path(out, file), json.dumps(record, indent=1).encode())
+
+
+def read_done(out: Path, file: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(done_path(out, file).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def is_done(out: Path, file: str, plan_digest: str) -> bool:
+    """A finished file: its record names this plan, and its size and sha256 still match the record."""
+    rec = read_done(out, file)
+    path = out / file
+    if rec is None or rec.get("plan_digest") != plan_digest or not path.exists():
+        return False
+    return path.stat().st_size == rec["size"] and sha256_file(path) == rec["sha256"]
+
+
+def source_revision(src: Path) -> str | None:
+    """The Hub revision when the source is a huggingface_hub snapshot folder (.../snapshots/<sha>/)."""
+    m = re.search(r"/snapshots/([0-9a-f]{40})(/|$)", str(src))
+    return m.group(1) if m else None
+
+
+def write_manifest(out: Path, plan, options: dict[str, Any], extra_files: list[str]) -> Path:
+    """manifest.json from the done records of every rank file and the hashes of `extra_files`."""
+    files = {}
+    for f in plan.files:
+        rec = read_done(out, f.file)
+        files[f.file] = {"size": rec["size"], "sha256": rec["sha256"]}
+    for name in extra_files:
+        path = out / name
+        files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {
+        "format": FORMAT,
+        "source": {
+            "path": plan.src,
+            "index_sha256": plan.index_sha256,
+            "revision": source_revision(Path(plan.src)),
+            "format": plan.source_format,
+        },
+        "options": options,
+        "plan_digest": plan.digest(),
+        "files": files,
+    }
+    path = out / MANIFEST
+    atomic_write(path, (json.dumps(manifest, indent=2) + "\n").encode())
+    return path

@@ -1,0 +1,312 @@
+"""The conversion plan: from headers and the index only, the exact layout of every output rank file.
+
+`build_plan(src, tp)` reads config.json, the index and each shard's header (never tensor data), checks
+them (validate.py), and lists for every rank the output tensors in file order, each with its byte
+offsets, the rule that made it, the action that computes it and the source byte ranges it reads.
+A ConversionPlan is plain data: `to_dict()` / `from_dict()` round-trip it through JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv41_convert.config import load_json, load_model_args
+from dsv41_convert.errors import PlanError
+from dsv41_convert.rules import Op, Split, has_scale, scale_name
+from dsv41_convert.safetensors_header import build_header
+from dsv41_convert.validate import Source, gather_sources, validate_sources
+
+INDEX = "model.safetensors.index.json"
+E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
+PAD_BYTE = {E4M3: 0, E8M0: 127}  # padded Engram rows: weight 0.0, scale 1.0 (e8m0 byte 127)
+ROW_ALIGN = 128  # chunks of a blocked action start on a multiple of every block height (32, 128)
+
+
+# Read and OutTensor are slotted, not frozen: a tp-8 plan of the real checkpoint holds 107k of each,
+# and frozen dataclasses cost twice as much to build. Nothing mutates them after build_plan.
+@dataclass(slots=True)
+class Read:
+    """A region of one source tensor: rows [r0, r1) and, for a dim-1 split, columns [c0, c1)."""
+
+    file: str  # relative to the source folder
+    name: str  # name in that file's header
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset of the tensor's first byte
+    r0: int
+    r1: int
+    c0: int = 0
+    c1: int = -1  # -1: every column
+    ratio: int = 1  # rows of the group's weight per row of this tensor (32 for a 32x32 scale)
+
+
+@dataclass(slots=True)
+class OutTensor:
+    """One tensor of one rank file. Tensors of one `group` come from one computation (weight, scale)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    rule: str
+    # copy | as_fp4 | cast | dequant_bf16 | fp4_to_fp8 | quant_fp8 | quant_fp4 | quant_fp4_fp8 | quant_rows_fp8
+    action: str
+    reads: tuple[Read, ...]
+    group: str = ""  # name of the group's part-0 tensor; "" for single-output actions
+    part: int = 0  # which output of the action this tensor is
+    pad_rows: int = 0  # rows appended after the data (Engram tail)
+    block: tuple[int, int] = (32, 32)  # dequant_bf16: the scale's block
+    begin: int = 0  # absolute offsets in the output file
+    end: int = 0
+
+
+@dataclass(frozen=True)
+class RankFile:
+    rank: int
+    file: str  # model{r}-mp{N}.safetensors
+    header: bytes = field(repr=False)
+    tensors: tuple[OutTensor, ...]  # in file order
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors[-1].end if self.tensors else len(self.header)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    src: str
+    tp: int
+    expert_dtype: str  # fp4 | fp8
+    source_format: str  # fp8 (published fp8/fp4) | bf16 (unquantized bf16/fp32)
+    index_sha256: str
+    inference_config: dict[str, Any]
+    files: tuple[RankFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def digest(self) -> str:
+        """sha256 of what the output will be: the same digest means the same bytes."""
+        h = hashlib.sha256(json.dumps([self.tp, self.expert_dtype, self.index_sha256]).encode())
+        for f in self.files:
+            h.update(f.header)
+        return h.hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "src": self.src,
+            "tp": self.tp,
+            "expert_dtype": self.expert_dtype,
+            "source_format": self.source_format,
+            "index_sha256": self.index_sha256,
+            "inference_config": self.inference_config,
+            "total_bytes": self.total_bytes,
+            "files": [
+                {
+                    "rank": f.rank,
+                    "file": f.file,
+                    "bytes": f.nbytes,
+                    "header": f.header.hex(),
+                    "tensors": [_tensor_dict(t) for t in f.tensors],
+                }
+                for f in self.files
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ConversionPlan:
+        files = tuple(
+            RankFile(f["rank"], f["file"], bytes.fromhex(f["header"]), tuple(_tensor_from(t) for t in f["tensors"]))
+            for f in d["files"]
+        )
+        return cls(
+            d["src"], d["tp"], d["expert_dtype"], d["source_format"], d["index_sha256"], d["inference_config"], files
+        )
+
+
+_OUT_FIELDS = tuple(OutTensor.__dataclass_fields__)
+_READ_FIELDS = tuple(Read.__dataclass_fields__)
+
+
+def _tensor_dict(t: OutTensor) -> dict[str, Any]:
+    d = {k: getattr(t, k) for k in _OUT_FIELDS}
+    d["reads"] = [{k: getattr(r, k) for k in _READ_FIELDS} for r in t.reads]
+    return d
+
+
+def _tensor_from(d: dict[str, Any]) -> OutTensor:
+    reads = tuple(Read(**{**r, "shape": tuple(r["shape"])}) for r in d["reads"])
+    return OutTensor(**{**d, "reads": reads, "shape": tuple(d["shape"]), "block": tuple(d["block"])})
+
+
+def rank_file_name(rank: int, tp: int) -> str:
+    return f"model{rank}-mp{tp}.safetensors"
+
+
+def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
+    """Read config, index and headers of `src`, validate them, and lay out every rank file.
+
+    Raises PlanError / HeaderError / ConfigError naming the file and tensor at fault.
+    """
+    if tp < 1:
+        raise PlanError(f"--tp {tp}: must be at least 1")
+    if expert_dtype not in ("fp4", "fp8"):
+        raise PlanError(f"--expert-dtype {expert_dtype!r}: expected fp4 or fp8")
+    src = Path(src)
+    args = load_model_args(src / "config.json")
+    index_path = src / INDEX
+    index_sha = hashlib.sha256(index_path.read_bytes()).hexdigest() if index_path.exists() else ""
+    weight_map = load_json(index_path).get("weight_map") if index_path.exists() else None
+    if index_path.exists() and not isinstance(weight_map, dict):
+        raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
+    sources = gather_sources(src, weight_map)
+    n_experts = validate_sources(sources, args, tp, expert_dtype)
+    quantized = args.dtype == "fp8"
+    per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
+    for name in sorted(sources):
+        for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
+            per_rank[rank].append(t)
+    files = []
+    for rank, tensors in enumerate(per_rank):
+        header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
+        by_name = {t.name: t for t in tensors}
+        for n, b, e in spans:
+            by_name[n].begin, by_name[n].end = b, e
+        placed = tuple(by_name[n] for n, _, _ in spans)
+        files.append(RankFile(rank, rank_file_name(rank, tp), header, placed))
+    out_args = args.to_inference_dict() | {"dtype": "fp8", "expert_dtype": "fp4" if expert_dtype == "fp4" else None}
+    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, tuple(files))
+
+
+def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
+    rows = s.shape[0] if s.shape else 1
+    return Read(s.file, s.name, s.dtype, s.shape, s.offset, r0, rows if r1 is None else r1, c0, c1, ratio)
+
+
+def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str):
+    """(rank, OutTensor) for each output made from source tensor `name` (a canonical name)."""
+    s = sources[name]
+    rule, op = s.rule, s.rule.op
+    if op in (Op.DROP, Op.FOLD_INTO_WEIGHT):
+        return
+    if op is Op.SCALE:
+        weight = sources[name.removesuffix(".scale") + ".weight"]
+        if weight.rule.op is Op.AS_FP4 and xdt == "fp8":
+            return  # made by the expert's fp4 -> fp8 cast
+        for rank, rd, pad in _selections(s, rule.split, tp, n_experts):
+            yield rank, _out(name, E8M0, rd, pad, rule, "copy")
+        return
+    scale = sources.get(scale_name(name)) if quantized and has_scale(op) else None
+    for rank, rd, pad in _selections(s, rule.split, tp, n_experts):
+        local = (rd.r1 - rd.r0, *s.shape[1:]) if rd.c1 < 0 else (rd.r1 - rd.r0, rd.c1 - rd.c0)
+        sread = _scale_read(scale, s, rd) if scale is not None else None
+        if op is Op.KEEP or (op is Op.FP8 and quantized):
+            out_dt = rule.src[0]
+            yield rank, _out(name, out_dt, rd, pad, rule, "copy" if s.dtype == out_dt else "cast", shape=local)
+        elif op is Op.DEQUANT_BF16:
+            if quantized:
+                block = (s.shape[0] // scale.shape[0], s.shape[1] // scale.shape[1])
+                t = _out(name, BF16, rd, 0, rule, "dequant_bf16", shape=local)
+                t.reads, t.block = (rd, sread), block
+                yield rank, t
+            else:
+                yield rank, _out(name, BF16, rd, 0, rule, "copy" if s.dtype == BF16 else "cast", shape=local)
+        elif op is Op.AS_FP4 and quantized:
+            logical = (s.shape[0], s.shape[1] * 2)
+            if xdt == "fp4":
+                yield rank, _out(name, F4, rd, 0, rule, "as_fp4", shape=logical)  # same bytes, F4 in the header
+            else:
+                yield from _group(rank, name, rule, "fp4_to_fp8", (rd, sread), (E4M3, logical), _fp8_scale(logical))
+        elif op is Op.AS_FP4:
+            if xdt == "fp4":
+                yield from _group(rank, name, rule, "quant_fp4", (rd,), (F4, local), (local[0], -(-local[1] // 32)))
+            else:
+                yield from _group(rank, name, rule, "quant_fp4_fp8", (rd,), (E4M3, local), _fp8_scale(local))
+        elif op is Op.FP8:
+            yield from _group(rank, name, rule, "quant_fp8", (rd,), (E4M3, local), _fp8_scale(local))
+        elif op is Op.ENGRAM_ROWS and quantized:
+            yield rank, _out(name, E4M3, rd, pad, rule, "copy", shape=local)
+        elif op is Op.ENGRAM_ROWS:
+            sshape = (local[0], -(-local[1] // 32))
+            yield from _group(rank, name, rule, "quant_rows_fp8", (rd,), (E4M3, local), sshape, pad)
+        else:  # pragma: no cover - every Op is handled above
+            raise AssertionError(op)
+
+
+def _fp8_scale(shape: tuple[int, ...]) -> tuple[int, int]:
+    return (-(-shape[0] // 32), -(-shape[1] // 32))
+
+
+def _out(name, dtype, rd, pad, rule, action, shape=None) -> OutTensor:
+    if shape is None:
+        shape = (rd.r1 - rd.r0, *rd.shape[1:]) if rd.c1 < 0 else (rd.r1 - rd.r0, rd.c1 - rd.c0)
+    if not rd.shape:
+        shape = ()  # a 0-d tensor stays 0-d
+    shape = (shape[0] + pad, *shape[1:]) if shape else shape
+    return OutTensor(name, dtype, tuple(shape), rule.pattern, action, (rd,), pad_rows=pad)
+
+
+def _group(rank, name, rule, action, reads, weight, scale_shape, pad=0):
+    """The two outputs of a quantizing action: the weight (part 0) and its scale (part 1)."""
+    wdt, wshape = weight
+    wshape = (wshape[0] + pad, *wshape[1:])
+    sshape = (scale_shape[0] + pad, *scale_shape[1:])
+    reads = tuple(r for r in reads if r is not None)
+    sname = scale_name(name)
+    yield rank, OutTensor(name, wdt, wshape, rule.pattern, action, reads, name, 0, pad)
+    yield rank, OutTensor(sname, E8M0, sshape, rule.pattern, action, reads, name, 1, pad)
+
+
+def _scale_read(scale: Source, weight: Source, rd: Read) -> Read:
+    """The scale rows/columns that cover weight region `rd` (blocks never straddle a split: validated)."""
+    bo = max(1, -(-weight.shape[0] // scale.shape[0]))
+    bi = -(-weight.shape[1] // scale.shape[1])
+    c0, c1 = (rd.c0 // bi, -(-rd.c1 // bi)) if rd.c1 >= 0 else (0, -1)
+    return _read(scale, rd.r0 // bo, -(-rd.r1 // bo), c0, c1, ratio=bo)
+
+
+def _selections(s: Source, split: Split, tp: int, n_experts: tuple[int, int]):
+    """(rank, Read, pad rows) for every rank that gets a piece of source tensor `s`."""
+    rows = s.shape[0] if s.shape else 1
+    if split is Split.NONE:
+        for r in range(tp):
+            yield r, _read(s), 0
+    elif split is Split.DIM0:
+        k = rows // tp
+        for r in range(tp):
+            yield r, _read(s, r * k, (r + 1) * k), 0
+    elif split is Split.DIM1:
+        k = s.shape[1] // tp
+        for r in range(tp):
+            yield r, _read(s, 0, rows, r * k, (r + 1) * k), 0
+    elif split is Split.EXPERT:
+        is_mtp, e = s.expert
+        per_rank = n_experts[is_mtp] // tp
+        yield e // per_rank, _read(s), 0
+    elif split is Split.ROWS_PADDED:
+        k = -(-rows // tp)
+        for r in range(tp):
+            r0, r1 = min(r * k, rows), min((r + 1) * k, rows)
+            yield r, _read(s, r0, r1), k - (r1 - r0)
+
+
+def summarize(plan: ConversionPlan) -> dict[str, Any]:
+    """Per rank: file, tensor count, bytes, and tensor counts per rule (the `plan` command's table)."""
+    ranks = []
+    for f in plan.files:
+        rules: dict[str, int] = {}
+        for t in f.tensors:
+            rules[f"{t.rule} [{t.action}]"] = rules.get(f"{t.rule} [{t.action}]", 0) + 1
+        ranks.append({"rank": f.rank, "file": f.file, "tensors": len(f.tensors), "bytes": f.nbytes, "rules": rules})
+    return {
+        "src": plan.src,
+        "tp": plan.tp,
+        "expert_dtype": plan.expert_dtype,
+        "source_format": plan.source_format,
+        "total_bytes": plan.total_bytes,
+        "ranks": ranks,
+    }

@@ -1,0 +1,175 @@
+"""safetensors headers without safe_open: parse one, read tensor bytes with pread, build one from a plan.
+
+`safe_open` maps the whole file, which fails for a 100 GB Engram shard on a machine with less memory
+(SPEC §6), so headers are read here (8-byte little-endian length, then JSON) and data by byte range.
+
+The header we write is byte-identical to what `safetensors.torch.save_file(tensors)` writes for the same
+tensors: entries sorted by dtype (descending in safetensors' dtype order) then name, compact JSON with
+keys dtype, shape, data_offsets, no `__metadata__`, padded with spaces to a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41_convert.errors import HeaderError
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers too
+
+# safetensors' Dtype enum, in declaration order; save_file sorts tensors by this, descending
+DTYPE_ORDER = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+    "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+# bits per element
+DTYPE_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+    "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
+_RANK = {d: i for i, d in enumerate(DTYPE_ORDER)}
+
+
+def nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes of a tensor; sub-byte dtypes (F4) must fill whole bytes, as safetensors requires."""
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits % 8:
+        raise HeaderError(f"{dtype} {list(shape)} is not a whole number of bytes")
+    return bits // 8
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry. `begin`/`end` are absolute file offsets (data start already added)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, checked safetensors header. Tensors are in file order (by offset)."""
+
+    path: str
+    file_size: int
+    data_start: int
+    tensors: dict[str, TensorInfo]
+
+
+def read_header(path: Path | str) -> Header:
+    """Parse and check the header of one .safetensors file; reads only the header bytes.
+
+    Checks: the length prefix fits the file and the 100 MB limit, the JSON is an object of entries with
+    a known dtype, a shape of non-negative ints and offsets matching dtype x shape; the entries tile the
+    data region from 0 to the end of the file with no gap or overlap (a truncated file fails here).
+    """
+    path = str(path)
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header; truncated?")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES:
+                raise HeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; corrupt file?")
+            if 8 + n > size:
+                raise HeaderError(f"{path}: header length {n} runs past the end of the {size}-byte file; truncated?")
+            raw = f.read(n)
+    except OSError as exc:
+        raise HeaderError(f"{path}: cannot read ({exc.strerror})") from exc
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HeaderError(f"{path}: header is not valid JSON ({exc}); corrupt file?") from exc
+    if not isinstance(data, dict):
+        raise HeaderError(f"{path}: header is a JSON {type(data).__name__}, expected an object")
+    data.pop("__metadata__", None)
+    start = 8 + n
+    entries = [_entry(path, name, spec, start) for name, spec in data.items()]
+    entries.sort(key=lambda t: (t.begin, t.end))
+    pos = start
+    for t in entries:
+        if t.begin != pos:
+            what = "overlaps the previous tensor" if t.begin < pos else f"leaves a gap of {t.begin - pos} bytes"
+            raise HeaderError(f"{path}: tensor {t.name} starts at data offset {t.begin - start}, which {what}")
+        pos = t.end
+    if pos != size:
+        if pos > size:
+            last = entries[-1].name
+            raise HeaderError(
+                f"{path}: tensor {last} ends at byte {pos} but the file has {size} bytes; truncated shard? "
+                "download it again"
+            )
+        raise HeaderError(f"{path}: {size - pos} bytes after the last tensor; the header does not cover the file")
+    return Header(path, size, start, {t.name: t for t in entries})
+
+
+def _entry(path: str, name: str, spec: object, start: int) -> TensorInfo:
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise HeaderError(f"{path}: tensor {name}: entry {spec!r} is not {{dtype, shape, data_offsets}}")
+    dtype, shape, offs = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if dtype not in DTYPE_BITS:
+        raise HeaderError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise HeaderError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative ints")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and o >= 0 for o in offs)):
+        raise HeaderError(f"{path}: tensor {name}: data_offsets {offs!r} is not [begin, end]")
+    if offs[1] < offs[0] or offs[1] - offs[0] != nbytes(dtype, shape):
+        raise HeaderError(
+            f"{path}: tensor {name}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
+            f"{dtype} {shape} needs {nbytes(dtype, shape)}"
+        )
+    return TensorInfo(name, dtype, tuple(shape), start + offs[0], start + offs[1])
+
+
+def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "?") -> None:
+    """Fill `buf` from `fd` at `offset`; a short read means the file shrank under us."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise HeaderError(f"{path}: unexpected end of file at byte {offset + done}; truncated while reading?")
+        done += got
+
+
+def sort_key(name: str, dtype: str) -> tuple[int, bytes]:
+    """save_file's order: dtype descending, then name (bytewise)."""
+    return (-_RANK[dtype], name.encode())
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """Header bytes (length prefix included) and the layout for tensors (name, dtype, shape).
+
+    -> (header, [(name, begin, end)] in file order, absolute file offsets)
+    """
+    ordered = sorted(entries, key=lambda e: sort_key(e[0], e[1]))
+    parts = []
+    spans = []
+    pos = 0
+    for name, dtype, shape in ordered:
+        size = nbytes(dtype, shape)
+        dims = ",".join(map(str, shape))
+        # compact JSON written by hand: 100k entries through json.dumps cost seconds
+        parts.append(
+            f'{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{dtype}","shape":[{dims}],'
+            f'"data_offsets":[{pos},{pos + size}]}}'
+        )
+        spans.append((name, pos, pos + size))
+        pos += size
+    text = ("{" + ",".join(parts) + "}").encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, [(n, start + b, start + e) for n, b, e in spans]

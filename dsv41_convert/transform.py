@@ -1,0 +1,105 @@
+"""Per-chunk tensor operations of the plan's actions, through the quantizers of quant/ (or the kernels).
+
+Each action takes row-chunks of its source tensors and returns its outputs for those rows:
+
+  cast            x [rows, ...] any float             -> (x in the output dtype,)
+  dequant_bf16    q [rows, in] e4m3, s [rows/bo, in/bi] e8m0   -> (w [rows, in] bf16,)
+  fp4_to_fp8      p [rows, in/2] I8 (e2m1 pairs), s [rows, in/32] e8m0
+                                                      -> (w [rows, in] e4m3, s [rows/32, in/32] e8m0)
+  quant_fp8       w [rows, in] bf16/f32               -> (q [rows, in] e4m3, s [ceil(rows/32), ceil(in/32)] e8m0)
+  quant_fp4       w [rows, in] bf16/f32               -> (p [rows, in/2] e2m1 pairs, s [rows, in/32] e8m0)
+  quant_fp4_fp8   w [rows, in] bf16/f32               -> quant_fp4 then fp4_to_fp8
+  quant_rows_fp8  w [rows, in] bf16/f32               -> (q [rows, in] e4m3, s [rows, in/32] e8m0)
+
+Row chunks start on multiples of 128, so a chunk never splits a 32x32 or 128x128 block.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F4": torch.float4_e2m1fn_x2,
+}
+KERNEL_MODULE = "dsv41_convert.kernels.quant_ops"  # same four functions, TileLang on CUDA
+
+
+def quantizer_for(device: str) -> SimpleNamespace:
+    """The quantization functions for `device`: quant/ on "cpu", the TileLang kernels on "cuda".
+
+    -> namespace with encode_fp8_blocks, decode_fp8_blocks, encode_mxfp4, fp4_to_fp8 and `device`
+    """
+    from dsv41_convert.quant import cast, fp4, fp8
+
+    funcs = {
+        "encode_fp8_blocks": fp8.encode_fp8_blocks,
+        "decode_fp8_blocks": fp8.decode_fp8_blocks,
+        "encode_mxfp4": fp4.encode_mxfp4,
+        "fp4_to_fp8": cast.fp4_to_fp8,
+    }
+    if device == "cuda":
+        kernels = importlib.import_module(KERNEL_MODULE)
+        funcs = {k: getattr(kernels, k, v) for k, v in funcs.items()}
+    elif device != "cpu":
+        raise ValueError(f"device {device!r}: expected cpu or cuda")
+    return SimpleNamespace(device=device, **funcs)
+
+
+def apply(action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_dtype: str, block) -> tuple:
+    """Run `action` on one row chunk; see the module docstring for shapes. Outputs are on the CPU."""
+    if q.device != "cpu":
+        inputs = [x.to(q.device) for x in inputs]
+    if action == "cast":
+        outs = (inputs[0].to(DTYPES[out_dtype]),)
+    elif action == "dequant_bf16":
+        outs = (q.decode_fp8_blocks(inputs[0], inputs[1], tuple(block), torch.bfloat16),)
+    elif action == "fp4_to_fp8":
+        outs = _plus_zero(q.fp4_to_fp8(inputs[0].view(torch.float4_e2m1fn_x2), inputs[1], 32, name))
+    elif action == "quant_fp8":
+        outs = q.encode_fp8_blocks(inputs[0], (32, 32), "ue8m0", name)
+    elif action == "quant_rows_fp8":
+        outs = q.encode_fp8_blocks(inputs[0], (1, 32), "ue8m0", name)
+    elif action == "quant_fp4":
+        outs = q.encode_mxfp4(inputs[0], 32, name)
+    elif action == "quant_fp4_fp8":
+        packed, s = q.encode_mxfp4(inputs[0], 32, name)
+        outs = _plus_zero(q.fp4_to_fp8(packed, s, 32, name))
+    else:
+        raise ValueError(f"{name}: unknown action {action!r}")
+    return tuple(o.cpu() for o in outs)
+
+
+def _plus_zero(outs: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """e4m3 -0 (byte 0x80) -> +0 (byte 0x00) in the weight: upstream's cast decodes fp4 code 8 as +0.0,
+    so its output never holds -0; this keeps our bytes equal to its bytes, not just our values.
+
+    outs: (w8 [out, in] float8_e4m3fn, s8 [...] float8_e8m0fnu)
+    """
+    w8, s8 = outs
+    raw = w8.view(torch.uint8)
+    return raw.masked_fill(raw == 0x80, 0).view(torch.float8_e4m3fn), s8
+
+
+def to_bytes(t: Tensor) -> memoryview:
+    """The raw bytes of a tensor in row-major order (fp4 pairs and fp8 as their bytes)."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def from_bytes(buf: bytearray | memoryview, dtype: str, rows: int, row_bytes: int) -> Tensor:
+    """A [rows, row_bytes / itemsize] tensor sharing `buf`'s memory.
+
+    buf: rows * row_bytes bytes  -> [rows, cols]  DTYPES[dtype]
+    """
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(rows, row_bytes).view(DTYPES[dtype])

@@ -1,0 +1,198 @@
+"""Checks made before any byte moves: the index against the files, the files against the config.
+
+`gather_sources` reads every shard header and the index and returns the checkpoint's tensors under their
+canonical names, each with its rule. `validate_sources` checks them against the layout the config
+implies (key sets, dtypes, shapes, scale shapes) and against tp (expert counts, split dims).
+Every problem found is reported at once, each naming its file and tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41_convert.config import ModelArgs
+from dsv41_convert.errors import PlanError
+from dsv41_convert.layout import published_layout
+from dsv41_convert.rules import Op, Rule, Split, canonical_name, expert_index, has_scale, match_rule, scale_name
+from dsv41_convert.safetensors_header import read_header
+
+MAX_LINES = 25
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor: where it is, what it is, and its rule."""
+
+    file: str  # relative to the source folder
+    name: str  # name in the file
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    rule: Rule
+    expert: tuple[bool, int] | None  # (is_mtp, expert id) for routed experts
+
+
+def _raise(problems: list[str], what: str) -> None:
+    if not problems:
+        return
+    shown = problems[:MAX_LINES]
+    more = f"\n  ... and {len(problems) - MAX_LINES} more" if len(problems) > MAX_LINES else ""
+    raise PlanError(f"{what}: {len(problems)} problem(s)\n  " + "\n  ".join(shown) + more)
+
+
+def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, Source]:
+    """Headers of every *.safetensors in `src` (and every file the index names), checked against the index.
+
+    -> canonical name -> Source
+    """
+    present = {p.name for p in src.glob("*.safetensors")}
+    named = set(weight_map.values()) if weight_map is not None else set()
+    problems: list[str] = []
+    for file in sorted(named - present):
+        example = next(n for n, f in weight_map.items() if f == file)
+        count = sum(1 for f in weight_map.values() if f == file)
+        problems.append(f"{file}: missing, but the index maps {count} tensor(s) to it (e.g. {example}); download it")
+    if not present:
+        problems.append(f"{src}: no *.safetensors files")
+    _raise(problems, f"{src}")
+    sources: dict[str, Source] = {}
+    where: dict[str, str] = {}  # name in file -> file
+    for file in sorted(present):
+        header = read_header(src / file)
+        for name, info in header.tensors.items():
+            if name in where:
+                problems.append(f"{file}: tensor {name} is also in {where[name]} (duplicated)")
+                continue
+            where[name] = file
+            if weight_map is not None and weight_map.get(name) != file:
+                said = weight_map.get(name)
+                problems.append(
+                    f"{file}: tensor {name} is not in the index"
+                    if said is None
+                    else f"{file}: tensor {name} is there, but the index puts it in {said}"
+                )
+            canon = canonical_name(name)
+            if canon in sources:
+                problems.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
+                continue
+            try:
+                rule = match_rule(canon)
+            except PlanError as exc:
+                problems.append(f"{file}: {exc}")
+                continue
+            sources[canon] = Source(
+                file, name, info.dtype, info.shape, info.begin, info.nbytes, rule, expert_index(canon)
+            )
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if name not in where and file in present:
+                problems.append(f"{file}: tensor {name} is in the index but not in the file (source mid-upload?)")
+    _raise(problems, f"{src}: checkpoint files and index disagree")
+    return sources
+
+
+def validate_sources(
+    sources: dict[str, Source], args: ModelArgs, tp: int, expert_dtype: str = "fp4"
+) -> tuple[int, int]:
+    """Check every tensor against the config's layout and tp. -> (backbone experts, mtp experts)."""
+    layout = published_layout(args)
+    quantized = args.dtype == "fp8"
+    if not quantized:  # an unquantized source has no scales and holds experts unpacked
+        layout = {
+            n: ("float", (s[0], s[1] * 2) if d == "I8" else s)
+            for n, (d, s) in layout.items()
+            if not n.endswith(".scale")
+        }
+    problems: list[str] = []
+    for name in sorted(set(layout) - set(sources)):
+        dtype, shape = layout[name]
+        problems.append(f"{name}: missing from the checkpoint; config.json implies {dtype} {list(shape)}")
+    for name in sorted(set(sources) - set(layout)):
+        s = sources[name]
+        if s.rule.op is Op.DROP:
+            continue
+        if not quantized and name.endswith(".scale"):
+            problems.append(
+                f"{s.file}: tensor {s.name} is a scale, but config.json has no quantization_config "
+                "(an unquantized source has no scales); wrong config.json?"
+            )
+        else:
+            problems.append(f"{s.file}: tensor {s.name} is not in the model config.json describes (extra)")
+    for name in sorted(set(sources) & set(layout)):
+        s, (dtype, shape) = sources[name], layout[name]
+        if quantized and (s.dtype, s.shape) != (dtype, shape):
+            hint = " (packed e2m1; I8 is not int8)" if dtype == "I8" else ""
+            problems.append(
+                f"{s.file}: tensor {s.name}: found {s.dtype} {list(s.shape)}, "
+                f"expected {dtype} {list(shape)}{hint}; another revision or config?"
+            )
+        elif not quantized and (s.dtype not in ("BF16", "F32") or s.shape != shape):
+            problems.append(
+                f"{s.file}: tensor {s.name}: found {s.dtype} {list(s.shape)}, expected BF16 or F32 "
+                f"{list(shape)} (config.json has no quantization_config, so the source must be unquantized)"
+            )
+    _raise(problems, "checkpoint does not match config.json")
+    n_experts = _expert_counts(sources, args, tp)
+    _check_splits(sources, tp, quantized, expert_dtype)
+    return n_experts
+
+
+def _expert_counts(sources: dict[str, Source], args: ModelArgs, tp: int) -> tuple[int, int]:
+    """Routed experts per layer, from the names as upstream infers them, backbone and MTP separately."""
+    counts = [0, 0]
+    for s in sources.values():
+        if s.expert is not None:
+            counts[s.expert[0]] = max(counts[s.expert[0]], s.expert[1] + 1)
+    if not counts[0]:
+        raise PlanError("no routed experts (layers.L.ffn.experts.E.*) in the checkpoint")
+    counts[1] = counts[1] or counts[0]
+    problems = []
+    for label, n in (("backbone", counts[0]), ("mtp", counts[1])):
+        if n % tp:
+            problems.append(f"--tp {tp}: the {label} has {n} routed experts per layer, not divisible by {tp}")
+    _raise(problems, f"wrong tp {tp}")
+    return counts[0], counts[1]
+
+
+def _check_splits(sources: dict[str, Source], tp: int, quantized: bool, expert_dtype: str) -> None:
+    problems: list[str] = []
+    for name, s in sorted(sources.items()):
+        split, op = s.rule.split, s.rule.op
+        if op is Op.AS_FP4 and expert_dtype == "fp8":
+            rows, cols = s.shape[0], s.shape[1] * (2 if quantized else 1)
+            if rows % 32 or cols % 32:
+                problems.append(
+                    f"{s.file}: tensor {s.name}: [{rows}, {cols}] is not a multiple of 32x32 for fp8 experts"
+                )
+        if split not in (Split.DIM0, Split.DIM1) or op is Op.SCALE:
+            continue
+        dim = 0 if split is Split.DIM0 else 1
+        size = s.shape[dim]
+        if size % tp:
+            problems.append(f"{s.file}: tensor {s.name}: dim {dim} = {size} is not divisible by --tp {tp}")
+            continue
+        if op in (Op.FP8, Op.DEQUANT_BF16) and has_scale(op):
+            sc = sources.get(scale_name(name))
+            if quantized and sc is None:
+                problems.append(f"{s.file}: tensor {s.name} ({s.dtype}) has no scale {scale_name(name)}")
+                continue
+            if op is Op.DEQUANT_BF16 and not quantized:
+                continue  # stays bf16, no blocks to keep whole
+            grid = sc.shape if quantized else (-(-s.shape[0] // 32), -(-s.shape[1] // 32))
+            block = -(-s.shape[dim] // grid[dim])
+            if op is Op.DEQUANT_BF16:
+                b = (s.shape[0] // grid[0], s.shape[1] // grid[1])
+                if b not in ((32, 32), (128, 128)) or (grid[0] * b[0], grid[1] * b[1]) != s.shape:
+                    problems.append(
+                        f"{s.file}: tensor {s.name}: scale {list(grid)} over weight {list(s.shape)} is no 32x32 or "
+                        "128x128 block grid"
+                    )
+                    continue
+            if grid[dim] % tp or grid[dim] // tp != -(-(size // tp) // block):
+                problems.append(
+                    f"{s.file}: tensor {s.name}: split of dim {dim} ({size}) over --tp {tp} cuts its "
+                    f"{block}-wide scale blocks (scale dim {grid[dim]}); choose a tp that keeps blocks whole"
+                )
+    _raise(problems, f"wrong tp {tp}")

@@ -1,0 +1,251 @@
+"""Fault injection: each bad input gives a clear error naming file and tensor, exit code 2, and nothing that
+looks finished in OUT; kill -9 mid-run then --resume gives byte-identical output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
+
+from dsv41_convert import execute as execute_mod
+from dsv41_convert.cli import main
+from dsv41_convert.errors import OutputError
+from dsv41_convert.plan import build_plan
+from dsv41_convert.safetensors_header import read_header
+
+CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, " ".join(err.split())  # undo rich's line wrapping
+
+
+def assert_nothing_finished(out: Path) -> None:
+    if not out.exists():
+        return
+    assert not list(out.glob("model*-mp*.safetensors")), list(out.iterdir())
+    assert not (out / "manifest.json").exists()
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    return make_tiny(tmp_path / "src")
+
+
+def _shard_file(src: Path, n: int = 1) -> Path:
+    return src / f"model-{n:05d}-of-00003.safetensors"
+
+
+def test_truncated_shard(src, tmp_path, monkeypatch, capsys):
+    p = _shard_file(src, 2)
+    os.truncate(p, p.stat().st_size - 7)
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 2
+    assert "model-00002-of-00003.safetensors: tensor" in err and "truncated" in err
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_corrupt_header_json(src, tmp_path, monkeypatch, capsys):
+    p = _shard_file(src, 1)
+    blob = bytearray(p.read_bytes())
+    blob[8:12] = b"XXXX"
+    p.write_bytes(bytes(blob))
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2")
+    assert code == 2 and "model-00001-of-00003.safetensors: header is not valid JSON" in err
+
+
+def test_oversized_header(src, monkeypatch, capsys):
+    p = _shard_file(src, 3)
+    blob = bytearray(p.read_bytes())
+    blob[:8] = struct.pack("<Q", 1 << 40)
+    p.write_bytes(bytes(blob))
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(src))
+    assert code == 2 and "model-00003-of-00003.safetensors: header length" in err and "limit" in err
+
+
+def test_offsets_out_of_bounds(src, monkeypatch, capsys):
+    p = _shard_file(src, 1)
+    h = read_header(p)
+    n = h.data_start - 8
+    doc = json.loads(p.read_bytes()[8 : 8 + n])
+    last = max(doc, key=lambda k: doc[k]["data_offsets"][1])
+    doc[last]["data_offsets"][1] += 4096  # now runs 4096 bytes past the end of the file
+    text = json.dumps(doc).encode()
+    text += b" " * (-len(text) % 8)
+    p.write_bytes(struct.pack("<Q", len(text)) + text + p.read_bytes()[h.data_start :])
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(src))
+    assert code == 2 and "model-00001-of-00003.safetensors: tensor" in err and last in err
+
+
+def test_tensor_missing_from_file(src, tmp_path, monkeypatch, capsys):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["layers.0.attn.wq_a.weight"] == "model-00002-of-00003.safetensors"
+    index["weight_map"]["layers.0.attn.wq_a.weight"] = "model-00003-of-00003.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"))
+    assert code == 2 and "layers.0.attn.wq_a.weight is there, but the index puts it in model-00003" in err
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_tensor_missing_from_its_file(src, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    p = _shard_file(src, 2)
+    tensors = load_file(p)
+    del tensors["layers.0.attn.wq_a.weight"]
+    save_file(tensors, p)
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"))
+    assert code == 2
+    assert (
+        "model-00002-of-00003.safetensors: tensor layers.0.attn.wq_a.weight is in the index but not in the file" in err
+    )
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_tensor_missing_from_index(src, monkeypatch, capsys):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["layers.2.ffn.experts.5.w3.scale"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(src))
+    assert code == 2 and "tensor layers.2.ffn.experts.5.w3.scale is not in the index" in err
+
+
+def test_scale_that_does_not_match_its_weight(tmp_path, monkeypatch, capsys):
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    tensors["layers.1.attn.wo_b.scale"] = tensors["layers.1.attn.wo_b.scale"][:, :3]
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(tmp_path / "src"), "--tp", "2")
+    assert code == 2 and "layers.1.attn.wo_b.scale: found F8_E8M0 [2, 3], expected F8_E8M0 [2, 8]" in err
+
+
+def test_wrong_tp(src, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"), "--tp", "3")
+    assert code == 2 and "--tp 3" in err and "routed experts" in err
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_nan_where_it_must_quantize(tmp_path, monkeypatch, capsys):
+    cfg = tiny_config(quantized=False)
+    tensors = source_tensors(cfg)
+    tensors["layers.2.attn.wq_a.weight"][5, 7] = float("nan")
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(tmp_path / "src"), str(out), "--tp", "2")
+    assert code == 2 and "layers.2.attn.wq_a.weight" in err and "nan" in err.lower()
+    assert_nothing_finished(out)
+    assert not list(out.glob("*.partial"))
+
+
+def test_out_inside_src_and_nonempty_out(src, tmp_path):
+    plan = build_plan(src, 1)
+    with pytest.raises(OutputError, match="inside"):
+        execute_mod.execute(plan, src / "out")
+    with pytest.raises(OutputError, match="source folder"):
+        execute_mod.execute(plan, src)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(OutputError, match="not empty"):
+        execute_mod.execute(plan, tmp_path / "full")
+
+
+def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
+    plan = build_plan(src, 2)
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 1000)
+    with pytest.raises(OutputError, match=r"GB to write but only 0\.00 GB free"):
+        execute_mod.execute(plan, tmp_path / "out")
+    assert_nothing_finished(tmp_path / "out")
+
+
+_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+sys.argv = ["dsv41-convert"] + sys.argv[1:]
+from dsv41_convert.cli import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_disk_full_while_writing(src, tmp_path):
+    """A real write error: the file-size limit makes write() fail with EFBIG mid-file, as a full disk would."""
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-c", _LIMITED, "shard", str(src), str(out), "--tp", "1"], capture_output=True, text=True
+    )
+    err = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stderr
+    assert "model0-mp1.safetensors: no space left on the device while writing tensor" in err
+    assert_nothing_finished(out)
+    assert not list(out.glob("*.partial")) and not list((out / ".dsv41-convert").glob("*"))
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_is_byte_identical(src, tmp_path):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    subprocess.run([*CLI, "shard", str(src), str(clean), "--tp", "4", "--json"], check=True, capture_output=True)
+    env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.01"}
+    proc = subprocess.Popen([*CLI, "shard", str(src), str(killed), "--tp", "4", "--json"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    done_dir = killed / ".dsv41-convert"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        partial = list(killed.glob("*.partial")) if killed.exists() else []
+        if (done_dir.exists() and any(done_dir.iterdir())) and partial and partial[0].stat().st_size > 20_000:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "manifest.json").exists()
+    finished = {p.name for p in killed.glob("model*-mp4.safetensors")}
+    assert 1 <= len(finished) < 4 and list(killed.glob("*.partial"))
+    res = subprocess.run([*CLI, "shard", str(src), str(killed), "--tp", "4", "--resume", "--json"],
+                         check=True, capture_output=True, text=True)  # fmt: skip
+    summary = json.loads(res.stdout)
+    assert set(summary["skipped"]) == finished and summary["manifest"]
+    assert not list(killed.glob("*.partial"))
+    for p in sorted(clean.glob("model*")):
+        assert (killed / p.name).read_bytes() == p.read_bytes(), p.name
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (clean, killed))
+    assert a["files"] == b["files"]
+
+
+def test_resume_redoes_a_corrupted_finished_file(src, tmp_path):
+    out = tmp_path / "out"
+    plan = build_plan(src, 2)
+    execute_mod.execute(plan, out)
+    good = (out / "model1-mp2.safetensors").read_bytes()
+    with open(out / "model1-mp2.safetensors", "r+b") as f:
+        f.seek(len(good) - 1)
+        f.write(bytes([good[-1] ^ 1]))
+    summary = execute_mod.execute(plan, out, resume=True)
+    assert summary["written"] == ["model1-mp2.safetensors"] and summary["skipped"] == ["model0-mp2.safetensors"]
+    assert (out / "model1-mp2.safetensors").read_bytes() == good
+
+
+@pytest.mark.slow
+def test_workers_match_single_process(src, tmp_path):
+    plan = build_plan(src, 4, "fp8")
+    execute_mod.execute(plan, tmp_path / "a")
+    execute_mod.execute(plan, tmp_path / "b", workers=2)
+    for p in (tmp_path / "a").glob("model*"):
+        assert (tmp_path / "b" / p.name).read_bytes() == p.read_bytes()

@@ -1,0 +1,151 @@
+"""End to end: make-tiny checkpoints -> shard at tp 1/2/4/8 -> every output tensor against an independent
+all-in-RAM statement of upstream convert.py (tests/reference_convert.py), byte for byte.
+
+Byte equality of the whole file with safetensors' own `save(reference)` checks names, dtypes, shapes,
+values and the header at once; key sets and a strict load are checked on top.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reference_convert import reference_convert
+
+from dsv41_convert.execute import execute
+from dsv41_convert.manifest import sha256_file
+from dsv41_convert.plan import build_plan
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """torch's thread pool on shared cores costs more than it gives on these small tensors."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _make_tiny(out: Path, quantized: bool = True) -> Path:
+    """`dsv41-convert make-tiny OUT --seed 3 [--source-dtype bf16]`, in-process."""
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import write_checkpoint
+
+    write_checkpoint(out, PRESETS["tiny"], seed=3, quantized=quantized)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_src(tmp_path_factory) -> Path:
+    return _make_tiny(tmp_path_factory.mktemp("src") / "fp8")
+
+
+@pytest.fixture(scope="module")
+def bf16_src(tmp_path_factory) -> Path:
+    return _make_tiny(tmp_path_factory.mktemp("src") / "bf16", quantized=False)
+
+
+def _check_against_reference(src: Path, out: Path, tp: int, expert_dtype: str) -> None:
+    ref = reference_convert(src, tp, expert_dtype)
+    for rank, sd in enumerate(ref):
+        path = out / f"model{rank}-mp{tp}.safetensors"
+        got = load_file(path)
+        assert set(got) == set(sd), (sorted(set(got) ^ set(sd)))[:5]
+        for name, want in sd.items():
+            have = got[name]
+            assert (have.dtype, tuple(have.shape)) == (want.dtype, tuple(want.shape)), name
+            assert torch.equal(have.view(torch.uint8), want.contiguous().view(torch.uint8)), name
+        assert path.read_bytes() == save(sd), f"{path} differs from safetensors' serialization of the reference"
+
+
+def _shard(src: Path, out: Path, tp: int, expert_dtype: str, **kw) -> dict:
+    plan = build_plan(src, tp, expert_dtype)
+    return execute(plan, out, chunk_bytes=kw.pop("chunk_bytes", 1 << 16), **kw)
+
+
+def test_fp8_source_tp2_fp4_matches_reference(fp8_src, tmp_path):
+    summary = _shard(fp8_src, tmp_path / "out", 2, "fp4")
+    assert len(summary["written"]) == 2
+    _check_against_reference(fp8_src, tmp_path / "out", 2, "fp4")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 4, 8])
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_fp8_source_matches_reference(fp8_src, tmp_path, tp, expert_dtype):
+    _shard(fp8_src, tmp_path / "out", tp, expert_dtype, workers=2 if tp == 8 else 1)
+    _check_against_reference(fp8_src, tmp_path / "out", tp, expert_dtype)
+
+
+@pytest.mark.slow
+def test_fp8_source_tp2_fp8_experts(fp8_src, tmp_path):
+    _shard(fp8_src, tmp_path / "out", 2, "fp8")
+    _check_against_reference(fp8_src, tmp_path / "out", 2, "fp8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "expert_dtype"), [(1, "fp4"), (2, "fp4"), (4, "fp8"), (8, "fp4")])
+def test_bf16_source_matches_reference(bf16_src, tmp_path, tp, expert_dtype):
+    _shard(bf16_src, tmp_path / "out", tp, expert_dtype)
+    _check_against_reference(bf16_src, tmp_path / "out", tp, expert_dtype)
+
+
+@pytest.mark.slow
+def test_bf16_source_gives_published_format(bf16_src, fp8_src, tmp_path):
+    """A bf16 source converts to the same key set, dtypes and shapes as the published format."""
+    _shard(bf16_src, tmp_path / "b", 2, "fp4")
+    _shard(fp8_src, tmp_path / "f", 2, "fp4")
+    for rank in range(2):
+        b = load_file(tmp_path / "b" / f"model{rank}-mp2.safetensors")
+        f = load_file(tmp_path / "f" / f"model{rank}-mp2.safetensors")
+        assert {k: (v.dtype, v.shape) for k, v in b.items()} == {k: (v.dtype, v.shape) for k, v in f.items()}
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert (cfg["dtype"], cfg["expert_dtype"]) == ("fp8", "fp4")
+
+
+def test_cli_shard_sidecars_and_manifest(fp8_src, tmp_path, monkeypatch, capsys):
+    from dsv41_convert.cli import main
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "shard", str(fp8_src), str(out), "--tp", "2", "--json"])
+    main()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["manifest"] == str(out / "manifest.json")
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = {"model0-mp2.safetensors", "model1-mp2.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert names | {"config.json", "hf_config.json"} == set(manifest["files"])
+    for name, rec in manifest["files"].items():
+        assert rec["sha256"] == sha256_file(out / name) and rec["size"] == (out / name).stat().st_size
+    assert manifest["options"]["tp"] == 2 and manifest["source"]["index_sha256"]
+    assert (out / "hf_config.json").read_bytes() == (fp8_src / "config.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (fp8_src / "tokenizer.json").read_bytes()
+    inference = json.loads((out / "config.json").read_text())
+    assert inference["dtype"] == "fp8" and inference["expert_dtype"] == "fp4" and "dim" in inference
+    assert not list(out.glob("*.partial"))
+
+
+def test_ranks_and_resume(fp8_src, tmp_path):
+    out = tmp_path / "out"
+    first = _shard(fp8_src, out, 4, "fp4", ranks=[0, 3])
+    assert sorted(first["written"]) == ["model0-mp4.safetensors", "model3-mp4.safetensors"]
+    assert first["manifest"] is None and not (out / "manifest.json").exists()
+    second = _shard(fp8_src, out, 4, "fp4", resume=True)
+    assert sorted(second["skipped"]) == ["model0-mp4.safetensors", "model3-mp4.safetensors"]
+    assert sorted(second["written"]) == ["model1-mp4.safetensors", "model2-mp4.safetensors"]
+    assert second["manifest"] is not None
+    _check_against_reference(fp8_src, out, 4, "fp4")
+
+
+def test_torchrun_share_is_disjoint(fp8_src):
+    from dsv41_convert.execute import select_files
+
+    plan = build_plan(fp8_src, 8)
+    shares = [select_files(plan, None, {"WORLD_SIZE": "3", "RANK": str(r)}) for r in range(3)]
+    files = [f.file for share in shares for f in share]
+    assert sorted(files) == sorted(f.file for f in plan.files) and len(set(files)) == 8

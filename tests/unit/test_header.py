@@ -1,0 +1,109 @@
+"""safetensors headers: our parser against bad files, our writer against safetensors' own bytes."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save, save_file
+
+from dsv41_convert.errors import HeaderError
+from dsv41_convert.safetensors_header import build_header, read_header
+
+TORCH_TO_ST = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int8: "I8",
+    torch.float4_e2m1fn_x2: "F4",
+}
+
+
+def _entries(sd):
+    out = []
+    for name, t in sd.items():
+        shape = tuple(t.shape)
+        if t.dtype == torch.float4_e2m1fn_x2:
+            shape = (*shape[:-1], shape[-1] * 2)
+        out.append((name, TORCH_TO_ST[t.dtype], shape))
+    return out
+
+
+def _sample():
+    return {
+        "layers.0.attn.wq_b.weight": torch.zeros(64, 32, dtype=torch.float8_e4m3fn),
+        "layers.0.attn.wq_b.scale": torch.ones(2, 1, dtype=torch.float8_e8m0fnu),
+        "layers.0.attn.attn_sink": torch.arange(8, dtype=torch.float32),
+        "embed.weight": torch.ones(4, 16, dtype=torch.bfloat16),
+        "layers.0.ffn.experts.0.w1.weight": torch.zeros(4, 8, dtype=torch.int8).view(torch.float4_e2m1fn_x2),
+        "layers.0.ffn.experts.0.w1.scale": torch.ones(4, 1, dtype=torch.float8_e8m0fnu),
+        "scalar": torch.tensor(1.0),
+    }
+
+
+def test_build_header_is_byte_identical_to_save_file():
+    sd = _sample()
+    blob = save(sd)
+    header, spans = build_header(_entries(sd))
+    assert blob[: len(header)] == header  # golden: safetensors' serializer
+    assert spans[-1][2] == len(blob)
+
+
+def test_read_header_roundtrip(tmp_path):
+    sd = _sample()
+    save_file(sd, tmp_path / "a.safetensors")
+    h = read_header(tmp_path / "a.safetensors")
+    assert set(h.tensors) == set(sd)
+    blob = (tmp_path / "a.safetensors").read_bytes()
+    for name, t in sd.items():
+        info = h.tensors[name]
+        assert blob[info.begin : info.end] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _write(path, header: dict | bytes, data: bytes = b"", length: int | None = None):
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "length", "match"),
+    [
+        (b"{not json", b"", None, "not valid JSON"),
+        (
+            {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 4,
+            None,
+            r"tensor t ends at byte.*truncated",
+        ),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, None, "needs 8"),
+        ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, None, "gap of 4 bytes"),
+        ({"t": {"dtype": "XX", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unknown dtype"),
+        ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8, None, "4 bytes after"),
+        (b"{}", b"", 10**9, "exceeds"),
+        (b"{}", b"", 4096, "runs past the end"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+            },
+            b"\0" * 8,
+            None,
+            "overlaps",
+        ),
+    ],
+)
+def test_bad_headers_name_file_and_tensor(tmp_path, header, data, length, match):
+    path = _write(tmp_path / "bad.safetensors", header, data, length)
+    with pytest.raises(HeaderError, match=match) as err:
+        read_header(path)
+    assert "bad.safetensors" in str(err.value)
+
+
+def test_short_file(tmp_path):
+    (tmp_path / "s.safetensors").write_bytes(b"abc")
+    with pytest.raises(HeaderError, match="too short"):
+        read_header(tmp_path / "s.safetensors")

@@ -1,0 +1,177 @@
+"""build_plan on small checkpoints built in tmp_path: layout, totals, JSON round trip, and every
+validation problem reported with its file and tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
+
+from dsv41_convert.errors import HeaderError, PlanError
+from dsv41_convert.plan import ConversionPlan, build_plan, summarize
+from dsv41_convert.safetensors_header import nbytes, read_header
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    return make_tiny(tmp_path / "src")
+
+
+def test_plan_layout_and_totals(src):
+    plan = build_plan(src, 4)
+    assert [f.file for f in plan.files] == [f"model{r}-mp4.safetensors" for r in range(4)]
+    for f in plan.files:
+        # offsets tile the file after the header, in file order
+        pos = len(f.header)
+        for t in f.tensors:
+            assert t.begin == pos and t.end - t.begin == nbytes(t.dtype, t.shape)
+            pos = t.end
+        assert f.nbytes == pos
+    s = summarize(plan)
+    assert s["total_bytes"] == sum(r["bytes"] for r in s["ranks"])
+    # experts: 8 per layer over 4 ranks -> 2 per rank, weights + scales, w1..w3, 3 layers + 2 mtp stages
+    names = [t.name for t in plan.files[1].tensors]
+    experts = [n for n in names if ".experts." in n]
+    assert len(experts) == 5 * 2 * 3 * 2
+    assert all(int(n.split(".")[4]) in (2, 3) for n in experts)
+    assert not any("wo_a.scale" in n for n in names)
+    wo_a = next(t for t in plan.files[0].tensors if t.name == "layers.0.attn.wo_a.weight")
+    assert (wo_a.dtype, wo_a.action, wo_a.shape) == ("BF16", "dequant_bf16", (64, 32))
+
+
+def test_plan_reads_only_headers(src, monkeypatch):
+    # the data region of every shard is unreadable garbage: planning must not care
+    for p in src.glob("*.safetensors"):
+        h = read_header(p)
+        with open(p, "r+b") as f:
+            f.seek(h.data_start)
+            f.write(b"\xff" * (h.file_size - h.data_start))
+    build_plan(src, 2)
+
+
+def test_plan_json_round_trip(src):
+    plan = build_plan(src, 2, "fp8")
+    text = json.dumps(plan.to_dict())
+    again = ConversionPlan.from_dict(json.loads(text))
+    assert again.to_dict() == plan.to_dict() and again.digest() == plan.digest()
+
+
+def test_bf16_source_plans_the_published_format(tmp_path):
+    a = build_plan(make_tiny(tmp_path / "q"), 2)
+    b = build_plan(make_tiny(tmp_path / "b", quantized=False), 2)
+    for fa, fb in zip(a.files, b.files, strict=True):
+        assert fa.header == fb.header
+    actions = {t.action for f in b.files for t in f.tensors}
+    assert {"quant_fp8", "quant_fp4", "quant_rows_fp8"} <= actions and "dequant_bf16" not in actions
+
+
+def _rewrite(src: Path, change) -> Path:
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = source_tensors(cfg)
+    change(tensors)
+    for p in src.glob("*.safetensors"):
+        p.unlink()
+    return write_ckpt(src, tensors, cfg)
+
+
+def test_wrong_tp(src):
+    with pytest.raises(PlanError, match=r"--tp 3: the backbone has 8 routed experts per layer"):
+        build_plan(src, 3)
+
+
+def test_split_that_cuts_scale_blocks(tmp_path):
+    cfg = tiny_config()
+    cfg["text_config"].update(head_dim=16, qk_rope_head_dim=8)  # wq_b [128, 32]: 16 rows per rank at tp 8
+    write_ckpt(tmp_path / "s", source_tensors(cfg), cfg)
+    with pytest.raises(PlanError, match=r"layers\.0\.attn\.wq_b\.weight: split of dim 0 \(128\) over --tp 8 cuts"):
+        build_plan(tmp_path / "s", 8)
+
+
+def test_missing_tensor_named(src):
+    _rewrite(src, lambda t: t.pop("layers.1.attn.wkv.weight"))
+    with pytest.raises(PlanError, match=r"layers\.1\.attn\.wkv\.weight: missing from the checkpoint"):
+        build_plan(src, 1)
+
+
+def test_extra_tensor_named(src):
+    def add(t):
+        t["layers.1.attn.wq_a.bias"] = torch.zeros(4)
+
+    _rewrite(src, add)
+    with pytest.raises(PlanError, match=r"model-0000\d-of-00003\.safetensors: layers\.1\.attn\.wq_a\.bias: no rule"):
+        build_plan(src, 1)
+
+
+def test_expert_stored_as_fp8_is_refused(src):
+    def change(t):
+        t["layers.0.ffn.experts.3.w2.weight"] = torch.zeros(64, 32).to(torch.float8_e4m3fn)
+
+    _rewrite(src, change)
+    with pytest.raises(
+        PlanError, match=r"layers\.0\.ffn\.experts\.3\.w2\.weight: found F8_E4M3 \[64, 32\], expected I8"
+    ):
+        build_plan(src, 1)
+
+
+def test_wo_a_without_its_scale(src):
+    _rewrite(src, lambda t: t.pop("mtp.1.attn.wo_a.scale"))
+    with pytest.raises(PlanError, match=r"mtp\.1\.attn\.wo_a\.scale: missing"):
+        build_plan(src, 1)
+
+
+def test_scale_that_does_not_match_its_weight(src):
+    def change(t):
+        t["layers.2.attn.wq_b.scale"] = t["layers.2.attn.wq_b.scale"][:4]
+
+    _rewrite(src, change)
+    with pytest.raises(
+        PlanError, match=r"layers\.2\.attn\.wq_b\.scale: found F8_E8M0 \[4, 1\], expected F8_E8M0 \[8, 1\]"
+    ):
+        build_plan(src, 1)
+
+
+def test_index_and_files_disagree(src):
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"].pop("embed.weight")
+    index["weight_map"]["layers.9.attn.wq_a.weight"] = "model-00001-of-00003.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PlanError) as err:
+        build_plan(src, 1)
+    assert "tensor embed.weight is not in the index" in str(err.value)
+    assert "layers.9.attn.wq_a.weight is in the index but not in the file" in str(err.value)
+
+
+def test_missing_shard_file(src):
+    (src / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(PlanError, match=r"model-00002-of-00003\.safetensors: missing, but the index maps"):
+        build_plan(src, 1)
+
+
+def test_truncated_shard(src):
+    p = src / "model-00003-of-00003.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+    with pytest.raises(HeaderError, match=r"model-00003-of-00003\.safetensors: tensor .* truncated"):
+        build_plan(src, 1)
+
+
+def test_duplicate_across_files(src):
+    from safetensors.torch import save_file
+
+    save_file({"embed.weight": torch.zeros(256, 64, dtype=torch.bfloat16)}, src / "model-extra.safetensors")
+    with pytest.raises(PlanError, match=r"embed\.weight is also in"):
+        build_plan(src, 1)
+
+
+def test_bf16_config_with_fp8_tensors(tmp_path):
+    cfg = tiny_config(quantized=True)
+    tensors = source_tensors(cfg)
+    del cfg["quantization_config"]
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    with pytest.raises(PlanError, match="no quantization_config"):
+        build_plan(tmp_path / "s", 1)

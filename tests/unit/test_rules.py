@@ -1,0 +1,98 @@
+"""The rule table against the real 96,085-tensor catalog and against upstream's own way of choosing splits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv41_convert.config import load_model_args
+from dsv41_convert.errors import PlanError
+from dsv41_convert.layout import published_layout
+from dsv41_convert.rules import RULES, Op, Split, canonical_name, match_rule
+
+REF = Path(__file__).resolve().parents[1] / "data" / "reference"  # see tests/reference_data.py
+
+
+@pytest.fixture(scope="module")
+def catalog() -> dict[str, tuple[str, tuple[int, ...]]]:
+    rows = json.loads((REF / "v41-flash.tensor-catalog.json").read_text())
+    out = {}
+    for row in rows:
+        for combo in itertools.product(*row["axes"]):
+            out[row["pattern"].format(*combo)] = (row["dtype"], tuple(row["shape"]))
+    return out
+
+
+def test_catalog_size(catalog):
+    assert len(catalog) == 96085
+
+
+def test_every_catalog_name_has_a_rule_accepting_its_dtype(catalog):
+    for name, (dtype, _) in catalog.items():
+        assert dtype in match_rule(name).src, (name, dtype)
+
+
+@pytest.mark.slow
+def test_every_catalog_name_matches_exactly_one_rule_unmemoized(catalog):
+    import re
+
+    compiled = [(re.compile(r.pattern), r) for r in RULES]
+    for name in catalog:
+        hits = [r for rx, r in compiled if rx.fullmatch(name)]
+        assert len(hits) == 1, (name, [h.pattern for h in hits])
+        assert match_rule(name) is hits[0]
+
+
+def _upstream_split(name: str) -> Split:
+    """Upstream's choice, restated: experts by index, Engram rows padded, else a split by the
+    second-to-last name component (the last one for hc_*, attn_sink, image_*)."""
+    if ".experts." in name and "shared_experts" not in name:
+        return Split.EXPERT
+    if ".engram.embed." in name:
+        return Split.ROWS_PADDED
+    parts = name.split(".")
+    key = parts[-1] if any(x in name for x in ("hc", "attn_sink", "image_")) else parts[-2]
+    dims = {"embed": 0, "head": 0, "wq_b": 0, "wo_a": 0, "attn_sink": 0, "weights_proj": 0, "wo_b": 1}
+    if key not in dims:
+        return Split.NONE
+    return Split.DIM0 if dims[key] == 0 else Split.DIM1
+
+
+def test_splits_agree_with_upstreams_name_logic(catalog):
+    for name in catalog:
+        assert match_rule(name).split is _upstream_split(name), name
+
+
+def test_wo_a_and_experts_ops():
+    assert match_rule("layers.3.attn.wo_a.weight").op is Op.DEQUANT_BF16
+    assert match_rule("mtp.0.attn.wo_a.scale").op is Op.FOLD_INTO_WEIGHT
+    assert match_rule("layers.3.ffn.experts.7.w1.weight").src == ("I8",)
+    assert match_rule("mtp.1.embed.weight").op is Op.DROP
+    assert match_rule("vision.blocks.0.mlp.w1.weight").op is Op.KEEP
+
+
+def test_layout_of_the_real_config_is_the_catalog(catalog):
+    args = load_model_args(REF / "v41-flash.config.json")
+    assert published_layout(args) == catalog
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("model.layers.0.self_attn.wq_b.weight_scale_inv", "layers.0.attn.wq_b.scale"),
+        ("model.layers.0.mlp.gate.e_score_correction_bias", "layers.0.ffn.gate.bias"),
+        ("vision.blocks.0.mlp.w1.weight", "vision.blocks.0.mlp.w1.weight"),
+    ],
+)
+def test_canonical_names(old, new):
+    assert canonical_name(old) == new
+
+
+def test_unknown_name_is_an_error_not_a_replica():
+    with pytest.raises(PlanError, match=r"layers\.0\.attn\.mystery\.weight: no rule"):
+        match_rule("layers.0.attn.mystery.weight")
+    with pytest.raises(PlanError, match="no rule"):
+        match_rule("layers.0.ffn.experts.x.w1.weight")
