@@ -65,7 +65,7 @@ def apply(action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_
     elif action == "dequant_bf16":
         outs = (q.decode_fp8_blocks(inputs[0], inputs[1], tuple(block), torch.bfloat16),)
     elif action == "fp4_to_fp8":
-        outs = _plus_zero(q.fp4_to_fp8(inputs[0].view(torch.float4_e2m1fn_x2), inputs[1], 32, name))
+        outs = q.fp4_to_fp8(inputs[0].view(torch.float4_e2m1fn_x2), inputs[1], 32, name)
     elif action == "quant_fp8":
         outs = q.encode_fp8_blocks(inputs[0], (32, 32), "ue8m0", name)
     elif action == "quant_rows_fp8":
@@ -74,21 +74,10 @@ def apply(action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_
         outs = q.encode_mxfp4(inputs[0], 32, name)
     elif action == "quant_fp4_fp8":
         packed, s = q.encode_mxfp4(inputs[0], 32, name)
-        outs = _plus_zero(q.fp4_to_fp8(packed, s, 32, name))
+        outs = q.fp4_to_fp8(packed, s, 32, name)
     else:
         raise ValueError(f"{name}: unknown action {action!r}")
     return tuple(o.cpu() for o in outs)
-
-
-def _plus_zero(outs: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """e4m3 -0 (byte 0x80) -> +0 (byte 0x00) in the weight: upstream's cast decodes fp4 code 8 as +0.0,
-    so its output never holds -0; this keeps our bytes equal to its bytes, not just our values.
-
-    outs: (w8 [out, in] float8_e4m3fn, s8 [...] float8_e8m0fnu)
-    """
-    w8, s8 = outs
-    raw = w8.view(torch.uint8)
-    return raw.masked_fill(raw == 0x80, 0).view(torch.float8_e4m3fn), s8
 
 
 def to_bytes(t: Tensor) -> memoryview:
