@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -84,6 +85,16 @@ def make_tiny(
 from dsv41_convert import cli_options as _shard_opts  # noqa: E402
 
 
+def _local_source(src: Path) -> Path:
+    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified first."""
+    if src.exists():
+        return src
+    from dsv41_convert.download import resolve_source
+
+    with report.byte_progress(f"download {src}") as progress:
+        return resolve_source(str(src), progress=progress)
+
+
 @app.command("plan")
 def plan_cmd(
     src: _shard_opts.SrcArg,
@@ -99,7 +110,7 @@ def plan_cmd(
     """
     from dsv41_convert.plan import build_plan, summarize
 
-    plan = build_plan(src, tp, expert_dtype)
+    plan = build_plan(_local_source(src), tp, expert_dtype)
     if as_json:
         return report.print_json(plan.to_dict())
     _plan_table(summarize(plan))
@@ -157,7 +168,7 @@ def shard_cmd(
         rank_list = [int(r) for r in ranks.split(",")] if ranks else None
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
-    plan = build_plan(src, tp, expert_dtype)
+    plan = build_plan(_local_source(src), tp, expert_dtype)
     if dry_run:
         return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
@@ -175,7 +186,6 @@ def shard_cmd(
 
 
 # --- commands: verify, reference-logits, check, demo ---
-from pathlib import Path  # noqa: E402
 from typing import Annotated  # noqa: E402
 
 from dsv41_convert import cli_options as _verify_opts  # noqa: E402
@@ -360,7 +370,6 @@ def demo_cmd(
 
 # --- commands: download ---
 # imports for this section only (the lead may hoist them to the top)
-from pathlib import Path  # noqa: E402
 from typing import Annotated  # noqa: E402
 
 from dsv41_convert.cli_options import JsonOpt  # noqa: E402

@@ -5,7 +5,9 @@ from typing import Annotated
 
 import typer
 
-SrcArg = Annotated[Path, typer.Argument(help="Source checkpoint folder (config.json, index, shards).")]
+SrcArg = Annotated[
+    Path, typer.Argument(help="Source checkpoint folder (config.json, index, shards) or Hub repo id owner/name[@rev].")
+]
 OutArg = Annotated[Path, typer.Argument(help="Output folder.")]
 TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Number of tensor-parallel ranks.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]

@@ -337,7 +337,9 @@ class ModelArgs:
                 raise ConfigError(f"{source}: kv source layer {layer} must be a backbone layer with compress_ratio > 0")
         for layer in self.index_source_layers:
             if not 0 <= layer < self.n_layers or self.compress_ratios[layer] == 0:
-                raise ConfigError(f"{source}: index source layer {layer} must be a backbone layer with compress_ratio > 0")
+                raise ConfigError(
+                    f"{source}: index source layer {layer} must be a backbone layer with compress_ratio > 0"
+                )
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
         if self.dtype not in ("fp8", "bf16"):

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import OutputError
+from dsv41_convert.progress import Progress as ByteProgress
 
 Step = Callable[[str], None]
-ByteProgress = Callable[[str, int, int], None]
 
 
 def run_demo(

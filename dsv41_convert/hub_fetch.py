@@ -29,6 +29,7 @@ from huggingface_hub.utils._runtime import is_xet_available  # same test hf_hub_
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub_integrity import Record, RemoteFile
+from dsv41_convert.progress import Progress
 
 try:  # huggingface_hub 2.x ships its own httpx fork; 1.x used httpx
     from httpx2 import NetworkError, RemoteProtocolError, TimeoutException, TransportError
@@ -39,7 +40,6 @@ except ImportError:  # pragma: no cover
 _FLAKY = (NetworkError, TimeoutException, RemoteProtocolError, ConnectionError, TimeoutError)
 
 T = TypeVar("T")
-Progress = Callable[[str, int, int], None]
 _TOKENS_URL = "https://huggingface.co/settings/tokens"
 
 

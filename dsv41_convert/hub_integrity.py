@@ -21,12 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dsv41_convert.errors import DownloadError, HeaderError
+from dsv41_convert.progress import Progress
 from dsv41_convert.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 _CHUNK = 8 * 1024 * 1024
-
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)

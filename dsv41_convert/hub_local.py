@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,11 +19,10 @@ from huggingface_hub.utils import filter_repo_objects
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub_integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
+from dsv41_convert.progress import Progress
 
 RECORD_NAME = ".dsv41-download.json"
 COMMIT = re.compile(r"[0-9a-f]{40}")
-
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ file is reported without hashing it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.manifest import FORMAT, MANIFEST, sha256_file
+from dsv41_convert.progress import Progress
 
 
 @dataclass
@@ -53,7 +53,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return data
 
 
-def check_folder(folder: Path, progress: Callable[[str, int, int], None] | None = None) -> CheckResult:
+def check_folder(folder: Path, progress: Progress | None = None) -> CheckResult:
     """Check sizes, then sha256, of every file in the manifest. -> CheckResult (ok when no problems)."""
     folder = Path(folder)
     files = read_manifest(folder)["files"]

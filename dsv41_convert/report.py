@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,6 +21,8 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+
+from dsv41_convert.progress import Progress as ProgressFn
 
 stdout = Console(soft_wrap=True)
 stderr = Console(stderr=True, soft_wrap=True)
@@ -42,10 +44,6 @@ def warn(message: str) -> None:
 
 def info(message: str) -> None:
     stderr.print(message, highlight=False)
-
-
-ProgressFn = Callable[[str, int, int], None]
-"""progress(label, done, total): `label` names a task (e.g. an output file); done/total in bytes."""
 
 
 @contextmanager

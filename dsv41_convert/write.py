@@ -21,13 +21,13 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
+from dsv41_convert.progress import Progress
 from dsv41_convert.safetensors_header import DTYPE_BITS, nbytes, pread_exact
 from dsv41_convert.transform import apply, from_bytes, to_bytes
 
@@ -35,8 +35,6 @@ CHUNK_BYTES = 64 << 20
 STASH_BYTES = 256 << 20
 THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-Progress = Callable[[str, int, int], None]
 
 
 def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +27,12 @@ from safetensors.torch import save_file
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.model.engram_hash import compressed_token_map
+from dsv41_convert.progress import Progress as ProgressFn
 from dsv41_convert.synth.presets import Preset, hf_config
 from dsv41_convert.synth.tensors import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
 
-ProgressFn = Callable[[str, int, int], None]
 INDEX = "model.safetensors.index.json"
 _DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 _SAFETENSORS_DTYPE = {

@@ -18,20 +18,18 @@ Everything is held in RAM: fine for verify's small models, not for a 500 GB chec
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from dsv41_convert.plan import ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.progress import Progress
 from dsv41_convert.safetensors_header import DTYPE_BITS, pread_exact
 from dsv41_convert.transform import DTYPES, apply, quantizer_for
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
-
-Progress = Callable[[str, int, int], None]
 
 
 def _read(src: Path, rd: Read, fds: dict[str, int]) -> Tensor:
