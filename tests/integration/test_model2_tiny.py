@@ -57,16 +57,6 @@ def test_image(width: int = 100, height: int = 70) -> Image.Image:
 test_image.__test__ = False  # a helper, not a test
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread avoids spin-wait oversubscription on a busy 2-core box
-    (measured: a prefill took 17 s with 2 threads under load, 0.9 s with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def vl_folder(tmp_path_factory) -> Path:
     return make_shards(tmp_path_factory.mktemp("tiny_vl"), vision=True, tp=1)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,14 +119,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,6 @@ from dsv41_convert.manifest import sha256_file
 from dsv41_convert.plan import build_plan
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """torch's thread pool on shared cores costs more than it gives on these small tensors."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _make_tiny(out: Path, quantized: bool = True) -> Path:
     """`dsv41-convert make-tiny OUT --seed 3 [--source-dtype bf16]`, in-process."""
     from dsv41_convert.synth.presets import PRESETS

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
@@ -15,15 +14,6 @@ from dsv41_convert.execute import select_files
 from dsv41_convert.plan import build_plan
 from dsv41_convert.transform import quantizer_for
 from dsv41_convert.write import write_rank_file
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """torch's thread pool on shared cores costs more than it gives on these small tensors."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

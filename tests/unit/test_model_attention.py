@@ -3,8 +3,6 @@ reads which other layer's caches (every block type of the schedule)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from model_testing import random_state_dict, tiny_args
@@ -14,15 +12,6 @@ from dsv41_convert.model.attention import get_window_topk_idxs
 from dsv41_convert.model.compressor import Compressor
 from dsv41_convert.model.indexer import select_candidate_blocks
 from dsv41_convert.model.load import expected_tensors
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread avoids spin-waits on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ and that a planted weight error reaches the logits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,6 @@ from dsv41_convert.safetensors_header import read_header
 
 ARGS = tiny_args()
 SEQ = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread avoids spin-waits on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
