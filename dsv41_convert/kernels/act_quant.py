@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import nonfinite, pow2_ceil_exp, pow2_from_exp, recip_pow2_from_exp
+from dsv41_convert.kernels.row_launch import rows_per_launch, vector_width
 
 # dtype aliases
 F32 = "float32"
@@ -36,14 +37,6 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # as quant.act / quant.fp8
 
 
-def _vec(c: int, group: int, elem_bytes: int) -> int:
-    """Largest power-of-two vector (<= 16 bytes) dividing both the row length and the group."""
-    v = 16 // elem_bytes
-    while c % v or group % v:
-        v //= 2
-    return v
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def act_quant_kernel(c: int, group: int, in_dtype: str, pow2: bool, scale_u8: bool, inplace: bool, unroll: int = 4):
     """Per-row groups of `group` along rows of static length `c`.
@@ -53,7 +46,7 @@ def act_quant_kernel(c: int, group: int, in_dtype: str, pow2: bool, scale_u8: bo
     """
     r = T.symbolic("R")
     elem_bytes = 4 if in_dtype == F32 else 2
-    vec = _vec(c, group, elem_bytes)
+    vec = vector_width(c, group, elem_bytes)
     lanes = group // vec  # threads per group, adjacent in a warp
     assert lanes <= 32 and lanes & (lanes - 1) == 0, "group / vec must be a power of two <= 32"
     gpr = -(-c // group)  # groups per row
@@ -167,12 +160,6 @@ def act_quant_kernel(c: int, group: int, in_dtype: str, pow2: bool, scale_u8: bo
                 T.atomic_add(nonfinite_count[0], 1)
 
     return act_quant_
-
-
-def rows_per_launch(c: int, group: int) -> int:
-    """Rows per launch that keep every int32 slot index in range (huge tables go in slices)."""
-    vpr = -(-c // group) * (group // _vec(c, group, 2))
-    return max(1, (2**31 - 2**20) // vpr)
 
 
 def quantize_rows(

@@ -27,6 +27,7 @@ from dsv41_convert.kernels.bits import (
     pow2_from_exp,
     recip_pow2_from_exp,
 )
+from dsv41_convert.kernels.row_launch import rows_per_launch, vector_width
 
 # dtype aliases
 F32 = "float32"
@@ -44,14 +45,6 @@ E8M0_AMAX_FLOOR = 6 * 2.0**-126
 E4M3_AMAX_FLOOR = 6 * 2.0**-9
 
 
-def _vec(c: int, group: int, elem_bytes: int) -> int:
-    """Largest power-of-two vector (<= 16 bytes, >= 2 values) dividing the row length and the group."""
-    v = 16 // elem_bytes
-    while c % v or group % v:
-        v //= 2
-    return v
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def fp4_act_quant_kernel(c: int, group: int, in_dtype: str, e4m3_scale: bool, inplace: bool, unroll: int = 4):
     """Per-row groups of `group` along rows of static length `c` (c even).
@@ -61,7 +54,7 @@ def fp4_act_quant_kernel(c: int, group: int, in_dtype: str, e4m3_scale: bool, in
     """
     r = T.symbolic("R")
     elem_bytes = 4 if in_dtype == F32 else 2
-    vec = _vec(c, group, elem_bytes)
+    vec = vector_width(c, group, elem_bytes)
     assert vec >= 2, "rows must have an even length"
     lanes = group // vec
     assert lanes <= 32 and lanes & (lanes - 1) == 0, "group / vec must be a power of two <= 32"
@@ -172,12 +165,6 @@ def fp4_act_quant_kernel(c: int, group: int, in_dtype: str, e4m3_scale: bool, in
                 T.atomic_add(nonfinite_count[0], 1)
 
     return fp4_act_quant_
-
-
-def rows_per_launch(c: int, group: int) -> int:
-    """Rows per launch that keep every int32 slot index in range (huge tensors go in slices)."""
-    vpr = -(-c // group) * (group // _vec(c, group, 2))
-    return max(1, (2**31 - 2**20) // vpr)
 
 
 def quantize_rows(
