@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from dsv41_convert import cli_options as opts
 from dsv41_convert import report
 from dsv41_convert.errors import ConvertError
 
@@ -31,7 +33,6 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 
 # --- commands: make-tiny ---
 # imports for this section only (the lead may hoist them to the top)
-from dsv41_convert import cli_options as opts  # noqa: E402
 
 
 @app.command("make-tiny")
@@ -82,7 +83,6 @@ def make_tiny(
 
 
 # --- commands: plan, shard ---
-from dsv41_convert import cli_options as _shard_opts  # noqa: E402
 
 
 def _local_source(src: Path) -> Path:
@@ -97,10 +97,10 @@ def _local_source(src: Path) -> Path:
 
 @app.command("plan")
 def plan_cmd(
-    src: _shard_opts.SrcArg,
-    tp: _shard_opts.TpOpt = 1,
-    expert_dtype: _shard_opts.ExpertDtypeOpt = "fp4",
-    as_json: _shard_opts.JsonOpt = False,
+    src: opts.SrcArg,
+    tp: opts.TpOpt = 1,
+    expert_dtype: opts.ExpertDtypeOpt = "fp4",
+    as_json: opts.JsonOpt = False,
 ) -> None:
     """Read headers and index only, validate, and show each rank file: tensors, bytes, rules.
 
@@ -140,17 +140,17 @@ def _plan_table(summary: dict) -> None:
 
 @app.command("shard")
 def shard_cmd(
-    src: _shard_opts.SrcArg,
-    out: _shard_opts.OutArg,
-    tp: _shard_opts.TpOpt = 1,
-    expert_dtype: _shard_opts.ExpertDtypeOpt = "fp4",
-    workers: _shard_opts.WorkersOpt = 1,
-    ranks: _shard_opts.RanksOpt = None,
-    resume: _shard_opts.ResumeOpt = False,
-    overwrite: _shard_opts.OverwriteOpt = False,
-    device: _shard_opts.DeviceOpt = "cpu",
-    dry_run: _shard_opts.DryRunOpt = False,
-    as_json: _shard_opts.JsonOpt = False,
+    src: opts.SrcArg,
+    out: opts.OutArg,
+    tp: opts.TpOpt = 1,
+    expert_dtype: opts.ExpertDtypeOpt = "fp4",
+    workers: opts.WorkersOpt = 1,
+    ranks: opts.RanksOpt = None,
+    resume: opts.ResumeOpt = False,
+    overwrite: opts.OverwriteOpt = False,
+    device: opts.DeviceOpt = "cpu",
+    dry_run: opts.DryRunOpt = False,
+    as_json: opts.JsonOpt = False,
 ) -> None:
     """Write model{r}-mp{N}.safetensors for every rank r, the tokenizer, config.json and manifest.json.
 
@@ -186,9 +186,7 @@ def shard_cmd(
 
 
 # --- commands: verify, reference-logits, check, demo ---
-from typing import Annotated  # noqa: E402
 
-from dsv41_convert import cli_options as _verify_opts  # noqa: E402
 
 ConvertedArg = Annotated[Path, typer.Argument(help="Folder written by `shard`: rank files, config.json, tokenizer.")]
 ReferenceOpt = Annotated[
@@ -219,7 +217,7 @@ def verify_cmd(
     reference: ReferenceOpt = None,
     reference_logits: ReferenceLogitsOpt = None,
     prompts: PromptsOpt = None,
-    device: _verify_opts.DeviceOpt = "cpu",
+    device: opts.DeviceOpt = "cpu",
     tp: VerifyTpOpt = None,
     decode_steps: DecodeOpt = 3,
     max_seq_len: MaxSeqOpt = None,
@@ -230,7 +228,7 @@ def verify_cmd(
     min_top1: MinTop1Opt = None,
     min_cos: MinCosOpt = None,
     no_localize: NoLocalizeOpt = False,
-    as_json: _verify_opts.JsonOpt = False,
+    as_json: opts.JsonOpt = False,
 ) -> None:
     """Run the converted weights (one process per rank) and compare their logits with a reference.
 
@@ -267,14 +265,14 @@ def verify_cmd(
 
 @app.command("reference-logits")
 def reference_logits_cmd(
-    src: _verify_opts.SrcArg,
+    src: opts.SrcArg,
     out: Annotated[Path, typer.Argument(help="Output .safetensors file.")],
     prompts: PromptsOpt = None,
-    device: _verify_opts.DeviceOpt = "cpu",
+    device: opts.DeviceOpt = "cpu",
     decode_steps: DecodeOpt = 3,
     max_seq_len: MaxSeqOpt = None,
     threads: ThreadsOpt = None,
-    as_json: _verify_opts.JsonOpt = False,
+    as_json: opts.JsonOpt = False,
 ) -> None:
     """Compute reference logits from SRC at tp 1 (weights transformed in memory) and save them for
     `verify --reference-logits`: prompts, last/all-position logits, decode steps, DSpark drafts and the
@@ -313,7 +311,7 @@ def reference_logits_cmd(
 
 
 @app.command("check")
-def check_cmd(out: _verify_opts.OutArg, as_json: _verify_opts.JsonOpt = False) -> None:
+def check_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     """Check every file listed in OUT/manifest.json (size, then sha256) without running the model.
 
     Exit 1 naming each missing, resized or corrupt file.
@@ -340,11 +338,11 @@ def check_cmd(out: _verify_opts.OutArg, as_json: _verify_opts.JsonOpt = False) -
 @app.command("demo")
 def demo_cmd(
     folder: DemoDirArg = Path("dsv41-demo"),
-    tp: _verify_opts.TpOpt = 8,
-    seed: _verify_opts.SeedOpt = 0,
-    overwrite: _verify_opts.OverwriteOpt = False,
+    tp: opts.TpOpt = 8,
+    seed: opts.SeedOpt = 0,
+    overwrite: opts.OverwriteOpt = False,
     threads: ThreadsOpt = None,
-    as_json: _verify_opts.JsonOpt = False,
+    as_json: opts.JsonOpt = False,
 ) -> None:
     """The main job on a tiny model: make-tiny, shard --tp 8, verify (8 ranks on the CPU), in under a minute.
 
@@ -370,9 +368,7 @@ def demo_cmd(
 
 # --- commands: download ---
 # imports for this section only (the lead may hoist them to the top)
-from typing import Annotated  # noqa: E402
 
-from dsv41_convert.cli_options import JsonOpt  # noqa: E402
 
 RepoIdArg = Annotated[str, typer.Argument(help="Hub repo id: owner/name.")]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit (default: main).")]
@@ -394,7 +390,7 @@ def download_cmd(
     exclude: ExcludeOpt = None,
     max_workers: WorkersOpt = 8,
     verify_only: VerifyOnlyOpt = False,
-    json_out: JsonOpt = False,
+    json_out: opts.JsonOpt = False,
 ) -> None:
     """Download a checkpoint from the Hugging Face Hub and check every file (size, sha256, headers, index).
 
