@@ -33,8 +33,8 @@ import math
 import torch
 from torch import Tensor
 
+from dsv41_convert.catalogue import BLOCK, Init
 from dsv41_convert.quant.fp4 import E2M1_VALUES
-from dsv41_convert.synth.tensors import BLOCK, Init
 
 _TABLE = 1 << 16  # entries of a lookup table: one uniform 16-bit draw picks one entry
 _E4M3_FINITE = 127  # bytes 0..126 are the non-negative finite e4m3 values; 127 is NaN

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dsv41_convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.progress import Progress as ProgressFn
 from dsv41_convert.synth.presets import Preset, hf_config
-from dsv41_convert.synth.tensors import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
+from dsv41_convert.catalogue import Fmt, catalogue, file_tensors
 from dsv41_convert.cli import app, main
 from dsv41_convert.config import load_model_args
 from dsv41_convert.errors import OutputError
@@ -25,7 +26,6 @@ from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.quant import encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_int8
 from dsv41_convert.synth.presets import TINY, hf_config
-from dsv41_convert.synth.tensors import Fmt, catalogue, file_tensors
 from dsv41_convert.synth.weights import decode_file_tensors
 from dsv41_convert.synth.write import write_checkpoint
 

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from dsv41_convert.catalogue import Fmt, Init, Param, catalogue
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.quant import decode_fp8_blocks, decode_mxfp4, encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_fp4
 from dsv41_convert.synth.presets import MEDIUM, hf_config
 from dsv41_convert.synth.quantized import e2m1_pair_table, e4m3_table
-from dsv41_convert.synth.tensors import Fmt, Init, Param, catalogue
 from dsv41_convert.synth.weights import decode_file_tensors, draw, param_seed, param_tensors
 
 _BLOCKS = {Fmt.FP8: (32, 32), Fmt.FP8_ROWS: (1, 32)}

@@ -1,5 +1,9 @@
 """The tensor catalogue of a DeepSeek V4.1 checkpoint: every parameter a ModelArgs implies, with
-its logical shape, its storage format and the shard group it is published in.
+its logical shape, its storage format, the shard group it is published in and the statistics
+make-tiny draws it with. Sized from ModelArgs the way upstream model.py sizes its modules.
+
+`published_layout` is the same list as the published (fp8/fp4) files hold it: `plan` checks a
+source against it, make-tiny writes it.
 
 A `Param` is one logical weight; `file_tensors` expands it into the tensors a file holds:
 
@@ -255,17 +259,33 @@ def catalogue(a: ModelArgs) -> list[Param]:
         out += _attention(a, pre, i, group) + _ffn(a, pre, i, group) + _block_common(a, pre, group)
     out.append(Param("head.weight", (a.vocab_size, a.dim), Fmt.BF16, "head", Init(a.dim**-0.5)))
     out.append(_norm("norm.weight", a.dim, "head"))
-    for k in range(a.n_mtp_layers):
+    for k in range(_mtp_stages(a)):
         out += _mtp(a, k)
     for i in a.engram_layer_ids:
         out += _engram(a, i)
     return out
 
 
+Layout = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
+
+
+def published_layout(a: ModelArgs) -> Layout:
+    """name -> (dtype, shape) of every tensor in the published checkpoint with config `a`.
+
+    mtp.K.embed / head are not listed: the published checkpoint does not carry them (they are tied to
+    the backbone and dropped if present).
+    """
+    return {t.name: (t.dtype, t.shape) for p in catalogue(a) for t in file_tensors(p, quantized=True)}
+
+
+def _mtp_stages(a: ModelArgs) -> int:
+    return a.n_mtp_layers if a.dspark_block_size else 0  # as upstream: no DSpark, no mtp stages
+
+
 def group_order(a: ModelArgs) -> list[str]:
     """Shard groups in file order."""
     groups = ["vision"] if a.vision_enabled else []
     groups += ["embed", *(f"layer.{i}" for i in range(a.n_layers)), "head"]
-    groups += [f"mtp.{k}" for k in range(a.n_mtp_layers)]
+    groups += [f"mtp.{k}" for k in range(_mtp_stages(a))]
     groups += [f"engram.{i}" for i in a.engram_layer_ids]
     return groups
