@@ -181,6 +181,7 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
         result.load_error = "\n".join(f"rank {r}: {m}" for r, m in out.messages)
         result.failures = [f"load: {result.load_error}"]
     else:
+        seconds["compile"] = out.compile_seconds  # part of "converted"
         _compare_all(result, ref, out, thresholds)
     if not result.ok and opts.localize:
         say("localizing the mismatch")
