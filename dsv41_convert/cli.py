@@ -183,6 +183,11 @@ def shard_cmd(
         f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; "
         f"manifest: {summary['manifest'] or 'pending (not every rank is done yet)'}"
     )
+    if summary.get("resumed"):
+        kept = sum(summary["resumed"].values())
+        report.info(f"continued {len(summary['resumed'])} partial file(s), {kept / 1e9:.2f} GB kept from before")
+    if summary.get("fragment"):
+        report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
 
 
 # --- commands: verify, reference-logits, check, demo ---
@@ -428,6 +433,32 @@ def download_cmd(
     )
     if not result.ok:
         raise typer.Exit(1)
+
+
+# --- commands: manifest (merge the fragments of ranks written on several machines) ---
+
+
+@app.command("manifest")
+def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
+    """Write OUT/manifest.json for rank files written on several machines and gathered into OUT.
+
+    Each `shard --ranks` (or torchrun share) run leaves manifest-fragment-mp{N}-r{ranks}.json beside its
+    rank files. Copy every rank file, fragment, config.json and tokenizer into one folder, then run this:
+    it checks each rank file's size and sha256 against the fragments and that all come from one plan.
+    Exit 2 naming each missing or mismatching file.
+
+    Examples:
+      dsv41-convert manifest ./mp8
+      dsv41-convert manifest ./mp8 --json
+    """
+    from dsv41_convert.manifest_merge import merge
+
+    with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
+        summary = merge(out, progress=progress)
+    if as_json:
+        return report.print_json(summary)
+    report.stdout.print(summary["manifest"], highlight=False, soft_wrap=True)
+    report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
 
 
 # --- end of commands ---

@@ -27,5 +27,10 @@ PresetOpt = Annotated[str, typer.Option("--preset", help="tiny (a few MB) or med
 WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Local worker processes (one rank file each).")]
 RanksOpt = Annotated[str | None, typer.Option("--ranks", help="Only these output ranks, e.g. 0,3 (default: all).")]
 ResumeOpt = Annotated[
-    bool, typer.Option("--resume", help="Continue a run: skip rank files whose size and sha256 match their record.")
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue a run: skip finished rank files whose size and sha256 match their record; "
+        "continue unfinished ones from their last verified checkpoint.",
+    ),
 ]

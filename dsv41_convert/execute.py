@@ -3,7 +3,11 @@
 Work is shared three ways: `ranks` picks output ranks, a torchrun launch (RANK / WORLD_SIZE in the
 environment) gives each process every WORLD_SIZE-th of the selected files, and `workers` runs that
 share over K local processes. Finished files carry a done record; `resume` skips those whose size and
-sha256 still match it. manifest.json is written once every rank file of the plan is done.
+sha256 still match it, and continues an unfinished file from the last verified checkpoint of its
+journal (write.py, journal.py). manifest.json is written once every rank file of the plan is done;
+until then each run leaves a manifest fragment of the files done so far, which `dsv41-convert manifest`
+merges once the rank files of several machines are gathered in one folder (manifest_merge.py). In such
+a gathered folder `resume` takes the fragments' files as done too.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from typing import Any
 
 import torch
 
+from dsv41_convert import journal
 from dsv41_convert.errors import OutputError, PlanError
+from dsv41_convert.journal import journal_path
 from dsv41_convert.manifest import DONE_DIR, MANIFEST, atomic_write, is_done, read_done, write_done, write_manifest
+from dsv41_convert.manifest_merge import import_fragments, write_fragment
 from dsv41_convert.plan import ConversionPlan, RankFile
 from dsv41_convert.transform import quantizer_for
-from dsv41_convert.write import CHUNK_BYTES, Progress, commit, write_partial, write_rank_file
+from dsv41_convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
 
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
 
@@ -68,6 +75,7 @@ def execute(
     device: str = "cpu",
     progress: Progress = lambda label, done, total: None,
     chunk_bytes: int = CHUNK_BYTES,
+    journal_bytes: int = JOURNAL_BYTES,
 ) -> dict[str, Any]:
     """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s)."""
     src, out = Path(plan.src), Path(out)
@@ -79,6 +87,8 @@ def execute(
     out.mkdir(parents=True, exist_ok=True)
     digest = plan.digest()
     mine = select_files(plan, ranks)
+    if resume:
+        import_fragments(out, digest)  # a folder gathered from several machines
     todo, skipped = [], []
     for f in mine:
         rec = read_done(out, f.file)
@@ -91,6 +101,8 @@ def execute(
             skipped.append(f.file)
         else:
             todo.append(f)
+            if resume:  # a partial file of another plan: refuse before writing anything
+                journal.check_plan(journal_path(out, f.file), out / (f.file + ".partial"), digest)
     need = sum(f.nbytes for f in todo)
     free = disk_free(out)
     if need > free:
@@ -100,21 +112,27 @@ def execute(
         )
     extra = _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
-    results = _run(todo, src, out, workers, device, progress, chunk_bytes, digest)
+    job = {"device": device, "chunk_bytes": chunk_bytes, "digest": digest, "resume": resume, "journal": journal_bytes}
+    results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
-    written = sum(size for _, size, _ in results)
-    manifest = None
-    if all(is_done_record(out, f.file, digest) for f in plan.files):
-        options = {"tp": plan.tp, "expert_dtype": plan.expert_dtype, "device": device}
+    written = sum(size - kept for _, size, _, kept in results)
+    manifest = fragment = None
+    options = {"tp": plan.tp, "expert_dtype": plan.expert_dtype, "device": device}
+    done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
+    if len(done) == len(plan.files):
         manifest = str(write_manifest(out, plan, options, extra))
+    elif done:
+        fragment = str(write_fragment(out, plan, options, done))
     return {
         "out": str(out.resolve()),
-        "written": [name for name, _, _ in results],
+        "written": [name for name, _, _, _ in results],
         "skipped": skipped,
-        "bytes": written,
+        "resumed": {name: kept for name, _, _, kept in results if kept},  # bytes kept from a partial file
+        "bytes": written,  # written by this run
         "seconds": round(seconds, 3),
         "gb_per_s": round(written / seconds / 1e9, 3) if seconds > 0 else None,
         "manifest": manifest,
+        "fragment": fragment,
     }
 
 
@@ -137,43 +155,56 @@ def _write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
     return [*names, "config.json", "hf_config.json"]
 
 
-def _job(rf: RankFile, src: Path, out: Path, device: str, chunk_bytes: int, digest: str, progress) -> tuple:
+def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress):
+    """Write, commit and record one rank file. -> (file, size, sha256, bytes kept from a partial file)"""
     # one thread per job: parallelism comes from worker processes, and torch's thread pool on small
     # chunks spends 1000x the work in barriers when cores are shared (measured: torch.round 4 ms vs 5 us)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    stats: dict[str, Any] = {}
     try:
-        size, sha = write_rank_file(rf, src, out, quantizer_for(device), progress, chunk_bytes)
+        size, sha = write_rank_file(rf, src, out, quantizer_for(job["device"]), progress, **_write_kw(job, stats))
     finally:
         torch.set_num_threads(threads)
-    write_done(out, rf.file, size, sha, digest)
-    return rf.file, size, sha
+    write_done(out, rf.file, size, sha, job["digest"])
+    return rf.file, size, sha, stats["resumed_from"]
 
 
-def _run_here(todo, src, out, device, chunk_bytes, digest, progress) -> list[tuple[str, int, str]]:
+def _write_kw(job: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "chunk_bytes": job["chunk_bytes"],
+        "plan_digest": job["digest"],
+        "resume": job["resume"],
+        "journal_bytes": job["journal"],
+        "stats": stats,
+    }
+
+
+def _run_here(todo, src, out, job, progress) -> list[tuple[str, int, str, int]]:
     """One file after another in this process; each file's fsync + rename runs in a thread while the next
     file is written (one commit in flight), as `cp` lets writeback overlap its copying."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see _job
-    results: list[tuple[str, int, str]] = []
+    results: list[tuple[str, int, str, int]] = []
     pending: Future | None = None
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="commit") as committer:
             for rf in todo:
-                size, sha = write_partial(rf, src, out, quantizer_for(device), progress, chunk_bytes)
+                stats: dict[str, Any] = {}
+                size, sha = write_partial(rf, src, out, quantizer_for(job["device"]), progress, **_write_kw(job, stats))
                 if pending is not None:
                     results.append(pending.result())
-                pending = committer.submit(_commit, out, rf.file, size, sha, digest)
+                pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats["resumed_from"])
             results.append(pending.result())
     finally:
         torch.set_num_threads(threads)
     return results
 
 
-def _commit(out: Path, file: str, size: int, sha: str, digest: str) -> tuple[str, int, str]:
+def _commit(out: Path, file: str, size: int, sha: str, digest: str, kept: int) -> tuple[str, int, str, int]:
     commit(out, file)
     write_done(out, file, size, sha, digest)
-    return file, size, sha
+    return file, size, sha, kept
 
 
 _QUEUE: Any = None
@@ -184,7 +215,7 @@ def _init_worker(q) -> None:
     _QUEUE = q
 
 
-def _worker_job(rf, src, out, device, chunk_bytes, digest) -> tuple:
+def _worker_job(rf, src, out, job) -> tuple:
     last = [0.0]
 
     def report(label: str, done: int, total: int) -> None:
@@ -193,19 +224,19 @@ def _worker_job(rf, src, out, device, chunk_bytes, digest) -> tuple:
             last[0] = now
             _QUEUE.put((label, done, total))
 
-    return _job(rf, src, out, device, chunk_bytes, digest, report)
+    return _job(rf, src, out, job, report)
 
 
-def _run(todo, src, out, workers, device, progress, chunk_bytes, digest) -> list[tuple[str, int, str]]:
+def _run(todo, src, out, workers, progress, job) -> list[tuple[str, int, str, int]]:
     if not todo:
         return []
     if workers <= 1 or len(todo) == 1:
-        return _run_here(todo, src, out, device, chunk_bytes, digest, progress)
+        return _run_here(todo, src, out, job, progress)
     ctx = mp.get_context("spawn")  # no fork after torch has started threads
     q = ctx.Queue()
     results = []
     with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)) as pool:
-        pending = {pool.submit(_worker_job, rf, src, out, device, chunk_bytes, digest) for rf in todo}
+        pending = {pool.submit(_worker_job, rf, src, out, job) for rf in todo}
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -213,7 +244,7 @@ def _run(todo, src, out, workers, device, progress, chunk_bytes, digest) -> list
                 for fut in done:
                     results.append(fut.result())
         except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # running jobs remove their partial files
+            pool.shutdown(wait=True, cancel_futures=True)  # running jobs remove (on Ctrl-C: keep) their partials
             raise
         _drain(q, progress)
     return results

@@ -3,6 +3,10 @@
 Each finished rank file gets a done record (OUT/.dsv41-convert/<file>.done.json: size, sha256, the plan
 digest). manifest.json is written last, once every rank file of the plan has one: sha256 and size of
 every output file, the source index digest and revision, and the options used.
+
+A run that finishes only some rank files (--ranks, a torchrun share on one machine of several) leaves a
+manifest fragment instead; `dsv41-convert manifest OUT` merges the gathered fragments (manifest_merge.py).
+Unfinished files have a resume journal beside their done records (journal.py).
 """
 
 from __future__ import annotations
@@ -71,25 +75,43 @@ def source_revision(src: Path) -> str | None:
     return m.group(1) if m else None
 
 
+def source_info(plan) -> dict[str, Any]:
+    """What the manifest says about the source: folder, index digest, Hub revision, format."""
+    return {
+        "path": plan.src,
+        "index_sha256": plan.index_sha256,
+        "revision": source_revision(Path(plan.src)),
+        "format": plan.source_format,
+    }
+
+
 def write_manifest(out: Path, plan, options: dict[str, Any], extra_files: list[str]) -> Path:
     """manifest.json from the done records of every rank file and the hashes of `extra_files`."""
     files = {}
     for f in plan.files:
         rec = read_done(out, f.file)
         files[f.file] = {"size": rec["size"], "sha256": rec["sha256"]}
+    return write_manifest_from(out, source_info(plan), options, plan.digest(), files, extra_files)
+
+
+def write_manifest_from(
+    out: Path,
+    source: dict[str, Any],
+    options: dict[str, Any],
+    plan_digest: str,
+    rank_files: dict[str, dict[str, Any]],
+    extra_files: list[str],
+) -> Path:
+    """manifest.json from known rank file records ({file: {size, sha256}}) and the hashes of `extra_files`."""
+    files = {name: {"size": rec["size"], "sha256": rec["sha256"]} for name, rec in rank_files.items()}
     for name in extra_files:
         path = out / name
         files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {
         "format": FORMAT,
-        "source": {
-            "path": plan.src,
-            "index_sha256": plan.index_sha256,
-            "revision": source_revision(Path(plan.src)),
-            "format": plan.source_format,
-        },
+        "source": source,
         "options": options,
-        "plan_digest": plan.digest(),
+        "plan_digest": plan_digest,
         "files": files,
     }
     path = out / MANIFEST

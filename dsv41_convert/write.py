@@ -4,36 +4,43 @@ Memory is bounded by the chunk size, never by tensor size: plain copies move `ch
 with pread; actions that compute (dequantize, quantize, cast) take row chunks of at most
 chunk_bytes / 8 source bytes, aligned to 128 rows so no scale block is split.
 
-A quantizing action makes two tensors (weight and scale) that lie apart in the file (scales sort first).
-The first one reached is computed and written; the other's bytes are kept in memory for later when they
-fit in `stash_bytes`, and recomputed otherwise.
+A quantizing action makes two tensors (weight and scale) that lie apart in the file. Each chunk is
+computed once: the part reached first is written in order; the other part's bytes are kept in memory
+while all kept parts fit in `stash_bytes`, and otherwise written ahead with pwrite at their final
+offset (known from the plan), then hashed by reading them back when the in-order writer reaches them
+(sink.py). Only a resume that lost a stash computes a part again.
 
 The file is written as `<name>.partial` and hashed as it is written (`write_partial`), then fsynced and
-renamed (`commit`), which the caller may overlap with writing the next file. On any error the partial
-file is removed; running out of disk space becomes an OutputError naming the file and tensor.
+renamed (`commit`), which the caller may overlap with writing the next file. Every `journal_bytes` a
+checkpoint goes to OUT/.dsv41-convert/<name>.journal (journal.py: offset, sha256 of each range, the
+ranges written ahead), each after the data it covers is fsynced. With `resume`, a partial file whose
+journal verifies is continued from its last checkpoint (only [0, R) is re-read, to rebuild the hash);
+otherwise it is rewritten from byte 0. On an error the partial file and its journal are removed (running
+out of disk space becomes an OutputError naming the file and tensor); on Ctrl-C they are kept for --resume.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
-import queue
-import threading
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dsv41_convert import journal
 from dsv41_convert.errors import OutputError
+from dsv41_convert.journal import Aside, JournalWriter, ResumePoint, journal_path
 from dsv41_convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.progress import Progress
 from dsv41_convert.safetensors_header import DTYPE_BITS, nbytes, pread_exact
+from dsv41_convert.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
+from dsv41_convert.sink import Sink
 from dsv41_convert.transform import apply, from_bytes, to_bytes
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20
-THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
+JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs an fdatasync (256 MiB: +7 s of 33)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -81,64 +88,7 @@ class _Reader:
         return memoryview(np.ascontiguousarray(cols)).cast("B"), (rd.c1 - rd.c0) * esz
 
 
-class _Sink:
-    """Writer of the partial file. A thread hashes and writes while the caller reads and computes the next
-    chunk (hashlib and os.write release the GIL): on a slow disk this hides the sha256 cost.
-
-    Handed-over buffers must not change until written: `_copy` cycles three buffers (`_Reader.buffer`)
-    through a queue of one, so a buffer is refilled only after the writer has taken the next one.
-    """
-
-    def __init__(self, path: Path, label: str, total: int, progress: Progress):
-        self.path, self.label, self.total, self.progress = path, label, total, progress
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.sha = hashlib.sha256()
-        self.queued = 0  # bytes handed over
-        self.done = 0  # bytes written
-        self.tensor = "<header>"  # tensor being written (for error messages)
-        self.error: BaseException | None = None
-        self.throttle = float(os.environ.get(THROTTLE_ENV, "0") or 0)
-        self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._drain, name=f"write {label}", daemon=True)
-        self._thread.start()
-
-    def write(self, data, tensor: str = "<header>") -> None:
-        if self.error is not None:
-            raise self.error
-        view = memoryview(data).cast("B")
-        self.queued += len(view)
-        self._q.put((view, tensor))
-        if self.throttle:
-            time.sleep(self.throttle)
-
-    def _drain(self) -> None:
-        while (item := self._q.get()) is not None:
-            if self.error is not None:
-                continue
-            view, self.tensor = item
-            try:
-                self.sha.update(view)
-                while len(view):
-                    n = os.write(self.fd, view)
-                    view = view[n:]
-                    self.done += n
-                self.progress(self.label, self.done, self.total)
-            except BaseException as exc:  # handed to the caller by write() / finish()
-                self.error = exc
-
-    def finish(self) -> None:
-        """Wait for every handed-over byte to be written; raise the writer's error if it had one."""
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def fill(self, value: int, count: int, chunk: int, tensor: str) -> None:
-        block = bytes([value]) * min(count, chunk)
-        while count > 0:
-            self.write(block[: min(count, len(block))], tensor)
-            count -= len(block)
+_Sink = Sink  # the writer thread (sink.py); _Reader and _copy refer to it by this name
 
 
 def write_rank_file(
@@ -149,9 +99,13 @@ def write_rank_file(
     progress: Progress = lambda label, done, total: None,
     chunk_bytes: int = CHUNK_BYTES,
     stash_bytes: int = STASH_BYTES,
+    **resume_kw,
 ) -> tuple[int, str]:
-    """Write `rf` to out/rf.file (via rf.file + ".partial"), fsync, rename. -> (size, sha256 hex)"""
-    size, sha = write_partial(rf, src, out, quantizer, progress, chunk_bytes, stash_bytes)
+    """Write `rf` to out/rf.file (via rf.file + ".partial"), fsync, rename. -> (size, sha256 hex)
+
+    `resume_kw` go to `write_partial` (plan_digest, resume, journal_bytes, stats).
+    """
+    size, sha = write_partial(rf, src, out, quantizer, progress, chunk_bytes, stash_bytes, **resume_kw)
     commit(out, rf.file)
     return size, sha
 
@@ -164,49 +118,125 @@ def write_partial(
     progress: Progress = lambda label, done, total: None,
     chunk_bytes: int = CHUNK_BYTES,
     stash_bytes: int = STASH_BYTES,
+    *,
+    plan_digest: str = "",
+    resume: bool = False,
+    journal_bytes: int = JOURNAL_BYTES,
+    stats: dict | None = None,
 ) -> tuple[int, str]:
     """Write every byte of `rf` to out/rf.file + ".partial" and close it (no fsync yet: see `commit`).
 
+    resume: go on from the last verified checkpoint of an existing partial file (else from byte 0).
+    stats:  if given, filled with resumed_from (bytes kept from the partial file) and resume (why / why not).
     -> (size, sha256 hex)
     """
     final, partial = out / rf.file, out / (rf.file + ".partial")
+    jpath = journal_path(out, rf.file)
+    head = journal.header(rf.file, rf.nbytes, plan_digest, chunk_bytes)
+    start, why = journal.load(jpath, partial, head) if resume else (None, "not resuming")
+    if start is not None and not _fits(start, rf):
+        start, why = None, "journal does not fit the plan's tensors"
+    if stats is not None:
+        stats.update(resumed_from=start.end if start else 0, resume=why)
     reader = _Reader(src, chunk_bytes)
-    sink = _Sink(partial, rf.file, rf.nbytes, progress)
+    sink = _Sink(partial, rf.file, rf.nbytes, progress, start)
     try:
-        sink.write(rf.header)
-        stash: dict[tuple[str, int], list[bytes]] = {}
-        written: set[tuple[str, int]] = set()
-        for t in rf.tensors:
-            start = sink.queued
-            if t.action in ("copy", "as_fp4"):  # as_fp4: the I8 bytes are already e2m1 pairs
-                _copy(t, reader, sink, chunk_bytes)
-            elif t.group:
-                _group(t, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes)
-            else:
-                for outs in _compute(t, reader, quantizer, chunk_bytes):
-                    sink.write(to_bytes(outs[0]), t.name)
-            if t.pad_rows:
-                sink.fill(PAD_BYTE[t.dtype], t.pad_rows * _row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
-            assert sink.queued - start == t.end - t.begin, (t.name, sink.queued - start, t.end - t.begin)
+        if journal_bytes:
+            sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
+            sink.journal_bytes = journal_bytes
+        _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start)
         sink.finish()
+        if sink.journal is not None:
+            sink.journal.close()
         os.close(sink.fd)
         sink.fd = -1
         return sink.done, sink.sha.hexdigest()
     except OSError as exc:
-        _discard(sink, partial)
+        _discard(sink, partial, jpath)
         if exc.errno in _NO_SPACE:
             raise _no_space(final, f"while writing tensor {sink.tensor} ({sink.done} of {rf.nbytes} bytes)") from exc
         raise
+    except KeyboardInterrupt:  # keep what is on disk for --resume
+        _discard(sink, partial, jpath, keep=True)
+        raise
     except BaseException:
-        _discard(sink, partial)
+        _discard(sink, partial, jpath)
         raise
     finally:
         reader.close()
 
 
+def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None) -> None:
+    """Every tensor of `rf` from `start` (or the header) on, in file order."""
+    first = 0
+    if start is None:
+        sink.write(rf.header)
+    else:
+        first = start.tensor
+        sink.asides = {rf.tensors[a.tensor].group: a for a in start.asides}
+    parts = {(t.group, t.part): i for i, t in enumerate(rf.tensors) if t.group}
+    written = {(t.group, t.part) for t in rf.tensors[:first] if t.group}
+    stash = _Stash()
+    for i in range(first, len(rf.tensors)):
+        t = rf.tensors[i]
+        chunk, skip = (start.chunk, start.skip) if start is not None and i == start.tensor else (0, 0)
+        sink.begin_tensor(i, t.begin, chunk)
+        ahead = sink.asides.get(t.group) if t.group else None
+        if ahead is not None and ahead.tensor == i:
+            _read_back(t, ahead, sink, skip, chunk_bytes)
+        elif t.action in ("copy", "as_fp4"):  # as_fp4: the I8 bytes are already e2m1 pairs
+            _copy(t, reader, sink, chunk_bytes, skip)
+        elif t.group:
+            other = rf.tensors[parts[(t.group, 1 - t.part)]]
+            _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
+        else:
+            for outs in _compute(t, reader, quantizer, chunk_bytes, chunk):
+                sink.write(to_bytes(outs[0]), t.name)
+        if t.pad_rows:
+            sink.fill(PAD_BYTE[t.dtype], t.pad_rows * _row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
+        if ahead is not None and ahead.tensor == i:
+            del sink.asides[t.group]
+        assert sink.queued == t.end, (t.name, sink.queued, t.end)
+
+
+@dataclass
+class _Stash:
+    """Later group parts kept in memory until reached, at most `stash_bytes` in all."""
+
+    parts: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)
+    used: int = 0
+
+
+def _fits(start: ResumePoint, rf: RankFile) -> bool:
+    """The checkpoint names a tensor of this file at its recorded offset, and asides at group parts' offsets."""
+    if not 0 <= start.tensor < len(rf.tensors):
+        return False
+    t = rf.tensors[start.tensor]
+    if t.begin + start.skip != start.end or start.end > _data_end(t):
+        return False
+    rd = t.reads[0]
+    if t.action in ("copy", "as_fp4") and rd.c1 >= 0 and start.skip % ((rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8):
+        return False
+    parts = {(x.group, x.part): i for i, x in enumerate(rf.tensors) if x.group}
+    for a in start.asides:
+        q = rf.tensors[a.tensor] if 0 <= a.tensor < len(rf.tensors) else None
+        if q is None or not q.group or a.begin != q.begin or a.end > _data_end(q) or a.tensor < start.tensor:
+            return False
+        owner = parts.get((q.group, 1 - q.part))
+        if owner is None or (a.end < _data_end(q) and owner != start.tensor):  # only the part being computed
+            return False  # may be short
+    return True
+
+
+def _data_end(t: OutTensor) -> int:
+    """Where the tensor's data ends and its padding rows begin."""
+    return t.end - t.pad_rows * _row_bytes(t.dtype, t.shape)
+
+
 def commit(out: Path, file: str) -> None:
     """fsync out/file.partial, then rename it to out/file: a file under its final name is complete and
-    on disk. A flush error (a full disk found at writeback) removes the partial file."""
+    on disk; its journal is then dropped. A flush error (a full disk found at writeback) removes the
+    partial file."""
     final, partial = out / file, out / (file + ".partial")
     try:
         fd = os.open(partial, os.O_RDONLY)
@@ -218,9 +248,11 @@ def commit(out: Path, file: str) -> None:
         _fsync_dir(out)
     except OSError as exc:
         partial.unlink(missing_ok=True)
+        journal_path(out, file).unlink(missing_ok=True)
         if exc.errno in _NO_SPACE:
             raise _no_space(final, "while flushing it to disk") from exc
         raise
+    journal_path(out, file).unlink(missing_ok=True)
 
 
 def _no_space(final: Path, when: str) -> OutputError:
@@ -230,15 +262,20 @@ def _no_space(final: Path, when: str) -> OutputError:
     )
 
 
-def _discard(sink: _Sink, partial: Path) -> None:
+def _discard(sink: _Sink, partial: Path, jpath: Path, keep: bool = False) -> None:
+    """Stop the writer and the journal; remove the partial file and its journal unless `keep`."""
     try:
         sink.finish()
     except BaseException:
         pass
+    if sink.journal is not None:
+        sink.journal.close(raise_error=False)
     if sink.fd >= 0:
         os.close(sink.fd)
         sink.fd = -1
-    partial.unlink(missing_ok=True)
+    if not keep:
+        partial.unlink(missing_ok=True)
+        jpath.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -249,23 +286,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _copy(t: OutTensor, reader: _Reader, sink: _Sink, chunk_bytes: int) -> None:
+def _copy(t: OutTensor, reader: _Reader, sink: _Sink, chunk_bytes: int, skip: int = 0) -> None:
+    """The tensor's source bytes from byte `skip` on (a resumed file; a whole number of rows), unchanged."""
     rd = t.reads[0]
     rb = _row_bytes(rd.dtype, rd.shape)
     rows = rd.r1 - rd.r0
     if rd.c1 < 0:  # one contiguous byte range, through three buffers (see _Sink)
-        fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb, rows * rb
+        fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb + skip, rows * rb - skip
         while left:
             n = min(left, chunk_bytes)
+            if left > n:  # the kernel reads the next chunk while this one is hashed and written
+                os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
             buf = reader.buffer()[:n]
             pread_exact(fd, buf, pos, str(reader.src / rd.file))
             sink.write(buf, t.name)
             pos, left = pos + n, left - n
         return
     step = max(1, chunk_bytes // max(rb, 1))
-    for a in range(0, rows, step):
+    for a in range(skip // ((rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8), rows, step):
         data, _ = reader.rows(rd, a, min(rows, a + step))
         sink.write(data, t.name)
+
+
+def _read_back(t: OutTensor, ahead: Aside, sink: _Sink, skip: int, chunk_bytes: int) -> None:
+    """A group part written ahead: hand its data bytes (from `skip` on) to the sink to hash, not write."""
+    end = _data_end(t)
+    assert ahead.end == end, (t.name, ahead.end, end)  # its computing part finished before it
+    pos = t.begin + skip
+    while pos < end:
+        n = min(chunk_bytes, end - pos)
+        sink.read_back(pos, n, t.name)
+        pos += n
 
 
 def _chunk_rows(t: OutTensor, chunk_bytes: int) -> int:
@@ -277,13 +328,13 @@ def _chunk_rows(t: OutTensor, chunk_bytes: int) -> int:
     return max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
 
 
-def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int):
-    """Yield the action's outputs for each row chunk of the tensor's source region."""
+def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int, first: int = 0):
+    """Yield the action's outputs for each row chunk of the tensor's source region, from chunk `first` on."""
     main = t.reads[0]
     rows = main.r1 - main.r0
     step = _chunk_rows(t, chunk_bytes)
     name = f"{reader.src / main.file}: {main.name}"
-    for a in range(0, rows, step):
+    for a in range(first * step, rows, step):
         b = min(rows, a + step)
         inputs = []
         for rd in t.reads:
@@ -295,26 +346,42 @@ def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int):
         yield apply(t.action, inputs, quantizer, name, t.dtype, t.block)
 
 
-def _group(t, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes) -> None:
-    """One part of a two-output action: from the stash if the other part left it there, else computed."""
-    key, other = (t.group, t.part), (t.group, 1 - t.part)
-    if key in stash:
-        for data in stash.pop(key):
+def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, first) -> None:
+    """One part of a two-output action (weight, scale), each chunk computed once.
+
+    The part reached first is computed; the other part's bytes are stashed in memory if they fit in
+    `stash_bytes`, else written ahead at their offsets (an Aside, read back later). When neither is
+    possible (its stash was lost to a restart), the part is computed again here.
+    """
+    key, okey = (t.group, t.part), (t.group, 1 - t.part)
+    if key in stash.parts:
+        for data in stash.parts.pop(key):
             sink.write(data, t.name)
+            stash.used -= len(data)
         written.add(key)
         return
-    keep = other not in written and _part_bytes(t, 1 - t.part) <= stash_bytes
+    ahead = sink.asides.get(t.group)  # set: this part was started by a run that then stopped
+    fresh = okey not in written and first == 0
+    if ahead is None and fresh and stash.used + _data_end(other) - other.begin > stash_bytes:
+        ahead = sink.asides[t.group] = Aside(parts[okey], other.begin, other.begin)
+        sink.dirty.add(t.group)
+    keep = ahead is None and fresh
+    if keep:
+        sink.mark_ok = False  # a stash dies with the process: no checkpoint until this part is done
     kept: list[bytes] = []
-    for outs in _compute(t, reader, quantizer, chunk_bytes):
+    for outs in _compute(t, reader, quantizer, chunk_bytes, first):
+        if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
+            data = to_bytes(outs[1 - t.part])
+            ahead.sha.update(data)
+            while len(data):
+                n = os.pwrite(sink.fd, data, ahead.end)
+                data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
+            sink.dirty.add(t.group)
         sink.write(to_bytes(outs[t.part]), t.name)
         if keep:
             kept.append(bytes(to_bytes(outs[1 - t.part])))
+            stash.used += len(kept[-1])
     if keep:
-        stash[other] = kept
+        stash.parts[okey] = kept
+        sink.mark_ok = True
     written.add(key)
-
-
-def _part_bytes(t: OutTensor, part: int) -> int:
-    """An upper bound on a group part's size: the weight part is never larger than 4x the source."""
-    rd = t.reads[0]
-    return 4 * nbytes(rd.dtype, rd.shape)

@@ -209,7 +209,7 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         partial = list(killed.glob("*.partial")) if killed.exists() else []
-        if (done_dir.exists() and any(done_dir.iterdir())) and partial and partial[0].stat().st_size > 20_000:
+        if (done_dir.exists() and any(done_dir.glob("*.done.json"))) and partial and partial[0].stat().st_size > 20_000:
             break
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)

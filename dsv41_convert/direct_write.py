@@ -1,0 +1,176 @@
+"""Appending to a file through O_DIRECT: bytes go from aligned staging pieces straight to the device.
+
+A buffered writer spends most of its CPU copying every byte into the page cache (on the project's
+2-core box: 12 s of system time per 7.7 GB written, a third of a whole `shard` run); with O_DIRECT the
+device reads the staging piece itself. `depth` pieces are in flight at once, each written by its own
+thread with pwrite, so the device always has work queued.
+
+The stream position may be any byte: a piece starts at the block boundary at or below it and carries
+the bytes before the position (already in the file) as its head, so every O_DIRECT write is block
+aligned. What does not fill a whole block at a flush goes through an ordinary descriptor: the kernel
+writes such cached pages back before a later O_DIRECT write over the same block.
+
+Where the file system refuses O_DIRECT (tmpfs on older kernels, some network file systems) the same
+code writes through the ordinary descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+from pathlib import Path
+
+BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers: covers 512- and 4096-byte sectors
+PIECE_BYTES = 8 << 20
+DEPTH = 4
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class DirectAppender:
+    """Sequential writes to `path` from byte `start` on (the file is created if missing, never truncated
+    here). `fd` is an ordinary read-write descriptor of the same file, for the caller's pread, ftruncate
+    and fsync.
+
+    write(data) copies into the current piece and returns: the caller may reuse `data` at once.
+    flush() returns once every byte handed over is in the file. seek(pos) flushes, then appends at pos.
+    A write error (a full disk: OSError ENOSPC) is raised by the next write, flush or close.
+    """
+
+    def __init__(self, path: Path, start: int = 0, *, direct: bool = True, piece_bytes: int = PIECE_BYTES,
+                 depth: int = DEPTH):  # fmt: skip
+        assert piece_bytes % BLOCK == 0 and depth >= 1
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.direct_fd = _open_direct(self.path) if direct else -1
+        self.piece_bytes = piece_bytes
+        self.error: BaseException | None = None
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(depth + 1):
+            self._free.put(mmap.mmap(-1, piece_bytes))  # page aligned, as O_DIRECT needs
+        self._jobs: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._threads = [threading.Thread(target=self._run, name=f"pwrite {self.path.name}", daemon=True)
+                         for _ in range(depth if self.direct_fd >= 0 else 1)]  # fmt: skip
+        for t in self._threads:
+            t.start()
+        self._buf: mmap.mmap | None = None
+        self._begin(start)
+
+    @property
+    def position(self) -> int:
+        """The file offset of the next byte written."""
+        return self._base + self._fill
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            self._raise()
+            n = min(len(view), self.piece_bytes - self._fill)
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill, view = self._fill + n, view[n:]
+            if self._fill == self.piece_bytes:
+                self._submit(self._buf, 0, self._base, self._fill)
+                self._base, self._fill, self._head, self._buf = self._base + self._fill, 0, 0, self._free.get()
+
+    def flush(self) -> None:
+        """Write every byte handed over; the stream goes on at the same position."""
+        pos = self.position
+        whole = (self._fill // BLOCK) * BLOCK
+        if self._fill > self._head:
+            if whole > 0:
+                self._submit(self._buf, 0, self._base, whole, keep=True)
+            if self._fill > whole:
+                self._submit(self._buf, whole, self._base + whole, self._fill - whole, keep=True, plain=True)
+        self._wait()
+        self._raise()
+        if whole > 0 or self._fill > self._head:
+            self._begin(pos, reuse=True)
+
+    def seek(self, pos: int) -> None:
+        """Flush, then append at `pos` (the bytes before it, back to a block boundary, are read from the file)."""
+        self.flush()
+        self._begin(pos, reuse=True)
+
+    def close(self) -> None:
+        """Flush and close both descriptors; raise the first write error, if any."""
+        try:
+            self.flush()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the writer threads and close the descriptors, writing nothing more and raising nothing."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        for fd in (self.direct_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.direct_fd = self.fd = -1
+
+    def _begin(self, pos: int, reuse: bool = False) -> None:
+        """Start a piece at the block boundary at or below `pos`, holding the file's bytes before `pos`."""
+        if not reuse or self._buf is None:
+            self._buf = self._free.get() if self._buf is None else self._buf
+        base = pos - pos % BLOCK if self.direct_fd >= 0 else pos
+        head = pos - base
+        if head:
+            got = os.preadv(self.fd, [memoryview(self._buf)[:head]], base)
+            if got != head:
+                raise OSError(errno.EIO, f"{self.path}: expected {head} bytes before offset {pos}, read {got}")
+        self._base, self._fill, self._head = base, head, head
+
+    def _submit(self, buf: mmap.mmap, start: int, offset: int, length: int, keep: bool = False,
+                plain: bool = False) -> None:  # fmt: skip
+        """Queue buf[start : start + length] for the file at `offset`; `keep`: the caller goes on using buf."""
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((buf, start, offset, length, plain or self.direct_fd < 0, keep))
+
+    def _wait(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            buf, start, offset, length, plain, keep = job
+            try:
+                if self.error is None:
+                    _pwrite_all(self.fd if plain else self.direct_fd, memoryview(buf)[start : start + length], offset)
+            except BaseException as exc:  # raised to the caller by its next write / flush / close
+                self.error = self.error or exc
+            finally:
+                if not keep:
+                    self._free.put(buf)
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
+def _open_direct(path: Path) -> int:
+    if not _O_DIRECT:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return -1
+        raise
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
+        view, offset = view[n:], offset + n

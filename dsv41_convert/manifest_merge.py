@@ -1,0 +1,179 @@
+"""Manifest fragments: manifest.json for a conversion whose rank files were written on several machines.
+
+A run that leaves some rank files of its plan unwritten (`shard --ranks 0,3`, or a torchrun share) writes
+OUT/manifest-fragment-mp{N}-r{ranks}.json (e.g. manifest-fragment-mp4-r0_3.json, ranks joined by `_`):
+
+  {"format": "dsv41-convert manifest fragment v1", "complete": false, "plan_digest": ..., "source": {...},
+   "options": {...}, "rank_files": [every rank file of the plan], "files": {name: {"size", "sha256"}}}
+
+It is not a manifest (other name, other format: `check` refuses it). Once every rank file and fragment is
+gathered in one folder, `merge` checks each rank file's size and sha256 against the fragments, checks that
+all fragments (and done records) come from one plan, writes a done record for each file (so `shard
+--resume` there skips it) and writes manifest.json. `import_fragments` lets `shard --resume` do the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dsv41_convert.errors import OutputError
+from dsv41_convert.manifest import (
+    DONE_DIR,
+    MANIFEST,
+    atomic_write,
+    read_done,
+    sha256_file,
+    source_info,
+    write_done,
+    write_manifest_from,
+)
+from dsv41_convert.progress import Progress
+
+FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
+FRAGMENT_GLOB = "manifest-fragment-*.json"
+SIDECARS = ("tokenizer.json", "tokenizer_config.json")
+REQUIRED_SIDECARS = ("config.json", "hf_config.json")
+
+
+def fragment_name(tp: int, ranks: list[int]) -> str:
+    return f"manifest-fragment-mp{tp}-r{'_'.join(str(r) for r in sorted(ranks))}.json"
+
+
+def write_fragment(out: Path, plan, options: dict[str, Any], done: list[str]) -> Path:
+    """The fragment for the rank files in `done` (each has a done record for this plan)."""
+    files = {}
+    for name in done:
+        rec = read_done(out, name)
+        files[name] = {"size": rec["size"], "sha256": rec["sha256"]}
+    ranks = [f.rank for f in plan.files if f.file in files]
+    fragment = {
+        "format": FRAGMENT_FORMAT,
+        "complete": False,
+        "plan_digest": plan.digest(),
+        "source": source_info(plan),
+        "options": options,
+        "rank_files": [f.file for f in plan.files],
+        "files": files,
+    }
+    path = out / fragment_name(plan.tp, ranks)
+    atomic_write(path, (json.dumps(fragment, indent=2) + "\n").encode())
+    return path
+
+
+def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
+    """{fragment file name: fragment} for every fragment in `out`; OutputError names an unreadable one."""
+    frags = {}
+    for path in sorted(Path(out).glob(FRAGMENT_GLOB)):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OutputError(
+                f"{path}: not readable JSON ({exc}); copy it again from the machine that wrote it"
+            ) from exc
+        ok = isinstance(data, dict) and data.get("format") == FRAGMENT_FORMAT
+        ok = ok and isinstance(data.get("files"), dict) and isinstance(data.get("rank_files"), list)
+        if not ok:
+            raise OutputError(f"{path}: not a {FRAGMENT_FORMAT!r} file")
+        frags[path.name] = data
+    return frags
+
+
+def import_fragments(out: Path, plan_digest: str) -> list[str]:
+    """For `shard --resume` in a gathered folder: a done record for each rank file that a fragment of this
+    plan lists and whose size and sha256 match. -> the files recorded. A fragment of another plan is an error."""
+    recorded = []
+    for name, frag in read_fragments(out).items():
+        if frag.get("plan_digest") != plan_digest:
+            raise OutputError(
+                f"{out / name}: a fragment from a run with other options or another source (plan digest "
+                f"{str(frag.get('plan_digest'))[:12]}, now {plan_digest[:12]}); remove it or use --overwrite"
+            )
+        for file, rec in frag["files"].items():
+            done = read_done(out, file)
+            if done is not None and done.get("plan_digest") == plan_digest:
+                continue
+            path = out / file
+            if path.is_file() and path.stat().st_size == rec["size"] and sha256_file(path) == rec["sha256"]:
+                write_done(out, file, rec["size"], rec["sha256"], plan_digest)
+                recorded.append(file)
+    return recorded
+
+
+def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Check every rank file of a gathered folder against its fragment and write manifest.json.
+
+    Raises OutputError naming every missing, resized or corrupt file and every fragment of another plan.
+    -> summary: out, manifest path, rank files, fragments read
+    """
+    out = Path(out)
+    frags = read_fragments(out)
+    if not frags:
+        raise OutputError(
+            f"{out}: no {FRAGMENT_GLOB} files; copy the fragment each `shard --ranks` run left in its OUT, "
+            "with its rank files, into this folder"
+        )
+    first_name, first = next(iter(frags.items()))
+    digest = first.get("plan_digest")
+    records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
+    problems = []
+    for name, frag in frags.items():
+        if frag.get("plan_digest") != digest or frag["rank_files"] != first["rank_files"]:
+            problems.append(
+                f"{name}: from another plan (digest {str(frag.get('plan_digest'))[:12]}) than {first_name} "
+                f"(digest {str(digest)[:12]}): other options or another source"
+            )
+            continue
+        for file, rec in frag["files"].items():
+            _add(records, problems, file, rec, name)
+    for file in first["rank_files"]:
+        rec = read_done(out, file)
+        if rec is not None and rec.get("plan_digest") != digest:
+            problems.append(f"{DONE_DIR}/{file}.done.json: from another plan (digest {rec.get('plan_digest')})")
+        elif rec is not None:
+            _add(records, problems, file, rec, f"{DONE_DIR}/{file}.done.json")
+    for file in first["rank_files"]:
+        if file not in records:
+            problems.append(f"{file}: no fragment lists it; gather its rank file and fragment into {out}")
+            continue
+        problem = _check_file(out, file, records[file], progress)
+        if problem:
+            problems.append(problem)
+    missing = [n for n in REQUIRED_SIDECARS if not (out / n).is_file()]
+    problems += [f"{n}: missing (every `shard` run writes it); copy it from any machine's OUT" for n in missing]
+    if problems:
+        raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(problems))
+    rank_files = {file: records[file][0] for file in first["rank_files"]}
+    for file, rec in rank_files.items():
+        write_done(out, file, rec["size"], rec["sha256"], digest)
+    devices = sorted({str(f["options"].get("device")) for f in frags.values()})
+    options = first["options"] | {"device": ",".join(devices)}
+    extra = [n for n in SIDECARS if (out / n).is_file()] + list(REQUIRED_SIDECARS)
+    path = write_manifest_from(out, first["source"], options, digest, rank_files, extra)
+    return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags)}
+
+
+def _add(records, problems, file: str, rec: dict[str, Any], where: str) -> None:
+    entry = {"size": rec.get("size"), "sha256": rec.get("sha256")}
+    if file in records and records[file][0] != entry:
+        problems.append(f"{file}: {where} and {records[file][1]} record different sizes or sha256")
+    records.setdefault(file, (entry, where))
+
+
+def _check_file(out: Path, file: str, record: tuple[dict[str, Any], str], progress: Progress | None) -> str | None:
+    rec, where = record
+    path = out / file
+    if not path.is_file():
+        return f"{file}: missing ({where} lists {rec['size']} bytes); copy it from the machine that wrote it"
+    size = path.stat().st_size
+    if size != rec["size"]:
+        return f"{file}: {size} bytes, {where} says {rec['size']}; truncated or replaced?"
+    if progress is not None:
+        progress(file, 0, size)
+    digest = sha256_file(path)
+    if progress is not None:
+        progress(file, size, size)
+    if digest != rec["sha256"]:
+        return f"{file}: sha256 {digest[:16]}..., {where} says {rec['sha256'][:16]}...; corrupt?"
+    return None

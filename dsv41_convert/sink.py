@@ -1,0 +1,154 @@
+"""The writer of one `<file>.partial`: a thread that hashes and writes the byte stream in file order and
+hands checkpoints to the resume journal.
+
+The caller (write.py) hands over three kinds of work, in file order:
+  write(data)          bytes to append;
+  read_back(pos, n)    bytes already written ahead at [pos, pos + n) (a group's later part): hashed by
+                       reading them back, not written again;
+  checkpoints          made by write() / read_back() every `journal_bytes` (counting bytes written
+                       ahead too), where the caller allows them.
+Bytes are hashed once, into the whole-file sha256; a checkpoint records a copy of its state's digest (the
+sha256 of the prefix), which costs microseconds, not a second pass over the bytes.
+
+The stream goes to the file through a DirectAppender (O_DIRECT where the file system allows it); bytes
+written ahead and read back go through the ordinary descriptor `fd`. A checkpoint first flushes the
+appender, so the journal's fdatasync covers every byte before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+from dsv41_convert.direct_write import DirectAppender
+from dsv41_convert.journal import Aside, JournalWriter, ResumePoint
+from dsv41_convert.progress import Progress
+from dsv41_convert.safetensors_header import pread_exact
+
+THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
+READ_BACK_BYTES = 16 << 20
+
+
+class Sink:
+    """Hashes and writes while the caller reads and computes the next chunk (hashlib and the appender's
+    copy release the GIL; its pwrites run in threads of their own): on a slow disk this hides the sha256.
+
+    Handed-over buffers must not change until written: `_copy` (write.py) cycles three buffers through a
+    queue of one, so a buffer is refilled only after the writer has taken the next one.
+    """
+
+    def __init__(self, path: Path, label: str, total: int, progress: Progress, start: ResumePoint | None = None):
+        self.path, self.label, self.total, self.progress = path, label, total, progress
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if start else os.O_TRUNC), 0o644)
+        self.sha = start.sha if start else hashlib.sha256()
+        self.queued = self.done = start.end if start else 0  # bytes handed over / written
+        if start:
+            if not start.asides:
+                os.ftruncate(self.fd, start.end)
+            elif os.fstat(self.fd).st_size > total:
+                os.ftruncate(self.fd, total)
+        self.out = DirectAppender(path, start.end if start else 0)
+        self.tensor = "<header>"  # tensor being written (for error messages)
+        self.error: BaseException | None = None
+        self.throttle = float(os.environ.get(THROTTLE_ENV, "0") or 0)
+        # checkpoints (set by the caller): where the writer is, and whether it could go on from here
+        self.journal: JournalWriter | None = None
+        self.journal_bytes = 0
+        self.asides: dict[str, Aside] = {}  # group -> its later part written ahead
+        self.dirty: set[str] = set()  # groups whose aside grew since the last checkpoint
+        self.ahead = 0  # bytes written ahead so far: they count towards the next checkpoint too
+        self.mark_ok = False
+        self.index = self.chunk = self.t_begin = 0
+        self._last_mark = self.queued
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._drain, name=f"write {label}", daemon=True)
+        self._thread.start()
+
+    def begin_tensor(self, index: int, begin: int, chunk: int = 0) -> None:
+        """The next bytes are tensor `index` of the file (starting at file offset `begin`), data chunk `chunk`."""
+        self.index, self.t_begin, self.chunk, self.mark_ok = index, begin, chunk, True
+
+    def write(self, data, tensor: str = "<header>") -> None:
+        if self.error is not None:
+            raise self.error
+        view = memoryview(data).cast("B")
+        self.queued += len(view)
+        self._q.put(("w", view, tensor))
+        self._after_chunk()
+
+    def read_back(self, pos: int, n: int, tensor: str) -> None:
+        """Bytes [pos, pos + n), written ahead, are next in the file: hash them, skip over them."""
+        if self.error is not None:
+            raise self.error
+        assert pos == self.queued, (pos, self.queued)
+        self.queued += n
+        self._q.put(("r", (pos, n), tensor))
+        self._after_chunk()
+
+    def _after_chunk(self) -> None:
+        self.chunk += 1
+        progressed = self.queued + self.ahead
+        if self.journal is not None and self.mark_ok and progressed - self._last_mark >= self.journal_bytes:
+            self._last_mark = progressed
+            mark = {"end": self.queued, "tensor": self.index, "chunk": self.chunk, "skip": self.queued - self.t_begin}
+            mark["asides"] = [self.asides[g].to_json() for g in sorted(self.dirty) if g in self.asides]
+            self.dirty.clear()
+            self._q.put(("m", mark, ""))
+        if self.throttle:
+            time.sleep(self.throttle)
+
+    def _drain(self) -> None:
+        buf = None
+        while (item := self._q.get()) is not None:
+            if self.error is not None:
+                continue
+            kind, payload, tensor = item
+            try:
+                if kind == "m":
+                    self.out.flush()
+                    payload["sha256"] = self.sha.copy().hexdigest()
+                    self.journal.put(payload)
+                    continue
+                self.tensor = tensor
+                if kind == "w":
+                    self.sha.update(payload)
+                    self.out.write(payload)
+                    self.done += len(payload)
+                else:
+                    buf = buf or memoryview(bytearray(READ_BACK_BYTES))
+                    pos, left = payload
+                    while left:
+                        n = min(left, len(buf))
+                        pread_exact(self.fd, buf[:n], pos, str(self.path))
+                        self.sha.update(buf[:n])
+                        pos, left, self.done = pos + n, left - n, self.done + n
+                    self.out.seek(pos)
+                self.progress(self.label, self.done, self.total)
+            except BaseException as exc:  # handed to the caller by write() / finish()
+                self.error = exc
+
+    def finish(self) -> None:
+        """Wait for every handed-over byte to be in the file; raise the writer's error if it had one."""
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+            if self.error is None:
+                try:
+                    self.out.close()
+                except BaseException as exc:
+                    self.error = exc
+            self.out.abort()
+        if self.error is not None:
+            raise self.error
+
+    def fill(self, value: int, count: int, chunk: int, tensor: str) -> None:
+        """Append `count` bytes of `value` (padding rows); no checkpoint falls inside padding."""
+        self.mark_ok = False
+        block = bytes([value]) * min(count, chunk)
+        while count > 0:
+            self.write(block[: min(count, len(block))], tensor)
+            count -= len(block)

@@ -1,0 +1,140 @@
+"""Rank files written on several machines (`shard --ranks`, torchrun shares): each run leaves a manifest
+fragment; `dsv41-convert manifest OUT` (or `shard --resume`) in the gathered folder writes manifest.json
+equal to a single full run's, and refuses missing ranks, mismatching files and mixed plans."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny
+
+from dsv41_convert.cli import main
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.execute import execute
+from dsv41_convert.manifest_check import check_folder
+from dsv41_convert.plan import build_plan
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A full tp-4 run, and ranks 0,3 / 1,2 (and 1,2 with fp8 experts) each in its own folder."""
+    root = tmp_path_factory.mktemp("merge")
+    src = make_tiny(root / "src")
+    plan = build_plan(src, 4)
+    folders = {"full": root / "full", "a": root / "a", "b": root / "b", "b_fp8": root / "b_fp8"}
+    execute(plan, folders["full"])
+    assert execute(plan, folders["a"], ranks=[0, 3])["fragment"] == str(
+        folders["a"] / "manifest-fragment-mp4-r0_3.json"
+    )
+    execute(plan, folders["b"], ranks=[1, 2])
+    execute(build_plan(src, 4, "fp8"), folders["b_fp8"], ranks=[1, 2])
+    return folders | {"src": src}
+
+
+def _gather(dest: Path, *folders: Path) -> Path:
+    """What a user copies from each machine: the visible files (rank files, fragment, config, tokenizer)."""
+    dest.mkdir()
+    for folder in folders:
+        for p in folder.iterdir():
+            if p.is_file():
+                shutil.copy(p, dest / p.name)
+    return dest
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, " ".join(err.split())
+
+
+def _files(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())["files"]
+
+
+def test_fragment_is_not_a_manifest(runs):
+    a = runs["a"]
+    assert not (a / "manifest.json").exists()
+    frag = json.loads((a / "manifest-fragment-mp4-r0_3.json").read_text())
+    assert frag["complete"] is False and sorted(frag["files"]) == ["model0-mp4.safetensors", "model3-mp4.safetensors"]
+    assert frag["rank_files"] == [f"model{r}-mp4.safetensors" for r in range(4)]
+    with pytest.raises(VerifyInputError, match=r"manifest\.json: not found"):
+        check_folder(a)
+
+
+def test_merge_equals_a_full_run(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["manifest"] == str(g / "manifest.json") and len(summary["fragments"]) == 2
+    assert _files(g) == _files(runs["full"])
+    full = json.loads((runs["full"] / "manifest.json").read_text())
+    merged = json.loads((g / "manifest.json").read_text())
+    assert merged["plan_digest"] == full["plan_digest"] and merged["options"] == full["options"]
+    assert merged["source"]["index_sha256"] == full["source"]["index_sha256"]
+    assert check_folder(g).ok
+
+
+def test_resume_in_a_gathered_folder_writes_the_manifest(runs, tmp_path):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    summary = execute(build_plan(runs["src"], 4), g, resume=True)
+    assert summary["written"] == [] and len(summary["skipped"]) == 4 and summary["manifest"]
+    assert _files(g) == _files(runs["full"])
+
+
+def test_missing_rank_is_an_error(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    (g / "model2-mp4.safetensors").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and "model2-mp4.safetensors: missing" in err and not (g / "manifest.json").exists()
+    g2 = _gather(tmp_path / "g2", runs["a"])  # machine b's files never copied
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g2))
+    assert code == 2 and "model1-mp4.safetensors: no fragment lists it" in err and "model2-mp4" in err
+
+
+def test_corrupt_rank_file_is_an_error(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    with open(g / "model3-mp4.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 1]))
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and "model3-mp4.safetensors: sha256" in err and "manifest-fragment-mp4-r0_3.json says" in err
+
+
+def test_mixed_plans_are_an_error(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b_fp8"])
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and "manifest-fragment-mp4-r1_2.json: from another plan" in err
+    assert not (g / "manifest.json").exists()
+
+
+def test_no_fragment_is_an_error(tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path))
+    assert code == 2 and "no manifest-fragment-*.json files" in err
+
+
+def test_torchrun_shares_leave_fragments(runs, tmp_path, monkeypatch):
+    plan = build_plan(runs["src"], 4)
+    for me in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(me))
+        summary = execute(plan, tmp_path / f"m{me}")
+        assert summary["fragment"].endswith(f"manifest-fragment-mp4-r{me}_{me + 2}.json")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    g = _gather(tmp_path / "g", tmp_path / "m0", tmp_path / "m1")
+    execute(plan, g, resume=True)
+    assert _files(g) == _files(runs["full"])
