@@ -146,7 +146,8 @@ class DirectAppender:
             buf, start, offset, length, plain, keep = job
             try:
                 if self.error is None:
-                    _pwrite_all(self.fd if plain else self.direct_fd, memoryview(buf)[start : start + length], offset)
+                    fd = self.fd if plain else self.direct_fd
+                    _pwrite_all(fd, self.fd, memoryview(buf)[start : start + length], offset)
             except BaseException as exc:  # raised to the caller by its next write / flush / close
                 self.error = self.error or exc
             finally:
@@ -168,9 +169,18 @@ def _open_direct(path: Path) -> int:
         raise
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, plain_fd: int, view: memoryview, offset: int) -> None:
+    """All of `view` at `offset`. After a short write (a file size limit, a nearly full disk) the rest is
+    unaligned, and a limit that cuts a direct write unaligned makes it EINVAL: both go on through
+    `plain_fd`, where the real error, if any, shows (EFBIG, ENOSPC)."""
     while len(view):
-        n = os.pwrite(fd, view, offset)
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or fd == plain_fd:
+                raise
+            fd = plain_fd
+            continue
         if n <= 0:
             raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
-        view, offset = view[n:], offset + n
+        view, offset, fd = view[n:], offset + n, plain_fd

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import OutputError
+from dsv41_convert.manifest import fsync_dir
 
 FORMAT = "dsv41-convert journal v1"
 READ_BYTES = 16 << 20
@@ -89,7 +90,7 @@ class JournalWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self.error: BaseException | None = None
         self._q: queue.Queue = queue.Queue()
@@ -246,11 +247,3 @@ def _hash_range(f, begin: int, end: int, h=None):
         h.update(view[:n])
         left -= n
     return h
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -33,6 +33,15 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in folder `path` survive power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(chunk)

@@ -31,6 +31,7 @@ import numpy as np
 from dsv41_convert import journal
 from dsv41_convert.errors import OutputError
 from dsv41_convert.journal import Aside, JournalWriter, ResumePoint, journal_path
+from dsv41_convert.manifest import fsync_dir
 from dsv41_convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.progress import Progress
 from dsv41_convert.safetensors_header import DTYPE_BITS, nbytes, pread_exact
@@ -245,7 +246,7 @@ def commit(out: Path, file: str) -> None:
         finally:
             os.close(fd)
         os.replace(partial, final)
-        _fsync_dir(out)
+        fsync_dir(out)
     except OSError as exc:
         partial.unlink(missing_ok=True)
         journal_path(out, file).unlink(missing_ok=True)
@@ -276,14 +277,6 @@ def _discard(sink: _Sink, partial: Path, jpath: Path, keep: bool = False) -> Non
     if not keep:
         partial.unlink(missing_ok=True)
         jpath.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _copy(t: OutTensor, reader: _Reader, sink: _Sink, chunk_bytes: int, skip: int = 0) -> None:

@@ -13,28 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_run import run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
 from dsv41_convert import execute as execute_mod
-from dsv41_convert.cli import main
 from dsv41_convert.errors import OutputError
 from dsv41_convert.plan import build_plan
 from dsv41_convert.safetensors_header import read_header
 
 CLI = [sys.executable, "-m", "dsv41_convert.cli"]
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["dsv41-convert", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, " ".join(err.split())  # undo rich's line wrapping
 
 
 def assert_nothing_finished(out: Path) -> None:

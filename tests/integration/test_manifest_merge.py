@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
 
-from dsv41_convert.cli import main
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.execute import execute
 from dsv41_convert.manifest_check import check_folder
@@ -45,17 +45,6 @@ def _gather(dest: Path, *folders: Path) -> Path:
             if p.is_file():
                 shutil.copy(p, dest / p.name)
     return dest
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["dsv41-convert", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, " ".join(err.split())
 
 
 def _files(folder: Path) -> dict:
