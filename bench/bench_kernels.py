@@ -17,13 +17,20 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 
 import torch
 
 ROWS, COLS = 65536, 7168  # a 940 MB bf16 weight: ~0.3 ms per pass, launch costs small, far past L2
 GEMM_SHAPES = ((128, 4096, 7168), (4096, 4096, 7168))  # (M, N, K)
+GEMM_WIDE = (128, 128, 256)  # a gemm tile variant: rows, columns, threads (two warpgroups)
 # torch.compile takes tens of seconds per function: only these are compiled (device time is scarce)
 COMPILED = ("encode_fp8_blocks 32x32 ue8m0", "encode_mxfp4", "act_quant 1x32")
+# launch-geometry variants timed by variant_rows (the first of each is the default)
+DEQUANT_VARIANTS = ((4, 4), (4, 8))  # decode_mxfp4: (packed bytes per thread and slot, slots per thread)
+FP8_DEQUANT_VARIANTS = ((8, 4), (16, 4))  # decode_fp8_blocks: (e4m3 values per slot, slots per thread)
+FP4_ENCODE_VARIANTS = ((2, 128), (2, 256), (1, 128))  # encode_mxfp4: (slots per thread, threads)
+FP4_TO_FP8_VARIANTS = ((1, 64), (2, 16), (1, 32))  # fp4_to_fp8: (32-row blocks per CTA, threads per row)
 
 
 def median_ms(fn, reps=20, warm=3):
@@ -51,7 +58,7 @@ def _compile_one(job):
 
 def compile_jobs():
     k = "dsv41_convert.kernels."
-    return [
+    jobs = [
         (k + "fp8_quant", "fp8_quant_kernel", (COLS, 32, 32, "bfloat16", True)),
         (k + "fp8_quant", "fp8_quant_kernel", (COLS, 128, 128, "bfloat16", True)),
         (k + "fp8_quant", "fp8_quant_kernel", (COLS, 128, 128, "bfloat16", False)),
@@ -60,12 +67,21 @@ def compile_jobs():
         (k + "fp8_dequant", "fp8_dequant_kernel", (COLS, 32, 32, True, "bfloat16")),
         (k + "fp4_dequant", "fp4_dequant_kernel", (COLS, 32, "bfloat16")),
         (k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS,)),
-        (k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS, 1)),
         (k + "fp8_gemm", "fp8_gemm_kernel", (4096, 7168, 32, True)),
         (k + "fp4_gemm", "fp4_gemm_kernel", (4096, 7168, 32, True)),
-        (k + "act_quant", "act_quant_kernel", (COLS, 32, "bfloat16", True, True, False, 8)),
-        (k + "fp4_act_quant", "fp4_act_quant_kernel", (COLS, 32, "bfloat16", False, False, 8)),
     ]
+    bg = (k + "block_gemm", "block_gemm_kernel")
+    jobs += [(*bg, (4096, 7168, 32, 32, 32, False, True, True, 4, GEMM_WIDE))]
+    jobs += [(*bg, (4096, 7168, 32, 32, 1, True, True, True, 3, GEMM_WIDE))]
+    rq = (k + "row_quant", "row_quant_kernel")
+    jobs += [(*rq, (COLS, 32, "bfloat16", "e2m1", "e8m0", False, u, t)) for u, t in FP4_ENCODE_VARIANTS]
+    jobs += [(k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS, b, t)) for b, t in FP4_TO_FP8_VARIANTS]
+    jobs += [
+        (k + "fp8_dequant", "fp8_dequant_kernel", (COLS, 32, 32, True, "bfloat16", u, v))
+        for v, u in FP8_DEQUANT_VARIANTS
+    ]
+    jobs += [(k + "fp4_dequant", "fp4_dequant_kernel", (COLS, 32, "bfloat16", u, v)) for v, u in DEQUANT_VARIANTS]
+    return jobs
 
 
 def nbytes(*ts):
@@ -118,9 +134,22 @@ def raw_launches(w, q8, s8, p4, s4):
     }
 
 
+def references_on_cuda():
+    """quant/'s lookup tables are CPU tensors, which torch.bucketize and indexing refuse to mix with CUDA
+    inputs; the eager and compiled references in this process get CUDA copies (bench only)."""
+    from dsv41_convert.quant import act, cast, fp4, fp8
+
+    for module in (act, cast, fp4, fp8):
+        for name, value in vars(module).copy().items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                setattr(module, name, value.cuda())
+
+
 def quant_rows():
     from dsv41_convert.kernels import quant_ops
     from dsv41_convert.quant import act, cast, fp4, fp8
+
+    references_on_cuda()
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(ROWS, COLS, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -166,14 +195,20 @@ def quant_rows():
         ins = [a for a in args if isinstance(a, torch.Tensor)]
         moved = nbytes(*ins, *outs)
         del out, outs
-        src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t_copy = median_ms(functools.partial(dst.copy_, src))
-        del src, dst
+        t_copy = copy_ms(moved)
         t_kern = median_ms(raw[name])
         t_wrap = median_ms(functools.partial(wrapper, *args))
+        same = None
         try:
             t_eager = median_ms(functools.partial(ref, *args), reps=5, warm=1)
+            want = ref(*args)
+            want = want if isinstance(want, tuple) else (want,)
+            got = wrapper(*args)
+            got = got if isinstance(got, tuple) else (got,)
+            same = all(
+                bool(torch.equal(g.view(torch.uint8), r.view(torch.uint8))) for g, r in zip(got, want, strict=True)
+            )
+            del want, got
         except Exception as exc:  # a reference that cannot run on CUDA is a result to report
             print(f"eager reference failed for {name}: {type(exc).__name__}: {exc}"[:300])
             t_eager = float("nan")
@@ -188,46 +223,64 @@ def quant_rows():
                 "wrapper_GBps": moved / t_wrap / 1e6,
                 "eager_GBps": moved / t_eager / 1e6,
                 "compile_GBps": None,
+                "bitexact_vs_eager": same,
             }
         )
         print(rows[-1], flush=True)
     return rows, cases
 
 
+def copy_ms(moved):
+    """Median time of a device-to-device copy that reads and writes `moved` bytes in all."""
+    src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = median_ms(functools.partial(dst.copy_, src))
+    del src, dst
+    return t
+
+
 def variant_rows():
-    """Raw kernel time of the row-group kernels at unroll 4 (default) and 8: bytes in flight per thread."""
-    from dsv41_convert.kernels import act_quant, fp4_act_quant, fp4_to_fp8, quant_ops
+    """Raw kernel time of launch-geometry variants (bytes in flight per thread), as % of a copy."""
+    from dsv41_convert.kernels import fp4_dequant, fp4_to_fp8, fp8_dequant, quant_ops, row_quant
 
     w = torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16)
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     q = torch.empty(ROWS, COLS, dtype=torch.float8_e4m3fn, device="cuda")
+    y = torch.empty(ROWS, COLS, dtype=torch.bfloat16, device="cuda")
     packed = torch.empty(ROWS, COLS // 2, dtype=torch.uint8, device="cuda")
     s = torch.empty(ROWS, COLS // 32, dtype=torch.uint8, device="cuda")
-    out = []
     p4, s4 = (t.view(torch.uint8) for t in quant_ops.encode_mxfp4(w, 32, "w"))
+    q8, s8e = quant_ops.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
     s8 = torch.empty(-(-ROWS // 32), COLS // 32, dtype=torch.uint8, device="cuda")
-    for block_rows in (1, 2):
-        fn = functools.partial(fp4_to_fp8.fp4_to_fp8_kernel(COLS, block_rows), p4, s4, q.view(torch.uint8), s8, cnt)
-        t = median_ms(fn)
-        out.append({"kernel": "fp4_to_fp8", "block_rows": block_rows, "ms": t, "GBps": nbytes(p4, s4, q, s8) / t / 1e6})
+    cases = []
+    for block_rows, row_threads in FP4_TO_FP8_VARIANTS:
+        k = fp4_to_fp8.fp4_to_fp8_kernel(COLS, block_rows, row_threads)
+        fn = functools.partial(k, p4, s4, q.view(torch.uint8), s8, cnt)
+        cases.append(("fp4_to_fp8", f"block_rows={block_rows} row_threads={row_threads}", fn, (p4, s4, q, s8)))
+    for unroll, threads in FP4_ENCODE_VARIANTS:
+        k4 = row_quant.row_quant_kernel(COLS, 32, "bfloat16", "e2m1", "e8m0", False, unroll, threads)
+        fn = functools.partial(k4, w, packed, s, cnt)
+        cases.append(("encode_mxfp4", f"unroll={unroll} threads={threads}", fn, (w, packed, s)))
+    for vec, unroll in FP8_DEQUANT_VARIANTS:
+        kd8 = fp8_dequant.fp8_dequant_kernel(COLS, 32, 32, True, "bfloat16", unroll, vec)
+        fn = functools.partial(kd8, q8, s8e.view(torch.uint8), y)
+        cases.append(("decode_fp8_blocks", f"vec={vec} unroll={unroll}", fn, (q8, s8e, y)))
+    for vec, unroll in DEQUANT_VARIANTS:
+        kd4 = fp4_dequant.fp4_dequant_kernel(COLS, 32, "bfloat16", unroll, vec)
+        cases.append(("decode_mxfp4", f"vec={vec} unroll={unroll}", functools.partial(kd4, p4, s4, y), (p4, s4, y)))
+    out = []
+    for name, variant, fn, tensors in cases:
+        moved = nbytes(*tensors)
+        t, tc = median_ms(fn), copy_ms(moved)
+        out.append({"kernel": name, "variant": variant, "ms": t, "GBps": moved / t / 1e6, "pct_of_copy": 100 * tc / t})
         print(out[-1], flush=True)
-    for unroll in (4, 8):
-        k8 = act_quant.act_quant_kernel(COLS, 32, "bfloat16", True, True, False, unroll)
-        k4 = fp4_act_quant.fp4_act_quant_kernel(COLS, 32, "bfloat16", False, False, unroll)
-        for name, fn, moved in (
-            ("act_quant", functools.partial(k8, w, q, s, cnt), nbytes(w, q, s)),
-            ("fp4_act_quant", functools.partial(k4, w, packed, s, cnt), nbytes(w, packed, s)),
-        ):
-            t = median_ms(fn)
-            out.append({"kernel": name, "unroll": unroll, "ms": t, "GBps": moved / t / 1e6})
-            print(out[-1], flush=True)
     return out
 
 
-def compile_phase(rows, cases):
-    """torch.compile of the references named in COMPILED (slow to compile: run last)."""
+def compile_phase(rows, cases, every=False):
+    """torch.compile of the references named in COMPILED, or of all (slow to compile: run last)."""
     for row, (name, _kern, ref, args) in zip(rows, cases, strict=True):
-        if name not in COMPILED:
+        if name not in COMPILED and not every:
             continue
         try:
             comp = torch.compile(ref)
@@ -240,6 +293,7 @@ def compile_phase(rows, cases):
 
 def gemm_rows():
     from dsv41_convert.kernels import quant_ops
+    from dsv41_convert.kernels.block_gemm import block_gemm_kernel
     from dsv41_convert.kernels.fp4_gemm import fp4_gemm
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm
     from dsv41_convert.quant import act, fp8
@@ -255,6 +309,17 @@ def gemm_rows():
         flop = 2 * m * n * k
         t8 = median_ms(functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32))
         t4 = median_ms(functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32))
+        # the same kernels with a 128 x 128 tile over two warpgroups (raw launches)
+        u8 = torch.uint8
+        c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        k8w = block_gemm_kernel(n, k, 32, 32, 32, False, True, True, 4, GEMM_WIDE)
+        k4w = block_gemm_kernel(n, k, 32, 32, 1, True, True, True, 3, GEMM_WIDE)
+        t8w = median_ms(functools.partial(k8w, a, a_s.view(u8), b, b_s.view(u8), c))
+        t4w = median_ms(functools.partial(k4w, a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c))
+        k8w(a, a_s.view(u8), b, b_s.view(u8), c)
+        wide_same = bool(torch.equal(c, fp8_gemm(a, a_s, b, b_s, torch.float8_e8m0fnu, 32)))
+        k4w(a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c)
+        wide_same &= bool(torch.equal(c, fp4_gemm(a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)))
         try:
             t_sm = median_ms(
                 functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
@@ -263,8 +328,9 @@ def gemm_rows():
             print(f"_scaled_mm failed: {exc}"[:300])
             t_sm = float("nan")
         t_bf = median_ms(functools.partial(torch.matmul, x, w.t()))
-        row = {"M": m, "N": n, "K": k}
-        for name, t in (("fp8_gemm", t8), ("fp4_gemm", t4), ("_scaled_mm_tensorwise", t_sm), ("bf16_matmul", t_bf)):
+        row = {"M": m, "N": n, "K": k, "wide_same_bytes": wide_same}
+        times = (("fp8_gemm", t8), ("fp4_gemm", t4), ("fp8_gemm_wide", t8w), ("fp4_gemm_wide", t4w))
+        for name, t in (*times, ("_scaled_mm_tensorwise", t_sm), ("bf16_matmul", t_bf)):
             row[name + "_ms"] = t
             row[name + "_TFLOPs"] = flop / t / 1e9
         rows.append(row)
@@ -272,42 +338,60 @@ def gemm_rows():
     return rows
 
 
-def markdown(quant, gemm, device, when):
+def markdown(quant, gemm, device, when, variants=()):
     lines = [f"Measured {when} on {device}, torch {torch.__version__}; median of 20 runs (eager/compile: 5).", ""]
     lines += [
         "| kernel | MB moved | kernel ms | kernel GB/s | copy GB/s | % of copy | wrapper GB/s "
-        "| torch eager GB/s | torch.compile GB/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| torch eager GB/s | torch.compile GB/s | bytes == eager |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for r in quant:
         comp = "-" if r["compile_GBps"] is None else f"{r['compile_GBps']:.0f}"
         lines.append(
             f"| {r['kernel']} | {r['MB']:.0f} | {r['kernel_ms']:.3f} | {r['kernel_GBps']:.0f} | {r['copy_GBps']:.0f} "
-            f"| {r['pct_of_copy']:.0f}% | {r['wrapper_GBps']:.0f} | {r['eager_GBps']:.0f} | {comp} |"
+            f"| {r['pct_of_copy']:.0f}% | {r['wrapper_GBps']:.0f} | {r['eager_GBps']:.0f} | {comp} "
+            f"| {dict(((True, 'yes'), (False, 'NO'))).get(r['bitexact_vs_eager'], '-')} |"
         )
     lines += [
         "",
-        "| M x N x K | fp8_gemm TFLOP/s | fp4_gemm TFLOP/s | _scaled_mm (tensorwise) TFLOP/s | bf16 matmul TFLOP/s |",
+        "| M x N x K | fp8_gemm TFLOP/s | fp4_gemm TFLOP/s | fp8 / fp4 with a 128x128 tile, 2 warpgroups "
+        "| _scaled_mm (tensorwise) TFLOP/s | bf16 matmul TFLOP/s |",
     ]
-    lines += ["| --- | ---: | ---: | ---: | ---: |"]
+    lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in gemm:
         lines.append(
             f"| {r['M']} x {r['N']} x {r['K']} | {r['fp8_gemm_TFLOPs']:.0f} | {r['fp4_gemm_TFLOPs']:.0f} "
+            f"| {r['fp8_gemm_wide_TFLOPs']:.0f} / {r['fp4_gemm_wide_TFLOPs']:.0f} "
+            f"({'same bytes' if r['wide_same_bytes'] else 'bytes DIFFER'}) "
             f"| {r['_scaled_mm_tensorwise_TFLOPs']:.0f} | {r['bf16_matmul_TFLOPs']:.0f} |"
         )
+    if variants:
+        lines += ["", "| variant | kernel ms | GB/s | % of copy |", "| --- | ---: | ---: | ---: |"]
+        for r in variants:
+            lines.append(
+                f"| {r['kernel']} {r['variant']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['pct_of_copy']:.0f}% |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the references")
+    parser.add_argument("--compile-all", action="store_true", help="torch.compile every reference, not only COMPILED")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args()
     with cf.ProcessPoolExecutor(args.workers) as pool:
         list(pool.map(_compile_one, compile_jobs()))
-    device = f"{torch.cuda.get_device_name()} ({platform.node()})"
+    try:
+        smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        driver = subprocess.run(smi, capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        driver = "?"
+    import tilelang
+
+    device = f"{torch.cuda.get_device_name()} ({platform.node()}), driver {driver}, tilelang {tilelang.__version__}"
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     quant, cases = quant_rows()
     gemm = gemm_rows()
@@ -315,14 +399,14 @@ def main():
     if args.json:
         with open(args.json.replace(".json", "_variants.json"), "w") as f:
             json.dump(variants, f, indent=1)
-    write(quant, gemm, device, when, args)
+    write(quant, gemm, device, when, args, variants)
     if args.compile:
-        compile_phase(quant, cases)
-        write(quant, gemm, device, when, args)
+        compile_phase(quant, cases, args.compile_all)
+        write(quant, gemm, device, when, args, variants)
 
 
-def write(quant, gemm, device, when, args):
-    md = markdown(quant, gemm, device, when)
+def write(quant, gemm, device, when, args, variants):
+    md = markdown(quant, gemm, device, when, variants)
     print(md, flush=True)
     if args.md:
         with open(args.md, "w") as f:

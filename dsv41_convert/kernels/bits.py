@@ -6,7 +6,8 @@ and applied by multiplying with its exact reciprocal (also a power of two), whic
 float32 as the references' division. These are plain Python functions that build expressions;
 they are evaluated inside `@T.prim_func` bodies.
 
-Torch equivalents are given per function; the references live in `dsv41_convert.quant`.
+Torch equivalents are given per function; the references live in `dsv41_convert.quant`. The e2m1
+encoder and the byte-permute decoders are CUDA C (`device_c`): TileLang has no byte permute.
 """
 
 from __future__ import annotations
@@ -58,31 +59,6 @@ def e8m0_to_f32(byte):
     return T.reinterpret(bits, F32)
 
 
-def e2m1_code(v):
-    """Nearest e2m1 code (0..15, bit 3 = sign bit of v) of a float32 v; ties to the even code.
-
-    torch: quant.fp4.encode_e2m1. Magnitudes above 6 give code 7, -0.0 gives code 8. Mostly float
-    arithmetic (Hopper has twice as many float32 lanes as int32 ones): the magnitude m (clamped at 6)
-    is rounded to its binade's grid step q (0.5 below 2, 1 below 4, 2 above) by adding and then
-    subtracting 1.5 * 2**23 * q, so IEEE round-to-nearest-even applies the tie rule; the rounded r maps
-    to its code by its binade's line: 2r below 2, r + 2 below 4, r / 2 + 4 above. Every step is exact,
-    and a value that rounds up into the next binade (1.75 -> 2) gets the right code from its own line.
-    """
-    m = T.min(T.abs(v), T.float32(6.0))
-    below2 = m < T.float32(2.0)
-    below4 = m < T.float32(4.0)
-    magic = T.if_then_else(
-        below2, T.float32(1.5 * 2**22), T.if_then_else(below4, T.float32(1.5 * 2**23), T.float32(1.5 * 2**24))
-    )
-    # ieee_add/ieee_sub: one rounding each, never fused or folded away by a simplifier
-    r = T.ieee_sub(T.ieee_add(m, magic), magic)
-    mul = T.if_then_else(below2, T.float32(2.0), T.if_then_else(below4, T.float32(1.0), T.float32(0.5)))
-    add = T.if_then_else(below2, T.float32(0.0), T.if_then_else(below4, T.float32(2.0), T.float32(4.0)))
-    mag = T.if_then_else(v == v, T.Cast(I32, r * mul + add), T.int32(0))  # NaN -> code 0/8, as the reference
-    sign = ((T.reinterpret(v, I32) >> T.int32(31)) & T.int32(1)) << T.int32(3)
-    return mag | sign
-
-
 def e2m1_value(code):
     """float32 value of a 4-bit e2m1 code (exact).  torch: quant.fp4.E2M1_VALUES[code].
 
@@ -92,11 +68,6 @@ def e2m1_value(code):
     normal = T.reinterpret((((c >> T.int32(1)) + T.int32(126)) << T.int32(23)) | ((c & T.int32(1)) << T.int32(22)), F32)
     mag = T.if_then_else(c < T.int32(2), T.Cast(F32, c) * T.float32(0.5), normal)
     return T.if_then_else((T.Cast(I32, code) & T.int32(8)) != T.int32(0), -mag, mag)
-
-
-def nonfinite(v):
-    """True where a float32 is NaN or +-Inf.  torch: ~torch.isfinite(v)."""
-    return (T.reinterpret(v, I32) & T.int32(0x7F800000)) == T.int32(0x7F800000)
 
 
 def e2m1_e4m3_byte(code):

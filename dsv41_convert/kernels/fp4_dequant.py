@@ -2,10 +2,13 @@
 
 Exactness: bit-exact (atol=0, rtol=0). Each e2m1 code is decoded from its bits (exact), multiplied
 by its e8m0 scale in float32 (exact unless it overflows, like the reference) and rounded once to
-the output dtype with the hardware's nearest-even conversion.
+the output dtype with the hardware's nearest-even conversion. For bf16 output with a scale byte in
+2..252 every product is a normal bf16, so its two bytes are looked up instead (`device_c.
+tl_mxfp4_to_bf16`: per-scale byte tables in registers, byte permutes), which gives the same bits.
 
-Layout: packed is [R, C/2] bytes with C static; each thread expands 8 bytes (16 values) of one row,
-looking each byte's two values up in a 256-entry shared-memory table built once per CTA.
+Layout: packed is [R, C/2] bytes with C static; each thread expands 4 bytes (8 values, one scale) of
+one row per slot, UNROLL slots a CTA-width apart: loads of 128 and stores of 512 contiguous bytes
+per warp.
 """
 
 import tilelang
@@ -14,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value, e8m0_to_f32
+from dsv41_convert.kernels.device_c import PRELUDE
 
 # dtype aliases
 F32 = "float32"
@@ -28,16 +32,26 @@ THREADS = 256
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def fp4_dequant_kernel(c: int, group: int, out_dtype: str, unroll: int = 4):
-    """[R, c/2] packed e2m1 with one e8m0 byte per `group` values -> [R, c] out_dtype."""
+def fp4_dequant_kernel(c: int, group: int, out_dtype: str, unroll: int = 4, vec: int = 4):
+    """[R, c/2] packed e2m1 with one e8m0 byte per `group` values -> [R, c] out_dtype.
+
+    vec: packed bytes per thread and slot (at most; all under one scale). 4 bytes make one 16-byte bf16
+    store per slot, so a warp's stores cover 512 contiguous bytes (wider vectors leave gaps per store).
+    """
     r = T.symbolic("R")
     half = c // 2
-    vec = 8  # packed bytes per thread
     while half % vec or (group // 2) % vec:
         vec //= 2
     vpr = half // vec
     per_cta = THREADS * unroll
     gpr = -(-c // group)
+    fast = out_dtype == "bfloat16" and vec % 4 == 0
+
+    @T.macro
+    def decode_values(pl, bl, ol, k):
+        sc = e8m0_to_f32(bl[k])  # s.float(): 2**-127 for byte 0, NaN for 255
+        for v in T.unroll(2 * vec):
+            ol[v] = T.Cast(out_dtype, e2m1_value(pl[k, v // 2] >> T.uint8(4 * (v % 2))) * sc)
 
     @T.prim_func
     def fp4_dequant_(
@@ -45,16 +59,11 @@ def fp4_dequant_kernel(c: int, group: int, out_dtype: str, unroll: int = 4):
         s: T.Tensor[(r, gpr), U8],
         y: T.Tensor[(r, c), out_dtype],
     ):
-        with T.Kernel(T.ceildiv(r * vpr, per_cta), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(r * vpr, per_cta), threads=THREADS, prelude=PRELUDE) as bx:
             tx = T.get_thread_binding()
             pl = T.alloc_local((unroll, vec), U8)
-            sl = T.alloc_local((unroll,), F32)
+            bl = T.alloc_local((unroll,), I32)
             ol = T.alloc_local((2 * vec,), out_dtype)
-            lut = T.alloc_shared((256, 2), F32)
-            # one table per CTA: byte -> its two e2m1 values (low nibble first), E2M1_VALUES[unpack_nibbles]
-            lut[tx, 0] = e2m1_value(tx & 15)
-            lut[tx, 1] = e2m1_value(tx >> 4)
-            T.sync_threads()
             for k in T.unroll(unroll):
                 slot = bx * per_cta + k * THREADS + tx
                 row = slot // vpr
@@ -62,15 +71,30 @@ def fp4_dequant_kernel(c: int, group: int, out_dtype: str, unroll: int = 4):
                 if row < r:
                     for v in T.vectorized(vec):
                         pl[k, v] = packed[row, col + v]
-                    sl[k] = e8m0_to_f32(s[row, col * 2 // group])  # s.float()
+                    bl[k] = T.Cast(I32, s[row, col * 2 // group])
             for k in T.unroll(unroll):
                 slot = bx * per_cta + k * THREADS + tx
                 row = slot // vpr
                 col = (slot % vpr) * vec
                 if row < r:
-                    for v in T.unroll(2 * vec):
-                        # E2M1_VALUES[unpack_nibbles(packed)] * s, then .to(dtype)
-                        ol[v] = T.Cast(out_dtype, lut[T.Cast(I32, pl[k, v // 2]), v % 2] * sl[k])
+                    # E2M1_VALUES[unpack_nibbles(packed)] * s.float(), then .to(dtype)
+                    if fast:
+                        if bl[k] >= 2 and bl[k] <= 252:
+                            # every value times 2**(b-127) is a normal bf16: bytes from tables, no arithmetic
+                            T.evaluate(
+                                T.call_extern(
+                                    "handle",
+                                    "tl_mxfp4_to_bf16",
+                                    T.address_of(pl[k, 0]),
+                                    vec // 4,
+                                    bl[k],
+                                    T.address_of(ol[0]),
+                                )
+                            )
+                        else:
+                            decode_values(pl, bl, ol, k)
+                    else:
+                        decode_values(pl, bl, ol, k)
                     for v in T.vectorized(2 * vec):
                         y[row, 2 * col + v] = ol[v]
 

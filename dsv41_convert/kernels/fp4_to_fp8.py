@@ -8,11 +8,13 @@ division of two powers of two produces it (normal, subnormal or zero), then roun
 hardware. A value that does not survive exactly, or a NaN scale (byte 255), is counted on the GPU;
 the wrapper then runs the reference, which raises its FormatError naming the tensor and the block.
 
-Layout: a CTA converts 2 x 32 rows x 8 blocks; each thread owns the 32 values of one block row in
-each of its two block rows (16 packed bytes and one fp4 scale each, loaded before any use), eight
-threads side by side cover 256 columns of a row (coalesced), and each block's max scale is combined by
-xor-shuffles and shared memory. The usual case (offset >= 2**-5) looks each code's e4m3 byte up in a
-16-entry table and shifts its exponent field; only rows with a far smaller scale take the float path.
+Layout: a CTA converts 32 rows x 32 blocks (1024 columns); a thread owns half a block row (16 values:
+8 packed bytes and the row's fp4 scale) in rows t, t + 4, ..., t + 28 of the 32-row block, all loaded
+before any use. Sixty-four threads side by side cover a row's 1024 columns, so every 16-byte store of
+a warp lands in 512 contiguous bytes (no half-written sectors) and each row is read in 512-byte runs;
+each block's max scale is combined in shared memory. The usual case (offset >= 2**-5) looks the e4m3
+bytes of 4 codes up at once in an 8-byte register table that already holds the raised exponent field
+(byte permutes, no shared memory); only rows with a far smaller scale take the float path.
 """
 
 import tilelang
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value
+from dsv41_convert.kernels.device_c import PRELUDE
 
 # dtype aliases
 F32 = "float32"
@@ -37,14 +40,22 @@ MAX_OFFSET_BITS = 6  # 6 * 2**6 = 384 <= 448
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def fp4_to_fp8_kernel(in_features: int, block_rows: int = 2):
-    """[O, in_features/2] packed e2m1 + [O, in_features/32] e8m0 -> [O, in_features] e4m3 bytes + 32x32 e8m0."""
+def fp4_to_fp8_kernel(in_features: int, block_rows: int = 1, row_threads: int = 64):
+    """[O, in_features/2] packed e2m1 + [O, in_features/32] e8m0 -> [O, in_features] e4m3 bytes + 32x32 e8m0.
+
+    block_rows: 32-row blocks per CTA; row_threads: threads side by side along a row (16, 32 or 64: 256,
+    512 or 1024 columns per CTA). The defaults were the fastest on an H200 (docs/BENCHMARKS.md).
+    """
     o = T.symbolic("O")
     i_dim = in_features
     ib = i_dim // BLOCK
-    per_row = THREADS // BLOCK  # block columns per CTA: threads side by side along a row
+    half = BLOCK // 2  # columns per thread: half a block row (8 packed bytes in, 16 e4m3 bytes out)
+    tpr = row_threads
+    assert tpr in (16, 32, 64)
+    bpc = tpr // 2  # block columns per CTA
+    rows_per_pass = THREADS // tpr  # each thread takes rows t, t + rows_per_pass, ... of a 32-row block
+    rpt = BLOCK // rows_per_pass
     warps = THREADS // 32
-    rows_per_warp = 32 // per_row
     rb = block_rows  # 32-row blocks per CTA: more loads in flight per thread
 
     @T.prim_func
@@ -55,78 +66,87 @@ def fp4_to_fp8_kernel(in_features: int, block_rows: int = 2):
         s8: T.Tensor[(T.ceildiv(o, BLOCK), ib), U8],
         lossy_count: T.Tensor[(1,), I32],
     ):
-        with T.Kernel(T.ceildiv(ib, per_row), T.ceildiv(o, BLOCK * rb), threads=THREADS) as (bx, by):
+        with T.Kernel(T.ceildiv(ib, bpc), T.ceildiv(o, BLOCK * rb), threads=THREADS, prelude=PRELUDE) as (bx, by):
             tx = T.get_thread_binding()
-            pl = T.alloc_local((rb, BLOCK // 2), U8)
-            ob = T.alloc_local((BLOCK,), U8)
-            e = T.alloc_local((rb,), I32)
+            pl = T.alloc_local((rb, rpt, half // 2), U8)
+            ob = T.alloc_local((half,), U8)
+            e = T.alloc_local((rb, rpt), I32)
             emax = T.alloc_local((rb,), I32)
             bad = T.alloc_local((1,), I32)
-            part = T.alloc_shared((rb, warps, per_row), I32)
-            lut = T.alloc_shared((16,), U8)
-            j = tx % per_row
-            bcol = bx * per_row + j
+            part = T.alloc_shared((rb, warps, 16), I32)
+            j = tx % tpr
+            bcol = bx * bpc + j // 2  # this thread's block column
+            col = bcol * BLOCK + (j % 2) * half  # ... and its first column
             bad[0] = 0
-            if tx < 16:
-                # e4m3 byte of each e2m1 code, code 8 (-0) as +0 (as the reference)
-                m = tx & 7  # int32 arithmetic: see bits.e2m1_e4m3_byte
-                mag = T.if_then_else(m < 2, m * 0x30, (((m >> 1) + 6) << 3) | ((m & 1) << 2))
-                lut[tx] = T.Cast(U8, T.if_then_else(tx == 8, 0, mag | ((tx & 8) << 4)))
             for k in T.unroll(rb):
-                row = (by * rb + k) * BLOCK + tx // per_row  # thread owns 32 values of one row of one block
-                e[k] = 0  # padding rows: byte 0 never wins over a real scale
-                if row < o and bcol < ib:
-                    for v in T.vectorized(BLOCK // 2):
-                        pl[k, v] = packed[row, bcol * (BLOCK // 2) + v]
-                    e[k] = T.Cast(I32, s[row, bcol])
-                if e[k] == 255:
-                    bad[0] = 1  # NaN scale: the reference raises
+                for i in T.unroll(rpt):
+                    row = (by * rb + k) * BLOCK + tx // tpr + i * rows_per_pass
+                    e[k, i] = 0  # padding rows: byte 0 never wins over a real scale
+                    if row < o and bcol < ib:
+                        for v in T.vectorized(half // 2):
+                            pl[k, i, v] = packed[row, col // 2 + v]
+                        e[k, i] = T.Cast(I32, s[row, bcol])
+                    if e[k, i] == 255:
+                        bad[0] = 1  # NaN scale: the reference raises
             for k in T.unroll(rb):
-                # block max of the fp4 scales (as bytes): over the warp's rows, then over the warps
-                emax[k] = e[k]
-                for d in T.unroll(rows_per_warp.bit_length() - 1):
-                    emax[k] = T.max(emax[k], T.shfl_xor(emax[k], per_row << d))
-                if tx % 32 < per_row:
-                    part[k, tx // 32, j] = emax[k]
+                # block max of the fp4 scales (as bytes): this thread's rows, the warp's other row, the warps
+                emax[k] = e[k, 0]
+                for i in T.unroll(rpt - 1):
+                    emax[k] = T.max(emax[k], e[k, i + 1])
+                if tpr < 32:
+                    emax[k] = T.max(emax[k], T.shfl_xor(emax[k], tpr))  # the warp's other row
+                if tx % 32 < tpr and j % 2 == 0:
+                    part[k, tx // 32, (tx % 32) // 2] = emax[k]
             T.sync_threads()
             for k in T.unroll(rb):
                 for w in T.unroll(warps):
-                    emax[k] = T.max(emax[k], part[k, w, j])
+                    if tpr <= 32:
+                        emax[k] = T.max(emax[k], part[k, w, j // 2])
+                    elif w % (tpr // 32) == (tx // 32) % (tpr // 32):  # the warps that hold this block column
+                        emax[k] = T.max(emax[k], part[k, w, (j % 32) // 2])
                 emax[k] = T.max(emax[k] - MAX_OFFSET_BITS, 0)  # s8 = amax / 2**6, clamp_min(2**-127)
+                if tx < tpr and j % 2 == 0 and bcol < ib and (by * rb + k) * BLOCK < o:
+                    s8[by * rb + k, bcol] = T.Cast(U8, emax[k])
             for k in T.unroll(rb):
-                row = (by * rb + k) * BLOCK + tx // per_row
-                if row < o and bcol < ib:
-                    if tx < per_row:
-                        s8[by * rb + k, bcol] = T.Cast(U8, emax[k])
-                    d = e[k] - emax[k]  # offset = s / s8 = 2**d, d <= 6
-                    if d >= -5:
-                        # every nonzero e2m1 value times 2**d is a normal e4m3: shift its exponent field
-                        # (adding d << 3 never reaches the sign bit: the field stays in 1..15)
-                        for v in T.unroll(BLOCK):
-                            byte = T.Cast(I32, lut[T.Cast(I32, pl[k, v // 2] >> T.uint8(4 * (v % 2))) & 15])
-                            ob[v] = T.Cast(U8, T.if_then_else(byte == 0, 0, byte + (d << 3)))
-                    else:
-                        # far below the block max: the general float path, which may round or flush (lossy)
-                        offset = T.reinterpret(
-                            T.if_then_else(
-                                d >= -126,
-                                (d + 127) << 23,
-                                T.if_then_else(d >= -149, T.shift_left(T.int32(1), d + 149), T.int32(0)),
-                            ),
-                            F32,
-                        )
-                        for v in T.unroll(BLOCK):
-                            code = (pl[k, v // 2] >> T.uint8(4 * (v % 2))) & T.uint8(15)
-                            y = e2m1_value(code & T.uint8(7)) * offset  # |v| * offset (-0 written as +0)
-                            q = T.Cast(E4M3, y)
-                            if code & T.uint8(7) != T.uint8(0):
-                                if y == T.float32(0) or T.Cast(F32, q) != y:
-                                    bad[0] = 1
-                            ob[v] = T.reinterpret(q, U8) | T.if_then_else(
-                                (code & T.uint8(8)) != T.uint8(0) and y != T.float32(0), T.uint8(0x80), T.uint8(0)
+                for i in T.unroll(rpt):
+                    row = (by * rb + k) * BLOCK + tx // tpr + i * rows_per_pass
+                    if row < o and bcol < ib:
+                        d = e[k, i] - emax[k]  # offset = s / s8 = 2**d, d <= 6
+                        if d >= -5:
+                            # every nonzero e2m1 value times 2**d is a normal e4m3: its byte with the exponent
+                            # field raised by d, looked up 4 at a time by byte permutes (`device_c.tl_fp4_to_e4m3`)
+                            T.evaluate(
+                                T.call_extern(
+                                    "handle",
+                                    "tl_fp4_to_e4m3",
+                                    T.address_of(pl[k, i, 0]),
+                                    half // 8,
+                                    d,
+                                    T.address_of(ob[0]),
+                                )
                             )
-                    for v in T.vectorized(BLOCK):
-                        w8[row, bcol * BLOCK + v] = ob[v]
+                        else:
+                            # far below the block max: the general float path, which may round or flush (lossy)
+                            offset = T.reinterpret(
+                                T.if_then_else(
+                                    d >= -126,
+                                    (d + 127) << 23,
+                                    T.if_then_else(d >= -149, T.shift_left(T.int32(1), d + 149), T.int32(0)),
+                                ),
+                                F32,
+                            )
+                            for v in T.unroll(half):
+                                code = (pl[k, i, v // 2] >> T.uint8(4 * (v % 2))) & T.uint8(15)
+                                y = e2m1_value(code & T.uint8(7)) * offset  # |v| * offset (-0 written as +0)
+                                q = T.Cast(E4M3, y)
+                                if code & T.uint8(7) != T.uint8(0):
+                                    if y == T.float32(0) or T.Cast(F32, q) != y:
+                                        bad[0] = 1
+                                ob[v] = T.reinterpret(q, U8) | T.if_then_else(
+                                    (code & T.uint8(8)) != T.uint8(0) and y != T.float32(0), T.uint8(0x80), T.uint8(0)
+                                )
+                        for v in T.vectorized(half):
+                            w8[row, col + v] = ob[v]  # 16 bytes; a row's 16 threads write 256 contiguous bytes
             if bad[0] != 0:
                 T.atomic_add(lossy_count[0], 1)
 

@@ -4,8 +4,8 @@ Exactness: bit-exact (atol=0, rtol=0). Each value is f32(q) * f32(scale) (one fl
 e8m0 byte decoded from its exponent bits, byte 0 as the subnormal 2**-127) rounded once to the
 output dtype with the hardware's nearest-even conversion, exactly the reference's arithmetic.
 
-Layout: q is [O, I] with I static; each thread converts 16 contiguous e4m3 bytes of one row (one
-16-byte load, 32-byte store), reading the one scale they share.
+Layout: q is [O, I] with I static; each thread converts 8 contiguous e4m3 bytes of one row per slot
+(an 8-byte load, a 16-byte store), reading the one scale they share; UNROLL slots a CTA-width apart.
 """
 
 import tilelang
@@ -28,11 +28,14 @@ THREADS = 256
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def fp8_dequant_kernel(in_features: int, bo: int, bi: int, e8m0: bool, out_dtype: str, unroll: int = 4):
-    """[O, in_features] e4m3 with bo x bi block scales (e8m0 bytes or float32) -> out_dtype."""
+def fp8_dequant_kernel(in_features: int, bo: int, bi: int, e8m0: bool, out_dtype: str, unroll: int = 4, vec: int = 8):
+    """[O, in_features] e4m3 with bo x bi block scales (e8m0 bytes or float32) -> out_dtype.
+
+    vec: e4m3 values per thread and slot (at most). 8 make one 16-byte bf16 store per slot, so a warp's
+    stores cover 512 contiguous bytes (16 would leave gaps in every store instruction).
+    """
     o = T.symbolic("O")
     i_dim = in_features
-    vec = 16
     while i_dim % vec or bi % vec:
         vec //= 2
     vpr = i_dim // vec

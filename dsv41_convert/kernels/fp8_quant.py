@@ -2,11 +2,13 @@
 
 Exactness: bit-exact (atol=0, rtol=0) on every finite input, for 32x32 and 128x128 blocks (this
 kernel) and (1, B) row blocks (the `act_quant` kernel), with ue8m0 or float32 scales. The block amax
-is a max (exact); the scale is amax * f32(1/448) floored at 1e-4 first (one float32 multiply, as the
-reference), rounded up to a power of two from its exponent bits for ue8m0; w / scale is a multiply by
-the exact reciprocal for ue8m0 and an IEEE division (fast math off) for float32 scales; the e4m3 cast
-is the hardware's nearest-even conversion after the reference's clamp to +-448. A NaN or Inf raises
-FormatError naming the tensor (counted on the GPU as the data streams through, then reported by the
+is an integer max of the |w| bit patterns (exact; NaN and Inf sort above every finite value); the
+scale is amax * f32(1/448) floored at 1e-4 first (one float32 multiply, as the reference), rounded up
+to a power of two from its exponent bits for ue8m0; w / scale is a multiply by the exact reciprocal
+for ue8m0 and the correctly rounded quotient for float32 scales (`device_c.tl_div_rn`: two FMA
+corrections of w * RN(1/s), no division per element); the e4m3 cast is the hardware's nearest-even
+conversion with saturation, the same bytes as the reference's clamp to +-448 then cast. A NaN or Inf
+raises FormatError naming the tensor (seen in a block's amax on the GPU, then reported by the
 reference's own check).
 
 Layout: w is [O, I] with I static (one compiled kernel per in-features, block and dtypes). A team of
@@ -21,22 +23,22 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels import act_quant as rows
-from dsv41_convert.kernels.bits import nonfinite, pow2_ceil_exp, recip_pow2_from_exp
+from dsv41_convert.kernels.bits import pow2_ceil_exp, recip_pow2_from_exp
+from dsv41_convert.kernels.device_c import PRELUDE
+from dsv41_convert.kernels.row_quant import (
+    E4M3,
+    F32,
+    FP8_AMAX_FLOOR,
+    FP8_MAX,
+    I32,
+    NONFINITE_BITS,
+    PASS_CONFIGS,
+    TL_DTYPES,
+    U8,
+)
 from dsv41_convert.quant.checks import require_finite
 
-# dtype aliases
-F32 = "float32"
-E4M3 = "float8_e4m3fn"
-U8 = "uint8"
-I32 = "int32"
-TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: F32}
-
-# pass configs: IEEE division for float32 scales, exact float ops
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
-
 THREADS = 256
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4  # as quant.fp8
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -64,15 +66,15 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
         s: T.Tensor[(T.ceildiv(o, bo), ib), s_dtype],
         nonfinite_count: T.Tensor[(1,), I32],
     ):
-        with T.Kernel(T.ceildiv(ib, teams), T.ceildiv(o, bo), threads=THREADS) as (bx, by):
+        with T.Kernel(T.ceildiv(ib, teams), T.ceildiv(o, bo), threads=THREADS, prelude=PRELUDE) as (bx, by):
             tx = T.get_thread_binding()
             wl = T.alloc_local((per_lane, vec), F32)
-            amax = T.alloc_local((1,), F32)
-            bad = T.alloc_local((1,), I32)
-            partial = T.alloc_shared((teams, warps_per_team), F32)
+            amax = T.alloc_local((1,), I32)
+            sc = T.alloc_local((1,), F32)
+            inv = T.alloc_local((1,), F32)
+            partial = T.alloc_shared((teams, warps_per_team), I32)
             lane = tx % team
             bcol = bx * teams + tx // team  # block column of this thread's team
-            bad[0] = 0
             for k in T.unroll(per_lane):
                 idx = lane + k * team
                 row = by * bo + idx // vpr
@@ -83,12 +85,11 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
                 else:
                     for v in T.vectorized(vec):
                         wl[k, v] = T.float32(0)  # pad_blocks: zeros
-            amax[0] = T.float32(0)
+            amax[0] = 0
             for k in T.unroll(per_lane):
                 for v in T.unroll(vec):
-                    amax[0] = T.max(amax[0], T.abs(wl[k, v]))  # tiles.abs().amax((1, 3)), this thread's part
-                    if nonfinite(wl[k, v]):
-                        bad[0] = 1
+                    # tiles.abs().amax((1, 3)), this thread's part, as |w| bit patterns (NaN > Inf > finite)
+                    amax[0] = T.max(amax[0], T.reinterpret(wl[k, v], I32) & T.int32(0x7FFFFFFF))
             for d in T.unroll(5):
                 amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << d))  # ... over the warp
             if warps_per_team > 1:
@@ -98,31 +99,34 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
                 T.sync_threads()
                 for j in T.unroll(warps_per_team):
                     amax[0] = T.max(amax[0], partial[tx // team, j])
-            amax[0] = T.max(amax[0], T.float32(AMAX_FLOOR)) * T.float32(1.0 / FP8_MAX)  # clamp_min, * f32(1/448)
+            if lane == 0 and amax[0] >= T.int32(NONFINITE_BITS):
+                T.atomic_add(nonfinite_count[0], 1)
+            # clamp_min(1e-4), then * f32(1/448)
+            sc[0] = T.max(T.reinterpret(amax[0], F32), T.float32(FP8_AMAX_FLOOR)) * T.float32(1.0 / FP8_MAX)
             if pow2:
-                e = pow2_ceil_exp(amax[0])  # s = pow2_ceil(s)
-                inv = recip_pow2_from_exp(e)  # 1/s, exact
+                e = pow2_ceil_exp(sc[0])  # s = pow2_ceil(s)
+                inv[0] = recip_pow2_from_exp(e)  # 1/s, exact
                 if lane == 0 and bcol < ib:
                     s[by, bcol] = T.Cast(U8, e)  # s.to(float8_e8m0fnu)
-                for k in T.unroll(per_lane):
-                    idx = lane + k * team
-                    row = by * bo + idx // vpr
-                    col = bcol * bi + (idx % vpr) * vec
-                    if row < o and col < i_dim:
-                        for v in T.vectorized(vec):
-                            q[row, col + v] = T.Cast(E4M3, T.clamp(wl[k, v] * inv, -FP8_MAX, FP8_MAX))  # e4m3_saturate
             else:
+                inv[0] = T.float32(1) / sc[0]  # RN(1/s) for tl_div_rn
                 if lane == 0 and bcol < ib:
-                    s[by, bcol] = amax[0]
-                for k in T.unroll(per_lane):
-                    idx = lane + k * team
-                    row = by * bo + idx // vpr
-                    col = bcol * bi + (idx % vpr) * vec
-                    if row < o and col < i_dim:
-                        for v in T.vectorized(vec):
-                            q[row, col + v] = T.Cast(E4M3, T.clamp(wl[k, v] / amax[0], -FP8_MAX, FP8_MAX))
-            if bad[0] != 0:
-                T.atomic_add(nonfinite_count[0], 1)
+                    s[by, bcol] = sc[0]
+            for k in T.unroll(per_lane):
+                idx = lane + k * team
+                row = by * bo + idx // vpr
+                col = bcol * bi + (idx % vpr) * vec
+                if row < o and col < i_dim:
+                    if not pow2:
+                        if amax[0] < T.int32(NONFINITE_BITS):
+                            for v in T.unroll(vec):
+                                wl[k, v] = T.call_extern(F32, "tl_div_rn", wl[k, v], sc[0], inv[0])  # w / s
+                        else:
+                            for v in T.unroll(vec):
+                                wl[k, v] = wl[k, v] / sc[0]  # NaN/Inf in the block (it raises): plain division
+                    for v in T.vectorized(vec):
+                        # e4m3_saturate(w / s): the cast (pairs at a time) saturates at +-448 as the clamp does
+                        q[row, col + v] = T.Cast(E4M3, wl[k, v] * inv[0] if pow2 else wl[k, v])
 
     return fp8_quant_
 

@@ -34,8 +34,9 @@ THREADS = 128
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def sparse_attn_kernel(h: int, d: int, topk: int, softmax_scale: float):
-    """q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] f32, idx [b, m, topk] int32 -> [b, m, h, d] bf16."""
+def sparse_attn_kernel(h: int, d: int, topk: int):
+    """q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] f32, idx [b, m, topk] int32, scale (f32 scalar)
+    -> [b, m, h, d] bf16. The softmax scale is a run-time argument: one compiled kernel serves every scale."""
     b = T.symbolic("b")
     m = T.symbolic("m")
     n = T.symbolic("n")
@@ -47,6 +48,7 @@ def sparse_attn_kernel(h: int, d: int, topk: int, softmax_scale: float):
         kv: T.Tensor[(b, n, d), BF16],
         attn_sink: T.Tensor[(h,), F32],
         topk_idxs: T.Tensor[(b, m, topk), I32],
+        softmax_scale: T.float32,
         out: T.Tensor[(b, m, h, d), BF16],
     ):
         with T.Kernel(T.ceildiv(h, HEADS), m, b, threads=THREADS) as (bh, bm, bb):
@@ -78,9 +80,7 @@ def sparse_attn_kernel(h: int, d: int, topk: int, softmax_scale: float):
                 T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(HEADS, BLOCK):
                     # where(valid, logits, -inf) * scale
-                    acc_s[i, j] = T.if_then_else(idx_sh[j] >= 0, acc_s[i, j], -T.infinity(F32)) * T.float32(
-                        softmax_scale
-                    )
+                    acc_s[i, j] = T.if_then_else(idx_sh[j] >= 0, acc_s[i, j], -T.infinity(F32)) * softmax_scale
                 T.copy(run_max, prev_max)
                 T.reduce_max(acc_s, blk_max, dim=1, clear=True)
                 for i in T.Parallel(HEADS):
@@ -127,14 +127,24 @@ def sparse_attn(q: Tensor, kv: Tensor, attn_sink: Tensor, topk_idxs: Tensor, sof
     out = torch.empty_like(q)
     topk = topk_idxs.size(-1)
     if out.numel() and topk:
-        kernel = sparse_attn_kernel(h, d, topk, float(softmax_scale))
-        kernel(q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(), topk_idxs.int().contiguous(), out)
+        kernel = sparse_attn_kernel(h, d, topk)
+        kernel(
+            q.contiguous(),
+            kv.contiguous(),
+            attn_sink.float().contiguous(),
+            topk_idxs.int().contiguous(),
+            float(softmax_scale),
+            out,
+        )
     elif out.numel():
         # no index at all: only the sink in the denominator, nothing in the numerator
         out.zero_()
     return out
 
 
-def warm_up(h: int, d: int, topk: int, softmax_scale: float) -> None:
-    """Compile the kernel for h local heads, head dim d and topk indices before collectives start."""
-    sparse_attn_kernel(h, d, topk, float(softmax_scale))
+def warm_up(h: int, d: int, topk: int, softmax_scale: float | None = None) -> None:
+    """Compile the kernel for h local heads, head dim d and topk indices before collectives start.
+
+    softmax_scale is accepted for old callers and ignored: the scale is a run-time argument.
+    """
+    sparse_attn_kernel(h, d, topk)

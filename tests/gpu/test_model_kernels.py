@@ -93,3 +93,37 @@ def test_sparse_attn(h):
     bound = 2**-7 * want.abs() + 2**-8 * kv.float().abs().max()
     err = (got - want).abs()
     assert bool((err <= bound).all()), f"max err {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
+
+
+def nonfinite_acts(shape, seed):
+    """acts() with NaN, +Inf and -Inf planted in some groups (one kind per group, and all three in one)."""
+    x = acts(shape, seed).float()
+    rows = x.view(-1, shape[-1])
+    rows[2, 5], rows[3, 40], rows[4, 70] = float("nan"), float("inf"), float("-inf")
+    rows[5, 0], rows[5, 1], rows[5, 2] = float("nan"), float("inf"), float("-inf")
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "block,fmt,sdtype",
+    [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32), (128, "ue8m0", torch.float32)],
+)
+def test_act_quant_non_finite(block, fmt, sdtype):
+    from dsv41_convert.kernels.act_quant import act_quant
+
+    x = nonfinite_acts((2, 9, 1024), 3)
+    q, s = act_quant(x.cuda(), block, fmt, sdtype)
+    q_ref, s_ref = act_ref.act_quant(x, block, fmt, sdtype)
+    same_bytes(q, q_ref, "q")
+    same_bytes(s, s_ref, "s")
+
+
+@pytest.mark.parametrize("block", [32, 16])
+def test_fp4_act_quant_non_finite(block):
+    from dsv41_convert.kernels.fp4_act_quant import fp4_act_quant
+
+    x = nonfinite_acts((2, 9, 512), 4)
+    p, s = fp4_act_quant(x.cuda(), block)
+    p_ref, s_ref = act_ref.fp4_act_quant(x, block)
+    same_bytes(p, p_ref, "packed")
+    same_bytes(s, s_ref, "scale")

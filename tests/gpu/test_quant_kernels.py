@@ -193,16 +193,19 @@ def test_fp4_to_fp8(ops):
         w8_ref, s8_ref = cast_ref.fp4_to_fp8(p, s, 32, "e")
         same_bytes(w8, w8_ref, f"w8 rows={rows}")
         same_bytes(s8, s8_ref, f"s8 rows={rows}")
-        # the kernel with one block row per CTA (the default takes two) computes the same bytes
+        # the other launch geometries (block rows per CTA, threads per row) compute the same bytes
         from dsv41_convert.kernels.fp4_to_fp8 import fp4_to_fp8_kernel
 
-        w8_1 = torch.empty(rows, 1024, dtype=torch.uint8, device="cuda")
-        s8_1 = torch.empty(-(-rows // 32), 32, dtype=torch.uint8, device="cuda")
-        count = torch.zeros(1, dtype=torch.int32, device="cuda")
-        fp4_to_fp8_kernel(1024, 1)(p.view(torch.uint8).cuda(), s.view(torch.uint8).cuda(), w8_1, s8_1, count)
-        same_bytes(w8_1.view(torch.float8_e4m3fn), w8_ref, f"w8 one block row, rows={rows}")
-        same_bytes(s8_1.view(torch.float8_e8m0fnu), s8_ref, f"s8 one block row, rows={rows}")
-        assert int(count.item()) == 0
+        for block_rows, row_threads in ((2, 16), (1, 32), (2, 64)):
+            w8_1 = torch.empty(rows, 1024, dtype=torch.uint8, device="cuda")
+            s8_1 = torch.empty(-(-rows // 32), 32, dtype=torch.uint8, device="cuda")
+            count = torch.zeros(1, dtype=torch.int32, device="cuda")
+            kernel = fp4_to_fp8_kernel(1024, block_rows, row_threads)
+            kernel(p.view(torch.uint8).cuda(), s.view(torch.uint8).cuda(), w8_1, s8_1, count)
+            what = f"rows={rows} block_rows={block_rows} row_threads={row_threads}"
+            same_bytes(w8_1.view(torch.float8_e4m3fn), w8_ref, f"w8 {what}")
+            same_bytes(s8_1.view(torch.float8_e8m0fnu), s8_ref, f"s8 {what}")
+            assert int(count.item()) == 0
 
 
 def test_fp4_to_fp8_lossy_and_nan_raise(ops):

@@ -21,15 +21,18 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # (module, factory, compile-time arguments): one representative configuration per factory
 CASES = [
     ("fp8_quant", "fp8_quant_kernel", (200, 32, 32, "bfloat16", True)),
-    ("act_quant", "act_quant_kernel", (1024, 32, "bfloat16", True, True, False)),
-    ("fp4_act_quant", "fp4_act_quant_kernel", (200, 32, "bfloat16", False, False)),
+    ("row_quant", "row_quant_kernel", (1024, 32, "bfloat16", "e4m3", "e8m0", False, 4)),
+    ("row_quant", "row_quant_kernel", (1024, 128, "float32", "e4m3", "f32", True, 4)),
+    ("row_quant", "row_quant_kernel", (1024, 32, "bfloat16", "e2m1", "e8m0", False, 2)),
+    ("row_quant", "row_quant_kernel", (200, 16, "float16", "e2m1", "e4m3", True, 2)),
     ("fp8_dequant", "fp8_dequant_kernel", (1024, 128, 128, False, "bfloat16")),
     ("fp4_dequant", "fp4_dequant_kernel", (1024, 32, "bfloat16")),
+    ("fp4_dequant", "fp4_dequant_kernel", (200, 32, "float32")),
     ("fp4_to_fp8", "fp4_to_fp8_kernel", (1024,)),
     ("hc_split_sinkhorn", "hc_split_sinkhorn_kernel", (4, 20, 1e-6)),
-    ("fp8_gemm", "fp8_gemm_kernel", (512, 1024, 32, True)),
-    ("fp4_gemm", "fp4_gemm_kernel", (256, 1024, 32, True)),
-    ("sparse_attn", "sparse_attn_kernel", (16, 512, 200, 0.044)),
+    ("block_gemm", "block_gemm_kernel", (512, 1024, 32, 32, 32, False, True, True, 4)),  # fp8_gemm
+    ("block_gemm", "block_gemm_kernel", (256, 1024, 32, 128, 1, True, False, True, 3)),  # fp4_gemm
+    ("sparse_attn", "sparse_attn_kernel", (16, 512, 200)),
 ]
 
 
@@ -42,7 +45,7 @@ def no_kernel_cache():
     tilelang.enable_cache()
 
 
-@pytest.mark.parametrize("module,factory,args", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("module,factory,args", CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[2]))}" for c in CASES])
 def test_kernel_compiles_for_sm90(module, factory, args):
     import tilelang
 
@@ -52,3 +55,149 @@ def test_kernel_compiles_for_sm90(module, factory, args):
     assert "__global__" in source
     if module.endswith("gemm"):
         assert "wgmma" in source, "the gemm should run on Hopper's wgmma"
+
+
+# --- the CUDA C helpers (kernels/device_c.py), compiled for the host and checked against quant/ ------------
+
+HOST_SHIM = r"""
+#include <cstring>
+#include <cmath>
+#include <algorithm>
+#define __device__
+#define __forceinline__ inline
+using std::max;
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  unsigned char b[8]; std::memcpy(b, &x, 4); std::memcpy(b + 4, &y, 4); unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)b[(s >> (4 * i)) & 7] << (8 * i);
+  return r;
+}
+static inline unsigned __vmaxu2(unsigned a, unsigned b) {
+  return std::max(a & 0xFFFFu, b & 0xFFFFu) | (std::max(a >> 16, b >> 16) << 16);
+}
+"""
+
+HOST_API = r"""
+extern "C" {
+void e2m1_codes(const float* y, int n, unsigned char* out) { for (int i = 0; i < n; ++i) out[i] = tl_e2m1_code(y[i]); }
+void e2m1x8_bf16(const unsigned short* x, int n8, const float* inv, unsigned* out) {
+  for (int i = 0; i < n8; ++i) tl_e2m1x8_bf16(x + 8 * i, inv[i], out + i);
+}
+void absmax_bf16x8(const unsigned short* x, int n8, unsigned* out) {
+  for (int i = 0; i < n8; ++i) out[i] = tl_absmax_bf16x8(x + 8 * i);
+}
+void div_rn(const float* x, const float* s, int n, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = tl_div_rn(x[i], s[i], 1.0f / s[i]);
+}
+void fp4_to_e4m3(const unsigned* w, int n, const int* d, unsigned char* out) {
+  for (int i = 0; i < n; ++i) tl_fp4_to_e4m3(w + i, 1, d[i], out + 8 * i);
+}
+void mxfp4_to_bf16(const unsigned* w, int n, const unsigned* b, unsigned short* out) {
+  for (int i = 0; i < n; ++i) tl_mxfp4_to_bf16(w + i, 1, b[i], out + 8 * i);
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    import ctypes
+    import subprocess
+
+    from dsv41_convert.kernels.device_c import PRELUDE
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    d = tmp_path_factory.mktemp("device_c")
+    (d / "helpers.cpp").write_text(HOST_SHIM + PRELUDE + HOST_API)
+    cmd = ["g++", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(d / "helpers.so"), str(d / "helpers.cpp")]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return ctypes.CDLL(str(d / "helpers.so"))
+
+
+def _ptr(t):
+    import ctypes
+
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def test_device_e2m1_code_matches_reference(host_lib):
+    import torch
+
+    from dsv41_convert.quant.fp4 import encode_e2m1
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    mids = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, float("inf"), float("nan")])
+    near = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 9.0)), torch.nextafter(mids, -mids - 1)])
+    y = torch.cat([bits.view(torch.float32), near, -near, torch.rand(1 << 16, generator=g) * 8])
+    out = torch.empty(y.numel(), dtype=torch.uint8)
+    host_lib.e2m1_codes(_ptr(y), y.numel(), _ptr(out))
+    assert torch.equal(out, encode_e2m1(y))
+
+
+def test_device_bf16_mxfp4_encode_matches_reference(host_lib):
+    import torch
+
+    from dsv41_convert.quant.fp4 import encode_mxfp4
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(4096, 32, generator=g) * torch.exp2(torch.randint(-30, 30, (4096, 1), generator=g).float())
+    w[:8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).repeat(4) * 2.0 ** torch.arange(8)[:, None]
+    w[8:16] = 1e-39 * torch.randn(8, 32, generator=g)  # bf16 subnormals
+    w = w.to(torch.bfloat16)
+    packed, s = encode_mxfp4(w, 32, "w")
+    inv = torch.exp2(127 - s.view(torch.uint8).float()).repeat_interleave(4)  # 1/s per 8 values
+    got = torch.empty(w.numel() // 8, dtype=torch.int32)
+    amax = torch.empty(w.numel() // 8, dtype=torch.int32)
+    host_lib.e2m1x8_bf16(_ptr(w), w.numel() // 8, _ptr(inv), _ptr(got))
+    host_lib.absmax_bf16x8(_ptr(w), w.numel() // 8, _ptr(amax))
+    assert torch.equal(got.view(torch.uint8).view(4096, 16), packed.view(torch.uint8))
+    want_amax = w.float().abs().view(-1, 8).amax(-1)
+    assert torch.equal(amax.view(torch.float32), want_amax)
+
+
+def test_device_division_is_correctly_rounded(host_lib):
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    n = 1 << 20
+    s = (torch.rand(n, generator=g) + 1) * torch.exp2(torch.randint(-9, 120, (n,), generator=g).float())
+    s[::3] = torch.exp2(torch.randint(-9, 8, (s[::3].numel(),), generator=g).float()) * 1.375  # e4m3-like
+    x = torch.randn(n, generator=g) * s * torch.exp2(torch.randint(-12, 10, (n,), generator=g).float())
+    x[::5] = (torch.randint(-900, 900, (x[::5].numel(),), generator=g).float() / 2 + 0.25) * s[::5]  # near ties
+    x = torch.where(x.isfinite(), x, 1.0)  # finite inputs only (the kernels divide plainly otherwise)
+    x[:4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])
+    got = torch.empty(n)
+    host_lib.div_rn(_ptr(x), _ptr(s), n, _ptr(got))
+    want = x / s
+    exact = want.abs() >= 2.0**-100
+    assert torch.equal(got.view(torch.int32)[exact], want.view(torch.int32)[exact])
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 / s stays -0
+    assert bool(((got - want).abs() <= 2.0**-120).all())
+
+
+def test_device_fp4_decoders_match_reference(host_lib):
+    import torch
+
+    from dsv41_convert.quant.fp4 import E2M1_VALUES, decode_mxfp4
+
+    g = torch.Generator().manual_seed(3)
+    n = 1 << 16
+    w = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    codes = torch.stack([(w >> (4 * i)) & 15 for i in range(8)], -1)  # [n, 8], element order
+    d = torch.randint(-5, 7, (n,), generator=g, dtype=torch.int32)
+    got = torch.empty(n, 8, dtype=torch.uint8)
+    host_lib.fp4_to_e4m3(_ptr(w), n, _ptr(d), _ptr(got))
+    vals = E2M1_VALUES[codes.long()] * torch.exp2(d.float())[:, None]
+    want = torch.where(codes % 8 == 0, 0.0, vals).to(torch.float8_e4m3fn).view(torch.uint8)  # -0 -> +0
+    assert torch.equal(got, want)
+    b = torch.randint(2, 253, (n,), generator=g, dtype=torch.int32)
+    got16 = torch.empty(n, 8, dtype=torch.bfloat16)
+    host_lib.mxfp4_to_bf16(_ptr(w), n, _ptr(b), _ptr(got16))
+    want16 = decode_mxfp4(w.view(torch.uint8).view(n, 4), b.to(torch.uint8).view(torch.float8_e8m0fnu)[:, None], 8)
+    assert torch.equal(got16.view(torch.int16), want16.view(torch.int16))
