@@ -11,7 +11,10 @@ Formats (`codes`, `scale`), each bit-exact (atol=0, rtol=0) with its reference o
 - ("e2m1", "e8m0"): s = pow2_ceil(max(amax, 6 * 2**-126) * f32(1/6)); code = e2m1(x * (1/s)).
 - ("e2m1", "e4m3"): s = e4m3(max(amax, 6 * 2**-9) / 6) (IEEE division, once per group); code = e2m1(x / s).
 The e4m3 cast is the hardware's nearest-even conversion with saturation, the same result as the
-references' clamp to +-448 then cast. The amax is an integer max of the |x| bit patterns (exact, and
+references' clamp to +-448 then cast. An e4m3 group holding NaN/Inf is bit-exact too: its scale is the
+group's |x| max (inf, or torch's quiet NaN), its codes x / s (+-0, or the positive NaN 0x7F as quant.act makes
+every NaN); the e2m1 formats have no NaN code and clamp such a group (weights never get there: the
+weight encoders raise on non-finite input). The amax is an integer max of the |x| bit patterns (exact, and
 a NaN or Inf shows in it), so a non-finite value is counted per group at no cost per element.
 
 Layout: x is read as [R, C] (C static: one compiled kernel per row length, group size, dtypes and
@@ -60,6 +63,7 @@ SCALE_DTYPES = {"e8m0": U8, "pow2": F32, "f32": F32, "e4m3": E4M3}
 UNROLL = {"e4m3": 4, "e2m1": 2}
 CTA_THREADS = {"e4m3": 256, "e2m1": 128}
 NONFINITE_BITS = 0x7F800000  # |x| bits at or above this: Inf or NaN
+QUIET_NAN_BITS = 0x7FC00000  # the NaN torch's reductions return, whatever NaN went in
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -104,11 +108,15 @@ def row_quant_kernel(
     @T.macro
     def quotients(xr, k, sc, inv, amax, yl, n):
         # x / s for the slot's first n values: an exact multiply by 1/s for power-of-two scales, else the
-        # correctly rounded quotient from RN(1/s) (a group with NaN/Inf: a plain IEEE division)
-        if pow2:
+        # correctly rounded quotient from RN(1/s); an e4m3 group with NaN/Inf: a plain IEEE division by
+        # its inf or NaN scale (finite / inf = +-0, inf / inf = NaN, as the reference)
+        if pow2 and fp4:
             for v in T.unroll(n):
                 yl[v] = xf(xr, k, v) * inv[k]
-        elif amax[k] < T.int32(NONFINITE_BITS):
+        elif pow2 and amax[k] < T.int32(NONFINITE_BITS):
+            for v in T.unroll(n):
+                yl[v] = xf(xr, k, v) * inv[k]
+        elif not pow2 and amax[k] < T.int32(NONFINITE_BITS):
             for v in T.unroll(n):
                 yl[v] = T.call_extern(F32, "tl_div_rn", xf(xr, k, v), sc[k], inv[k])
         else:
@@ -158,6 +166,10 @@ def row_quant_kernel(
             else:
                 sc[k] = a * T.float32(factor)
                 inv[k] = T.float32(1) / sc[k]  # RN(1/s), for tl_div_rn
+            if not fp4 and amax[k] >= T.int32(NONFINITE_BITS):
+                # the reference's scale: inf, or the quiet NaN 0x7FC00000 that torch's amax returns
+                nan = amax[k] > T.int32(NONFINITE_BITS)
+                sc[k] = T.reinterpret(T.if_then_else(nan, T.int32(QUIET_NAN_BITS), amax[k]), F32)
         if bad[0] != 0:
             T.atomic_add(nonfinite_count[0], 1)
         return tx, xr, amax, sc, inv, yl

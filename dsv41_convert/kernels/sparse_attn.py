@@ -11,6 +11,11 @@ tests/gpu/test_model_kernels.py). The tensor cores sum the q.k and P.V dot produ
 rounding boundary may round the other way (2**-8 relative, weighted by |v|); the final bf16 rounding
 adds one ulp.
 
+Compiled once per (h, d, topk bucket): the index list is padded with -1 to a power-of-two number of
+64-blocks (`topk_bucket`). A block of only -1 leaves the softmax state exactly as it was (its logits
+are -inf: probabilities 0, rescale exp(0) = 1), so padding changes no bit, and a decode, whose index
+count grows every few tokens, compiles a handful of kernels instead of one per count.
+
 Layout: one CTA per (batch, query, 16 heads); the 64 KV rows of a block are gathered into shared
 memory, S = Q K^T and O += P V run on the tensor cores, the softmax state lives in registers.
 """
@@ -108,6 +113,12 @@ def sparse_attn_kernel(h: int, d: int, topk: int):
     return sparse_attn_
 
 
+def topk_bucket(topk: int) -> int:
+    """The padded index count the kernel is compiled for: 64 * the next power of two of ceil(topk / 64)."""
+    blocks = -(-topk // BLOCK)
+    return BLOCK * (1 << (blocks - 1).bit_length())
+
+
 def sparse_attn(q: Tensor, kv: Tensor, attn_sink: Tensor, topk_idxs: Tensor, softmax_scale: float) -> Tensor:
     """Sparse single-KV-head attention with a sink; same signature as kernels.ref.sparse_attn.
 
@@ -127,12 +138,13 @@ def sparse_attn(q: Tensor, kv: Tensor, attn_sink: Tensor, topk_idxs: Tensor, sof
     out = torch.empty_like(q)
     topk = topk_idxs.size(-1)
     if out.numel() and topk:
-        kernel = sparse_attn_kernel(h, d, topk)
+        padded = topk_bucket(topk)
+        kernel = sparse_attn_kernel(h, d, padded)
         kernel(
             q.contiguous(),
             kv.contiguous(),
             attn_sink.float().contiguous(),
-            topk_idxs.int().contiguous(),
+            torch.nn.functional.pad(topk_idxs.int(), (0, padded - topk), value=-1).contiguous(),
             float(softmax_scale),
             out,
         )
@@ -147,4 +159,4 @@ def warm_up(h: int, d: int, topk: int, softmax_scale: float | None = None) -> No
 
     softmax_scale is accepted for old callers and ignored: the scale is a run-time argument.
     """
-    sparse_attn_kernel(h, d, topk)
+    sparse_attn_kernel(h, d, topk_bucket(topk))

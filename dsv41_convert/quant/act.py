@@ -5,9 +5,11 @@ upstream's fused quantize-dequantize: x is overwritten with the dequantized valu
 returned; otherwise the codes and scales are returned.
 
 Non-finite activations are not checked, as upstream. A group holding Inf gets an infinite scale (NaN
-once stored as e8m0): its finite values quantize to 0 and the Inf to NaN, bit for bit as upstream's
-CPU port. A group holding NaN gets a NaN scale and NaN values (there the port's integer bit trick
-wraps to a -0 scale; we do not copy that accident).
+once stored as e8m0): its finite values quantize to 0 and the Inf to NaN, as upstream's CPU port. A
+group holding NaN gets a NaN scale and NaN values (there the port's integer bit trick wraps to a -0
+scale; we do not copy that accident). Every NaN that act_quant produces is the positive NaN: inf / inf
+and 0 * inf give a NaN whose sign bit depends on the processor (negative on x86, positive on CUDA),
+and the CUDA kernel must match these bytes.
 """
 
 from __future__ import annotations
@@ -57,11 +59,17 @@ def act_quant(
     s = amax * FP8_MAX_INV
     if scale_fmt is not None:
         s = pow2_ceil(s)
-    q = e4m3_saturate(xg / s.unsqueeze(-1))
+    finite = bool(torch.isfinite(amax).all())
+    q = e4m3_saturate(_positive_nan(xg / s.unsqueeze(-1), finite))
     if inplace:
-        x.copy_((q.float() * s.unsqueeze(-1)).flatten(-2))
+        x.copy_(_positive_nan((q.float() * s.unsqueeze(-1)).flatten(-2).to(x.dtype), finite))
         return x
     return q.flatten(-2), s.to(scale_dtype)
+
+
+def _positive_nan(t: Tensor, finite: bool) -> Tensor:
+    """t with every NaN's sign bit cleared (nothing to do when every group was finite)."""
+    return t if finite else torch.where(t.isnan(), t.abs(), t)
 
 
 def fp4_act_quant(

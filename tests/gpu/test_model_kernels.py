@@ -95,6 +95,23 @@ def test_sparse_attn(h):
     assert bool((err <= bound).all()), f"max err {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
 
 
+def test_sparse_attn_padding_changes_no_bit():
+    """Indices padded with -1 (whole masked blocks, another compiled bucket) give the same bytes."""
+    from dsv41_convert.kernels.sparse_attn import sparse_attn, topk_bucket
+
+    g = torch.Generator().manual_seed(5)
+    b, m, n, d, h, topk = 1, 7, 400, 512, 16, 70
+    q = torch.randn(b, m, h, d, generator=g).bfloat16().cuda()
+    kv = torch.randn(b, n, d, generator=g).bfloat16().cuda()
+    sink = torch.randn(h, generator=g).cuda()
+    idx = torch.randint(0, n, (b, m, topk), generator=g, dtype=torch.int32).cuda()
+    idx[0, 3, 10:] = -1
+    scale = d**-0.5
+    padded = torch.nn.functional.pad(idx, (0, 300), value=-1)
+    assert topk_bucket(topk) == 128 and topk_bucket(topk + 300) == 512
+    assert torch.equal(sparse_attn(q, kv, sink, idx, scale), sparse_attn(q, kv, sink, padded, scale))
+
+
 def nonfinite_acts(shape, seed):
     """acts() with NaN, +Inf and -Inf planted in some groups (one kind per group, and all three in one)."""
     x = acts(shape, seed).float()
@@ -118,6 +135,11 @@ def test_act_quant_non_finite(block, fmt, sdtype):
     same_bytes(s, s_ref, "s")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known divergence: e2m1 has no NaN code; the kernel clamps a NaN/Inf group, the reference does not "
+    "(H200 2026-11-30: 34 / 16 of 4608 packed bytes differ). Activations only: weight encoders raise on NaN/Inf",
+)
 @pytest.mark.parametrize("block", [32, 16])
 def test_fp4_act_quant_non_finite(block):
     from dsv41_convert.kernels.fp4_act_quant import fp4_act_quant

@@ -125,6 +125,10 @@ def test_act_quant_inf_saturates_like_upstream():
     # scale inf (e8m0 NaN); finite / inf = 0; inf / inf = NaN
     assert math.isnan(s.float().item())
     assert q.float()[0, 0].item() == 0.0 and math.isnan(q.float()[0, 3].item())
+    assert q.view(torch.uint8)[0, 3].item() == 0x7F  # the positive NaN, on every processor
+    x[0, 4] = -1.0
+    y = act_quant(x.clone(), inplace=True)
+    assert y.isnan().all() and not (y.view(torch.int16) < 0).any()  # 0 * inf: positive NaNs only
 
 
 def test_act_quant_rejects_ragged_rows():
