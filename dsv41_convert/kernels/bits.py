@@ -12,7 +12,7 @@ encoder and the byte-permute decoders are CUDA C (`device_c`): TileLang has no b
 
 from __future__ import annotations
 
-import tilelang.language as T
+from dsv41_convert.kernels.tl import T
 
 F32 = "float32"
 I32 = "int32"  # bit patterns as int32: every value used fits, and TVM folds signed arithmetic safely

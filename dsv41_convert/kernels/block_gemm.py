@@ -24,10 +24,8 @@ decodes e8m0 ones, and reading them in place gave wrong results there (seen 2026
 cause investigated further).
 """
 
-import tilelang
-import tilelang.language as T
-
 from dsv41_convert.kernels.bits import e2m1_e4m3_byte, e8m0_to_f32
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"

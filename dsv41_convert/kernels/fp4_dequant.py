@@ -11,13 +11,12 @@ one row per slot, UNROLL slots a CTA-width apart: loads of 128 and stores of 512
 per warp.
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value, e8m0_to_f32
 from dsv41_convert.kernels.device_c import PRELUDE
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"

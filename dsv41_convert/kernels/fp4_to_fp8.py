@@ -17,13 +17,12 @@ bytes of 4 codes up at once in an 8-byte register table that already holds the r
 (byte permutes, no shared memory); only rows with a far smaller scale take the float path.
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value
 from dsv41_convert.kernels.device_c import PRELUDE
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"

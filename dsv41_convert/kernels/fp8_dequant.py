@@ -8,12 +8,11 @@ Layout: q is [O, I] with I static; each thread converts 8 contiguous e4m3 bytes 
 (an 8-byte load, a 16-byte store), reading the one scale they share; UNROLL slots a CTA-width apart.
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e8m0_to_f32
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"

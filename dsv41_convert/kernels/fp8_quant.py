@@ -17,8 +17,6 @@ one row at a time, reduces its values, then the team combines maxima by xor-shuf
 memory across warps). Rows or columns past the edge read as zeros, as the reference's padding.
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
 
@@ -36,6 +34,7 @@ from dsv41_convert.kernels.row_quant import (
     TL_DTYPES,
     U8,
 )
+from dsv41_convert.kernels.tl import T, tilelang
 from dsv41_convert.quant.checks import require_finite
 
 THREADS = 256

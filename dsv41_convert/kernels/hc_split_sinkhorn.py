@@ -10,10 +10,10 @@ bound is tight: |out - ref| <= 1e-6 + 1e-5 * |ref| (checked by tests/gpu/test_mo
 Layout: one thread per token holds its (2 + hc) * hc mixes in registers.
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
+
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"

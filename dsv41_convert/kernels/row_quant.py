@@ -27,14 +27,13 @@ values per helper call (`device_c.tl_e2m1x8_bf16`); other dtypes, e4m3 scales an
 NaN/Inf take the per-pair path (`device_c.tl_e2m1x2`, clamped).
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value, pow2_ceil_exp, pow2_from_exp, recip_pow2_from_exp
 from dsv41_convert.kernels.device_c import PRELUDE
 from dsv41_convert.kernels.row_launch import rows_per_launch, vector_width
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"

@@ -20,10 +20,10 @@ Layout: one CTA per (batch, query, 16 heads); the 64 KV rows of a block are gath
 memory, S = Q K^T and O += P V run on the tensor cores, the softmax state lives in registers.
 """
 
-import tilelang
-import tilelang.language as T
 import torch
 from torch import Tensor
+
+from dsv41_convert.kernels.tl import T, tilelang
 
 # dtype aliases
 F32 = "float32"
