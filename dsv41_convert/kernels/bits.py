@@ -12,10 +12,7 @@ encoder and the byte-permute decoders are CUDA C (`device_c`): TileLang has no b
 
 from __future__ import annotations
 
-from dsv41_convert.kernels.tl import T
-
-F32 = "float32"
-I32 = "int32"  # bit patterns as int32: every value used fits, and TVM folds signed arithmetic safely
+from dsv41_convert.kernels.tl import F32, I32, T
 
 _MANT = 0x7FFFFF
 _SUBNORMAL_2_M127 = 0x00400000  # float32 bits of 2**-127 (e8m0 byte 0)

@@ -25,16 +25,7 @@ cause investigated further).
 """
 
 from dsv41_convert.kernels.bits import e2m1_e4m3_byte, e8m0_to_f32
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-BF16 = "bfloat16"
-E4M3 = "float8_e4m3fn"
-U8 = "uint8"
-
-# pass configs: exact float ops in the scaling epilogue
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import BF16, E4M3, F32, PASS_CONFIGS, U8, T, tilelang
 
 BLOCK_M, BLOCK_N, THREADS = 64, 128, 128
 

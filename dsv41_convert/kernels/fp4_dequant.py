@@ -16,16 +16,7 @@ from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value, e8m0_to_f32
 from dsv41_convert.kernels.device_c import PRELUDE
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-U8 = "uint8"
-I32 = "int32"
-TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: F32}
-
-# pass configs: exact float ops
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import I32, PASS_CONFIGS, TL_DTYPES, U8, T, tilelang
 
 THREADS = 256
 

@@ -22,16 +22,7 @@ from torch import Tensor
 
 from dsv41_convert.kernels.bits import e2m1_value
 from dsv41_convert.kernels.device_c import PRELUDE
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-E4M3 = "float8_e4m3fn"
-U8 = "uint8"
-I32 = "int32"
-
-# pass configs: exact float ops
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import E4M3, F32, I32, PASS_CONFIGS, U8, T, tilelang
 
 THREADS = 256
 BLOCK = 32  # fp8 output block, both dims; also the fp4 scale group this kernel takes

@@ -12,16 +12,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.bits import e8m0_to_f32
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-E4M3 = "float8_e4m3fn"
-U8 = "uint8"
-TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: F32}
-
-# pass configs: exact float ops
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import E4M3, F32, PASS_CONFIGS, TL_DTYPES, U8, T, tilelang
 
 THREADS = 256
 

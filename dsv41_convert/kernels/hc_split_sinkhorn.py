@@ -13,13 +13,7 @@ Layout: one thread per token holds its (2 + hc) * hc mixes in registers.
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-
-# pass configs: IEEE division and accurate expf
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import F32, PASS_CONFIGS, T, tilelang
 
 THREADS = 128
 

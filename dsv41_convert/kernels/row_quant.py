@@ -33,17 +33,7 @@ from torch import Tensor
 from dsv41_convert.kernels.bits import e2m1_value, pow2_ceil_exp, pow2_from_exp, recip_pow2_from_exp
 from dsv41_convert.kernels.device_c import PRELUDE
 from dsv41_convert.kernels.row_launch import rows_per_launch, vector_width
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-E4M3 = "float8_e4m3fn"
-U8 = "uint8"
-I32 = "int32"
-TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: F32}
-
-# pass configs: IEEE division (the per-group reciprocals), exact float ops
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import E4M3, F32, I32, PASS_CONFIGS, TL_DTYPES, U8, T, tilelang
 
 THREADS = 256
 FP8_MAX = 448.0

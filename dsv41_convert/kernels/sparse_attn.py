@@ -23,15 +23,7 @@ memory, S = Q K^T and O += P V run on the tensor cores, the softmax state lives 
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.tl import T, tilelang
-
-# dtype aliases
-F32 = "float32"
-BF16 = "bfloat16"
-I32 = "int32"
-
-# pass configs: accurate expf and IEEE division
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+from dsv41_convert.kernels.tl import BF16, F32, I32, PASS_CONFIGS, T, tilelang
 
 BLOCK = 64  # indices per online-softmax step (as the reference)
 HEADS = 16  # heads per CTA

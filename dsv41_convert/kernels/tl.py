@@ -1,6 +1,6 @@
-"""TileLang as every kernel module imports it: its log lines go to stderr, since stdout carries `--json`.
-
-TileLang logs each compile at INFO through tqdm.write, which prints to stdout.
+"""TileLang as every kernel module imports it, with the names they share: dtype aliases and the pass
+configs. Its log lines go to stderr, since stdout carries `--json` (TileLang logs each compile at INFO
+through tqdm.write, which prints to stdout).
 """
 
 import logging
@@ -8,6 +8,19 @@ import sys
 
 import tilelang
 import tilelang.language as T
+import torch
+
+# dtype aliases
+F32 = "float32"
+BF16 = "bfloat16"
+E4M3 = "float8_e4m3fn"
+U8 = "uint8"
+I32 = "int32"  # bit patterns as int32: every value used fits, and TVM folds signed arithmetic safely
+TL_DTYPES = {torch.bfloat16: BF16, torch.float16: "float16", torch.float32: F32}
+
+# pass configs of every kernel: IEEE division, accurate expf, no reassociation (the references are
+# torch's IEEE arithmetic)
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
 
 
 class _Stderr(logging.Handler):
@@ -32,4 +45,4 @@ def _log_to_stderr() -> None:
 
 _log_to_stderr()
 
-__all__ = ["T", "tilelang"]
+__all__ = ["BF16", "E4M3", "F32", "I32", "PASS_CONFIGS", "TL_DTYPES", "U8", "T", "tilelang"]

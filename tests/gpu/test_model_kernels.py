@@ -27,18 +27,35 @@ def same_bytes(got, want, what):
     assert bad == 0, f"{what}: {bad} of {g.numel()} bytes differ"
 
 
-@pytest.mark.parametrize(
-    "block,fmt,sdtype",
-    [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32), (128, "ue8m0", torch.float32)],
-)
-def test_act_quant(block, fmt, sdtype):
+def same_act_quant(x, block, fmt, sdtype):
+    """act_quant's codes and scales on CUDA are the bytes quant.act makes on the CPU."""
     from dsv41_convert.kernels.act_quant import act_quant
 
-    x = acts((3, 37, 1024), 1)
     q, s = act_quant(x.cuda(), block, fmt, sdtype)
     q_ref, s_ref = act_ref.act_quant(x, block, fmt, sdtype)
     same_bytes(q, q_ref, "q")
     same_bytes(s, s_ref, "s")
+
+
+def same_fp4_act_quant(x, block):
+    """fp4_act_quant's packed codes and scales on CUDA are the bytes quant.act makes on the CPU."""
+    from dsv41_convert.kernels.fp4_act_quant import fp4_act_quant
+
+    p, s = fp4_act_quant(x.cuda(), block)
+    p_ref, s_ref = act_ref.fp4_act_quant(x, block)
+    same_bytes(p, p_ref, "packed")
+    same_bytes(s, s_ref, "scale")
+
+
+ACT_FORMATS = [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32), (128, "ue8m0", torch.float32)]
+
+
+@pytest.mark.parametrize("block,fmt,sdtype", ACT_FORMATS)
+def test_act_quant(block, fmt, sdtype):
+    from dsv41_convert.kernels.act_quant import act_quant
+
+    x = acts((3, 37, 1024), 1)
+    same_act_quant(x, block, fmt, sdtype)
     y = x.cuda().clone()
     assert act_quant(y, block, fmt, sdtype, inplace=True) is y
     same_bytes(y, act_ref.act_quant(x.clone(), block, fmt, sdtype, inplace=True), "inplace")
@@ -49,10 +66,7 @@ def test_fp4_act_quant(block):
     from dsv41_convert.kernels.fp4_act_quant import fp4_act_quant
 
     x = acts((2, 41, 512), 2)
-    p, s = fp4_act_quant(x.cuda(), block)
-    p_ref, s_ref = act_ref.fp4_act_quant(x, block)
-    same_bytes(p, p_ref, "packed")
-    same_bytes(s, s_ref, "scale")
+    same_fp4_act_quant(x, block)
     y = x.cuda().clone()
     assert fp4_act_quant(y, block, True) is y
     same_bytes(y, act_ref.fp4_act_quant(x.clone(), block, True), "inplace")
@@ -121,18 +135,9 @@ def nonfinite_acts(shape, seed):
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "block,fmt,sdtype",
-    [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32), (128, "ue8m0", torch.float32)],
-)
+@pytest.mark.parametrize("block,fmt,sdtype", ACT_FORMATS)
 def test_act_quant_non_finite(block, fmt, sdtype):
-    from dsv41_convert.kernels.act_quant import act_quant
-
-    x = nonfinite_acts((2, 9, 1024), 3)
-    q, s = act_quant(x.cuda(), block, fmt, sdtype)
-    q_ref, s_ref = act_ref.act_quant(x, block, fmt, sdtype)
-    same_bytes(q, q_ref, "q")
-    same_bytes(s, s_ref, "s")
+    same_act_quant(nonfinite_acts((2, 9, 1024), 3), block, fmt, sdtype)
 
 
 @pytest.mark.xfail(
@@ -142,10 +147,4 @@ def test_act_quant_non_finite(block, fmt, sdtype):
 )
 @pytest.mark.parametrize("block", [32, 16])
 def test_fp4_act_quant_non_finite(block):
-    from dsv41_convert.kernels.fp4_act_quant import fp4_act_quant
-
-    x = nonfinite_acts((2, 9, 512), 4)
-    p, s = fp4_act_quant(x.cuda(), block)
-    p_ref, s_ref = act_ref.fp4_act_quant(x, block)
-    same_bytes(p, p_ref, "packed")
-    same_bytes(s, s_ref, "scale")
+    same_fp4_act_quant(nonfinite_acts((2, 9, 512), 4), block)
