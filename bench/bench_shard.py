@@ -1,6 +1,7 @@
 """Benchmark `dsv41-convert shard --tp 8` against `cp` of the same bytes and an all-in-RAM converter.
 
-    python bench/bench_shard.py /tmp/bench [--gb 4.5] [--experts 384] [--workers 2] [--keep] [--skip-in-ram]
+    python bench/bench_shard.py /tmp/bench [--gb 4.5] [--experts 384] [--workers 2] [--repeat N] [--keep]
+                                           [--skip-in-ram]
 
 1. writes a published-format (fp8/fp4) checkpoint of at least --gb GB into WORK/src (real hidden sizes,
    3 or more layers of --experts routed experts + 1 MTP stage of 16; random bytes: the conversion copies
@@ -167,6 +168,11 @@ for r, sd in enumerate(reference_convert(Path({src!r}), 8)):
 """
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("work", type=Path)
@@ -175,6 +181,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-in-ram", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="cp and shard alternate this many times; medians reported")
     a = ap.parse_args()
     work = a.work
     if work.exists():
@@ -186,15 +193,18 @@ def main() -> None:
         size = write_source(src, a.gb, a.experts)
         gen = time.perf_counter() - t0
         shards = sorted(str(p) for p in src.glob("*.safetensors"))
-        (work / "cp").mkdir()
-        evict(src)
-        cp = measure(["sh", "-c", 'cp "$@" ' + str(work / "cp") + " && sync", "cp", *shards])
-        shutil.rmtree(work / "cp")
-        evict(src)
-        ours = measure([sys.executable, "-m", "dsv41_convert.cli", "shard", str(src), str(work / "out"), "--tp", "8",
-                        "--workers", str(a.workers), "--json"])  # fmt: skip
-        out_bytes = sum(p.stat().st_size for p in (work / "out").glob("model*.safetensors"))
-        shutil.rmtree(work / "out")
+        cps, shards_runs = [], []
+        for _ in range(a.repeat):  # alternating, so slow phases of a shared disk hit both sides
+            (work / "cp").mkdir()
+            evict(src)
+            cps.append(measure(["sh", "-c", 'cp "$@" ' + str(work / "cp") + " && sync", "cp", *shards]))
+            shutil.rmtree(work / "cp")
+            evict(src)
+            shard_cmd = ["shard", str(src), str(work / "out"), "--tp", "8", "--workers", str(a.workers), "--json"]
+            shards_runs.append(measure([sys.executable, "-m", "dsv41_convert.cli", *shard_cmd]))
+            out_bytes = sum(p.stat().st_size for p in (work / "out").glob("model*.safetensors"))
+            shutil.rmtree(work / "out")
+        cp, ours = _median_run(cps), _median_run(shards_runs)
         in_ram = None
         if not a.skip_in_ram:
             evict(src)
@@ -216,6 +226,9 @@ def main() -> None:
         "shard": ours,
         "in_ram": in_ram,
         "experts": a.experts,
+        "cp_runs_s": [r["seconds"] for r in cps],
+        "shard_runs_s": [r["seconds"] for r in shards_runs],
+        "shard_vs_cp_each": [round(o["seconds"] / c["seconds"], 2) for c, o in zip(cps, shards_runs, strict=True)],
         "shard_vs_cp": round(ours["seconds"] / cp["seconds"], 2),
         "shard_vs_cp_per_byte": round(ours["seconds"] / cp["seconds"] * size / out_bytes, 2),
     }
