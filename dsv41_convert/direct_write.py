@@ -88,12 +88,12 @@ class DirectAppender:
         self._wait()
         self._raise()
         if whole > 0 or self._fill > self._head:
-            self._begin(pos, reuse=True)
+            self._begin(pos)
 
     def seek(self, pos: int) -> None:
         """Flush, then append at `pos` (the bytes before it, back to a block boundary, are read from the file)."""
         self.flush()
-        self._begin(pos, reuse=True)
+        self._begin(pos)
 
     def close(self) -> None:
         """Flush and close both descriptors; raise the first write error, if any."""
@@ -114,10 +114,11 @@ class DirectAppender:
                 os.close(fd)
         self.direct_fd = self.fd = -1
 
-    def _begin(self, pos: int, reuse: bool = False) -> None:
-        """Start a piece at the block boundary at or below `pos`, holding the file's bytes before `pos`."""
-        if not reuse or self._buf is None:
-            self._buf = self._free.get() if self._buf is None else self._buf
+    def _begin(self, pos: int) -> None:
+        """Start a piece (the current buffer, or a free one) at the block boundary at or below `pos`, holding
+        the file's bytes before `pos`."""
+        if self._buf is None:
+            self._buf = self._free.get()
         base = pos - pos % BLOCK if self.direct_fd >= 0 else pos
         head = pos - base
         if head:

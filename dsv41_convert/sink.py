@@ -136,12 +136,13 @@ class Sink:
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join()
-            if self.error is None:
+            if self.error is not None:
+                self.out.abort()
+            else:
                 try:
-                    self.out.close()
+                    self.out.close()  # flushes, then aborts (closes) whatever happens
                 except BaseException as exc:
                     self.error = exc
-            self.out.abort()
         if self.error is not None:
             raise self.error
 

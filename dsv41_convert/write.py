@@ -61,7 +61,7 @@ class _Reader:
 
     def buffer(self) -> memoryview:
         """The next of three chunk buffers, in turn: with the writer's queue of one, a buffer comes back
-        only after the writer has finished with it (see _Sink)."""
+        only after the writer has finished with it (see Sink)."""
         if not self._bufs:
             self._bufs = [memoryview(bytearray(self.chunk_bytes)) for _ in range(3)]
         self._turn = (self._turn + 1) % 3
@@ -87,9 +87,6 @@ class _Reader:
         esz = DTYPE_BITS[rd.dtype] // 8
         cols = np.frombuffer(buf, dtype=np.uint8).reshape(b - a, rb)[:, rd.c0 * esz : rd.c1 * esz]
         return memoryview(np.ascontiguousarray(cols)).cast("B"), (rd.c1 - rd.c0) * esz
-
-
-_Sink = Sink  # the writer thread (sink.py); _Reader and _copy refer to it by this name
 
 
 def write_rank_file(
@@ -140,7 +137,7 @@ def write_partial(
     if stats is not None:
         stats.update(resumed_from=start.end if start else 0, resume=why)
     reader = _Reader(src, chunk_bytes)
-    sink = _Sink(partial, rf.file, rf.nbytes, progress, start)
+    sink = Sink(partial, rf.file, rf.nbytes, progress, start)
     try:
         if journal_bytes:
             sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
@@ -263,7 +260,7 @@ def _no_space(final: Path, when: str) -> OutputError:
     )
 
 
-def _discard(sink: _Sink, partial: Path, jpath: Path, keep: bool = False) -> None:
+def _discard(sink: Sink, partial: Path, jpath: Path, keep: bool = False) -> None:
     """Stop the writer and the journal; remove the partial file and its journal unless `keep`."""
     try:
         sink.finish()
@@ -279,12 +276,12 @@ def _discard(sink: _Sink, partial: Path, jpath: Path, keep: bool = False) -> Non
         jpath.unlink(missing_ok=True)
 
 
-def _copy(t: OutTensor, reader: _Reader, sink: _Sink, chunk_bytes: int, skip: int = 0) -> None:
+def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int = 0) -> None:
     """The tensor's source bytes from byte `skip` on (a resumed file; a whole number of rows), unchanged."""
     rd = t.reads[0]
     rb = _row_bytes(rd.dtype, rd.shape)
     rows = rd.r1 - rd.r0
-    if rd.c1 < 0:  # one contiguous byte range, through three buffers (see _Sink)
+    if rd.c1 < 0:  # one contiguous byte range, through three buffers (see Sink)
         fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb + skip, rows * rb - skip
         while left:
             n = min(left, chunk_bytes)
@@ -301,7 +298,7 @@ def _copy(t: OutTensor, reader: _Reader, sink: _Sink, chunk_bytes: int, skip: in
         sink.write(data, t.name)
 
 
-def _read_back(t: OutTensor, ahead: Aside, sink: _Sink, skip: int, chunk_bytes: int) -> None:
+def _read_back(t: OutTensor, ahead: Aside, sink: Sink, skip: int, chunk_bytes: int) -> None:
     """A group part written ahead: hand its data bytes (from `skip` on) to the sink to hash, not write."""
     end = _data_end(t)
     assert ahead.end == end, (t.name, ahead.end, end)  # its computing part finished before it
