@@ -86,9 +86,7 @@ def encode_mxfp4(w: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Te
     """
     from dsv41_convert.kernels import fp4_act_quant
 
-    require_dtype(w, FLOAT_INPUTS, f"{name}: encode_mxfp4 input")
-    if w.dim() < 1 or w.size(-1) % 2:
-        raise ValueError(f"{name}: encode_mxfp4 wants an even last dim, got {list(w.shape)}")
+    fp4_ref.check_mxfp4_input(w, name)
     if w.numel() == 0 or not (2 <= block <= 256 and block & (block - 1) == 0):
         return _back(w.device, *fp4_ref.encode_mxfp4(w.cpu(), block, name))
     (wc,) = _cuda(w)

@@ -106,6 +106,13 @@ def as_int8(packed: Tensor) -> Tensor:
     return packed.view(torch.int8)
 
 
+def check_mxfp4_input(w: Tensor, name: str) -> None:
+    """encode_mxfp4's input rules (also the CUDA encoder's): a float dtype and an even last dim."""
+    require_dtype(w, FLOAT_INPUTS, f"{name}: encode_mxfp4 input")
+    if w.dim() < 1 or w.size(-1) % 2:
+        raise ValueError(f"{name}: encode_mxfp4 wants an even last dim, got {list(w.shape)}")
+
+
 def encode_mxfp4(w: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Tensor, Tensor]:
     """Quantize a weight to MXFP4: e2m1 codes with one e8m0 scale per `block` along the last dim.
 
@@ -119,9 +126,7 @@ def encode_mxfp4(w: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Te
     -> packed: [..., in/2]       float4_e2m1fn_x2 (logical [..., in])
        s: [..., ceil(in/block)]  float8_e8m0fnu
     """
-    require_dtype(w, FLOAT_INPUTS, f"{name}: encode_mxfp4 input")
-    if w.dim() < 1 or w.size(-1) % 2:
-        raise ValueError(f"{name}: encode_mxfp4 wants an even last dim, got {list(w.shape)}")
+    check_mxfp4_input(w, name)
     if block < 1:
         raise ValueError(f"{name}: block must be >= 1, got {block}")
     require_finite(w, name)

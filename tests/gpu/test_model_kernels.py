@@ -3,6 +3,7 @@ attention within the bounds their kernel files state."""
 
 import pytest
 import torch
+from kernel_bytes import same_bytes
 
 from dsv41_convert.kernels import ref
 from dsv41_convert.quant import act as act_ref
@@ -16,15 +17,6 @@ def acts(shape, seed):
     x.view(-1, shape[-1])[0, :64] = 0.0  # a zero group: the amax floor
     x.view(-1, shape[-1])[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # fp4 ties
     return x.to(torch.bfloat16)
-
-
-def same_bytes(got, want, what):
-    assert got.shape == want.shape and got.dtype == want.dtype, (
-        f"{what}: {got.dtype} {got.shape} vs {want.dtype} {want.shape}"
-    )
-    g, w = got.cpu().contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    bad = (g != w).sum().item()
-    assert bad == 0, f"{what}: {bad} of {g.numel()} bytes differ"
 
 
 def same_act_quant(x, block, fmt, sdtype):

@@ -7,6 +7,7 @@ The references run on the CPU, so they share no code path with the kernels.
 
 import pytest
 import torch
+from kernel_bytes import same_bytes
 
 from dsv41_convert.errors import FormatError
 from dsv41_convert.quant import cast as cast_ref
@@ -32,15 +33,6 @@ def spread(shape, dtype, seed):
     w = w * torch.exp2(torch.randint(-24, 24, (*shape[:-1], 1), generator=g).float())
     stripes = torch.exp2(torch.randint(-8, 8, ((shape[-1] + 31) // 32,), generator=g).float())
     return (w * stripes.repeat_interleave(32)[: shape[-1]]).to(dtype)
-
-
-def same_bytes(got, want, what):
-    assert got.shape == want.shape and got.dtype == want.dtype, (
-        f"{what}: {got.dtype} {got.shape} vs {want.dtype} {want.shape}"
-    )
-    g, w = got.cpu().contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    bad = (g != w).sum().item()
-    assert bad == 0, f"{what}: {bad} of {g.numel()} bytes differ"
 
 
 def fp8_edge_weight():
