@@ -17,7 +17,7 @@ from dsv41_convert.config import load_model_args
 from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.model import parallel
 from dsv41_convert.model.load import load_shards
-from dsv41_convert.model.warm import warm_up_gemms
+from dsv41_convert.model.warm import warm_up_kernels
 from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, build_model, load_state, run_prompt
 from dsv41_convert.verify.twin import rank_state
 
@@ -43,7 +43,7 @@ class LoadFailure:
 class RankResult:
     runs: list[PromptRun]  # the converted files
     twin_runs: list[PromptRun] | None  # the twin, same ranks, same order of everything
-    compile_seconds: float = 0.0  # GEMM kernel warm-up before the first forward pass (CUDA)
+    compile_seconds: float = 0.0  # kernel warm-up before the first forward pass (CUDA)
 
 
 def run_converted(job: RankJob) -> RankResult | LoadFailure:
@@ -81,12 +81,12 @@ def _try_load(model, folder: Path) -> str:
 
 
 def _run_all(model, job: RankJob, args, compile_seconds: list[float]) -> list[PromptRun]:
-    """Every prompt on `job.device`; the first call on CUDA compiles the GEMM kernels first (all ranks
+    """Every prompt on `job.device`; the first call on CUDA compiles every kernel family first (all ranks
     together, before any collective of a forward pass) and adds their time to compile_seconds[0]."""
     if job.device != "cpu":
         model = model.to(job.device)
         if not compile_seconds[0]:
-            compile_seconds[0] += warm_up_gemms(model, job.device)["seconds"]
+            compile_seconds[0] += warm_up_kernels(model, job.device)["seconds"]
     runs = []
     for inp, teacher in zip(job.inputs, job.teachers, strict=True):
         inp = attach_images(inp, args)
