@@ -23,12 +23,13 @@ import torch
 
 ROWS, COLS = 65536, 7168  # a 940 MB bf16 weight: ~0.3 ms per pass, launch costs small, far past L2
 GEMM_SHAPES = ((128, 4096, 7168), (4096, 4096, 7168))  # (M, N, K)
-GEMM_WIDE = (128, 128, 256)  # a gemm tile variant: rows, columns, threads (two warpgroups)
+# gemm tiles timed as raw launches (rows, columns, threads): the wrappers pick NARROW or WIDE by M
+GEMM_TILES = {"narrow": (64, 64, 128), "64x128": (64, 128, 128), "wide": (128, 128, 256)}
 # torch.compile takes tens of seconds per function: only these are compiled (device time is scarce)
 COMPILED = ("encode_fp8_blocks 32x32 ue8m0", "encode_mxfp4", "act_quant 1x32")
 # launch-geometry variants timed by variant_rows (the first of each is the default)
 DEQUANT_VARIANTS = ((4, 4), (4, 8))  # decode_mxfp4: (packed bytes per thread and slot, slots per thread)
-FP8_DEQUANT_VARIANTS = ((8, 4), (16, 4))  # decode_fp8_blocks: (e4m3 values per slot, slots per thread)
+FP8_DEQUANT_VARIANTS = ((8, 2), (8, 4), (8, 1), (16, 2))  # decode_fp8_blocks: (e4m3 values per slot, slots per thread)
 FP4_ENCODE_VARIANTS = ((2, 128), (2, 256), (1, 128))  # encode_mxfp4: (slots per thread, threads)
 FP4_TO_FP8_VARIANTS = ((1, 64), (2, 16), (1, 32))  # fp4_to_fp8: (32-row blocks per CTA, threads per row)
 
@@ -67,12 +68,11 @@ def compile_jobs():
         (k + "fp8_dequant", "fp8_dequant_kernel", (COLS, 32, 32, True, "bfloat16")),
         (k + "fp4_dequant", "fp4_dequant_kernel", (COLS, 32, "bfloat16")),
         (k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS,)),
-        (k + "fp8_gemm", "fp8_gemm_kernel", (4096, 7168, 32, True)),
-        (k + "fp4_gemm", "fp4_gemm_kernel", (4096, 7168, 32, True)),
     ]
     bg = (k + "block_gemm", "block_gemm_kernel")
-    jobs += [(*bg, (4096, 7168, 32, 32, 32, False, True, True, 4, GEMM_WIDE))]
-    jobs += [(*bg, (4096, 7168, 32, 32, 1, True, True, True, 3, GEMM_WIDE))]
+    for tile in GEMM_TILES.values():
+        jobs += [(*bg, (4096, 7168, 32, 32, 32, False, True, True, 4, tile))]  # fp8_gemm
+        jobs += [(*bg, (4096, 7168, 32, 32, 1, True, True, True, 3, tile))]  # fp4_gemm
     rq = (k + "row_quant", "row_quant_kernel")
     jobs += [(*rq, (COLS, 32, "bfloat16", "e2m1", "e8m0", False, u, t)) for u, t in FP4_ENCODE_VARIANTS]
     jobs += [(k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS, b, t)) for b, t in FP4_TO_FP8_VARIANTS]
@@ -309,17 +309,23 @@ def gemm_rows():
         flop = 2 * m * n * k
         t8 = median_ms(functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32))
         t4 = median_ms(functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32))
-        # the same kernels with a 128 x 128 tile over two warpgroups (raw launches)
+        # each tile as a raw launch; with e8m0 scales every tile computes the same bytes
         u8 = torch.uint8
         c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        k8w = block_gemm_kernel(n, k, 32, 32, 32, False, True, True, 4, GEMM_WIDE)
-        k4w = block_gemm_kernel(n, k, 32, 32, 1, True, True, True, 3, GEMM_WIDE)
-        t8w = median_ms(functools.partial(k8w, a, a_s.view(u8), b, b_s.view(u8), c))
-        t4w = median_ms(functools.partial(k4w, a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c))
-        k8w(a, a_s.view(u8), b, b_s.view(u8), c)
-        wide_same = bool(torch.equal(c, fp8_gemm(a, a_s, b, b_s, torch.float8_e8m0fnu, 32)))
-        k4w(a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c)
-        wide_same &= bool(torch.equal(c, fp4_gemm(a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)))
+        want8 = fp8_gemm(a, a_s, b, b_s, torch.float8_e8m0fnu, 32)
+        want4 = fp4_gemm(a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)
+        tiles, same = {}, True
+        for tname, tile in GEMM_TILES.items():
+            k8 = block_gemm_kernel(n, k, 32, 32, 32, False, True, True, 4, tile)
+            k4 = block_gemm_kernel(n, k, 32, 32, 1, True, True, True, 3, tile)
+            tiles[tname] = (
+                flop / median_ms(functools.partial(k8, a, a_s.view(u8), b, b_s.view(u8), c)) / 1e9,
+                flop / median_ms(functools.partial(k4, a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c)) / 1e9,
+            )
+            k8(a, a_s.view(u8), b, b_s.view(u8), c)
+            same &= bool(torch.equal(c, want8))
+            k4(a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c)
+            same &= bool(torch.equal(c, want4))
         try:
             t_sm = median_ms(
                 functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
@@ -328,8 +334,8 @@ def gemm_rows():
             print(f"_scaled_mm failed: {exc}"[:300])
             t_sm = float("nan")
         t_bf = median_ms(functools.partial(torch.matmul, x, w.t()))
-        row = {"M": m, "N": n, "K": k, "wide_same_bytes": wide_same}
-        times = (("fp8_gemm", t8), ("fp4_gemm", t4), ("fp8_gemm_wide", t8w), ("fp4_gemm_wide", t4w))
+        row = {"M": m, "N": n, "K": k, "tiles_same_bytes": same, "tiles_TFLOPs": tiles}
+        times = (("fp8_gemm", t8), ("fp4_gemm", t4))
         for name, t in (*times, ("_scaled_mm_tensorwise", t_sm), ("bf16_matmul", t_bf)):
             row[name + "_ms"] = t
             row[name + "_TFLOPs"] = flop / t / 1e9
@@ -354,15 +360,15 @@ def markdown(quant, gemm, device, when, variants=()):
         )
     lines += [
         "",
-        "| M x N x K | fp8_gemm TFLOP/s | fp4_gemm TFLOP/s | fp8 / fp4 with a 128x128 tile, 2 warpgroups "
+        "| M x N x K | fp8_gemm TFLOP/s | fp4_gemm TFLOP/s | fp8 / fp4 per tile (" + ", ".join(GEMM_TILES) + ") "
         "| _scaled_mm (tensorwise) TFLOP/s | bf16 matmul TFLOP/s |",
     ]
     lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in gemm:
+        per_tile = ", ".join(f"{t8:.0f} / {t4:.0f}" for t8, t4 in r["tiles_TFLOPs"].values())
         lines.append(
             f"| {r['M']} x {r['N']} x {r['K']} | {r['fp8_gemm_TFLOPs']:.0f} | {r['fp4_gemm_TFLOPs']:.0f} "
-            f"| {r['fp8_gemm_wide_TFLOPs']:.0f} / {r['fp4_gemm_wide_TFLOPs']:.0f} "
-            f"({'same bytes' if r['wide_same_bytes'] else 'bytes DIFFER'}) "
+            f"| {per_tile} ({'same bytes' if r['tiles_same_bytes'] else 'bytes DIFFER'}) "
             f"| {r['_scaled_mm_tensorwise_TFLOPs']:.0f} | {r['bf16_matmul_TFLOPs']:.0f} |"
         )
     if variants:

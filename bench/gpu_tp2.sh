@@ -24,7 +24,7 @@ step tiny_verify $cli verify $w/tiny_mp2 --reference $w/tiny --tp 2 --device cud
 step med_make $cli make-tiny $w/med --preset medium --no-vision --seed 0
 step med_shard8 $cli shard $w/med $w/med_mp8 --tp 8 --device cuda --json
 step med_shard2 $cli shard $w/med $w/med_mp2 --tp 2 --device cuda --json
-step med_verify $cli verify $w/med_mp2 --reference $w/med --tp 2 --device cuda --json
+step med_verify timeout "${MED_VERIFY_TIMEOUT:-320}" $cli verify $w/med_mp2 --reference $w/med --tp 2 --device cuda --json
 kill $smi
 python3 - "$out" <<'PY'
 import csv, sys, collections

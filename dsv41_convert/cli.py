@@ -150,6 +150,7 @@ def shard_cmd(
     overwrite: opts.OverwriteOpt = False,
     device: opts.DeviceOpt = "cpu",
     dry_run: opts.DryRunOpt = False,
+    direct_io: opts.DirectIoOpt = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Write model{r}-mp{N}.safetensors for every rank r, the tokenizer, config.json and manifest.json.
@@ -174,7 +175,7 @@ def shard_cmd(
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
-            progress=progress,
+            progress=progress, direct_io=direct_io,
         )  # fmt: skip
     if as_json:
         return report.print_json(summary)

@@ -13,6 +13,15 @@ TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Number of tensor-parall
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Allow writing into a non-empty output folder.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Plan and validate, write nothing.")]
+DirectIoOpt = Annotated[
+    bool,
+    typer.Option(
+        "--direct-io",
+        help="Write the rank files with O_DIRECT, past the page cache (less kernel CPU and cache churn; slower "
+        "than the default buffered writes on a virtual disk, see docs/BENCHMARKS.md). Falls back to buffered "
+        "writes where the file system refuses it.",
+    ),
+]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 ExpertDtypeOpt = Annotated[str, typer.Option("--expert-dtype", help="Routed experts as fp4 (as published) or fp8.")]

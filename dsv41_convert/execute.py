@@ -7,7 +7,9 @@ sha256 still match it, and continues an unfinished file from the last verified c
 journal (write.py, journal.py). manifest.json is written once every rank file of the plan is done;
 until then each run leaves a manifest fragment of the files done so far, which `dsv41-convert manifest`
 merges once the rank files of several machines are gathered in one folder (manifest_merge.py). In such
-a gathered folder `resume` takes the fragments' files as done too.
+a gathered folder `resume` takes the fragments' files as done too. A run that writes anything first
+removes manifest.json (and, under `overwrite`, fragments of another plan): no manifest outlives a change
+to the files it lists.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dsv41_convert import journal
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.journal import journal_path
 from dsv41_convert.manifest import DONE_DIR, MANIFEST, atomic_write, is_done, read_done, write_done, write_manifest
-from dsv41_convert.manifest_merge import import_fragments, write_fragment
+from dsv41_convert.manifest_merge import forget_stale, import_fragments, write_fragment
 from dsv41_convert.plan import ConversionPlan, RankFile
 from dsv41_convert.transform import quantizer_for
 from dsv41_convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
@@ -76,6 +78,7 @@ def execute(
     progress: Progress = lambda label, done, total: None,
     chunk_bytes: int = CHUNK_BYTES,
     journal_bytes: int = JOURNAL_BYTES,
+    direct_io: bool = False,
 ) -> dict[str, Any]:
     """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s)."""
     src, out = Path(plan.src), Path(out)
@@ -110,9 +113,18 @@ def execute(
             f"{out}: {need / 1e9:.2f} GB to write but only {free / 1e9:.2f} GB free on that device; "
             "free space or choose another OUT"
         )
+    if todo:
+        forget_stale(out, digest)
     extra = _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
-    job = {"device": device, "chunk_bytes": chunk_bytes, "digest": digest, "resume": resume, "journal": journal_bytes}
+    job = {
+        "device": device,
+        "chunk_bytes": chunk_bytes,
+        "digest": digest,
+        "resume": resume,
+        "journal": journal_bytes,
+        "direct_io": direct_io,
+    }
     results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)
@@ -177,6 +189,7 @@ def _write_kw(job: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
         "resume": job["resume"],
         "journal_bytes": job["journal"],
         "stats": stats,
+        "direct_io": job["direct_io"],
     }
 
 

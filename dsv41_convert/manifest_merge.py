@@ -23,6 +23,7 @@ from dsv41_convert.manifest import (
     DONE_DIR,
     MANIFEST,
     atomic_write,
+    fsync_dir,
     read_done,
     sha256_file,
     source_info,
@@ -99,6 +100,19 @@ def import_fragments(out: Path, plan_digest: str) -> list[str]:
                 write_done(out, file, rec["size"], rec["sha256"], plan_digest)
                 recorded.append(file)
     return recorded
+
+
+def forget_stale(out: Path, plan_digest: str) -> list[str]:
+    """Before a run (re)writes rank files in `out`: remove manifest.json, which would describe files about
+    to change, and every fragment of another plan (an --overwrite replaces that conversion).
+    -> the names removed"""
+    gone = [MANIFEST] if (out / MANIFEST).is_file() else []
+    gone += [name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != plan_digest]
+    for name in gone:
+        (out / name).unlink()
+    if gone:
+        fsync_dir(out)
+    return gone
 
 
 def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:

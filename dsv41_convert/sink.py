@@ -10,8 +10,10 @@ The caller (write.py) hands over three kinds of work, in file order:
 Bytes are hashed once, into the whole-file sha256; a checkpoint records a copy of its state's digest (the
 sha256 of the prefix), which costs microseconds, not a second pass over the bytes.
 
-The stream goes to the file through a DirectAppender (O_DIRECT where the file system allows it); bytes
-written ahead and read back go through the ordinary descriptor `fd`. A checkpoint first flushes the
+The stream goes to the file through a DirectAppender: buffered writes by default (the page cache lets the
+kernel write back while the next chunk is read: on the dev box 1.24-1.28x of cp against 1.40-1.50x with
+O_DIRECT, tp 8 of 23.7 GB), O_DIRECT with `direct` where the file system allows it. Bytes written ahead
+and read back go through the ordinary descriptor `fd`. A checkpoint first flushes the
 appender, so the journal's fdatasync covers every byte before it.
 """
 
@@ -41,7 +43,15 @@ class Sink:
     queue of one, so a buffer is refilled only after the writer has taken the next one.
     """
 
-    def __init__(self, path: Path, label: str, total: int, progress: Progress, start: ResumePoint | None = None):
+    def __init__(
+        self,
+        path: Path,
+        label: str,
+        total: int,
+        progress: Progress,
+        start: ResumePoint | None = None,
+        direct: bool = False,
+    ):
         self.path, self.label, self.total, self.progress = path, label, total, progress
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if start else os.O_TRUNC), 0o644)
         self.sha = start.sha if start else hashlib.sha256()
@@ -51,7 +61,7 @@ class Sink:
                 os.ftruncate(self.fd, start.end)
             elif os.fstat(self.fd).st_size > total:
                 os.ftruncate(self.fd, total)
-        self.out = DirectAppender(path, start.end if start else 0)
+        self.out = DirectAppender(path, start.end if start else 0, direct=direct)
         self.tensor = "<header>"  # tensor being written (for error messages)
         self.error: BaseException | None = None
         self.throttle = float(os.environ.get(THROTTLE_ENV, "0") or 0)
@@ -61,6 +71,10 @@ class Sink:
         self.asides: dict[str, Aside] = {}  # group -> its later part written ahead
         self.dirty: set[str] = set()  # groups whose aside grew since the last checkpoint
         self.ahead = 0  # bytes written ahead so far: they count towards the next checkpoint too
+        # the progress shown counts bytes written ahead when they are written: done + (bytes written ahead
+        # by an earlier run, past done, + self.ahead) - bytes read back; each counter has one writing thread
+        self._ahead_before = sum(max(0, a.end - max(a.begin, self.done)) for a in start.asides) if start else 0
+        self._read_back = 0
         self.mark_ok = False
         self.index = self.chunk = self.t_begin = 0
         self._last_mark = self.queued
@@ -126,8 +140,10 @@ class Sink:
                         pread_exact(self.fd, buf[:n], pos, str(self.path))
                         self.sha.update(buf[:n])
                         pos, left, self.done = pos + n, left - n, self.done + n
+                        self._read_back += n
                     self.out.seek(pos)
-                self.progress(self.label, self.done, self.total)
+                pending = max(0, self._ahead_before + self.ahead - self._read_back)
+                self.progress(self.label, min(self.total, self.done + pending), self.total)
             except BaseException as exc:  # handed to the caller by write() / finish()
                 self.error = exc
 

@@ -7,14 +7,14 @@ docstring gives the numerics, the bound checked by tests/gpu/test_gemm_kernels.p
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import block_gemm_kernel
+from dsv41_convert.kernels.block_gemm import TILES, WIDE_TILE, block_gemm_kernel, pick_tile
 
 STAGES = 4  # K blocks in flight
 
 
-def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool):
+def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool, tile: tuple[int, int, int] = WIDE_TILE):
     """[M, k] e4m3 x [n, k] e4m3 -> [M, n] bf16; scales per (row, K block) and (block_size tile)."""
-    return block_gemm_kernel(n, k, block_size, block_size, block_size, False, e8m0, e8m0, STAGES)
+    return block_gemm_kernel(n, k, block_size, block_size, block_size, False, e8m0, e8m0, STAGES, tile)
 
 
 def fp8_gemm(
@@ -53,11 +53,14 @@ def fp8_gemm(
 
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        kernel = fp8_gemm_kernel(n, k, block_size, e8m0)
+        # both tiles compile on the first call (a warm-up with one row readies the many-row one too)
+        kernels = {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile) for tile in TILES}
+        kernel = kernels[pick_tile(m, n, a.device)]
         kernel(a.contiguous().view(m, k), arg(a_s).view(m, -1), b.contiguous(), arg(b_s), c)
     return c.view(*a.shape[:-1], n)
 
 
 def warm_up(n: int, k: int, block_size: int = 32, e8m0: bool = True) -> None:
-    """Compile the kernel for a weight [n, k] before collectives start."""
-    fp8_gemm_kernel(n, k, block_size, e8m0)
+    """Compile the kernels (both tiles) for a weight [n, k] before collectives start."""
+    for tile in TILES:
+        fp8_gemm_kernel(n, k, block_size, e8m0, tile)

@@ -1,5 +1,5 @@
 """fp8_gemm and fp4_gemm against kernels.ref within the bound their kernel files state:
-|C - C_ref| <= 2**-7 |C_ref| + 2**-12 (|A| @ |B|^T, scaled)."""
+|C - C_ref| <= 2**-7 |C_ref| + 2**-12 (|A| @ |B|^T, scaled); and the same bytes run to run."""
 
 import pytest
 import torch
@@ -10,6 +10,10 @@ from dsv41_convert.quant import fp4 as fp4_ref
 from dsv41_convert.quant import fp8 as fp8_ref
 
 pytestmark = pytest.mark.gpu
+
+# block_gemm_kernel's (tile, hoist) arguments: the wrappers' two tiles, the signature's default tile,
+# and that tile with its scales read from global memory (the path for scales too big to hoist)
+TILES = [((128, 128, 256), True), ((64, 64, 128), True), ((64, 128, 128), True), ((64, 128, 128), False)]
 
 
 def abs_e4m3(t):
@@ -30,10 +34,27 @@ def check(got, want, mag, what):
     assert (got == want).float().mean().item() > 0.5, f"{what}: fewer than half the outputs bit-equal"
 
 
+def run_tile(tile, fp4, a, a_s, b, b_s, e8m0, k_block, a_block, b_rows, stages):
+    """The block gemm with an explicit (tile, hoist), called as fp8_gemm / fp4_gemm call it."""
+    from dsv41_convert.kernels.block_gemm import block_gemm_kernel
+
+    m, k, n = a.size(0), a.size(1), b.size(0)
+    b_e8m0 = True if fp4 else e8m0
+    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, tile[0], tile[1])
+    c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+    def raw(t):
+        return t.contiguous().view(torch.uint8) if t.dtype in (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2) else t
+
+    kernel(a, raw(a_s), raw(b), raw(b_s), c)
+    return c
+
+
+@pytest.mark.parametrize("tile", [None, *TILES])
 @pytest.mark.parametrize("block,fmt,sdtype", [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32)])
 @pytest.mark.parametrize("m", [1, 100])
-def test_fp8_gemm(block, fmt, sdtype, m):
-    from dsv41_convert.kernels.fp8_gemm import fp8_gemm
+def test_fp8_gemm(block, fmt, sdtype, m, tile):
+    from dsv41_convert.kernels.fp8_gemm import STAGES, fp8_gemm
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(5)
@@ -43,16 +64,20 @@ def test_fp8_gemm(block, fmt, sdtype, m):
     a, a_s = act_ref.act_quant(x, block, fmt, sdtype)
     b, b_s = fp8_ref.encode_fp8_blocks(w, (block, block), fmt, "w")
     b_s = b_s.to(sdtype)
-    got = fp8_gemm(a, a_s, b, b_s, sdtype, block)
+    if tile is None:
+        got = fp8_gemm(a, a_s, b, b_s, sdtype, block)
+    else:
+        got = run_tile(tile, False, a, a_s, b, b_s, fmt == "ue8m0", block, block, block, STAGES)
     want = ref.fp8_gemm(a, a_s, b, b_s, sdtype, block)
     mag = ref.fp8_gemm(abs_e4m3(a), a_s, abs_e4m3(b), b_s, sdtype, block)
-    check(got, want, mag, f"fp8_gemm block={block} m={m}")
+    check(got, want, mag, f"fp8_gemm block={block} m={m} tile={tile}")
 
 
+@pytest.mark.parametrize("tile", [None, *TILES])
 @pytest.mark.parametrize("act_block,fmt,sdtype", [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32)])
 @pytest.mark.parametrize("m", [3, 100])
-def test_fp4_gemm(act_block, fmt, sdtype, m):
-    from dsv41_convert.kernels.fp4_gemm import fp4_gemm
+def test_fp4_gemm(act_block, fmt, sdtype, m, tile):
+    from dsv41_convert.kernels.fp4_gemm import GROUP, STAGES, fp4_gemm
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(6)
@@ -61,7 +86,32 @@ def test_fp4_gemm(act_block, fmt, sdtype, m):
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16().cuda()
     a, a_s = act_ref.act_quant(x, act_block, fmt, sdtype)
     b, b_s = (t.cuda() for t in fp4_ref.encode_mxfp4(w.cpu(), 32, "w"))
-    got = fp4_gemm(a, a_s, b, b_s, sdtype, act_block)
+    if tile is None:
+        got = fp4_gemm(a, a_s, b, b_s, sdtype, act_block)
+    else:
+        got = run_tile(tile, True, a, a_s, b, b_s, fmt == "ue8m0", GROUP, act_block, 1, STAGES)
     want = ref.fp4_gemm(a, a_s, b, b_s, sdtype, act_block)
     mag = ref.fp4_gemm(abs_e4m3(a), a_s, abs_e2m1(b), b_s, sdtype, act_block)
-    check(got, want, mag, f"fp4_gemm act_block={act_block} m={m}")
+    check(got, want, mag, f"fp4_gemm act_block={act_block} m={m} tile={tile}")
+
+
+@pytest.mark.parametrize("tile", TILES[:2])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_gemm_same_bytes_run_to_run(fp4, tile):
+    """Many CTAs per SM and a long K loop: five calls give the same bytes (a race would show here)."""
+    from dsv41_convert.kernels.fp4_gemm import STAGES as FP4_STAGES
+    from dsv41_convert.kernels.fp8_gemm import STAGES as FP8_STAGES
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    m, n, k = 1000, 2048, 4096
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    a, a_s = act_ref.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    if fp4:
+        b, b_s = (t.cuda() for t in fp4_ref.encode_mxfp4(w.cpu(), 32, "w"))
+        outs = [run_tile(tile, True, a, a_s, b, b_s, True, 32, 32, 1, FP4_STAGES) for _ in range(5)]
+    else:
+        b, b_s = fp8_ref.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+        outs = [run_tile(tile, False, a, a_s, b, b_s, True, 32, 32, 32, FP8_STAGES) for _ in range(5)]
+    for i, c in enumerate(outs[1:], 1):
+        assert torch.equal(c.view(torch.uint16), outs[0].view(torch.uint16)), f"call {i} differs from call 0"

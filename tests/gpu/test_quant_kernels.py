@@ -77,12 +77,48 @@ def test_encode_fp8_blocks_float32_input(ops, scale_fmt):
 
 
 @pytest.mark.parametrize("block", [(32, 32), (128, 128), (1, 32)])
-def test_encode_fp8_blocks_edges(ops, block):
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_encode_fp8_blocks_edges(ops, block, scale_fmt):
     w = fp8_edge_weight()
-    q, s = ops.encode_fp8_blocks(w.cuda(), block, "ue8m0", "w")
-    q_ref, s_ref = fp8_ref.encode_fp8_blocks(w, block, "ue8m0", "w")
-    same_bytes(q, q_ref, f"q edges {block}")
-    same_bytes(s, s_ref, f"s edges {block}")
+    q, s = ops.encode_fp8_blocks(w.cuda(), block, scale_fmt, "w")
+    q_ref, s_ref = fp8_ref.encode_fp8_blocks(w, block, scale_fmt, "w")
+    same_bytes(q, q_ref, f"q edges {block} {scale_fmt}")
+    same_bytes(s, s_ref, f"s edges {block} {scale_fmt}")
+
+
+def fp8_128_edge_weight():
+    """[300, 712] bf16: one edge case per 128x128 block of the first block row, ragged tails."""
+    w = spread((300, 712), torch.float32, 8)
+    w[:128, 0:128] = 0.0  # all-zero block: scale from the 1e-4 floor
+    w[:128, 128:256] = -1e-39  # bf16 subnormals
+    w[0, 256:384] = BF16_MAX  # +-max
+    w[1, 256:384] = -BF16_MAX
+    # amax 448: a float32 scale of (about) 1, so these e4m3 midpoints round to even
+    mids = torch.tensor([1.0625, 1.1875, 17.0, 19.0, 0.0029296875, 0.0048828125, 240.0, 208.0, -1.0625, -17.0])
+    w[:128, 384:512] = mids.repeat(128 * 13)[: 128 * 128].view(128, 128)
+    w[0, 384] = 448.0
+    w[:128, 512:640] = -0.0
+    w[2:4, 640:712] = 1e-30  # a tiny block in the ragged last block column
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("threads", [256, 512])
+def test_encode_fp8_128_threads(pow2, threads):
+    """The 128x128 kernel at each CTA size: ragged shapes, edge blocks, float32 and ue8m0 scales."""
+    from dsv41_convert.kernels.fp8_quant import fp8_quant_kernel
+
+    fmt = "ue8m0" if pow2 else None
+    for w in (fp8_128_edge_weight(), spread((300, 456), torch.bfloat16, 9), spread((256, 1024), torch.bfloat16, 10)):
+        out, inp = w.shape
+        q = torch.empty(out, inp, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty(-(-out // 128), -(-inp // 128), dtype=torch.uint8 if pow2 else torch.float32, device="cuda")
+        count = torch.zeros(1, dtype=torch.int32, device="cuda")
+        fp8_quant_kernel(inp, 128, 128, "bfloat16", pow2, threads)(w.cuda(), q, s, count)
+        q_ref, s_ref = fp8_ref.encode_fp8_blocks(w, (128, 128), fmt, "w")
+        same_bytes(q, q_ref, f"q 128x128 {fmt} threads={threads} {list(w.shape)}")
+        same_bytes(s.view(torch.float8_e8m0fnu) if pow2 else s, s_ref, f"s 128x128 {fmt} threads={threads}")
+        assert int(count.item()) == 0
 
 
 def test_encode_cpu_input_comes_back_on_cpu(ops):
@@ -95,12 +131,12 @@ def test_encode_cpu_input_comes_back_on_cpu(ops):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("block", [(32, 32), (1, 32)])
-def test_encode_fp8_nonfinite_raises(ops, bad, block):
+@pytest.mark.parametrize("block,scale_fmt", [((32, 32), "ue8m0"), ((1, 32), "ue8m0"), ((128, 128), None)])
+def test_encode_fp8_nonfinite_raises(ops, bad, block, scale_fmt):
     w = spread((64, 1024), torch.bfloat16, 5)
     w[17, 333] = bad
     with pytest.raises(FormatError, match=r"layers\.3\.attn\.wq_a\.weight.*\[17, 333\]"):
-        ops.encode_fp8_blocks(w.cuda(), block, "ue8m0", "layers.3.attn.wq_a.weight")
+        ops.encode_fp8_blocks(w.cuda(), block, scale_fmt, "layers.3.attn.wq_a.weight")
 
 
 def random_e4m3(shape, seed):

@@ -127,3 +127,28 @@ def test_torchrun_shares_leave_fragments(runs, tmp_path, monkeypatch):
     g = _gather(tmp_path / "g", tmp_path / "m0", tmp_path / "m1")
     execute(plan, g, resume=True)
     assert _files(g) == _files(runs["full"])
+
+
+def test_a_rewrite_removes_the_manifest_it_would_falsify(runs, tmp_path, monkeypatch, capsys):
+    """--overwrite of some ranks with other options: the old manifest.json and other plans' fragments go
+    before any byte is written; what is left is a fragment of the new plan, which `check` refuses."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["full"], out)
+    shutil.copy(runs["b"] / "manifest-fragment-mp4-r1_2.json", out)  # fp4 experts: another plan
+    assert (out / "manifest.json").is_file()
+    res = execute(build_plan(runs["src"], 4, "fp8"), out, ranks=[0], overwrite=True)
+    assert res["manifest"] is None and res["fragment"] == str(out / "manifest-fragment-mp4-r0.json")
+    assert not (out / "manifest.json").exists()
+    assert sorted(p.name for p in out.glob("manifest-fragment-*")) == ["manifest-fragment-mp4-r0.json"]
+    with pytest.raises(VerifyInputError):
+        check_folder(out)
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))
+    assert code == 2 and "model1-mp4.safetensors" in err  # its done record is from the replaced plan
+
+
+def test_a_resume_with_nothing_left_to_write_keeps_the_manifest(runs, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(runs["full"], out)
+    before = (out / "manifest.json").read_bytes()
+    res = execute(build_plan(runs["src"], 4), out, resume=True)
+    assert res["written"] == [] and (out / "manifest.json").read_bytes() == before

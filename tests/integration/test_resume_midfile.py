@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -19,6 +20,7 @@ from dsv41_convert.errors import OutputError
 from dsv41_convert.execute import execute
 from dsv41_convert.journal import journal_path
 from dsv41_convert.plan import build_plan
+from dsv41_convert.sink import Sink
 from dsv41_convert.transform import quantizer_for
 from dsv41_convert.write import _chunk_rows, write_partial, write_rank_file
 
@@ -68,15 +70,18 @@ class Counting:
 
 
 def _interrupt(rf, src, out, stop: int | float, stash: int = 256 << 20, digest: str = "d") -> None:
-    """Ctrl-C at quantizer call `stop` (an int) or once that fraction of the file is written (a float)."""
+    """Ctrl-C at quantizer call `stop` (an int), or once the writer has been handed that fraction of the
+    file in file order (a float: parts written ahead do not count until they are read back)."""
+    after_chunk = Sink._after_chunk
 
-    def progress(label, done, total):
-        if isinstance(stop, float) and done > stop * total:
+    def stop_at_fraction(sink):
+        after_chunk(sink)
+        if isinstance(stop, float) and sink.queued > stop * rf.nbytes:
             raise KeyboardInterrupt
 
     q = Counting(stop if isinstance(stop, int) else None)
-    with pytest.raises(KeyboardInterrupt):
-        write_partial(rf, src, out, q, progress, chunk_bytes=CHUNK, stash_bytes=stash, plan_digest=digest,
+    with pytest.raises(KeyboardInterrupt), mock.patch.object(Sink, "_after_chunk", stop_at_fraction):
+        write_partial(rf, src, out, q, chunk_bytes=CHUNK, stash_bytes=stash, plan_digest=digest,
                       journal_bytes=JOURNAL)  # fmt: skip
     assert (out / (rf.file + ".partial")).exists() and journal_path(out, rf.file).exists()
 

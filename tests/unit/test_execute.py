@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
 
-from dsv41_convert.execute import select_files
+from dsv41_convert.execute import execute, select_files
+from dsv41_convert.manifest import sha256_file
 from dsv41_convert.plan import build_plan
 from dsv41_convert.transform import quantizer_for
 from dsv41_convert.write import write_rank_file
@@ -49,3 +51,28 @@ def test_ranks_selection(bf16_src):
     assert [f.rank for f in select_files(plan, [3, 1], {})] == [1, 3]
     with pytest.raises(Exception, match="out of range"):
         select_files(plan, [4], {})
+
+
+def test_direct_io_writes_the_same_files(bf16_src, tmp_path):
+    """`shard --direct-io` (O_DIRECT appends, or the buffered fallback where refused) and the default
+    buffered writes give the same rank files."""
+    plan = build_plan(bf16_src, 2)
+    on_disk = []
+    for direct in (False, True):
+        out = tmp_path / str(direct)
+        listed = json.loads(Path(execute(plan, out, direct_io=direct)["manifest"]).read_text())["files"]
+        assert all(sha256_file(out / name) == rec["sha256"] for name, rec in listed.items())  # read back
+        on_disk.append(listed)
+    assert on_disk[0] == on_disk[1] and {f.file for f in plan.files} <= set(on_disk[0])
+
+
+def test_progress_counts_parts_written_ahead_when_written(bf16_src):
+    """With no stash every later group part is written ahead: the bar counts those bytes as they are
+    written, so it reaches the total before their read-back and never goes back."""
+    rf = build_plan(bf16_src, 2).files[1]
+    out = bf16_src.parent / "progress-ahead"
+    out.mkdir(exist_ok=True)
+    seen: list[int] = []
+    write_rank_file(rf, bf16_src, out, quantizer_for("cpu"), lambda _f, d, _t: seen.append(d), 3000, 0)
+    assert seen == sorted(seen) and seen[-1] == rf.nbytes
+    assert seen.count(rf.nbytes) > 1  # the read-back of the parts written ahead adds nothing
