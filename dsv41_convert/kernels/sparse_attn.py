@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels.tl import BF16, F32, I32, PASS_CONFIGS, T, tilelang
+from dsv41_convert.kernels.topk import BLOCK, topk_bucket
 
-BLOCK = 64  # indices per online-softmax step (as the reference)
 HEADS = 16  # heads per CTA
 THREADS = 128
 
@@ -103,12 +103,6 @@ def sparse_attn_kernel(h: int, d: int, topk: int):
             T.copy(acc_o, out[bb, bm, bh * HEADS, 0])  # .to(bfloat16); heads past h are not written
 
     return sparse_attn_
-
-
-def topk_bucket(topk: int) -> int:
-    """The padded index count the kernel is compiled for: 64 * the next power of two of ceil(topk / 64)."""
-    blocks = -(-topk // BLOCK)
-    return BLOCK * (1 << (blocks - 1).bit_length())
 
 
 def sparse_attn(q: Tensor, kv: Tensor, attn_sink: Tensor, topk_idxs: Tensor, softmax_scale: float) -> Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dsv41_convert.kernels.dispatch import ops_for
+from dsv41_convert.kernels.topk import topk_buckets
 from dsv41_convert.model import parallel
 from dsv41_convert.model.attention import COMPRESSED_KV_FP4_BLOCK, Attention
 from dsv41_convert.model.block import Block
@@ -30,7 +31,6 @@ from dsv41_convert.model.indexer import Indexer
 from dsv41_convert.model.layers import FP4_BLOCK, FP8_BLOCK, SCALE_DTYPE, SCALE_FMT, linear
 
 GEMM_DTYPES = (torch.float8_e4m3fn, torch.float4_e2m1fn_x2)
-TOPK_BUCKET = 64  # sparse_attn pads its index count to 64 * a power of two
 
 
 @dataclass(frozen=True, order=True)
@@ -81,14 +81,7 @@ def max_topk(args) -> int:
 def op_families(model: nn.Module) -> list[OpFamily]:
     """The distinct non-GEMM kernels a forward pass of `model` can run, sorted (the same on every rank)."""
     found = set()
-    buckets = []
-    if hasattr(model, "args"):
-        bucket, last = TOPK_BUCKET, max_topk(model.args)
-        while True:
-            buckets.append(bucket)
-            if bucket >= last:
-                break
-            bucket *= 2
+    buckets = topk_buckets(max_topk(model.args)) if hasattr(model, "args") else []
     for module in model.modules():
         if isinstance(module, Attention):
             found.add(OpFamily("act_quant", (module.head_dim,)))

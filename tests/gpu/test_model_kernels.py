@@ -103,7 +103,8 @@ def test_sparse_attn(h):
 
 def test_sparse_attn_padding_changes_no_bit():
     """Indices padded with -1 (whole masked blocks, another compiled bucket) give the same bytes."""
-    from dsv41_convert.kernels.sparse_attn import sparse_attn, topk_bucket
+    from dsv41_convert.kernels.sparse_attn import sparse_attn
+    from dsv41_convert.kernels.topk import topk_bucket
 
     g = torch.Generator().manual_seed(5)
     b, m, n, d, h, topk = 1, 7, 400, 512, 16, 70

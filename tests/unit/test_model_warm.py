@@ -15,6 +15,7 @@ from model_testing import random_state_dict, tiny_args, with_runtime, write_shar
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.kernels import dispatch
+from dsv41_convert.kernels.topk import topk_bucket, topk_buckets
 from dsv41_convert.model import Transformer, load_shards
 from dsv41_convert.model import attention as attention_module
 from dsv41_convert.model import block as block_module
@@ -194,3 +195,10 @@ def test_warm_up_is_a_no_op_on_the_cpu():
     got = warm_up_kernels(model, "cpu")
     assert got == {"families": len(gemm_families(model)) + len(op_families(model)), "seconds": 0.0}
     assert len(op_families(model)) > 0
+
+
+@pytest.mark.parametrize("most", [1, 64, 65, 640, 1025])
+def test_topk_buckets_cover_every_index_count(most):
+    got = topk_buckets(most)
+    assert got == sorted({_bucket(t) for t in range(1, most + 1)})
+    assert all(topk_bucket(t) == _bucket(t) for t in range(1, 2 * most + 1))
