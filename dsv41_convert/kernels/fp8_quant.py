@@ -66,6 +66,11 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
     s_dtype = U8 if pow2 else F32
     packed_amax = in_dtype == BF16 and vec == 8  # |w| maxima of 8 raw bf16 values by packed integer max
 
+    def place(by, bcol, lane, k):
+        """(row, first column) of vector k of a thread (`lane` in its team) in block (by, bcol)."""
+        idx = lane + k * team
+        return by * bo + idx // vpr, bcol * bi + (idx % vpr) * vec
+
     @T.prim_func
     def fp8_quant_(
         w: T.Tensor[(o, i_dim), in_dtype],
@@ -84,9 +89,7 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
             lane = tx % team
             bcol = bx * teams + tx // team  # block column of this thread's team
             for k in T.unroll(per_lane):
-                idx = lane + k * team
-                row = by * bo + idx // vpr
-                col = bcol * bi + (idx % vpr) * vec
+                row, col = place(by, bcol, lane, k)
                 if row < o and col < i_dim:
                     for v in T.vectorized(vec):
                         wl[k, v] = w[row, col + v]
@@ -124,9 +127,7 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
                 if lane == 0 and bcol < ib:
                     s[by, bcol] = sc[0]
             for k in T.unroll(per_lane):
-                idx = lane + k * team
-                row = by * bo + idx // vpr
-                col = bcol * bi + (idx % vpr) * vec
+                row, col = place(by, bcol, lane, k)
                 if row < o and col < i_dim:
                     for v in T.unroll(vec):
                         if pow2:
