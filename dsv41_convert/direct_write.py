@@ -52,14 +52,15 @@ class DirectAppender:
         self.direct_fd = _open_direct(self.path) if direct else -1
         self.piece_bytes = piece_bytes
         self.error: BaseException | None = None
+        pieces = depth if self.direct_fd >= 0 else 0  # buffered: no staging pieces, no writer threads
         self._free: queue.Queue = queue.Queue()
-        for _ in range(depth + 1):
+        for _ in range(pieces + 1 if pieces else 0):
             self._free.put(mmap.mmap(-1, piece_bytes))  # page aligned, as O_DIRECT needs
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"pwrite {self.path.name}", daemon=True)
-                         for _ in range(depth if self.direct_fd >= 0 else 0)]  # fmt: skip
+                         for _ in range(pieces)]  # fmt: skip
         for t in self._threads:
             t.start()
         self._buf: mmap.mmap | None = None
@@ -127,9 +128,12 @@ class DirectAppender:
     def _begin(self, pos: int) -> None:
         """Start a piece (the current buffer, or a free one) at the block boundary at or below `pos`, holding
         the file's bytes before `pos`."""
+        if self.direct_fd < 0:  # buffered: write() goes straight to the file at _base
+            self._base, self._fill, self._head = pos, 0, 0
+            return
         if self._buf is None:
             self._buf = self._free.get()
-        base = pos - pos % BLOCK if self.direct_fd >= 0 else pos
+        base = pos - pos % BLOCK
         head = pos - base
         if head:
             got = os.preadv(self.fd, [memoryview(self._buf)[:head]], base)
@@ -142,7 +146,7 @@ class DirectAppender:
         """Queue buf[start : start + length] for the file at `offset`; `keep`: the caller goes on using buf."""
         with self._idle:
             self._pending += 1
-        self._jobs.put((buf, start, offset, length, plain or self.direct_fd < 0, keep))
+        self._jobs.put((buf, start, offset, length, plain, keep))
 
     def _wait(self) -> None:
         with self._idle:

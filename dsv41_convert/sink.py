@@ -36,8 +36,9 @@ READ_BACK_BYTES = 16 << 20
 
 
 class Sink:
-    """Hashes and writes while the caller reads and computes the next chunk (hashlib and the appender's
-    copy release the GIL; its pwrites run in threads of their own): on a slow disk this hides the sha256.
+    """Hashes and writes while the caller reads and computes the next chunk (hashlib and pwrite release the
+    GIL; with O_DIRECT the appender's pwrites run in threads of their own): on a slow disk this hides the
+    sha256.
 
     Handed-over buffers must not change until written: `_copy` (write.py) cycles three buffers through a
     queue of one, so a buffer is refilled only after the writer has taken the next one.
