@@ -36,9 +36,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dsv41_convert.catalogue import published_layout  # noqa: E402
 from dsv41_convert.config import ModelArgs  # noqa: E402
-from dsv41_convert.safetensors_header import build_header, nbytes  # noqa: E402
+from dsv41_convert.convert.catalogue import published_layout  # noqa: E402
+from dsv41_convert.store.safetensors_header import build_header, nbytes  # noqa: E402
 
 REAL_CONFIG = ROOT / "tests" / "data" / "reference" / "v41-flash.config.json"
 

@@ -1,3 +1,16 @@
-"""dsv41-convert: checkpoint conversion, quantization and verification for DeepSeek V4.1."""
+"""dsv41-convert: checkpoint conversion, quantization and verification for DeepSeek V4.1.
+
+The package, bottom to top (imports point downward only):
+    errors.py, config.py, progress.py   what every layer shares: error types, ModelArgs, the progress callback
+    quant/     number formats (pure torch)
+    kernels/   TileLang kernels beside their torch references
+    store/     safetensors headers, the hashing writer, journals, manifests
+    model/     the bundled V4.1 model
+    convert/   rules, plan, validate, execute: the converter
+    hub/       the Hugging Face Hub client
+    verify/    the logit check
+    synth/     make-tiny checkpoints
+    app/, cli.py   the command line
+"""
 
 __version__ = "0.1.0"

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from dsv41_convert import cli_options as opts
-from dsv41_convert import report
+from dsv41_convert.app import options as opts
+from dsv41_convert.app import report
 from dsv41_convert.errors import ConvertError
 
 app = typer.Typer(
@@ -89,7 +89,7 @@ def _local_source(src: Path) -> Path:
     """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified first."""
     if src.exists():
         return src
-    from dsv41_convert.download import resolve_source
+    from dsv41_convert.hub.download import resolve_source
 
     with report.byte_progress(f"download {src}") as progress:
         return resolve_source(str(src), progress=progress)
@@ -108,7 +108,7 @@ def plan_cmd(
       dsv41-convert plan ./DeepSeek-V4.1-Flash --tp 8
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
     """
-    from dsv41_convert.plan import build_plan, summarize
+    from dsv41_convert.convert.plan import build_plan, summarize
 
     plan = build_plan(_local_source(src), tp, expert_dtype)
     if as_json:
@@ -161,9 +161,9 @@ def shard_cmd(
       dsv41-convert shard ./ckpt ./mp4 --tp 4 --resume
       torchrun --nproc-per-node 8 -m dsv41_convert.cli shard ./ckpt ./mp8 --tp 8
     """
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan, summarize
     from dsv41_convert.errors import PlanError
-    from dsv41_convert.execute import execute
-    from dsv41_convert.plan import build_plan, summarize
 
     try:
         rank_list = [int(r) for r in ranks.split(",")] if ranks else None
@@ -326,7 +326,7 @@ def check_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
       dsv41-convert check ./mp8
       dsv41-convert check ./mp8 --json
     """
-    from dsv41_convert.manifest_check import check_folder
+    from dsv41_convert.store.manifest_check import check_folder
 
     with report.byte_progress(f"check {out}", quiet=as_json) as progress:
         result = check_folder(out, progress=progress)
@@ -356,7 +356,7 @@ def demo_cmd(
       dsv41-convert demo
       dsv41-convert demo /tmp/demo --tp 4 --overwrite
     """
-    from dsv41_convert.demo import run_demo
+    from dsv41_convert.app.demo import run_demo
     from dsv41_convert.verify.table import render
 
     with report.byte_progress("demo", quiet=True) as progress:
@@ -409,7 +409,7 @@ def download_cmd(
       dsv41-convert download deepseek-ai/DeepSeek-V4.1-Flash --include "*.json" --include "model-0000[1-2]*"
       dsv41-convert download deepseek-ai/DeepSeek-V4.1-Flash --local-dir ./v41 --verify-only --json
     """
-    from dsv41_convert import download as dl
+    from dsv41_convert.hub import download as dl
 
     patterns = {"include": include or [], "exclude": exclude or []}
     with report.byte_progress(f"{'verifying' if verify_only else 'downloading'} {repo_id}") as progress:
@@ -452,7 +452,7 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
       dsv41-convert manifest ./mp8
       dsv41-convert manifest ./mp8 --json
     """
-    from dsv41_convert.manifest_merge import merge
+    from dsv41_convert.store.manifest_merge import merge
 
     with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
         summary = merge(out, progress=progress)

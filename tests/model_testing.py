@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.model import Transformer
+from dsv41_convert.model.head import ParallelHead
 from dsv41_convert.model.layers import Linear
 from dsv41_convert.model.load import expected_tensors
-from dsv41_convert.model.transformer import ParallelHead
 from dsv41_convert.quant.fp4 import encode_mxfp4
 from dsv41_convert.quant.fp8 import encode_fp8_blocks
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dsv41_convert.catalogue import published_layout
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.catalogue import published_layout
 
 REAL_CONFIG = Path(__file__).resolve().parent / "data" / "reference" / "v41-flash.config.json"
 

@@ -25,28 +25,12 @@ from dsv41_convert.model.layers import (
     RowParallelLinear,
 )
 from dsv41_convert.model.rope import apply_rotary_emb, precompute_freqs_cis
+from dsv41_convert.model.runtime import SharedAttentionRuntime
 
 if TYPE_CHECKING:
     from dsv41_convert.config import ModelArgs
 
 COMPRESSED_KV_FP4_BLOCK = 16  # compressed KV: fp4 with one e4m3 scale per 16 (the indexer uses 32 / e8m0)
-
-
-class SharedAttentionRuntime:
-    """What attention layers pass down the stack within one forward, one slot each: layers run in
-    order and every source writes before its consumers read.
-
-    compress_kv: [max_batch, max_seq_len/ratio, head_dim] the kv source's compressed cache
-    index_k:     [max_batch, max_seq_len/ratio, index_head_dim] the kv source's index-key cache
-    topk_idxs:   [b, s, k] int32, the last index source's choice
-    candidates:  [b, s, t] bool, the candidate source's kept blocks
-    """
-
-    def __init__(self) -> None:
-        self.compress_kv: torch.Tensor | None = None
-        self.index_k: torch.Tensor | None = None
-        self.topk_idxs: torch.Tensor | None = None
-        self.candidates: torch.Tensor | None = None
 
 
 def get_window_topk_idxs(window_size: int, bsz: int, seqlen: int, start_pos: int, device=None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dsv41_convert.model.rope import apply_rotary_emb
 
 if TYPE_CHECKING:
     from dsv41_convert.config import ModelArgs
-    from dsv41_convert.model.attention import SharedAttentionRuntime
+    from dsv41_convert.model.runtime import SharedAttentionRuntime
 
 
 def select_candidate_blocks(

@@ -8,7 +8,7 @@ deployable format relies on: a bf16 tensor in the file for the float32 `weight` 
 head, the ratio>1 compressor, the MTP heads, the vision norms: upstream keeps them fp32 in the
 model and bf16 on disk). Bare fp32 parameters (hc_*, attn_sink, gate biases) are F32 on disk.
 
-Header parsing and byte-range reads are `dsv41_convert.safetensors_header`'s (no mmap of the whole
+Header parsing and byte-range reads are `dsv41_convert.store.safetensors_header`'s (no mmap of the whole
 file, which fails for files larger than memory); data goes straight into the parameters, in file order.
 """
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from dsv41_convert.errors import PlanError
 from dsv41_convert.model import parallel
-from dsv41_convert.safetensors_header import Header, pread_exact, read_header
+from dsv41_convert.store.safetensors_header import Header, pread_exact, read_header
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -29,6 +29,7 @@ from torch import nn
 from dsv41_convert.kernels.dispatch import ops_for
 from dsv41_convert.model.attention import Attention
 from dsv41_convert.model.block import Block, make_identity_pre_mix
+from dsv41_convert.model.head import ParallelHead, sample
 from dsv41_convert.model.layers import FP8_BLOCK, SCALE_DTYPE, SCALE_FMT, Linear, ParallelEmbedding, RMSNorm
 from dsv41_convert.model.rope import apply_rotary_emb
 
@@ -109,8 +110,6 @@ class DSparkMarkovHead(nn.Module):
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
-        from dsv41_convert.model.transformer import ParallelHead
-
         self.embed = ParallelEmbedding(vocab_size, rank)
         self.head = ParallelHead(vocab_size, rank)
 
@@ -191,8 +190,6 @@ class DSparkBlock(Block):
             logits [B, K, vocab] float32 (Markov bias included),
             confidence [B, K] float32)
         """
-        from dsv41_convert.model.transformer import sample
-
         assert self.head is not None, "Transformer sets DSparkBlock.head"
         x = self.hc_pre(x, pre_mix)
         logits = self.head(self.norm(x), full_logits=True)

@@ -13,6 +13,8 @@ activation quantizers of the model (act.py, upstream kernel.py semantics):
     act_quant, fp4_act_quant
 
 Each docstring states the rounding, floors, clamps, shapes and dtypes.
+
+Imports nothing of this package but `errors`: the bottom layer.
 """
 
 from dsv41_convert.quant.act import act_quant, fp4_act_quant

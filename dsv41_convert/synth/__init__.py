@@ -7,4 +7,6 @@ tensors.py    the name / dtype / shape catalogue of a ModelArgs
 weights.py    seeded random values of a catalogue Param, in either source layout
 quantized.py  fp8 / fp4 weights drawn as codes and scales already in canonical form
 write.py      shard plan and the streaming writer
+
+May import `convert.catalogue`, `model.engram_hash`, `quant`, `config`, `errors`, `progress`.
 """

@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from dsv41_convert.catalogue import BLOCK, Init
+from dsv41_convert.convert.catalogue import BLOCK, Init
 from dsv41_convert.quant.fp4 import E2M1_VALUES
 
 _TABLE = 1 << 16  # entries of a lookup table: one uniform 16-bit draw picks one entry

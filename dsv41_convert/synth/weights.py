@@ -18,7 +18,7 @@ import hashlib
 import torch
 from torch import Tensor
 
-from dsv41_convert.catalogue import BLOCK, Fmt, Param
+from dsv41_convert.convert.catalogue import BLOCK, Fmt, Param
 from dsv41_convert.quant import decode_fp8_blocks, decode_mxfp4
 from dsv41_convert.quant.fp4 import as_fp4
 from dsv41_convert.synth.quantized import draw_fp4, draw_fp8

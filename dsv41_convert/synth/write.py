@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dsv41_convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.progress import Progress as ProgressFn

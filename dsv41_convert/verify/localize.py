@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dsv41_convert.rules import Split, match_rule
-from dsv41_convert.safetensors_header import pread_exact, read_header
-from dsv41_convert.transform import DTYPES
+from dsv41_convert.convert.rules import Split, match_rule
+from dsv41_convert.convert.transform import DTYPES
+from dsv41_convert.store.safetensors_header import pread_exact, read_header
 from dsv41_convert.verify.metrics import relative_error
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)(?:\.(attn|ffn))?$")

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dsv41_convert.plan import ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.convert.plan import ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.progress import Progress
-from dsv41_convert.safetensors_header import DTYPE_BITS, pread_exact
-from dsv41_convert.transform import DTYPES, apply, quantizer_for
+from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_exact
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)

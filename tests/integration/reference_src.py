@@ -12,7 +12,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from dsv41_convert.safetensors_header import build_header
+from dsv41_convert.store.safetensors_header import build_header
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference"  # see tests/reference_data.py
 

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dsv41_convert.execute import execute
-from dsv41_convert.plan import build_plan
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 

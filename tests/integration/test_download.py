@@ -16,10 +16,10 @@ from hubserver import FakeHub, published_checkpoint, tiny_checkpoint
 from huggingface_hub import HfApi
 from typer.testing import CliRunner
 
-from dsv41_convert import download as dl
-from dsv41_convert import hub_fetch
 from dsv41_convert.cli import app
 from dsv41_convert.errors import DownloadError
+from dsv41_convert.hub import download as dl
+from dsv41_convert.hub import fetch as hub_fetch
 
 REPO = "acme/tiny"
 C0, C1 = "0" * 40, "1" * 40  # commits: C0 is tag v0 (seed 0), C1 is main (seed 1)

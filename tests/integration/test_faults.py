@@ -18,10 +18,10 @@ from cli_run import run_cli
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
-from dsv41_convert import execute as execute_mod
+from dsv41_convert.convert import execute as execute_mod
+from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.errors import OutputError
-from dsv41_convert.plan import build_plan
-from dsv41_convert.safetensors_header import read_header
+from dsv41_convert.store.safetensors_header import read_header
 
 CLI = [sys.executable, "-m", "dsv41_convert.cli"]
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from dsv41_convert.catalogue import Fmt, catalogue, file_tensors
 from dsv41_convert.cli import app, main
 from dsv41_convert.config import load_model_args
+from dsv41_convert.convert.catalogue import Fmt, catalogue, file_tensors
 from dsv41_convert.errors import OutputError
 from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.quant import encode_fp8_blocks, encode_mxfp4

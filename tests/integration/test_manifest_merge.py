@@ -15,10 +15,10 @@ from cli_run import run_cli
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
 
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.execute import execute
-from dsv41_convert.manifest_check import check_folder
-from dsv41_convert.plan import build_plan
+from dsv41_convert.store.manifest_check import check_folder
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.execute import execute
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.model import image_processor as ip
 from dsv41_convert.model.load import load_shards
 from dsv41_convert.model.transformer import Transformer
-from dsv41_convert.plan import build_plan
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 

@@ -40,9 +40,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.execute import execute
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.model import Transformer, load_shards
-from dsv41_convert.plan import build_plan
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 

@@ -16,13 +16,13 @@ from unittest import mock
 
 import pytest
 
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.transform import quantizer_for
+from dsv41_convert.convert.write import _chunk_rows, write_partial, write_rank_file
 from dsv41_convert.errors import OutputError
-from dsv41_convert.execute import execute
-from dsv41_convert.journal import journal_path
-from dsv41_convert.plan import build_plan
-from dsv41_convert.sink import Sink
-from dsv41_convert.transform import quantizer_for
-from dsv41_convert.write import _chunk_rows, write_partial, write_rank_file
+from dsv41_convert.store.journal import journal_path
+from dsv41_convert.store.sink import Sink
 
 CHUNK, JOURNAL = 1 << 12, 1 << 13  # many chunks and checkpoints in a 7.5 MB rank file
 
@@ -191,8 +191,8 @@ def test_group_written_ahead_is_computed_once(bf16_src, clean, tmp_path):
 _KILLABLE = """
 import sys
 from pathlib import Path
-from dsv41_convert.execute import execute
-from dsv41_convert.plan import build_plan
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
 src, out, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 execute(build_plan(src, 2), out, workers=workers, resume=True, chunk_bytes=1 << 12, journal_bytes=1 << 13)
 """

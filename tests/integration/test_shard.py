@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_convert import reference_convert
 
-from dsv41_convert.execute import execute
-from dsv41_convert.manifest import sha256_file
-from dsv41_convert.plan import build_plan
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.store.manifest import sha256_file
 
 
 def _make_tiny(out: Path, quantized: bool = True) -> Path:
@@ -134,7 +134,7 @@ def test_ranks_and_resume(fp8_src, tmp_path):
 
 
 def test_torchrun_share_is_disjoint(fp8_src):
-    from dsv41_convert.execute import select_files
+    from dsv41_convert.convert.execute import select_files
 
     plan = build_plan(fp8_src, 8)
     shares = [select_files(plan, None, {"WORLD_SIZE": "3", "RANK": str(r)}) for r in range(3)]

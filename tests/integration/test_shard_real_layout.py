@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_src import REFERENCE, build_reference_src
 
-from dsv41_convert.plan import build_plan, summarize
-from dsv41_convert.safetensors_header import read_header
+from dsv41_convert.convert.plan import build_plan, summarize
+from dsv41_convert.store.safetensors_header import read_header
 
 BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 SPLIT = {"embed": 0, "head": 0, "wq_b": 0, "wo_a": 0, "attn_sink": 0, "weights_proj": 0, "wo_b": 1}

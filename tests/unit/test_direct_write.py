@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from dsv41_convert import direct_write
-from dsv41_convert.direct_write import BLOCK, DirectAppender
+from dsv41_convert.store import direct_write
+from dsv41_convert.store.direct_write import BLOCK, DirectAppender
 
 
 def _run_script(path, direct: bool, seed: int, piece_blocks: int, depth: int) -> bytearray:

@@ -12,10 +12,10 @@ import torch
 from httpx2 import ConnectError
 from safetensors.torch import save
 
-from dsv41_convert.download import parse_repo_ref
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub_fetch import _bar_class, hub_error, with_retries
-from dsv41_convert.hub_integrity import (
+from dsv41_convert.hub.download import parse_repo_ref
+from dsv41_convert.hub.fetch import _bar_class, hub_error, with_retries
+from dsv41_convert.hub.integrity import (
     INDEX_NAME,
     Record,
     RemoteFile,

@@ -11,11 +11,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
 
-from dsv41_convert.execute import execute, select_files
-from dsv41_convert.manifest import sha256_file
-from dsv41_convert.plan import build_plan
-from dsv41_convert.transform import quantizer_for
-from dsv41_convert.write import write_rank_file
+from dsv41_convert.convert.execute import execute, select_files
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.transform import quantizer_for
+from dsv41_convert.convert.write import write_rank_file
+from dsv41_convert.store.manifest import sha256_file
 
 
 @pytest.fixture(scope="module")

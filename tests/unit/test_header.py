@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from dsv41_convert.errors import HeaderError
-from dsv41_convert.safetensors_header import build_header, read_header
+from dsv41_convert.store.safetensors_header import build_header, read_header
 
 TORCH_TO_ST = {
     torch.float32: "F32",

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from dsv41_convert.errors import OutputError
-from dsv41_convert.journal import JournalWriter, header, load
+from dsv41_convert.store.journal import JournalWriter, header, load
 
 HEAD = header("model0-mp2.safetensors", 4096, "digest", 1024)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from dsv41_convert.manifest import atomic_write, is_done, read_done, sha256_file, source_revision, write_done
+from dsv41_convert.store.manifest import atomic_write, is_done, read_done, sha256_file, source_revision, write_done
 
 
 def test_done_record_checks_size_sha_and_plan(tmp_path):

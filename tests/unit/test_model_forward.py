@@ -10,8 +10,8 @@ import torch
 from model_testing import random_state_dict, tiny_args, write_shards
 
 from dsv41_convert.model import Transformer, load_shards
-from dsv41_convert.model.transformer import sample
-from dsv41_convert.safetensors_header import read_header
+from dsv41_convert.model.head import sample
+from dsv41_convert.store.safetensors_header import read_header
 
 ARGS = tiny_args()
 SEQ = 40

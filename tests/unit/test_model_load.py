@@ -14,7 +14,7 @@ from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.model import Transformer, load_shards
 from dsv41_convert.model.load import expected_tensors
 from dsv41_convert.quant.fp8 import encode_fp8_blocks
-from dsv41_convert.safetensors_header import read_header
+from dsv41_convert.store.safetensors_header import read_header
 
 ARGS = tiny_args(
     n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=-1

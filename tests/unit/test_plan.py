@@ -13,9 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
+from dsv41_convert.convert.plan import ConversionPlan, build_plan, summarize
 from dsv41_convert.errors import HeaderError, PlanError
-from dsv41_convert.plan import ConversionPlan, build_plan, summarize
-from dsv41_convert.safetensors_header import nbytes, read_header
+from dsv41_convert.store.safetensors_header import nbytes, read_header
 
 
 @pytest.fixture

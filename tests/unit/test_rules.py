@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dsv41_convert.catalogue import published_layout
 from dsv41_convert.config import load_model_args
+from dsv41_convert.convert.catalogue import published_layout
+from dsv41_convert.convert.rules import RULES, Op, Split, canonical_name, match_rule
 from dsv41_convert.errors import PlanError
-from dsv41_convert.rules import RULES, Op, Split, canonical_name, match_rule
 
 REF = Path(__file__).resolve().parents[1] / "data" / "reference"  # see tests/reference_data.py
 

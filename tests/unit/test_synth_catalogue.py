@@ -9,8 +9,8 @@ import json
 import pytest
 from reference_data import REFERENCE as REF
 
-from dsv41_convert.catalogue import catalogue, file_tensors
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.catalogue import catalogue, file_tensors
 from dsv41_convert.errors import PlanError
 from dsv41_convert.model.engram_hash import engram_table_rows, is_prime
 from dsv41_convert.synth.presets import MEDIUM, PRESETS, TINY, hf_config

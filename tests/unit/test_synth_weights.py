@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from dsv41_convert.catalogue import Fmt, Init, Param, catalogue
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.catalogue import Fmt, Init, Param, catalogue
 from dsv41_convert.quant import decode_fp8_blocks, decode_mxfp4, encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_fp4
 from dsv41_convert.synth.presets import MEDIUM, hf_config

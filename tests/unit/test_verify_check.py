@@ -6,8 +6,8 @@ import json
 import pytest
 
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.manifest import FORMAT
-from dsv41_convert.manifest_check import check_folder
+from dsv41_convert.store.manifest import FORMAT
+from dsv41_convert.store.manifest_check import check_folder
 
 
 def _folder(tmp_path, files: dict[str, bytes]):

@@ -12,10 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
 
-from dsv41_convert import write
-from dsv41_convert.plan import build_plan
-from dsv41_convert.safetensors_header import DTYPE_BITS, nbytes
-from dsv41_convert.transform import quantizer_for
+from dsv41_convert.convert import write
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.transform import quantizer_for
+from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes
 
 
 @pytest.fixture(scope="module")

@@ -30,16 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41_convert import journal
+from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
+from dsv41_convert.convert.transform import apply, from_bytes, to_bytes
 from dsv41_convert.errors import OutputError
-from dsv41_convert.journal import Aside, JournalWriter, ResumePoint, journal_path
-from dsv41_convert.manifest import fsync_dir
-from dsv41_convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.progress import Progress
-from dsv41_convert.safetensors_header import DTYPE_BITS, nbytes, pread_exact
-from dsv41_convert.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
-from dsv41_convert.sink import Sink
-from dsv41_convert.transform import apply, from_bytes, to_bytes
+from dsv41_convert.store import journal
+from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
+from dsv41_convert.store.manifest import fsync_dir
+from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes, pread_exact
+from dsv41_convert.store.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
+from dsv41_convert.store.sink import Sink
 
 CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20

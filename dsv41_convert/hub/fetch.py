@@ -28,7 +28,7 @@ from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils._runtime import is_xet_available  # same test hf_hub_download makes
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub_integrity import Record, RemoteFile
+from dsv41_convert.hub.integrity import Record, RemoteFile
 from dsv41_convert.progress import Progress
 
 try:  # huggingface_hub 2.x ships its own httpx fork; 1.x used httpx

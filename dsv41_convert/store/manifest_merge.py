@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import OutputError
-from dsv41_convert.manifest import (
+from dsv41_convert.progress import Progress
+from dsv41_convert.store.manifest import (
     DONE_DIR,
     MANIFEST,
     atomic_write,
@@ -30,7 +31,6 @@ from dsv41_convert.manifest import (
     write_done,
     write_manifest_from,
 )
-from dsv41_convert.progress import Progress
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
 FRAGMENT_GLOB = "manifest-fragment-*.json"

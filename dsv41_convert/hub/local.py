@@ -18,7 +18,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import filter_repo_objects
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub_integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
+from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
 from dsv41_convert.progress import Progress
 
 RECORD_NAME = ".dsv41-download.json"

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41_convert.catalogue import published_layout
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.catalogue import published_layout
+from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, expert_index, has_scale, match_rule, scale_name
 from dsv41_convert.errors import PlanError
-from dsv41_convert.rules import Op, Rule, Split, canonical_name, expert_index, has_scale, match_rule, scale_name
-from dsv41_convert.safetensors_header import read_header
+from dsv41_convert.store.safetensors_header import read_header
 
 MAX_LINES = 25
 

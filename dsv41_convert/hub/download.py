@@ -29,9 +29,9 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub_fetch import PARTIAL_DIR, fetch_file, fetch_record
-from dsv41_convert.hub_integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
-from dsv41_convert.hub_local import (
+from dsv41_convert.hub.fetch import PARTIAL_DIR, fetch_file, fetch_record
+from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
+from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
     DownloadReport,

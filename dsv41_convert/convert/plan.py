@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
+from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
+from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
-from dsv41_convert.rules import Op, Split, has_scale, scale_name
-from dsv41_convert.safetensors_header import build_header
-from dsv41_convert.validate import Source, gather_sources, validate_sources
+from dsv41_convert.store.safetensors_header import build_header
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"

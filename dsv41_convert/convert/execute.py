@@ -26,14 +26,22 @@ from typing import Any
 
 import torch
 
-from dsv41_convert import journal
+from dsv41_convert.convert.plan import ConversionPlan, RankFile
+from dsv41_convert.convert.transform import quantizer_for
+from dsv41_convert.convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
 from dsv41_convert.errors import OutputError, PlanError
-from dsv41_convert.journal import journal_path
-from dsv41_convert.manifest import DONE_DIR, MANIFEST, atomic_write, is_done, read_done, write_done, write_manifest
-from dsv41_convert.manifest_merge import forget_stale, import_fragments, write_fragment
-from dsv41_convert.plan import ConversionPlan, RankFile
-from dsv41_convert.transform import quantizer_for
-from dsv41_convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
+from dsv41_convert.store import journal
+from dsv41_convert.store.journal import journal_path
+from dsv41_convert.store.manifest import (
+    DONE_DIR,
+    MANIFEST,
+    atomic_write,
+    is_done,
+    read_done,
+    write_done,
+    write_manifest,
+)
+from dsv41_convert.store.manifest_merge import forget_stale, import_fragments, write_fragment
 
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
 

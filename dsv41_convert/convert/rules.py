@@ -139,7 +139,7 @@ def match_rule(name: str) -> Rule:
         _MEMO[template] = hits[0]
         return hits[0]
     if not hits:
-        raise PlanError(f"{name}: no rule in dsv41_convert/rules.py matches this tensor; another revision?")
+        raise PlanError(f"{name}: no rule in dsv41_convert/convert/rules.py matches this tensor; another revision?")
     raise PlanError(f"{name}: matches {len(hits)} rules ({', '.join(r.pattern for r in hits)}); the table is ambiguous")
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import OutputError
-from dsv41_convert.manifest import fsync_dir
+from dsv41_convert.store.manifest import fsync_dir
 
 FORMAT = "dsv41-convert journal v1"
 READ_BYTES = 16 << 20

@@ -33,8 +33,8 @@ def run_demo(
 ) -> tuple[Any, dict[str, float]]:
     """-> (VerifyResult, seconds per stage). `step(message)` announces each stage; `progress` gets
     byte progress of the writes."""
-    from dsv41_convert.execute import execute
-    from dsv41_convert.plan import build_plan
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
     from dsv41_convert.synth.presets import PRESETS
     from dsv41_convert.synth.write import write_checkpoint
     from dsv41_convert.verify.prompts import default_prompts

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dsv41_convert.errors import DownloadError, HeaderError
 from dsv41_convert.progress import Progress
-from dsv41_convert.safetensors_header import read_header
+from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 _CHUNK = 8 * 1024 * 1024

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.manifest import FORMAT, MANIFEST, sha256_file
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.manifest import FORMAT, MANIFEST, sha256_file
 
 
 @dataclass

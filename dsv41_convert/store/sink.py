@@ -26,10 +26,10 @@ import threading
 import time
 from pathlib import Path
 
-from dsv41_convert.direct_write import DirectAppender
-from dsv41_convert.journal import Aside, JournalWriter, ResumePoint
 from dsv41_convert.progress import Progress
-from dsv41_convert.safetensors_header import pread_exact
+from dsv41_convert.store.direct_write import DirectAppender
+from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint
+from dsv41_convert.store.safetensors_header import pread_exact
 
 THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
 READ_BACK_BYTES = 16 << 20

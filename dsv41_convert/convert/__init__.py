@@ -1,0 +1,7 @@
+"""The converter: from a checkpoint's headers to per-rank files.
+
+Owns the one table of tensor rules (`rules`), the tensors a config implies (`catalogue`), the header-only
+plan and its validation (`plan`, `validate`), the per-tensor transforms (`transform`) and the streaming
+execution of a plan (`execute`, `write`). May import `quant`, `store`, `config`, `errors`, `progress`;
+never `model`, `verify`, `synth`, `hub` or the CLI.
+"""
