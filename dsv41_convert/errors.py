@@ -32,3 +32,9 @@ class DownloadError(ConvertError):
 
 class VerifyInputError(ConvertError):
     """verify was given inputs it cannot compare (prompts, reference logits, shard set)."""
+
+
+class ShardConsistencyError(ConvertError):
+    """The rank files of one conversion disagree: a replicated tensor differs between ranks, an expert
+    is held by the wrong rank, split pieces differ in shape, Engram padding is missing or not the fill.
+    verify reports it as a failed check (exit 1); elsewhere it is an input error."""
