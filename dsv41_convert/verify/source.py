@@ -12,7 +12,8 @@ from the source shards. Two flavours:
   to per-row fp8, because the model has no bf16 Engram path.
 
 Everything is held in RAM: fine for verify's small models, not for a 500 GB checkpoint (use
-`--reference-logits` computed on a big machine for those).
+`--reference-logits` computed on a big machine for those). `plan_state(plan, rank)` computes one rank's
+file of a tp-N plan: what `reference-logits --tp N` runs on each rank.
 """
 
 from __future__ import annotations
@@ -64,9 +65,16 @@ def _as_output(t: Tensor, out: OutTensor) -> Tensor:
     return t if t.dtype == want else t.view(want)
 
 
-def _run(plan: ConversionPlan, skip_quant: bool, progress: Progress | None) -> dict[str, Tensor]:
+def plan_state(
+    plan: ConversionPlan, rank: int = 0, skip_quant: bool = False, progress: Progress | None = None
+) -> dict[str, Tensor]:
+    """Rank `rank`'s file of `plan`, computed in memory: only that rank's slices of the source are read.
+
+    skip_quant: leave the quantizing actions out (the weights stay bf16: the unquantized model)
+    -> name -> tensor in the rank file's dtype (F4 as float4_e2m1fn_x2 [out, in/2])
+    """
     src = Path(plan.src)
-    (rank_file,) = plan.files
+    rank_file = plan.files[rank]
     q = quantizer_for("cpu")
     out: dict[str, Tensor] = {}
     fds: dict[str, int] = {}
@@ -102,10 +110,10 @@ def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | N
 
     -> name -> tensor in the rank file's dtype (F4 as float4_e2m1fn_x2 [out, in/2])
     """
-    return _run(build_plan(Path(src), 1, expert_dtype), skip_quant=False, progress=progress)
+    return plan_state(build_plan(Path(src), 1, expert_dtype), progress=progress)
 
 
 def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, dict[str, Tensor]]:
     """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor)."""
     plan = build_plan(Path(src), 1, "fp4")
-    return plan.source_format, _run(plan, skip_quant=plan.source_format == "bf16", progress=progress)
+    return plan.source_format, plan_state(plan, skip_quant=plan.source_format == "bf16", progress=progress)
