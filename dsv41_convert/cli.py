@@ -385,7 +385,8 @@ def demo_cmd(
     threads: ThreadsOpt = None,
     as_json: opts.JsonOpt = False,
 ) -> None:
-    """The main job on a tiny model: make-tiny, shard --tp 8, verify (8 ranks on the CPU), in under a minute.
+    """The main job on a tiny model, in about a minute: make-tiny, shard --tp 8, reference-logits (tp 1), and
+    verify against that file: 8 ranks on the CPU, then the decisive check (the rank files replayed at tp 1).
 
     Examples:
       dsv41-convert demo

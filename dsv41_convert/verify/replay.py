@@ -25,6 +25,7 @@ import torch
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.unshard import unshard_tensors
 from dsv41_convert.errors import PlanError, ShardConsistencyError
+from dsv41_convert.verify.launch import default_threads
 from dsv41_convert.verify.metrics import compare, merge
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import PromptRun, attach_images, build_model, load_state, run_prompt
@@ -54,20 +55,22 @@ def replay_runs(folder: Path, ref: Reference, device: str) -> list[PromptRun]:
 
 
 def replay_check(folder: Path, ref: Reference, device: str) -> tuple[Check, list[PromptRun] | None]:
-    """Run the replay (with the reference's CPU threads) and compare every section bit for bit.
+    """Run the replay (with the reference's CPU threads, else all cores) and compare every section bit for bit.
 
     -> (the "replay" Check, the replay's runs or None when the rank files could not be merged)
     """
-    threads = torch.get_num_threads()
-    if device == "cpu" and ref.threads:
-        torch.set_num_threads(ref.threads)
+    before = torch.get_num_threads()
+    # the reference's threads; unrecorded: what a tp-1 run uses by default (reference-logits, upstream)
+    threads = ref.threads or default_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(threads)
     try:
         runs = replay_runs(folder, ref, device)
     except (ShardConsistencyError, PlanError) as exc:
         return Check("replay", False, True, [f"replay: {exc}"], "the rank files do not merge back to tp 1"), None
     finally:
-        torch.set_num_threads(threads)
-    blockers = exact_blockers(1, ref.device, ref.threads, ref.torch_version, ref.weights, 1, device, ref.threads)
+        torch.set_num_threads(before)
+    blockers = exact_blockers(1, ref.device, ref.threads, ref.torch_version, ref.weights, 1, device, threads)
     worst = {}
     for key in SECTIONS:
         parts = [_section(r, g, key) for r, g in zip(ref.runs, runs, strict=True)]

@@ -10,8 +10,8 @@ when it compares bit for bit something a correct conversion reproduces bit for b
                 tp-1 reference run the same way
     twin        the converted ranks against the converter's expected output cut into the same ranks
                 (verify --reference SRC)
-    modules     each module, fed the reference's input to it, against the reference's output of it,
-                within bounds measured from reduction-order noise (verify.modules)
+(A teacher-forced per-module check against a reference's hidden states is not built yet: the hidden
+states lack each block's incoming hc mix and the shared KV caches a module reads, see docs/VERIFY.md.)
 
 Bit equality certifies itself: a comparison that comes out equal is decisive even where it was not
 expected. One that differs where equality was expected (`exact_blockers` is empty) is a FAIL. The
@@ -39,7 +39,7 @@ EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
 class Check:
     """One comparison and what it found."""
 
-    name: str  # reference | replay | twin | modules
+    name: str  # reference | replay | twin
     exact: bool  # every compared value equal bit for bit
     expected_exact: bool  # bit equality was expected (see exact_blockers)
     failures: list[str] = field(default_factory=list)
@@ -98,7 +98,7 @@ def decide(checks: list[Check], statistical_failures: list[str], statistical: bo
     return INCONCLUSIVE
 
 
-def advice(tp: int, has_hidden: bool, from_source: bool) -> str:
+def advice(tp: int, from_source: bool) -> str:
     """What would make an inconclusive run decisive."""
     ways = [
         f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}`)",
@@ -106,6 +106,4 @@ def advice(tp: int, has_hidden: bool, from_source: bool) -> str:
     ]
     if not from_source:
         ways.append("the source checkpoint (`--reference SRC`: the twin)")
-    if not has_hidden:
-        ways.append("a reference holding per-module hidden states (teacher-forced module check)")
     return "for a decisive check use " + "; or ".join(ways) + "; or accept statistical bounds with --statistical"
