@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.verify.launch import launch
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
@@ -158,14 +158,23 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
     src = Path(job.src)
     plan = build_plan(src, parallel.world_size(), "fp4")
     unquantized = plan.source_format == "bf16" and not job.as_converted
-    state = plan_state(plan, parallel.rank(), skip_quant=unquantized)
     # the unquantized model takes the source's args (dtype bf16); otherwise the converted folder's
     args = load_model_args(src / "config.json") if unquantized else ModelArgs.from_inference_dict(plan.inference_config)
     args = args.with_runtime(max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0)
     tokenizer = src / "tokenizer.json"
     model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
-    load_state(model, state)
-    del state
+    error = ""
+    try:
+        load_state(model, plan_state(plan, parallel.rank(), skip_quant=unquantized))
+    except ConvertError as exc:
+        error = str(exc)
+    # every rank stops together before the first collective of a forward pass (verify.launch)
+    errors = [error]
+    if parallel.is_distributed():
+        errors = [""] * parallel.world_size()
+        torch.distributed.all_gather_object(errors, error)
+    if any(errors):
+        raise PlanError("\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
     if job.device != "cpu":
         model = model.to(job.device)
     runs = []

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dsv41_convert.convert.plan import ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_exact
@@ -100,9 +100,18 @@ def plan_state(
     finally:
         for fd in fds.values():
             os.close(fd)
+    for t in tensors:
+        if t.pad_rows:  # the last rank's Engram rows, filled as shard writes them
+            out[t.name] = _padded(out[t.name], t.pad_rows, PAD_BYTE[t.dtype])
     if progress is not None:
         progress("transform source", len(tensors), len(tensors))
     return out
+
+
+def _padded(t: Tensor, rows: int, fill: int) -> Tensor:
+    """`t` with `rows` rows of byte `fill` appended. t: [n, ...] 1-byte dtype -> [n + rows, ...]"""
+    tail = torch.full((rows, *t.shape[1:]), fill, dtype=torch.uint8)
+    return torch.cat([t.view(torch.uint8), tail]).view(t.dtype)
 
 
 def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | None = None) -> dict[str, Tensor]:
