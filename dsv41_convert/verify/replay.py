@@ -54,14 +54,17 @@ def replay_runs(folder: Path, ref: Reference, device: str) -> list[PromptRun]:
     return runs
 
 
-def replay_check(folder: Path, ref: Reference, device: str) -> tuple[Check, list[PromptRun] | None]:
-    """Run the replay (with the reference's CPU threads, else all cores) and compare every section bit for bit.
+def replay_check(
+    folder: Path, ref: Reference, device: str, threads: int | None = None
+) -> tuple[Check, list[PromptRun] | None]:
+    """Run the replay and compare every section bit for bit.
 
+    threads: CPU threads when the reference does not record its own (default: all cores, as a tp-1 run
+             uses by default: reference-logits, upstream)
     -> (the "replay" Check, the replay's runs or None when the rank files could not be merged)
     """
     before = torch.get_num_threads()
-    # the reference's threads; unrecorded: what a tp-1 run uses by default (reference-logits, upstream)
-    threads = ref.threads or default_threads(1)
+    threads = ref.threads or threads or default_threads(1)
     if device == "cpu":
         torch.set_num_threads(threads)
     try:

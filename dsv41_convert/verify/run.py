@@ -216,7 +216,7 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device:
         t2 = time.perf_counter()
         say(f"replay: {conv} merged back to tp 1 in memory, run in this process")
-        check, replay_runs = replay_check(conv, ref, opts.device)
+        check, replay_runs = replay_check(conv, ref, opts.device, opts.threads)
         result.checks.append(check)
         seconds["replay"] = time.perf_counter() - t2
     result.failures += [f for c in result.checks if c.name == "replay" for f in c.failures]
