@@ -288,3 +288,29 @@ def test_cli_exit_codes(m, monkeypatch, capsys):
     assert code == 3 and json.loads(out)["verdict"] == "INCONCLUSIVE"
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--statistical")
     assert code == 0 and "PASS" in out and "statistical bounds only" in out
+
+
+def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
+    image_mod = pytest.importorskip("PIL.Image")
+    src = m.root / "src-vision"
+    if not src.exists():
+        write_checkpoint(src, TINY, seed=0, quantized=True, vision=True)
+    img = image_mod.new("RGB", (64, 48))
+    img.putdata([((x * 7) % 256, (y * 5) % 256, (x * y) % 256) for y in range(48) for x in range(64)])
+    img.save(m.root / "img.png")
+    prompts_file = m.root / "vision.jsonl"
+    prompts_file.write_text(json.dumps({"text": "what is in the picture", "image": str(m.root / "img.png")}) + "\n")
+    ref = m.root / "ref-vision-tp1.safetensors"
+    torch.set_num_threads(1)
+    prompts = load_prompts(prompts_file, src / "tokenizer.json", TINY.vocab_size)
+    reffile.save(compute_reference_ranks(src, prompts, 1, 1, None, "cpu", False, 1), ref)
+    conv = m.shard(2, src=src, tag="vision")
+    result = _verify(conv, ref)
+    assert result.verdict == "PASS" and result.decisive == ["replay"], (result.failures, result.checks)
+    bad = m.root / "vision-bad-mp2"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(conv, bad)
+    name = "vision.blocks.0.mlp.w1.weight"  # replicated: the same wrong value on every rank
+    for rank in range(2):
+        _edit(bad, rank, 2, lambda t: t.__setitem__(name, t[name] * 1.5))
+    assert _verify(bad, ref).verdict == "FAIL"
