@@ -462,6 +462,53 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
 
 
+# --- commands: export (Hugging Face-format checkpoints in another weight format) ---
+
+
+@app.command("export")
+def export_cmd(
+    src: opts.SrcArg,
+    out: opts.OutArg,
+    fmt: opts.FormatOpt = "fp8-fp4",
+    workers: opts.WorkersOpt = 1,
+    resume: opts.ResumeOpt = False,
+    overwrite: opts.OverwriteOpt = False,
+    device: opts.DeviceOpt = "cpu",
+    dry_run: opts.DryRunOpt = False,
+    as_json: opts.JsonOpt = False,
+) -> None:
+    """Write a Hugging Face-format checkpoint shaped like SRC (same names and shard grouping) in another format.
+
+    bf16: every quantized weight dequantized, scales dropped, no quantization_config (fine-tuning).
+    fp8: routed experts cast losslessly to e4m3 with 32x32 scales (Hopper serving); the rest as published.
+    fp8-fp4: the published scheme (from a published source: a byte-identical copy of every tensor).
+    Writes the shards, then config.json, model.safetensors.index.json, the tokenizer and manifest.json.
+
+    Examples:
+      dsv41-convert export ./DeepSeek-V4.1-Flash ./v41-bf16 --format bf16 --workers 4
+      dsv41-convert export ./DeepSeek-V4.1-Flash ./v41-fp8 --format fp8
+      dsv41-convert export ./finetuned-bf16 ./finetuned-fp8-fp4 --format fp8-fp4 --resume
+    """
+    from dsv41_convert.convert.export import build_export_plan, export, summarize_export
+
+    ep = build_export_plan(_local_source(src), fmt)
+    if dry_run:
+        summary = summarize_export(ep)
+        return report.print_json(summary) if as_json else _plan_table(summary)
+    with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
+        summary = export(ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress)
+    if as_json:
+        return report.print_json(summary)
+    report.info(
+        f"wrote {len(summary['written'])} shard(s), {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
+        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; manifest: {summary['manifest']}"
+    )
+    if summary.get("resumed"):
+        kept = sum(summary["resumed"].values())
+        report.info(f"continued {len(summary['resumed'])} partial file(s), {kept / 1e9:.2f} GB kept from before")
+    report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
+
+
 # --- end of commands ---
 
 

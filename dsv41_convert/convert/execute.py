@@ -20,7 +20,9 @@ import os
 import queue
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,21 @@ from dsv41_convert.store.manifest import (
 from dsv41_convert.store.manifest_merge import forget_stale, import_fragments, write_fragment
 
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Sidecars:
+    """The files a run writes beside the plan's own, and the options its manifest records (the rank
+    folder's sidecars when not given: tokenizer, config.json, hf_config.json).
+
+    before(src, out): called before the plan's files are written; after(out): once every file of the
+    plan is done, just before manifest.json. Each returns the names of the files it wrote, which the
+    manifest hashes. `options` replace the manifest's tp / expert_dtype (device is added).
+    """
+
+    before: Callable[[Path, Path], list[str]]
+    after: Callable[[Path], list[str]]
+    options: dict[str, Any]
 
 
 def disk_free(path: Path) -> int:
@@ -87,6 +104,7 @@ def execute(
     chunk_bytes: int = CHUNK_BYTES,
     journal_bytes: int = JOURNAL_BYTES,
     direct_io: bool = False,
+    sidecars: Sidecars | None = None,
 ) -> dict[str, Any]:
     """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s)."""
     src, out = Path(plan.src), Path(out)
@@ -123,7 +141,7 @@ def execute(
         )
     if todo:
         forget_stale(out, digest)
-    extra = _write_sidecars(plan, src, out)
+    extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
     job = {
         "device": device,
@@ -137,9 +155,12 @@ def execute(
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)
     manifest = fragment = None
-    options = {"tp": plan.tp, "expert_dtype": plan.expert_dtype, "device": device}
+    options = sidecars.options if sidecars else {"tp": plan.tp, "expert_dtype": plan.expert_dtype}
+    options = options | {"device": device}
     done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
     if len(done) == len(plan.files):
+        if sidecars:
+            extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra))
     elif done:
         fragment = str(write_fragment(out, plan, options, done))

@@ -165,21 +165,28 @@ def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
         raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
     sources = gather_sources(src, weight_map)
     n_experts = validate_sources(sources, args, tp, expert_dtype)
+    if args.expert_dtype == "fp8" and expert_dtype == "fp4":
+        raise PlanError(
+            f"{src}: its routed experts are fp8 (config.json quantization_config.expert_dtype 'fp8', an `export "
+            "--format fp8` checkpoint); pass --expert-dtype fp8 (copies them), or `export --format fp8-fp4` first"
+        )
     quantized = args.dtype == "fp8"
     per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
     for name in sorted(sources):
         for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
             per_rank[rank].append(t)
-    files = []
-    for rank, tensors in enumerate(per_rank):
-        header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
-        by_name = {t.name: t for t in tensors}
-        for n, b, e in spans:
-            by_name[n].begin, by_name[n].end = b, e
-        placed = tuple(by_name[n] for n, _, _ in spans)
-        files.append(RankFile(rank, rank_file_name(rank, tp), header, placed))
+    files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
     out_args = args.to_inference_dict() | {"dtype": "fp8", "expert_dtype": "fp4" if expert_dtype == "fp4" else None}
-    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, tuple(files))
+    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, files)
+
+
+def lay_out(rank: int, file: str, tensors: list[OutTensor]) -> RankFile:
+    """A file of `tensors`: its header (save_file's order) and each tensor's byte offsets set."""
+    header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
+    by_name = {t.name: t for t in tensors}
+    for n, b, e in spans:
+        by_name[n].begin, by_name[n].end = b, e
+    return RankFile(rank, file, header, tuple(by_name[n] for n, _, _ in spans))
 
 
 def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
@@ -195,7 +202,7 @@ def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[in
         return
     if op is Op.SCALE:
         weight = sources[name.removesuffix(".scale") + ".weight"]
-        if weight.rule.op is Op.AS_FP4 and xdt == "fp8":
+        if weight.rule.op is Op.AS_FP4 and xdt == "fp8" and weight.dtype != E4M3:
             return  # made by the expert's fp4 -> fp8 cast
         for rank, rd, pad in _selections(s, rule.split, tp, n_experts):
             yield rank, _out(name, E8M0, rd, pad, rule, "copy")
@@ -217,7 +224,9 @@ def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[in
                 yield rank, _out(name, BF16, rd, 0, rule, "copy" if s.dtype == BF16 else "cast", shape=local)
         elif op is Op.AS_FP4 and quantized:
             logical = (s.shape[0], s.shape[1] * 2)
-            if xdt == "fp4":
+            if s.dtype == E4M3:  # fp8 experts (an `export --format fp8` source; fp4 refused in build_plan)
+                yield rank, _out(name, E4M3, rd, 0, rule, "copy", shape=local)
+            elif xdt == "fp4":
                 yield rank, _out(name, F4, rd, 0, rule, "as_fp4", shape=logical)  # same bytes, F4 in the header
             else:
                 yield from _group(rank, name, rule, "fp4_to_fp8", (rd, sread), (E4M3, logical), _fp8_scale(logical))

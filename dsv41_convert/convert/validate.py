@@ -161,7 +161,7 @@ def _check_splits(sources: dict[str, Source], tp: int, quantized: bool, expert_d
     for name, s in sorted(sources.items()):
         split, op = s.rule.split, s.rule.op
         if op is Op.AS_FP4 and expert_dtype == "fp8":
-            rows, cols = s.shape[0], s.shape[1] * (2 if quantized else 1)
+            rows, cols = s.shape[0], s.shape[1] * (2 if s.dtype == "I8" else 1)  # I8: packed pairs
             if rows % 32 or cols % 32:
                 problems.append(
                     f"{s.file}: tensor {s.name}: [{rows}, {cols}] is not a multiple of 32x32 for fp8 experts"
