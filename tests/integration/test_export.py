@@ -191,3 +191,32 @@ def test_non_canonical_scales_keep_values(tmp_path):
         assert torch.equal(a, b), name
     assert differ  # random codes: most blocks are not canonical
     assert {dtype for _, dtype in differ} <= {torch.float8_e4m3fn, torch.int8}
+
+
+def _verify_fp8_export(ckpts, conv: Path):
+    from dsv41_convert.synth.presets import TINY
+    from dsv41_convert.verify.prompts import default_prompts
+    from dsv41_convert.verify.run import VerifyOptions, verify
+
+    ids = default_prompts(TINY.vocab_size, count=1, length=24)[0].input_ids
+    prompts = conv.parent / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": list(ids)}) + "\n")
+    return verify(VerifyOptions(conv, reference=ckpts["pub-fp8"], prompts=prompts, n_decode=1, threads=1))
+
+
+def test_verify_takes_the_fp8_export_as_reference_and_catches_swapped_expert_rows(ckpts, tmp_path):
+    """The reference model runs the fp8 experts as stored; one fp8 expert with its rows swapped is caught."""
+    from safetensors.torch import save_file
+
+    conv = tmp_path / "mp1"
+    execute(build_plan(ckpts["pub-fp8"], 1, "fp8"), conv)
+    result = _verify_fp8_export(ckpts, conv)
+    assert result.ok, result.failures
+    assert all(s.max_abs == 0 for s in result.overall.values())  # tp 1, same weights: bit for bit
+    path = conv / "model0-mp1.safetensors"
+    tensors = load_file(path)
+    w = tensors["layers.0.ffn.experts.0.w1.weight"].view(torch.uint8)
+    w[:, :] = w.flip(0)  # rows swapped in one expert: same bytes, other places
+    save_file(tensors, path)
+    result = _verify_fp8_export(ckpts, conv)
+    assert not result.ok and any(t.name.startswith("layers.0.ffn.experts.0.w1") for t in result.localization.tensors)
