@@ -43,7 +43,7 @@ def assert_nothing_finished(out: Path, bad_file: str | None = None) -> None:
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -130,6 +130,16 @@ def test_refuses_to_overwrite_and_never_writes_into_src(src, tmp_path, monkeypat
     code, _, _ = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8", "--overwrite")
     assert code == 0 and json.loads((out / "config.json").read_text())["quantization_config"]["expert_dtype"] == "fp8"
     assert tree_digest(src) == before
+
+
+def test_resume_refuses_shards_of_another_format(src, tmp_path):
+    export(build_export_plan(src, "bf16"), tmp_path / "out")
+    before = tree_digest(tmp_path / "out")
+    with pytest.raises(OutputError, match=r"model-00001-of-00003\.safetensors: finished by a run with other options"):
+        export(build_export_plan(src, "fp8"), tmp_path / "out", resume=True)
+    assert tree_digest(tmp_path / "out") == before
+    summary = export(build_export_plan(src, "bf16"), tmp_path / "out", resume=True)
+    assert len(summary["skipped"]) == 3 and not summary["written"] and summary["manifest"]
 
 
 def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
