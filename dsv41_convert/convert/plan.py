@@ -79,10 +79,10 @@ class RankFile:
 class ConversionPlan:
     src: str
     tp: int
-    expert_dtype: str  # fp4 | fp8
+    expert_dtype: str  # fp4 | fp8: the routed experts in the output (an export plan: bf16 too)
     source_format: str  # fp8 (published fp8/fp4) | bf16 (unquantized bf16/fp32)
     index_sha256: str
-    inference_config: dict[str, Any]
+    inference_config: dict[str, Any]  # the config.json written to OUT (an export plan: the HF config)
     files: tuple[RankFile, ...]
 
     @property
