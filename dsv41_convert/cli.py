@@ -469,7 +469,7 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
 def export_cmd(
     src: opts.SrcArg,
     out: opts.OutArg,
-    fmt: opts.FormatOpt = "fp8-fp4",
+    fmt: opts.FormatOpt,
     workers: opts.WorkersOpt = 1,
     resume: opts.ResumeOpt = False,
     overwrite: opts.OverwriteOpt = False,

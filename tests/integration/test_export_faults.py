@@ -75,7 +75,8 @@ def test_missing_tensor(tmp_path, monkeypatch, capsys):
     tensors = source_tensors(cfg)
     del tensors["layers.1.attn.wo_a.scale"]
     write_ckpt(tmp_path / "src", tensors, cfg)
-    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(tmp_path / "out"))
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", "fp8")
     assert code == 2 and "layers.1.attn.wo_a.scale: missing from the checkpoint" in err
     assert_nothing_finished(tmp_path / "out")
 
@@ -114,9 +115,9 @@ def test_a_lossy_fp4_to_fp8_block_is_an_error_naming_the_tensor(tmp_path, monkey
 
 def test_refuses_to_overwrite_and_never_writes_into_src(src, tmp_path, monkeypatch, capsys):
     before = tree_digest(src)
-    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(src / "out"))
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(src / "out"), "--format", "bf16")
     assert code == 2 and "inside" in err
-    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(src))
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(src), "--format", "bf16")
     assert code == 2 and "source folder" in err
     out = tmp_path / "out"
     out.mkdir()
@@ -130,6 +131,16 @@ def test_refuses_to_overwrite_and_never_writes_into_src(src, tmp_path, monkeypat
     code, _, _ = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8", "--overwrite")
     assert code == 0 and json.loads((out / "config.json").read_text())["quantization_config"]["expert_dtype"] == "fp8"
     assert tree_digest(src) == before
+
+
+def test_format_is_required_and_checked(src, tmp_path):
+    """Through the installed entry point: a usage error is Typer's message and exit 2; nothing written."""
+    res = subprocess.run([*CLI, "export", str(src), str(tmp_path / "out")], capture_output=True, text=True)
+    assert res.returncode == 2 and "Missing option '--format'" in res.stderr
+    res = subprocess.run([*CLI, "export", str(src), str(tmp_path / "out"), "--format", "fp4"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert res.returncode == 2 and "error: --format 'fp4': expected one of bf16, fp8, fp8-fp4" in res.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_refuses_shards_of_another_format(src, tmp_path):
