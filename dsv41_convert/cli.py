@@ -291,6 +291,7 @@ def reference_logits_cmd(
     import torch
 
     from dsv41_convert.config import load_model_args
+    from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.reference import compute_reference, read_prompts
 
@@ -299,8 +300,10 @@ def reference_logits_cmd(
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
-    ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
-    reffile.save(ref, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with hold(out.parent):  # one writer of OUT.partial
+        ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
+        reffile.save(ref, out)
     summary = {
         "out": str(out),
         "prompts": len(ref.runs),
