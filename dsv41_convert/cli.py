@@ -177,6 +177,8 @@ def shard_cmd(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
             progress=progress, direct_io=direct_io,
         )  # fmt: skip
+    for holder in summary["took_over"]:
+        report.info(f"took over the lock of a run that ended without releasing it: {holder}")
     if as_json:
         return report.print_json(summary)
     report.info(

@@ -133,7 +133,7 @@ def execute(
     # exclusively; a run of every rank holds the folder alone (store/lock.py)
     share = ranks is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
     names = [f.file for f in mine]
-    with hold(out, shared=share, files=names if share else ()):
+    with hold(out, shared=share, files=names if share else ()) as lock:
         others = {n for f in plan.files if f.file not in names for n in (f.file, f.file + ".partial")}
         check_empty(out, resume, overwrite, frozenset(others) if share else None)
         job = {
@@ -144,7 +144,8 @@ def execute(
             "journal": journal_bytes,
             "direct_io": direct_io,
         }
-        return _execute_held(plan, src, out, mine, workers, progress, job)
+        summary = _execute_held(plan, src, out, mine, workers, progress, job)
+    return summary | {"took_over": [h.describe() for h in lock.stale]}  # locks of runs that died holding them
 
 
 def _execute_held(

@@ -176,8 +176,9 @@ class FolderLock:
 
     @property
     def stale(self) -> list[Holder]:
-        """Exclusive holders that died holding the folder (kill -9, power loss) and whose lock was taken over."""
-        return self.lock.stale
+        """Exclusive holders that died holding the folder or one of the files (kill -9, power loss) and whose
+        locks were taken over."""
+        return self.lock.stale + [h for lock in self.files.values() for h in lock.stale]
 
 
 @contextmanager
