@@ -15,10 +15,13 @@ Two modes:
   write the same rank file collide, and an exclusive holder (a `manifest` merge) excludes them all.
   File locks live in `FOLDER/.dsv41-convert/<file>.lock`.
 
-An exclusive holder removes its lock file when it is done. Removing is safe because every taker checks,
-after locking, that the descriptor it locked is still the file at the path (else it locked a file
-its holder just removed, and it tries again). Shared holders leave the file (they cannot know they are
-the last); readers skip the lines of processes on this host that are gone.
+The last holder removes the lock file when it is done: an exclusive one always, a shared one when it can
+turn its lock exclusive for a moment (no other share holds it). Removing is safe because every taker
+checks, after locking, that the descriptor it locked is still the file at the path (else it locked a
+file its last holder just removed, and it tries again); a lock found busy is tried a few times over
+60 ms before it is reported, so a share's brief exclusive moment is not taken for a writer. The lines
+of shares that ended while others went on stay in the file; readers skip those of processes of this
+host that are gone.
 
 Network file systems: on Linux >= 2.6.12 an NFS client emulates flock with POSIX byte-range locks over
 NLM (NFSv3) or the NFSv4 lock state, so processes on different hosts exclude each other when the server
@@ -47,6 +50,7 @@ from dsv41_convert.errors import LockedError, OutputError
 
 LOCK_NAME = ".dsv41-convert.lock"
 FILE_LOCK_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
+BUSY_TRIES, BUSY_WAIT_S = 4, 0.02  # a busy lock is reported after this many tries (60 ms), not at the first
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,17 @@ class Lock:
         self.stale = stale  # exclusive holders named in the file when this lock was taken: they died holding it
 
     def release(self) -> None:
+        """Drop the lock; the last holder (an exclusive one, or a shared one found alone) removes the file."""
         if self.fd < 0:
             return
-        if self.exclusive:  # still held: nobody can be between open and flock on this file (see the docstring)
+        alone = self.exclusive
+        if not alone:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True
+            except OSError:
+                pass
+        if alone:  # a taker between its open and flock finds the path gone and retries (see `take`)
             self.path.unlink(missing_ok=True)
         os.close(self.fd)  # drops the flock
         self.fd = -1
@@ -117,6 +129,7 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     Raises LockedError naming `what` and its holder(s) if another process holds a conflicting lock.
     """
     holder = Holder.me("exclusive" if exclusive else "shared")
+    busy = 0
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
@@ -127,6 +140,10 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
         except BlockingIOError:
             data = _read_all(fd)
             os.close(fd)
+            busy += 1
+            if busy < BUSY_TRIES:  # a last shared holder checks it is alone for a moment while it releases
+                time.sleep(BUSY_WAIT_S)
+                continue
             raise LockedError(f"{what}: in use by {_who(data)}; wait for it to end or stop it") from None
         except OSError as exc:
             os.close(fd)

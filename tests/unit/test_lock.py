@@ -53,6 +53,7 @@ def test_shares_with_disjoint_files_run_together_and_the_same_file_collides(tmp_
         with hold(tmp_path, shared=True, files=["model1-mp2.safetensors"]):
             pass
     assert not list((tmp_path / FILE_LOCK_DIR).glob("*.lock"))
+    assert not (tmp_path / LOCK_NAME).exists()  # the last share removed it
 
 
 def test_share_is_refused_while_an_exclusive_holder_writes(tmp_path):
