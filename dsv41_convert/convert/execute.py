@@ -342,4 +342,4 @@ def _drain(q, progress: Progress) -> None:
             return
 
 
-__all__ = ["DONE_DIR", "MANIFEST", "check_output", "execute", "select_files"]
+__all__ = ["DONE_DIR", "MANIFEST", "check_empty", "check_output", "execute", "select_files"]

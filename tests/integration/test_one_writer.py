@@ -129,3 +129,46 @@ def test_reference_logits_waits_for_nobody(src, tmp_path, monkeypatch, capsys):
         code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(folder / "ref.safetensors"))
     assert code == 2 and f"error: {folder.resolve()}: in use by pid {os.getpid()}" in err
     assert [p.name for p in folder.iterdir()] == []
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing workers (spawn) among the children of `pid` (Linux /proc)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids if b"spawn_main" in _cmdline(int(k))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_killed_parent(src, clean, tmp_path, monkeypatch, capsys):
+    """kill -9 of the run (not of its process group): the lock dies with it, so its worker processes must die
+    too, or they would go on writing partial files beside the run that takes the lock over."""
+    out = tmp_path / "out"
+    run = subprocess.Popen([*CLI, "shard", str(src), str(out), "--tp", "2", "--workers", "2", "--json"], env=SLOW,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    _wait_for(lambda: len(list(out.glob("*.partial"))) == 2, [run], "both workers write")
+    workers = _spawned_workers(run.pid)
+    assert len(workers) == 2
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers), "orphaned workers still running"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
+    assert code == 0 and f"took over the lock of a run that ended without releasing it: pid {run.pid}" in err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+    _same_as_clean(out, clean)
