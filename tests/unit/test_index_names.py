@@ -19,6 +19,7 @@ from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import INDEX, build_plan
 from dsv41_convert.errors import PlanError
 from dsv41_convert.hub.integrity import check_checkpoint
+from dsv41_convert.hub.local import verify_local
 from dsv41_convert.store import safetensors_header
 from dsv41_convert.store.index import shard_name_problem
 from dsv41_convert.store.manifest_check import check_folder
@@ -88,6 +89,7 @@ def test_download_checks_refuse_an_index_that_names_a_file_outside(tmp_path):
     paths = [p.name for p in src.iterdir()]
     problems = check_checkpoint(src, paths)
     assert [(p.path, p.kind) for p in problems] == [(INDEX, "index")], problems
+    assert verify_local("acme/tiny", local_dir=src).problems == tuple(problems)  # --verify-only, no record
     assert "'../elsewhere/model-00002-of-00003.safetensors' for " in problems[0].found
     assert "points outside the checkpoint folder" in problems[0].found
     assert "corrupt or was tampered with" in problems[0].expected
