@@ -9,7 +9,8 @@ until then each run leaves a manifest fragment of the files done so far, which `
 merges once the rank files of several machines are gathered in one folder (manifest_merge.py). In such
 a gathered folder `resume` takes the fragments' files as done too. A run that writes anything first
 removes manifest.json (and, under `overwrite`, fragments of another plan): no manifest outlives a change
-to the files it lists.
+to the files it lists. OUT is locked before the first write (store/lock.py): a run of every rank holds it
+alone; a share of the ranks (`ranks`, a torchrun process) holds it shared and its own rank files alone.
 """
 
 from __future__ import annotations
