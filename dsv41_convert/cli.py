@@ -177,6 +177,8 @@ def shard_cmd(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
             progress=progress, direct_io=direct_io,
         )  # fmt: skip
+    for holder in summary["took_over"]:
+        report.info(f"took over the lock of a run that ended without releasing it: {holder}")
     if as_json:
         return report.print_json(summary)
     report.info(
@@ -291,6 +293,7 @@ def reference_logits_cmd(
     import torch
 
     from dsv41_convert.config import load_model_args
+    from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.reference import compute_reference, read_prompts
 
@@ -299,8 +302,10 @@ def reference_logits_cmd(
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
-    ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
-    reffile.save(ref, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with hold(out.parent):  # one writer of OUT.partial
+        ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
+        reffile.save(ref, out)
     summary = {
         "out": str(out),
         "prompts": len(ref.runs),
@@ -497,6 +502,8 @@ def export_cmd(
         return report.print_json(summary) if as_json else _plan_table(summary)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
         summary = export(ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress)
+    for holder in summary["took_over"]:
+        report.info(f"took over the lock of a run that ended without releasing it: {holder}")
     if as_json:
         return report.print_json(summary)
     report.info(
@@ -530,7 +537,8 @@ def main() -> None:
     except Exception as exc:  # click usage errors come through here in non-standalone mode
         import click
 
-        if isinstance(exc, click.ClickException):
+        # typer >= 0.2x raises its vendored click's exceptions (subclasses of TyperException), not click's
+        if isinstance(exc, (click.ClickException, typer.exceptions.TyperException)) and hasattr(exc, "show"):
             exc.show()
             sys.exit(2)
         raise

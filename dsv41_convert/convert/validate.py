@@ -15,6 +15,7 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, expert_index, has_scale, match_rule, scale_name
 from dsv41_convert.errors import PlanError
+from dsv41_convert.store.index import bad_shard_names
 from dsv41_convert.store.safetensors_header import read_header
 
 MAX_LINES = 25
@@ -48,6 +49,8 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     -> canonical name -> Source
     """
     present = {p.name for p in src.glob("*.safetensors")}
+    bad = bad_shard_names(weight_map) if weight_map is not None else []
+    _raise([b.describe() for b in bad], f"{src}")  # before anything opens a file the index names
     named = set(weight_map.values()) if weight_map is not None else set()
     problems: list[str] = []
     for file in sorted(named - present):

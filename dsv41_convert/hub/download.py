@@ -24,6 +24,7 @@ import re
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from pathlib import Path
 
 from huggingface_hub import HfApi
@@ -44,6 +45,7 @@ from dsv41_convert.hub.local import (
     storage_of,
     verify_local,
 )
+from dsv41_convert.store.lock import hold
 
 REPO_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?")
 
@@ -113,7 +115,8 @@ def download(
 
     Files whose hash is still wrong after `repair_rounds` re-fetches raise DownloadError (the Hub keeps
     serving bad bytes). Problems the Hub's own files have (an index that names a shard the repo lacks,
-    or other tensors than the shard holds) come back in `report.problems`.
+    or other tensors than the shard holds) come back in `report.problems`. A `local_dir` is held alone
+    from the first byte written to the end (store/lock.py): a second download into it fails at once.
     """
     if offline():
         report = verify_local(
@@ -132,6 +135,30 @@ def download(
                 f"whole: {listing(report.problems)}; unset HF_HUB_OFFLINE to fetch the rest"
             )
         return report
+    if local_dir is not None:
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+    with hold(Path(local_dir)) if local_dir is not None else nullcontext():
+        return _download(
+            repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
+            backoff_s, repair_rounds, progress,
+        )  # fmt: skip
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    local_dir: Path | None,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    max_workers: int,
+    token: str | None,
+    endpoint: str | None,
+    cache_dir: Path | None,
+    retries: int,
+    backoff_s: float,
+    repair_rounds: int,
+    progress: Progress | None,
+) -> DownloadReport:
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
     place = place_of(repo_id, record.commit, local_dir, cache_dir)

@@ -301,3 +301,21 @@ def test_make_tiny_checkpoint_downloads_and_checks(hub, tmp_path):
     verdict = dl.verify_local("acme/made", cache_dir=tmp_path / "cache")
     assert {(p.path, p.kind) for p in verdict.problems} == {(shard, "size"), (shard, "header")}
     assert dl.download("acme/made", cache_dir=tmp_path / "cache", endpoint=hub.url).refetched == (shard,)
+
+
+def test_local_dir_has_one_writer(hub, tmp_path):
+    """A download into a --local-dir another process is writing exits at once, naming it, and writes nothing;
+    once that writer is gone the download runs, and leaves no lock file behind."""
+    from dsv41_convert.errors import LockedError
+    from dsv41_convert.store.lock import LOCK_NAME, hold
+
+    local = tmp_path / "local"
+    local.mkdir()
+    with hold(local):
+        with pytest.raises(LockedError, match=rf"{local.resolve()}: in use by pid \d+ on "):
+            fetch(hub, tmp_path)
+        assert [p.name for p in local.iterdir()] == [LOCK_NAME]
+    assert not [e for e in hub.log if "/resolve/" in e.path]
+    report = fetch(hub, tmp_path)
+    assert report.ok and not (local / LOCK_NAME).exists()
+    assert dl.verify_local(REPO, local_dir=local).ok
