@@ -45,9 +45,6 @@ class ExportPlan:
     config: dict[str, Any]  # config.json of OUT
     index: dict[str, Any]  # model.safetensors.index.json of OUT
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "config": self.config, "index": self.index, "plan": self.plan.to_dict()}
-
 
 def shard_name(k: int, n: int) -> str:
     return f"model-{k + 1:05d}-of-{n:05d}.safetensors"

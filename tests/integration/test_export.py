@@ -108,6 +108,29 @@ def test_published_to_fp8_to_bf16_equals_published_to_bf16(ckpts):
     assert (ckpts["pub-bf16"] / "config.json").read_bytes() == (ckpts["pub-fp8-bf16"] / "config.json").read_bytes()
 
 
+def test_fp8_export_back_to_fp8_fp4_is_the_published_but_for_signed_zeros(ckpts, tmp_path):
+    """requant_fp4: fp8 experts decoded exactly and encoded to MXFP4 again give the published codes and
+    scales, but for the e2m1 -0 the cast had written as +0; every other tensor is copied."""
+    export(build_export_plan(ckpts["pub-fp8"], "fp8-fp4"), tmp_path / "back")
+    signed = 0
+    for p in _shards(ckpts["pub"]):
+        want, got = load_file(p), load_file(tmp_path / "back" / p.name)
+        assert want.keys() == got.keys()
+        for name, w in want.items():
+            g = got[name]
+            assert (g.dtype, g.shape) == (w.dtype, w.shape), name
+            if torch.equal(g.view(torch.uint8), w.view(torch.uint8)):
+                continue
+            assert ".experts." in name and w.dtype == torch.int8, name
+            wb, gb = w.view(torch.uint8), g.view(torch.uint8)
+            nibbles = torch.stack([wb & 0x0F, wb >> 4, gb & 0x0F, gb >> 4])
+            diff = nibbles[:2] != nibbles[2:]
+            assert bool((nibbles[:2][diff] == 8).all() and (nibbles[2:][diff] == 0).all()), name  # -0 -> +0
+            signed += 1
+    assert signed
+    assert (ckpts["pub"] / "config.json").read_bytes() == (tmp_path / "back" / "config.json").read_bytes()
+
+
 def test_bf16_export_is_the_decoded_published_tensors(ckpts):
     """Against an independent decode: safetensors' own reader and the quant/ decoders, tensor by tensor."""
     for p in _shards(ckpts["pub"]):
