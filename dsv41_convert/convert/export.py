@@ -14,7 +14,6 @@ source's, with quantization_config for the format) and model.safetensors.index.j
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -24,7 +23,7 @@ from typing import Any
 from dsv41_convert.config import HF_QUANTIZATION_CONFIG, ModelArgs, load_json
 from dsv41_convert.convert.execute import SIDECARS, Sidecars, execute
 from dsv41_convert.convert.export_rules import EXPERT_DTYPE, SCALE_OPS, check_format, export_action, keeps_scale
-from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, lay_out, summarize
+from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, lay_out, read_index, summarize
 from dsv41_convert.convert.rules import Op, scale_name, weight_name
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
@@ -64,11 +63,7 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
             "not the rank files of `shard`"
         )
     args = ModelArgs.from_hf_dict(hf, str(src / CONFIG))
-    index_path = src / INDEX
-    index_sha = hashlib.sha256(index_path.read_bytes()).hexdigest() if index_path.exists() else ""
-    weight_map = load_json(index_path).get("weight_map") if index_path.exists() else None
-    if index_path.exists() and not isinstance(weight_map, dict):
-        raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
+    index_sha, weight_map = read_index(src)
     sources = gather_sources(src, weight_map)
     validate_sources(sources, args, 1, "fp8" if fmt == "fp8" else "fp4")
     files = sorted({s.file for s in sources.values()})

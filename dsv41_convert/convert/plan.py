@@ -158,11 +158,7 @@ def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
         raise PlanError(f"--expert-dtype {expert_dtype!r}: expected fp4 or fp8")
     src = Path(src)
     args = load_model_args(src / "config.json")
-    index_path = src / INDEX
-    index_sha = hashlib.sha256(index_path.read_bytes()).hexdigest() if index_path.exists() else ""
-    weight_map = load_json(index_path).get("weight_map") if index_path.exists() else None
-    if index_path.exists() and not isinstance(weight_map, dict):
-        raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
+    index_sha, weight_map = read_index(src)
     sources = gather_sources(src, weight_map)
     n_experts = validate_sources(sources, args, tp, expert_dtype)
     if args.expert_dtype == "fp8" and expert_dtype == "fp4":
@@ -178,6 +174,17 @@ def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
     files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
     out_args = args.to_inference_dict() | {"dtype": "fp8", "expert_dtype": "fp4" if expert_dtype == "fp4" else None}
     return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, files)
+
+
+def read_index(src: Path) -> tuple[str, dict[str, str] | None]:
+    """-> (sha256 of SRC's model.safetensors.index.json, its weight_map); ("", None) without an index."""
+    index_path = src / INDEX
+    if not index_path.exists():
+        return "", None
+    weight_map = load_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
+    return hashlib.sha256(index_path.read_bytes()).hexdigest(), weight_map
 
 
 def lay_out(rank: int, file: str, tensors: list[OutTensor]) -> RankFile:
