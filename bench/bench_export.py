@@ -7,7 +7,8 @@
    `cp` of the source shards + sync, then `export WORK/pub WORK/out --format F` (it fsyncs every file);
    per byte written = (export s / output bytes) / (cp s / source bytes);
 3. the quantizing direction and the round trip: `export WORK/bf16 --format fp8-fp4` (every weight
-   quantized on the CPU), timed the same way, then every file compared with WORK/pub byte for byte;
+   quantized on the CPU), timed the same way, then every file compared with WORK/pub byte for byte (where
+   files differ, verify/roundtrip.py lists the tensors and why);
 4. prints a JSON result (machine, date) for docs/BENCHMARKS.md; deletes WORK unless --keep.
 """
 
@@ -22,10 +23,13 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_shard import _median_run, evict, measure
+
+from dsv41_convert.verify.roundtrip import compare_checkpoints
 
 CLI = [sys.executable, "-m", "dsv41_convert.cli"]
 
@@ -107,6 +111,8 @@ def main() -> None:
             }
             if src != pub:
                 row["files_differing_from_pub"] = _compare(pub, out)
+                if row["files_differing_from_pub"]:  # which tensors, and why
+                    row["tensors_differing"] = [asdict(d) for d in compare_checkpoints(pub, out)]
             result["formats"][fmt] = row
             print(json.dumps({fmt: row}), file=sys.stderr)
             if out.name in ("out", "back"):
