@@ -465,8 +465,17 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
 # --- end of commands ---
 
 
+def _click_exceptions():
+    """The exceptions module of the click that Typer runs on: its own copy (`typer._click`, typer >= 0.25) or click."""
+    import importlib
+
+    return importlib.import_module(typer.BadParameter.__module__)
+
+
 def main() -> None:
-    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; anything else keeps its traceback."""
+    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; a usage error -> Typer's usage message on
+    stderr and exit 2; anything else keeps its traceback."""
+    click_exceptions = _click_exceptions()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -480,13 +489,9 @@ def main() -> None:
     except typer.Abort:
         report.error("aborted")
         sys.exit(130)
-    except Exception as exc:  # click usage errors come through here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
-        raise
+    except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
+        exc.show()
+        sys.exit(2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code)
     if isinstance(code, int) and code:
         sys.exit(code)
 
