@@ -1,8 +1,9 @@
 """The conversion plan: from headers and the index only, the exact layout of every output rank file.
 
 `build_plan(src, tp)` reads config.json, the index and each shard's header (never tensor data), checks
-them (validate.py), and lists for every rank the output tensors in file order, each with its byte
-offsets, the rule that made it, the action that computes it and the source byte ranges it reads.
+that the model can run at tp (tp.py) and the headers (validate.py), and lists for every rank the output
+tensors in file order, each with its byte offsets, the rule that made it, the action that computes it
+and the source byte ranges it reads.
 A ConversionPlan is plain data: `to_dict()` / `from_dict()` round-trip it through JSON.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
 from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.safetensors_header import build_header
@@ -152,12 +154,11 @@ def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
 
     Raises PlanError / HeaderError / ConfigError naming the file and tensor at fault.
     """
-    if tp < 1:
-        raise PlanError(f"--tp {tp}: must be at least 1")
     if expert_dtype not in ("fp4", "fp8"):
         raise PlanError(f"--expert-dtype {expert_dtype!r}: expected fp4 or fp8")
     src = Path(src)
     args = load_model_args(src / "config.json")
+    check_tp(args, tp, str(src / "config.json"))
     index_path = src / INDEX
     index_sha = hashlib.sha256(index_path.read_bytes()).hexdigest() if index_path.exists() else ""
     weight_map = load_json(index_path).get("weight_map") if index_path.exists() else None

@@ -13,7 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
+from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.plan import ConversionPlan, build_plan, summarize
+from dsv41_convert.convert.validate import gather_sources, validate_sources
 from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.store.safetensors_header import nbytes, read_header
 
@@ -81,7 +83,7 @@ def _rewrite(src: Path, change) -> Path:
 
 
 def test_wrong_tp(src):
-    with pytest.raises(PlanError, match=r"--tp 3: the backbone has 8 routed experts per layer"):
+    with pytest.raises(PlanError, match=r"cannot run at tp 3(.|\n)*n_routed_experts = 8: routed experts per rank"):
         build_plan(src, 3)
 
 
@@ -89,8 +91,13 @@ def test_split_that_cuts_scale_blocks(tmp_path):
     cfg = tiny_config()
     cfg["text_config"].update(head_dim=16, qk_rope_head_dim=8)  # wq_b [128, 32]: 16 rows per rank at tp 8
     write_ckpt(tmp_path / "s", source_tensors(cfg), cfg)
+    with pytest.raises(PlanError, match=r"head_dim = 128: wq_b rows per rank, in whole 32-row scale blocks"):
+        build_plan(tmp_path / "s", 8)  # the model's requirement, from config.json (convert/tp.py)
+    # the tensor-level check behind it names the tensor
+    index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())["weight_map"]
+    sources = gather_sources(tmp_path / "s", index)
     with pytest.raises(PlanError, match=r"layers\.0\.attn\.wq_b\.weight: split of dim 0 \(128\) over --tp 8 cuts"):
-        build_plan(tmp_path / "s", 8)
+        validate_sources(sources, ModelArgs.from_hf_dict(cfg), 8)
 
 
 def test_missing_tensor_named(src):
