@@ -95,24 +95,42 @@ def _local_source(src: Path) -> Path:
         return resolve_source(str(src), progress=progress)
 
 
+WithHeadersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--with-headers",
+        help="With --json: also each rank's raw safetensors header (hex) and every field of every tensor "
+        "(what ConversionPlan.from_dict reads; ~120 MB for the real checkpoint).",
+    ),
+]
+
+
 @app.command("plan")
 def plan_cmd(
     src: opts.SrcArg,
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
     as_json: opts.JsonOpt = False,
+    with_headers: WithHeadersOpt = False,
 ) -> None:
     """Read headers and index only, validate, and show each rank file: tensors, bytes, rules.
+
+    --json: per rank its file, tensor count and bytes; per tensor its name, dtype, shape, rule, action
+    and source reads (compact JSON, one document).
 
     Examples:
       dsv41-convert plan ./DeepSeek-V4.1-Flash --tp 8
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
+      dsv41-convert plan ./ckpt --tp 4 --json --with-headers > plan-full.json
     """
     from dsv41_convert.convert.plan import build_plan, summarize
+    from dsv41_convert.errors import PlanError
 
+    if with_headers and not as_json:
+        raise PlanError("--with-headers goes with --json")
     plan = build_plan(_local_source(src), tp, expert_dtype)
     if as_json:
-        return report.print_json(plan.to_dict())
+        return report.print_json(plan.to_dict(with_headers), compact=True)
     _plan_table(summarize(plan))
 
 

@@ -21,7 +21,7 @@ from dsv41_convert.store.safetensors_header import read_header
 MAX_LINES = 25
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: 96k of them in the real checkpoint, built twice as fast; never mutated
 class Source:
     """One checkpoint tensor: where it is, what it is, and its rule."""
 
@@ -83,9 +83,8 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
             except PlanError as exc:
                 problems.append(f"{file}: {exc}")
                 continue
-            sources[canon] = Source(
-                file, name, info.dtype, info.shape, info.begin, info.nbytes, rule, expert_index(canon)
-            )
+            expert = expert_index(canon) if rule.split is Split.EXPERT else None
+            sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in where and file in present:
