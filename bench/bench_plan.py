@@ -30,7 +30,7 @@ def run_once(code: Path, args: list[str]) -> dict:
     cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", *args]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
+    proc = subprocess.run(cmd, env=env, capture_output=True, check=False)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
