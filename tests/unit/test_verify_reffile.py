@@ -170,7 +170,8 @@ DAMAGES = {
     "drafts without decode": (lambda t, m: t.pop("decode_logits"), "draft_logits without decode_logits"),
     # the vocabulary: the model's, and every id inside it
     "vocab 250": (
-        lambda t, m: [t.__setitem__(k, t[k][..., :250]) for k in ("logits", "logits_all", "decode_logits", "draft_logits")],
+        lambda t, m: [t.__setitem__(k, t[k][..., :250]) for k in ("logits", "logits_all", "decode_logits",
+                                                                   "draft_logits")],
         "logits: vocab 250 (V, its columns), the model has 256",
     ),
     "id outside the vocabulary": (
