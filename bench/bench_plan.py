@@ -1,12 +1,13 @@
 """Time `dsv41-convert plan` on the published V4.1-Flash layout (96,085 tensors, 510 GB as sparse files).
 
-    python bench/bench_plan.py WORK [--tp 8] [--repeat 3] [--code DIR]
+    python bench/bench_plan.py WORK [--tp 8] [--repeat 3] [--code DIR]...
 
 Builds the sparse source of tests/integration/reference_src.py in WORK (real headers, holes for the
 data), then runs, each in a fresh process as a user would, `plan SRC --tp N` (the table), `plan --json`
 and `plan --json --with-headers` (where the CLI has it), and reports per run the wall time, the CPU time
-(user + sys, which a busy machine does not inflate) and the bytes written to stdout. `--code DIR` runs
-another checkout of the package (e.g. `git archive` of an older commit) for a before/after in one run.
+(user + sys, which a busy machine inflates far less than wall time) and the bytes written to stdout.
+`--code DIR` (repeatable) times another checkout of the package (e.g. `git archive` of an older commit);
+with several, their runs alternate, so a before/after shares one run and its machine load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def run_once(code: Path, args: list[str]) -> dict:
     cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", *args]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, check=False)
+    # cwd: not a checkout, or `python -c` would import the package found there instead of `code`'s
+    proc = subprocess.run(cmd, env=env, capture_output=True, check=False, cwd="/")
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
@@ -44,8 +46,9 @@ def main() -> None:
     ap.add_argument("work", type=Path)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--code", type=Path, default=HERE, help="folder holding the dsv41_convert package to time")
+    ap.add_argument("--code", type=Path, action="append", help="folder holding a dsv41_convert package to time")
     opts = ap.parse_args()
+    codes = opts.code or [HERE]
     sys.path.insert(0, str(HERE / "tests" / "integration"))
     from reference_src import build_reference_src
 
@@ -57,23 +60,26 @@ def main() -> None:
         "plan --json": ["plan", str(src), "--tp", str(opts.tp), "--json"],
         "plan --json --with-headers": ["plan", str(src), "--tp", str(opts.tp), "--json", "--with-headers"],
     }
-    results = {}
-    for label, args in variants.items():
-        runs = [run_once(opts.code, args) for _ in range(opts.repeat)]
-        if any("error" in r for r in runs):
-            results[label] = {"error": next(r["error"] for r in runs if "error" in r).strip().splitlines()[-1]}
+    runs: dict[tuple[str, str], list[dict]] = {(str(c), v): [] for c in codes for v in variants}
+    for _ in range(opts.repeat):
+        for label, args in variants.items():
+            for code in codes:
+                runs[str(code), label].append(run_once(code, args))
+    results: dict[str, dict] = {str(c): {} for c in codes}
+    for (code, label), done in runs.items():
+        if any("error" in r for r in done):
+            results[code][label] = {"error": next(r["error"] for r in done if "error" in r).strip().splitlines()[-1]}
             continue
-        results[label] = {
-            "wall_median_s": round(statistics.median(r["wall"] for r in runs), 2),
-            "cpu_median_s": round(statistics.median(r["cpu"] for r in runs), 2),
-            "walls": [round(r["wall"], 2) for r in runs],
-            "stdout_bytes": runs[0]["stdout_bytes"],
+        results[code][label] = {
+            "wall_median_s": round(statistics.median(r["wall"] for r in done), 2),
+            "cpu_median_s": round(statistics.median(r["cpu"] for r in done), 2),
+            "walls": [round(r["wall"], 2) for r in done],
+            "stdout_bytes": done[0]["stdout_bytes"],
         }
     load = os.getloadavg()
     print(
         json.dumps(
             {
-                "code": str(opts.code),
                 "tp": opts.tp,
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                 "load_avg_1m": round(load[0], 2),
