@@ -85,14 +85,20 @@ def make_tiny(
 # --- commands: plan, shard ---
 
 
-def _local_source(src: Path) -> Path:
-    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified first."""
+def _local_source(src: Path, tp: int) -> Path:
+    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified
+    first, after its config.json alone has shown that the model can run at `tp`."""
     if src.exists():
         return src
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.convert.tp import check_tp
     from dsv41_convert.hub.download import resolve_source
 
+    def runs_at_tp(config: Path) -> None:
+        check_tp(load_model_args(config), tp, f"{src}: {config.name}")
+
     with report.byte_progress(f"download {src}") as progress:
-        return resolve_source(str(src), progress=progress)
+        return resolve_source(str(src), progress=progress, check_config=runs_at_tp)
 
 
 WithHeadersOpt = Annotated[
@@ -128,7 +134,7 @@ def plan_cmd(
 
     if with_headers and not as_json:
         raise PlanError("--with-headers goes with --json")
-    plan = build_plan(_local_source(src), tp, expert_dtype)
+    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if as_json:
         return report.print_json(plan.to_dict(with_headers), compact=True)
     _plan_table(summarize(plan))
@@ -187,7 +193,7 @@ def shard_cmd(
         rank_list = [int(r) for r in ranks.split(",")] if ranks else None
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
-    plan = build_plan(_local_source(src), tp, expert_dtype)
+    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
         return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
