@@ -135,7 +135,7 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
     """
     path = Path(path)
     t, meta = _read(path)
-    problems = _problems(path, t, meta, args, default_max_seq_len)
+    problems = _problems(t, meta, args, default_max_seq_len)
     if problems:
         shown = problems[:MAX_PROBLEMS]
         more = [f"... and {len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else []
@@ -193,7 +193,7 @@ def validate_reference_file(path: Path, args: ModelArgs | None = None, default_m
         t, meta = _read(path)
     except VerifyInputError as exc:
         return [str(exc)]
-    return _problems(path, t, meta, args, default_max_seq_len)
+    return _problems(t, meta, args, default_max_seq_len)
 
 
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -207,8 +207,9 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 
 def _problems(
-    path: Path, t: dict[str, Tensor], meta: dict[str, str], args: ModelArgs | None, default_max_seq_len: int
+    t: dict[str, Tensor], meta: dict[str, str], args: ModelArgs | None, default_max_seq_len: int
 ) -> list[str]:
+    """validate_reference_file's findings for a file read into `t` (tensors) and `meta` (its metadata)."""
     out: list[str] = []
     if meta.get("format", FORMAT) != FORMAT:
         out.append(f"metadata format {meta.get('format')!r}, expected {FORMAT!r}")
