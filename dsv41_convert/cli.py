@@ -85,14 +85,30 @@ def make_tiny(
 # --- commands: plan, shard ---
 
 
-def _local_source(src: Path) -> Path:
-    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified first."""
+def _local_source(src: Path, tp: int) -> Path:
+    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified
+    first, after its config.json alone has shown that the model can run at `tp`."""
     if src.exists():
         return src
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.convert.tp import check_tp
     from dsv41_convert.hub.download import resolve_source
 
+    def runs_at_tp(config: Path) -> None:
+        check_tp(load_model_args(config), tp, f"{src}: {config.name}")
+
     with report.byte_progress(f"download {src}") as progress:
-        return resolve_source(str(src), progress=progress)
+        return resolve_source(str(src), progress=progress, check_config=runs_at_tp)
+
+
+WithHeadersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--with-headers",
+        help="With --json: also each rank's raw safetensors header (hex) and every field of every tensor "
+        "(what ConversionPlan.from_dict reads; ~120 MB for the real checkpoint).",
+    ),
+]
 
 
 @app.command("plan")
@@ -101,18 +117,26 @@ def plan_cmd(
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
     as_json: opts.JsonOpt = False,
+    with_headers: WithHeadersOpt = False,
 ) -> None:
     """Read headers and index only, validate, and show each rank file: tensors, bytes, rules.
+
+    --json: per rank its file, tensor count and bytes; per tensor its name, dtype, shape, rule, action
+    and source reads (compact JSON, one document).
 
     Examples:
       dsv41-convert plan ./DeepSeek-V4.1-Flash --tp 8
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
+      dsv41-convert plan ./ckpt --tp 4 --json --with-headers > plan-full.json
     """
     from dsv41_convert.convert.plan import build_plan, summarize
+    from dsv41_convert.errors import PlanError
 
-    plan = build_plan(_local_source(src), tp, expert_dtype)
+    if with_headers and not as_json:
+        raise PlanError("--with-headers goes with --json")
+    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if as_json:
-        return report.print_json(plan.to_dict())
+        return report.print_json(plan.to_dict(with_headers), compact=True)
     _plan_table(summarize(plan))
 
 
@@ -169,7 +193,7 @@ def shard_cmd(
         rank_list = [int(r) for r in ranks.split(",")] if ranks else None
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
-    plan = build_plan(_local_source(src), tp, expert_dtype)
+    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
         return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
@@ -519,8 +543,17 @@ def export_cmd(
 # --- end of commands ---
 
 
+def _click_exceptions():
+    """The exceptions module of the click that Typer runs on: its own copy (`typer._click`, typer >= 0.25) or click."""
+    import importlib
+
+    return importlib.import_module(typer.BadParameter.__module__)
+
+
 def main() -> None:
-    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; anything else keeps its traceback."""
+    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; a usage error -> Typer's usage message on
+    stderr and exit 2; anything else keeps its traceback."""
+    click_exceptions = _click_exceptions()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -534,14 +567,9 @@ def main() -> None:
     except typer.Abort:
         report.error("aborted")
         sys.exit(130)
-    except Exception as exc:  # click usage errors come through here in non-standalone mode
-        import click
-
-        # typer >= 0.2x raises its vendored click's exceptions (subclasses of TyperException), not click's
-        if isinstance(exc, (click.ClickException, typer.exceptions.TyperException)) and hasattr(exc, "show"):
-            exc.show()
-            sys.exit(2)
-        raise
+    except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
+        exc.show()
+        sys.exit(2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code)
     if isinstance(code, int) and code:
         sys.exit(code)
 

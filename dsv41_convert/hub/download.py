@@ -66,25 +66,26 @@ def resolve_source(
     endpoint: str | None = None,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
+    check_config: Callable[[Path], None] | None = None,
 ) -> Path:
     """A local checkpoint folder for `src`: an existing path as is, or a repo id "owner/name[@rev]" downloaded
-    (into `local_dir`, else the HF cache) and verified first. For `plan` and `shard`."""
+    (into `local_dir`, else the HF cache) and verified first. For `plan` and `shard`.
+
+    check_config: called with the repo's config.json, fetched alone before anything else, so that a run
+    the config already rules out (a tp the model cannot run) stops before the shards are downloaded.
+    """
     path = Path(src)
     if path.exists():
         return path
     ref = parse_repo_ref(str(src))
     if ref is None:
         raise DownloadError(f"{src}: no such folder, and not a Hub repo id (owner/name or owner/name@revision)")
+    where = {"revision": ref[1], "local_dir": local_dir, "token": token, "endpoint": endpoint, "cache_dir": cache_dir}
     try:
-        report = download(
-            ref[0],
-            revision=ref[1],
-            local_dir=local_dir,
-            token=token,
-            endpoint=endpoint,
-            cache_dir=cache_dir,
-            progress=progress,
-        )
+        if check_config is not None:
+            first = download(ref[0], include=["config.json"], progress=progress, **where)
+            check_config(first.folder / "config.json")
+        report = download(ref[0], progress=progress, **where)
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc
     if not report.ok:

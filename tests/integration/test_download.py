@@ -319,3 +319,20 @@ def test_local_dir_has_one_writer(hub, tmp_path):
     report = fetch(hub, tmp_path)
     assert report.ok and not (local / LOCK_NAME).exists()
     assert dl.verify_local(REPO, local_dir=local).ok
+
+
+def test_plan_of_a_repo_checks_tp_on_config_json_before_the_shards(hub, tmp_path, monkeypatch, capsys):
+    """`plan owner/name --tp 16` of the published config: refused on config.json alone, no shard fetched."""
+    from cli_run import run_cli
+    from tiny_ckpt import REAL_CONFIG
+
+    shard = tiny_checkpoint(0)["model-00001-of-00002.safetensors"]
+    files = {"config.json": REAL_CONFIG.read_bytes(), "model-00001-of-00001.safetensors": shard}
+    hub.add_repo("acme/v41", {C0: files}, {"main": C0})
+    home = tmp_path / "hf-home"
+    code, _, err = run_cli(monkeypatch, capsys, "plan", "acme/v41", "--tp", "16")
+    assert code == 2 and "cannot run at tp 16" in err and "o_groups = 8" in err
+    assert list(home.rglob("config.json")) and not list(home.rglob("*.safetensors"))
+    code, _, err = run_cli(monkeypatch, capsys, "plan", "acme/v41", "--tp", "8")
+    assert code == 2 and "cannot run at tp" not in err, err  # the fake shard is no V4.1 checkpoint, but it came
+    assert list(home.rglob("model-00001-of-00001.safetensors"))

@@ -128,7 +128,7 @@ def test_scale_that_does_not_match_its_weight(tmp_path, monkeypatch, capsys):
 
 def test_wrong_tp(src, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"), "--tp", "3")
-    assert code == 2 and "--tp 3" in err and "routed experts" in err
+    assert code == 2 and "cannot run at tp 3" in err and "routed experts" in err
     assert_nothing_finished(tmp_path / "out")
 
 
