@@ -34,6 +34,10 @@ class VerifyInputError(ConvertError):
     """verify was given inputs it cannot compare (prompts, reference logits, shard set)."""
 
 
+class LockedError(OutputError):
+    """Another process is writing into the same folder or file (store/lock.py); the message names it."""
+
+
 class ShardConsistencyError(ConvertError):
     """The rank files of one conversion disagree: a replicated tensor differs between ranks, an expert
     is held by the wrong rank, split pieces differ in shape, Engram padding is missing or not the fill.

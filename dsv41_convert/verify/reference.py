@@ -32,7 +32,7 @@ from dsv41_convert.verify.runner import (
     model_input,
     run_prompt,
 )
-from dsv41_convert.verify.source import plan_state, reference_state
+from dsv41_convert.verify.source import plan_state, reference_state, source_experts
 
 DEFAULT_DECODE_STEPS = 3
 SEQ_ALIGN = 64
@@ -156,7 +156,7 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
     from dsv41_convert.convert.plan import build_plan
 
     src = Path(job.src)
-    plan = build_plan(src, parallel.world_size(), "fp4")
+    plan = build_plan(src, parallel.world_size(), source_experts(src))  # experts as the source stores them
     unquantized = plan.source_format == "bf16" and not job.as_converted
     # the unquantized model takes the source's args (dtype bf16); otherwise the converted folder's
     args = load_model_args(src / "config.json") if unquantized else ModelArgs.from_inference_dict(plan.inference_config)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile
@@ -151,6 +152,7 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
     conv_args = load_model_args(conv / "config.json")
     tp = shard_tp(conv, opts.tp)
+    check_tp(conv_args, tp, str(conv / "config.json"))
     launcher.backend_for(opts.device)
     threads = opts.threads or launcher.default_threads(tp)
     if opts.device == "cpu":
@@ -170,12 +172,8 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     else:
         if opts.prompts is not None:
             raise VerifyInputError("--prompts goes with --reference SRC; a reference-logits file holds its prompts")
-        ref = reffile.load(Path(opts.reference_logits), 128)
+        ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
-        if ref.runs[0].logits.shape[-1] != conv_args.vocab_size:
-            raise VerifyInputError(
-                f"{opts.reference_logits}: vocab {ref.runs[0].logits.shape[-1]}, {conv} has {conv_args.vocab_size}"
-            )
         if opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
             threads = ref.threads  # the reference's sums, in the reference's order
             if tp == 1:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.progress import Progress
@@ -123,6 +124,14 @@ def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | N
 
 
 def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, dict[str, Tensor]]:
-    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor)."""
-    plan = build_plan(Path(src), 1, "fp4")
+    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor).
+
+    Routed experts stay as the source stores them: fp4, or fp8 in an `export --format fp8` checkpoint.
+    """
+    plan = build_plan(Path(src), 1, source_experts(src))
     return plan.source_format, plan_state(plan, skip_quant=plan.source_format == "bf16", progress=progress)
+
+
+def source_experts(src: Path) -> str:
+    """The expert dtype the source stores: "fp8" for an `export --format fp8` checkpoint, else "fp4"."""
+    return "fp8" if load_model_args(Path(src) / "config.json").expert_dtype == "fp8" else "fp4"
