@@ -29,17 +29,17 @@ def render(result: VerifyResult) -> Group:
     table = Table(
         title=title,
         title_justify="left",
-        caption="tp1: against the tp-1 reference; twin: against the converter's expected output on the same ranks",
+        caption="ref: against the reference; twin: against the converter's expected output on the same ranks",
     )
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("prompt", "vs", "section") else "right")
     for p in result.prompts:
-        for vs, sections in (("tp1", p.sections), ("twin", p.twin)):
+        for vs, sections in (("ref", p.sections), ("twin", p.twin)):
             for key in SECTIONS:
                 if key in sections:
                     bad = any(f.startswith(f"{'twin ' if vs == 'twin' else ''}{key}:") for f in p.failures)
                     _row(table, p.label, vs, key, sections[key], bad)
-    for vs, overall in (("tp1", result.overall), ("twin", result.twin)):
+    for vs, overall in (("ref", result.overall), ("twin", result.twin)):
         for key in SECTIONS:
             if key in overall:
                 prefix = "twin " if vs == "twin" else ""
