@@ -176,7 +176,10 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
     if any(errors):
         raise PlanError("\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
     if job.device != "cpu":
+        from dsv41_convert.model.warm import warm_up_kernels
+
         model = model.to(job.device)
+        warm_up_kernels(model, job.device)  # every rank compiles before the first collective, as verify's ranks
     runs = []
     for inp in job.inputs:
         inp = attach_images(inp, args)

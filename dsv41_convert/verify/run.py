@@ -4,7 +4,10 @@
     result.ok, result.to_json()
 
 The reference is either the source checkpoint (computed here, tp 1, weights transformed in memory)
-or a reference-logits file. The converted folder is run with one process per rank (verify.launch).
+or a reference-logits file. The converted folder is run with one process per rank (verify.launch);
+against a tp-1 file at tp > 1 the rank files are also merged back and replayed at tp 1 (verify.replay).
+The verdict (verify.verdict) is PASS only when a check held bit for bit, INCONCLUSIVE when only
+statistical bounds applied (unless --statistical), FAIL on any mismatch.
 Under torchrun every rank calls `verify`; each computes (or reads) the same reference, only rank 0
 compares, and the other ranks get None.
 """
