@@ -85,9 +85,9 @@ def make_tiny(
 # --- commands: plan, shard ---
 
 
-def _local_source(src: Path, tp: int) -> Path:
+def _local_source(src: Path, tp: int | None = None) -> Path:
     """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified
-    first, after its config.json alone has shown that the model can run at `tp`."""
+    first, after its config.json alone has shown that the model can run at `tp` (when one is given)."""
     if src.exists():
         return src
     from dsv41_convert.config import load_model_args
@@ -98,7 +98,7 @@ def _local_source(src: Path, tp: int) -> Path:
         check_tp(load_model_args(config), tp, f"{src}: {config.name}")
 
     with report.byte_progress(f"download {src}") as progress:
-        return resolve_source(str(src), progress=progress, check_config=runs_at_tp)
+        return resolve_source(str(src), progress=progress, check_config=runs_at_tp if tp is not None else None)
 
 
 WithHeadersOpt = Annotated[
