@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dsv41_convert.convert import stream
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
-from dsv41_convert.convert.transform import apply, from_bytes, to_bytes
+from dsv41_convert.convert.transform import to_bytes
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store import journal
@@ -99,10 +101,13 @@ class _Reader:
             os.close(fd)
         self.fds.clear()
 
-    def rows(self, rd: Read, a: int, b: int) -> tuple[bytearray | memoryview, int]:
-        """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected. -> (bytes, row bytes)"""
+    def rows(self, rd: Read, a: int, b: int, alloc=bytearray) -> tuple[bytearray | memoryview, int]:
+        """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected. -> (bytes, row bytes)
+
+        alloc(n): the writable buffer whole rows are read into (pinned memory for the GPU: stream.py).
+        """
         rb = _row_bytes(rd.dtype, rd.shape)
-        buf = bytearray((b - a) * rb)
+        buf = alloc((b - a) * rb)
         pread_exact(self.fd(rd.file), memoryview(buf), rd.offset + (rd.r0 + a) * rb, str(self.src / rd.file))
         if rd.c1 < 0:
             return buf, rb
@@ -148,13 +153,15 @@ def write_partial(
     """Write every byte of `rf` to out/rf.file + ".partial" and close it (no fsync yet: see `commit`).
 
     resume: go on from the last verified checkpoint of an existing partial file (else from byte 0).
-    stats:  if given, filled with resumed_from (bytes kept from the partial file) and resume (why / why not).
+    stats:  if given, filled with resumed_from (bytes kept from the partial file), resume (why / why not)
+            and stages (seconds per pipeline stage: read, wait_read, h2d, kernel, d2h, wait_gpu, write, hash).
     direct_io: append with O_DIRECT (bypassing the page cache) where the file system allows it.
     -> (size, sha256 hex)
     """
     final, partial = out / rf.file, out / (rf.file + ".partial")
     jpath = journal_path(out, rf.file)
     head = journal.header(rf.file, rf.nbytes, plan_digest, chunk_bytes)
+    head["compute_chunk_bytes"] = compute_chunk_bytes(chunk_bytes, quantizer.device)  # chunk j's rows
     start, why = journal.load(jpath, partial, head) if resume else (None, "not resuming")
     if start is not None and not _fits(start, rf):
         start, why = None, "journal does not fit the plan's tensors"
@@ -172,6 +179,8 @@ def write_partial(
             sink.journal.close()
         os.close(sink.fd)
         sink.fd = -1
+        if stats is not None:
+            stats["stages"] = dict(sink.stages)
         return sink.done, sink.sha.hexdigest()
     except OSError as exc:
         _discard(sink, partial, jpath)
@@ -214,8 +223,9 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
         else:
-            for outs in _compute(t, reader, quantizer, chunk_bytes, chunk):
-                sink.write(to_bytes(outs[0]), t.name)
+            with closing(_compute(t, reader, quantizer, chunk_bytes, chunk, sink.stages)) as chunks:
+                for outs in chunks:
+                    sink.write(to_bytes(outs[0]), t.name)
         if t.pad_rows:
             sink.fill(PAD_BYTE[t.dtype], t.pad_rows * _row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
         if ahead is not None and ahead.tensor == i:
@@ -307,15 +317,18 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
     rd = t.reads[0]
     rb = _row_bytes(rd.dtype, rd.shape)
     rows = rd.r1 - rd.r0
-    if rd.c1 < 0:  # one contiguous byte range, through three buffers (see Sink)
+    if rd.c1 < 0:  # one contiguous byte range: copied in the kernel, or through three buffers (see Sink)
         fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb + skip, rows * rb - skip
         while left:
             n = min(left, chunk_bytes)
             if left > n:  # the kernel reads the next chunk while this one is hashed and written
                 os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
-            buf = reader.buffer()[:n]
-            pread_exact(fd, buf, pos, str(reader.src / rd.file))
-            sink.write(buf, t.name)
+            if sink.buffered:
+                sink.copy(fd, pos, n, str(reader.src / rd.file), t.name)
+            else:
+                buf = reader.buffer()[:n]
+                pread_exact(fd, buf, pos, str(reader.src / rd.file))
+                sink.write(buf, t.name)
             pos, left = pos + n, left - n
         return
     step = max(1, chunk_bytes // max(rb, 1))
@@ -344,22 +357,18 @@ def _chunk_rows(t: OutTensor, chunk_bytes: int) -> int:
     return max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
 
 
-def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int, first: int = 0):
-    """Yield the action's outputs for each row chunk of the tensor's source region, from chunk `first` on."""
-    main = t.reads[0]
-    rows = main.r1 - main.r0
-    step = _chunk_rows(t, chunk_bytes)
-    name = f"{reader.src / main.file}: {main.name}"
-    for a in range(first * step, rows, step):
-        b = min(rows, a + step)
-        inputs = []
-        for rd in t.reads:
-            ra, rb_ = a // rd.ratio, -(-b // rd.ratio)
-            data, width = reader.rows(rd, ra, rb_)
-            inputs.append(from_bytes(data, rd.dtype, rb_ - ra, width))
-        if len(main.shape) < 2:  # 1-d tensors travel as [rows, 1]
-            inputs = [x.reshape(-1) for x in inputs]
-        yield apply(t.action, inputs, quantizer, name, t.dtype, t.block)
+def compute_chunk_bytes(chunk_bytes: int, device: str) -> int:
+    """The `chunk_bytes` that sizes computed row chunks (chunk_bytes / 8 source bytes each): larger on CUDA,
+    where per-chunk costs (launches, copies, a sync) dominate small chunks and the intermediates live on
+    the GPU. Recorded in the journal: a resume on the other device restarts the file."""
+    return max(chunk_bytes, 8 * stream.GPU_BLOCK_BYTES) if device == "cuda" else chunk_bytes
+
+
+def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int, first: int = 0, stages=None):
+    """Yield the action's outputs for each row chunk of the tensor's source region, from chunk `first` on
+    (reads ahead in a thread; on CUDA, overlapped copies: stream.py). Close it when done early."""
+    step = _chunk_rows(t, compute_chunk_bytes(chunk_bytes, quantizer.device))
+    return stream.blocks(t, reader, quantizer, step, first, stages)
 
 
 def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, first) -> None:
@@ -385,18 +394,19 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     if keep:
         sink.mark_ok = False  # a stash dies with the process: no checkpoint until this part is done
     kept: list[bytes] = []
-    for outs in _compute(t, reader, quantizer, chunk_bytes, first):
-        if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
-            data = to_bytes(outs[1 - t.part])
-            ahead.sha.update(data)
-            while len(data):
-                n = os.pwrite(sink.fd, data, ahead.end)
-                data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
-            sink.dirty.add(t.group)
-        sink.write(to_bytes(outs[t.part]), t.name)
-        if keep:
-            kept.append(bytes(to_bytes(outs[1 - t.part])))
-            stash.used += len(kept[-1])
+    with closing(_compute(t, reader, quantizer, chunk_bytes, first, sink.stages)) as chunks:
+        for outs in chunks:
+            if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
+                data = to_bytes(outs[1 - t.part])
+                ahead.sha.update(data)
+                while len(data):
+                    n = os.pwrite(sink.fd, data, ahead.end)
+                    data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
+                sink.dirty.add(t.group)
+            sink.write(to_bytes(outs[t.part]), t.name)
+            if keep:
+                kept.append(bytes(to_bytes(outs[1 - t.part])))
+                stash.used += len(kept[-1])
     if keep:
         stash.parts[okey] = kept
         sink.mark_ok = True

@@ -1,0 +1,146 @@
+"""Computed tensors as a stream of row blocks: the source reads run ahead in a thread, and on CUDA each
+block travels through pinned host memory with asynchronous copies, so reading, the GPU and the writer
+(write.py's Sink: pwrite in the caller's thread, sha256 in its own) overlap.
+
+    reader thread   pread block k+1 (into pinned memory on CUDA)
+    caller          block k: H2D (non-blocking), the action's kernels, D2H into pinned memory
+                    (non-blocking), then waits for block k-1's copies and hands it to the Sink
+    Sink            pwrite of block k-2, sha256 in its thread
+
+At most DEPTH blocks are read ahead and DEPTH are on the GPU, so host memory is a few blocks whatever
+the tensor size, and a tensor of any size (an Engram table of 91.5 GiB) never needs to fit on the GPU
+whole: GPU memory is a few blocks of at most GPU_BLOCK_BYTES of source each, plus their outputs.
+
+Stage times (seconds summed over blocks, in `stages`): read = pread in the reader thread (the wait for
+it in the caller shows as `wait_read`); h2d, kernel, d2h = CUDA event intervals on the copy/compute
+stream (on CPU, kernel = the action's wall time); write and hash are timed by the Sink.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from dsv41_convert.convert.plan import OutTensor
+from dsv41_convert.convert.transform import apply, from_bytes
+
+GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
+DEPTH = 2  # blocks read ahead, and blocks in flight on the GPU
+
+
+def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict | None = None) -> Iterator[tuple]:
+    """Yield the action's outputs (CPU tensors) for each block of `step` rows of t's source region, from
+    block `first` on. `reader` is write.py's _Reader; `stages` (if given) accumulates the stage times."""
+    stages = {} if stages is None else stages
+    main = t.reads[0]
+    rows = main.r1 - main.r0
+    cuda = quantizer.device == "cuda"
+    name = f"{reader.src / main.file}: {main.name}"
+    q: queue.Queue = queue.Queue(maxsize=DEPTH)
+    stop = threading.Event()
+    feeder = threading.Thread(
+        target=_read_ahead, args=(t, reader, step, first, rows, cuda, q, stop, stages), daemon=True
+    )
+    feeder.start()
+    flight: deque = deque()
+    try:
+        while True:
+            t0 = time.perf_counter()
+            item = q.get()
+            _add(stages, "wait_read", time.perf_counter() - t0)
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                break
+            inputs = item
+            if len(main.shape) < 2:  # 1-d tensors travel as [rows, 1]
+                inputs = [x.reshape(-1) for x in inputs]
+            if not cuda:
+                t0 = time.perf_counter()
+                outs = apply(t.action, inputs, quantizer, name, t.dtype, t.block)
+                _add(stages, "kernel", time.perf_counter() - t0)
+                yield outs
+                continue
+            flight.append(_launch(t, inputs, quantizer, name))
+            if len(flight) >= DEPTH:
+                yield _land(flight.popleft(), stages)
+        while flight:
+            yield _land(flight.popleft(), stages)
+    finally:
+        stop.set()
+        while feeder.is_alive():  # unblock a reader waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            feeder.join(0.01)
+
+
+def _read_ahead(t, reader, step, first, rows, cuda, q, stop, stages) -> None:
+    """The reader thread: each block's inputs, in order, then None (or the exception that stopped it)."""
+    try:
+        for a in range(first * step, rows, step):
+            b = min(rows, a + step)
+            t0 = time.perf_counter()
+            inputs = []
+            for rd in t.reads:
+                ra, rb_ = a // rd.ratio, -(-b // rd.ratio)
+                data, width = reader.rows(rd, ra, rb_, _pinned if cuda else bytearray)
+                x = from_bytes(data, rd.dtype, rb_ - ra, width)
+                if cuda and not x.is_pinned():  # a column slice, gathered in pageable memory
+                    x = x.pin_memory()
+                inputs.append(x)
+            _add(stages, "read", time.perf_counter() - t0)
+            if not _put(q, inputs, stop):
+                return
+        _put(q, None, stop)
+    except BaseException as exc:  # raised in the caller
+        _put(q, exc, stop)
+
+
+def _pinned(n: int):
+    """n bytes of page-locked host memory (torch's caching host allocator), as a writable buffer."""
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+def _launch(t: OutTensor, inputs: list[torch.Tensor], quantizer, name: str) -> tuple:
+    """Queue one block on the GPU: H2D, kernels, D2H into pinned memory, each bracketed by events."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    ev[0].record()
+    dev = [x.to("cuda", non_blocking=True) for x in inputs]
+    ev[1].record()
+    outs = apply(t.action, dev, quantizer, name, t.dtype, t.block, to_host=False)
+    ev[2].record()
+    host = tuple(torch.empty(o.shape, dtype=o.dtype, pin_memory=True).copy_(o, non_blocking=True) for o in outs)
+    ev[3].record()
+    return host, ev, inputs, outs  # inputs and outs stay referenced until their copies are done
+
+
+def _land(flight: tuple, stages: dict) -> tuple:
+    """Wait for a launched block's copies to finish. -> its outputs on the host"""
+    host, ev, _, _ = flight
+    t0 = time.perf_counter()
+    ev[3].synchronize()
+    _add(stages, "wait_gpu", time.perf_counter() - t0)
+    for key, a, b in (("h2d", 0, 1), ("kernel", 1, 2), ("d2h", 2, 3)):
+        _add(stages, key, ev[a].elapsed_time(ev[b]) / 1e3)
+    return host
+
+
+def _add(stages: dict, key: str, seconds: float) -> None:
+    stages[key] = stages.get(key, 0.0) + seconds

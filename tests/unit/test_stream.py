@@ -1,0 +1,119 @@
+"""stream.blocks: computed tensors as row blocks read ahead in a thread. Planted faults: a reader that races
+ahead of the consumer (more than DEPTH blocks held), a read error mid-tensor, a consumer that stops early
+(the reader must stop too), and an Engram-shaped table cut into blocks that must give the same bytes as
+one whole-tensor quantization."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dsv41_convert.convert import stream
+from dsv41_convert.convert.plan import OutTensor, Read
+from dsv41_convert.convert.transform import quantizer_for, to_bytes
+from dsv41_convert.convert.write import _Reader
+from dsv41_convert.errors import HeaderError
+from dsv41_convert.quant.fp8 import encode_fp8_blocks
+
+ROWS, WIDTH = 4 * 128 + 40, 256  # an Engram-shaped table: [rows, 256] bf16, rows not a multiple of the block
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> tuple[Path, torch.Tensor, OutTensor]:
+    folder = tmp_path_factory.mktemp("src")
+    w = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    name = "layers.1.engram.embed.weight"
+    save_file({name: w}, folder / "a.safetensors")
+    header_len = int.from_bytes((folder / "a.safetensors").read_bytes()[:8], "little")
+    rd = Read("a.safetensors", name, "BF16", (ROWS, WIDTH), 8 + header_len, 0, ROWS)
+    t = OutTensor(name=name, dtype="F8_E4M3", shape=(ROWS, WIDTH), rule="engram", action="quant_rows_fp8", reads=(rd,))
+    return folder, w, t
+
+
+def test_blocks_give_the_bytes_of_the_whole_tensor(table):
+    folder, w, t = table
+    reader = _Reader(folder, 1 << 20)
+    stages: dict = {}
+    try:
+        got = list(stream.blocks(t, reader, quantizer_for("cpu"), 128, 0, stages))
+    finally:
+        reader.close()
+    assert len(got) == 5  # 4 whole blocks of 128 rows and one of 40
+    q, s = encode_fp8_blocks(w, (1, 32), "ue8m0")
+    assert b"".join(bytes(to_bytes(o[0])) for o in got) == bytes(to_bytes(q))
+    assert b"".join(bytes(to_bytes(o[1])) for o in got) == bytes(to_bytes(s))
+    assert stages["read"] > 0 and stages["kernel"] > 0
+
+
+def test_blocks_from_a_later_block_on(table):
+    """A resumed tensor starts at block `first`."""
+    folder, w, t = table
+    reader = _Reader(folder, 1 << 20)
+    try:
+        got = list(stream.blocks(t, reader, quantizer_for("cpu"), 128, 3))
+    finally:
+        reader.close()
+    q, _ = encode_fp8_blocks(w[3 * 128 :], (1, 32), "ue8m0")
+    assert b"".join(bytes(to_bytes(o[0])) for o in got) == bytes(to_bytes(q))
+
+
+class _SlowConsumerReader(_Reader):
+    """Counts blocks read; fails at block `fail_at` if set."""
+
+    def __init__(self, src, fail_at=None):
+        super().__init__(src, 1 << 20)
+        self.read_blocks = 0
+        self.fail_at = fail_at
+
+    def rows(self, rd, a, b, alloc=bytearray):
+        if self.fail_at is not None and self.read_blocks == self.fail_at:
+            raise HeaderError(f"{rd.file}: unexpected end of file (planted)")
+        self.read_blocks += 1
+        return super().rows(rd, a, b, alloc)
+
+
+def test_reader_stays_at_most_depth_blocks_ahead(table):
+    folder, _, t = table
+    reader = _SlowConsumerReader(folder)
+    gen = stream.blocks(t, reader, quantizer_for("cpu"), 32, 0)  # 18 blocks
+    try:
+        for used, _ in enumerate(gen, start=1):
+            time.sleep(0.02)  # let the reader run ahead as far as it may
+            # queued (DEPTH) + one read and waiting to be queued + the one being consumed
+            assert reader.read_blocks - used <= stream.DEPTH + 1
+    finally:
+        gen.close()
+        reader.close()
+    assert reader.read_blocks == -(-ROWS // 32)
+
+
+def test_read_error_reaches_the_consumer(table):
+    folder, _, t = table
+    reader = _SlowConsumerReader(folder, fail_at=2)
+    got = []
+    try:
+        with pytest.raises(HeaderError, match="planted"):
+            for outs in stream.blocks(t, reader, quantizer_for("cpu"), 128, 0):
+                got.append(outs)
+    finally:
+        reader.close()
+    assert len(got) == 2
+
+
+def test_closing_early_stops_the_reader(table):
+    folder, _, t = table
+    reader = _SlowConsumerReader(folder)
+    before = threading.active_count()
+    gen = stream.blocks(t, reader, quantizer_for("cpu"), 32, 0)
+    next(gen)
+    gen.close()
+    assert threading.active_count() == before  # the reader thread has ended
+    stopped_at = reader.read_blocks
+    time.sleep(0.1)
+    assert reader.read_blocks == stopped_at < -(-ROWS // 32)
+    reader.close()
