@@ -144,7 +144,7 @@ def shard_cmd(
     out: opts.OutArg,
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
-    workers: opts.WorkersOpt = 1,
+    workers: opts.WorkersOpt = "auto",  # parse_workers: 0, picked by execute()
     ranks: opts.RanksOpt = None,
     resume: opts.ResumeOpt = False,
     overwrite: opts.OverwriteOpt = False,
@@ -483,7 +483,8 @@ def main() -> None:
     except Exception as exc:  # click usage errors come through here in non-standalone mode
         import click
 
-        if isinstance(exc, click.ClickException):
+        # typer >= 0.29 raises its own copy of click's exceptions (typer.TyperException)
+        if isinstance(exc, click.ClickException | typer.TyperException) and hasattr(exc, "show"):
             exc.show()
             sys.exit(2)
         raise

@@ -28,6 +28,7 @@ import torch
 
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
 from dsv41_convert.convert.transform import quantizer_for
+from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.store import journal
@@ -88,7 +89,10 @@ def execute(
     journal_bytes: int = JOURNAL_BYTES,
     direct_io: bool = False,
 ) -> dict[str, Any]:
-    """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s)."""
+    """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s).
+
+    workers: local processes; 0 picks them from cores, memory and the files to write (workers.py).
+    """
     src, out = Path(plan.src), Path(out)
     if device not in ("cpu", "cuda"):
         raise PlanError(f"--device {device!r}: expected cpu or cuda")
@@ -133,6 +137,8 @@ def execute(
         "journal": journal_bytes,
         "direct_io": direct_io,
     }
+    if workers == 0:  # --workers auto
+        workers = auto_workers(len(todo), device)
     results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)
@@ -147,6 +153,7 @@ def execute(
         "out": str(out.resolve()),
         "written": [name for name, _, _, _ in results],
         "skipped": skipped,
+        "workers": workers,
         "resumed": {name: kept for name, _, _, kept in results if kept},  # bytes kept from a partial file
         "bytes": written,  # written by this run
         "seconds": round(seconds, 3),
