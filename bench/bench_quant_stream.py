@@ -1,15 +1,17 @@
 """Benchmark the streaming quantization of a bf16 source (`shard --device cuda|cpu`) against `cp`, with
 the time of each pipeline stage (issue 21).
 
-    python bench/bench_quant_stream.py SRC OUT [--tp 2] [--device cuda] [--json FILE]
+    python bench/bench_quant_stream.py SRC OUT [--tp 2] [--device cuda] [--prefetch-mib M] [--json FILE]
 
 SRC: a bf16 checkpoint (`make-tiny SRC --preset medium --no-vision --source-dtype bf16`). In one run:
 `cp` of SRC's shards to OUT.cp + sync (source evicted from the page cache first), then every rank file
-of `shard SRC OUT --tp N` written in process by write.write_rank_file, one after another (source evicted
-again; the kernels compile or load from the cache in a warm-up file first, not timed), with
-seconds per stage summed over files: read (pread, reader thread), wait_read (the converter waiting for
-it), h2d / kernel / d2h (CUDA events), wait_gpu, write (pwrite / copy_file_range), hash (sha256,
-writer thread). Stages overlap, so they sum to more than the wall time; the largest is the bottleneck.
+of `shard SRC OUT --tp N` written in process as execute() does with one worker (write_partial, then each
+file's fsync + rename in a thread while the next is written; source evicted again; the kernels compile or
+load from the cache in a warm-up file first, not timed), with seconds per stage summed over files: read
+(pread, reader thread), wait_read (the converter waiting for it), h2d / kernel / d2h (CUDA events),
+wait_gpu, write (pwrite / copy_file_range), hash (sha256, writer thread), commit (fsync + rename, its
+thread). Stages overlap, so they sum to more than the wall time; the largest is the bottleneck.
+--prefetch-mib sets write.PREFETCH_BYTES (the source read-ahead hint) for this run.
 Prints JSON: wall, cp, ratio per byte read, stages, peak host RSS and peak GPU memory.
 """
 
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +37,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from bench_shard import evict  # noqa: E402
 
+from dsv41_convert.convert import write  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
 from dsv41_convert.convert.transform import quantizer_for  # noqa: E402
-from dsv41_convert.convert.write import write_rank_file  # noqa: E402
+from dsv41_convert.convert.write import commit, write_partial, write_rank_file  # noqa: E402
 
 
 def main() -> None:
@@ -45,8 +49,11 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prefetch-mib", type=int)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.prefetch_mib is not None:
+        write.PREFETCH_BYTES = a.prefetch_mib << 20
     shards = sorted(a.src.glob("*.safetensors"))
     src_bytes = sum(p.stat().st_size for p in shards)
     cp_dir = a.out.with_name(a.out.name + ".cp")
@@ -73,13 +80,25 @@ def main() -> None:
     evict(a.src)
     if a.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    stages: dict[str, float] = {}
+    stages: dict[str, float] = {"commit": 0.0}
+
+    def timed_commit(file: str) -> None:
+        t = time.perf_counter()
+        commit(a.out, file)
+        stages["commit"] += time.perf_counter() - t
+
     t0 = time.perf_counter()
-    for rf in plan.files:
-        stats: dict = {}
-        write_rank_file(rf, a.src, a.out, quantizer, stats=stats)
-        for k, v in stats["stages"].items():
-            stages[k] = stages.get(k, 0.0) + v
+    with ThreadPoolExecutor(1) as committer:
+        pending = None
+        for rf in plan.files:
+            stats: dict = {}
+            write_partial(rf, a.src, a.out, quantizer, stats=stats)
+            for k, v in stats["stages"].items():
+                stages[k] = stages.get(k, 0.0) + v
+            if pending is not None:
+                pending.result()
+            pending = committer.submit(timed_commit, rf.file)
+        pending.result()
     wall = time.perf_counter() - t0
     out_bytes = sum(f.nbytes for f in plan.files)
     result = {
@@ -88,6 +107,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
         "device": a.device,
         "tp": a.tp,
+        "prefetch_mib": write.PREFETCH_BYTES >> 20,
         "source_gb": round(src_bytes / 1e9, 3),
         "output_gb": round(out_bytes / 1e9, 3),
         "warmup_file_s": round(warm_s, 2),
