@@ -201,7 +201,7 @@ def main() -> None:
     ap.add_argument("work", type=Path)
     ap.add_argument("--gb", type=float, default=4.5)
     ap.add_argument("--experts", type=int, default=384, help="routed experts per layer (V4.1-Flash: 384)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", default="2", help="a number, or auto (this code's choice)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-in-ram", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="cp and shard alternate this many times; medians reported")

@@ -1,19 +1,22 @@
 """Computed tensors as a stream of row blocks: the source reads run ahead in a thread, and on CUDA each
-block travels through pinned host memory with asynchronous copies, so reading, the GPU and the writer
-(write.py's Sink: pwrite in the caller's thread, sha256 in its own) overlap.
+block travels through pinned host memory with asynchronous copies, so reading, the GPU, writing and
+hashing overlap:
 
-    reader thread   pread block k+1 (into pinned memory on CUDA)
-    caller          block k: H2D (non-blocking), the action's kernels, D2H into pinned memory
-                    (non-blocking), then waits for block k-1's copies and hands it to the Sink
-    Sink            pwrite of block k-2, sha256 in its thread
+    reader thread   pread of block k+1 (into pinned memory on CUDA)
+    caller          block k: H2D, the action's kernels, D2H into pinned memory, all queued on the
+                    current stream; then waits for block k-1's copies and writes it (store/sink.py:
+                    pwrite in the caller's thread)
+    Sink thread     sha256 of what was written before
 
 At most DEPTH blocks are read ahead and DEPTH are on the GPU, so host memory is a few blocks whatever
 the tensor size, and a tensor of any size (an Engram table of 91.5 GiB) never needs to fit on the GPU
 whole: GPU memory is a few blocks of at most GPU_BLOCK_BYTES of source each, plus their outputs.
 
 Stage times (seconds summed over blocks, in `stages`): read = pread in the reader thread (the wait for
-it in the caller shows as `wait_read`); h2d, kernel, d2h = CUDA event intervals on the copy/compute
-stream (on CPU, kernel = the action's wall time); write and hash are timed by the Sink.
+it in the caller shows as `wait_read`); h2d, kernel, d2h = CUDA event intervals on the current stream
+(on CPU, kernel = the action's wall time); launch = the caller's time to queue them (the kernels'
+Python wrappers, their NaN checks' syncs, pinned allocations); wait_gpu = waiting for a block's copies;
+write and hash are timed by the Sink.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
                 _add(stages, "kernel", time.perf_counter() - t0)
                 yield outs
                 continue
+            t0 = time.perf_counter()
             flight.append(_launch(t, inputs, quantizer, name))
+            _add(stages, "launch", time.perf_counter() - t0)
             if len(flight) >= DEPTH:
                 yield _land(flight.popleft(), stages)
         while flight:

@@ -1,8 +1,10 @@
 """Write one rank file of a plan: header first, then each tensor's bytes streamed into place, in order.
 
 Memory is bounded by the chunk size, never by tensor size: plain copies move `chunk_bytes` at a time
-with pread; actions that compute (dequantize, quantize, cast) take row chunks of at most
-chunk_bytes / 8 source bytes, aligned to 128 rows so no scale block is split. Reads stay ahead of the
+(copy_file_range in the kernel, hashed from a map of the source: Sink.copy; with O_DIRECT through
+buffers with pread); actions that compute (dequantize, quantize, cast) take row chunks of at most
+chunk_bytes / 8 source bytes (on CUDA 64 MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale
+block is split, read ahead in a thread and overlapped with the GPU (stream.py). Reads stay ahead of the
 writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
 regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes.
 
