@@ -48,6 +48,8 @@ from dsv41_convert.store.sink import Sink
 CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20
 PREFETCH_BYTES = 256 << 20  # read-ahead hint; dev box, tp 8 of 23.7 GB: 64 MiB 84-90 s, 256 MiB 73-81 s
+READ_AHEAD_BYTES = 1 << 30  # source bytes read into the page cache past the current tensor (stream.ReadAhead),
+READ_AHEAD_DEVICES = ("cuda",)  # on these devices only
 JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs an fdatasync (256 MiB: +7 s of 33)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -175,7 +177,12 @@ def write_partial(
         if journal_bytes:
             sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
             sink.journal_bytes = journal_bytes
-        _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start)
+        warm = _read_ahead(rf, src, start, quantizer.device, sink.stages)
+        try:
+            _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start, warm)
+        finally:
+            if warm is not None:
+                warm.close()
         sink.finish()
         if sink.journal is not None:
             sink.journal.close()
@@ -199,8 +206,23 @@ def write_partial(
         reader.close()
 
 
-def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None) -> None:
-    """Every tensor of `rf` from `start` (or the header) on, in file order."""
+def _read_ahead(rf: RankFile, src: Path, start: ResumePoint | None, device: str, stages) -> stream.ReadAhead | None:
+    """On CUDA, a thread reading the sources of the tensors ahead into the page cache (stream.ReadAhead).
+    -> it, or None"""
+    if device not in READ_AHEAD_DEVICES or not READ_AHEAD_BYTES:
+        return None
+    first = start.tensor if start is not None else 0
+    regions = []
+    for i in range(first, len(rf.tensors)):
+        for rd in rf.tensors[i].reads:
+            rb = _row_bytes(rd.dtype, rd.shape)
+            regions.append((i, rd.file, rd.offset + rd.r0 * rb, (rd.r1 - rd.r0) * rb))
+    return stream.ReadAhead(src, regions, READ_AHEAD_BYTES, stages)
+
+
+def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None, warm=None) -> None:
+    """Every tensor of `rf` from `start` (or the header) on, in file order; `warm` (a stream.ReadAhead)
+    is told which tensor is being written."""
     first = 0
     if start is None:
         sink.write(rf.header)
@@ -214,6 +236,8 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
         t = rf.tensors[i]
         chunk, skip = (start.chunk, start.skip) if start is not None and i == start.tensor else (0, 0)
         sink.begin_tensor(i, t.begin, chunk)
+        if warm is not None:
+            warm.at(i)
         if PREFETCH_BYTES:
             reader.prefetch(rf.tensors, i)
         ahead = sink.asides.get(t.group) if t.group else None

@@ -49,12 +49,14 @@ _NO_COPY_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # 
 
 
 class Sink:
-    """Hashes and writes while the caller reads and computes the next chunk (hashlib and pwrite release the
-    GIL; with O_DIRECT the appender's pwrites run in threads of their own): on a slow disk this hides the
-    sha256.
+    """Hashes (and with O_DIRECT writes) while the caller reads, computes and writes the next chunk (hashlib
+    and pwrite release the GIL; with O_DIRECT the appender's pwrites run in threads of their own).
 
-    Handed-over buffers must not change until written: `_copy` (write.py) cycles three buffers through a
-    queue of one, so a buffer is refilled only after the writer has taken the next one.
+    Handed-over buffers must not change until hashed (and written): `_copy` (write.py) cycles three
+    buffers through a queue of one, so a buffer is refilled only after the writer has taken the next one.
+
+    `stages` collects seconds: write (the caller's pwrite or copy), hash (this thread); write.py adds the
+    stages of the computed tensors (stream.py).
     """
 
     def __init__(

@@ -5,6 +5,7 @@ one whole-tensor quantization."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41_convert.convert import stream
 from dsv41_convert.convert.plan import OutTensor, Read
@@ -117,3 +120,69 @@ def test_closing_early_stops_the_reader(table):
     time.sleep(0.1)
     assert reader.read_blocks == stopped_at < -(-ROWS // 32)
     reader.close()
+
+
+def _settle(reads: list, n: int) -> None:
+    """Wait until `n` reads happened (or 10 s), then a little longer for any read past them."""
+    deadline = time.monotonic() + 10
+    while len(reads) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+
+
+def test_read_ahead_stays_within_its_budget_and_stops(tmp_path, monkeypatch):
+    """ReadAhead reads the regions after the writer's tensor, never more than `ahead` bytes past it, skips
+    what the writer has reached, and ends on close."""
+    src = tmp_path / "f.bin"
+    src.write_bytes(bytes(64 << 10))
+    monkeypatch.setattr(stream.ReadAhead, "PIECE", 4096)
+    reads: list[tuple[int, int]] = []
+    real = stream.os.preadv
+
+    def preadv(fd, bufs, pos):
+        reads.append((pos, len(bufs[0])))
+        return real(fd, bufs, pos)
+
+    monkeypatch.setattr(stream.os, "preadv", preadv)
+    regions = [(i, "f.bin", i * 8192, 8192) for i in range(8)]  # tensor i: bytes [8 KiB i, 8 KiB (i + 1))
+    ra = stream.ReadAhead(tmp_path, regions, 3 * 4096)
+    _settle(reads, 3)
+    assert sum(n for _, n in reads) == 3 * 4096  # stopped at the budget: tensor 0 and half of tensor 1
+    ra.at(2)  # the writer moved on: 0-1 free the budget; 2 is the writer's own to read; 3 and half of 4
+    _settle(reads, 6)
+    assert [p for p, _ in reads[3:]] == [3 * 8192, 3 * 8192 + 4096, 4 * 8192]
+    ra.at(4)
+    _settle(reads, 9)
+    assert [p for p, _ in reads[6:]] == [5 * 8192, 5 * 8192 + 4096, 6 * 8192]
+    ra.at(7)  # the last tensor: nothing left to read ahead
+    _settle(reads, 9)
+    assert len(reads) == 9
+    ra.close()
+    assert not ra._thread.is_alive()
+
+
+def test_read_ahead_changes_no_byte(tmp_path, monkeypatch):
+    """shard with the read-ahead thread on (as on CUDA) writes the same files."""
+    from tiny_ckpt import make_tiny
+
+    from dsv41_convert.convert import write
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+
+    src = make_tiny(tmp_path / "src", quantized=False, vision=False)
+    plan = build_plan(src, 2)
+    execute(plan, tmp_path / "a", workers=1)
+    monkeypatch.setattr(write, "READ_AHEAD_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(write, "READ_AHEAD_BYTES", 1 << 16)
+    started = []
+    real = stream.ReadAhead.__init__
+
+    def init(self, *args, **kw):
+        started.append(args[1])
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(stream.ReadAhead, "__init__", init)
+    execute(plan, tmp_path / "b", workers=1)
+    assert len(started) == 2 and all(started)
+    for f in (tmp_path / "a").glob("model*"):
+        assert (tmp_path / "b" / f.name).read_bytes() == f.read_bytes()
