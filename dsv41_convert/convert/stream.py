@@ -39,29 +39,27 @@ DEPTH = 2  # blocks read ahead, and blocks in flight on the GPU
 
 def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict | None = None) -> Iterator[tuple]:
     """Yield the action's outputs (CPU tensors) for each block of `step` rows of t's source region, from
-    block `first` on. `reader` is write.py's _Reader; `stages` (if given) accumulates the stage times."""
+    block `first` on. `reader` is write.py's _Reader; `stages` (if given) accumulates the stage times.
+    A tensor of one block is read in the caller (nothing to overlap within it; no thread to start)."""
     stages = {} if stages is None else stages
     main = t.reads[0]
     rows = main.r1 - main.r0
     cuda = quantizer.device == "cuda"
     name = f"{reader.src / main.file}: {main.name}"
+    starts = range(first * step, rows, step)
     q: queue.Queue = queue.Queue(maxsize=DEPTH)
     stop = threading.Event()
-    feeder = threading.Thread(
-        target=_read_ahead, args=(t, reader, step, first, rows, cuda, q, stop, stages), daemon=True
-    )
-    feeder.start()
+    feeder = None
+    if len(starts) > 1:
+        args = (t, reader, step, starts, rows, cuda, q, stop, stages)
+        feeder = threading.Thread(target=_read_ahead, args=args, daemon=True)
+        feeder.start()
+        source = _from_queue(q, stages)
+    else:
+        source = _read_here(t, reader, step, starts, rows, cuda, stages)
     flight: deque = deque()
     try:
-        while True:
-            t0 = time.perf_counter()
-            item = q.get()
-            _add(stages, "wait_read", time.perf_counter() - t0)
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                break
-            inputs = item
+        for inputs in source:
             if len(main.shape) < 2:  # 1-d tensors travel as [rows, 1]
                 inputs = [x.reshape(-1) for x in inputs]
             if not cuda:
@@ -79,7 +77,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             yield _land(flight.popleft(), stages)
     finally:
         stop.set()
-        while feeder.is_alive():  # unblock a reader waiting on a full queue
+        while feeder is not None and feeder.is_alive():  # unblock a reader waiting on a full queue
             try:
                 q.get_nowait()
             except queue.Empty:
@@ -87,20 +85,46 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             feeder.join(0.01)
 
 
-def _read_ahead(t, reader, step, first, rows, cuda, q, stop, stages) -> None:
+def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list[torch.Tensor]:
+    """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales)."""
+    inputs = []
+    for rd in t.reads:
+        ra, rb_ = a // rd.ratio, -(-b // rd.ratio)
+        data, width = reader.rows(rd, ra, rb_, _pinned if cuda else bytearray)
+        x = from_bytes(data, rd.dtype, rb_ - ra, width)
+        if cuda and not x.is_pinned():  # a column slice, gathered in pageable memory
+            x = x.pin_memory()
+        inputs.append(x)
+    return inputs
+
+
+def _read_here(t, reader, step, starts, rows, cuda, stages) -> Iterator[list[torch.Tensor]]:
+    for a in starts:
+        t0 = time.perf_counter()
+        inputs = _read_block(t, reader, a, min(rows, a + step), cuda)
+        _add(stages, "read", time.perf_counter() - t0)
+        _add(stages, "wait_read", time.perf_counter() - t0)
+        yield inputs
+
+
+def _from_queue(q: queue.Queue, stages: dict) -> Iterator[list[torch.Tensor]]:
+    while True:
+        t0 = time.perf_counter()
+        item = q.get()
+        _add(stages, "wait_read", time.perf_counter() - t0)
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            return
+        yield item
+
+
+def _read_ahead(t, reader, step, starts, rows, cuda, q, stop, stages) -> None:
     """The reader thread: each block's inputs, in order, then None (or the exception that stopped it)."""
     try:
-        for a in range(first * step, rows, step):
-            b = min(rows, a + step)
+        for a in starts:
             t0 = time.perf_counter()
-            inputs = []
-            for rd in t.reads:
-                ra, rb_ = a // rd.ratio, -(-b // rd.ratio)
-                data, width = reader.rows(rd, ra, rb_, _pinned if cuda else bytearray)
-                x = from_bytes(data, rd.dtype, rb_ - ra, width)
-                if cuda and not x.is_pinned():  # a column slice, gathered in pageable memory
-                    x = x.pin_memory()
-                inputs.append(x)
+            inputs = _read_block(t, reader, a, min(rows, a + step), cuda)
             _add(stages, "read", time.perf_counter() - t0)
             if not _put(q, inputs, stop):
                 return

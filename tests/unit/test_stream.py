@@ -186,3 +186,17 @@ def test_read_ahead_changes_no_byte(tmp_path, monkeypatch):
     assert len(started) == 2 and all(started)
     for f in (tmp_path / "a").glob("model*"):
         assert (tmp_path / "b" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_one_block_is_read_without_a_thread(table, monkeypatch):
+    folder, w, t = table
+    reader = _Reader(folder, 1 << 20)
+    started = []
+    monkeypatch.setattr(stream.threading.Thread, "start", lambda self: started.append(self))
+    try:
+        got = list(stream.blocks(t, reader, quantizer_for("cpu"), 1024, 0))
+    finally:
+        reader.close()
+    assert not started and len(got) == 1
+    q, _ = encode_fp8_blocks(w, (1, 32), "ue8m0")
+    assert bytes(to_bytes(got[0][0])) == bytes(to_bytes(q))
