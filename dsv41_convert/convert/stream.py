@@ -4,9 +4,8 @@ hashing overlap:
 
     reader thread   pread of block k+1 (into pinned memory on CUDA)
     caller          block k: H2D, the action's kernels, D2H into pinned memory, all queued on the
-                    current stream; then waits for block k-1's copies and writes it (store/sink.py:
-                    pwrite in the caller's thread)
-    Sink thread     sha256 of what was written before
+                    current stream; then waits for block k-1's copies and hands them to the Sink
+    Sink thread     sha256 and pwrite of block k-2 (store/sink.py)
 
 At most DEPTH blocks are read ahead and DEPTH are on the GPU, so host memory is a few blocks whatever
 the tensor size, and a tensor of any size (an Engram table of 91.5 GiB) never needs to fit on the GPU

@@ -1,8 +1,8 @@
 """Write one rank file of a plan: header first, then each tensor's bytes streamed into place, in order.
 
 Memory is bounded by the chunk size, never by tensor size: plain copies move `chunk_bytes` at a time
-(copy_file_range in the kernel, hashed from a map of the source: Sink.copy; with O_DIRECT through
-buffers with pread); actions that compute (dequantize, quantize, cast) take row chunks of at most
+with pread (copy_file_range, hashing from a map of the source, was measured slower on the dev box:
+docs/BENCHMARKS.md); actions that compute (dequantize, quantize, cast) take row chunks of at most
 chunk_bytes / 8 source bytes (on CUDA 64 MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale
 block is split, read ahead in a thread and overlapped with the GPU (stream.py). Reads stay ahead of the
 writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
@@ -343,18 +343,15 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
     rd = t.reads[0]
     rb = _row_bytes(rd.dtype, rd.shape)
     rows = rd.r1 - rd.r0
-    if rd.c1 < 0:  # one contiguous byte range: copied in the kernel, or through three buffers (see Sink)
+    if rd.c1 < 0:  # one contiguous byte range, through three buffers (see Sink)
         fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb + skip, rows * rb - skip
         while left:
             n = min(left, chunk_bytes)
             if left > n:  # the kernel reads the next chunk while this one is hashed and written
                 os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
-            if sink.buffered:
-                sink.copy(fd, pos, n, str(reader.src / rd.file), t.name)
-            else:
-                buf = reader.buffer()[:n]
-                pread_exact(fd, buf, pos, str(reader.src / rd.file))
-                sink.write(buf, t.name)
+            buf = reader.buffer()[:n]
+            pread_exact(fd, buf, pos, str(reader.src / rd.file))
+            sink.write(buf, t.name)
             pos, left = pos + n, left - n
         return
     step = max(1, chunk_bytes // max(rb, 1))

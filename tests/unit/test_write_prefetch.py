@@ -16,7 +16,6 @@ from dsv41_convert.convert import write
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.transform import quantizer_for
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes
-from dsv41_convert.store.sink import Sink
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +30,8 @@ def _region(rd) -> tuple[str, int, int]:
 
 
 def _record(monkeypatch, events: list) -> None:
-    """Note every WILLNEED hint and every source read (pread, or a copy in the kernel), in order, by file name."""
-    real_fadvise, real_pread, real_copy = os.posix_fadvise, write.pread_exact, Sink.copy
+    """Note every WILLNEED hint and every source read, in order, by file name."""
+    real_fadvise, real_pread = os.posix_fadvise, write.pread_exact
 
     def fadvise(fd, offset, length, advice):
         if advice == os.POSIX_FADV_WILLNEED:
@@ -43,12 +42,7 @@ def _record(monkeypatch, events: list) -> None:
         events.append(("read", Path(label).name, offset, offset + len(buf)))
         return real_pread(fd, buf, offset, label)
 
-    def copy(self, fd, pos, n, label, tensor):
-        events.append(("read", Path(label).name, pos, pos + n))
-        return real_copy(self, fd, pos, n, label, tensor)
-
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
-    monkeypatch.setattr(Sink, "copy", copy)
     monkeypatch.setattr(write, "pread_exact", pread)
 
 
