@@ -48,7 +48,7 @@ from dsv41_convert.store.sink import Sink
 CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20
 PREFETCH_BYTES = 256 << 20  # read-ahead hint; dev box, tp 8 of 23.7 GB: 64 MiB 84-90 s, 256 MiB 73-81 s
-READ_AHEAD_BYTES = 1 << 30  # source bytes read into the page cache past the current tensor (stream.ReadAhead),
+READ_AHEAD_BYTES = 1 << 30  # source bytes read into the page cache past the current tensor (stream.ReadAhead)
 READ_AHEAD_DEVICES = ("cuda",)  # on these devices only
 JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs an fdatasync (256 MiB: +7 s of 33)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -158,7 +158,7 @@ def write_partial(
 
     resume: go on from the last verified checkpoint of an existing partial file (else from byte 0).
     stats:  if given, filled with resumed_from (bytes kept from the partial file), resume (why / why not)
-            and stages (seconds per pipeline stage: read, wait_read, h2d, kernel, d2h, wait_gpu, write, hash).
+            and stages (seconds: read, wait_read, read_ahead, h2d, kernel, d2h, launch, wait_gpu, write, hash).
     direct_io: append with O_DIRECT (bypassing the page cache) where the file system allows it.
     -> (size, sha256 hex)
     """
