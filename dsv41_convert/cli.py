@@ -168,7 +168,7 @@ def shard_cmd(
     out: opts.OutArg,
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
-    workers: opts.WorkersOpt = 1,
+    workers: opts.WorkersOpt = "auto",  # parse_workers: 0, picked by execute()
     ranks: opts.RanksOpt = None,
     resume: opts.ResumeOpt = False,
     overwrite: opts.OverwriteOpt = False,
