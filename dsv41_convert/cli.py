@@ -86,9 +86,9 @@ def make_tiny(
 # --- commands: plan, shard ---
 
 
-def _local_source(src: Path, tp: int) -> Path:
+def _local_source(src: Path, tp: int | None = None) -> Path:
     """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified
-    first, after its config.json alone has shown that the model can run at `tp`."""
+    first, after its config.json alone has shown that the model can run at `tp` (when one is given)."""
     if src.exists():
         return src
     from dsv41_convert.config import load_model_args
@@ -99,7 +99,7 @@ def _local_source(src: Path, tp: int) -> Path:
         check_tp(load_model_args(config), tp, f"{src}: {config.name}")
 
     with report.byte_progress(f"download {src}") as progress:
-        return resolve_source(str(src), progress=progress, check_config=runs_at_tp)
+        return resolve_source(str(src), progress=progress, check_config=runs_at_tp if tp is not None else None)
 
 
 WithHeadersOpt = Annotated[
@@ -169,7 +169,7 @@ def shard_cmd(
     out: opts.OutArg,
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
-    workers: opts.WorkersOpt = 1,
+    workers: opts.WorkersOpt = "auto",  # parse_workers: 0, picked by execute()
     ranks: opts.RanksOpt = None,
     resume: opts.ResumeOpt = False,
     overwrite: opts.OverwriteOpt = False,
