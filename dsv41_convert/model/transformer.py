@@ -122,7 +122,11 @@ class Transformer(nn.Module):
         all_logits:  logits of every position instead of the last
         hidden_states: if a dict, filled with this rank's per-module outputs (cloned):
             "embed" [b, s, dim], "layers.{i}.attn" / "layers.{i}.ffn" [b, s, dim],
-            "layers.{i}" [b, s, hc, dim], "norm" [b, s, dim]
+            "layers.{i}" [b, s, hc, dim], "norm" [b, s, dim], all bfloat16; and what a block needs
+            besides its input to be run on its own (verify.teacher): "layers.{i}.pre_mix" [b, s, hc]
+            float32 (the collapse weights block i hands to block i + 1), "layers.{i}.engram"
+            [b, s, hc, dim] bfloat16 (Engram layers), "layers.{i}.attn.indexer" [b, s, k] int64 (the
+            top-k of an index source)
         -> output_ids [b] (or [b, s]) int64, logits [b, vocab] (or [b, s, vocab]) float32,
            main_hidden [b, s, len(target_layer_ids) * dim] bfloat16 for the MTP stages, or None
         """
@@ -153,6 +157,7 @@ class Transformer(nn.Module):
                 h, pre_mix = layer(h, start_pos, pre_mix, image_mask)
                 if hidden_states is not None:
                     hidden_states[f"layers.{i}"] = h.clone()
+                    hidden_states[f"layers.{i}.pre_mix"] = pre_mix.clone()
             h = self.norm(layer.hc_pre(h, pre_mix))
             if hidden_states is not None:
                 hidden_states["norm"] = h.clone()
@@ -165,11 +170,11 @@ class Transformer(nn.Module):
         return output_ids, logits, main_hidden
 
     def _capture(self, store: dict[str, torch.Tensor]) -> list:
-        """Forward hooks that copy each layer's attention and MoE output into `store`."""
+        """Forward hooks that copy each layer's attention, MoE, Engram output and indexer choice into `store`."""
 
-        def saver(key: str):
+        def saver(key: str, dtype: torch.dtype | None = None):
             def hook(_module, _inputs, output):
-                store[key] = output.clone()
+                store[key] = output.clone() if dtype is None else output.to(dtype)
 
             return hook
 
@@ -177,6 +182,11 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             hooks.append(layer.attn.register_forward_hook(saver(f"layers.{i}.attn")))
             hooks.append(layer.ffn.register_forward_hook(saver(f"layers.{i}.ffn")))
+            if layer.engram is not None:
+                hooks.append(layer.engram.register_forward_hook(saver(f"layers.{i}.engram")))
+            if getattr(layer.attn, "indexer", None) is not None:
+                indexer_hook = saver(f"layers.{i}.attn.indexer", torch.int64)
+                hooks.append(layer.attn.indexer.register_forward_hook(indexer_hook))
         return hooks
 
     @torch.inference_mode()

@@ -12,7 +12,11 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
     draft_logits    [B, T, K, V]     float32  (optional) DSpark draft logits after each decode step
     token_types     [B, S]           int64    (optional) -1 text, 0..3 image span (image prompts)
     hidden.<module> [B, S, ...]      bfloat16 (optional) prefill outputs per module ("embed",
-                                              "layers.7.ffn", ...), for localization
+                                              "layers.7.ffn", ...), for localization and teacher forcing
+    hidden.layers.<i>.pre_mix  [B, S, hc]         float32  (optional) the collapse weights block i hands on
+    hidden.layers.<i>.engram   [B, S, hc, dim]    bfloat16 (optional) Engram layers: the stream after Engram
+    hidden.layers.<i>.attn.indexer [B, S, k]      int64    (optional) index sources: the chosen compressed rows
+        With these, every block can be run alone on the reference's input (verify.teacher); padding rows are 0.
 
 Metadata (`__metadata__`, strings): format = "dsv41-reference-logits/1", max_seq_len, source_format
 ("fp8" | "bf16"), device, tp, and JSON lists `labels` and `images` (one path or "" per prompt).
@@ -48,7 +52,7 @@ from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
 FORMAT = "dsv41-reference-logits/1"
 PAD_ID = -1
-# name -> (dtype, dims); hidden.<module> tensors are bfloat16 [B, S, ...]
+# name -> (dtype, dims); hidden.<module> tensors are bfloat16 [B, S, ...] except HIDDEN_DTYPES' suffixes
 LAYOUT = {
     "input_ids": (torch.int64, 2),
     "logits": (torch.float32, 2),
@@ -59,6 +63,7 @@ LAYOUT = {
     "draft_logits": (torch.float32, 4),
     "token_types": (torch.int64, 2),
 }
+HIDDEN_DTYPES = {".pre_mix": torch.float32, ".indexer": torch.int64}  # hidden.<module> by suffix; else bfloat16
 SHAPES = {  # the shape each optional tensor must have, in the sizes the file's own tensors set
     "lengths": ("B",),
     "logits_all": ("B", "S", "V"),
@@ -123,7 +128,7 @@ def save(ref: Reference, path: Path) -> None:
         out["token_types"] = types
     for key in runs[0].hidden:
         first = runs[0].hidden[key]
-        h = torch.zeros(b, s, *first.shape[1:], dtype=torch.bfloat16)
+        h = torch.zeros(b, s, *first.shape[1:], dtype=hidden_dtype(key))
         for row, run in enumerate(runs):
             h[row, : lengths[row]] = run.hidden[key]
         out[f"hidden.{key}"] = h
@@ -144,6 +149,11 @@ def save(ref: Reference, path: Path) -> None:
     tmp = path.with_name(path.name + ".partial")
     save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata=meta)
     tmp.replace(path)
+
+
+def hidden_dtype(module: str) -> torch.dtype:
+    """The dtype of hidden.<module> in the file (the module docstring)."""
+    return next((d for suffix, d in HIDDEN_DTYPES.items() if module.endswith(suffix)), torch.bfloat16)
 
 
 def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) -> Reference:
@@ -240,8 +250,8 @@ def _problems(
     for key in sorted(t):
         x = t[key]
         if key.startswith("hidden."):
-            if x.dtype != torch.bfloat16 or x.dim() < 2:
-                out.append(f"{key} is {x.dtype} {list(x.shape)}, expected torch.bfloat16 [B, S, ...]")
+            if x.dtype != hidden_dtype(key) or x.dim() < 2:
+                out.append(f"{key} is {x.dtype} {list(x.shape)}, expected {hidden_dtype(key)} [B, S, ...]")
         elif key not in LAYOUT:
             out.append(f"{key}: not a tensor of this format (known: {', '.join(LAYOUT)}, hidden.<module>)")
         elif x.dtype != LAYOUT[key][0] or (x.dim() != LAYOUT[key][1] and key not in SHAPES):

@@ -1,0 +1,270 @@
+"""The teacher-forced per-module check: each module of the converted model run on the reference's input
+to that module, its output compared with the reference's output, within measured reduction noise.
+
+For references no exact check can match (another tp that is not 1, another device, another torch): the
+noise of a tp-N run against a tp-1 reference compounds through the layers until it is as large as a
+wrong tensor's effect (verify.thresholds), but one module fed bit-identical inputs differs from the
+reference only by the order of its own sums, a few bf16 ulps. The reference file holds what that needs
+(verify.reffile): every module's prefill output, the collapse weights each block hands on (`pre_mix`),
+the stream after Engram, and each index source's top-k choice.
+
+The prefill runs the whole model once on every rank, with hooks that replace, as each module returns,
+its output by the reference's (after keeping its own for the comparison):
+    embed                        own output kept (after image spans are merged); block 0 gets the reference's
+    layers.i.engram              input: the reference's stream before layer i; output forced
+    layers.i (block)             input: the reference's stream and pre_mix; output and pre_mix forced
+    layers.i.attn, layers.i.ffn  output forced, so the FFN and the block's hc mixing see the reference's values
+    layers.i.attn.indexer        top-k forced: a last-bit change of a score can swap two near-equal
+                                 candidates (SPEC.md section 6), a discontinuity no ulp bound covers; the
+                                 rows whose choice differs are counted and bounded apart
+    norm                         output forced; the head then runs on the reference's final norm -> logits
+What the attention layers share across layers (the compressed KV and index keys a kv source writes, the
+candidates of a candidate source: model.runtime) is computed within the same forward by the converted
+source layers from their own, forced, inputs, so it too carries one module's noise, never a compounded one.
+
+Catches: a wrong value in any module's weights that the prompts reach, located to the module; a wrong
+indexer choosing other rows. Cannot catch: values no prompt reaches; the decode steps and the DSpark
+stages (their inputs are not recorded: the logit sections of verify still judge them statistically).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.model.block import make_identity_pre_mix
+from dsv41_convert.model.load import load_shards
+from dsv41_convert.verify import launch as launcher
+from dsv41_convert.verify.reffile import Reference
+from dsv41_convert.verify.runner import ModelInput, attach_images, build_model
+from dsv41_convert.verify.verdict import Check
+
+# Per-module bounds in bf16 ulps of each row's largest reference value (`bf16_ulps`), and the share of
+# positions whose indexer choice may differ. Measured on make-tiny (seed 0, fp8 source, fp4 and fp8
+# experts), correct conversions at tp 2, 4, 8 against a tp-1 reference, 1 CPU thread per rank:
+# MEASURED_BELOW
+BOUNDS = {
+    "embed": 0.0,
+    "engram": 0.0,
+    "attn": 2.0,
+    "ffn": 2.0,
+    "block": 0.0,
+    "norm": 0.0,
+    "logits": 2.0,
+}
+MAX_INDEXER_FLIPS = 0.1  # share of (position) rows
+
+
+@dataclass
+class TeacherJob:
+    folder: str
+    max_seq_len: int
+    inputs: list[ModelInput]
+    hidden: list[dict[str, Tensor]]  # per prompt, the reference's hidden states [S, ...]
+    logits_all: list[Tensor | None]  # per prompt, the reference's [S, V] float32, or None
+    device: str
+
+
+@dataclass
+class ModuleDeviations:
+    """One prompt: worst deviation of each module's output from the reference's."""
+
+    ulps: dict[str, float] = field(default_factory=dict)  # module -> bf16 ulps (bf16_ulps)
+    flips: dict[str, float] = field(default_factory=dict)  # indexer module -> share of rows choosing otherwise
+
+
+def module_kind(key: str) -> str:
+    """The bound a hidden-state key is judged by: embed | engram | attn | ffn | block | norm | logits."""
+    if key in ("embed", "norm", "logits"):
+        return key
+    last = key.rsplit(".", 1)[-1]
+    if last in ("engram", "attn", "ffn"):
+        return last
+    return "block"  # layers.i and layers.i.pre_mix
+
+
+def required_keys(args: ModelArgs) -> list[str]:
+    """The hidden states a reference must hold for the teacher-forced check of a model with `args`."""
+    keys = ["embed", "norm"]
+    for i in range(args.n_layers):
+        keys += [f"layers.{i}", f"layers.{i}.pre_mix", f"layers.{i}.attn", f"layers.{i}.ffn"]
+        if i in args.engram_layer_ids:
+            keys.append(f"layers.{i}.engram")
+    return keys
+
+
+def applies(ref: Reference, args: ModelArgs) -> bool:
+    """The reference holds every hidden state the check needs, for every prompt."""
+    need = required_keys(args)
+    return bool(ref.runs) and all(all(k in r.hidden for k in need) for r in ref.runs)
+
+
+def bf16_ulps(ref: Tensor, got: Tensor) -> float:
+    """max |got - ref| in bf16 ulps of the largest |ref| of its row (last dim): reduction noise moves an
+    element by an ulp of the sums it came from, and those are of the row's scale, not of the element's.
+
+    ref, got: [..., n] any float dtype -> a float (0.0: bit-identical values)
+    """
+    ref, got = ref.float(), got.float()
+    scale = ref.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - 7)  # bf16: 8 significant bits
+    diff = (got - ref).abs() / ulp
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def teacher_rank(job: TeacherJob) -> list[ModuleDeviations]:
+    """The body of one rank: load this rank's file, run every prompt's prefill with teacher forcing."""
+    folder = Path(job.folder)
+    args = load_model_args(folder / "config.json").with_runtime(
+        max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0
+    )
+    tokenizer = folder / "tokenizer.json"
+    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    load_shards(model, folder)  # verify's ranks loaded the same files before this runs
+    if job.device != "cpu":
+        from dsv41_convert.model.warm import warm_up_kernels
+
+        model = model.to(job.device)
+        warm_up_kernels(model, job.device)
+    return [
+        forced_prefill(model, attach_images(inp, args), hidden, logits, job.device)
+        for inp, hidden, logits in zip(job.inputs, job.hidden, job.logits_all, strict=True)
+    ]
+
+
+@torch.inference_mode()
+def forced_prefill(
+    model, inp: ModelInput, ref: dict[str, Tensor], ref_logits: Tensor | None, device: str
+) -> ModuleDeviations:
+    """One prompt's prefill with every module's output replaced by the reference's (module docstring).
+
+    ref: the reference's hidden states of this prompt, [S, ...] each (reffile)
+    ref_logits: [S, V] float32, the reference's logits_all, or None
+    """
+
+    def want(key: str, like: Tensor | None = None) -> Tensor:
+        t = ref[key][None].to(device)
+        return t if like is None else t.to(like.dtype)
+
+    own: dict[str, Tensor] = {}
+
+    def forced(key: str):
+        def hook(_module, _inputs, output):
+            own[key] = output
+            return want(key, output)
+
+        return hook
+
+    def stream_before(i: int, like: Tensor) -> Tensor:
+        """The reference's stream entering layer i (before its Engram): [1, S, hc, dim]"""
+        if i == 0:
+            return want("embed", like).unsqueeze(2).repeat(1, 1, model.hc_mult, 1)
+        return want(f"layers.{i - 1}", like)
+
+    def block_inputs(i: int):
+        def pre_hook(_module, args):
+            x, start_pos, _pre_mix, image_mask, *rest = args
+            x_in = want(f"layers.{i}.engram", x) if model.layers[i].engram is not None else stream_before(i, x)
+            pre_mix = make_identity_pre_mix(x, model.hc_mult) if i == 0 else want(f"layers.{i - 1}.pre_mix")
+            return (x_in, start_pos, pre_mix, image_mask, *rest)
+
+        return pre_hook
+
+    def block_outputs(i: int):
+        def hook(_module, _inputs, output):
+            own[f"layers.{i}"], own[f"layers.{i}.pre_mix"] = output
+            return want(f"layers.{i}", output[0]), want(f"layers.{i}.pre_mix", output[1])
+
+        return hook
+
+    def engram_input(i: int):
+        def pre_hook(_module, args):
+            x, *rest = args
+            return (stream_before(i, x), *rest)
+
+        return pre_hook
+
+    hooks = [model.embed.register_forward_hook(lambda _m, _i, out: own.update(embed=out) and None)]
+    for i, layer in enumerate(model.layers):
+        hooks.append(layer.register_forward_pre_hook(block_inputs(i)))
+        hooks.append(layer.register_forward_hook(block_outputs(i)))
+        hooks.append(layer.attn.register_forward_hook(forced(f"layers.{i}.attn")))
+        hooks.append(layer.ffn.register_forward_hook(forced(f"layers.{i}.ffn")))
+        if layer.engram is not None:
+            hooks.append(layer.engram.register_forward_pre_hook(engram_input(i)))
+            hooks.append(layer.engram.register_forward_hook(forced(f"layers.{i}.engram")))
+        key = f"layers.{i}.attn.indexer"
+        if getattr(layer.attn, "indexer", None) is not None and key in ref:
+            hooks.append(layer.attn.indexer.register_forward_hook(forced(key)))
+    hooks.append(model.norm.register_forward_hook(forced("norm")))
+    ids = inp.input_ids.to(device)[None]
+    types = None if inp.token_types is None else inp.token_types.to(device)[None]
+    images = None if inp.images is None else [inp.images]
+    try:
+        _, logits, _ = model(ids, 0, images, types, all_logits=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = ModuleDeviations()
+    for key, got in own.items():
+        if key.endswith(".indexer"):
+            out.flips[key] = float((got[0].long() != ref[key].to(device)).any(-1).float().mean())
+        else:
+            out.ulps[key] = bf16_ulps(ref[key].to(device), got[0])
+    if ref_logits is not None:
+        out.ulps["logits"] = bf16_ulps(ref_logits.to(device), logits[0])
+    return out
+
+
+def teacher_check(folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None) -> Check:
+    """Run the converted rank files teacher-forced on `tp` ranks and judge every module by BOUNDS."""
+    return judge(measure(folder, ref, tp, device, threads), ref.labels)
+
+
+def measure(folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None) -> list[ModuleDeviations]:
+    """Every prompt's per-module deviations of the converted rank files run teacher-forced on `tp` ranks."""
+    job = TeacherJob(
+        str(folder),
+        ref.max_seq_len,
+        ref.inputs,
+        [r.hidden for r in ref.runs],
+        [r.logits_all if ref.has_logits_all else None for r in ref.runs],
+        device,
+    )
+    return launcher.launch(teacher_rank, job, tp, device, threads)
+
+
+def judge(per_prompt: list[ModuleDeviations], labels: list[str]) -> Check:
+    """The "teacher" Check: a failure for each module whose deviation breaks its bound (worst prompt)."""
+    worst_ulps: dict[str, tuple[float, str]] = {}
+    worst_flips: dict[str, tuple[float, str]] = {}
+    for label, dev in zip(labels, per_prompt, strict=True):
+        for table, found in ((worst_ulps, dev.ulps), (worst_flips, dev.flips)):
+            for key, value in found.items():
+                if key not in table or value > table[key][0]:
+                    table[key] = (value, label)
+    fails = []
+    for key, (value, label) in worst_ulps.items():
+        bound = BOUNDS[module_kind(key)]
+        if not value <= bound:  # NaN fails
+            fails.append(f"teacher {key}: {_fmt(value)} bf16 ulps > {bound:g} ({label})")
+    for key, (value, label) in worst_flips.items():
+        if not value <= MAX_INDEXER_FLIPS:
+            fails.append(f"teacher {key}: top-k differs at {value:.0%} of positions > {MAX_INDEXER_FLIPS:.0%} ({label})")
+    exact = all(v == 0 for v, _ in worst_ulps.values()) and all(v == 0 for v, _ in worst_flips.values())
+    worst = max(worst_ulps.items(), key=lambda kv: kv[1][0], default=None)
+    note = "each module on the reference's input, within measured reduction noise"
+    if worst is not None:
+        note += f" (worst: {worst[0]} {_fmt(worst[1][0])} ulps"
+        flipped = sum(1 for v, _ in worst_flips.values() if v > 0)
+        note += f"; indexer choices differing in {flipped} of {len(worst_flips)} layers)"
+    return Check("teacher", exact, False, fails, note)
+
+
+def _fmt(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.3g}"
