@@ -6,6 +6,8 @@
 The reference is either the source checkpoint (computed here, tp 1, weights transformed in memory)
 or a reference-logits file. The converted folder is run with one process per rank (verify.launch);
 against a tp-1 file at tp > 1 the rank files are also merged back and replayed at tp 1 (verify.replay).
+Where no exact check applies and the file holds the hidden states, each module is also run on the
+reference's input to it (verify.teacher).
 The verdict (verify.verdict) is PASS only when a check held bit for bit, INCONCLUSIVE when only
 statistical bounds applied (unless --statistical), FAIL on any mismatch.
 Under torchrun every rank calls `verify`; each computes (or reads) the same reference, only rank 0
@@ -25,7 +27,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
-from dsv41_convert.verify import localize, reffile
+from dsv41_convert.verify import localize, reffile, teacher
 from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
@@ -53,6 +55,7 @@ class VerifyOptions:
     localize: bool = True
     threads: int | None = None  # torch threads per process (default: cores / tp, or the reference's)
     statistical: bool = False  # accept statistical bounds as a PASS when no decisive check applies
+    replay: bool = True  # False: no tp-1 replay (it holds the merged model in RAM); the teacher check may run
 
 
 @dataclass
@@ -214,13 +217,25 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
         if out.twin_runs is not None:
             result.checks.append(_twin_check(result))
     replay_runs = None
-    if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device:
+    if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
         t2 = time.perf_counter()
         say(f"replay: {conv} merged back to tp 1 in memory, run in this process")
         check, replay_runs = replay_check(conv, ref, opts.device, opts.threads)
         result.checks.append(check)
         seconds["replay"] = time.perf_counter() - t2
-    result.failures += [f for c in result.checks if c.name == "replay" for f in c.failures]
+    replayed = any(c.name == "replay" for c in result.checks)
+    if (
+        src_ref is None
+        and blockers
+        and not replayed
+        and not isinstance(out, LoadFailure)
+        and teacher.applies(ref, conv_args, opts.device)
+    ):
+        t2 = time.perf_counter()
+        say(f"teacher: every module of {conv} on the reference's input to it ({tp} rank(s))")
+        result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads))
+        seconds["teacher"] = time.perf_counter() - t2
+    result.failures += [f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures]
     result.verdict = decide(result.checks, result.failures, opts.statistical)
     if result.verdict == INCONCLUSIVE:
         result.advice = advice(tp, src_ref is not None)

@@ -48,14 +48,15 @@ def render(result: VerifyResult) -> Group:
     parts: list = [table]
     style = {"PASS": "bold green", "FAIL": "bold red"}.get(result.verdict, "bold yellow")
     if result.decisive:
-        how = "decisive: " + ", ".join(result.decisive) + " bit for bit"
+        held = [c for c in result.checks if c.decisive]
+        how = "decisive: " + ", ".join(c.name + (" bit for bit" if c.exact else " within measured noise") for c in held)
     elif result.verdict == "PASS":
         how = "statistical bounds only (--statistical)"
     else:
         how = "no decisive check held"
     parts.append(Text.assemble(Text(result.verdict, style=style), f"  mode {result.thresholds.mode}; {how}"))
     for c in result.checks:
-        mark = "exact" if c.exact else ("differs" if c.expected_exact else "not exact")
+        mark = "exact" if c.exact else ("differs" if c.expected_exact else "held" if c.decisive else "not exact")
         parts.append(Text(f"  check {c.name}: {mark} ({c.note})", style="dim" if not c.failures else "red"))
     for f in result.failures:
         parts.append(Text(f"  {f}", style="red"))

@@ -1,0 +1,49 @@
+"""verify.teacher's deviation measure and the reference file's teacher-forcing tensors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from safetensors.torch import save_file
+
+from dsv41_convert.verify import reffile
+from dsv41_convert.verify.teacher import ModuleDeviations, bf16_ulps, judge
+
+
+def test_bf16_ulps_counts_in_ulps_of_the_row_scale():
+    ref = torch.tensor([[1.0, 0.5, -0.25], [8.0, 0.0, 1e-3]])
+    assert bf16_ulps(ref, ref.clone()) == 0.0
+    got = ref.clone()
+    got[0, 2] += 2**-7  # one bf16 ulp of 1.0 (the row's largest), 4 of the element -0.25 itself
+    assert bf16_ulps(ref, got) == 1.0
+    got[1, 1] += 3 * 2**-4  # three ulps of 8.0
+    assert bf16_ulps(ref, got) == 3.0
+    assert math.isnan(bf16_ulps(ref, torch.full_like(ref, float("nan"))))
+
+
+def test_judge_fails_a_module_over_the_bound_and_too_many_indexer_flips():
+    quiet = ModuleDeviations({"layers.0.attn": 1.0, "layers.0.ffn": 0.0}, {"layers.1.attn.indexer": 0.025})
+    loud = ModuleDeviations({"layers.0.attn": 0.0, "layers.0.ffn": 9.0}, {"layers.1.attn.indexer": 0.5})
+    held = judge([quiet], ["a"])
+    assert held.decisive and not held.exact and not held.failures
+    failed = judge([quiet, loud], ["a", "b"])
+    assert not failed.decisive
+    assert any(f.startswith("teacher layers.0.ffn: 9 bf16 ulps > 2 (b)") for f in failed.failures), failed.failures
+    assert any(f.startswith("teacher layers.1.attn.indexer") for f in failed.failures), failed.failures
+    assert judge([ModuleDeviations({"norm": float("nan")})], ["a"]).failures
+
+
+def test_reference_file_checks_the_dtype_of_teacher_tensors(tmp_path):
+    base = {"input_ids": torch.zeros(1, 4, dtype=torch.int64), "logits": torch.zeros(1, 8)}
+    good = base | {
+        "hidden.layers.0.pre_mix": torch.zeros(1, 4, 2),
+        "hidden.layers.1.attn.indexer": torch.zeros(1, 4, 3, dtype=torch.int64),
+        "hidden.layers.0.engram": torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16),
+    }
+    save_file(good, str(tmp_path / "good.safetensors"))
+    assert reffile.validate_reference_file(tmp_path / "good.safetensors") == []
+    bad = good | {"hidden.layers.0.pre_mix": torch.zeros(1, 4, 2, dtype=torch.bfloat16)}
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    problems = reffile.validate_reference_file(tmp_path / "bad.safetensors")
+    assert len(problems) == 1 and "hidden.layers.0.pre_mix" in problems[0] and "float32" in problems[0], problems
