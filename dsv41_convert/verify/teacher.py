@@ -216,7 +216,7 @@ def forced_prefill(
 
 
 def teacher_check(folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None) -> Check:
-    """Run the converted rank files teacher-forced on `tp` ranks and judge every module by ULPS_BOUND and MAX_INDEXER_FLIPS."""
+    """Run the converted rank files teacher-forced on `tp` ranks; judge by ULPS_BOUND and MAX_INDEXER_FLIPS."""
     return judge(measure(folder, ref, tp, device, threads), ref.labels)
 
 
