@@ -42,13 +42,18 @@ def test_outputs_and_hidden_states(model, ids):
     assert logits.shape == (2, ARGS.vocab_size) and logits.dtype == torch.float32
     assert torch.equal(out, logits.argmax(-1)) and main_hidden is None
     assert bool(torch.isfinite(logits).all()) and logits.std() > 0.1
-    want = {"embed", "norm"} | {f"layers.{i}{s}" for i in range(6) for s in ("", ".attn", ".ffn")}
+    want = {"embed", "norm"} | {f"layers.{i}{s}" for i in range(6) for s in ("", ".attn", ".ffn", ".pre_mix")}
+    want |= {f"layers.{i}.engram" for i in ARGS.engram_layer_ids}
+    want |= {f"layers.{i}.attn.indexer" for i, layer in enumerate(model.layers) if layer.attn.indexer is not None}
     assert set(hs) == want
+    assert any(k.endswith(".indexer") for k in want)  # the tiny model has index sources
+    assert hs["layers.5.pre_mix"].shape == (2, SEQ, ARGS.hc_mult) and hs["layers.5.pre_mix"].dtype == torch.float32
     d = ARGS.dim
     assert hs["embed"].shape == hs["norm"].shape == hs["layers.3.attn"].shape == hs["layers.3.ffn"].shape == (2, SEQ, d)
     assert hs["layers.5"].shape == (2, SEQ, ARGS.hc_mult, d)
     # capture leaves no hooks behind, and capturing does not change the result
     assert all(not layer.attn._forward_hooks and not layer.ffn._forward_hooks for layer in model.layers)
+    assert all(layer.attn.indexer is None or not layer.attn.indexer._forward_hooks for layer in model.layers)
     _, again, _ = model(ids)
     assert torch.equal(again, logits)
 
