@@ -107,6 +107,8 @@ def advice(tp: int, from_source: bool) -> str:
     ways = [
         f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}`)",
         "a tp-1 reference computed on this device (the rank files are then replayed at tp 1)",
+        "a `reference-logits` file from this device with its hidden states, at any tp (each module is then "
+        "checked on the reference's input: teacher)",
     ]
     if not from_source:
         ways.append("the source checkpoint (`--reference SRC`: the twin)")

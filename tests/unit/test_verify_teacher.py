@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from dsv41_convert.verify import reffile
 from dsv41_convert.verify.teacher import ModuleDeviations, bf16_ulps, judge
+from dsv41_convert.verify.verdict import FAIL, PASS, decide
 
 
 def test_bf16_ulps_counts_in_ulps_of_the_row_scale():
@@ -32,6 +33,9 @@ def test_judge_fails_a_module_over_the_bound_and_too_many_indexer_flips():
     assert any(f.startswith("teacher layers.0.ffn: 9 bf16 ulps > 2 (b)") for f in failed.failures), failed.failures
     assert any(f.startswith("teacher layers.1.attn.indexer") for f in failed.failures), failed.failures
     assert judge([ModuleDeviations({"norm": float("nan")})], ["a"]).failures
+    # a held teacher check decides the run; a broken one fails it (verify.verdict)
+    assert decide([held], [], statistical=False) == PASS
+    assert decide([failed], [], statistical=False) == FAIL
 
 
 def test_reference_file_checks_the_dtype_of_teacher_tensors(tmp_path):
