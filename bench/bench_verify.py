@@ -4,7 +4,8 @@
 
 For each tp: `shard`, `reference-logits --tp 1` and `--tp N`, then `verify` against the tp-N file (the
 reference check is exact), against the tp-1 file (the N-rank run plus the tp-1 replay) and with
-`--reference SRC` (twin). "ranks only" is the N-rank run inside the tp-1 verify (its `converted` seconds
+`--reference SRC` (twin), and against the tp-1 file with `--no-replay` (teacher). "ranks only" is the
+N-rank run inside the tp-1 verify (its `converted` seconds
 plus reading the file): what verify cost before the replay existed. Wall times of the CLI in a
 subprocess (Python and torch start-up included), best of --repeat; prints a Markdown table.
 """
@@ -63,6 +64,7 @@ def main() -> None:
         t_same, j_same = best(a.repeat, "verify", str(out), "--reference-logits", str(ref_n), *th)
         t_rep, j_rep = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), *th)
         t_src, j_src = best(a.repeat, "verify", str(out), "--reference", str(src), *th)
+        t_tf, j_tf = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), "--no-replay", *th)
         if a.baseline:
             env = os.environ | {"PYTHONPATH": str(a.baseline)}
             t_old, j_old = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), *th, env=env)
@@ -75,6 +77,9 @@ def main() -> None:
             f"| verify mp{tp} vs tp-1 file | {t_rep:.1f} s (ranks {s['converted']:.1f} s, replay {s['replay']:.1f} s)"
             f" | {j_rep['verdict']}, decisive {j_rep['decisive']}; {t_rep / ranks_only:.2f}x the ranks-only run |",
             f"| verify mp{tp} --reference SRC | {t_src:.1f} s | {j_src['verdict']}, decisive {j_src['decisive']} |",
+            f"| verify mp{tp} vs tp-1 file --no-replay | {t_tf:.1f} s"
+            f" (teacher {j_tf['seconds'].get('teacher', 0):.1f} s)"
+            f" | {j_tf['verdict']}, decisive {j_tf['decisive']}; {t_tf / ranks_only:.2f}x the ranks-only run |",
         ]
     print(f"{platform.node()}, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"preset {a.preset}, best of {a.repeat}, threads {a.threads or 'default'}, "

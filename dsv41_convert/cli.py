@@ -247,6 +247,14 @@ StatisticalOpt = Annotated[
         "--statistical", help="Accept statistical bounds (--max-kl, --min-top1, ...) as PASS where no check is exact."
     ),
 ]
+NoReplayOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-replay",
+        help="Do not merge the rank files back to tp 1 (it holds the whole model here); "
+        "with hidden states the teacher-forced check decides.",
+    ),
+]
 RefTpOpt = Annotated[int, typer.Option("--tp", min=1, help="Ranks to compute the reference on (one process each).")]
 AsConvertedOpt = Annotated[
     bool,
@@ -273,6 +281,7 @@ def verify_cmd(
     min_cos: MinCosOpt = None,
     no_localize: NoLocalizeOpt = False,
     statistical: StatisticalOpt = False,
+    no_replay: NoReplayOpt = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Run the converted weights (one process per rank) and compare their logits with a reference.
@@ -281,8 +290,10 @@ def verify_cmd(
     from `reference-logits`. Compared per prompt and overall: last-position and all-position logits,
     greedy decode steps, DSpark drafts. PASS needs a decisive check, bit for bit: a reference file
     computed at this tp and device; a tp-1 reference file (the rank files are also merged back to tp 1
-    and replayed here); or a source (its converted output, the "twin", runs on the same ranks). Where
-    only statistical bounds apply the verdict is INCONCLUSIVE (exit 3), unless --statistical. On failure,
+    and replayed here); or a source (its converted output, the "twin", runs on the same ranks). Else a
+    reference file with hidden states from this device (any tp) runs each module on the reference's input
+    to it, within measured noise ("teacher"). Where only statistical bounds apply the verdict is
+    INCONCLUSIVE (exit 3), unless --statistical. On failure,
     names the first diverging module and (with a source) the tensors that differ. Under torchrun, joins
     its process group. Exit 0 PASS, 1 FAIL (mismatch), 2 input error, 3 INCONCLUSIVE.
 
@@ -298,7 +309,7 @@ def verify_cmd(
     overrides = {"atol": atol, "max_kl": max_kl, "max_kl_mean": max_kl_mean, "min_top1": min_top1, "min_cos": min_cos}
     opts = VerifyOptions(
         converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
-        not no_localize, threads, statistical,
+        not no_localize, threads, statistical, replay=not no_replay,
     )  # fmt: skip
     result = verify(opts, progress=None if as_json else report.info)
     if result is None:  # a torchrun rank other than 0
