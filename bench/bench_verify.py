@@ -5,8 +5,8 @@
 For each tp: `shard`, `reference-logits --tp 1` and `--tp N`, then `verify` against the tp-N file (the
 reference check is exact), against the tp-1 file (the N-rank run plus the tp-1 replay) and with
 `--reference SRC` (twin), and against the tp-1 file with `--no-replay` (teacher). "ranks only" is the
-N-rank run inside the tp-1 verify (its `converted` seconds
-plus reading the file): what verify cost before the replay existed. Wall times of the CLI in a
+N-rank run inside the tp-1 verify (its `converted` seconds plus reading the file): what verify cost
+before the replay existed. Wall times of the CLI in a
 subprocess (Python and torch start-up included), best of --repeat; prints a Markdown table.
 """
 

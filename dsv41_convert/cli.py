@@ -291,11 +291,11 @@ def verify_cmd(
     greedy decode steps, DSpark drafts. PASS needs a decisive check, bit for bit: a reference file
     computed at this tp and device; a tp-1 reference file (the rank files are also merged back to tp 1
     and replayed here); or a source (its converted output, the "twin", runs on the same ranks). Else a
-    reference file with hidden states from this device (any tp) runs each module on the reference's input
-    to it, within measured noise ("teacher"). Where only statistical bounds apply the verdict is
-    INCONCLUSIVE (exit 3), unless --statistical. On failure,
-    names the first diverging module and (with a source) the tensors that differ. Under torchrun, joins
-    its process group. Exit 0 PASS, 1 FAIL (mismatch), 2 input error, 3 INCONCLUSIVE.
+    reference file with hidden states from this device (any tp) runs each module on the reference's
+    input to it, within measured noise ("teacher"). Where only statistical bounds apply the verdict is
+    INCONCLUSIVE (exit 3), unless --statistical. On failure, names the first diverging module and (with
+    a source) the tensors that differ. Under torchrun, joins its process group.
+    Exit 0 PASS, 1 FAIL (mismatch), 2 input error, 3 INCONCLUSIVE.
 
     Examples:
       dsv41-convert verify ./mp8 --reference ./DeepSeek-V4.1-Flash-tiny

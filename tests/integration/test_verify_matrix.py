@@ -301,6 +301,10 @@ def test_cli_exit_codes(m, monkeypatch, capsys):
     assert code == 3 and json.loads(out)["verdict"] == "INCONCLUSIVE"
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--statistical")
     assert code == 0 and "PASS" in out and "statistical bounds only" in out
+    # --no-replay against the tp-1 file with hidden states: the teacher check decides
+    args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--threads", "1")
+    code, out, _ = run_cli(monkeypatch, capsys, *args, "--no-replay")
+    assert code == 0 and "PASS" in out and "teacher within measured noise" in out, out
 
 
 # --- the teacher-forced per-module check (verify.teacher), the tp-1 replay turned off as for a model too
