@@ -78,6 +78,7 @@ def main() -> None:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
             import test_verify_matrix as matrix
 
+            (root / "matrix").mkdir()
             m = matrix.Matrix(root / "matrix")
             prompts = load_prompts(m.prompts_file, None, TINY.vocab_size)
             mref = compute_reference_ranks(m.src, prompts, 1, 1, None, opts.ref_device, False, 1)
