@@ -78,13 +78,17 @@ class ModuleDeviations:
     flips: dict[str, float] = field(default_factory=dict)  # indexer module -> share of rows choosing otherwise
 
 
-def required_keys(args: ModelArgs) -> list[str]:
-    """The hidden states a reference must hold for the teacher-forced check of a model with `args`."""
+def required_keys(args: ModelArgs, seq_len: int) -> list[str]:
+    """The hidden states a reference must hold for the teacher-forced check of a `seq_len`-token prompt."""
     keys = ["embed", "norm"]
     for i in range(args.n_layers):
         keys += [f"layers.{i}", f"layers.{i}.pre_mix", f"layers.{i}.attn", f"layers.{i}.ffn"]
         if i in args.engram_layer_ids:
             keys.append(f"layers.{i}.engram")
+        # an index source runs its indexer once a compressed group is complete; a top-k flip is bounded
+        # only where the reference's choice is known
+        if i in args.index_source_layers and seq_len >= args.compress_ratios[i]:
+            keys.append(f"layers.{i}.attn.indexer")
     return keys
 
 
@@ -94,8 +98,8 @@ def applies(ref: Reference, args: ModelArgs, device: str) -> bool:
     device's kernels round otherwise, not measured yet), and holds every hidden state the check needs."""
     if ref.weights != "converted" or ref.device != device or not ref.runs:
         return False
-    need = required_keys(args)
-    return all(all(k in r.hidden for k in need) for r in ref.runs)
+    need = [required_keys(args, len(inp.input_ids)) for inp in ref.inputs]
+    return all(all(k in r.hidden for k in keys) for r, keys in zip(ref.runs, need, strict=True))
 
 
 def bf16_ulps(ref: Tensor, got: Tensor) -> float:
@@ -192,9 +196,8 @@ def forced_prefill(
         if layer.engram is not None:
             hooks.append(layer.engram.register_forward_pre_hook(engram_input(i)))
             hooks.append(layer.engram.register_forward_hook(forced(f"layers.{i}.engram")))
-        key = f"layers.{i}.attn.indexer"
-        if getattr(layer.attn, "indexer", None) is not None and key in ref:
-            hooks.append(layer.attn.indexer.register_forward_hook(forced(key)))
+        if layer.attn.indexer is not None:
+            hooks.append(layer.attn.indexer.register_forward_hook(forced(f"layers.{i}.attn.indexer")))
     hooks.append(model.norm.register_forward_hook(forced("norm")))
     ids = inp.input_ids.to(device)[None]
     types = None if inp.token_types is None else inp.token_types.to(device)[None]
