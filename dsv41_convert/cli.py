@@ -278,6 +278,15 @@ def reference_logits_cmd(
     decode_steps: DecodeOpt = 3,
     max_seq_len: MaxSeqOpt = None,
     threads: ThreadsOpt = None,
+    stream_layers: Annotated[
+        bool,
+        typer.Option(
+            "--stream-layers",
+            help="Hold one unit of weights at a time (embedding, each layer, each DSpark stage, head): bounded "
+            "memory for models larger than RAM. Decode tokens are fixed before the run (the prompt file's "
+            "decode_ids, else the prompt's own tokens repeated), not greedy.",
+        ),
+    ] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Compute reference logits from SRC at tp 1 (weights transformed in memory) and save them for
@@ -286,6 +295,7 @@ def reference_logits_cmd(
 
     Examples:
       dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --device cuda
+      dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --stream-layers --decode-steps 1
       dsv41-convert reference-logits ./tiny ref.safetensors --prompts prompts.jsonl --decode-steps 5
     """
     import torch
@@ -299,7 +309,16 @@ def reference_logits_cmd(
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
-    ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
+    timings = None
+    if stream_layers:
+        from dsv41_convert.verify.streamed import compute_streamed_reference
+
+        with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
+            ref, timings = compute_streamed_reference(
+                src, prompt_list, decode_steps, max_seq_len, device, True, progress, None if as_json else report.info
+            )
+    else:
+        ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
     reffile.save(ref, out)
     summary = {
         "out": str(out),
@@ -309,11 +328,20 @@ def reference_logits_cmd(
         "source_format": ref.source_format,
         "bytes": out.stat().st_size,
     }
+    if timings is not None:
+        summary["units"] = [vars(t) for t in timings]
+        for key in ("read_s", "transfer_s", "compute_s", "bytes_read"):
+            summary[key] = sum(getattr(t, key) for t in timings)
     if as_json:
         report.print_json(summary)
     else:
         report.stdout.print(str(out), highlight=False, soft_wrap=True)
         report.info(f"{summary['prompts']} prompts, {summary['decode_steps']} decode steps, {summary['bytes']:,} bytes")
+        if timings is not None:
+            report.info(
+                f"streamed: read {summary['read_s']:.1f} s ({summary['bytes_read'] / 2**30:.2f} GiB), "
+                f"transfer {summary['transfer_s']:.1f} s, compute {summary['compute_s']:.1f} s"
+            )
 
 
 @app.command("check")

@@ -24,7 +24,6 @@ Legend: P prompts, J steps per prompt (1 + decode steps), S prompt length, K dra
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,7 +139,7 @@ class _Runner:
         shortest = min(p.input_ids.numel() for p in prompts)
         ratio = max(args.compress_ratios[: args.n_layers], default=0)
         if shortest < ratio:
-            raise ValueError(f"a {shortest}-token prompt: the streamed model needs at least {ratio} (the largest ratio)")
+            raise ValueError(f"a {shortest}-token prompt: the streamed model needs {ratio} (the largest compress ratio)")
         self.args, self.provider, self.device = args, provider, device
         self.capture = capture_hidden
         self.progress = progress
@@ -259,19 +258,18 @@ class _Runner:
     def run(self) -> tuple[list[StreamResult], list[UnitTiming]]:
         n_steps = max(len(s) for s in self.steps)
         units = self._unit_names()
-        total, done = n_steps * len(units), 0
         for s in range(n_steps):
             if s > 0:  # a step starts from the runtime its previous step left after the last unit
                 for steps in self.steps:
                     if s < len(steps):
                         steps[s].runtime = steps[s - 1].runtime
-            for name in units:
+            label = f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'}): units"
+            for u, name in enumerate(units):
                 if self.progress is not None:
-                    self.progress(f"step {s} unit {name}", done, total)
+                    self.progress(label, u, len(units))
                 self._unit(name, s)
-                done += 1
-        if self.progress is not None:
-            self.progress("units", total, total)
+            if self.progress is not None:
+                self.progress(label, len(units), len(units))
         return self._results(), list(self.timings.values())
 
     def _unit_names(self) -> list[str]:
@@ -291,7 +289,6 @@ class _Runner:
         with torch.inference_mode():
             kind, _, index = name.partition(".")
             getattr(self, f"_{kind}")(timing, s, work, *((int(index),) if index else ()))
-        gc.collect()
         spent = time.perf_counter() - t0
         timing.compute_s += spent - (timing.read_s - read0) - (timing.transfer_s - transfer0)
 
@@ -323,7 +320,7 @@ class _Runner:
             h = unit.embed(step.ids)
             if s == 0 and self.prompts[p].images:
                 encoded = iter(self.image_embeds[p])
-                merge_image_spans(unit, [self.prompts[p].images], h, lambda *_: next(encoded))
+                merge_image_spans(unit, [self.prompts[p].images], h, lambda *_, it=encoded: next(it))
             if s == 0 and self.capture:
                 self.hidden[p]["embed"] = h.clone()
             step.h, step.pre_mix = to_streams(h, args.hc_mult)
@@ -469,7 +466,7 @@ def run_streamed(
     """Run `prompts` (prefill, the decode steps feeding decode_ids, the DSpark drafts) unit by unit.
 
     args: runtime ModelArgs (max_batch_size >= 1, max_seq_len, temperature 0 for the drafts' argmax);
-    tokenizer: as Transformer takes it (Engram's token map); progress(label, units done, units in all).
+    tokenizer: as Transformer takes it (Engram's token map); progress(pass label, units done, units in the pass).
     -> per prompt a StreamResult, per unit a UnitTiming (summed over the passes)
     """
     return _Runner(args, provider, list(prompts), tokenizer, capture_hidden, device, progress).run()

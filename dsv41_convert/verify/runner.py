@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.errors import PlanError
 from dsv41_convert.verify.prompts import Prompt
 
 
