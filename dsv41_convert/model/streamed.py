@@ -139,7 +139,7 @@ class _Runner:
         shortest = min(p.input_ids.numel() for p in prompts)
         ratio = max(args.compress_ratios[: args.n_layers], default=0)
         if shortest < ratio:
-            raise ValueError(f"a {shortest}-token prompt: the streamed model needs {ratio} (the largest compress ratio)")
+            raise ValueError(f"a {shortest}-token prompt: streaming needs {ratio} (the largest compress ratio)")
         self.args, self.provider, self.device = args, provider, device
         self.capture = capture_hidden
         self.progress = progress
