@@ -44,21 +44,50 @@ def make_tiny(
     shards: opts.LayerShardsOpt = None,
     preset: opts.PresetOpt = "tiny",
     overwrite: opts.OverwriteOpt = False,
+    sparse: Annotated[
+        bool,
+        typer.Option(
+            "--sparse", help="With --preset full: the published layout as sparse files that read as zeros (~20 MB)."
+        ),
+    ] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Write a Hugging Face-format DeepSeek V4.1 checkpoint with random weights, laid out like the published one.
+
+    `--preset full --sparse` writes the published V4.1-Flash layout at full size (real config, 48 shards,
+    96,085 tensors, 510 GB apparent) as holes that read as zeros, plus a 129,280-id tokenizer.json, to
+    test a pipeline at real size without downloading.
 
     Examples:
       dsv41-convert make-tiny /tmp/tiny
       dsv41-convert make-tiny /tmp/tiny-bf16 --source-dtype bf16 --seed 1
       dsv41-convert make-tiny /tmp/medium --preset medium --no-vision --shards 2
+      dsv41-convert make-tiny /tmp/v41-hollow --preset full --sparse
     """
     from dsv41_convert.errors import ConfigError
     from dsv41_convert.synth.presets import PRESETS
     from dsv41_convert.synth.write import write_checkpoint
 
+    if preset == "full" or sparse:
+        if not (preset == "full" and sparse):
+            raise ConfigError("--preset full goes with --sparse (and --sparse only with --preset full)")
+        if source_dtype != "fp8" or not vision or shards is not None:
+            raise ConfigError(
+                "--preset full --sparse writes the published layout: no --source-dtype bf16, --no-vision or --shards"
+            )
+        from dsv41_convert.synth.hollow import write_hollow
+
+        with report.byte_progress(f"make-tiny full --sparse -> {out}", quiet=as_json) as progress:
+            summary = write_hollow(out, overwrite=overwrite, progress=progress)
+        if as_json:
+            return report.print_json(summary)
+        report.info(
+            f"wrote {len(summary['files'])} sparse shards, {summary['n_tensors']} tensors, "
+            f"{summary['total_size']:,} bytes apparent, {summary['disk_bytes'] / 2**20:.1f} MiB on disk to {out}"
+        )
+        return report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
     if preset not in PRESETS:
-        raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
+        raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)} or full (with --sparse)")
     if source_dtype not in ("fp8", "bf16"):
         raise ConfigError(f"--source-dtype {source_dtype!r}: expected fp8 or bf16")
     with report.byte_progress(f"make-tiny {preset} -> {out}", quiet=as_json) as progress:

@@ -161,4 +161,4 @@ def load_tensors(
     if problems:
         raise PlanError(f"{what} do not fit the model:\n  " + "\n  ".join(problems[:20]))
     for name, (p, _owner) in expected.items():
-        p.data.copy_(local[name].to(p.dtype))
+        p.data.copy_(local[name])  # copy_ widens bf16 -> float32 exactly, without a full-size temporary

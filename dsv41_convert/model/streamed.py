@@ -220,7 +220,7 @@ class _Runner:
                 return
             got = self._read(timing, [prefix + n for n in params])
             for n, p in params.items():
-                p.data.copy_(got[prefix + n].to(p.dtype))
+                p.data.copy_(got[prefix + n])
             timing.experts_read += 1
             loaded.append(True)
 
