@@ -137,12 +137,39 @@ def plan_cmd(
       dsv41-convert plan ./DeepSeek-V4.1-Flash --tp 8
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
     """
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.convert.memory import memory_figures
     from dsv41_convert.convert.plan import build_plan, summarize
 
-    plan = build_plan(_local_source(src), tp, expert_dtype)
+    folder = _local_source(src)
+    plan = build_plan(folder, tp, expert_dtype)
+    tp1 = plan if tp == 1 else build_plan(folder, 1, expert_dtype)
+    memory = memory_figures(plan, tp1, load_model_args(folder / "config.json"))
     if as_json:
-        return report.print_json(plan.to_dict())
+        return report.print_json(plan.to_dict() | {"memory": memory})
     _plan_table(summarize(plan))
+    _memory_table(memory)
+
+
+def _memory_table(memory: dict) -> None:
+    """Per rank what running the converted model in verify holds, and what the streamed reference needs."""
+    from rich.table import Table
+
+    big = max(r["total"] for r in memory["verify"]) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    gib = lambda n: f"{n / scale:,.2f}"
+    p = memory["prompts"]
+    table = Table(title=f"memory ({unit}), verify's default prompts: {p['count']} x {p['tokens']} tokens, "
+                  f"{p['decode_steps']} decode steps")  # fmt: skip
+    for col in ("rank", "weights", "caches", "working", "total"):
+        table.add_column(col, justify="right")
+    for r in memory["verify"]:
+        table.add_row(str(r["rank"]), gib(r["weights"]), gib(r["caches"]), gib(r["working"]), gib(r["total"]))
+    s = memory["streamed"]
+    table.add_row(
+        "streamed", f"{gib(s['unit'])} ({s['largest_unit']})", gib(s["caches"]), gib(s["working"]), gib(s["peak"])
+    )
+    report.stdout.print(table)
 
 
 def _plan_table(summary: dict) -> None:

@@ -1,0 +1,119 @@
+"""Memory figures a user can plan with (`plan --tp N`): what one rank holds to run the converted model
+in verify, and what the layer-streamed reference (`reference-logits --stream-layers`, tp 1) needs.
+
+Estimates from shapes alone (the plan's tensors, the model's dtypes and caches built on the meta device),
+for verify's default prompts (3 x 40 tokens, 3 decode steps, batch 1):
+
+    verify, per rank   weights    the rank file's tensors in the model's dtypes (bf16 on disk, fp32 in the
+                                  model for the head, markov and confidence heads, ratio-2 compressors)
+                       caches     KV / compressor / indexer / Engram-hash buffers at max_seq_len 128
+                       working    logits of every prompt position + the per-module hidden states kept for
+                                  the report + the largest weight dequantized to fp32 (the CPU kernels)
+    streamed, tp 1     unit       the largest unit: its dense weights, the routed experts the prompts can
+                                  reach (top-k x positions, at most all), Engram rows (positions x columns)
+                       peak       2 x unit (the provider's read buffer and the module) + caches kept between
+                                  passes + working, as above
+
+They leave out the Python/torch baseline of the process (~0.4 GiB on CPU) and allocator slack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.plan import ConversionPlan
+from dsv41_convert.store.safetensors_header import nbytes
+
+DEFAULT_PROMPTS, DEFAULT_TOKENS, DEFAULT_DECODE, DEFAULT_SEQ = 3, 40, 3, 128
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+_UNIT = re.compile(r"(layers\.\d+|mtp\.\d+)\.")
+
+
+def _model_view(args: ModelArgs) -> tuple[dict[str, torch.dtype], int]:
+    """Model dtype per state-dict name (experts as experts.0) and cache bytes, from a meta-device model
+    with one routed expert per active slot (dtypes and caches do not depend on the expert count)."""
+    from dsv41_convert.model.load import expected_tensors
+    from dsv41_convert.model.transformer import Transformer
+
+    small = dataclasses.replace(
+        args,
+        n_routed_experts=args.n_activated_experts,
+        dspark_n_routed_experts=args.dspark_n_activated_experts,
+    ).with_runtime(max_batch_size=1, max_seq_len=DEFAULT_SEQ, temperature=0.0)
+    token_map = list(range(args.engram_compressed_vocab_size)) if args.engram_layer_ids else None
+    with torch.device("meta"):
+        model = Transformer(small, token_map)
+    dtypes = {name: p.dtype for name, (p, _) in expected_tensors(model).items()}
+    caches = sum(b.numel() * b.element_size() for _, b in model.named_buffers() if not _.endswith("freqs_cis"))
+    return dtypes, caches
+
+
+def _unit(name: str) -> str:
+    m = _UNIT.match(name)
+    if m:
+        return m.group(1)
+    if name.startswith(("vision.", "aligner.")):
+        return "vision"
+    return "embed" if name.startswith(("embed.", "image_")) else "head"
+
+
+def _in_model(name: str, dtype: str, shape: tuple[int, ...], dtypes: dict[str, torch.dtype]) -> int:
+    """Bytes of one file tensor in the model: bf16 on disk and fp32 in the model count twice."""
+    size = nbytes(dtype, shape)
+    return 2 * size if dtype == "BF16" and dtypes.get(_EXPERT.sub(".experts.0.", name)) == torch.float32 else size
+
+
+def memory_figures(plan: ConversionPlan, tp1: ConversionPlan, args: ModelArgs) -> dict[str, Any]:
+    """plan: the plan at the tp verify runs; tp1: the same source planned at tp 1 (what streaming reads).
+
+    -> {"verify": per rank bytes (weights, caches, working, total), "streamed": the largest unit and peak}"""
+    dtypes, caches = _model_view(args)
+    logits = DEFAULT_TOKENS * args.vocab_size * 4 * 2  # logits_all + the last row, float32
+    hidden = DEFAULT_TOKENS * args.dim * 2 * (args.n_layers * (args.hc_mult + 2) + 2)
+    ranks = []
+    for f in plan.files:
+        weights = sum(_in_model(t.name, t.dtype, t.shape, dtypes) for t in f.tensors)
+        largest = max(
+            nbytes(t.dtype, t.shape) for t in f.tensors if t.dtype != "F8_E8M0" and ".engram.embed." not in t.name
+        )
+        working = logits + hidden + 4 * largest  # one element of any dtype becomes 4 fp32 bytes (fp4: 8 per byte)
+        ranks.append({"rank": f.rank, "weights": weights, "caches": caches, "working": working,
+                      "total": weights + caches + working})  # fmt: skip
+
+    # the streamed path reads the source at tp 1: the tp-1 plan's tensors, grouped by unit
+    units: dict[str, int] = {}
+    expert_bytes: dict[str, int] = {}
+    tokens = DEFAULT_PROMPTS * DEFAULT_TOKENS  # the prefill pass reaches the most experts and Engram rows
+    largest_dense = 0
+    for t in tp1.files[0].tensors:
+        unit = _unit(t.name)
+        size = _in_model(t.name, t.dtype, t.shape, dtypes)
+        if ".engram.embed." in t.name:
+            size = size // t.shape[0] * min(t.shape[0], tokens * args.engram_n_heads * (args.engram_max_ngram_size - 1))
+        elif _EXPERT.search(t.name):
+            expert_bytes[unit] = expert_bytes.get(unit, 0) + size
+            continue
+        else:
+            largest_dense = max(largest_dense, nbytes(t.dtype, t.shape))
+        units[unit] = units.get(unit, 0) + size
+    for unit, total in expert_bytes.items():
+        n_routed, n_active = args.moe_config(args.n_layers + int(unit[4:]) if unit.startswith("mtp.") else 0)
+        units[unit] = units.get(unit, 0) + total * min(n_routed, n_active * tokens) // n_routed
+    name, unit_bytes = max(units.items(), key=lambda kv: kv[1])
+    working = logits + hidden + 4 * largest_dense
+    return {
+        "prompts": {"count": DEFAULT_PROMPTS, "tokens": DEFAULT_TOKENS, "decode_steps": DEFAULT_DECODE},
+        "verify": ranks,
+        "streamed": {
+            "largest_unit": name,
+            "unit": unit_bytes,
+            "caches": caches,
+            "working": working,
+            "peak": 2 * unit_bytes + caches + working,
+        },
+    }
