@@ -8,11 +8,11 @@ for verify's default prompts (3 x 40 tokens, 3 decode steps, batch 1):
                                   model for the head, markov and confidence heads, ratio-2 compressors)
                        caches     KV / compressor / indexer / Engram-hash buffers at max_seq_len 128
                        working    logits of every prompt position + the per-module hidden states kept for
-                                  the report + the largest weight dequantized to fp32 (the CPU kernels)
+                                  the report + the largest fp8/fp4 weight dequantized to fp32 (CPU kernels)
     streamed, tp 1     unit       the largest unit: its dense weights, the routed experts the prompts can
                                   reach (top-k x positions, at most all), Engram rows (positions x columns)
-                       peak       2 x unit (the provider's read buffer and the module) + caches kept between
-                                  passes + working, as above
+                       peak       unit + its dense part again (the provider's read buffer, while it is
+                                  copied into the module) + caches + working, as above
 
 They leave out the Python/torch baseline of the process (~0.4 GiB on CPU) and allocator slack.
 """
@@ -45,7 +45,10 @@ def _model_view(args: ModelArgs) -> tuple[dict[str, torch.dtype], int]:
         n_routed_experts=args.n_activated_experts,
         dspark_n_routed_experts=args.dspark_n_activated_experts,
     ).with_runtime(max_batch_size=1, max_seq_len=DEFAULT_SEQ, temperature=0.0)
-    token_map = list(range(args.engram_compressed_vocab_size)) if args.engram_layer_ids else None
+    token_map = None  # one compressed id per token id, as a tokenizer's map (only its size matters here)
+    if args.engram_layer_ids:
+        folded = args.engram_compressed_vocab_size
+        token_map = list(range(folded)) + [0] * (args.vocab_size - folded)
     with torch.device("meta"):
         model = Transformer(small, token_map)
     dtypes = {name: p.dtype for name, (p, _) in expected_tensors(model).items()}
@@ -68,52 +71,70 @@ def _in_model(name: str, dtype: str, shape: tuple[int, ...], dtypes: dict[str, t
     return 2 * size if dtype == "BF16" and dtypes.get(_EXPERT.sub(".experts.0.", name)) == torch.float32 else size
 
 
-def memory_figures(plan: ConversionPlan, tp1: ConversionPlan, args: ModelArgs) -> dict[str, Any]:
-    """plan: the plan at the tp verify runs; tp1: the same source planned at tp 1 (what streaming reads).
+def _dequant_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """fp32 bytes of a quantized weight dequantized whole by the CPU reference GEMMs (0 for the rest)."""
+    if dtype == "F8_E4M3":
+        return 4 * nbytes(dtype, shape)
+    return 8 * nbytes(dtype, shape) if dtype in ("F4", "I8") else 0
+
+
+def memory_figures(
+    plan: ConversionPlan,
+    tp1: ConversionPlan,
+    args: ModelArgs,
+    prompts: int = DEFAULT_PROMPTS,
+    tokens: int = DEFAULT_TOKENS,
+    decode_steps: int = DEFAULT_DECODE,
+) -> dict[str, Any]:
+    """plan: the plan at the tp verify runs; tp1: the same source planned at tp 1 (what streaming reads);
+    prompts of `tokens` tokens each (verify's defaults unless given).
 
     -> {"verify": per rank bytes (weights, caches, working, total), "streamed": the largest unit and peak}"""
     dtypes, caches = _model_view(args)
-    logits = DEFAULT_TOKENS * args.vocab_size * 4 * 2  # logits_all + the last row, float32
-    hidden = DEFAULT_TOKENS * args.dim * 2 * (args.n_layers * (args.hc_mult + 2) + 2)
+    logits = tokens * args.vocab_size * 4 * 2  # logits_all + the last row, float32
+    hidden = prompts * tokens * args.dim * 2 * (args.n_layers * (args.hc_mult + 2) + 2)  # kept for the report
     ranks = []
     for f in plan.files:
         weights = sum(_in_model(t.name, t.dtype, t.shape, dtypes) for t in f.tensors)
-        largest = max(
-            nbytes(t.dtype, t.shape) for t in f.tensors if t.dtype != "F8_E8M0" and ".engram.embed." not in t.name
-        )
-        working = logits + hidden + 4 * largest  # one element of any dtype becomes 4 fp32 bytes (fp4: 8 per byte)
+        working = logits + hidden + max(_dequant_bytes(t.dtype, t.shape) for t in f.tensors)
         ranks.append({"rank": f.rank, "weights": weights, "caches": caches, "working": working,
                       "total": weights + caches + working})  # fmt: skip
 
     # the streamed path reads the source at tp 1: the tp-1 plan's tensors, grouped by unit
-    units: dict[str, int] = {}
-    expert_bytes: dict[str, int] = {}
-    tokens = DEFAULT_PROMPTS * DEFAULT_TOKENS  # the prefill pass reaches the most experts and Engram rows
-    largest_dense = 0
+    dense: dict[str, int] = {}
+    experts: dict[str, int] = {}
+    reach = prompts * tokens  # the prefill pass reaches the most experts and Engram rows
+    temp = 0
     for t in tp1.files[0].tensors:
         unit = _unit(t.name)
         size = _in_model(t.name, t.dtype, t.shape, dtypes)
         if ".engram.embed." in t.name:
-            size = size // t.shape[0] * min(t.shape[0], tokens * args.engram_n_heads * (args.engram_max_ngram_size - 1))
+            rows = min(t.shape[0], reach * args.engram_n_heads * (args.engram_max_ngram_size - 1))
+            dense[unit] = dense.get(unit, 0) + size // t.shape[0] * rows
         elif _EXPERT.search(t.name):
-            expert_bytes[unit] = expert_bytes.get(unit, 0) + size
-            continue
+            experts[unit] = experts.get(unit, 0) + size
         else:
-            largest_dense = max(largest_dense, nbytes(t.dtype, t.shape))
-        units[unit] = units.get(unit, 0) + size
-    for unit, total in expert_bytes.items():
-        n_routed, n_active = args.moe_config(args.n_layers + int(unit[4:]) if unit.startswith("mtp.") else 0)
-        units[unit] = units.get(unit, 0) + total * min(n_routed, n_active * tokens) // n_routed
-    name, unit_bytes = max(units.items(), key=lambda kv: kv[1])
-    working = logits + hidden + 4 * largest_dense
+            dense[unit] = dense.get(unit, 0) + size
+            temp = max(temp, _dequant_bytes(t.dtype, t.shape))
+    units = {}
+    for unit, size in dense.items():
+        routed = 0
+        if unit in experts:
+            n_routed, n_active = args.moe_config(args.n_layers + int(unit[4:]) if unit.startswith("mtp.") else 0)
+            routed = experts[unit] * min(n_routed, n_active * reach) // n_routed
+        # dense weights are held twice while they load (the provider's buffer, then the module); experts
+        # arrive one at a time
+        units[unit] = (size + routed, 2 * size + routed)
+    name, (unit_bytes, unit_peak) = max(units.items(), key=lambda kv: kv[1][1])
+    working = logits + hidden + temp
     return {
-        "prompts": {"count": DEFAULT_PROMPTS, "tokens": DEFAULT_TOKENS, "decode_steps": DEFAULT_DECODE},
+        "prompts": {"count": prompts, "tokens": tokens, "decode_steps": decode_steps},
         "verify": ranks,
         "streamed": {
             "largest_unit": name,
             "unit": unit_bytes,
             "caches": caches,
             "working": working,
-            "peak": 2 * unit_bytes + caches + working,
+            "peak": unit_peak + caches + working,
         },
     }
