@@ -11,8 +11,8 @@ for verify's default prompts (3 x 40 tokens, 3 decode steps, batch 1):
                                   the report + the largest fp8/fp4 weight dequantized to fp32 (CPU kernels)
     streamed, tp 1     unit       the largest unit: its dense weights, the routed experts the prompts can
                                   reach (top-k x positions, at most all), Engram rows (positions x columns)
-                       peak       unit + its dense part again (the provider's read buffer, while it is
-                                  copied into the module) + caches + working, as above
+                       peak       unit + its dense part again in file dtypes (the provider's buffer, while
+                                  it is copied into the module) + caches + working, as above
 
 They leave out the Python/torch baseline of the process (~0.4 GiB on CPU) and allocator slack.
 """
@@ -96,12 +96,15 @@ def memory_figures(
     ranks = []
     for f in plan.files:
         weights = sum(_in_model(t.name, t.dtype, t.shape, dtypes) for t in f.tensors)
-        working = logits + hidden + max(_dequant_bytes(t.dtype, t.shape) for t in f.tensors)
+        # Engram tables are dequantized row by row on lookup, never whole
+        temp = max(_dequant_bytes(t.dtype, t.shape) for t in f.tensors if ".engram.embed." not in t.name)
+        working = logits + hidden + temp
         ranks.append({"rank": f.rank, "weights": weights, "caches": caches, "working": working,
                       "total": weights + caches + working})  # fmt: skip
 
     # the streamed path reads the source at tp 1: the tp-1 plan's tensors, grouped by unit
     dense: dict[str, int] = {}
+    read: dict[str, int] = {}  # the dense part as the provider hands it over (file dtypes)
     experts: dict[str, int] = {}
     reach = prompts * tokens  # the prefill pass reaches the most experts and Engram rows
     temp = 0
@@ -111,10 +114,12 @@ def memory_figures(
         if ".engram.embed." in t.name:
             rows = min(t.shape[0], reach * args.engram_n_heads * (args.engram_max_ngram_size - 1))
             dense[unit] = dense.get(unit, 0) + size // t.shape[0] * rows
+            read[unit] = read.get(unit, 0) + size // t.shape[0] * rows
         elif _EXPERT.search(t.name):
             experts[unit] = experts.get(unit, 0) + size
         else:
             dense[unit] = dense.get(unit, 0) + size
+            read[unit] = read.get(unit, 0) + nbytes(t.dtype, t.shape)
             temp = max(temp, _dequant_bytes(t.dtype, t.shape))
     units = {}
     for unit, size in dense.items():
@@ -124,7 +129,7 @@ def memory_figures(
             routed = experts[unit] * min(n_routed, n_active * reach) // n_routed
         # dense weights are held twice while they load (the provider's buffer, then the module); experts
         # arrive one at a time
-        units[unit] = (size + routed, 2 * size + routed)
+        units[unit] = (size + routed, size + read[unit] + routed)
     name, (unit_bytes, unit_peak) = max(units.items(), key=lambda kv: kv[1][1])
     working = logits + hidden + temp
     return {

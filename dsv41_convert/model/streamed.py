@@ -8,10 +8,18 @@ What passes between units stays in memory: per prompt and step the hc stream [1,
 collapse weights, the DSpark target inputs and the attention runtime (compressed KV, index keys, top-k
 choice, candidates) that later layers read.
 
-The decode tokens are fixed before the pass (`decode_ids`), as verify's teacher forcing feeds them, so
+The decode tokens are fixed before the run (`decode_ids`), as verify's teacher forcing feeds them, so
 the result is bit-identical to `verify.runner.run_prompt(whole_model, ..., teacher=decode_ids)` on the
-same device: every unit does the same operations on the same inputs in the same order (its caches see
-the prompts and steps in the whole model's order), only the weights arrive later.
+same device: every unit does the same operations on the same inputs in the same order, only the weights
+arrive later. Each unit's caches are kept per prompt between passes and restored, so every prompt's
+steps see the caches the whole model would.
+
+One pass over the units per step (the prefill of every prompt, then each decode step), not one pass for
+all steps: the attention runtime is shared across steps as upstream's is. At a decode step where a
+ratio-2 KV source's group is still incomplete it publishes no new index keys, and its indexer reads the
+keys published last, which are a later layer's (layer 20's in V4.1-Flash, layer 3's in the tiny preset)
+from the previous step. A layer-major single pass would not have them yet. The runtime left by the last
+layer at step t is what step t + 1 starts from, as in the whole model.
 
 Two kinds of weights are read lazily, never whole:
 - routed experts: read the first time the router sends a token to them (a forward pre-hook);
@@ -130,8 +138,8 @@ def _nbytes(tensors: dict[str, Tensor]) -> int:
 
 
 class _Runner:
-    """One pass over the units per step (the prefill of every prompt, then each decode step): see the
-    module docstring for why a pass cannot hold several steps and stay exact."""
+    """One pass over the units per step (the prefill of every prompt, then each decode step): the module
+    docstring says why a pass cannot hold several steps and stay exact."""
 
     def __init__(self, args, provider, prompts, tokenizer, capture_hidden, device, progress):
         if parallel.is_distributed():
