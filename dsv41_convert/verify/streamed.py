@@ -1,6 +1,8 @@
 """The reference computed layer by layer (`reference-logits SRC OUT --stream-layers`): the bundled model
 at tp 1 over the source weights, read one unit at a time (model/streamed.py) through SourceWeights, so
-the peak memory is one unit plus the working set instead of the whole checkpoint.
+the peak memory is one unit plus the working set instead of the whole checkpoint. A folder of converted
+rank files (model{r}-mp{N}.safetensors) is read through RankWeights instead: merged back to tp 1 per
+request, the tp-1 replay of those bytes.
 
 Decode tokens are fixed before the pass, not chosen greedily: a prompt's `decode_ids` from the prompt
 file (at least decode_steps + 1 of them; the first decode_steps + 1 are used), or else the rule below,
@@ -25,6 +27,7 @@ from dsv41_convert.model import parallel
 from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
 from dsv41_convert.progress import Progress
 from dsv41_convert.verify.prompts import Prompt
+from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import pick_max_seq_len
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import ModelInput, PromptRun, model_input
@@ -70,7 +73,7 @@ def compute_streamed_reference(
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
     say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
-    weights = SourceWeights(src)
+    weights = RankWeights(src) if rank_file_tp(src) is not None else SourceWeights(src)
     tokenizer = src / "tokenizer.json"
     try:
         results, timings = run_streamed(
