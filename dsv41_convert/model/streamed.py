@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor, nn
 
+from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.model.block import Block, make_identity_pre_mix
 from dsv41_convert.model.head import ParallelHead
@@ -143,11 +144,12 @@ class _Runner:
 
     def __init__(self, args, provider, prompts, tokenizer, capture_hidden, device, progress):
         if parallel.is_distributed():
-            raise ValueError("the streamed model runs at tp 1, outside a process group")
+            raise VerifyInputError("the streamed model runs at tp 1, outside a process group")
         shortest = min(p.input_ids.numel() for p in prompts)
         ratio = max(args.compress_ratios[: args.n_layers], default=0)
         if shortest < ratio:
-            raise ValueError(f"a {shortest}-token prompt: streaming needs {ratio} (the largest compress ratio)")
+            # its prefill would publish no index keys and read the previous prompt's (not streamable)
+            raise VerifyInputError(f"a {shortest}-token prompt: streaming needs {ratio} (the largest compress ratio)")
         self.args, self.provider, self.device = args, provider, device
         self.capture = capture_hidden
         self.progress = progress

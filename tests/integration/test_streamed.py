@@ -221,3 +221,11 @@ def test_engram_rows_from_rank_files(sources, tmp_path):
     rows = torch.tensor([0, 1, whole.shape[0] // 2, whole.shape[0] - 1])
     got = RankWeights(tmp_path / "mp4").rows([name, name.replace("weight", "scale")], rows)
     assert torch.equal(got[name].view(torch.uint8), whole[rows].view(torch.uint8))
+
+
+def test_a_prompt_shorter_than_a_compress_group_is_refused(sources):
+    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.verify.prompts import Prompt
+
+    with pytest.raises(VerifyInputError, match=r"a 1-token prompt: streaming needs 2"):
+        compute_streamed_reference(sources["fp8"], [Prompt((5,), "short")], 1)
