@@ -35,7 +35,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +47,7 @@ from dsv41_convert.model.head import ParallelHead
 from dsv41_convert.model.layers import ParallelEmbedding, RMSNorm, dense_dtype
 from dsv41_convert.model.load import expected_tensors, load_tensors
 from dsv41_convert.model.runtime import SharedAttentionRuntime
+from dsv41_convert.model.stream_records import StreamPrompt, StreamResult, UnitTiming, WeightProvider
 from dsv41_convert.model.transformer import block_step, capture_block, merge_image_spans, to_streams
 
 if TYPE_CHECKING:
@@ -55,50 +56,6 @@ if TYPE_CHECKING:
 
 RUNTIME_FIELDS = ("compress_kv", "index_k", "topk_idxs", "candidates")
 DRAFT_HEAD_PARTS = ("norm.", "markov_head.", "confidence_head.")  # of the last stage, run by the head unit
-
-
-class WeightProvider(Protocol):
-    """Tensors of the tp-1 state dict by name (the model's dtypes; bf16 stands for a float32 weight)."""
-
-    def __call__(self, names: Sequence[str]) -> dict[str, Tensor]: ...
-
-    def rows(self, names: Sequence[str], rows: Tensor) -> dict[str, Tensor]:
-        """Rows `rows` ([n] int64, sorted, unique) of row-split tables (Engram weight and scale)."""
-        ...
-
-
-@dataclass
-class StreamPrompt:
-    """One prompt: input_ids [S] int64, decode_ids [J] int64 (step t feeds decode_ids[t]; the drafts
-    after step t start from decode_ids[t + 1]), token_types [S] and images as Transformer.forward takes them."""
-
-    input_ids: Tensor
-    decode_ids: Tensor
-    token_types: Tensor | None = None
-    images: list | None = None
-
-
-@dataclass
-class StreamResult:
-    """Per prompt, the fields of verify.runner.PromptRun (float32 logits on the CPU)."""
-
-    logits_all: Tensor  # [S, V]
-    last: Tensor  # [V]
-    decode_logits: Tensor  # [J - 1, V]
-    draft_logits: Tensor | None  # [J - 1, K, V]
-    hidden: dict[str, Tensor] = field(default_factory=dict)  # key -> [S, ...] bfloat16
-
-
-@dataclass
-class UnitTiming:
-    """Seconds spent reading weights (provider calls), moving them to the device, and computing."""
-
-    unit: str
-    read_s: float = 0.0
-    transfer_s: float = 0.0
-    compute_s: float = 0.0
-    bytes_read: int = 0
-    experts_read: int = 0
 
 
 @dataclass
