@@ -4,7 +4,7 @@ The package, bottom to top (imports point downward only):
     errors.py, config.py, progress.py   what every layer shares: error types, ModelArgs, the progress callback
     quant/     number formats (pure torch)
     kernels/   TileLang kernels beside their torch references
-    store/     safetensors headers, the hashing writer, journals, manifests
+    store/     safetensors headers, the hashing writer, journals, manifests, folder locks
     model/     the bundled V4.1 model
     convert/   rules, plan, validate, execute: the converter
     hub/       the Hugging Face Hub client

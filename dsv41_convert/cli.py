@@ -114,14 +114,30 @@ def make_tiny(
 # --- commands: plan, shard ---
 
 
-def _local_source(src: Path) -> Path:
-    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified first."""
+def _local_source(src: Path, tp: int) -> Path:
+    """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified
+    first, after its config.json alone has shown that the model can run at `tp`."""
     if src.exists():
         return src
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.convert.tp import check_tp
     from dsv41_convert.hub.download import resolve_source
 
+    def runs_at_tp(config: Path) -> None:
+        check_tp(load_model_args(config), tp, f"{src}: {config.name}")
+
     with report.byte_progress(f"download {src}") as progress:
-        return resolve_source(str(src), progress=progress)
+        return resolve_source(str(src), progress=progress, check_config=runs_at_tp)
+
+
+WithHeadersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--with-headers",
+        help="With --json: also each rank's raw safetensors header (hex) and every field of every tensor "
+        "(what ConversionPlan.from_dict reads; ~120 MB for the real checkpoint).",
+    ),
+]
 
 
 @app.command("plan")
@@ -130,23 +146,31 @@ def plan_cmd(
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
     as_json: opts.JsonOpt = False,
+    with_headers: WithHeadersOpt = False,
 ) -> None:
     """Read headers and index only, validate, and show each rank file: tensors, bytes, rules.
+
+    --json: per rank its file, tensor count and bytes; per tensor its name, dtype, shape, rule, action
+    and source reads (compact JSON, one document).
 
     Examples:
       dsv41-convert plan ./DeepSeek-V4.1-Flash --tp 8
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
+      dsv41-convert plan ./ckpt --tp 4 --json --with-headers > plan-full.json
     """
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.memory import memory_figures
     from dsv41_convert.convert.plan import build_plan, summarize
+    from dsv41_convert.errors import PlanError
 
-    folder = _local_source(src)
+    if with_headers and not as_json:
+        raise PlanError("--with-headers goes with --json")
+    folder = _local_source(src, tp)
     plan = build_plan(folder, tp, expert_dtype)
     tp1 = plan if tp == 1 else build_plan(folder, 1, expert_dtype)
     memory = memory_figures(plan, tp1, load_model_args(folder / "config.json"))
     if as_json:
-        return report.print_json(plan.to_dict() | {"memory": memory})
+        return report.print_json(plan.to_dict(with_headers) | {"memory": memory}, compact=True)
     _plan_table(summarize(plan))
     _memory_table(memory)
 
@@ -225,7 +249,7 @@ def shard_cmd(
         rank_list = [int(r) for r in ranks.split(",")] if ranks else None
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
-    plan = build_plan(_local_source(src), tp, expert_dtype)
+    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
         return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
@@ -233,6 +257,8 @@ def shard_cmd(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
             progress=progress, direct_io=direct_io,
         )  # fmt: skip
+    for holder in summary["took_over"]:
+        report.info(f"took over the lock of a run that ended without releasing it: {holder}")
     if as_json:
         return report.print_json(summary)
     report.info(
@@ -357,6 +383,7 @@ def reference_logits_cmd(
     import torch
 
     from dsv41_convert.config import load_model_args
+    from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.reference import compute_reference, read_prompts
 
@@ -366,16 +393,19 @@ def reference_logits_cmd(
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
     timings = None
-    if stream_layers:
-        from dsv41_convert.verify.streamed import compute_streamed_reference
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with hold(out.parent):  # one writer of OUT.partial
+        if stream_layers:
+            from dsv41_convert.verify.streamed import compute_streamed_reference
 
-        with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
-            ref, timings = compute_streamed_reference(
-                src, prompt_list, decode_steps, max_seq_len, device, True, progress, None if as_json else report.info
-            )
-    else:
-        ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
-    reffile.save(ref, out)
+            with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
+                say = None if as_json else report.info
+                ref, timings = compute_streamed_reference(
+                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
+                )
+        else:
+            ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
+        reffile.save(ref, out)
     summary = {
         "out": str(out),
         "prompts": len(ref.runs),
@@ -546,11 +576,69 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
 
 
+# --- commands: export (Hugging Face-format checkpoints in another weight format) ---
+
+
+@app.command("export")
+def export_cmd(
+    src: opts.SrcArg,
+    out: opts.OutArg,
+    fmt: opts.FormatOpt,
+    workers: opts.WorkersOpt = 1,
+    resume: opts.ResumeOpt = False,
+    overwrite: opts.OverwriteOpt = False,
+    device: opts.DeviceOpt = "cpu",
+    dry_run: opts.DryRunOpt = False,
+    as_json: opts.JsonOpt = False,
+) -> None:
+    """Write a Hugging Face-format checkpoint shaped like SRC (same names and shard grouping) in another format.
+
+    bf16: every quantized weight dequantized, scales dropped, no quantization_config (fine-tuning).
+    fp8: routed experts cast losslessly to e4m3 with 32x32 scales (Hopper serving); the rest as published.
+    fp8-fp4: the published scheme (from a published source: a byte-identical copy of every tensor).
+    Writes the shards, then config.json, model.safetensors.index.json, the tokenizer and manifest.json.
+
+    Examples:
+      dsv41-convert export ./DeepSeek-V4.1-Flash ./v41-bf16 --format bf16 --workers 4
+      dsv41-convert export ./DeepSeek-V4.1-Flash ./v41-fp8 --format fp8
+      dsv41-convert export ./finetuned-bf16 ./finetuned-fp8-fp4 --format fp8-fp4 --resume
+    """
+    from dsv41_convert.convert.export import build_export_plan, export, summarize_export
+
+    ep = build_export_plan(_local_source(src), fmt)
+    if dry_run:
+        summary = summarize_export(ep)
+        return report.print_json(summary) if as_json else _plan_table(summary)
+    with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
+        summary = export(ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress)
+    for holder in summary["took_over"]:
+        report.info(f"took over the lock of a run that ended without releasing it: {holder}")
+    if as_json:
+        return report.print_json(summary)
+    report.info(
+        f"wrote {len(summary['written'])} shard(s), {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
+        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; manifest: {summary['manifest']}"
+    )
+    if summary.get("resumed"):
+        kept = sum(summary["resumed"].values())
+        report.info(f"continued {len(summary['resumed'])} partial file(s), {kept / 1e9:.2f} GB kept from before")
+    report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
+
+
 # --- end of commands ---
 
 
+def _click_exceptions():
+    """The exceptions module of the click that Typer runs on: its own copy (`typer._click`, typer >= 0.25) or click."""
+    import importlib
+
+    return importlib.import_module(typer.BadParameter.__module__)
+
+
 def main() -> None:
-    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; anything else keeps its traceback."""
+    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; a usage error -> Typer's usage message on
+    stderr and exit 2; anything else keeps its traceback."""
+    click_exceptions = _click_exceptions()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -564,13 +652,9 @@ def main() -> None:
     except typer.Abort:
         report.error("aborted")
         sys.exit(130)
-    except Exception as exc:  # click usage errors come through here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
-        raise
+    except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
+        exc.show()
+        sys.exit(2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code)
     if isinstance(code, int) and code:
         sys.exit(code)
 

@@ -121,6 +121,14 @@ HF_TOP_FIXED: dict[str, Any] = {
     "vision_config": None,
 }
 HF_QUANT_KEYS = ("quant_method", "activation_scheme", "weight_block_size", "scale_fmt", "expert_dtype")
+# the published checkpoint's quantization_config, in its key order
+HF_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
 
 # ModelArgs fields that size runtime buffers rather than describe the checkpoint; they are not
 # part of config.json and are chosen by the caller.
@@ -207,7 +215,9 @@ class ModelArgs:
     vision_max_wh_ratio: float | None
     image_token_id: int
     dtype: str  # "fp8" (published) or "bf16" (an unquantized source)
-    expert_dtype: str | None  # "fp4" (published) or None
+    # routed experts: "fp4" (published: I8 packed e2m1 + per-32 scales), "fp8" (an `export --format fp8`
+    # checkpoint: e4m3 + 32x32 scales) or None (rank-file configs: experts in `dtype`, as upstream)
+    expert_dtype: str | None
     norm_topk_prob: bool = True
     max_batch_size: int = field(default=4, compare=False)
     max_seq_len: int = field(default=4096, compare=False)
@@ -344,8 +354,8 @@ class ModelArgs:
             raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
         if self.dtype not in ("fp8", "bf16"):
             raise ConfigError(f"{source}: dtype {self.dtype!r}, expected 'fp8' or 'bf16'")
-        if self.expert_dtype not in ("fp4", None):
-            raise ConfigError(f"{source}: expert_dtype {self.expert_dtype!r}, expected 'fp4' or none")
+        if self.expert_dtype not in ("fp4", "fp8", None):
+            raise ConfigError(f"{source}: expert_dtype {self.expert_dtype!r}, expected 'fp4', 'fp8' or none")
         if self.head_dim % self.o_groups or (self.n_heads * self.head_dim) % self.o_groups:
             raise ConfigError(f"{source}: n_heads * head_dim must divide into o_groups={self.o_groups}")
 

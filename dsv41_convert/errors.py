@@ -32,3 +32,7 @@ class DownloadError(ConvertError):
 
 class VerifyInputError(ConvertError):
     """verify was given inputs it cannot compare (prompts, reference logits, shard set)."""
+
+
+class LockedError(OutputError):
+    """Another process is writing into the same folder or file (store/lock.py); the message names it."""

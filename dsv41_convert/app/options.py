@@ -45,3 +45,11 @@ ResumeOpt = Annotated[
         "continue unfinished ones from their last verified checkpoint.",
     ),
 ]
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="bf16 (everything dequantized), fp8 (published scheme, experts fp8 32x32) or fp8-fp4 (the published "
+        "scheme: fp8 weights, MXFP4 experts).",
+    ),
+]

@@ -14,6 +14,9 @@ A `Param` is one logical weight; `file_tensors` expands it into the tensors a fi
               name.scale  F8_E8M0 [ceil(out/32), ceil(in/32)]
     FP4       name.weight I8 [out, in/2] (packed e2m1, logical [out, in])  name.weight BF16 [out, in]
               name.scale  F8_E8M0 [out, in/32]
+      fp8 experts (`export --format fp8`; expert_dtype "fp8"):
+              name.weight F8_E4M3 [out, in]
+              name.scale  F8_E8M0 [ceil(out/32), ceil(in/32)]
     FP8_ROWS  name.weight F8_E4M3 [rows, dim]                          name.weight BF16 [rows, dim]
               name.scale  F8_E8M0 [rows, dim/32]
 
@@ -72,8 +75,9 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def file_tensors(p: Param, quantized: bool) -> list[FileTensor]:
-    """The file tensors of one Param, in the fp8 (published) or bf16 source layout."""
+def file_tensors(p: Param, quantized: bool, fp8_experts: bool = False) -> list[FileTensor]:
+    """The file tensors of one Param, in the fp8 (published) or bf16 source layout; `fp8_experts`: routed
+    experts (FP4 params) as e4m3 with 32x32 scales, as `export --format fp8` writes them."""
     if p.fmt is Fmt.BF16:
         return [FileTensor(p.name, "BF16", p.shape, p.name)]
     if p.fmt is Fmt.F32:
@@ -82,7 +86,7 @@ def file_tensors(p: Param, quantized: bool) -> list[FileTensor]:
     if not quantized:
         return [FileTensor(weight, "BF16", p.shape, p.name)]
     out, inp = p.shape
-    if p.fmt is Fmt.FP8:
+    if p.fmt is Fmt.FP8 or (p.fmt is Fmt.FP4 and fp8_experts):
         return [
             FileTensor(weight, "F8_E4M3", (out, inp), p.name),
             FileTensor(f"{p.name}.scale", "F8_E8M0", (_ceil(out, BLOCK), _ceil(inp, BLOCK)), p.name),
@@ -270,12 +274,14 @@ Layout = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors d
 
 
 def published_layout(a: ModelArgs) -> Layout:
-    """name -> (dtype, shape) of every tensor in the published checkpoint with config `a`.
+    """name -> (dtype, shape) of every tensor in the published checkpoint with config `a` (routed experts
+    in fp8 where its quantization_config says expert_dtype "fp8").
 
     mtp.K.embed / head are not listed: the published checkpoint does not carry them (they are tied to
     the backbone and dropped if present).
     """
-    return {t.name: (t.dtype, t.shape) for p in catalogue(a) for t in file_tensors(p, quantized=True)}
+    fp8_experts = a.expert_dtype == "fp8"
+    return {t.name: (t.dtype, t.shape) for p in catalogue(a) for t in file_tensors(p, True, fp8_experts)}
 
 
 def _mtp_stages(a: ModelArgs) -> int:

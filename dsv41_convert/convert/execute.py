@@ -9,7 +9,8 @@ until then each run leaves a manifest fragment of the files done so far, which `
 merges once the rank files of several machines are gathered in one folder (manifest_merge.py). In such
 a gathered folder `resume` takes the fragments' files as done too. A run that writes anything first
 removes manifest.json (and, under `overwrite`, fragments of another plan): no manifest outlives a change
-to the files it lists.
+to the files it lists. OUT is locked before the first write (store/lock.py): a run of every rank holds it
+alone; a share of the ranks (`ranks`, a torchrun process) holds it shared and its own rank files alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
+import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ from dsv41_convert.convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, co
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.store import journal
 from dsv41_convert.store.journal import journal_path
+from dsv41_convert.store.lock import hold, is_lock_entry
 from dsv41_convert.store.manifest import (
     DONE_DIR,
     MANIFEST,
@@ -41,24 +48,67 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest,
 )
-from dsv41_convert.store.manifest_merge import forget_stale, import_fragments, write_fragment
+from dsv41_convert.store.manifest_merge import FRAGMENT_GLOB, forget_stale, import_fragments, write_fragment
 
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
+COMMON_FILES = (*SIDECARS, "config.json", "hf_config.json")
+
+
+@dataclass(frozen=True)
+class Sidecars:
+    """The files a run writes beside the plan's own, and the options its manifest records (the rank
+    folder's sidecars when not given: tokenizer, config.json, hf_config.json).
+
+    before(src, out): called before the plan's files are written; after(out): once every file of the
+    plan is done, just before manifest.json. Each returns the names of the files it wrote, which the
+    manifest hashes. `options` replace the manifest's tp / expert_dtype (device is added).
+    """
+
+    before: Callable[[Path, Path], list[str]]
+    after: Callable[[Path], list[str]]
+    options: dict[str, Any]
 
 
 def disk_free(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_output(src: Path, out: Path, resume: bool, overwrite: bool) -> None:
-    """OUT must not be SRC or inside it, and must be empty unless --overwrite or --resume."""
+def check_output(src: Path, out: Path) -> None:
+    """OUT must not be SRC or inside it, and must be a folder if it exists."""
     src, out = src.resolve(), out.resolve()
     if out == src or out.is_relative_to(src):
         raise OutputError(f"{out}: the output folder is the source folder or inside it; choose another OUT")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not (resume or overwrite):
-        raise OutputError(f"{out}: not empty; pass --resume to continue a run or --overwrite to replace it")
+
+
+def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str] | None = None) -> None:
+    """Unless --resume or --overwrite, OUT holds nothing but its lock and, for a share of the ranks
+    (`others` given), what the other shares of this conversion write: `others` (their rank files and
+    partial files) and the files every share writes (sidecars, done records, fragments)."""
+    if resume or overwrite:
+        return
+    shared = others is not None
+    found = sorted(
+        p.name
+        for p in out.iterdir()
+        if not (is_lock_entry(p.name) or (shared and (p.name in others or _common_output(p.name))))
+    )
+    if found:
+        what = "files other than the other ranks' files" if shared else "not empty"
+        raise OutputError(
+            f"{out.resolve()}: {what} ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); "
+            "pass --resume to continue a run or --overwrite to replace it"
+        )
+
+
+def _common_output(name: str) -> bool:
+    """Written by every share of a conversion into one folder (atomic_write's temporaries included)."""
+    return (
+        name in (DONE_DIR, MANIFEST)
+        or fnmatch(name, FRAGMENT_GLOB)
+        or any(name == s or (name.startswith(s + ".") and name.endswith(".partial")) for s in COMMON_FILES)
+    )
 
 
 def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, str] | None = None) -> list[RankFile]:
@@ -87,6 +137,7 @@ def execute(
     chunk_bytes: int = CHUNK_BYTES,
     journal_bytes: int = JOURNAL_BYTES,
     direct_io: bool = False,
+    sidecars: Sidecars | None = None,
 ) -> dict[str, Any]:
     """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s)."""
     src, out = Path(plan.src), Path(out)
@@ -94,10 +145,40 @@ def execute(
         raise PlanError(f"--device {device!r}: expected cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise PlanError("--device cuda: torch sees no CUDA device here; use --device cpu")
-    check_output(src, out, resume, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    digest = plan.digest()
     mine = select_files(plan, ranks)
+    check_output(src, out)
+    out.mkdir(parents=True, exist_ok=True)
+    # a share of the ranks (--ranks, a torchrun process) holds the folder shared and its own rank files
+    # exclusively; a run of every rank holds the folder alone (store/lock.py)
+    share = ranks is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    names = [f.file for f in mine]
+    with hold(out, shared=share, files=names if share else ()) as lock:
+        others = {n for f in plan.files if f.file not in names for n in (f.file, f.file + ".partial")}
+        check_empty(out, resume, overwrite, frozenset(others) if share else None)
+        job = {
+            "device": device,
+            "chunk_bytes": chunk_bytes,
+            "digest": plan.digest(),
+            "resume": resume,
+            "journal": journal_bytes,
+            "direct_io": direct_io,
+        }
+        summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars)
+    return summary | {"took_over": [h.describe() for h in lock.stale]}  # locks of runs that died holding them
+
+
+def _execute_held(
+    plan: ConversionPlan,
+    src: Path,
+    out: Path,
+    mine: list[RankFile],
+    workers: int,
+    progress: Progress,
+    job: dict,
+    sidecars: Sidecars | None,
+) -> dict[str, Any]:
+    """`execute` once OUT is locked and checked."""
+    digest, resume, device = job["digest"], job["resume"], job["device"]
     if resume:
         import_fragments(out, digest)  # a folder gathered from several machines
     todo, skipped = [], []
@@ -123,23 +204,18 @@ def execute(
         )
     if todo:
         forget_stale(out, digest)
-    extra = _write_sidecars(plan, src, out)
+    extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
-    job = {
-        "device": device,
-        "chunk_bytes": chunk_bytes,
-        "digest": digest,
-        "resume": resume,
-        "journal": journal_bytes,
-        "direct_io": direct_io,
-    }
     results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)
     manifest = fragment = None
-    options = {"tp": plan.tp, "expert_dtype": plan.expert_dtype, "device": device}
+    options = sidecars.options if sidecars else {"tp": plan.tp, "expert_dtype": plan.expert_dtype}
+    options = options | {"device": device}
     done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
     if len(done) == len(plan.files):
+        if sidecars:
+            extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra))
     elif done:
         fragment = str(write_fragment(out, plan, options, done))
@@ -231,9 +307,23 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, kept: int) -
 _QUEUE: Any = None
 
 
-def _init_worker(q) -> None:
+def _init_worker(q, parent: int) -> None:
     global _QUEUE
     _QUEUE = q
+    _die_with(parent)
+
+
+def _die_with(parent: int) -> None:
+    """Linux: SIGKILL this worker when its parent dies. The run's lock dies with the parent (kill -9, OOM
+    kill); its writers must stop with it, or they would write beside the run that takes the lock over."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _worker_job(rf, src, out, job) -> tuple:
@@ -256,7 +346,9 @@ def _run(todo, src, out, workers, progress, job) -> list[tuple[str, int, str, in
     ctx = mp.get_context("spawn")  # no fork after torch has started threads
     q = ctx.Queue()
     results = []
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)) as pool:
+    with ProcessPoolExecutor(
+        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
+    ) as pool:
         pending = {pool.submit(_worker_job, rf, src, out, job) for rf in todo}
         try:
             while pending:
@@ -279,4 +371,4 @@ def _drain(q, progress: Progress) -> None:
             return
 
 
-__all__ = ["DONE_DIR", "MANIFEST", "check_output", "execute", "select_files"]
+__all__ = ["DONE_DIR", "MANIFEST", "check_empty", "check_output", "execute", "select_files"]

@@ -1,21 +1,26 @@
 """The conversion plan: from headers and the index only, the exact layout of every output rank file.
 
 `build_plan(src, tp)` reads config.json, the index and each shard's header (never tensor data), checks
-them (validate.py), and lists for every rank the output tensors in file order, each with its byte
-offsets, the rule that made it, the action that computes it and the source byte ranges it reads.
+that the model can run at tp (tp.py) and the headers (validate.py), and lists for every rank the output
+tensors in file order, each with its byte offsets, the rule that made it, the action that computes it
+and the source byte ranges it reads.
 A ConversionPlan is plain data: `to_dict()` / `from_dict()` round-trip it through JSON.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
 from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.safetensors_header import build_header
@@ -79,10 +84,10 @@ class RankFile:
 class ConversionPlan:
     src: str
     tp: int
-    expert_dtype: str  # fp4 | fp8
+    expert_dtype: str  # fp4 | fp8: the routed experts in the output (an export plan: bf16 too)
     source_format: str  # fp8 (published fp8/fp4) | bf16 (unquantized bf16/fp32)
     index_sha256: str
-    inference_config: dict[str, Any]
+    inference_config: dict[str, Any]  # the config.json written to OUT (an export plan: the HF config)
     files: tuple[RankFile, ...]
 
     @property
@@ -96,29 +101,41 @@ class ConversionPlan:
             h.update(f.header)
         return h.hexdigest()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, with_headers: bool = False) -> dict[str, Any]:
+        """The plan as JSON-ready data.
+
+        Default, what a pipeline reads: per rank its file, tensor count and bytes; per tensor its name,
+        dtype, shape, rule, action and source reads (file, name in that file, rows, and columns for a
+        dim-1 split). `with_headers`: also each rank's raw header (hex) and every field of every tensor,
+        all that `from_dict` needs to rebuild the plan (the real checkpoint's is ~120 MB).
+        """
+        tensor = _tensor_dict if with_headers else _tensor_summary
+        files = []
+        with _collector_paused():  # ~400k new dicts and lists, none in a cycle
+            for f in self.files:
+                entry: dict[str, Any] = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors)}
+                entry["bytes"] = f.nbytes
+                if with_headers:
+                    entry["header"] = f.header.hex()
+                entry["tensors"] = [tensor(t) for t in f.tensors]
+                files.append(entry)
         return {
             "src": self.src,
             "tp": self.tp,
             "expert_dtype": self.expert_dtype,
             "source_format": self.source_format,
             "index_sha256": self.index_sha256,
+            "digest": self.digest(),
             "inference_config": self.inference_config,
             "total_bytes": self.total_bytes,
-            "files": [
-                {
-                    "rank": f.rank,
-                    "file": f.file,
-                    "bytes": f.nbytes,
-                    "header": f.header.hex(),
-                    "tensors": [_tensor_dict(t) for t in f.tensors],
-                }
-                for f in self.files
-            ],
+            "files": files,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConversionPlan:
+        """The plan `to_dict(with_headers=True)` described."""
+        if any("header" not in f for f in d["files"]):
+            raise PlanError("this plan JSON has no rank headers; write it with `plan --json --with-headers`")
         files = tuple(
             RankFile(f["rank"], f["file"], bytes.fromhex(f["header"]), tuple(_tensor_from(t) for t in f["tensors"]))
             for f in d["files"]
@@ -138,6 +155,22 @@ def _tensor_dict(t: OutTensor) -> dict[str, Any]:
     return d
 
 
+def _tensor_summary(t: OutTensor) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "dtype": t.dtype,
+        "shape": t.shape,
+        "rule": t.rule,
+        "action": t.action,
+        "reads": [
+            {"file": r.file, "name": r.name, "rows": (r.r0, r.r1)}
+            if r.c1 < 0
+            else {"file": r.file, "name": r.name, "rows": (r.r0, r.r1), "cols": (r.c0, r.c1)}
+            for r in t.reads
+        ],
+    }
+
+
 def _tensor_from(d: dict[str, Any]) -> OutTensor:
     reads = tuple(Read(**{**r, "shape": tuple(r["shape"])}) for r in d["reads"])
     return OutTensor(**{**d, "reads": reads, "shape": tuple(d["shape"]), "block": tuple(d["block"])})
@@ -147,39 +180,70 @@ def rank_file_name(rank: int, tp: int) -> str:
     return f"model{rank}-mp{tp}.safetensors"
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: a plan of the real checkpoint builds ~400k objects, none in a
+    cycle, and the collector's repeated passes over them cost a third of the plan's time."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
     """Read config, index and headers of `src`, validate them, and lay out every rank file.
 
     Raises PlanError / HeaderError / ConfigError naming the file and tensor at fault.
     """
-    if tp < 1:
-        raise PlanError(f"--tp {tp}: must be at least 1")
+    with _collector_paused():
+        return _build_plan(src, tp, expert_dtype)
+
+
+def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
     if expert_dtype not in ("fp4", "fp8"):
         raise PlanError(f"--expert-dtype {expert_dtype!r}: expected fp4 or fp8")
     src = Path(src)
     args = load_model_args(src / "config.json")
-    index_path = src / INDEX
-    index_sha = hashlib.sha256(index_path.read_bytes()).hexdigest() if index_path.exists() else ""
-    weight_map = load_json(index_path).get("weight_map") if index_path.exists() else None
-    if index_path.exists() and not isinstance(weight_map, dict):
-        raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
+    check_tp(args, tp, str(src / "config.json"))
+    index_sha, weight_map = read_index(src)
     sources = gather_sources(src, weight_map)
     n_experts = validate_sources(sources, args, tp, expert_dtype)
+    if args.expert_dtype == "fp8" and expert_dtype == "fp4":
+        raise PlanError(
+            f"{src}: its routed experts are fp8 (config.json quantization_config.expert_dtype 'fp8', an `export "
+            "--format fp8` checkpoint); pass --expert-dtype fp8 (copies them), or `export --format fp8-fp4` first"
+        )
     quantized = args.dtype == "fp8"
     per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
     for name in sorted(sources):
         for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
             per_rank[rank].append(t)
-    files = []
-    for rank, tensors in enumerate(per_rank):
-        header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
-        by_name = {t.name: t for t in tensors}
-        for n, b, e in spans:
-            by_name[n].begin, by_name[n].end = b, e
-        placed = tuple(by_name[n] for n, _, _ in spans)
-        files.append(RankFile(rank, rank_file_name(rank, tp), header, placed))
+    files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
     out_args = args.to_inference_dict() | {"dtype": "fp8", "expert_dtype": "fp4" if expert_dtype == "fp4" else None}
-    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, tuple(files))
+    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, files)
+
+
+def read_index(src: Path) -> tuple[str, dict[str, str] | None]:
+    """-> (sha256 of SRC's model.safetensors.index.json, its weight_map); ("", None) without an index."""
+    index_path = src / INDEX
+    if not index_path.exists():
+        return "", None
+    weight_map = load_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise PlanError(f"{index_path}: no weight_map object; is this a safetensors index?")
+    return hashlib.sha256(index_path.read_bytes()).hexdigest(), weight_map
+
+
+def lay_out(rank: int, file: str, tensors: list[OutTensor]) -> RankFile:
+    """A file of `tensors`: its header (save_file's order) and each tensor's byte offsets set."""
+    header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
+    by_name = {t.name: t for t in tensors}
+    for n, b, e in spans:
+        by_name[n].begin, by_name[n].end = b, e
+    return RankFile(rank, file, header, tuple(by_name[n] for n, _, _ in spans))
 
 
 def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
@@ -195,12 +259,12 @@ def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[in
         return
     if op is Op.SCALE:
         weight = sources[name.removesuffix(".scale") + ".weight"]
-        if weight.rule.op is Op.AS_FP4 and xdt == "fp8":
+        if weight.rule.op is Op.AS_FP4 and xdt == "fp8" and weight.dtype != E4M3:
             return  # made by the expert's fp4 -> fp8 cast
         for rank, rd, pad in _selections(s, rule.split, tp, n_experts):
             yield rank, _out(name, E8M0, rd, pad, rule, "copy")
         return
-    scale = sources.get(scale_name(name)) if quantized and has_scale(op) else None
+    scale = sources.get(scale_name(name)) if quantized and has_scale(op) and _reads_scale(op, xdt) else None
     for rank, rd, pad in _selections(s, rule.split, tp, n_experts):
         local = (rd.r1 - rd.r0, *s.shape[1:]) if rd.c1 < 0 else (rd.r1 - rd.r0, rd.c1 - rd.c0)
         sread = _scale_read(scale, s, rd) if scale is not None else None
@@ -217,7 +281,9 @@ def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[in
                 yield rank, _out(name, BF16, rd, 0, rule, "copy" if s.dtype == BF16 else "cast", shape=local)
         elif op is Op.AS_FP4 and quantized:
             logical = (s.shape[0], s.shape[1] * 2)
-            if xdt == "fp4":
+            if s.dtype == E4M3:  # fp8 experts (an `export --format fp8` source; fp4 refused in build_plan)
+                yield rank, _out(name, E4M3, rd, 0, rule, "copy", shape=local)
+            elif xdt == "fp4":
                 yield rank, _out(name, F4, rd, 0, rule, "as_fp4", shape=logical)  # same bytes, F4 in the header
             else:
                 yield from _group(rank, name, rule, "fp4_to_fp8", (rd, sread), (E4M3, logical), _fp8_scale(logical))
@@ -235,6 +301,11 @@ def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[in
             yield from _group(rank, name, rule, "quant_rows_fp8", (rd,), (E4M3, local), sshape, pad)
         else:  # pragma: no cover - every Op is handled above
             raise AssertionError(op)
+
+
+def _reads_scale(op: Op, xdt: str) -> bool:
+    """Whether the action for a weight of family `op` reads its scale (the others copy the scale apart)."""
+    return op is Op.DEQUANT_BF16 or (op is Op.AS_FP4 and xdt == "fp8")
 
 
 def _fp8_scale(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -273,8 +344,9 @@ def _selections(s: Source, split: Split, tp: int, n_experts: tuple[int, int]):
     """(rank, Read, pad rows) for every rank that gets a piece of source tensor `s`."""
     rows = s.shape[0] if s.shape else 1
     if split is Split.NONE:
+        whole = _read(s)  # one Read shared by every rank's copy
         for r in range(tp):
-            yield r, _read(s), 0
+            yield r, whole, 0
     elif split is Split.DIM0:
         k = rows // tp
         for r in range(tp):

@@ -6,7 +6,8 @@ rule; there is no catch-all, so an unknown tensor stops the plan instead of bein
 A rule states three things, all as upstream convert.py does them for the published checkpoint:
 - `split`: how the tensor is divided over tp ranks;
 - `op`: the family of the tensor (a plain copy, an fp8 weight, its scale, a routed expert, ...);
-- `src`: the dtype the published checkpoint stores it in (checked against the header).
+- `src`: the dtype the published checkpoint stores it in (checked against the header); the first is the
+  published one, a second is what `export --format fp8` writes (routed experts).
 `actions` turns (op, source dtype, --expert-dtype) into what the plan does, for published (fp8/fp4)
 sources and for unquantized (bf16/fp32) ones alike.
 """
@@ -80,7 +81,8 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + r"ffn\.gate\.(bias|bias_vl)", Split.NONE, Op.KEEP, _F32),
     Rule(_L + r"ffn\.shared_experts\.w[123]\.weight", Split.NONE, Op.FP8, _F8),
     Rule(_L + r"ffn\.shared_experts\.w[123]\.scale", Split.NONE, Op.SCALE, _E8),
-    Rule(_L + r"ffn\.experts\.\d+\.w[123]\.weight", Split.EXPERT, Op.AS_FP4, ("I8",)),
+    # I8 packed e2m1 as published; F8_E4M3 with 32x32 scales in an `export --format fp8` checkpoint
+    Rule(_L + r"ffn\.experts\.\d+\.w[123]\.weight", Split.EXPERT, Op.AS_FP4, ("I8", "F8_E4M3")),
     Rule(_L + r"ffn\.experts\.\d+\.w[123]\.scale", Split.EXPERT, Op.SCALE, _E8),
     # Engram
     Rule(r"layers\.\d+\.engram\.embed\.weight", Split.ROWS_PADDED, Op.ENGRAM_ROWS, _F8),

@@ -4,8 +4,10 @@ Each action takes row-chunks of its source tensors and returns its outputs for t
 
   cast            x [rows, ...] any float             -> (x in the output dtype,)
   dequant_bf16    q [rows, in] e4m3, s [rows/bo, in/bi] e8m0   -> (w [rows, in] bf16,)
+  dequant_fp4     p [rows, in/2] I8 (e2m1 pairs), s [rows, in/32] e8m0     -> (w [rows, in] bf16,)
   fp4_to_fp8      p [rows, in/2] I8 (e2m1 pairs), s [rows, in/32] e8m0
                                                       -> (w [rows, in] e4m3, s [rows/32, in/32] e8m0)
+  requant_fp4     q [rows, in] e4m3, s [rows/32, in/32] e8m0  -> decoded in float32, then quant_fp4
   quant_fp8       w [rows, in] bf16/f32               -> (q [rows, in] e4m3, s [ceil(rows/32), ceil(in/32)] e8m0)
   quant_fp4       w [rows, in] bf16/f32               -> (p [rows, in/2] e2m1 pairs, s [rows, in/32] e8m0)
   quant_fp4_fp8   w [rows, in] bf16/f32               -> quant_fp4 then fp4_to_fp8
@@ -38,7 +40,7 @@ KERNEL_MODULE = "dsv41_convert.kernels.quant_ops"  # same four functions, TileLa
 def quantizer_for(device: str) -> SimpleNamespace:
     """The quantization functions for `device`: quant/ on "cpu", the TileLang kernels on "cuda".
 
-    -> namespace with encode_fp8_blocks, decode_fp8_blocks, encode_mxfp4, fp4_to_fp8 and `device`
+    -> namespace with encode_fp8_blocks, decode_fp8_blocks, encode_mxfp4, decode_mxfp4, fp4_to_fp8 and `device`
     """
     from dsv41_convert.quant import cast, fp4, fp8
 
@@ -46,6 +48,7 @@ def quantizer_for(device: str) -> SimpleNamespace:
         "encode_fp8_blocks": fp8.encode_fp8_blocks,
         "decode_fp8_blocks": fp8.decode_fp8_blocks,
         "encode_mxfp4": fp4.encode_mxfp4,
+        "decode_mxfp4": fp4.decode_mxfp4,
         "fp4_to_fp8": cast.fp4_to_fp8,
     }
     if device == "cuda":
@@ -64,6 +67,11 @@ def apply(action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_
         outs = (inputs[0].to(DTYPES[out_dtype]),)
     elif action == "dequant_bf16":
         outs = (q.decode_fp8_blocks(inputs[0], inputs[1], tuple(block), torch.bfloat16),)
+    elif action == "dequant_fp4":
+        outs = (q.decode_mxfp4(inputs[0].view(torch.float4_e2m1fn_x2), inputs[1], 32, torch.bfloat16),)
+    elif action == "requant_fp4":
+        w = q.decode_fp8_blocks(inputs[0], inputs[1], tuple(block), torch.float32)  # exact in float32
+        outs = q.encode_mxfp4(w, 32, name)
     elif action == "fp4_to_fp8":
         outs = q.fp4_to_fp8(inputs[0].view(torch.float4_e2m1fn_x2), inputs[1], 32, name)
     elif action == "quant_fp8":

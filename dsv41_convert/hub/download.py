@@ -24,6 +24,7 @@ import re
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from pathlib import Path
 
 from huggingface_hub import HfApi
@@ -44,6 +45,7 @@ from dsv41_convert.hub.local import (
     storage_of,
     verify_local,
 )
+from dsv41_convert.store.lock import hold
 
 REPO_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?")
 
@@ -64,25 +66,26 @@ def resolve_source(
     endpoint: str | None = None,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
+    check_config: Callable[[Path], None] | None = None,
 ) -> Path:
     """A local checkpoint folder for `src`: an existing path as is, or a repo id "owner/name[@rev]" downloaded
-    (into `local_dir`, else the HF cache) and verified first. For `plan` and `shard`."""
+    (into `local_dir`, else the HF cache) and verified first. For `plan` and `shard`.
+
+    check_config: called with the repo's config.json, fetched alone before anything else, so that a run
+    the config already rules out (a tp the model cannot run) stops before the shards are downloaded.
+    """
     path = Path(src)
     if path.exists():
         return path
     ref = parse_repo_ref(str(src))
     if ref is None:
         raise DownloadError(f"{src}: no such folder, and not a Hub repo id (owner/name or owner/name@revision)")
+    where = {"revision": ref[1], "local_dir": local_dir, "token": token, "endpoint": endpoint, "cache_dir": cache_dir}
     try:
-        report = download(
-            ref[0],
-            revision=ref[1],
-            local_dir=local_dir,
-            token=token,
-            endpoint=endpoint,
-            cache_dir=cache_dir,
-            progress=progress,
-        )
+        if check_config is not None:
+            first = download(ref[0], include=["config.json"], progress=progress, **where)
+            check_config(first.folder / "config.json")
+        report = download(ref[0], progress=progress, **where)
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc
     if not report.ok:
@@ -113,7 +116,8 @@ def download(
 
     Files whose hash is still wrong after `repair_rounds` re-fetches raise DownloadError (the Hub keeps
     serving bad bytes). Problems the Hub's own files have (an index that names a shard the repo lacks,
-    or other tensors than the shard holds) come back in `report.problems`.
+    or other tensors than the shard holds) come back in `report.problems`. A `local_dir` is held alone
+    from the first byte written to the end (store/lock.py): a second download into it fails at once.
     """
     if offline():
         report = verify_local(
@@ -132,6 +136,30 @@ def download(
                 f"whole: {listing(report.problems)}; unset HF_HUB_OFFLINE to fetch the rest"
             )
         return report
+    if local_dir is not None:
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+    with hold(Path(local_dir)) if local_dir is not None else nullcontext():
+        return _download(
+            repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
+            backoff_s, repair_rounds, progress,
+        )  # fmt: skip
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    local_dir: Path | None,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    max_workers: int,
+    token: str | None,
+    endpoint: str | None,
+    cache_dir: Path | None,
+    retries: int,
+    backoff_s: float,
+    repair_rounds: int,
+    progress: Progress | None,
+) -> DownloadReport:
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
     place = place_of(repo_id, record.commit, local_dir, cache_dir)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dsv41_convert.errors import DownloadError, HeaderError
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.index import EXPECTED, bad_shard_names, shard_name_problem
 from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -203,10 +204,14 @@ def _check_index(root: Path, names: dict[str, set[str] | None]) -> list[Problem]
         weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return [Problem(INDEX_NAME, "index", f"unreadable ({exc})", "JSON with a weight_map")]
+    if not isinstance(weight_map, dict):
+        return [Problem(INDEX_NAME, "index", "no weight_map object", "JSON with a weight_map")]
+    bad = bad_shard_names(weight_map)
+    problems = [Problem(INDEX_NAME, "index", f"shard name {b.found()}", EXPECTED) for b in bad]
     by_shard: dict[str, set[str]] = {}
     for tensor, shard in weight_map.items():
-        by_shard.setdefault(shard, set()).add(tensor)
-    problems = []
+        if shard_name_problem(shard) is None:  # never open what a bad name points at
+            by_shard.setdefault(shard, set()).add(tensor)
     for shard, want in sorted(by_shard.items()):
         if not (root / shard).is_file():
             problems.append(Problem(shard, "missing", "no file", f"a shard with {len(want)} tensors ({INDEX_NAME})"))

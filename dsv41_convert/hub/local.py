@@ -20,6 +20,7 @@ from huggingface_hub.utils import filter_repo_objects
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.lock import LOCK_NAME
 
 RECORD_NAME = ".dsv41-download.json"
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -169,7 +170,7 @@ def _local_paths(folder: Path) -> list[str]:
     out = []
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
-        if path.is_file() and not rel.startswith(".cache/") and rel != RECORD_NAME:
+        if path.is_file() and not rel.startswith(".cache/") and rel not in (RECORD_NAME, LOCK_NAME):
             out.append(rel)
     return out
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.lock import hold
 from dsv41_convert.store.manifest import (
     DONE_DIR,
     MANIFEST,
@@ -109,7 +110,7 @@ def forget_stale(out: Path, plan_digest: str) -> list[str]:
     gone = [MANIFEST] if (out / MANIFEST).is_file() else []
     gone += [name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != plan_digest]
     for name in gone:
-        (out / name).unlink()
+        (out / name).unlink(missing_ok=True)  # a share of the ranks beside us may have done it
     if gone:
         fsync_dir(out)
     return gone
@@ -120,8 +121,16 @@ def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
 
     Raises OutputError naming every missing, resized or corrupt file and every fragment of another plan.
     -> summary: out, manifest path, rank files, fragments read
+    Holds `out` alone (store/lock.py): no `shard` may be writing there meanwhile.
     """
     out = Path(out)
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such folder; gather the rank files and fragments of every machine in it")
+    with hold(out):
+        return _merge(out, progress)
+
+
+def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     frags = read_fragments(out)
     if not frags:
         raise OutputError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsv41_convert.config import HF_QUANTIZATION_CONFIG
 from dsv41_convert.model.engram_hash import engram_table_rows
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -156,13 +157,7 @@ MEDIUM = Preset(
 
 PRESETS: dict[str, Preset] = {"tiny": TINY, "medium": MEDIUM}
 
-QUANTIZATION_CONFIG: dict[str, Any] = {
-    "quant_method": "fp8",
-    "activation_scheme": "dynamic",
-    "weight_block_size": [32, 32],
-    "scale_fmt": "ue8m0",
-    "expert_dtype": "fp4",
-}
+QUANTIZATION_CONFIG = HF_QUANTIZATION_CONFIG  # the published one
 
 
 def hf_config(p: Preset, *, compressed_vocab_size: int, quantized: bool = True, vision: bool = True) -> dict[str, Any]:

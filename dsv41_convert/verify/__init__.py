@@ -13,6 +13,7 @@ thresholds.py  pass/fail bounds per mode
 localize.py    the first diverging module and the differing tensors
 run.py         the whole check
 table.py       the rich table for the CLI
+roundtrip.py   two checkpoints of one format tensor by tensor: same bytes, same values (and why), or not
 
 May import `model`, `convert` (the plan and transforms of the source, run in memory), `store`, `quant`,
 `config`, `errors`; never the CLI.

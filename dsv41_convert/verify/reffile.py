@@ -26,15 +26,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.verify.runner import ModelInput, PromptRun
+from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
 FORMAT = "dsv41-reference-logits/1"
 PAD_ID = -1
+# name -> (dtype, dims); hidden.<module> tensors are bfloat16 [B, S, ...]
+LAYOUT = {
+    "input_ids": (torch.int64, 2),
+    "logits": (torch.float32, 2),
+    "logits_all": (torch.float32, 3),
+    "lengths": (torch.int64, 1),
+    "decode_ids": (torch.int64, 2),
+    "decode_logits": (torch.float32, 3),
+    "draft_logits": (torch.float32, 4),
+    "token_types": (torch.int64, 2),
+}
+SHAPES = {  # the shape each optional tensor must have, in the sizes the file's own tensors set
+    "lengths": ("B",),
+    "logits_all": ("B", "S", "V"),
+    "token_types": ("B", "S"),
+    "decode_ids": ("B", "T+1"),
+    "decode_logits": ("B", "T", "V"),
+    "draft_logits": ("B", "T", "K", "V"),
+}
+MAX_PROBLEMS = 40  # lines in one error
+MAX_PER_RULE = 5  # examples per rule (prompt, position), then a count
 
 
 @dataclass
@@ -105,51 +127,34 @@ def save(ref: Reference, path: Path) -> None:
     tmp.replace(path)
 
 
-def load(path: Path, default_max_seq_len: int) -> Reference:
-    """Read a reference-logits file; VerifyInputError names the file and what is wrong with it."""
-    path = Path(path)
-    try:
-        t = load_file(str(path))
-        from safetensors import safe_open
+def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) -> Reference:
+    """Read a reference-logits file, after `validate_reference_file` found nothing wrong with it.
 
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-    except (OSError, SafetensorError) as exc:
-        raise VerifyInputError(f"{path}: not a readable safetensors file ({exc})") from exc
-    if meta.get("format", FORMAT) != FORMAT:
-        raise VerifyInputError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    for key, dt, ndim in (("input_ids", torch.int64, 2), ("logits", torch.float32, 2)):
-        if key not in t:
-            raise VerifyInputError(f"{path}: no `{key}` tensor; written by `dsv41-convert reference-logits`?")
-        if t[key].dtype != dt or t[key].dim() != ndim:
-            raise VerifyInputError(f"{path}: {key} is {t[key].dtype} {list(t[key].shape)}, expected {dt} {ndim}-d")
+    args: the model the file will be compared with (vocabulary, DSpark block); None checks the file alone.
+    Raises VerifyInputError listing every problem, each naming the tensor (and prompt, position).
+    """
+    path = Path(path)
+    t, meta = _read(path)
+    problems = _problems(t, meta, args, default_max_seq_len)
+    if problems:
+        shown = problems[:MAX_PROBLEMS]
+        more = [f"... and {len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else []
+        raise VerifyInputError(
+            f"{path}: {len(problems)} problem(s) in the reference file (layout: dsv41_convert/verify/reffile.py):"
+            + "".join(f"\n  {p}" for p in [*shown, *more])
+        )
     ids, logits = t["input_ids"], t["logits"]
     b, s = ids.shape
     vocab = logits.shape[1]
-    if logits.shape[0] != b:
-        raise VerifyInputError(f"{path}: logits has {logits.shape[0]} rows, input_ids {b}")
     lengths = t.get("lengths", torch.full((b,), s, dtype=torch.int64))
-    _shape(path, t, "lengths", (b,))
-    _shape(path, t, "logits_all", (b, s, vocab))
-    _shape(path, t, "token_types", (b, s))
     n_dec = t["decode_logits"].shape[1] if "decode_logits" in t else 0
-    _shape(path, t, "decode_logits", (b, n_dec, vocab))
-    if "decode_logits" in t and "decode_ids" not in t:
-        raise VerifyInputError(f"{path}: decode_logits without decode_ids (the tokens the steps fed)")
-    _shape(path, t, "decode_ids", (b, n_dec + 1))
-    if "draft_logits" in t:
-        k = t["draft_logits"].shape[2] if t["draft_logits"].dim() == 4 else -1
-        _shape(path, t, "draft_logits", (b, n_dec, k, vocab))
-    labels = _json_list(path, meta, "labels", b, [f"prompt-{i}" for i in range(b)])
-    images = _json_list(path, meta, "images", b, [""] * b)
+    labels = json.loads(meta["labels"]) if "labels" in meta else [f"prompt-{i}" for i in range(b)]
+    images = json.loads(meta["images"]) if "images" in meta else [""] * b
     inputs, runs = [], []
     for row in range(b):
         n = int(lengths[row])
-        row_ids = ids[row, :n]
-        if not 0 < n <= s or bool((row_ids < 0).any()):
-            raise VerifyInputError(f"{path}: prompt {row} has length {n} or negative ids inside it")
         types = t["token_types"][row, :n] if "token_types" in t and images[row] else None
-        inputs.append(ModelInput(row_ids.clone(), types, None, images[row] or None))
+        inputs.append(ModelInput(ids[row, :n].clone(), types, None, images[row] or None))
         all_rows = t["logits_all"][row, :n] if "logits_all" in t else logits[row][None]
         runs.append(
             PromptRun(
@@ -161,33 +166,261 @@ def load(path: Path, default_max_seq_len: int) -> Reference:
                 last=logits[row],
             )
         )
-    try:
-        max_seq_len = int(meta.get("max_seq_len", default_max_seq_len))
-    except ValueError as exc:
-        raise VerifyInputError(f"{path}: metadata max_seq_len {meta['max_seq_len']!r} is not an integer") from exc
     return Reference(
         inputs,
         runs,
         labels,
-        max_seq_len,
+        int(meta.get("max_seq_len", default_max_seq_len)),
         meta.get("source_format", "unknown"),
         meta.get("device", "unknown"),
         has_logits_all="logits_all" in t,
     )
 
 
-def _shape(path: Path, t: dict[str, Tensor], key: str, want: tuple[int, ...]) -> None:
-    if key in t and tuple(t[key].shape) != want:
-        raise VerifyInputError(f"{path}: {key} has shape {list(t[key].shape)}, expected {list(want)}")
+def validate_reference_file(path: Path, args: ModelArgs | None = None, default_max_seq_len: int = 128) -> list[str]:
+    """Every problem of a reference-logits file, all at once; [] for a file `load` accepts.
 
-
-def _json_list(path: Path, meta: dict[str, str], key: str, n: int, default: list[str]) -> list[str]:
-    if key not in meta:
-        return default
+    Catches: an unreadable file or foreign format; a tensor missing, unknown, of another dtype, or of a
+    shape the file's own tensors contradict (B and S from input_ids, V from logits, T from decode_ids, K
+    from draft_logits or the model's DSpark block), each message naming the tensor that sets the size;
+    a vocabulary other than the model's; ids outside it; lengths that disagree with input_ids' padding;
+    prompts plus decode steps longer than max_seq_len; NaN or Inf in any logits tensor (tensor, prompt,
+    position); token types outside -1..3; labels and images that are not one string per prompt, and
+    image files that are not there. Cannot catch: logits that are finite and well-shaped but wrong.
+    """
+    path = Path(path)
     try:
-        value = json.loads(meta[key])
-    except json.JSONDecodeError as exc:
-        raise VerifyInputError(f"{path}: metadata {key} is not JSON") from exc
-    if not isinstance(value, list) or len(value) != n or not all(isinstance(v, str) for v in value):
-        raise VerifyInputError(f"{path}: metadata {key} must be a list of {n} strings")
-    return value
+        t, meta = _read(path)
+    except VerifyInputError as exc:
+        return [str(exc)]
+    return _problems(t, meta, args, default_max_seq_len)
+
+
+def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    try:
+        t = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except (OSError, SafetensorError) as exc:
+        raise VerifyInputError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return t, meta
+
+
+def _problems(
+    t: dict[str, Tensor], meta: dict[str, str], args: ModelArgs | None, default_max_seq_len: int
+) -> list[str]:
+    """validate_reference_file's findings for a file read into `t` (tensors) and `meta` (its metadata)."""
+    out: list[str] = []
+    if meta.get("format", FORMAT) != FORMAT:
+        out.append(f"metadata format {meta.get('format')!r}, expected {FORMAT!r}")
+    for key in sorted(t):
+        x = t[key]
+        if key.startswith("hidden."):
+            if x.dtype != torch.bfloat16 or x.dim() < 2:
+                out.append(f"{key} is {x.dtype} {list(x.shape)}, expected torch.bfloat16 [B, S, ...]")
+        elif key not in LAYOUT:
+            out.append(f"{key}: not a tensor of this format (known: {', '.join(LAYOUT)}, hidden.<module>)")
+        elif x.dtype != LAYOUT[key][0] or (x.dim() != LAYOUT[key][1] and key not in SHAPES):
+            out.append(f"{key} is {x.dtype} {list(x.shape)}, expected {LAYOUT[key][0]} {LAYOUT[key][1]}-d")
+        # the shapes of SHAPES' tensors, wrong rank included, are checked below against the sizes that set them
+    for key in ("input_ids", "logits"):
+        if key not in t:
+            out.append(f"no `{key}` tensor; written by `dsv41-convert reference-logits`?")
+    if out and any(k not in t or t[k].dim() != 2 or t[k].dtype != LAYOUT[k][0] for k in ("input_ids", "logits")):
+        return out  # without input_ids and logits the sizes below are unknown
+    ids, logits = t["input_ids"], t["logits"]
+    b, s = ids.shape
+    v = logits.shape[1]
+    if not (b and s and v):
+        return [*out, f"input_ids {list(ids.shape)} and logits {list(logits.shape)}: no prompt, token or logit"]
+    dims = _Dims(b, s, v, ids.shape, logits.shape)
+    if logits.shape[0] != b:
+        out.append(f"logits has {logits.shape[0]} rows, input_ids {b} (B = {b}, {dims.origin['B']})")
+    vocab = v
+    if args is not None and v != args.vocab_size:
+        out.append(f"logits: vocab {v} (V, its columns), the model has {args.vocab_size} (vocab_size in config.json)")
+        vocab = args.vocab_size
+    if "decode_ids" in t and t["decode_ids"].dim() == 2:
+        dims.set("T", t["decode_ids"].shape[1] - 1, f"decode_ids {list(t['decode_ids'].shape)} = [B, T + 1]")
+    elif "decode_logits" in t and t["decode_logits"].dim() == 3:
+        dims.set("T", t["decode_logits"].shape[1], f"decode_logits {list(t['decode_logits'].shape)}")
+    if args is not None and args.n_mtp_layers:
+        dims.set("K", args.dspark_block_size, "dspark_block_size in config.json")
+    elif "draft_logits" in t and t["draft_logits"].dim() == 4:
+        dims.set("K", t["draft_logits"].shape[2], f"draft_logits {list(t['draft_logits'].shape)}")
+    for key, spec in SHAPES.items():
+        if key in t:
+            out += dims.check(key, t[key], spec)
+    for key in sorted(k for k in t if k.startswith("hidden.") and t[k].dim() >= 2):
+        if tuple(t[key].shape[:2]) != (b, s):
+            want = f"expected [B, S, ...] = [{b}, {s}, ...] ({dims.why('B', 'S')})"
+            out.append(f"{key} has shape {list(t[key].shape)}, {want}")
+    out += _pairing(t, dims, args)
+    out += _ids(t, b, s, vocab, dims)
+    out += _lengths_fit(t, meta, b, s, dims, default_max_seq_len)
+    for key in ("logits", "logits_all", "decode_logits", "draft_logits"):
+        if key in t and t[key].is_floating_point() and t[key].dim() == LAYOUT[key][1]:
+            out += _non_finite(key, t[key])
+    out += _token_types(t)
+    out += _metadata_lists(meta, t, b)
+    return out
+
+
+class _Dims:
+    """The sizes B, S, V, T, K of a file, each with the tensor that sets it (for the messages)."""
+
+    def __init__(self, b: int, s: int, v: int, ids_shape, logits_shape) -> None:
+        self.size = {"B": b, "S": s, "V": v}
+        self.origin = {
+            "B": f"input_ids {list(ids_shape)} = [B, S]",
+            "S": f"input_ids {list(ids_shape)} = [B, S]",
+            "V": f"logits {list(logits_shape)} = [B, V]",
+        }
+
+    def set(self, dim: str, size: int, origin: str) -> None:
+        self.size[dim], self.origin[dim] = size, origin
+
+    def why(self, *dims: str) -> str:
+        return "; ".join(f"{d} = {self.size[d]} from {self.origin[d]}" for d in dims)
+
+    def check(self, key: str, x: Tensor, spec: tuple[str, ...]) -> list[str]:
+        """x's shape against spec (letters, or "T+1"), naming the tensor that set each size."""
+        letters = [d.removesuffix("+1") for d in spec]
+        unknown = sorted({d for d in letters if d not in self.size})
+        if unknown:  # the tensor that would set it is malformed itself (reported apart)
+            return [f"{key} has shape {list(x.shape)}, expected [{', '.join(spec)}]; no well-formed tensor sets "
+                    f"{', '.join(unknown)}"]  # fmt: skip
+        want = [self.size[d] + (1 if p.endswith("+1") else 0) for d, p in zip(letters, spec, strict=True)]
+        if list(x.shape) == want:
+            return []
+        used = sorted(set(letters), key=letters.index)
+        return [f"{key} has shape {list(x.shape)}, expected {want} = [{', '.join(spec)}] ({self.why(*used)})"]
+
+
+def _pairing(t: dict[str, Tensor], dims: _Dims, args: ModelArgs | None) -> list[str]:
+    out = []
+    if "decode_logits" in t and "decode_ids" not in t:
+        out.append("decode_logits without decode_ids (the tokens the steps fed)")
+    if "decode_ids" in t and "decode_logits" not in t and dims.size.get("T", 0) > 0:
+        out.append(f"decode_ids holds T = {dims.size['T']} steps ({dims.origin['T']}), but there is no decode_logits")
+    if "draft_logits" in t and "decode_logits" not in t:
+        out.append("draft_logits without decode_logits (drafts follow the decode steps)")
+    if "draft_logits" in t and args is not None and not args.n_mtp_layers:
+        out.append("draft_logits, but the model has no DSpark stages (num_nextn_predict_layers 0)")
+    return out
+
+
+def _ids(t: dict[str, Tensor], b: int, s: int, vocab: int, dims: _Dims) -> list[str]:
+    """Prompt ids inside the vocabulary, padding (-1) only after each prompt's length; decode ids too."""
+    out = []
+    ids = t["input_ids"]
+    lengths = t.get("lengths")
+    if lengths is not None and (lengths.dtype != torch.int64 or tuple(lengths.shape) != (b,)):
+        lengths = None  # reported above
+    if lengths is not None:
+        for row in (((lengths < 1) | (lengths > s)).nonzero().flatten().tolist())[:MAX_PER_RULE]:
+            out.append(f"lengths[{row}] = {int(lengths[row])}, expected 1 .. S = {s} ({dims.why('S')})")
+        lengths = lengths.clamp(0, s)
+    n = lengths if lengths is not None else torch.full((b,), s, dtype=torch.int64)
+    inside = torch.arange(s)[None, :] < n[:, None]  # [B, S]
+    bad = inside & ((ids < 0) | (ids >= vocab))
+    for row, pos in bad.nonzero().tolist()[:MAX_PER_RULE]:
+        got = int(ids[row, pos])
+        what = f"padding ({PAD_ID}) inside the prompt" if got == PAD_ID else f"outside the vocabulary 0 .. {vocab - 1}"
+        length = f"length {int(n[row])} from " + ("lengths" if lengths is not None else "S: no lengths tensor")
+        out.append(f"input_ids: prompt {row}, position {pos}: id {got}, {what} ({length})")
+    out += _more(int(bad.sum()), "input_ids ids outside 0 .. vocab - 1")
+    pad = ~inside & (ids != PAD_ID)
+    for row, pos in pad.nonzero().tolist()[:MAX_PER_RULE]:
+        got = int(ids[row, pos])
+        out.append(f"input_ids: prompt {row}, position {pos}: id {got} after its length {int(n[row])} (lengths), "
+                   f"expected padding {PAD_ID}")  # fmt: skip
+    out += _more(int(pad.sum()), "input_ids ids after a prompt's length")
+    dec = t.get("decode_ids")
+    if dec is not None and dec.dtype == torch.int64 and dec.dim() == 2:
+        bad = (dec < 0) | (dec >= vocab)
+        for row, step in bad.nonzero().tolist()[:MAX_PER_RULE]:
+            got = int(dec[row, step])
+            out.append(f"decode_ids: prompt {row}, step {step}: id {got} outside the vocabulary 0 .. {vocab - 1}")
+        out += _more(int(bad.sum()), "decode_ids ids outside the vocabulary")
+    return out
+
+
+def _lengths_fit(t, meta, b: int, s: int, dims: _Dims, default_max_seq_len: int) -> list[str]:
+    """Each prompt plus its decode steps inside the runtime max_seq_len both sides are built with."""
+    try:
+        max_seq_len = int(meta.get("max_seq_len", default_max_seq_len))
+    except ValueError:
+        return [f"metadata max_seq_len {meta['max_seq_len']!r} is not an integer"]
+    if max_seq_len < 1:
+        return [f"metadata max_seq_len {max_seq_len} must be at least 1"]
+    lengths = t.get("lengths")
+    n = lengths if lengths is not None and tuple(lengths.shape) == (b,) else torch.full((b,), s, dtype=torch.int64)
+    steps = dims.size.get("T", 0)
+    out = []
+    for row in range(b):
+        need = positions_needed(int(n[row]), steps)
+        if need > max_seq_len:
+            out.append(
+                f"prompt {row}: {int(n[row])} tokens + {steps} decode steps need max_seq_len >= {need}, "
+                f"the file says {max_seq_len}"
+            )
+    return out[:MAX_PER_RULE] + _more(len(out), "prompts too long for max_seq_len")
+
+
+def _non_finite(key: str, x: Tensor) -> list[str]:
+    """NaN or Inf in a logits tensor, by prompt and position (or decode step, draft token)."""
+    bad = ~torch.isfinite(x)
+    if not bool(bad.any()):
+        return []
+    rows = bad.any(-1).nonzero().tolist()  # indices without the vocab dim
+    names = {"logits": ("prompt",), "logits_all": ("prompt", "position"), "decode_logits": ("prompt", "decode step"),
+             "draft_logits": ("prompt", "decode step", "draft token")}[key]  # fmt: skip
+    out = []
+    for idx in rows[:MAX_PER_RULE]:
+        where = ", ".join(f"{n} {i}" for n, i in zip(names, idx, strict=True))
+        values = x[tuple(idx)]
+        kinds = sorted(
+            {"NaN" if bool(values.isnan().any()) else "", "Inf" if bool(values.isinf().any()) else ""} - {""}
+        )
+        out.append(
+            f"{key}: {where}: {'/'.join(kinds)} ({int((~torch.isfinite(values)).sum())} of {values.numel()} logits)"
+        )
+    return out + _more(len(rows), f"{key} rows with non-finite logits")
+
+
+def _token_types(t: dict[str, Tensor]) -> list[str]:
+    types = t.get("token_types")
+    if types is None or types.dtype != torch.int64 or types.dim() != 2:
+        return []
+    bad = (types < -1) | (types > 3)
+    out = [f"token_types: prompt {r}, position {p}: {int(types[r, p])}, expected -1 (text) or 0 .. 3 (image span)"
+           for r, p in bad.nonzero().tolist()[:MAX_PER_RULE]]  # fmt: skip
+    return out + _more(int(bad.sum()), "token_types outside -1 .. 3")
+
+
+def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[str]:
+    out = []
+    lists = {}
+    for key in ("labels", "images"):
+        if key not in meta:
+            continue
+        try:
+            value = json.loads(meta[key])
+        except json.JSONDecodeError:
+            out.append(f"metadata {key} is not JSON")
+            continue
+        if not isinstance(value, list) or len(value) != b or not all(isinstance(v, str) for v in value):
+            out.append(f"metadata {key} must be a list of {b} strings (B = {b}, rows of input_ids)")
+            continue
+        lists[key] = value
+    for row, image in enumerate(lists.get("images", [])):
+        if image and not Path(image).is_file():
+            out.append(f"metadata images[{row}] = {image!r}: no such file (prompt {row} is an image prompt)")
+        if image and "token_types" not in t:
+            out.append(f"metadata images[{row}] = {image!r}, but there is no token_types tensor for its image span")
+    return out
+
+
+def _more(count: int, what: str) -> list[str]:
+    return [f"... {count - MAX_PER_RULE} more {what}"] if count > MAX_PER_RULE else []

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile
@@ -134,6 +135,7 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
     conv_args = load_model_args(conv / "config.json")
     tp = shard_tp(conv, opts.tp)
+    check_tp(conv_args, tp, str(conv / "config.json"))
     launcher.backend_for(opts.device)
     threads = opts.threads or launcher.default_threads(tp)
     if opts.device == "cpu":
@@ -153,12 +155,8 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     else:
         if opts.prompts is not None:
             raise VerifyInputError("--prompts goes with --reference SRC; a reference-logits file holds its prompts")
-        ref = reffile.load(Path(opts.reference_logits), 128)
+        ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
-        if ref.runs[0].logits.shape[-1] != conv_args.vocab_size:
-            raise VerifyInputError(
-                f"{opts.reference_logits}: vocab {ref.runs[0].logits.shape[-1]}, {conv} has {conv_args.vocab_size}"
-            )
     seconds["reference"] = time.perf_counter() - t0
     lossless = ref.source_format == "fp8"
     mode = choose_mode(ref.source_format, lossless, tp, ref.device == opts.device)

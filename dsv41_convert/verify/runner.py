@@ -114,6 +114,11 @@ def load_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     load_tensors(model, state, "reference weights")
 
 
+def positions_needed(prompt_length: int, n_decode: int) -> int:
+    """The runtime max_seq_len a prompt and its decode steps (and their drafts) need."""
+    return prompt_length + n_decode + 1
+
+
 @torch.inference_mode()
 def run_prompt(
     model: nn.Module,
@@ -125,8 +130,13 @@ def run_prompt(
 ) -> PromptRun:
     """Prefill `inp`, then `n_decode` single-token steps, with the DSpark drafts after each step.
 
-    teacher: [n_decode + 1] int64, the reference's decode_ids (None: this model's own greedy choices)
+    teacher: [n_decode + 1] int64, the reference's decode_ids (None, or empty for a reference without
+             decode steps: this model's own greedy choices)
     """
+    if teacher is not None and teacher.numel() == 0:
+        teacher = None
+    if teacher is not None and teacher.numel() < n_decode + 1:
+        raise ValueError(f"teacher holds {teacher.numel()} tokens, {n_decode} decode steps feed {n_decode + 1}")
     ids = inp.input_ids.to(device)[None]
     types = None if inp.token_types is None else inp.token_types.to(device)[None]
     images = None if inp.images is None else [inp.images]

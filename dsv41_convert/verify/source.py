@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
@@ -177,6 +178,10 @@ def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | N
 
 
 def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, dict[str, Tensor]]:
-    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor)."""
-    plan = build_plan(Path(src), 1, "fp4")
+    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor).
+
+    Routed experts stay as the source stores them: fp4, or fp8 in an `export --format fp8` checkpoint.
+    """
+    experts = "fp8" if load_model_args(Path(src) / "config.json").expert_dtype == "fp8" else "fp4"
+    plan = build_plan(Path(src), 1, experts)
     return plan.source_format, _run(plan, skip_quant=plan.source_format == "bf16", progress=progress)

@@ -301,3 +301,38 @@ def test_make_tiny_checkpoint_downloads_and_checks(hub, tmp_path):
     verdict = dl.verify_local("acme/made", cache_dir=tmp_path / "cache")
     assert {(p.path, p.kind) for p in verdict.problems} == {(shard, "size"), (shard, "header")}
     assert dl.download("acme/made", cache_dir=tmp_path / "cache", endpoint=hub.url).refetched == (shard,)
+
+
+def test_local_dir_has_one_writer(hub, tmp_path):
+    """A download into a --local-dir another process is writing exits at once, naming it, and writes nothing;
+    once that writer is gone the download runs, and leaves no lock file behind."""
+    from dsv41_convert.errors import LockedError
+    from dsv41_convert.store.lock import LOCK_NAME, hold
+
+    local = tmp_path / "local"
+    local.mkdir()
+    with hold(local):
+        with pytest.raises(LockedError, match=rf"{local.resolve()}: in use by pid \d+ on "):
+            fetch(hub, tmp_path)
+        assert [p.name for p in local.iterdir()] == [LOCK_NAME]
+    assert not [e for e in hub.log if "/resolve/" in e.path]
+    report = fetch(hub, tmp_path)
+    assert report.ok and not (local / LOCK_NAME).exists()
+    assert dl.verify_local(REPO, local_dir=local).ok
+
+
+def test_plan_of_a_repo_checks_tp_on_config_json_before_the_shards(hub, tmp_path, monkeypatch, capsys):
+    """`plan owner/name --tp 16` of the published config: refused on config.json alone, no shard fetched."""
+    from cli_run import run_cli
+    from tiny_ckpt import REAL_CONFIG
+
+    shard = tiny_checkpoint(0)["model-00001-of-00002.safetensors"]
+    files = {"config.json": REAL_CONFIG.read_bytes(), "model-00001-of-00001.safetensors": shard}
+    hub.add_repo("acme/v41", {C0: files}, {"main": C0})
+    home = tmp_path / "hf-home"
+    code, _, err = run_cli(monkeypatch, capsys, "plan", "acme/v41", "--tp", "16")
+    assert code == 2 and "cannot run at tp 16" in err and "o_groups = 8" in err
+    assert list(home.rglob("config.json")) and not list(home.rglob("*.safetensors"))
+    code, _, err = run_cli(monkeypatch, capsys, "plan", "acme/v41", "--tp", "8")
+    assert code == 2 and "cannot run at tp" not in err, err  # the fake shard is no V4.1 checkpoint, but it came
+    assert list(home.rglob("model-00001-of-00001.safetensors"))

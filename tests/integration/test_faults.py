@@ -21,6 +21,7 @@ from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 from dsv41_convert.convert import execute as execute_mod
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.errors import OutputError
+from dsv41_convert.store.lock import LOCK_NAME, read_holders
 from dsv41_convert.store.safetensors_header import read_header
 
 CLI = [sys.executable, "-m", "dsv41_convert.cli"]
@@ -127,7 +128,7 @@ def test_scale_that_does_not_match_its_weight(tmp_path, monkeypatch, capsys):
 
 def test_wrong_tp(src, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"), "--tp", "3")
-    assert code == 2 and "--tp 3" in err and "routed experts" in err
+    assert code == 2 and "cannot run at tp 3" in err and "routed experts" in err
     assert_nothing_finished(tmp_path / "out")
 
 
@@ -207,15 +208,20 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path):
     assert not (killed / "manifest.json").exists()
     finished = {p.name for p in killed.glob("model*-mp4.safetensors")}
     assert 1 <= len(finished) < 4 and list(killed.glob("*.partial"))
+    # the lock file outlives its holder; the lock itself died with it (store/lock.py)
+    assert [h.pid for h in read_holders((killed / LOCK_NAME).read_bytes())] == [proc.pid]
     res = subprocess.run([*CLI, "shard", str(src), str(killed), "--tp", "4", "--resume", "--json"],
                          check=True, capture_output=True, text=True)  # fmt: skip
     summary = json.loads(res.stdout)
     assert set(summary["skipped"]) == finished and summary["manifest"]
-    assert not list(killed.glob("*.partial"))
+    assert summary["took_over"] and f"pid {proc.pid} on" in summary["took_over"][0]
+    assert f"took over the lock of a run that ended without releasing it: pid {proc.pid}" in res.stderr
+    assert not list(killed.glob("*.partial")) and not (killed / LOCK_NAME).exists()
     for p in sorted(clean.glob("model*")):
         assert (killed / p.name).read_bytes() == p.read_bytes(), p.name
     a, b = (json.loads((d / "manifest.json").read_text()) for d in (clean, killed))
     assert a["files"] == b["files"]
+    assert subprocess.run([*CLI, "check", str(killed)], capture_output=True).returncode == 0
 
 
 def test_resume_redoes_a_corrupted_finished_file(src, tmp_path):

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_run import run_cli
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
+from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.plan import ConversionPlan, build_plan, summarize
+from dsv41_convert.convert.validate import gather_sources, validate_sources
 from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.store.safetensors_header import nbytes, read_header
 
@@ -57,9 +60,11 @@ def test_plan_reads_only_headers(src, monkeypatch):
 
 def test_plan_json_round_trip(src):
     plan = build_plan(src, 2, "fp8")
-    text = json.dumps(plan.to_dict())
+    text = json.dumps(plan.to_dict(with_headers=True))
     again = ConversionPlan.from_dict(json.loads(text))
-    assert again.to_dict() == plan.to_dict() and again.digest() == plan.digest()
+    assert again.to_dict(True) == plan.to_dict(True) and again.digest() == plan.digest()
+    with pytest.raises(PlanError, match="--with-headers"):
+        ConversionPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
 
 
 def test_bf16_source_plans_the_published_format(tmp_path):
@@ -81,7 +86,7 @@ def _rewrite(src: Path, change) -> Path:
 
 
 def test_wrong_tp(src):
-    with pytest.raises(PlanError, match=r"--tp 3: the backbone has 8 routed experts per layer"):
+    with pytest.raises(PlanError, match=r"cannot run at tp 3(.|\n)*n_routed_experts = 8: routed experts per rank"):
         build_plan(src, 3)
 
 
@@ -89,8 +94,13 @@ def test_split_that_cuts_scale_blocks(tmp_path):
     cfg = tiny_config()
     cfg["text_config"].update(head_dim=16, qk_rope_head_dim=8)  # wq_b [128, 32]: 16 rows per rank at tp 8
     write_ckpt(tmp_path / "s", source_tensors(cfg), cfg)
+    with pytest.raises(PlanError, match=r"head_dim = 128: wq_b rows per rank, in whole 32-row scale blocks"):
+        build_plan(tmp_path / "s", 8)  # the model's requirement, from config.json (convert/tp.py)
+    # the tensor-level check behind it names the tensor
+    index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())["weight_map"]
+    sources = gather_sources(tmp_path / "s", index)
     with pytest.raises(PlanError, match=r"layers\.0\.attn\.wq_b\.weight: split of dim 0 \(128\) over --tp 8 cuts"):
-        build_plan(tmp_path / "s", 8)
+        validate_sources(sources, ModelArgs.from_hf_dict(cfg), 8)
 
 
 def test_missing_tensor_named(src):
@@ -175,3 +185,34 @@ def test_bf16_config_with_fp8_tensors(tmp_path):
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(PlanError, match="no quantization_config"):
         build_plan(tmp_path / "s", 1)
+
+
+def test_plan_json_is_what_a_pipeline_reads(src, monkeypatch, capsys):
+    """Default --json: no raw headers; per rank file, tensor count, bytes; per tensor name, dtype, shape,
+    rule, action, source reads. --with-headers adds each rank's header (hex) and every tensor field."""
+    code, out, _ = run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    plan = build_plan(src, 2)
+    for f, want in zip(doc["files"], plan.files, strict=True):
+        assert set(f) == {"rank", "file", "n_tensors", "bytes", "tensors"}
+        assert (f["file"], f["n_tensors"], f["bytes"]) == (want.file, len(want.tensors), want.nbytes)
+        for t, w in zip(f["tensors"], want.tensors, strict=True):
+            assert set(t) == {"name", "dtype", "shape", "rule", "action", "reads"}
+            assert (t["name"], t["dtype"], tuple(t["shape"]), t["action"]) == (w.name, w.dtype, w.shape, w.action)
+            assert [(r["file"], r["name"], tuple(r["rows"])) for r in t["reads"]] == [
+                (r.file, r.name, (r.r0, r.r1)) for r in w.reads
+            ]
+    wo_b = next(t for t in doc["files"][1]["tensors"] if t["name"] == "layers.0.attn.wo_b.weight")
+    assert wo_b["reads"][0]["cols"] == [128, 256]  # a dim-1 split names its columns (o_groups x o_lora_rank = 256)
+    assert doc["digest"] == plan.digest()
+    code, out, _ = run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2", "--json", "--with-headers")
+    assert code == 0
+    full = json.loads(out)
+    assert ConversionPlan.from_dict(full).digest() == plan.digest()
+    assert bytes.fromhex(full["files"][0]["header"]) == plan.files[0].header
+
+
+def test_with_headers_needs_json(src, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "plan", str(src), "--with-headers")
+    assert code == 2 and out == "" and "--with-headers goes with --json" in err

@@ -70,3 +70,228 @@ def test_not_safetensors(tmp_path):
     (tmp_path / "x").write_bytes(b"hello")
     with pytest.raises(VerifyInputError, match="not a readable safetensors file"):
         reffile.load(tmp_path / "x", 128)
+
+
+# --- validate_reference_file: one planted damage per rule, on a valid file of the layout -------------------
+
+B, S, T = 2, 5, 2
+
+
+def _args():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_ckpt import tiny_config
+
+    from dsv41_convert.config import ModelArgs
+
+    return ModelArgs.from_hf_dict(tiny_config())  # vocab 256, DSpark block 5, 2 MTP stages
+
+
+def _valid(args) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A file of every tensor: 2 prompts (5 and 3 tokens), 2 decode steps, drafts, one hidden state."""
+    v, k = args.vocab_size, args.dspark_block_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, v, (B, S), generator=g)
+    ids[1, 3:] = reffile.PAD_ID
+    tensors = {
+        "input_ids": ids,
+        "lengths": torch.tensor([5, 3]),
+        "logits": torch.randn(B, v, generator=g),
+        "logits_all": torch.randn(B, S, v, generator=g),
+        "decode_ids": torch.randint(0, v, (B, T + 1), generator=g),
+        "decode_logits": torch.randn(B, T, v, generator=g),
+        "draft_logits": torch.randn(B, T, k, v, generator=g),
+        "token_types": torch.full((B, S), -1),
+        "hidden.embed": torch.randn(B, S, 8, generator=g).bfloat16(),
+    }
+    meta = {"format": reffile.FORMAT, "max_seq_len": "64", "labels": '["a", "b"]', "images": '["", ""]'}
+    return tensors, meta
+
+
+def _problems(tmp_path, change=None, args=None):
+    args = args or _args()
+    tensors, meta = _valid(args)
+    if change is not None:
+        change(tensors, meta)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"), metadata=meta)
+    return reffile.validate_reference_file(tmp_path / "ref.safetensors", args)
+
+
+def test_the_valid_file_has_no_problems_and_loads(tmp_path):
+    assert _problems(tmp_path) == []
+    ref = reffile.load(tmp_path / "ref.safetensors", 128, _args())
+    assert [len(i.input_ids) for i in ref.inputs] == [5, 3] and ref.n_decode == T and ref.max_seq_len == 64
+
+
+def _set(key, value):
+    return lambda t, m: t.__setitem__(key, value(t))
+
+
+V = 256
+DAMAGES = {
+    # dtypes and shapes of every tensor
+    "input_ids float": (_set("input_ids", lambda t: t["input_ids"].float()), "input_ids is torch.float32"),
+    "logits bf16": (_set("logits", lambda t: t["logits"].bfloat16()), "logits is torch.bfloat16 [2, 256], expected"),
+    "unknown tensor": (_set("extra", lambda t: torch.zeros(1)), "extra: not a tensor of this format"),
+    "hidden fp32": (_set("hidden.embed", lambda t: t["hidden.embed"].float()), "hidden.embed is torch.float32"),
+    "hidden rows": (_set("hidden.embed", lambda t: t["hidden.embed"][:1]), "hidden.embed has shape [1, 5, 8]"),
+    "logits rows": (_set("logits", lambda t: t["logits"][:1]), "logits has 1 rows, input_ids 2"),
+    "logits_all positions": (
+        _set("logits_all", lambda t: t["logits_all"][:, :4]),
+        "logits_all has shape [2, 4, 256], expected [2, 5, 256] = [B, S, V] (B = 2 from input_ids [2, 5] = [B, S]",
+    ),
+    "token_types shape": (_set("token_types", lambda t: t["token_types"][:, :2]), "token_types has shape [2, 2]"),
+    "lengths shape": (_set("lengths", lambda t: t["lengths"][:1]), "lengths has shape [1], expected [2] = [B]"),
+    # the issue's case: decode_logits [B, V]; T follows from decode_ids and the message says so
+    "decode_logits [B, V]": (
+        _set("decode_logits", lambda t: t["decode_logits"][:, 0]),
+        "decode_logits has shape [2, 256], expected [2, 2, 256] = [B, T, V] "
+        "(B = 2 from input_ids [2, 5] = [B, S]; T = 2 from decode_ids [2, 3] = [B, T + 1]; V = 256 from logits",
+    ),
+    "decode_logits steps": (
+        _set("decode_logits", lambda t: t["decode_logits"][:, :1]),
+        "decode_logits has shape [2, 1, 256], expected [2, 2, 256] = [B, T, V] "
+        "(B = 2 from input_ids [2, 5] = [B, S]; T = 2 from decode_ids [2, 3] = [B, T + 1]; V = 256",
+    ),
+    "draft K": (
+        _set("draft_logits", lambda t: t["draft_logits"][:, :, :3]),
+        "draft_logits has shape [2, 2, 3, 256], expected [2, 2, 5, 256] = [B, T, K, V] "
+        "(B = 2 from input_ids [2, 5] = [B, S]; T = 2 from decode_ids [2, 3] = [B, T + 1]; "
+        "K = 5 from dspark_block_size in config.json",
+    ),
+    # decode_ids consistent with decode_logits
+    "decode_logits alone": (lambda t, m: t.pop("decode_ids"), "decode_logits without decode_ids"),
+    "decode_ids alone": (
+        lambda t, m: [t.pop("decode_logits"), t.pop("draft_logits")],
+        "decode_ids holds T = 2 steps (decode_ids [2, 3] = [B, T + 1]), but there is no decode_logits",
+    ),
+    "drafts without decode": (lambda t, m: t.pop("decode_logits"), "draft_logits without decode_logits"),
+    # the vocabulary: the model's, and every id inside it
+    "vocab 250": (
+        lambda t, m: [t.__setitem__(k, t[k][..., :250]) for k in ("logits", "logits_all", "decode_logits",
+                                                                   "draft_logits")],
+        "logits: vocab 250 (V, its columns), the model has 256",
+    ),
+    "id outside the vocabulary": (
+        _set("input_ids", lambda t: t["input_ids"].index_put((torch.tensor(0), torch.tensor(2)), torch.tensor(9999))),
+        "input_ids: prompt 0, position 2: id 9999, outside the vocabulary 0 .. 255 (length 5 from lengths)",
+    ),
+    "decode id outside": (
+        _set("decode_ids", lambda t: t["decode_ids"].index_put((torch.tensor(1), torch.tensor(2)), torch.tensor(256))),
+        "decode_ids: prompt 1, step 2: id 256 outside the vocabulary 0 .. 255",
+    ),
+    # lengths consistent with input_ids
+    "padding inside a prompt": (
+        _set("lengths", lambda t: torch.tensor([5, 4])),
+        "input_ids: prompt 1, position 3: id -1, padding (-1) inside the prompt",
+    ),
+    "id after the length": (
+        _set("lengths", lambda t: torch.tensor([4, 3])),
+        "input_ids: prompt 0, position 4: id",
+    ),
+    "length 0": (_set("lengths", lambda t: torch.tensor([5, 0])), "lengths[1] = 0, expected 1 .. S = 5"),
+    "no lengths, padded ids": (lambda t, m: t.pop("lengths"), "prompt 1, position 3: id -1, padding (-1) inside"),
+    # max_seq_len
+    "prompt too long": (
+        lambda t, m: m.__setitem__("max_seq_len", "7"),
+        "prompt 0: 5 tokens + 2 decode steps need max_seq_len >= 8, the file says 7",
+    ),
+    "max_seq_len not an int": (lambda t, m: m.__setitem__("max_seq_len", "x"), "metadata max_seq_len 'x'"),
+    # non-finite values in any logits tensor: tensor, prompt, position
+    "NaN in logits": (
+        _set("logits", lambda t: t["logits"].index_put((torch.tensor(1), torch.tensor(7)), torch.tensor(float("nan")))),
+        "logits: prompt 1: NaN (1 of 256 logits)",
+    ),
+    "Inf in logits_all": (
+        _set("logits_all", lambda t: t["logits_all"].index_fill(1, torch.tensor([3]), float("inf"))),
+        "logits_all: prompt 0, position 3: Inf (256 of 256 logits)",
+    ),
+    "NaN in decode_logits": (
+        _set("decode_logits", lambda t: t["decode_logits"].index_fill(1, torch.tensor([1]), float("nan"))),
+        "decode_logits: prompt 0, decode step 1: NaN",
+    ),
+    "Inf in draft_logits": (
+        _set("draft_logits", lambda t: t["draft_logits"].index_fill(2, torch.tensor([4]), -float("inf"))),
+        "draft_logits: prompt 0, decode step 0, draft token 4: Inf",
+    ),
+    # token types, labels, images
+    "token type 7": (
+        _set("token_types", lambda t: t["token_types"].index_fill(1, torch.tensor([2]), 7)),
+        "token_types: prompt 0, position 2: 7, expected -1 (text) or 0 .. 3",
+    ),
+    "labels count": (lambda t, m: m.__setitem__("labels", '["a"]'), "metadata labels must be a list of 2 strings"),
+    "image missing": (
+        lambda t, m: m.__setitem__("images", '["", "/nonexistent/cat.png"]'),
+        "metadata images[1] = '/nonexistent/cat.png': no such file",
+    ),
+    "image without token types": (
+        lambda t, m: [m.__setitem__("images", f'["", "{__file__}"]'), t.pop("token_types")],
+        "no token_types tensor for its image span",
+    ),
+    "format": (lambda t, m: m.__setitem__("format", "other/2"), "metadata format 'other/2'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_each_damage_is_named(tmp_path, damage):
+    change, message = DAMAGES[damage]
+    problems = _problems(tmp_path, change)
+    assert any(message in p for p in problems), problems
+    with pytest.raises(VerifyInputError, match="problem"):
+        reffile.load(tmp_path / "ref.safetensors", 128, _args())
+
+
+def test_all_problems_at_once(tmp_path):
+    def many(t, m):
+        t["input_ids"][0, 1] = 9999
+        t["logits"][1, 3] = float("nan")
+        t["decode_logits"] = t["decode_logits"][:, 0]
+        m["images"] = '["/nonexistent/a.png", ""]'
+
+    problems = _problems(tmp_path, many)
+    assert len(problems) == 4, problems
+    with pytest.raises(VerifyInputError) as info:
+        reffile.load(tmp_path / "ref.safetensors", 128, _args())
+    assert "4 problem(s)" in str(info.value) and "id 9999" in str(info.value) and "NaN" in str(info.value)
+
+
+def test_drafts_for_a_model_without_dspark(tmp_path):
+    import dataclasses
+
+    args = dataclasses.replace(_args(), n_mtp_layers=0)
+    assert any("the model has no DSpark stages" in p for p in _problems(tmp_path, args=args))
+
+
+def test_unreadable_file_is_one_problem(tmp_path):
+    (tmp_path / "x").write_bytes(b"\xff" * 64)
+    problems = reffile.validate_reference_file(tmp_path / "x")
+    assert len(problems) == 1 and "not a readable safetensors file" in problems[0]
+
+
+def test_random_damage_never_raises_and_what_passes_loads(tmp_path):
+    """Reshaped, cut, retyped, dropped, emptied tensors in any combination: problems, never an exception."""
+    import random
+
+    args, rng = _args(), random.Random(0)
+    cuts = (
+        lambda x: x.flatten(),
+        lambda x: x[..., : max(1, x.shape[-1] - 1)],
+        lambda x: x.float() if x.dtype == torch.int64 else x.long(),
+        lambda x: x.unsqueeze(0),
+        lambda x: x[:1],
+        lambda x: x[:0],
+        None,  # dropped
+    )
+    for _ in range(80):
+        tensors, meta = _valid(args)
+        for _ in range(rng.randint(1, 3)):
+            key, cut = rng.choice(sorted(tensors)), rng.choice(cuts)
+            if cut is None:
+                tensors.pop(key)
+            else:
+                tensors[key] = cut(tensors[key])
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "r"), metadata=meta)
+        if not reffile.validate_reference_file(tmp_path / "r", args):
+            reffile.load(tmp_path / "r", 128, args)

@@ -1,0 +1,230 @@
+"""One writer per output folder: advisory locks that die with the process holding them.
+
+A command that writes into a folder holds `FOLDER/.dsv41-convert.lock` from before its first byte to its
+end (`hold`). The lock is the operating system's (`flock` on an open descriptor), not the file's
+existence: when the holder exits, is killed (kill -9) or the machine loses power, the kernel drops it and
+the next run takes it at once, so `--resume` needs nothing cleared by hand. The file only carries who
+holds it, one JSON line per holder (pid, host, command line, start time), for the message a second writer
+gets: `LockedError` (exit 2) naming the folder and the holder.
+
+Two modes:
+- exclusive (`shard` of every rank, `manifest`, `download --local-dir`, `reference-logits`' folder,
+  `export`): nobody else may hold the folder.
+- shared, with an exclusive lock per file (`shard --ranks`, each torchrun process): shares of one
+  conversion that write different rank files run together in one folder; two processes that would
+  write the same rank file collide, and an exclusive holder (a `manifest` merge) excludes them all.
+  File locks live in `FOLDER/.dsv41-convert/<file>.lock`.
+
+The last holder removes the lock file when it is done: an exclusive one always, a shared one when it can
+turn its lock exclusive for a moment (no other share holds it). Removing is safe because every taker
+checks, after locking, that the descriptor it locked is still the file at the path (else it locked a
+file its last holder just removed, and it tries again); a lock found busy is tried a few times over
+60 ms before it is reported, so a share's brief exclusive moment is not taken for a writer. The lines
+of shares that ended while others went on stay in the file; readers skip those of processes of this
+host that are gone.
+
+Network file systems: on Linux >= 2.6.12 an NFS client emulates flock with POSIX byte-range locks over
+NLM (NFSv3) or the NFSv4 lock state, so processes on different hosts exclude each other when the server
+supports locking; a lock of a host that died is released when the server's lease or NLM grace period ends
+(NFSv4: about 90 s), until then a new run is refused. A mount without lock support either fails the lock
+(ENOLCK: `hold` refuses to write, naming the folder) or, with `-o nolock` / `local_lock=all`, keeps locks
+local to each host: then only processes on the same host exclude each other.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41_convert.errors import LockedError, OutputError
+
+LOCK_NAME = ".dsv41-convert.lock"
+FILE_LOCK_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
+BUSY_TRIES, BUSY_WAIT_S = 4, 0.02  # a busy lock is reported after this many tries (60 ms), not at the first
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock: what the lock file says about its process."""
+
+    pid: int
+    host: str
+    command: str
+    started: str  # UTC, ISO 8601
+    mode: str  # exclusive | shared
+
+    @classmethod
+    def me(cls, mode: str) -> Holder:
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        return cls(os.getpid(), socket.gethostname(), shlex.join(sys.argv), started, mode)
+
+    def line(self) -> bytes:
+        return (json.dumps(vars(self)) + "\n").encode()
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, since {self.started} ({self.command})"
+
+    def gone(self) -> bool:
+        """A process of this host that no longer exists (a line left by a finished shared holder)."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+
+
+def read_holders(data: bytes) -> list[Holder]:
+    """The holders a lock file names, in order; lines that do not parse (a write cut short) are skipped."""
+    holders = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            holders.append(Holder(**json.loads(line)))
+        except (ValueError, TypeError):
+            continue
+    return holders
+
+
+class Lock:
+    """One held lock: an open descriptor of `path` carrying a flock."""
+
+    def __init__(self, path: Path, fd: int, exclusive: bool, stale: list[Holder]):
+        self.path, self.fd, self.exclusive = path, fd, exclusive
+        self.stale = stale  # exclusive holders named in the file when this lock was taken: they died holding it
+
+    def release(self) -> None:
+        """Drop the lock; the last holder (an exclusive one, or a shared one found alone) removes the file."""
+        if self.fd < 0:
+            return
+        alone = self.exclusive
+        if not alone:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True
+            except OSError:
+                pass
+        if alone:  # a taker between its open and flock finds the path gone and retries (see `take`)
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)  # drops the flock
+        self.fd = -1
+
+
+def take(path: Path, exclusive: bool, what: str) -> Lock:
+    """Lock `path` (created if absent) without waiting, and write this process into it.
+
+    what: the thing protected, for the message (a folder or a file).
+    Raises LockedError naming `what` and its holder(s) if another process holds a conflicting lock.
+    """
+    holder = Holder.me("exclusive" if exclusive else "shared")
+    busy = 0
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            data = _read_all(fd)
+            os.close(fd)
+            busy += 1
+            if busy < BUSY_TRIES:  # a last shared holder checks it is alone for a moment while it releases
+                time.sleep(BUSY_WAIT_S)
+                continue
+            raise LockedError(f"{what}: in use by {_who(data)}; wait for it to end or stop it") from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise OutputError(
+                    f"{what}: the file system does not support locks ({exc.strerror}), so nothing could stop a "
+                    "second writer; write to a local disk or mount with lock support"
+                ) from exc
+            raise
+        if _is_at(fd, path):
+            break
+        os.close(fd)  # its last holder removed it between our open and flock: take the new one
+    stale: list[Holder] = []
+    if exclusive:
+        stale = [h for h in read_holders(_read_all(fd)) if h.mode == "exclusive"]
+        os.ftruncate(fd, 0)
+    os.write(fd, holder.line())  # O_APPEND: shared holders' lines do not overwrite each other
+    return Lock(path, fd, exclusive, stale)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, min(size, 1 << 20), 0)
+
+
+def _who(data: bytes) -> str:
+    holders = [h for h in read_holders(data) if not h.gone()]
+    if not holders:
+        return "another process (it has not written its name yet, or its file system hides it)"
+    return "; ".join(h.describe() for h in holders)
+
+
+class FolderLock:
+    """The locks `hold` took: the folder's and, in shared mode, one per file."""
+
+    def __init__(self, folder: Path, folder_lock: Lock, file_locks: dict[str, Lock]):
+        self.folder, self.lock, self.files = folder, folder_lock, file_locks
+
+    @property
+    def stale(self) -> list[Holder]:
+        """Exclusive holders that died holding the folder or one of the files (kill -9, power loss) and whose
+        locks were taken over."""
+        return self.lock.stale + [h for lock in self.files.values() for h in lock.stale]
+
+
+@contextmanager
+def hold(folder: Path, *, shared: bool = False, files: Iterable[str] = ()) -> Iterator[FolderLock]:
+    """Hold `folder` (which must exist) until the block ends: exclusively, or shared with an exclusive lock on
+    each of `files` (names inside `folder`). Raises LockedError at once if another process holds it.
+
+    The one call every command that writes into a folder makes before its first write:
+        with hold(out):
+            ...write...
+    """
+    folder = Path(folder)
+    files = list(files)
+    if files and not shared:
+        raise ValueError("file locks are for shared holders; an exclusive holder has the whole folder")
+    with ExitStack() as stack:
+        where = str(folder.resolve())
+        folder_lock = take(folder / LOCK_NAME, not shared, where)
+        stack.callback(folder_lock.release)
+        file_locks: dict[str, Lock] = {}
+        if files:
+            (folder / FILE_LOCK_DIR).mkdir(exist_ok=True)
+        for name in sorted(files):
+            lock = take(folder / FILE_LOCK_DIR / f"{name}.lock", True, f"{where}/{name}")
+            stack.callback(lock.release)
+            file_locks[name] = lock
+        yield FolderLock(folder, folder_lock, file_locks)
+
+
+def is_lock_entry(name: str) -> bool:
+    """A name in a folder that belongs to the locks, not to the data (for "is the folder empty" checks)."""
+    return name == LOCK_NAME

@@ -1,0 +1,72 @@
+"""Usage errors through the installed `dsv41-convert` entry point, in a subprocess, as a shell user meets them.
+
+An in-process runner (Typer's CliRunner) skips `cli.main`, which is where a usage error becomes exit 2;
+so these run the console script pip installed. Faults planted: an unknown command, a missing argument,
+a bad option value, an unknown option, no arguments at all, and (not a usage error) a ConvertError.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def entry_point() -> str:
+    """The console script of the environment running the tests (the venv's bin/), else the one on PATH."""
+    beside = Path(sys.executable).parent / "dsv41-convert"
+    found = str(beside) if beside.exists() else shutil.which("dsv41-convert")
+    if found is None:
+        pytest.fail("the dsv41-convert entry point is not installed (pip install -e .)")
+    return found
+
+
+def run_entry_point(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([entry_point(), *args], capture_output=True, text=True, timeout=60)
+
+
+USAGE_ERRORS = {
+    "unknown command": (["nosuch"], "No such command 'nosuch'"),
+    "missing argument": (["shard"], "Missing argument"),
+    "missing argument of verify": (["verify"], "Missing argument"),
+    "bad option value": (["shard", "a", "b", "--tp", "x"], "Invalid value for '--tp'"),
+    "option below its minimum": (["plan", "a", "--tp", "0"], "Invalid value for '--tp'"),
+    "unknown option": (["plan", "a", "--bogus"], "No such option: --bogus"),
+    "unknown root option": (["--bogus", "plan"], "No such option: --bogus"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+def test_usage_error_prints_usage_and_exits_2(case):
+    args, message = USAGE_ERRORS[case]
+    proc = run_entry_point(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Usage: dsv41-convert" in proc.stderr
+    assert "--help" in proc.stderr  # the hint at help
+    assert message in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_no_arguments_shows_help_and_exits_2():
+    proc = run_entry_point()
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "Usage: dsv41-convert" in proc.stdout + proc.stderr
+
+
+def test_help_exits_0():
+    proc = run_entry_point("shard", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage: dsv41-convert shard" in proc.stdout
+
+
+def test_input_error_still_exits_2_with_error_line(tmp_path):
+    proc = run_entry_point("make-tiny", str(tmp_path / "t"), "--preset", "nosuch")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "error: --preset 'nosuch'" in proc.stderr
+    assert not (tmp_path / "t").exists()

@@ -1,0 +1,217 @@
+"""Fault injection for `export`, as tests/integration/test_faults.py does it for `shard`: each bad input gives
+a clear error naming file and tensor, exit code 2, and nothing in OUT that looks finished: no config.json,
+index or manifest.json, and no shard under its final name unless it is complete (a bad value found while
+writing shard k leaves shards done before it, with their done records, for --resume); SRC is never
+written; kill -9 mid-run then --resume gives byte-identical output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_run import run_cli
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
+
+from dsv41_convert.convert.export import build_export_plan, export
+from dsv41_convert.errors import OutputError
+
+CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+
+
+def assert_nothing_finished(out: Path, bad_file: str | None = None) -> None:
+    """No file that says the export is complete; no shard at all, or (a fault found in the data of source
+    file `bad_file`) none made from that file, and no partial file left behind."""
+    if not out.exists():
+        return
+    for name in ("manifest.json", "config.json", "model.safetensors.index.json"):
+        assert not (out / name).exists(), name
+    if bad_file is None:
+        assert not list(out.glob("model-*.safetensors")), list(out.iterdir())
+    else:
+        assert not (out / bad_file).exists()
+    assert not list(out.glob("*.partial"))
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    return make_tiny(tmp_path / "src")
+
+
+def test_truncated_shard(src, tmp_path, monkeypatch, capsys):
+    p = src / "model-00002-of-00003.safetensors"
+    os.truncate(p, p.stat().st_size - 7)
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(tmp_path / "out"), "--format", "bf16")
+    assert code == 2
+    assert "model-00002-of-00003.safetensors: tensor" in err and "truncated" in err
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_corrupt_header(src, tmp_path, monkeypatch, capsys):
+    p = src / "model-00001-of-00003.safetensors"
+    blob = bytearray(p.read_bytes())
+    blob[8:12] = b"XXXX"
+    p.write_bytes(bytes(blob))
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(tmp_path / "out"), "--format", "fp8")
+    assert code == 2 and "model-00001-of-00003.safetensors: header is not valid JSON" in err
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_missing_tensor(tmp_path, monkeypatch, capsys):
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    del tensors["layers.1.attn.wo_a.scale"]
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", "fp8")
+    assert code == 2 and "layers.1.attn.wo_a.scale: missing from the checkpoint" in err
+    assert_nothing_finished(tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
+@pytest.mark.parametrize("name", ["layers.2.attn.wq_a.weight", "layers.0.ffn.experts.6.w2.weight"])
+def test_nan_in_a_bf16_weight_to_quantize(tmp_path, monkeypatch, capsys, fmt, name):
+    cfg = tiny_config(quantized=False)
+    tensors = source_tensors(cfg)
+    tensors[name][5, 7] = float("nan")
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    bad_file = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"][name]
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", fmt)
+    assert code == 2 and f"{bad_file}: {name}: found nan at index [5, 7]" in err
+    assert_nothing_finished(out, bad_file)
+
+
+def test_a_lossy_fp4_to_fp8_block_is_an_error_naming_the_tensor(tmp_path, monkeypatch, capsys):
+    """Scales 2**20 apart in one 32x32 block: the small ones cannot be re-expressed in e4m3."""
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    scale = tensors["mtp.1.ffn.experts.4.w3.scale"]
+    scale.view(torch.uint8)[0, 0] = 127 + 20
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    bad_file = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"]
+    bad_file = bad_file["mtp.1.ffn.experts.4.w3.weight"]
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", "fp8")
+    assert code == 2 and f"{bad_file}: mtp.1.ffn.experts.4.w3.weight: fp4->fp8 cast of block (0, 0) is lossy" in err
+    assert_nothing_finished(out, bad_file)
+    # the formats that need no cast take the same source
+    code, _, _ = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(tmp_path / "b"), "--format", "bf16")
+    assert code == 0
+
+
+def test_refuses_to_overwrite_and_never_writes_into_src(src, tmp_path, monkeypatch, capsys):
+    before = tree_digest(src)
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(src / "out"), "--format", "bf16")
+    assert code == 2 and "inside" in err
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(src), "--format", "bf16")
+    assert code == 2 and "source folder" in err
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "bf16")
+    assert code == 2 and "not empty" in err and "--overwrite" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    code, _, _ = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "bf16", "--overwrite")
+    assert code == 0 and json.loads((out / "manifest.json").read_text())["options"]["format"] == "bf16"
+    # an overwrite in another format: the old config.json and index are gone until the new shards are done
+    code, _, _ = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8", "--overwrite")
+    assert code == 0 and json.loads((out / "config.json").read_text())["quantization_config"]["expert_dtype"] == "fp8"
+    assert tree_digest(src) == before
+
+
+def test_format_is_required_and_checked(src, tmp_path):
+    """Through the installed entry point: a usage error is Typer's message and exit 2; nothing written."""
+    res = subprocess.run([*CLI, "export", str(src), str(tmp_path / "out")], capture_output=True, text=True)
+    assert res.returncode == 2 and "Missing option '--format'" in res.stderr
+    res = subprocess.run([*CLI, "export", str(src), str(tmp_path / "out"), "--format", "fp4"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert res.returncode == 2 and "error: --format 'fp4': expected one of bf16, fp8, fp8-fp4" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_shards_of_another_format(src, tmp_path):
+    export(build_export_plan(src, "bf16"), tmp_path / "out")
+    before = tree_digest(tmp_path / "out")
+    with pytest.raises(OutputError, match=r"model-00001-of-00003\.safetensors: finished by a run with other options"):
+        export(build_export_plan(src, "fp8"), tmp_path / "out", resume=True)
+    assert tree_digest(tmp_path / "out") == before
+    summary = export(build_export_plan(src, "bf16"), tmp_path / "out", resume=True)
+    assert len(summary["skipped"]) == 3 and not summary["written"] and summary["manifest"]
+
+
+def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
+    from dsv41_convert.convert import execute as execute_mod
+
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 1000)
+    with pytest.raises(OutputError, match=r"GB to write but only 0\.00 GB free"):
+        export(build_export_plan(src, "bf16"), tmp_path / "out")
+    assert_nothing_finished(tmp_path / "out")
+
+
+_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))
+sys.argv = ["dsv41-convert"] + sys.argv[1:]
+from dsv41_convert.cli import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_disk_full_while_writing(src, tmp_path):
+    """A real write error: the file-size limit makes write() fail with EFBIG mid-file, as a full disk would."""
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-c", _LIMITED, "export", str(src), str(out), "--format", "bf16"],
+                         capture_output=True, text=True)  # fmt: skip
+    err = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stderr
+    assert "model-00001-of-00003.safetensors: no space left on the device while writing tensor" in err
+    assert_nothing_finished(out)
+    assert not list((out / ".dsv41-convert").glob("*"))
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_is_byte_identical(src, tmp_path):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    args = ["--format", "bf16", "--json"]
+    subprocess.run([*CLI, "export", str(src), str(clean), *args], check=True, capture_output=True)
+    env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.01"}
+    proc = subprocess.Popen([*CLI, "export", str(src), str(killed), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    done_dir = killed / ".dsv41-convert"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        partial = list(killed.glob("*.partial")) if killed.exists() else []
+        if (done_dir.exists() and any(done_dir.glob("*.done.json"))) and partial and partial[0].stat().st_size > 20_000:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    for name in ("manifest.json", "config.json", "model.safetensors.index.json"):
+        assert not (killed / name).exists(), name
+    finished = {p.name for p in killed.glob("model-*.safetensors")}
+    assert 1 <= len(finished) < 3 and list(killed.glob("*.partial"))
+    res = subprocess.run([*CLI, "export", str(src), str(killed), "--resume", *args],
+                         check=True, capture_output=True, text=True)  # fmt: skip
+    summary = json.loads(res.stdout)
+    assert set(summary["skipped"]) == finished and summary["manifest"]
+    assert not list(killed.glob("*.partial"))
+    for p in sorted(clean.iterdir()):
+        if p.is_file():
+            assert (killed / p.name).read_bytes() == p.read_bytes(), p.name

@@ -1,0 +1,174 @@
+"""One writer per output folder, through the command line (store/lock.py): a second `shard` into a busy OUT
+exits 2 naming the holder while the first finishes; shares of the ranks (--ranks, torchrun processes) write
+one folder together, but never one rank file twice; `manifest` and `reference-logits` wait for nobody.
+(kill -9 of the holder then --resume: test_faults.py::test_kill_9_then_resume_is_byte_identical.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_run import run_cli
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny
+
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME, hold, read_holders
+
+CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+SLOW = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.01"}  # ~7 s of writing per tp-2 rank file
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("src") / "src")
+
+
+@pytest.fixture(scope="module")
+def clean(src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("clean") / "out"
+    execute(build_plan(src, 2), out)
+    return out
+
+
+def _wait_for(cond, procs, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a run ended before {what}: {[p.communicate() for p in procs]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _holders(path: Path) -> list[int]:
+    return [h.pid for h in read_holders(path.read_bytes())] if path.exists() else []
+
+
+def _same_as_clean(out: Path, clean: Path) -> None:
+    for f in sorted(clean.glob("model*-mp2.safetensors")):
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.slow
+def test_second_shard_into_a_busy_out_exits_2_and_the_first_finishes(src, clean, tmp_path, monkeypatch, capsys):
+    """The issue's case: a retried job starts `shard --resume` into the OUT a first run is still writing."""
+    out = tmp_path / "out"
+    first = subprocess.Popen([*CLI, "shard", str(src), str(out), "--tp", "2", "--json"], env=SLOW,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    _wait_for(lambda: first.pid in _holders(out / LOCK_NAME), [first], "the first run holds OUT")
+    code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
+    assert code == 2 and stdout == ""
+    assert f"error: {out.resolve()}: in use by pid {first.pid} on " in err and " since " in err
+    assert f"shard {src} {out} --tp 2 --json)" in err  # the holder's command line
+    assert first.poll() is None, "the refused run must not have disturbed the first"
+    result, errors = first.communicate(timeout=300)
+    assert first.returncode == 0, errors
+    assert json.loads(result)["manifest"] and not (out / LOCK_NAME).exists()
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+    _same_as_clean(out, clean)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["ranks", "torchrun"])
+def test_disjoint_shares_write_one_folder_together(src, clean, tmp_path, monkeypatch, capsys, launch):
+    """Two shares at once into one fresh OUT (no --resume): both finish. Meanwhile a third process that would
+    write a rank file already being written, and a `manifest` merge, exit 2 naming the holders."""
+    out = tmp_path / "out"
+    shard = [*CLI, "shard", str(src), str(out), "--tp", "2", "--json"]
+    if launch == "ranks":
+        runs = [subprocess.Popen([*shard, "--ranks", str(r)], env=SLOW, stdout=subprocess.PIPE, text=True)
+                for r in (0, 1)]  # fmt: skip
+    else:  # what torchrun gives each process; select_files shares the rank files out by RANK
+        runs = [subprocess.Popen(shard, env={**SLOW, "WORLD_SIZE": "2", "RANK": str(r)}, stdout=subprocess.PIPE,
+                                 text=True) for r in (0, 1)]  # fmt: skip
+    rank_locks = [out / FILE_LOCK_DIR / f"model{r}-mp2.safetensors.lock" for r in (0, 1)]
+    _wait_for(lambda: all(_holders(p) for p in rank_locks), runs, "both shares hold their rank file")
+    writer0 = _holders(rank_locks[0])[0]
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--ranks", "0", "--resume")
+    assert code == 2 and f"{out.resolve()}/model0-mp2.safetensors: in use by pid {writer0} on " in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))
+    assert code == 2 and f"{out.resolve()}: in use by pid " in err
+    assert all(f"pid {p.pid} on" in err for p in runs), err  # both shares named
+    summaries = []
+    for p in runs:
+        stdout, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        summaries.append(json.loads(stdout))
+    assert sorted(w for s in summaries for w in s["written"]) == ["model0-mp2.safetensors", "model1-mp2.safetensors"]
+    assert any(s["fragment"] for s in summaries)  # the first to finish leaves a fragment
+    code, stdout, err = run_cli(monkeypatch, capsys, "manifest", str(out))
+    assert code == 0, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+    _same_as_clean(out, clean)
+    assert not list((out / FILE_LOCK_DIR).glob("*.lock"))
+
+
+@pytest.mark.slow
+def test_share_refuses_a_folder_with_foreign_files(src, tmp_path, monkeypatch, capsys):
+    """A share tolerates the other shares' files, nothing else: a user's file still needs --overwrite."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--ranks", "0")
+    assert code == 2 and "files other than the other ranks' files (notes.txt)" in err
+    assert sorted(p.name for p in out.iterdir()) == [FILE_LOCK_DIR, "notes.txt"]  # the locks are gone
+    assert not list((out / FILE_LOCK_DIR).iterdir())
+
+
+def test_reference_logits_waits_for_nobody(src, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "refs"
+    folder.mkdir()
+    with hold(folder):
+        code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(folder / "ref.safetensors"))
+    assert code == 2 and f"error: {folder.resolve()}: in use by pid {os.getpid()}" in err
+    assert [p.name for p in folder.iterdir()] == []
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing workers (spawn) among the children of `pid` (Linux /proc)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids if b"spawn_main" in _cmdline(int(k))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_killed_parent(src, clean, tmp_path, monkeypatch, capsys):
+    """kill -9 of the run (not of its process group): the lock dies with it, so its worker processes must die
+    too, or they would go on writing partial files beside the run that takes the lock over."""
+    out = tmp_path / "out"
+    run = subprocess.Popen([*CLI, "shard", str(src), str(out), "--tp", "2", "--workers", "2", "--json"], env=SLOW,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    _wait_for(lambda: len(list(out.glob("*.partial"))) == 2, [run], "both workers write")
+    workers = _spawned_workers(run.pid)
+    assert len(workers) == 2
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers), "orphaned workers still running"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
+    assert code == 0 and f"took over the lock of a run that ended without releasing it: pid {run.pid}" in err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+    _same_as_clean(out, clean)

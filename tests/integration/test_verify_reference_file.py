@@ -1,0 +1,129 @@
+"""`verify --reference-logits FILE` on a tiny tp-1 conversion: a damaged FILE is bad input (exit 2, every
+problem named, through the installed entry point), never a mismatch (exit 1) or a traceback; a FILE
+holding only the required and documented-valid tensors runs.
+
+Damages planted (issue 22 and 14.4): an id outside the vocabulary, a NaN in logits, decode_logits
+[B, V], a vocabulary other than the model's, a garbage header, an image file that is not there, and
+all of them at once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from test_cli_usage import entry_point
+
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.synth.presets import TINY
+from dsv41_convert.synth.write import write_checkpoint
+from dsv41_convert.verify import reffile
+from dsv41_convert.verify.prompts import Prompt
+from dsv41_convert.verify.reference import compute_reference
+from dsv41_convert.verify.run import VerifyOptions, verify
+
+pytestmark = pytest.mark.slow  # runs the tiny model once for the reference, and the CLI per damage
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> tuple[Path, Path]:
+    """(tp-1 conversion, its reference file: 2 prompts of 6 and 4 tokens, 2 decode steps, drafts)."""
+    root = tmp_path_factory.mktemp("reffile")
+    src = root / "src"
+    write_checkpoint(src, TINY, seed=0, vision=False)
+    conv = root / "mp1"
+    execute(build_plan(src, 1), conv)
+    prompts = [Prompt([5, 9, 13, 17, 21, 25], "six"), Prompt([30, 31, 32, 33], "four")]
+    ref = compute_reference(src, prompts, n_decode=2, capture_hidden=False).reference
+    reffile.save(ref, root / "ref.safetensors")
+    return conv, root / "ref.safetensors"
+
+
+def damaged(ref: Path, out: Path, change) -> Path:
+    tensors = load_file(str(ref))
+    with safe_open(str(ref), "pt") as f:
+        meta = f.metadata()
+    change(tensors, meta)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata=meta)
+    return out
+
+
+def test_only_ids_logits_logits_all_runs(work, tmp_path):
+    """The documented minimum (plus logits_all): no decode steps, so no teacher tokens; it must run."""
+    conv, ref = work
+    keep = ("input_ids", "lengths", "logits", "logits_all")
+    minimal = damaged(ref, tmp_path / "min.safetensors", lambda t, m: [t.pop(k) for k in list(t) if k not in keep])
+    assert sorted(load_file(str(minimal))) == sorted(keep)
+    result = verify(VerifyOptions(conv, reference_logits=minimal, threads=1))
+    assert result.ok, result.failures
+    assert set(result.overall) == {"last", "all"}
+    assert all(s.max_abs == 0 for s in result.overall.values())  # tp 1, fp8 source: exact
+
+
+def _run_verify(conv: Path, ref: Path) -> subprocess.CompletedProcess[str]:
+    args = [entry_point(), "verify", str(conv), "--reference-logits", str(ref), "--threads", "1"]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+
+
+def _nan_logits(t, m):
+    t["logits"][1, 7] = float("nan")
+
+
+def _id_9999(t, m):
+    t["input_ids"][0, 2] = 9999
+
+
+def _decode_b_v(t, m):
+    t["decode_logits"] = t["decode_logits"][:, 0]
+
+
+def _vocab_500(t, m):
+    for key in ("logits", "logits_all", "decode_logits", "draft_logits"):
+        t[key] = t[key][..., :500]
+
+
+def _missing_image(t, m):
+    m["images"] = json.dumps(["", "/nonexistent/cat.png"])
+    t["token_types"] = torch.full_like(t["input_ids"], -1)
+
+
+DAMAGES = {
+    "id outside the vocabulary": (_id_9999, ["input_ids: prompt 0, position 2: id 9999, outside the vocabulary"]),
+    "NaN in logits": (_nan_logits, ["logits: prompt 1: NaN (1 of 512 logits)"]),
+    "decode_logits [B, V]": (
+        _decode_b_v,
+        ["decode_logits has shape [2, 512], expected [2, 2, 512] = [B, T, V]", "T = 2 from decode_ids [2, 3]"],
+    ),
+    "vocab 500": (_vocab_500, ["logits: vocab 500 (V, its columns), the model has 512"]),
+    "image not there": (_missing_image, ["images[1] = '/nonexistent/cat.png': no such file"]),
+    "all at once": (
+        lambda t, m: [f(t, m) for f in (_id_9999, _nan_logits, _decode_b_v, _missing_image)],
+        ["4 problem(s)", "id 9999", "NaN", "decode_logits has shape [2, 512]", "no such file"],
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damaged_reference_is_bad_input(work, tmp_path, damage):
+    conv, ref = work
+    change, messages = DAMAGES[damage]
+    proc = _run_verify(conv, damaged(ref, tmp_path / "bad.safetensors", change))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "error:" in proc.stderr
+    err = " ".join(proc.stderr.split())
+    for message in messages:
+        assert message in err, err
+
+
+def test_garbage_header_is_bad_input(work, tmp_path):
+    conv, _ = work
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    proc = _run_verify(conv, tmp_path / "junk.safetensors")
+    assert proc.returncode == 2 and "not a readable safetensors file" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,136 @@
+"""build_export_plan on small checkpoints built in tmp_path: the format table's coverage, the output layout
+(names, grouping, index, config), and the input errors it must name."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
+
+from dsv41_convert.config import HF_QUANTIZATION_CONFIG
+from dsv41_convert.convert.export import build_export_plan, output_config, shard_name
+from dsv41_convert.convert.export_rules import EXPORT_ACTIONS, FORMATS
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.rules import RULES, Op
+from dsv41_convert.errors import PlanError
+from dsv41_convert.store.safetensors_header import nbytes, read_header
+
+
+@pytest.fixture(scope="module")
+def srcs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("export-plan")
+    return {"fp8": make_tiny(base / "fp8"), "bf16": make_tiny(base / "bf16", quantized=False)}
+
+
+def test_every_family_and_storage_of_the_rules_has_an_action_for_every_format():
+    families = {r.op for r in RULES} - {Op.SCALE, Op.FOLD_INTO_WEIGHT}
+    for op in families:
+        storages = {"float"} | ({"fp8"} if op is not Op.KEEP and op is not Op.DROP else set())
+        storages |= {"fp4"} if op is Op.AS_FP4 else set()
+        for storage in storages:
+            assert set(EXPORT_ACTIONS[(op, storage)]) == set(FORMATS), (op, storage)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_layout_follows_the_source(srcs, kind, fmt):
+    src = srcs[kind]
+    ep = build_export_plan(src, fmt)
+    files = sorted(p.name for p in src.glob("*.safetensors"))
+    assert [f.file for f in ep.plan.files] == [shard_name(k, len(files)) for k in range(len(files))]
+    total = 0
+    for f, source_file in zip(ep.plan.files, files, strict=True):
+        pos = len(f.header)
+        for t in f.tensors:  # offsets tile the file after the header
+            assert t.begin == pos and t.end - t.begin == nbytes(t.dtype, t.shape)
+            pos = t.end
+        total += pos - len(f.header)
+        # the same names in the same file, scales aside
+        source_names = set(read_header(src / source_file).tensors)
+        out_names = {t.name for t in f.tensors}
+        weights = {n for n in source_names if not n.endswith(".scale")}
+        assert {n for n in out_names if not n.endswith(".scale")} == weights
+        for n in out_names - source_names:
+            assert n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in out_names
+    assert ep.index["metadata"]["total_size"] == total
+    assert ep.index["weight_map"] == {t.name: f.file for f in ep.plan.files for t in f.tensors}
+
+
+def _dtypes(ep) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {t.name: (t.dtype, t.shape) for f in ep.plan.files for t in f.tensors}
+
+
+def test_formats_write_the_dtypes_the_issue_asks_for(srcs):
+    expert, wo_a, engram = "layers.0.ffn.experts.3.w2", "layers.1.attn.wo_a", "layers.1.engram.embed"
+    b16 = _dtypes(build_export_plan(srcs["fp8"], "bf16"))
+    assert b16[f"{expert}.weight"] == ("BF16", (64, 32)) and f"{expert}.scale" not in b16
+    assert b16[f"{wo_a}.weight"][0] == "BF16" and f"{wo_a}.scale" not in b16
+    assert b16[f"{engram}.weight"] == ("BF16", (75, 32)) and not any(n.endswith(".scale") for n in b16)
+    assert b16["layers.0.attn_norm.weight"][0] == "BF16" and b16["layers.0.hc_attn_fn"][0] == "F32"
+    fp8 = _dtypes(build_export_plan(srcs["fp8"], "fp8"))
+    assert fp8[f"{expert}.weight"] == ("F8_E4M3", (64, 32)) and fp8[f"{expert}.scale"] == ("F8_E8M0", (2, 1))
+    assert fp8[f"{wo_a}.weight"][0] == "F8_E4M3" and fp8[f"{engram}.scale"] == ("F8_E8M0", (75, 1))
+    for kind in ("fp8", "bf16"):
+        fp4 = _dtypes(build_export_plan(srcs[kind], "fp8-fp4"))
+        assert fp4[f"{expert}.weight"] == ("I8", (64, 16)) and fp4[f"{expert}.scale"] == ("F8_E8M0", (64, 1))
+        assert fp4[f"{wo_a}.weight"][0] == "F8_E4M3" and f"{wo_a}.scale" in fp4
+
+
+def test_config_per_format():
+    hf = tiny_config()
+    bf16 = output_config(hf, "bf16")
+    assert "quantization_config" not in bf16 and bf16["text_config"] == hf["text_config"]
+    assert output_config(hf, "fp8-fp4") == hf
+    fp8 = output_config(hf, "fp8")
+    assert fp8["quantization_config"] == dict(hf["quantization_config"], expert_dtype="fp8")
+    assert list(fp8) == list(hf)
+    from_bf16 = output_config(tiny_config(quantized=False), "fp8-fp4")
+    assert list(from_bf16) == list(hf) and from_bf16["quantization_config"] == HF_QUANTIZATION_CONFIG
+
+
+def test_bad_format_and_a_rank_folder_as_source(srcs, tmp_path):
+    with pytest.raises(PlanError, match="--format 'fp4'"):
+        build_export_plan(srcs["fp8"], "fp4")
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"dim": 64}))
+    with pytest.raises(PlanError, match="not a Hugging Face config"):
+        build_export_plan(folder, "bf16")
+
+
+def test_a_source_that_does_not_match_its_config_is_named(tmp_path):
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    tensors["layers.2.ffn.experts.5.w1.weight"] = tensors["layers.2.ffn.experts.5.w1.weight"].view(-1)[:64].clone()
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    with pytest.raises(PlanError, match=r"layers\.2\.ffn\.experts\.5\.w1\.weight: found I8 \[64\]"):
+        build_export_plan(tmp_path / "src", "bf16")
+
+
+def _fp8_expert_source(tmp_path: Path) -> Path:
+    """A checkpoint whose config says expert_dtype fp8 and whose experts are e4m3 with 32x32 scales."""
+    cfg = tiny_config()
+    cfg["quantization_config"]["expert_dtype"] = "fp8"
+    return write_ckpt(tmp_path / "src8", source_tensors(cfg), cfg)
+
+
+def test_fp8_experts_are_a_valid_source(tmp_path):
+    src = _fp8_expert_source(tmp_path)
+    assert build_plan(src, 2, "fp8").files
+    with pytest.raises(PlanError, match=r"routed experts are fp8.*--expert-dtype fp8"):
+        build_plan(src, 2, "fp4")
+    actions = {t.name: t.action for f in build_export_plan(src, "fp8-fp4").plan.files for t in f.tensors}
+    assert actions["layers.0.ffn.experts.0.w1.weight"] == "requant_fp4"
+    assert actions["layers.0.attn.wq_a.weight"] == "copy"
+    # an I8 expert where the config says fp8 is named
+    cfg = tiny_config()
+    cfg["quantization_config"]["expert_dtype"] = "fp8"
+    (tmp_path / "pub").mkdir()
+    write_ckpt(tmp_path / "pub", source_tensors(tiny_config()), cfg)
+    with pytest.raises(PlanError, match=r"experts\.0\.w1\.weight: found I8 .* expected F8_E4M3"):
+        build_export_plan(tmp_path / "pub", "bf16")

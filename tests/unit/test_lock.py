@@ -1,0 +1,141 @@
+"""store/lock.py: one writer per folder. flock is per open file description on Linux, so two `hold`s in this
+process conflict exactly as two processes would; dead holders are real processes killed with SIGKILL."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dsv41_convert.errors import LockedError, OutputError
+from dsv41_convert.store import lock as lock_mod
+from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME, hold, read_holders
+
+
+def test_second_exclusive_holder_is_refused_with_the_holder_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "shard", "src", "out", "--tp", "2"])
+    with hold(tmp_path):
+        with pytest.raises(LockedError) as info:
+            with hold(tmp_path):
+                pass
+    msg = str(info.value)
+    assert msg.startswith(f"{tmp_path.resolve()}: in use by pid {os.getpid()} on {socket.gethostname()}, since ")
+    assert "UTC (dsv41-convert shard src out --tp 2)" in msg
+
+
+def test_exclusive_release_removes_the_file_and_frees_the_folder(tmp_path):
+    with hold(tmp_path):
+        (holder,) = read_holders((tmp_path / LOCK_NAME).read_bytes())
+        assert (holder.pid, holder.mode) == (os.getpid(), "exclusive")
+    assert not (tmp_path / LOCK_NAME).exists()
+    with hold(tmp_path) as again:
+        assert again.stale == []
+
+
+def test_shares_with_disjoint_files_run_together_and_the_same_file_collides(tmp_path):
+    with hold(tmp_path, shared=True, files=["model0-mp2.safetensors"]):
+        with hold(tmp_path, shared=True, files=["model1-mp2.safetensors"]) as second:
+            assert set(second.files) == {"model1-mp2.safetensors"}
+            with pytest.raises(LockedError, match=rf"{tmp_path.resolve()}/model0-mp2.safetensors: in use by pid"):
+                with hold(tmp_path, shared=True, files=["model1-mp2.safetensors", "model0-mp2.safetensors"]):
+                    pass
+            with pytest.raises(LockedError, match=rf"{tmp_path.resolve()}: in use by pid {os.getpid()}"):
+                with hold(tmp_path):  # a manifest merge needs the folder alone
+                    pass
+        # the refused holder released what it had taken: model1's lock is free again
+        with hold(tmp_path, shared=True, files=["model1-mp2.safetensors"]):
+            pass
+    assert not list((tmp_path / FILE_LOCK_DIR).glob("*.lock"))
+    assert not (tmp_path / LOCK_NAME).exists()  # the last share removed it
+
+
+def test_share_is_refused_while_an_exclusive_holder_writes(tmp_path):
+    with hold(tmp_path):
+        with pytest.raises(LockedError, match="in use by"):
+            with hold(tmp_path, shared=True, files=["model0-mp2.safetensors"]):
+                pass
+
+
+def test_a_finished_share_is_not_named_as_a_holder(tmp_path):
+    """Shared holders leave their line; a line of a process that is gone is skipped in the message."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    line = {"pid": dead.pid, "host": socket.gethostname(), "command": "gone", "started": "x", "mode": "shared"}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(line) + "\n")
+    with hold(tmp_path, shared=True):
+        with pytest.raises(LockedError) as info:
+            with hold(tmp_path):
+                pass
+    assert f"pid {os.getpid()}" in str(info.value) and "gone" not in str(info.value)
+
+
+_HOLD_AND_WAIT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from dsv41_convert.store.lock import hold
+    with hold(Path(sys.argv[1]), shared=sys.argv[2] == "shared", files=sys.argv[3:]):
+        print("held", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "shared"])
+def test_lock_of_a_killed_holder_is_taken_over(tmp_path, mode):
+    """kill -9 leaves the lock file and its holder's line; the kernel dropped the lock, so the next run takes it."""
+    files = ["model0-mp2.safetensors"] if mode == "shared" else []
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_AND_WAIT, str(tmp_path), mode, *files], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"held\n"
+        with pytest.raises(LockedError, match=f"in use by pid {proc.pid} on"):
+            with hold(tmp_path, shared=True, files=["model0-mp2.safetensors"]):
+                pass
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (tmp_path / LOCK_NAME).exists()
+    with hold(tmp_path, shared=mode == "shared", files=files) as taken:
+        # the dead run's exclusive lock (the folder, or its rank file) is reported as taken over
+        assert [h.pid for h in taken.stale] == [proc.pid]
+
+
+def test_a_lock_file_removed_between_open_and_flock_is_not_trusted(tmp_path, monkeypatch):
+    """The previous holder releasing (unlink, close) between our open and flock: we would hold a lock on a file
+    nobody else can find. take() must notice and lock the file at the path instead."""
+    real_flock = lock_mod.fcntl.flock
+    calls = []
+
+    def flock_after_release(fd, op):
+        if not calls:
+            (tmp_path / LOCK_NAME).unlink()  # what the previous holder's release does
+        calls.append(op)
+        return real_flock(fd, op)
+
+    (tmp_path / LOCK_NAME).write_text("")
+    monkeypatch.setattr(lock_mod.fcntl, "flock", flock_after_release)
+    with hold(tmp_path) as held:
+        st, own = os.stat(tmp_path / LOCK_NAME), os.fstat(held.lock.fd)
+        assert (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+        assert len(calls) == 2
+        monkeypatch.setattr(lock_mod.fcntl, "flock", real_flock)
+        with pytest.raises(LockedError):
+            with hold(tmp_path):
+                pass
+
+
+def test_file_system_without_locks_is_refused(tmp_path, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(lock_mod.fcntl, "flock", no_locks)
+    with pytest.raises(OutputError, match=rf"{tmp_path.resolve()}: the file system does not support locks"):
+        with hold(tmp_path):
+            pass
