@@ -31,6 +31,7 @@ Legend: P prompts, J steps per prompt (1 + decode steps), S prompt length, K dra
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -93,6 +94,16 @@ class _DraftHeads(nn.Module):
 
 def _nbytes(tensors: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _release_freed_memory() -> None:
+    """Hand the pages of a dropped unit back to the OS (glibc's malloc_trim; nothing elsewhere). Weights
+    up to glibc's mmap threshold (which grows to 32 MiB once such a block is freed) live on the heap, and
+    without a trim a full-size run's RSS grew by ~0.1 GiB per unit (measured: 5.8 GiB before the head)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Runner:
@@ -256,6 +267,7 @@ class _Runner:
         with torch.inference_mode():
             kind, _, index = name.partition(".")
             getattr(self, f"_{kind}")(timing, s, work, *((int(index),) if index else ()))
+        _release_freed_memory()
         spent = time.perf_counter() - t0
         timing.compute_s += spent - (timing.read_s - read0) - (timing.transfer_s - transfer0)
 
