@@ -1,7 +1,11 @@
 """Benchmark `dsv41-convert shard --tp 8` against `cp` of the same bytes and an all-in-RAM converter.
 
     python bench/bench_shard.py /tmp/bench [--gb 4.5] [--experts 384] [--workers 2] [--repeat N] [--keep]
-                                           [--skip-in-ram]
+                                           [--skip-in-ram] [--src CKPT] [--warm]
+
+--src CKPT uses an existing checkpoint (e.g. `make-tiny CKPT --preset medium --no-vision`; kept) instead of
+writing one; --warm reads the source into the page cache before each run instead of evicting it (the
+"source in page cache" case, where the run is CPU-bound on a fast disk).
 
 1. writes a published-format (fp8/fp4) checkpoint of at least --gb GB into WORK/src (real hidden sizes,
    3 or more layers of --experts routed experts + 1 MTP stage of 16; random bytes: the conversion copies
@@ -13,7 +17,8 @@
    - `dsv41-convert shard SRC OUT --tp 8` (it fsyncs every file),
    - the all-in-RAM approach of upstream convert.py (tests/reference_convert.py: load everything, build
      every rank's dict, save_file each, fsync);
-3. records peak RSS: of the whole process tree (sampled every 0.1 s) and of the largest single process;
+3. records peak RSS: of the whole process tree (sampled every 0.1 s) and of the largest single process,
+   and CPU seconds (user + system, the process and the children it reaped) per GB written;
 4. prints a JSON result and a markdown table row for docs/BENCHMARKS.md; deletes WORK unless --keep.
 """
 
@@ -109,6 +114,17 @@ def evict(*folders: Path) -> None:
                 os.close(fd)
 
 
+def warm(*folders: Path) -> None:
+    """Read every file under `folders` into the page cache."""
+    buf = bytearray(16 << 20)
+    for folder in folders:
+        for p in folder.rglob("*"):
+            if p.is_file():
+                with open(p, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+
+
 def _tree_rss(root: int) -> int:
     """Summed RSS (bytes) of `root` and its descendants."""
     parents: dict[int, int] = {}
@@ -149,6 +165,8 @@ def measure(cmd: list[str]) -> dict:
         raise SystemExit(f"{cmd} failed ({code}):\n{err[-2000:]}")
     return {
         "seconds": round(seconds, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "user_s": round(usage.ru_utime, 2),
         "peak_tree_rss_gib": round(peak / 2**30, 3),
         "max_process_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 3),  # the child or any descendant it reaped
     }
@@ -168,6 +186,11 @@ for r, sd in enumerate(reference_convert(Path({src!r}), 8)):
 """
 
 
+def _median(xs: list[float]) -> float:
+    """The lower middle value."""
+    return sorted(xs)[(len(xs) - 1) // 2]
+
+
 def _median_run(runs: list[dict]) -> dict:
     """The run with the median time (the lower middle one for an even count)."""
     return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
@@ -178,28 +201,33 @@ def main() -> None:
     ap.add_argument("work", type=Path)
     ap.add_argument("--gb", type=float, default=4.5)
     ap.add_argument("--experts", type=int, default=384, help="routed experts per layer (V4.1-Flash: 384)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", default="2", help="a number, or auto (this code's choice)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-in-ram", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="cp and shard alternate this many times; medians reported")
+    ap.add_argument("--src", type=Path, help="an existing checkpoint to convert (kept), instead of writing one")
+    ap.add_argument("--warm", action="store_true", help="source in the page cache for every run (else evicted)")
     a = ap.parse_args()
     work = a.work
+    if a.src and a.src.resolve().is_relative_to(work.resolve()):
+        raise SystemExit(f"--src {a.src}: inside WORK {work}, which the bench deletes; choose another WORK")
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    src = work / "src"
+    src = a.src.resolve() if a.src else work / "src"
+    prepare = warm if a.warm else evict
     try:
         t0 = time.perf_counter()
-        size = write_source(src, a.gb, a.experts)
+        size = sum(p.stat().st_size for p in src.glob("*.safetensors")) if a.src else write_source(src, a.gb, a.experts)
         gen = time.perf_counter() - t0
         shards = sorted(str(p) for p in src.glob("*.safetensors"))
         cps, shards_runs = [], []
         for _ in range(a.repeat):  # alternating, so slow phases of a shared disk hit both sides
             (work / "cp").mkdir()
-            evict(src)
+            prepare(src)
             cps.append(measure(["sh", "-c", 'cp "$@" ' + str(work / "cp") + " && sync", "cp", *shards]))
             shutil.rmtree(work / "cp")
-            evict(src)
+            prepare(src)
             shard_cmd = ["shard", str(src), str(work / "out"), "--tp", "8", "--workers", str(a.workers), "--json"]
             shards_runs.append(measure([sys.executable, "-m", "dsv41_convert.cli", *shard_cmd]))
             out_bytes = sum(p.stat().st_size for p in (work / "out").glob("model*.safetensors"))
@@ -207,17 +235,19 @@ def main() -> None:
         cp, ours = _median_run(cps), _median_run(shards_runs)
         in_ram = None
         if not a.skip_in_ram:
-            evict(src)
+            prepare(src)
             script = IN_RAM.format(tests=str(ROOT / "tests"), out=str(work / "ram"), src=str(src))
             in_ram = measure([sys.executable, "-c", script])
             shutil.rmtree(work / "ram")
     finally:
         if not a.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)  # never --src: it lies outside WORK
     result = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM",
+        "source": str(a.src) if a.src else f"synthetic, {a.experts} experts",
+        "source_cache": "warm" if a.warm else "cold",
         "source_gb": round(size / 1e9, 3),
         "output_gb": round(out_bytes / 1e9, 3),
         "generate_s": round(gen, 1),
@@ -231,6 +261,9 @@ def main() -> None:
         "shard_vs_cp_each": [round(o["seconds"] / c["seconds"], 2) for c, o in zip(cps, shards_runs, strict=True)],
         "shard_vs_cp": round(ours["seconds"] / cp["seconds"], 2),
         "shard_vs_cp_per_byte": round(ours["seconds"] / cp["seconds"] * size / out_bytes, 2),
+        "shard_cpu_s_runs": [r["cpu_s"] for r in shards_runs],
+        "shard_cpu_s_per_gb_written": round(_median([r["cpu_s"] for r in shards_runs]) / (out_bytes / 1e9), 2),
+        "cp_cpu_s_per_gb_read": round(_median([r["cpu_s"] for r in cps]) / (size / 1e9), 2),
     }
     print(json.dumps(result, indent=2))
 

@@ -1,6 +1,7 @@
 """The `dsv41-convert` command line. Commands parse, call the library and report, nothing more.
 
-Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input error.
+Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input error,
+3 verification inconclusive (only statistical bounds applied; see `verify --help`).
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def make_tiny(
 # --- commands: plan, shard ---
 
 
-def _local_source(src: Path, tp: int) -> Path:
+def _local_source(src: Path, tp: int | None = None) -> Path:
     """SRC as a folder: an existing path as is; a Hub repo id (owner/name[@rev]) is downloaded and verified
-    first, after its config.json alone has shown that the model can run at `tp`."""
+    first, after its config.json alone has shown that the model can run at `tp` (when one is given)."""
     if src.exists():
         return src
     from dsv41_convert.config import load_model_args
@@ -127,7 +128,7 @@ def _local_source(src: Path, tp: int) -> Path:
         check_tp(load_model_args(config), tp, f"{src}: {config.name}")
 
     with report.byte_progress(f"download {src}") as progress:
-        return resolve_source(str(src), progress=progress, check_config=runs_at_tp)
+        return resolve_source(str(src), progress=progress, check_config=runs_at_tp if tp is not None else None)
 
 
 WithHeadersOpt = Annotated[
@@ -224,7 +225,7 @@ def shard_cmd(
     out: opts.OutArg,
     tp: opts.TpOpt = 1,
     expert_dtype: opts.ExpertDtypeOpt = "fp4",
-    workers: opts.WorkersOpt = 1,
+    workers: opts.WorkersOpt = "auto",  # parse_workers: 0, picked by execute()
     ranks: opts.RanksOpt = None,
     resume: opts.ResumeOpt = False,
     overwrite: opts.OverwriteOpt = False,
@@ -296,6 +297,17 @@ MaxKlMeanOpt = Annotated[float | None, typer.Option("--max-kl-mean", min=0.0, he
 MinTop1Opt = Annotated[float | None, typer.Option("--min-top1", min=0.0, max=1.0, help="Min top-1 agreement.")]
 MinCosOpt = Annotated[float | None, typer.Option("--min-cos", min=-1.0, max=1.0, help="Min per-row cosine.")]
 NoLocalizeOpt = Annotated[bool, typer.Option("--no-localize", help="On failure, skip the hidden-state/tensor diff.")]
+StatisticalOpt = Annotated[
+    bool,
+    typer.Option(
+        "--statistical", help="Accept statistical bounds (--max-kl, --min-top1, ...) as PASS where no check is exact."
+    ),
+]
+RefTpOpt = Annotated[int, typer.Option("--tp", min=1, help="Ranks to compute the reference on (one process each).")]
+AsConvertedOpt = Annotated[
+    bool,
+    typer.Option("--as-converted", help="bf16 source: run the converter's quantized output, so verify can be exact."),
+]
 DemoDirArg = Annotated[Path, typer.Argument(help="Working folder (created).")]
 
 
@@ -316,16 +328,19 @@ def verify_cmd(
     min_top1: MinTop1Opt = None,
     min_cos: MinCosOpt = None,
     no_localize: NoLocalizeOpt = False,
+    statistical: StatisticalOpt = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Run the converted weights (one process per rank) and compare their logits with a reference.
 
     The reference is the source checkpoint (run here at tp 1, weights transformed in memory) or a file
-    from `reference-logits`. With a source, the converter's expected output is also run on the same
-    ranks ("twin") and must agree bit for bit. Compared per prompt and overall: last-position and
-    all-position logits, greedy decode steps, DSpark drafts. On failure, names the first diverging
-    module and (with a source) the tensors that differ. Under torchrun, joins its process group.
-    Exit 0 pass, 1 mismatch, 2 input error.
+    from `reference-logits`. Compared per prompt and overall: last-position and all-position logits,
+    greedy decode steps, DSpark drafts. PASS needs a decisive check, bit for bit: a reference file
+    computed at this tp and device; a tp-1 reference file (the rank files are also merged back to tp 1
+    and replayed here); or a source (its converted output, the "twin", runs on the same ranks). Where
+    only statistical bounds apply the verdict is INCONCLUSIVE (exit 3), unless --statistical. On failure,
+    names the first diverging module and (with a source) the tensors that differ. Under torchrun, joins
+    its process group. Exit 0 PASS, 1 FAIL (mismatch), 2 input error, 3 INCONCLUSIVE.
 
     Examples:
       dsv41-convert verify ./mp8 --reference ./DeepSeek-V4.1-Flash-tiny
@@ -334,11 +349,12 @@ def verify_cmd(
     """
     from dsv41_convert.verify.run import VerifyOptions, verify
     from dsv41_convert.verify.table import render
+    from dsv41_convert.verify.verdict import EXIT_CODES
 
     overrides = {"atol": atol, "max_kl": max_kl, "max_kl_mean": max_kl_mean, "min_top1": min_top1, "min_cos": min_cos}
     opts = VerifyOptions(
         converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
-        not no_localize, threads,
+        not no_localize, threads, statistical,
     )  # fmt: skip
     result = verify(opts, progress=None if as_json else report.info)
     if result is None:  # a torchrun rank other than 0
@@ -347,8 +363,8 @@ def verify_cmd(
         report.print_json(result.to_json())
     else:
         report.stdout.print(render(result))
-    if not result.ok:
-        raise typer.Exit(1)
+    if EXIT_CODES[result.verdict]:
+        raise typer.Exit(EXIT_CODES[result.verdict])
 
 
 @app.command("reference-logits")
@@ -357,6 +373,8 @@ def reference_logits_cmd(
     out: Annotated[Path, typer.Argument(help="Output .safetensors file.")],
     prompts: PromptsOpt = None,
     device: opts.DeviceOpt = "cpu",
+    tp: RefTpOpt = 1,
+    as_converted: AsConvertedOpt = False,
     decode_steps: DecodeOpt = 3,
     max_seq_len: MaxSeqOpt = None,
     threads: ThreadsOpt = None,
@@ -371,13 +389,16 @@ def reference_logits_cmd(
     ] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
-    """Compute reference logits from SRC at tp 1 (weights transformed in memory) and save them for
-    `verify --reference-logits`: prompts, last/all-position logits, decode steps, DSpark drafts and the
-    per-module hidden states (format: dsv41_convert/verify/reffile.py).
+    """Compute reference logits from SRC on --tp ranks (one process each, every rank transforming only its
+    own slices of SRC in memory) and save them for `verify --reference-logits`: prompts, last/all-position
+    logits, decode steps, DSpark drafts, per-module hidden states, and what decides bit equality (tp,
+    device, threads, torch; format: dsv41_convert/verify/reffile.py). verify at the same tp and device is
+    then exact; a tp-1 file is exact at every tp (the rank files are replayed at tp 1).
 
     Examples:
       dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --device cuda
       dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --stream-layers --decode-steps 1
+      dsv41-convert reference-logits ./tiny ref-tp8.safetensors --tp 8
       dsv41-convert reference-logits ./tiny ref.safetensors --prompts prompts.jsonl --decode-steps 5
     """
     import torch
@@ -385,26 +406,37 @@ def reference_logits_cmd(
     from dsv41_convert.config import load_model_args
     from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
-    from dsv41_convert.verify.reference import compute_reference, read_prompts
+    from dsv41_convert.verify.launch import backend_for, default_threads
+    from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
 
-    if threads:
-        torch.set_num_threads(threads)
+    backend_for(device)
+    threads = threads or default_threads(tp)
+    if device == "cpu":
+        torch.set_num_threads(threads)  # tp 1 runs in this process
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
     timings = None
+    if stream_layers:
+        from dsv41_convert.verify.streamed import compute_streamed_reference
+
+        if tp != 1 or as_converted:
+            from dsv41_convert.errors import VerifyInputError
+
+            raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
+        with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
+            say = None if as_json else report.info
+            ref, timings = compute_streamed_reference(
+                src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
+            )
+    else:
+        ref = compute_reference_ranks(
+            src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info
+        )  # fmt: skip
+    if ref is None:  # a torchrun rank other than 0
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     with hold(out.parent):  # one writer of OUT.partial
-        if stream_layers:
-            from dsv41_convert.verify.streamed import compute_streamed_reference
-
-            with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
-                say = None if as_json else report.info
-                ref, timings = compute_streamed_reference(
-                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
-                )
-        else:
-            ref = compute_reference(src, prompt_list, decode_steps, max_seq_len, device, True, report.info).reference
         reffile.save(ref, out)
     summary = {
         "out": str(out),
@@ -412,6 +444,10 @@ def reference_logits_cmd(
         "decode_steps": ref.n_decode,
         "max_seq_len": ref.max_seq_len,
         "source_format": ref.source_format,
+        "weights": ref.weights,
+        "tp": ref.tp,
+        "device": ref.device,
+        "threads": ref.threads,
         "bytes": out.stat().st_size,
     }
     if timings is not None:
@@ -422,7 +458,10 @@ def reference_logits_cmd(
         report.print_json(summary)
     else:
         report.stdout.print(str(out), highlight=False, soft_wrap=True)
-        report.info(f"{summary['prompts']} prompts, {summary['decode_steps']} decode steps, {summary['bytes']:,} bytes")
+        report.info(
+            f"{summary['prompts']} prompts, {summary['decode_steps']} decode steps, tp {tp} on {device}, "
+            f"{summary['bytes']:,} bytes"
+        )
         if timings is not None:
             report.info(
                 f"streamed: read {summary['read_s']:.1f} s ({summary['bytes_read'] / 2**30:.2f} GiB), "
@@ -464,7 +503,8 @@ def demo_cmd(
     threads: ThreadsOpt = None,
     as_json: opts.JsonOpt = False,
 ) -> None:
-    """The main job on a tiny model: make-tiny, shard --tp 8, verify (8 ranks on the CPU), in under a minute.
+    """The main job on a tiny model, in about a minute: make-tiny, shard --tp 8, reference-logits (tp 1), and
+    verify against that file: 8 ranks on the CPU, then the decisive check (the rank files replayed at tp 1).
 
     Examples:
       dsv41-convert demo

@@ -36,3 +36,9 @@ class VerifyInputError(ConvertError):
 
 class LockedError(OutputError):
     """Another process is writing into the same folder or file (store/lock.py); the message names it."""
+
+
+class ShardConsistencyError(ConvertError):
+    """The rank files of one conversion disagree: a replicated tensor differs between ranks, an expert
+    is held by the wrong rank, split pieces differ in shape, Engram padding is missing or not the fill.
+    verify reports it as a failed check (exit 1); elsewhere it is an input error."""

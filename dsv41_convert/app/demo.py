@@ -1,8 +1,10 @@
 """`demo [DIR]`: the whole main job on a model small enough for a laptop, in under a minute.
 
-    make-tiny DIR/src (published fp8/fp4 layout, no vision)
-    shard     DIR/src -> DIR/mp8 at tp 8
-    verify    DIR/mp8 against DIR/src: 8 ranks (gloo) beside their twin, tp-1 reference
+    make-tiny          DIR/src (published fp8/fp4 layout, no vision)
+    shard              DIR/src -> DIR/mp8 at tp 8
+    reference-logits   DIR/src -> DIR/ref-tp1.safetensors: the reference at tp 1, computed once
+    verify             DIR/mp8 against that file: 8 ranks (gloo), then the decisive check, the rank
+                       files merged back to tp 1 and replayed bit for bit against the reference
 
 The demo keeps the run short: one built-in prompt of 24 tokens (longer than the tiny preset's
 16-token window, so compressed attention and the indexer take part) and 2 decode steps.
@@ -15,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress as ByteProgress
@@ -37,7 +41,10 @@ def run_demo(
     from dsv41_convert.convert.plan import build_plan
     from dsv41_convert.synth.presets import PRESETS
     from dsv41_convert.synth.write import write_checkpoint
+    from dsv41_convert.verify import reffile
+    from dsv41_convert.verify.launch import default_threads
     from dsv41_convert.verify.prompts import default_prompts
+    from dsv41_convert.verify.reference import compute_reference_ranks
     from dsv41_convert.verify.run import VerifyOptions, verify
 
     say = step or (lambda _m: None)
@@ -48,22 +55,28 @@ def run_demo(
             raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")
         for p in (src, out):
             shutil.rmtree(p, ignore_errors=True)
+        (folder / "ref-tp1.safetensors").unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     seconds = {}
     t = time.perf_counter()
-    say(f"1/3 make-tiny {src} (seed {seed}, fp8/fp4)")
+    say(f"1/4 make-tiny {src} (seed {seed}, fp8/fp4)")
     write_checkpoint(src, PRESETS["tiny"], seed=seed, quantized=True, vision=False, progress=progress)
     seconds["make-tiny"] = time.perf_counter() - t
     t = time.perf_counter()
-    say(f"2/3 shard {src} -> {out} (tp {tp})")
+    say(f"2/4 shard {src} -> {out} (tp {tp})")
     execute(build_plan(src, tp), out, progress=progress or (lambda *_: None))
     seconds["shard"] = time.perf_counter() - t
     t = time.perf_counter()
-    say(f"3/3 verify {out} against {src} ({tp} ranks)")
+    ref_file = folder / "ref-tp1.safetensors"
+    say(f"3/4 reference-logits {src} -> {ref_file} (tp 1)")
     prompt = default_prompts(PRESETS["tiny"].vocab_size, count=1, length=24)[0]
-    prompts_file = folder / "demo-prompts.jsonl"
-    prompts_file.write_text('{"input_ids": [' + ", ".join(map(str, prompt.input_ids)) + "]}\n")
-    opts = VerifyOptions(out, reference=src, prompts=prompts_file, n_decode=2, threads=threads)
+    ref_threads = threads or default_threads(1)
+    torch.set_num_threads(ref_threads)
+    reffile.save(compute_reference_ranks(src, [prompt], 1, 2, None, "cpu", False, ref_threads), ref_file)
+    seconds["reference"] = time.perf_counter() - t
+    t = time.perf_counter()
+    say(f"4/4 verify {out} against {ref_file} ({tp} ranks, then the rank files replayed at tp 1)")
+    opts = VerifyOptions(out, reference_logits=ref_file, threads=threads)
     result = verify(opts, progress=say)
     seconds["verify"] = time.perf_counter() - t
     return result, seconds

@@ -35,7 +35,30 @@ LayerShardsOpt = Annotated[
 PresetOpt = Annotated[
     str, typer.Option("--preset", help="tiny (a few MB), medium (real hidden sizes, GBs) or full (with --sparse).")
 ]
-WorkersOpt = Annotated[int, typer.Option("--workers", min=1, help="Local worker processes (one rank file each).")]
+
+
+def parse_workers(value: str) -> int:
+    """--workers N (N >= 1) or auto, which becomes 0: execute() picks from cores, memory and rank files."""
+    if str(value) == "auto":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{value!r}: expected a number >= 1 or auto") from None
+    if n < 1:
+        raise ValueError(f"{value!r}: expected a number >= 1 or auto")
+    return n
+
+
+WorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        parser=parse_workers,
+        help="Local worker processes (one rank file each), or auto: a quarter of the cores, within memory "
+        "and the number of rank files (1 with --device cuda).",
+    ),
+]
 RanksOpt = Annotated[str | None, typer.Option("--ranks", help="Only these output ranks, e.g. 0,3 (default: all).")]
 ResumeOpt = Annotated[
     bool,

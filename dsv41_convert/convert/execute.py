@@ -34,6 +34,7 @@ import torch
 
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
 from dsv41_convert.convert.transform import quantizer_for
+from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.store import journal
@@ -139,7 +140,10 @@ def execute(
     direct_io: bool = False,
     sidecars: Sidecars | None = None,
 ) -> dict[str, Any]:
-    """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s)."""
+    """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s).
+
+    workers: local processes; 0 picks them from cores, memory and the files to write (workers.py).
+    """
     src, out = Path(plan.src), Path(out)
     if device not in ("cpu", "cuda"):
         raise PlanError(f"--device {device!r}: expected cpu or cuda")
@@ -206,6 +210,8 @@ def _execute_held(
         forget_stale(out, digest)
     extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
+    if workers == 0:  # --workers auto
+        workers = auto_workers(len(todo), device)
     results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)
@@ -223,6 +229,7 @@ def _execute_held(
         "out": str(out.resolve()),
         "written": [name for name, _, _, _ in results],
         "skipped": skipped,
+        "workers": workers,
         "resumed": {name: kept for name, _, _, kept in results if kept},  # bytes kept from a partial file
         "bytes": written,  # written by this run
         "seconds": round(seconds, 3),

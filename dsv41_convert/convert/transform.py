@@ -59,8 +59,11 @@ def quantizer_for(device: str) -> SimpleNamespace:
     return SimpleNamespace(device=device, **funcs)
 
 
-def apply(action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_dtype: str, block) -> tuple:
-    """Run `action` on one row chunk; see the module docstring for shapes. Outputs are on the CPU."""
+def apply(
+    action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_dtype: str, block, to_host: bool = True
+) -> tuple:
+    """Run `action` on one row chunk; see the module docstring for shapes. Outputs are on the CPU, or with
+    `to_host` False on the quantizer's device (the caller copies them back: convert/stream.py)."""
     if q.device != "cpu":
         inputs = [x.to(q.device) for x in inputs]
     if action == "cast":
@@ -85,7 +88,7 @@ def apply(action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_
         outs = q.fp4_to_fp8(packed, s, 32, name)
     else:
         raise ValueError(f"{name}: unknown action {action!r}")
-    return tuple(o.cpu() for o in outs)
+    return tuple(o.cpu() for o in outs) if to_host else tuple(outs)
 
 
 def to_bytes(t: Tensor) -> memoryview:

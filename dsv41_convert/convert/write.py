@@ -1,8 +1,10 @@
 """Write one rank file of a plan: header first, then each tensor's bytes streamed into place, in order.
 
 Memory is bounded by the chunk size, never by tensor size: plain copies move `chunk_bytes` at a time
-with pread; actions that compute (dequantize, quantize, cast) take row chunks of at most
-chunk_bytes / 8 source bytes, aligned to 128 rows so no scale block is split. Reads stay ahead of the
+with pread (copy_file_range, hashing from a map of the source, was measured slower on the dev box:
+docs/BENCHMARKS.md); actions that compute (dequantize, quantize, cast) take row chunks of at most
+chunk_bytes / 8 source bytes (on CUDA 64 MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale
+block is split, read ahead in a thread and overlapped with the GPU (stream.py). Reads stay ahead of the
 writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
 regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes.
 
@@ -25,13 +27,15 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dsv41_convert.convert import stream
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
-from dsv41_convert.convert.transform import apply, from_bytes, to_bytes
+from dsv41_convert.convert.transform import to_bytes
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store import journal
@@ -44,6 +48,8 @@ from dsv41_convert.store.sink import Sink
 CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20
 PREFETCH_BYTES = 256 << 20  # read-ahead hint; dev box, tp 8 of 23.7 GB: 64 MiB 84-90 s, 256 MiB 73-81 s
+READ_AHEAD_BYTES = 1 << 30  # source bytes read into the page cache past the current tensor (stream.ReadAhead)
+READ_AHEAD_DEVICES = ("cuda",)  # on these devices only
 JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs an fdatasync (256 MiB: +7 s of 33)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -99,10 +105,13 @@ class _Reader:
             os.close(fd)
         self.fds.clear()
 
-    def rows(self, rd: Read, a: int, b: int) -> tuple[bytearray | memoryview, int]:
-        """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected. -> (bytes, row bytes)"""
+    def rows(self, rd: Read, a: int, b: int, alloc=bytearray) -> tuple[bytearray | memoryview, int]:
+        """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected. -> (bytes, row bytes)
+
+        alloc(n): the writable buffer whole rows are read into (pinned memory for the GPU: stream.py).
+        """
         rb = _row_bytes(rd.dtype, rd.shape)
-        buf = bytearray((b - a) * rb)
+        buf = alloc((b - a) * rb)
         pread_exact(self.fd(rd.file), memoryview(buf), rd.offset + (rd.r0 + a) * rb, str(self.src / rd.file))
         if rd.c1 < 0:
             return buf, rb
@@ -148,13 +157,15 @@ def write_partial(
     """Write every byte of `rf` to out/rf.file + ".partial" and close it (no fsync yet: see `commit`).
 
     resume: go on from the last verified checkpoint of an existing partial file (else from byte 0).
-    stats:  if given, filled with resumed_from (bytes kept from the partial file) and resume (why / why not).
+    stats:  if given, filled with resumed_from (bytes kept from the partial file), resume (why / why not)
+            and stages (seconds: read, wait_read, read_ahead, h2d, kernel, d2h, launch, wait_gpu, write, hash).
     direct_io: append with O_DIRECT (bypassing the page cache) where the file system allows it.
     -> (size, sha256 hex)
     """
     final, partial = out / rf.file, out / (rf.file + ".partial")
     jpath = journal_path(out, rf.file)
     head = journal.header(rf.file, rf.nbytes, plan_digest, chunk_bytes)
+    head["compute_chunk_bytes"] = compute_chunk_bytes(chunk_bytes, quantizer.device)  # chunk j's rows
     start, why = journal.load(jpath, partial, head) if resume else (None, "not resuming")
     if start is not None and not _fits(start, rf):
         start, why = None, "journal does not fit the plan's tensors"
@@ -166,12 +177,19 @@ def write_partial(
         if journal_bytes:
             sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
             sink.journal_bytes = journal_bytes
-        _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start)
+        warm = _read_ahead(rf, src, start, quantizer.device, sink.stages)
+        try:
+            _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start, warm)
+        finally:
+            if warm is not None:
+                warm.close()
         sink.finish()
         if sink.journal is not None:
             sink.journal.close()
         os.close(sink.fd)
         sink.fd = -1
+        if stats is not None:
+            stats["stages"] = dict(sink.stages)
         return sink.done, sink.sha.hexdigest()
     except OSError as exc:
         _discard(sink, partial, jpath)
@@ -188,8 +206,23 @@ def write_partial(
         reader.close()
 
 
-def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None) -> None:
-    """Every tensor of `rf` from `start` (or the header) on, in file order."""
+def _read_ahead(rf: RankFile, src: Path, start: ResumePoint | None, device: str, stages) -> stream.ReadAhead | None:
+    """On CUDA, a thread reading the sources of the tensors ahead into the page cache (stream.ReadAhead).
+    -> it, or None"""
+    if device not in READ_AHEAD_DEVICES or not READ_AHEAD_BYTES:
+        return None
+    first = start.tensor if start is not None else 0
+    regions = []
+    for i in range(first, len(rf.tensors)):
+        for rd in rf.tensors[i].reads:
+            rb = _row_bytes(rd.dtype, rd.shape)
+            regions.append((i, rd.file, rd.offset + rd.r0 * rb, (rd.r1 - rd.r0) * rb))
+    return stream.ReadAhead(src, regions, READ_AHEAD_BYTES, stages)
+
+
+def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None, warm=None) -> None:
+    """Every tensor of `rf` from `start` (or the header) on, in file order; `warm` (a stream.ReadAhead)
+    is told which tensor is being written."""
     first = 0
     if start is None:
         sink.write(rf.header)
@@ -203,6 +236,8 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
         t = rf.tensors[i]
         chunk, skip = (start.chunk, start.skip) if start is not None and i == start.tensor else (0, 0)
         sink.begin_tensor(i, t.begin, chunk)
+        if warm is not None:
+            warm.at(i)
         if PREFETCH_BYTES:
             reader.prefetch(rf.tensors, i)
         ahead = sink.asides.get(t.group) if t.group else None
@@ -214,8 +249,9 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
         else:
-            for outs in _compute(t, reader, quantizer, chunk_bytes, chunk):
-                sink.write(to_bytes(outs[0]), t.name)
+            with closing(_compute(t, reader, quantizer, chunk_bytes, chunk, sink.stages)) as chunks:
+                for outs in chunks:
+                    sink.write(to_bytes(outs[0]), t.name)
         if t.pad_rows:
             sink.fill(PAD_BYTE[t.dtype], t.pad_rows * _row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
         if ahead is not None and ahead.tensor == i:
@@ -344,22 +380,18 @@ def _chunk_rows(t: OutTensor, chunk_bytes: int) -> int:
     return max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
 
 
-def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int, first: int = 0):
-    """Yield the action's outputs for each row chunk of the tensor's source region, from chunk `first` on."""
-    main = t.reads[0]
-    rows = main.r1 - main.r0
-    step = _chunk_rows(t, chunk_bytes)
-    name = f"{reader.src / main.file}: {main.name}"
-    for a in range(first * step, rows, step):
-        b = min(rows, a + step)
-        inputs = []
-        for rd in t.reads:
-            ra, rb_ = a // rd.ratio, -(-b // rd.ratio)
-            data, width = reader.rows(rd, ra, rb_)
-            inputs.append(from_bytes(data, rd.dtype, rb_ - ra, width))
-        if len(main.shape) < 2:  # 1-d tensors travel as [rows, 1]
-            inputs = [x.reshape(-1) for x in inputs]
-        yield apply(t.action, inputs, quantizer, name, t.dtype, t.block)
+def compute_chunk_bytes(chunk_bytes: int, device: str) -> int:
+    """The `chunk_bytes` that sizes computed row chunks (chunk_bytes / 8 source bytes each): larger on CUDA,
+    where per-chunk costs (launches, copies, a sync) dominate small chunks and the intermediates live on
+    the GPU. Recorded in the journal: a resume on the other device restarts the file."""
+    return max(chunk_bytes, 8 * stream.GPU_BLOCK_BYTES) if device == "cuda" else chunk_bytes
+
+
+def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int, first: int = 0, stages=None):
+    """Yield the action's outputs for each row chunk of the tensor's source region, from chunk `first` on
+    (reads ahead in a thread; on CUDA, overlapped copies: stream.py). Close it when done early."""
+    step = _chunk_rows(t, compute_chunk_bytes(chunk_bytes, quantizer.device))
+    return stream.blocks(t, reader, quantizer, step, first, stages)
 
 
 def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, first) -> None:
@@ -385,18 +417,19 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     if keep:
         sink.mark_ok = False  # a stash dies with the process: no checkpoint until this part is done
     kept: list[bytes] = []
-    for outs in _compute(t, reader, quantizer, chunk_bytes, first):
-        if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
-            data = to_bytes(outs[1 - t.part])
-            ahead.sha.update(data)
-            while len(data):
-                n = os.pwrite(sink.fd, data, ahead.end)
-                data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
-            sink.dirty.add(t.group)
-        sink.write(to_bytes(outs[t.part]), t.name)
-        if keep:
-            kept.append(bytes(to_bytes(outs[1 - t.part])))
-            stash.used += len(kept[-1])
+    with closing(_compute(t, reader, quantizer, chunk_bytes, first, sink.stages)) as chunks:
+        for outs in chunks:
+            if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
+                data = to_bytes(outs[1 - t.part])
+                ahead.sha.update(data)
+                while len(data):
+                    n = os.pwrite(sink.fd, data, ahead.end)
+                    data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
+                sink.dirty.add(t.group)
+            sink.write(to_bytes(outs[t.part]), t.name)
+            if keep:
+                kept.append(bytes(to_bytes(outs[1 - t.part])))
+                stash.used += len(kept[-1])
     if keep:
         stash.parts[okey] = kept
         sink.mark_ok = True

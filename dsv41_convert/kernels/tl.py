@@ -1,6 +1,7 @@
 """TileLang as every kernel module imports it, with the names they share: dtype aliases and the pass
-configs. Its log lines go to stderr, since stdout carries `--json` (TileLang logs each compile at INFO
-through tqdm.write, which prints to stdout).
+configs. Its kernel cache persists in the folder compile_cache.py names. Its log lines go to stderr,
+since stdout carries `--json` (TileLang logs each compile at INFO through tqdm.write, which prints to
+stdout).
 """
 
 import logging
@@ -9,6 +10,10 @@ import sys
 import tilelang
 import tilelang.language as T
 import torch
+
+from dsv41_convert.kernels import compile_cache
+
+compile_cache.configure()  # TileLang reads TILELANG_CACHE_DIR at its first compile, not at import
 
 # dtype aliases
 F32 = "float32"

@@ -42,6 +42,9 @@ class Sink:
 
     Handed-over buffers must not change until written: `_copy` (write.py) cycles three buffers through a
     queue of one, so a buffer is refilled only after the writer has taken the next one.
+
+    `stages` collects seconds of this thread: hash, write; write.py adds the stages of the computed
+    tensors (stream.py).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Sink:
         self.mark_ok = False
         self.index = self.chunk = self.t_begin = 0
         self._last_mark = self.queued
+        self.stages: dict[str, float] = {}  # seconds in this thread: hash, write
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._drain, name=f"write {label}", daemon=True)
         self._thread.start()
@@ -130,8 +134,12 @@ class Sink:
                     continue
                 self.tensor = tensor
                 if kind == "w":
+                    t0 = time.perf_counter()
                     self.sha.update(payload)
+                    t1 = time.perf_counter()
                     self.out.write(payload)
+                    self.stages["hash"] = self.stages.get("hash", 0.0) + t1 - t0
+                    self.stages["write"] = self.stages.get("write", 0.0) + time.perf_counter() - t1
                     self.done += len(payload)
                 else:
                     buf = buf or memoryview(bytearray(READ_BACK_BYTES))

@@ -1,9 +1,10 @@
 """Reference outputs from the source checkpoint: the bundled model at tp 1 on the source weights,
 transformed in memory (verify.source), no files written.
 
-Runs in the calling process with no process group (tp 1). Used by `verify --reference SRC` and by
-`reference-logits SRC OUT`, which saves the same outputs to a file (verify.reffile) so that a
-pipeline can compute them once on a big machine.
+`compute_reference` runs in the calling process with no process group (tp 1) and keeps the weights:
+`verify --reference SRC` uses it. `compute_reference_ranks` runs on tp ranks, one process each, every
+rank holding only its own slices: `reference-logits SRC OUT --tp N` saves its outputs to a file
+(verify.reffile) so that a pipeline can compute them once and verify every weight set against them.
 """
 
 from __future__ import annotations
@@ -13,15 +14,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
+from dsv41_convert.verify.launch import launch
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
 from dsv41_convert.verify.reffile import Reference
-from dsv41_convert.verify.runner import build_model, load_state, model_input, run_prompt
-from dsv41_convert.verify.source import reference_state
+from dsv41_convert.verify.runner import (
+    ModelInput,
+    PromptRun,
+    attach_images,
+    build_model,
+    load_state,
+    model_input,
+    run_prompt,
+)
+from dsv41_convert.verify.source import plan_state, reference_state, source_experts
 
 DEFAULT_DECODE_STEPS = 3
 SEQ_ALIGN = 64
@@ -83,5 +94,94 @@ def compute_reference(
         runs.append(run_prompt(model, inp, n_decode, None, capture_hidden, device))
     del model
     gc.collect()
-    ref = Reference(inputs, runs, [p.label for p in prompts], seq, source_format, device)
+    weights = "converted" if source_format == "fp8" else "bf16"
+    labels = [p.label for p in prompts]
+    ref = Reference(inputs, runs, labels, seq, source_format, device, **_recorded(device), weights=weights)
     return SourceReference(ref, args, state)
+
+
+def _recorded(device: str) -> dict:
+    """What decides bit equality besides tp and device (reffile's docstring): this process's threads, torch."""
+    return {"threads": torch.get_num_threads() if device == "cpu" else 0, "torch_version": torch.__version__}
+
+
+@dataclass
+class RankReferenceJob:
+    src: str
+    inputs: list[ModelInput]
+    n_decode: int
+    max_seq_len: int
+    device: str
+    as_converted: bool  # a bf16 source: run the converter's quantized output, not the bf16 model
+
+
+def compute_reference_ranks(
+    src: Path,
+    prompts: list[Prompt],
+    tp: int = 1,
+    n_decode: int = DEFAULT_DECODE_STEPS,
+    max_seq_len: int | None = None,
+    device: str = "cpu",
+    as_converted: bool = False,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Reference | None:
+    """The reference on `tp` ranks, one process each, launched as verify launches the converted files:
+    each rank computes its own rank file of `shard SRC --tp tp` in memory, reading only its slices of the
+    source, and runs every prompt (greedy decode, drafts, hidden states). At the same tp and device a
+    correct conversion then gives these logits bit for bit. None on a torchrun rank other than 0.
+
+    as_converted: for a bf16 source, run the converter's quantized output (the values every conversion
+                  holds, so verify can be exact) instead of the unquantized bf16 model
+    """
+    say = progress or (lambda _msg: None)
+    src = Path(src)
+    args = load_model_args(src / "config.json")
+    inputs = [model_input(p, args) for p in prompts]
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
+    say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
+    job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted)
+    out = launch(reference_rank, job, tp, device, threads)
+    if out is None:
+        return None
+    runs, source_format, recorded = out
+    weights = "converted" if source_format == "fp8" or as_converted else "bf16"
+    labels = [p.label for p in prompts]
+    return Reference(inputs, runs, labels, seq, source_format, device, tp=tp, weights=weights, **recorded)
+
+
+def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
+    """The body of one reference rank: this rank's file of the tp-N plan, in memory, then every prompt."""
+    from dsv41_convert.config import ModelArgs
+    from dsv41_convert.convert.plan import build_plan
+
+    src = Path(job.src)
+    plan = build_plan(src, parallel.world_size(), source_experts(src))  # experts as the source stores them
+    unquantized = plan.source_format == "bf16" and not job.as_converted
+    # the unquantized model takes the source's args (dtype bf16); otherwise the converted folder's
+    args = load_model_args(src / "config.json") if unquantized else ModelArgs.from_inference_dict(plan.inference_config)
+    args = args.with_runtime(max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0)
+    tokenizer = src / "tokenizer.json"
+    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    error = ""
+    try:
+        load_state(model, plan_state(plan, parallel.rank(), skip_quant=unquantized))
+    except ConvertError as exc:
+        error = str(exc)
+    # every rank stops together before the first collective of a forward pass (verify.launch)
+    errors = [error]
+    if parallel.is_distributed():
+        errors = [""] * parallel.world_size()
+        torch.distributed.all_gather_object(errors, error)
+    if any(errors):
+        raise PlanError("\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    if job.device != "cpu":
+        from dsv41_convert.model.warm import warm_up_kernels
+
+        model = model.to(job.device)
+        warm_up_kernels(model, job.device)  # every rank compiles before the first collective, as verify's ranks
+    runs = []
+    for inp in job.inputs:
+        inp = attach_images(inp, args)
+        runs.append(run_prompt(model, inp, job.n_decode, None, True, job.device))
+    return runs, plan.source_format, _recorded(job.device)

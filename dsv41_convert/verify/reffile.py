@@ -17,6 +17,18 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
 Metadata (`__metadata__`, strings): format = "dsv41-reference-logits/1", max_seq_len, source_format
 ("fp8" | "bf16"), device, tp, and JSON lists `labels` and `images` (one path or "" per prompt).
 Only input_ids and logits are required; verify compares whatever else is present.
+
+What decides bit equality with a converted run (verify.verdict), all optional, absent = not recorded:
+    tp        ranks the reference ran on ("1" when absent)
+    device    "cpu" | "cuda"
+    threads   torch intra-op threads per rank on the CPU (a CPU matmul's sums depend on it)
+    torch     torch.__version__ of the run
+    weights   "converted": the values every correct conversion of the source holds (an fp8 source, or a
+              bf16 source quantized as `shard` does, `reference-logits --as-converted`);
+              "bf16": the unquantized model of a bf16 source (no conversion reproduces it bit for bit).
+              Absent: "converted" for source_format fp8, "bf16" for bf16, unknown otherwise.
+A file from another implementation states what it knows; each stated field that differs from the
+verify run makes bit equality unexpected, so only statistical bounds then judge that comparison.
 """
 
 from __future__ import annotations
@@ -70,6 +82,10 @@ class Reference:
     source_format: str  # "fp8" | "bf16" | "unknown"
     device: str
     has_logits_all: bool = True
+    tp: int = 1
+    threads: int = 0  # torch threads per rank on the CPU; 0: not recorded
+    torch_version: str = ""  # "": not recorded
+    weights: str = ""  # "converted" | "bf16" | "": unknown (see the module docstring)
 
     @property
     def n_decode(self) -> int:
@@ -116,7 +132,10 @@ def save(ref: Reference, path: Path) -> None:
         "max_seq_len": str(ref.max_seq_len),
         "source_format": ref.source_format,
         "device": ref.device,
-        "tp": "1",
+        "tp": str(ref.tp),
+        "threads": str(ref.threads),
+        "torch": ref.torch_version,
+        "weights": ref.weights,
         "labels": json.dumps(ref.labels),
         "images": json.dumps([i.image or "" for i in inputs]),
     }
@@ -166,14 +185,19 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
                 last=logits[row],
             )
         )
+    source_format = meta.get("source_format", "unknown")
     return Reference(
         inputs,
         runs,
         labels,
         int(meta.get("max_seq_len", default_max_seq_len)),
-        meta.get("source_format", "unknown"),
+        source_format,
         meta.get("device", "unknown"),
         has_logits_all="logits_all" in t,
+        tp=int(meta.get("tp", 1)),  # both checked by _recorded_fields
+        threads=int(meta.get("threads", 0)),
+        torch_version=meta.get("torch", ""),
+        weights=meta.get("weights") or {"fp8": "converted", "bf16": "bf16"}.get(source_format, ""),
     )
 
 
@@ -263,6 +287,18 @@ def _problems(
             out += _non_finite(key, t[key])
     out += _token_types(t)
     out += _metadata_lists(meta, t, b)
+    out += _recorded_fields(meta)
+    return out
+
+
+def _recorded_fields(meta: dict[str, str]) -> list[str]:
+    """The metadata that decides bit equality (module docstring): tp >= 1, threads >= 0, a known `weights`."""
+    out = []
+    for key, least in (("tp", 1), ("threads", 0)):
+        if key in meta and not (meta[key].isdigit() and int(meta[key]) >= least):
+            out.append(f"metadata {key} {meta[key]!r}: expected an integer >= {least}")
+    if meta.get("weights", "") not in ("", "converted", "bf16"):
+        out.append(f"metadata weights {meta['weights']!r}: expected 'converted' or 'bf16'")
     return out
 
 

@@ -4,7 +4,10 @@
     result.ok, result.to_json()
 
 The reference is either the source checkpoint (computed here, tp 1, weights transformed in memory)
-or a reference-logits file. The converted folder is run with one process per rank (verify.launch).
+or a reference-logits file. The converted folder is run with one process per rank (verify.launch);
+against a tp-1 file at tp > 1 the rank files are also merged back and replayed at tp 1 (verify.replay).
+The verdict (verify.verdict) is PASS only when a check held bit for bit, INCONCLUSIVE when only
+statistical bounds applied (unless --statistical), FAIL on any mismatch.
 Under torchrun every rank calls `verify`; each computes (or reads) the same reference, only rank 0
 compares, and the other ranks get None.
 """
@@ -26,8 +29,10 @@ from dsv41_convert.verify import localize, reffile
 from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
+from dsv41_convert.verify.replay import replay_check
 from dsv41_convert.verify.runner import PromptRun
 from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
+from dsv41_convert.verify.verdict import FAIL, INCONCLUSIVE, PASS, Check, advice, decide, exact_blockers
 
 Progress = Callable[[str], None]
 # config fields that may differ between the source and the converted folder
@@ -46,7 +51,8 @@ class VerifyOptions:
     max_seq_len: int | None = None
     overrides: dict[str, float | None] = field(default_factory=dict)
     localize: bool = True
-    threads: int | None = None  # torch threads per process (default: cores / tp)
+    threads: int | None = None  # torch threads per process (default: cores / tp, or the reference's)
+    statistical: bool = False  # accept statistical bounds as a PASS when no decisive check applies
 
 
 @dataclass
@@ -72,14 +78,28 @@ class VerifyResult:
     localization: localize.Localization | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     twin: dict[str, Stats] = field(default_factory=dict)  # overall, against the twin
+    checks: list[Check] = field(default_factory=list)  # verify.verdict
+    verdict: str = FAIL  # PASS | FAIL | INCONCLUSIVE
+    advice: str = ""  # INCONCLUSIVE: what would make the run decisive
+    statistical: bool = False  # --statistical: statistical bounds accepted
 
     @property
     def ok(self) -> bool:
-        return not self.failures
+        return self.verdict == PASS
+
+    @property
+    def decisive(self) -> list[str]:
+        """The checks that held bit for bit (empty: a PASS rests on statistical bounds only)."""
+        return [c.name for c in self.checks if c.decisive]
 
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
+            "verdict": self.verdict,
+            "decisive": self.decisive,
+            "statistical": self.statistical and not self.decisive,
+            "checks": [c.to_json() for c in self.checks],
+            "advice": self.advice,
             "converted": self.converted,
             "reference": self.reference,
             "tp": self.tp,
@@ -157,10 +177,18 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
             raise VerifyInputError("--prompts goes with --reference SRC; a reference-logits file holds its prompts")
         ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
+        if opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
+            threads = ref.threads  # the reference's sums, in the reference's order
+            if tp == 1:
+                torch.set_num_threads(threads)
     seconds["reference"] = time.perf_counter() - t0
-    lossless = ref.source_format == "fp8"
-    mode = choose_mode(ref.source_format, lossless, tp, ref.device == opts.device)
-    thresholds = default_thresholds(mode).override(**opts.overrides)
+    blockers = exact_blockers(
+        ref.tp, ref.device, ref.threads, ref.torch_version, ref.weights, tp, opts.device, threads
+    )  # fmt: skip
+    mode = choose_mode(ref.weights, not blockers)
+    thresholds = default_thresholds(mode)
+    if mode != "exact":
+        thresholds = thresholds.override(**opts.overrides)
 
     expected = None
     if src_ref is not None:
@@ -175,18 +203,49 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     if out is None:
         return None
     result = VerifyResult(str(conv), ref_name, tp, opts.device, thresholds, [], {}, [], seconds=seconds)
+    result.statistical = opts.statistical
     if isinstance(out, LoadFailure):
         result.load_error = "\n".join(f"rank {r}: {m}" for r, m in out.messages)
         result.failures = [f"load: {result.load_error}"]
     else:
         seconds["compile"] = out.compile_seconds  # part of "converted"
         _compare_all(result, ref, out, thresholds)
-    if not result.ok and opts.localize:
-        say("localizing the mismatch")
+        result.checks.append(_reference_check(result, blockers, ref))
+        if out.twin_runs is not None:
+            result.checks.append(_twin_check(result))
+    replay_runs = None
+    if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device:
         t2 = time.perf_counter()
-        result.localization = _localize(result, ref, out, expected, conv, conv_args, tp, thresholds)
-        seconds["localize"] = time.perf_counter() - t2
+        say(f"replay: {conv} merged back to tp 1 in memory, run in this process")
+        check, replay_runs = replay_check(conv, ref, opts.device, opts.threads)
+        result.checks.append(check)
+        seconds["replay"] = time.perf_counter() - t2
+    result.failures += [f for c in result.checks if c.name == "replay" for f in c.failures]
+    result.verdict = decide(result.checks, result.failures, opts.statistical)
+    if result.verdict == INCONCLUSIVE:
+        result.advice = advice(tp, src_ref is not None)
+    if result.verdict == FAIL and opts.localize:
+        say("localizing the mismatch")
+        t3 = time.perf_counter()
+        result.localization = _localize(result, ref, out, expected, conv, conv_args, tp, thresholds, replay_runs)
+        seconds["localize"] = time.perf_counter() - t3
     return result
+
+
+def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Reference) -> Check:
+    """The converted ranks against the reference: bit for bit where that is expected."""
+    exact = all(s.max_abs == 0 for s in result.overall.values())
+    what = f"tp {ref.tp} {ref.device} reference, converted at tp {result.tp}"
+    if not blockers:
+        fails = [] if exact else [f for f in result.failures if not f.startswith(("twin ", "load:"))]
+        return Check("reference", exact, True, fails, what + ": bit equality expected")
+    return Check("reference", exact, False, [], what + "; not bit-exact: " + "; ".join(blockers))
+
+
+def _twin_check(result: VerifyResult) -> Check:
+    exact = all(s.max_abs == 0 for s in result.twin.values())
+    fails = [f for f in result.failures if f.startswith("twin ")]
+    return Check("twin", exact, True, fails, "the converter's expected tp-1 output cut into the same ranks")
 
 
 def _sections(ref: PromptRun, got: PromptRun, has_all: bool) -> dict[str, Stats]:
@@ -230,16 +289,18 @@ def _compare_all(result: VerifyResult, ref: reffile.Reference, out: RankResult, 
             result.failures += [f"twin {key}: {msg}" for msg in judge(result.twin[key], EXACT)]
 
 
-def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: int, th: Thresholds):
+def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: int, th: Thresholds, replay_runs):
     loc = localize.Localization()
     if isinstance(out, LoadFailure):
         loc.note = "the shards do not load into the model; see the load error"
     else:
-        # against the twin the first differing bit counts; against the tp-1 reference, the mode's tolerance
+        # against the twin or in the tp-1 replay the first differing bit counts; else the mode's tolerance
         ref_hidden, rtol = [r.hidden for r in ref.runs], th.hidden_rtol
+        conv_hidden = [r.hidden for r in out.runs]
         if out.twin_runs is not None:
             ref_hidden, rtol = [r.hidden for r in out.twin_runs], 0.0
-        conv_hidden = [r.hidden for r in out.runs]
+        elif replay_runs is not None and any(f.startswith("replay") for f in result.failures):
+            conv_hidden, rtol = [r.hidden for r in replay_runs], 0.0
         if any(ref_hidden):
             loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
         backbone_failed = any("draft" not in f.split(":")[0] for f in result.failures)

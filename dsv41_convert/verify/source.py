@@ -11,9 +11,10 @@ from the source shards. Two flavours:
   stay bf16 (the model is then built with dtype "bf16"); only the Engram tables are still quantized
   to per-row fp8, because the model has no bf16 Engram path.
 
-Both hold everything in RAM: fine for verify's small models, not for a 500 GB checkpoint. `SourceWeights`
-gives the same tensors one request at a time (and Engram tables row by row) for the layer-streamed
-model (model/streamed.py).
+Everything is held in RAM: fine for verify's small models, not for a 500 GB checkpoint. `plan_state(plan,
+rank)` computes one rank's file of a tp-N plan: what `reference-logits --tp N` runs on each rank.
+`SourceWeights` gives the tp-1 reference weights one request at a time (Engram tables row by row) for the
+layer-streamed model (model/streamed.py, `reference-logits --stream-layers`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.convert.plan import ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
@@ -80,9 +81,16 @@ def _compute(t: OutTensor, inputs: list[Tensor], skip_quant: bool, q) -> dict[st
     return {t.name: results[0]}
 
 
-def _run(plan: ConversionPlan, skip_quant: bool, progress: Progress | None) -> dict[str, Tensor]:
+def plan_state(
+    plan: ConversionPlan, rank: int = 0, skip_quant: bool = False, progress: Progress | None = None
+) -> dict[str, Tensor]:
+    """Rank `rank`'s file of `plan`, computed in memory: only that rank's slices of the source are read.
+
+    skip_quant: leave the quantizing actions out (the weights stay bf16: the unquantized model)
+    -> name -> tensor in the rank file's dtype (F4 as float4_e2m1fn_x2 [out, in/2])
+    """
     src = Path(plan.src)
-    (rank_file,) = plan.files
+    rank_file = plan.files[rank]
     q = quantizer_for("cpu")
     out: dict[str, Tensor] = {}
     fds: dict[str, int] = {}
@@ -97,9 +105,18 @@ def _run(plan: ConversionPlan, skip_quant: bool, progress: Progress | None) -> d
     finally:
         for fd in fds.values():
             os.close(fd)
+    for t in tensors:
+        if t.pad_rows:  # the last rank's Engram rows, filled as shard writes them
+            out[t.name] = _padded(out[t.name], t.pad_rows, PAD_BYTE[t.dtype])
     if progress is not None:
         progress("transform source", len(tensors), len(tensors))
     return out
+
+
+def _padded(t: Tensor, rows: int, fill: int) -> Tensor:
+    """`t` with `rows` rows of byte `fill` appended. t: [n, ...] 1-byte dtype -> [n + rows, ...]"""
+    tail = torch.full((rows, *t.shape[1:]), fill, dtype=torch.uint8)
+    return torch.cat([t.view(torch.uint8), tail]).view(t.dtype)
 
 
 class SourceWeights:
@@ -109,7 +126,7 @@ class SourceWeights:
 
     def __init__(self, src: Path):
         self.src = Path(src)
-        self.plan = build_plan(self.src, 1, "fp4")
+        self.plan = build_plan(self.src, 1, source_experts(self.src))
         self.source_format = self.plan.source_format
         self.skip_quant = self.source_format == "bf16"
         self.by_name = {t.name: t for t in self.plan.files[0].tensors}
@@ -174,7 +191,7 @@ def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | N
 
     -> name -> tensor in the rank file's dtype (F4 as float4_e2m1fn_x2 [out, in/2])
     """
-    return _run(build_plan(Path(src), 1, expert_dtype), skip_quant=False, progress=progress)
+    return plan_state(build_plan(Path(src), 1, expert_dtype), progress=progress)
 
 
 def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, dict[str, Tensor]]:
@@ -182,6 +199,10 @@ def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, d
 
     Routed experts stay as the source stores them: fp4, or fp8 in an `export --format fp8` checkpoint.
     """
-    experts = "fp8" if load_model_args(Path(src) / "config.json").expert_dtype == "fp8" else "fp4"
-    plan = build_plan(Path(src), 1, experts)
-    return plan.source_format, _run(plan, skip_quant=plan.source_format == "bf16", progress=progress)
+    plan = build_plan(Path(src), 1, source_experts(src))
+    return plan.source_format, plan_state(plan, skip_quant=plan.source_format == "bf16", progress=progress)
+
+
+def source_experts(src: Path) -> str:
+    """The expert dtype the source stores: "fp8" for an `export --format fp8` checkpoint, else "fp4"."""
+    return "fp8" if load_model_args(Path(src) / "config.json").expert_dtype == "fp8" else "fp4"

@@ -28,7 +28,7 @@ from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
 from dsv41_convert.progress import Progress
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
-from dsv41_convert.verify.reference import pick_max_seq_len
+from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import ModelInput, PromptRun, model_input
 from dsv41_convert.verify.source import SourceWeights
@@ -85,5 +85,10 @@ def compute_streamed_reference(
         PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last)
         for r, d in zip(results, decode, strict=True)
     ]
-    ref = Reference(inputs, runs, [p.label for p in prompts], seq, weights.source_format, device)
+    source_format = weights.source_format
+    recorded = _recorded(device)  # what decides bit equality, as the whole-model reference records it
+    weights_kind = "converted" if source_format == "fp8" else "bf16"
+    ref = Reference(
+        inputs, runs, [p.label for p in prompts], seq, source_format, device, weights=weights_kind, **recorded
+    )
     return ref, timings

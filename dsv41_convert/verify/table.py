@@ -29,27 +29,38 @@ def render(result: VerifyResult) -> Group:
     table = Table(
         title=title,
         title_justify="left",
-        caption="tp1: against the tp-1 reference; twin: against the converter's expected output on the same ranks",
+        caption="ref: against the reference; twin: against the converter's expected output on the same ranks",
     )
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("prompt", "vs", "section") else "right")
     for p in result.prompts:
-        for vs, sections in (("tp1", p.sections), ("twin", p.twin)):
+        for vs, sections in (("ref", p.sections), ("twin", p.twin)):
             for key in SECTIONS:
                 if key in sections:
                     bad = any(f.startswith(f"{'twin ' if vs == 'twin' else ''}{key}:") for f in p.failures)
                     _row(table, p.label, vs, key, sections[key], bad)
-    for vs, overall in (("tp1", result.overall), ("twin", result.twin)):
+    for vs, overall in (("ref", result.overall), ("twin", result.twin)):
         for key in SECTIONS:
             if key in overall:
                 prefix = "twin " if vs == "twin" else ""
                 bad = any(f.startswith(f"{prefix}{key}:") for f in result.failures)
                 _row(table, "overall", vs, key, overall[key], bad)
     parts: list = [table]
-    verdict = Text("PASS", style="bold green") if result.ok else Text("FAIL", style="bold red")
-    parts.append(Text.assemble(verdict, f"  mode {result.thresholds.mode}"))
+    style = {"PASS": "bold green", "FAIL": "bold red"}.get(result.verdict, "bold yellow")
+    if result.decisive:
+        how = "decisive: " + ", ".join(result.decisive) + " bit for bit"
+    elif result.verdict == "PASS":
+        how = "statistical bounds only (--statistical)"
+    else:
+        how = "no decisive check held"
+    parts.append(Text.assemble(Text(result.verdict, style=style), f"  mode {result.thresholds.mode}; {how}"))
+    for c in result.checks:
+        mark = "exact" if c.exact else ("differs" if c.expected_exact else "not exact")
+        parts.append(Text(f"  check {c.name}: {mark} ({c.note})", style="dim" if not c.failures else "red"))
     for f in result.failures:
         parts.append(Text(f"  {f}", style="red"))
+    if result.advice:
+        parts.append(Text(f"  {result.advice}", style="yellow"))
     loc = result.localization
     if loc is not None:
         if loc.module:

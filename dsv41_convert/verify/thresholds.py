@@ -1,12 +1,16 @@
 """Pass/fail bounds for verify, chosen from what the conversion is allowed to change.
 
+These bounds judge one comparison; the verdict (PASS / FAIL / INCONCLUSIVE) is verify.verdict's: the
+statistical modes below can fail a run but never pass one on their own (unless --statistical).
+
 Three modes, picked from the reference and the converted folder:
 
-- `exact`: tp 1, a format-preserving conversion (fp8/fp4 source -> fp8/fp4, or fp4 experts cast to
-  fp8, which is lossless), reference computed on the same device. The converted model then runs the
-  same numbers through the same kernels in the same order as the reference: logits must be equal
-  bit for bit (atol 0, KL 0). Anything else is a conversion bug.
-- `reduction`: the same conversion at tp > 1 (or a reference from another device). Only the order
+- `exact`: the reference ran what every correct conversion holds (an fp8/fp4 source, or a bf16 source
+  quantized as the converter does; fp4 experts cast to fp8 compute the same bits, measured), at the same
+  tp, on the same device, with the same CPU threads and torch (verdict.exact_blockers). The converted
+  model then runs the same numbers through the same kernels in the same order as the reference: logits
+  must be equal bit for bit (atol 0, KL 0). Anything else is a conversion bug.
+- `reduction`: the same conversion at another tp (or a reference from another device). Only the order
   of the fp32 sums changes: each row-parallel product (wo_b, the MoE experts split over ranks) is
   summed over ranks in fp32 and rounded to bf16 once, so a sum differs from tp 1 by at most one bf16
   ulp (2^-8 relative) where its rounding boundary is near. These last-bit differences propagate,
@@ -103,15 +107,15 @@ class Thresholds:
         return Thresholds(self.mode + "+overrides", bounds, self.hidden_rtol)
 
 
-def choose_mode(reference_format: str, converted_lossless: bool, tp: int, same_device: bool) -> str:
+def choose_mode(weights: str, expected_exact: bool) -> str:
     """exact | reduction | quantized (see the module docstring).
 
-    reference_format:  "fp8" (published source), "bf16" (unquantized source) or "unknown"
-    converted_lossless: the converted weights hold the reference's values (no quantization step)
+    weights:        the reference's weights (reffile): "converted" | "bf16" | "" (unknown)
+    expected_exact: a correct conversion gives the reference's logits bit for bit (verdict.exact_blockers)
     """
-    if reference_format == "bf16" or not converted_lossless:
-        return "quantized"
-    return "exact" if tp == 1 and same_device else "reduction"
+    if expected_exact:
+        return "exact"
+    return "quantized" if weights == "bf16" else "reduction"
 
 
 def default_thresholds(mode: str) -> Thresholds:

@@ -242,3 +242,17 @@ def test_kill_9_mid_file_then_resume(bf16_src, clean, tmp_path, workers):
         json.loads((out / "manifest.json").read_text())["files"]
         == json.loads((clean / "manifest.json").read_text())["files"]
     )
+
+
+def test_resume_with_other_compute_chunks_restarts_the_file(bf16_src, clean, tmp_path, monkeypatch):
+    """A partial file begun on one device and resumed on another (CUDA computes rows in larger chunks, so
+    a checkpoint's chunk index means other rows): the journal names its compute chunk size, so the file
+    restarts from byte 0 instead of going on at the wrong rows."""
+    from dsv41_convert.convert import write
+
+    rf = build_plan(bf16_src, 2).files[1]
+    _interrupt(rf, bf16_src, tmp_path, 0.6)
+    monkeypatch.setattr(write, "compute_chunk_bytes", lambda chunk_bytes, device: 4 * chunk_bytes)
+    stats, _ = _resume(rf, bf16_src, tmp_path)
+    assert stats["resumed_from"] == 0 and "chunk size" in stats["resume"], stats
+    assert (tmp_path / rf.file).read_bytes() == (clean / rf.file).read_bytes()

@@ -64,10 +64,10 @@ def test_exact_bound_rejects_one_ulp():
 
 
 def test_modes():
-    assert choose_mode("fp8", True, 1, True) == "exact"
-    assert choose_mode("fp8", True, 1, False) == "reduction"
-    assert choose_mode("fp8", True, 4, True) == "reduction"
-    assert choose_mode("bf16", False, 1, True) == "quantized"
+    assert choose_mode("converted", True) == "exact"
+    assert choose_mode("converted", False) == "reduction"
+    assert choose_mode("", False) == "reduction"
+    assert choose_mode("bf16", False) == "quantized"
     with pytest.raises(ValueError):
         default_thresholds("loose")
 

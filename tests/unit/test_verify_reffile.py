@@ -72,6 +72,37 @@ def test_not_safetensors(tmp_path):
         reffile.load(tmp_path / "x", 128)
 
 
+def test_what_decides_bit_equality_round_trips(tmp_path):
+    ref = reffile.Reference([ModelInput(torch.arange(5))], [_run(5)], ["a"], 96, "bf16", "cuda")
+    ref.tp, ref.threads, ref.torch_version, ref.weights = 4, 3, "2.13.0", "converted"
+    reffile.save(ref, tmp_path / "r.safetensors")
+    back = reffile.load(tmp_path / "r.safetensors", 128)
+    assert (back.tp, back.threads, back.torch_version, back.weights) == (4, 3, "2.13.0", "converted")
+    assert back.device == "cuda"
+
+
+@pytest.mark.parametrize(("source_format", "weights"), [("fp8", "converted"), ("bf16", "bf16"), (None, "")])
+def test_unrecorded_fields_are_unknown(tmp_path, source_format, weights):
+    meta = {"source_format": source_format} if source_format else {}
+    save_file(
+        {"input_ids": torch.zeros(1, 4, dtype=torch.int64), "logits": torch.zeros(1, 9)}, str(tmp_path / "m"), meta
+    )
+    back = reffile.load(tmp_path / "m", 128)
+    assert (back.tp, back.threads, back.torch_version, back.weights) == (1, 0, "", weights)
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [({"tp": "two"}, r"metadata tp 'two': expected an integer >= 1"), ({"tp": "0"}, r"metadata tp '0'"),
+     ({"threads": "-1"}, r"metadata threads '-1'"), ({"weights": "fp8"}, r"metadata weights 'fp8'")],
+)  # fmt: skip
+def test_bad_bit_equality_metadata_is_named(tmp_path, meta, match):
+    save_file({"input_ids": torch.zeros(1, 4, dtype=torch.int64), "logits": torch.zeros(1, 9)}, str(tmp_path / "m"),
+              meta)  # fmt: skip
+    with pytest.raises(VerifyInputError, match=match):
+        reffile.load(tmp_path / "m", 128)
+
+
 # --- validate_reference_file: one planted damage per rule, on a valid file of the layout -------------------
 
 B, S, T = 2, 5, 2

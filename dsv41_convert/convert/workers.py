@@ -1,0 +1,41 @@
+"""`shard --workers auto`: how many local worker processes a run gets, from cores, memory and rank files.
+
+Each worker writes one rank file at a time and keeps about two threads busy (its reads and writes in
+one, the sha256 in the other: store/sink.py), with a resident size under WORKER_RSS (0.37-0.5 GiB
+measured, docs/BENCHMARKS.md). Measured on the 16-core H200 host (old code, cold source): 1 worker
+2.33x cp, 4 workers 1.65x, 8 workers 1.68x: past a quarter of the cores the disk, not the CPU, limits.
+So: a quarter of the usable cores, at most one worker per WORKER_RSS of half the available memory (the
+page cache needs the rest), at most one per rank file, at least one. With --device cuda all workers
+would share one GPU and each load the kernels: one worker.
+"""
+
+from __future__ import annotations
+
+import os
+
+WORKER_RSS = 1 << 30
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes (physical memory where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def auto_workers(files: int, device: str = "cpu", cores: int | None = None, memory: int | None = None) -> int:
+    """Worker processes for `files` rank files to write (see the module doc)."""
+    if device == "cuda" or files <= 1:
+        return 1
+    cores = usable_cores() if cores is None else cores
+    memory = available_memory() if memory is None else memory
+    return max(1, min(files, cores // 4, memory // 2 // WORKER_RSS))

@@ -1,0 +1,103 @@
+"""The tp-1 replay: the converted rank files merged back to tp 1 in memory and run against a tp-1 reference.
+
+A tp-1 reference (ours, or another implementation's tp-1 run: upstream's model at tp 1 gives our
+tp-1 logits bit for bit) cannot be matched bit for bit by a run at tp N: the row-parallel sums
+are added in another order. Merging the rank files back (convert.unshard: the inverse of every
+split, nothing re-derived from the source) and running them in this process at tp 1 removes that
+difference, so a correct conversion reproduces every compared logit exactly.
+
+Catches: any wrong value in any tensor that the prompts touch (a swapped expert, a changed scale
+byte, split halves exchanged between ranks, an fp4 nibble of a routed expert, an Engram row, a
+tensor of another layer), and every disagreement between rank files (a replicated tensor differing
+between ranks, an expert on the wrong rank, a missing padding row) even where no prompt touches it.
+Cannot catch: a wrong value no prompt reaches (an expert no prompt routes to, an Engram row no
+n-gram hashes to), or a fault in the tp-N distributed run itself that the merge undoes (the tp-N
+run is still compared with the reference's statistical bounds).
+Memory: the whole merged model in this process (the layer-streamed replay is issue 17's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsv41_convert.config import load_model_args
+from dsv41_convert.convert.unshard import unshard_tensors
+from dsv41_convert.errors import PlanError, ShardConsistencyError
+from dsv41_convert.verify.launch import default_threads
+from dsv41_convert.verify.metrics import compare, merge
+from dsv41_convert.verify.reffile import Reference
+from dsv41_convert.verify.runner import PromptRun, attach_images, build_model, load_state, run_prompt
+from dsv41_convert.verify.thresholds import SECTIONS
+from dsv41_convert.verify.verdict import Check, exact_blockers
+
+
+def replay_runs(folder: Path, ref: Reference, device: str) -> list[PromptRun]:
+    """Every prompt of `ref` through the merged rank files at tp 1 (decode fed the reference's tokens).
+
+    Raises ShardConsistencyError (rank files disagree) or PlanError (merged tensors do not fit the model).
+    """
+    args = load_model_args(Path(folder) / "config.json").with_runtime(
+        max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0
+    )
+    tokenizer = Path(folder) / "tokenizer.json"
+    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    load_state(model, unshard_tensors(folder))
+    if device != "cpu":
+        model = model.to(device)
+    capture = any(r.hidden for r in ref.runs)
+    runs = []
+    for inp, r in zip(ref.inputs, ref.runs, strict=True):
+        teacher = r.decode_ids if r.decode_ids.numel() else None
+        runs.append(run_prompt(model, attach_images(inp, args), ref.n_decode, teacher, capture, device))
+    return runs
+
+
+def replay_check(
+    folder: Path, ref: Reference, device: str, threads: int | None = None
+) -> tuple[Check, list[PromptRun] | None]:
+    """Run the replay and compare every section bit for bit.
+
+    threads: CPU threads when the reference does not record its own (default: all cores, as a tp-1 run
+             uses by default: reference-logits, upstream)
+    -> (the "replay" Check, the replay's runs or None when the rank files could not be merged)
+    """
+    before = torch.get_num_threads()
+    threads = ref.threads or threads or default_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        runs = replay_runs(folder, ref, device)
+    except (ShardConsistencyError, PlanError) as exc:
+        return Check("replay", False, True, [f"replay: {exc}"], "the rank files do not merge back to tp 1"), None
+    finally:
+        torch.set_num_threads(before)
+    blockers = exact_blockers(1, ref.device, ref.threads, ref.torch_version, ref.weights, 1, device, threads)
+    worst = {}
+    for key in SECTIONS:
+        parts = [_section(r, g, key) for r, g in zip(ref.runs, runs, strict=True)]
+        parts = [p for p in parts if p is not None]
+        if parts:
+            worst[key] = merge(parts)
+    exact = all(s.max_abs == 0 for s in worst.values())
+    fails = []
+    if not exact and not blockers:
+        fails = [f"replay {k}: max_abs {s.max_abs:.3g} > 0 (bit equality expected)" for k, s in worst.items()]
+        fails = [f for f, s in zip(fails, worst.values(), strict=True) if s.max_abs != 0]
+    note = "rank files merged to tp 1, run here: " + (
+        "bit equality expected" if not blockers else "not bit-exact: " + "; ".join(blockers)
+    )
+    return Check("replay", exact, not blockers, fails, note), runs
+
+
+def _section(ref: PromptRun, got: PromptRun, key: str):
+    if key == "last":
+        return compare(ref.logits, got.logits)
+    if key == "all":
+        return compare(ref.logits_all, got.logits_all) if ref.logits_all.shape == got.logits_all.shape else None
+    if key == "decode":
+        return compare(ref.decode_logits, got.decode_logits) if ref.decode_logits.shape[0] else None
+    if ref.draft_logits is None or got.draft_logits is None:
+        return None
+    return compare(ref.draft_logits, got.draft_logits)

@@ -1,0 +1,109 @@
+"""The verdict of verify: PASS only when a decisive check ran and held.
+
+A check compares the converted weights' outputs with something they must reproduce. It is decisive
+when it compares bit for bit something a correct conversion reproduces bit for bit:
+
+    reference   the converted ranks against the reference, when the reference ran the same numbers
+                the same way: same tp, device, CPU threads, torch, and weights every correct conversion
+                holds (reffile's `weights` "converted")
+    replay      the rank files merged back to tp 1 (convert.unshard) and run in one process, against a
+                tp-1 reference run the same way
+    twin        the converted ranks against the converter's expected output cut into the same ranks
+                (verify --reference SRC)
+(A teacher-forced per-module check against a reference's hidden states is not built yet: the hidden
+states lack each block's incoming hc mix and the shared KV caches a module reads, see docs/VERIFY.md.)
+
+Bit equality certifies itself: a comparison that comes out equal is decisive even where it was not
+expected. One that differs where equality was expected (`exact_blockers` is empty) is a FAIL. The
+statistical bounds (thresholds.py) judge the rest: breaking them is a FAIL, keeping them is not
+evidence on a model whose reduction noise is as large as a wrong tensor's effect, so a run with no
+decisive check is INCONCLUSIVE (exit 3) unless the user accepted statistical bounds (--statistical).
+
+    verdict   exit  meaning
+    PASS      0     a decisive check held (or --statistical and every bound held)
+    FAIL      1     the converted weights do not reproduce the reference
+    INCONCLUSIVE 3  only statistical bounds applied, and they held
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
+
+
+@dataclass
+class Check:
+    """One comparison and what it found."""
+
+    name: str  # reference | replay | twin
+    exact: bool  # every compared value equal bit for bit
+    expected_exact: bool  # bit equality was expected (see exact_blockers)
+    failures: list[str] = field(default_factory=list)
+    note: str = ""  # what was compared, or why it was not exact
+
+    @property
+    def decisive(self) -> bool:
+        """A check whose holding proves the conversion reproduces the reference."""
+        return self.exact and not self.failures
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "exact": self.exact,
+            "expected_exact": self.expected_exact,
+            "decisive": self.decisive,
+            "failures": self.failures,
+            "note": self.note,
+        }
+
+
+def exact_blockers(
+    ref_tp: int,
+    ref_device: str,
+    ref_threads: int,
+    ref_torch: str,
+    ref_weights: str,
+    tp: int,
+    device: str,
+    threads: int,
+) -> list[str]:
+    """Why a run at (tp, device, threads) of a correct conversion need not give the reference's logits bit
+    for bit; [] when it must. A field the reference does not record (0 / "") blocks nothing."""
+    out = []
+    if ref_weights == "bf16":
+        out.append("the reference ran the unquantized bf16 model (recompute it with `reference-logits --as-converted`)")
+    elif ref_weights != "converted":
+        out.append("the reference does not record which weights it ran (metadata `weights`)")
+    if ref_tp != tp:
+        out.append(f"the reference ran at tp {ref_tp}, this run at tp {tp}")
+    if ref_device != device:
+        out.append(f"the reference ran on {ref_device}, this run on {device}")
+    if device == "cpu" and ref_threads and ref_threads != threads:
+        out.append(f"the reference ran {ref_threads} CPU threads per rank, this run {threads} (--threads)")
+    if ref_torch and ref_torch != torch.__version__:
+        out.append(f"the reference ran torch {ref_torch}, this is torch {torch.__version__}")
+    return out
+
+
+def decide(checks: list[Check], statistical_failures: list[str], statistical: bool) -> str:
+    """PASS | FAIL | INCONCLUSIVE from the checks and the statistical bounds (module docstring)."""
+    if statistical_failures or any(c.failures for c in checks):
+        return FAIL
+    if any(c.decisive for c in checks) or statistical:
+        return PASS
+    return INCONCLUSIVE
+
+
+def advice(tp: int, from_source: bool) -> str:
+    """What would make an inconclusive run decisive."""
+    ways = [
+        f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}`)",
+        "a tp-1 reference computed on this device (the rank files are then replayed at tp 1)",
+    ]
+    if not from_source:
+        ways.append("the source checkpoint (`--reference SRC`: the twin)")
+    return "for a decisive check use " + "; or ".join(ways) + "; or accept statistical bounds with --statistical"

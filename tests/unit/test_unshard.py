@@ -1,0 +1,131 @@
+"""convert.unshard: rank files merged back to tp 1 equal the converter's tp-1 output byte for byte, and every
+disagreement between rank files (the faults a merge exists to expose) raises, naming tensor and ranks."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_ckpt import make_tiny
+
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.unshard import unshard_names, unshard_tensors
+from dsv41_convert.errors import ShardConsistencyError
+
+ENGRAM = "layers.1.engram.embed"  # 75 rows: tp 4 pads 1 row, tp 8 pads 5
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("unshard")
+    src = make_tiny(root / "src", vision=False)
+    out = {}
+    for tp in (1, 2, 4, 8):
+        out[tp] = root / f"mp{tp}"
+        execute(build_plan(src, tp), out[tp])
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)  # every dtype compared as its bytes
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_merge_is_the_tp1_output_byte_for_byte(shards, tp):
+    want = load_file(str(shards[1] / "model0-mp1.safetensors"))
+    assert unshard_names(shards[tp]) == sorted(want)
+    got = unshard_tensors(shards[tp])
+    assert set(got) == set(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(_bytes(g), _bytes(w)), name
+
+
+def test_named_tensors_only(shards):
+    names = ["layers.0.attn.wo_b.weight", f"{ENGRAM}.scale", "layers.2.ffn.experts.5.w2.weight"]
+    got = unshard_tensors(shards[4], names)
+    assert list(got) == names
+    assert got[f"{ENGRAM}.scale"].shape[0] == 75
+
+
+def _copy(shards, tp: int, tmp_path: Path) -> Path:
+    dst = tmp_path / f"bad-mp{tp}"
+    shutil.copytree(shards[tp], dst)
+    return dst
+
+
+def _edit(folder: Path, rank: int, tp: int, fn) -> None:
+    path = folder / f"model{rank}-mp{tp}.safetensors"
+    t = load_file(str(path))
+    fn(t)
+    save_file(t, str(path))
+
+
+def test_replicated_tensor_differs(shards, tmp_path):
+    bad = _copy(shards, 4, tmp_path)
+    name = "layers.0.attn.wkv.scale"
+
+    def bump(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw[0, 0] += 1
+        t[name] = raw.view(torch.float8_e8m0fnu)
+
+    _edit(bad, 2, 4, bump)
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: replicated, but ranks \[2\] differ"):
+        unshard_tensors(bad, [name])
+    unshard_tensors(bad, ["layers.0.attn.wkv.weight"])  # other tensors still merge
+
+
+def test_expert_on_the_wrong_rank(shards, tmp_path):
+    bad = _copy(shards, 2, tmp_path)
+    name = "layers.0.ffn.experts.1.w1.weight"  # 8 experts, tp 2: rank 0 owns 0..3
+    moved = load_file(str(bad / "model0-mp2.safetensors"))[name]
+    _edit(bad, 0, 2, lambda t: t.pop(name))
+    _edit(bad, 1, 2, lambda t: t.__setitem__(name, moved))
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: held by ranks \[1\], expected rank 0"):
+        unshard_tensors(bad, [name])
+
+
+def test_split_pieces_of_different_shape(shards, tmp_path):
+    bad = _copy(shards, 2, tmp_path)
+    name = "layers.0.attn.wq_b.weight"
+    _edit(bad, 1, 2, lambda t: t.__setitem__(name, t[name][:-32].contiguous()))
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: rank pieces differ in shape"):
+        unshard_tensors(bad, [name])
+
+
+def test_missing_engram_padding_row(shards, tmp_path):
+    bad = _copy(shards, 4, tmp_path)
+    for kind in ("weight", "scale"):
+        _edit(bad, 3, 4, lambda t, k=f"{ENGRAM}.{kind}": t.__setitem__(k, t[k][:-1].contiguous()))
+    with pytest.raises(ShardConsistencyError, match=rf"{ENGRAM}.weight: rank pieces differ in shape"):
+        unshard_tensors(bad, [f"{ENGRAM}.weight"])
+
+
+def test_engram_padding_not_the_fill(shards, tmp_path):
+    bad = _copy(shards, 8, tmp_path)
+    name = f"{ENGRAM}.weight"
+
+    def dirty(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw[-1, 0] = 0x38  # 1.0 in a padding row
+        t[name] = raw.view(torch.float8_e4m3fn)
+
+    _edit(bad, 7, 8, dirty)
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: padding rows 75..79"):
+        unshard_tensors(bad, [name])
+
+
+def test_missing_rank_file(shards, tmp_path):
+    bad = _copy(shards, 4, tmp_path)
+    (bad / "model3-mp4.safetensors").unlink()
+    with pytest.raises(ShardConsistencyError, match=r"missing model3-mp4\.safetensors"):
+        unshard_tensors(bad, ["norm.weight"])

@@ -1,0 +1,44 @@
+"""verify.verdict: PASS needs a decisive check; statistical bounds alone give INCONCLUSIVE; every blocker of
+bit equality is named."""
+
+import torch
+
+from dsv41_convert.verify.verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, Check, advice, decide, exact_blockers
+
+SAME = dict(ref_tp=2, ref_device="cpu", ref_threads=1, ref_torch=torch.__version__, ref_weights="converted")
+
+
+def _blockers(**kw):
+    args = {**SAME, "tp": 2, "device": "cpu", "threads": 1} | kw
+    return exact_blockers(**args)
+
+
+def test_exact_only_when_everything_that_decides_bits_agrees():
+    assert _blockers() == []
+    assert _blockers(ref_threads=0, ref_torch="") == []  # not recorded: blocks nothing
+    assert "tp 1, this run at tp 2" in _blockers(ref_tp=1)[0]
+    assert "on cuda, this run on cpu" in _blockers(ref_device="cuda")[0]
+    assert "2 CPU threads per rank, this run 1" in _blockers(ref_threads=2)[0]
+    assert _blockers(ref_threads=2, device="cuda", ref_device="cuda") == []  # threads only matter on the CPU
+    assert "torch 1.0" in _blockers(ref_torch="1.0")[0]
+    assert "--as-converted" in _blockers(ref_weights="bf16")[0]
+    assert "does not record which weights" in _blockers(ref_weights="")[0]
+
+
+def test_decide():
+    exact = Check("replay", True, True)
+    inexact = Check("reference", False, False)
+    failed = Check("reference", False, True, ["last: max_abs 0.1 > 0"])
+    assert decide([exact, inexact], [], False) == PASS
+    assert decide([inexact], [], False) == INCONCLUSIVE
+    assert decide([inexact], [], True) == PASS  # --statistical
+    assert decide([exact, failed], ["last: max_abs 0.1 > 0"], False) == FAIL
+    assert decide([exact], ["all: kl_mean 2 > 1"], True) == FAIL  # a broken statistical bound always fails
+    assert not failed.decisive and exact.decisive
+    assert EXIT_CODES == {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
+
+
+def test_advice_names_the_ways_to_a_decisive_run():
+    text = advice(4, from_source=False)
+    assert "--tp 4" in text and "tp-1 reference" in text and "--reference SRC" in text
+    assert "--statistical" in text

@@ -1,0 +1,62 @@
+"""--workers auto: a quarter of the cores, within half the available memory (1 GiB a worker) and the number
+of rank files, one with --device cuda; bad values are usage errors (exit 2), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_run import run_cli
+from tiny_ckpt import make_tiny
+
+from dsv41_convert.convert.workers import WORKER_RSS, auto_workers
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("files", "device", "cores", "memory", "want"),
+    [
+        (8, "cpu", 16, 100 * GIB, 4),  # a quarter of the cores (measured best on the 16-core host)
+        (8, "cpu", 2, 20 * GIB, 1),  # the 2-core dev box
+        (8, "cpu", 64, 100 * GIB, 8),  # no more workers than rank files
+        (2, "cpu", 64, 100 * GIB, 2),
+        (8, "cpu", 64, 5 * WORKER_RSS, 2),  # half the available memory, 1 GiB a worker
+        (8, "cpu", 64, WORKER_RSS, 1),  # at least one
+        (1, "cpu", 64, 100 * GIB, 1),
+        (8, "cuda", 64, 100 * GIB, 1),  # one GPU: one worker
+    ],
+)
+def test_auto_workers(files, device, cores, memory, want):
+    assert auto_workers(files, device, cores=cores, memory=memory) == want
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "1.5"])
+def test_bad_workers_is_a_usage_error(tmp_path, value):
+    res = subprocess.run(
+        [sys.executable, "-m", "dsv41_convert.cli", "shard", str(tmp_path), str(tmp_path / "o"), "--workers", value],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2, res.stderr
+    assert "Invalid value for '--workers'" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_auto_is_the_default_and_reported(tmp_path, monkeypatch, capsys):
+    src = make_tiny(tmp_path / "src")
+    code, out, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "o"), "--tp", "2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["workers"] == auto_workers(2)
+    code, out, err = run_cli(
+        monkeypatch, capsys, "shard", str(src), str(tmp_path / "p"), "--tp", "2", "--workers", "auto", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["workers"] == auto_workers(2)
+    for f in (tmp_path / "o").glob("model*"):
+        assert (tmp_path / "p" / f.name).read_bytes() == f.read_bytes()
