@@ -229,3 +229,13 @@ def test_a_prompt_shorter_than_a_compress_group_is_refused(sources):
 
     with pytest.raises(VerifyInputError, match=r"a 1-token prompt: streaming needs 2"):
         compute_streamed_reference(sources["fp8"], [Prompt((5,), "short")], 1)
+
+
+def test_cli_stream_layers_refuses_tp(sources, tmp_path, monkeypatch, capsys):
+    from cli_run import run_cli
+
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out), "--stream-layers",
+                           "--tp", "2")  # fmt: skip
+    assert code == 2 and "--stream-layers computes the tp-1 reference" in err
+    assert not out.exists()
