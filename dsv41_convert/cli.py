@@ -168,8 +168,7 @@ def plan_cmd(
         raise PlanError("--with-headers goes with --json")
     folder = _local_source(src, tp)
     plan = build_plan(folder, tp, expert_dtype)
-    tp1 = plan if tp == 1 else build_plan(folder, 1, expert_dtype)
-    memory = memory_figures(plan, tp1, load_model_args(folder / "config.json"))
+    memory = memory_figures(plan, load_model_args(folder / "config.json"))
     if as_json:
         return report.print_json(plan.to_dict(with_headers) | {"memory": memory}, compact=True)
     _plan_table(summarize(plan))

@@ -27,6 +27,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.plan import ConversionPlan
+from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.store.safetensors_header import nbytes
 
 DEFAULT_PROMPTS, DEFAULT_TOKENS, DEFAULT_DECODE, DEFAULT_SEQ = 3, 40, 3, 128
@@ -78,16 +79,35 @@ def _dequant_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     return 8 * nbytes(dtype, shape) if dtype in ("F4", "I8") else 0
 
 
+def tp1_tensors(plan: ConversionPlan) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor the plan's ranks hold, merged back to tp 1: what a tp-1 plan of
+    the same source lays out (dim0/dim1 parts added up, Engram padding rows taken off, experts and
+    replicated tensors once), without planning the source again."""
+    merged: dict[str, tuple[str, list[int]]] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            if t.name not in merged:
+                merged[t.name] = (t.dtype, [*t.shape[:1], *t.shape[1:]])
+                if t.pad_rows:
+                    merged[t.name][1][0] -= t.pad_rows
+                continue
+            split, shape = match_rule(t.name).split, merged[t.name][1]
+            if split in (Split.DIM0, Split.ROWS_PADDED):
+                shape[0] += t.shape[0] - t.pad_rows
+            elif split is Split.DIM1:
+                shape[1] += t.shape[1]
+    return [(name, dtype, tuple(shape)) for name, (dtype, shape) in merged.items()]
+
+
 def memory_figures(
     plan: ConversionPlan,
-    tp1: ConversionPlan,
     args: ModelArgs,
     prompts: int = DEFAULT_PROMPTS,
     tokens: int = DEFAULT_TOKENS,
     decode_steps: int = DEFAULT_DECODE,
 ) -> dict[str, Any]:
-    """plan: the plan at the tp verify runs; tp1: the same source planned at tp 1 (what streaming reads);
-    prompts of `tokens` tokens each (verify's defaults unless given).
+    """plan: the plan at the tp verify runs (streaming reads its tensors merged back to tp 1); prompts of
+    `tokens` tokens each (verify's defaults unless given).
 
     -> {"verify": per rank bytes (weights, caches, working, total), "streamed": the largest unit and peak}"""
     dtypes, caches = _model_view(args)
@@ -108,19 +128,19 @@ def memory_figures(
     experts: dict[str, int] = {}
     reach = prompts * tokens  # the prefill pass reaches the most experts and Engram rows
     temp = 0
-    for t in tp1.files[0].tensors:
-        unit = _unit(t.name)
-        size = _in_model(t.name, t.dtype, t.shape, dtypes)
-        if ".engram.embed." in t.name:
-            rows = min(t.shape[0], reach * args.engram_n_heads * (args.engram_max_ngram_size - 1))
-            dense[unit] = dense.get(unit, 0) + size // t.shape[0] * rows
-            read[unit] = read.get(unit, 0) + size // t.shape[0] * rows
-        elif _EXPERT.search(t.name):
+    for name, dtype, shape in tp1_tensors(plan):
+        unit = _unit(name)
+        size = _in_model(name, dtype, shape, dtypes)
+        if ".engram.embed." in name:
+            rows = min(shape[0], reach * args.engram_n_heads * (args.engram_max_ngram_size - 1))
+            dense[unit] = dense.get(unit, 0) + size // shape[0] * rows
+            read[unit] = read.get(unit, 0) + size // shape[0] * rows
+        elif _EXPERT.search(name):
             experts[unit] = experts.get(unit, 0) + size
         else:
             dense[unit] = dense.get(unit, 0) + size
-            read[unit] = read.get(unit, 0) + nbytes(t.dtype, t.shape)
-            temp = max(temp, _dequant_bytes(t.dtype, t.shape))
+            read[unit] = read.get(unit, 0) + nbytes(dtype, shape)
+            temp = max(temp, _dequant_bytes(dtype, shape))
     units = {}
     for unit, size in dense.items():
         routed = 0
