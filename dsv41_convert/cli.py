@@ -6,6 +6,8 @@ Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -405,7 +407,7 @@ def reference_logits_cmd(
     from dsv41_convert.config import load_model_args
     from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
-    from dsv41_convert.verify.launch import backend_for, default_threads
+    from dsv41_convert.verify.launch import backend_for, default_threads, torchrun_world
     from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
 
     backend_for(device)
@@ -416,26 +418,29 @@ def reference_logits_cmd(
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
     timings = None
-    if stream_layers:
-        from dsv41_convert.verify.streamed import compute_streamed_reference
-
-        if tp != 1 or as_converted:
-            from dsv41_convert.errors import VerifyInputError
-
-            raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
-        with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
-            say = None if as_json else report.info
-            ref, timings = compute_streamed_reference(
-                src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
-            )
-    else:
-        ref = compute_reference_ranks(
-            src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info
-        )  # fmt: skip
-    if ref is None:  # a torchrun rank other than 0
-        return
     out.parent.mkdir(parents=True, exist_ok=True)
-    with hold(out.parent):  # one writer of OUT.partial
+    # the process that saves holds OUT's folder from the start (rank 0 of a torchrun launch, else this one),
+    # so a second writer is refused before minutes of compute, and torchrun's ranks do not contend
+    writes = torchrun_world() is None or os.environ.get("RANK") == "0"
+    with hold(out.parent) if writes else contextlib.nullcontext():
+        if stream_layers:
+            from dsv41_convert.verify.streamed import compute_streamed_reference
+
+            if tp != 1 or as_converted:
+                from dsv41_convert.errors import VerifyInputError
+
+                raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
+            with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
+                say = None if as_json else report.info
+                ref, timings = compute_streamed_reference(
+                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
+                )
+        else:
+            ref = compute_reference_ranks(
+                src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info
+            )  # fmt: skip
+        if ref is None:  # a torchrun rank other than 0
+            return
         reffile.save(ref, out)
     summary = {
         "out": str(out),
