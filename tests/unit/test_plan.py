@@ -3,6 +3,7 @@ validation problem reported with its file and tensor."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -216,3 +217,35 @@ def test_plan_json_is_what_a_pipeline_reads(src, monkeypatch, capsys):
 def test_with_headers_needs_json(src, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "plan", str(src), "--with-headers")
     assert code == 2 and out == "" and "--with-headers goes with --json" in err
+
+
+def _plan_sha(plan: ConversionPlan) -> str:
+    """sha256 of everything the plan says (every tensor field, every rank header), but its src folder."""
+    doc = plan.to_dict(with_headers=True)
+    doc["src"] = ""
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# Computed on main dd568fc, before plan's speed work: a faster plan must say exactly the same.
+PINNED = {
+    (True, 1, "fp4"): "1900e55460565ca1",
+    (True, 2, "fp8"): "a6d9ffbb164768a0",
+    (True, 4, "fp4"): "ebba83608c30f0e0",
+    (True, 4, "fp8"): "9815a2e805bb277a",
+    (False, 1, "fp8"): "9670b472436c176d",
+    (False, 2, "fp4"): "5584822f965163e0",
+    (False, 4, "fp4"): "f7bc80ccdf89817a",
+    (False, 4, "fp8"): "b06f07078f41de3a",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_sources(tmp_path_factory) -> dict[bool, Path]:
+    root = tmp_path_factory.mktemp("pinned")
+    return {q: make_tiny(root / ("fp8" if q else "bf16"), quantized=q) for q in (True, False)}
+
+
+@pytest.mark.parametrize(("quantized", "tp", "expert_dtype"), sorted(PINNED))
+def test_plan_is_pinned(tiny_sources, quantized, tp, expert_dtype):
+    """Every field of every output tensor and every rank header, as before: speed work changes no byte."""
+    assert _plan_sha(build_plan(tiny_sources[quantized], tp, expert_dtype)) == PINNED[quantized, tp, expert_dtype]
