@@ -218,7 +218,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
         )
     quantized = args.dtype == "fp8"
     per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
-    for name in sorted(sources):
+    for name in sources:  # in name order (gather_sources)
         for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
             per_rank[rank].append(t)
     files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
