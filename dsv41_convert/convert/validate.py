@@ -63,6 +63,8 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     _raise(problems, f"{src}")
     sources: dict[str, Source] = {}
     where: dict[str, str] = {}  # name in file -> file
+    indexed = (weight_map or {}).get
+    expert_split = Split.EXPERT  # a local: the loop runs once per tensor (96k in the real checkpoint)
     for file in sorted(present):
         header = read_header(src / file)
         for name, info in header.tensors.items():
@@ -70,8 +72,8 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
                 problems.append(f"{file}: tensor {name} is also in {where[name]} (duplicated)")
                 continue
             where[name] = file
-            if weight_map is not None and weight_map.get(name) != file:
-                said = weight_map.get(name)
+            if weight_map is not None and indexed(name) != file:
+                said = indexed(name)
                 problems.append(
                     f"{file}: tensor {name} is not in the index"
                     if said is None
@@ -86,7 +88,7 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
             except PlanError as exc:
                 problems.append(f"{file}: {exc}")
                 continue
-            expert = expert_index(canon) if rule.split is Split.EXPERT else None
+            expert = expert_index(canon) if rule.split is expert_split else None
             sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None:
         for name, file in weight_map.items():
