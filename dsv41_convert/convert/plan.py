@@ -23,7 +23,7 @@ from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.safetensors_header import build_header
+from dsv41_convert.store.safetensors_header import layout_header
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
@@ -218,7 +218,13 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
         )
     quantized = args.dtype == "fp8"
     per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
-    for name in sources:  # in name order (gather_sources)
+    expert = Split.EXPERT
+    for name, s in sources.items():  # in name order (gather_sources)
+        if s.rule.split is expert:
+            one = _expert_output(sources, name, s, tp, n_experts, quantized, expert_dtype)
+            if one is not None:
+                per_rank[one[0]].append(one[1])
+                continue
         for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
             per_rank[rank].append(t)
     files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
@@ -239,16 +245,37 @@ def read_index(src: Path) -> tuple[str, dict[str, str] | None]:
 
 def lay_out(rank: int, file: str, tensors: list[OutTensor]) -> RankFile:
     """A file of `tensors`: its header (save_file's order) and each tensor's byte offsets set."""
-    header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
-    by_name = {t.name: t for t in tensors}
-    for n, b, e in spans:
-        by_name[n].begin, by_name[n].end = b, e
-    return RankFile(rank, file, header, tuple(by_name[n] for n, _, _ in spans))
+    header, spans = layout_header([(t.name, t.dtype, t.shape) for t in tensors])
+    ordered = []
+    for i, b, e in spans:
+        t = tensors[i]
+        t.begin, t.end = b, e
+        ordered.append(t)
+    return RankFile(rank, file, header, tuple(ordered))
 
 
 def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
     rows = s.shape[0] if s.shape else 1
     return Read(s.file, s.name, s.dtype, s.shape, s.offset, r0, rows if r1 is None else r1, c0, c1, ratio)
+
+
+def _expert_output(
+    sources: dict[str, Source], name: str, s: Source, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str
+) -> tuple[int, OutTensor] | None:
+    """(rank, OutTensor) of routed-expert tensor `name` where `_outputs` makes one copy of it, or None where
+    `_outputs` must decide. The copies: a published checkpoint's packed fp4 weights and their scales at
+    --expert-dtype fp4, 94k of its 96k tensors, made here without _outputs' generators."""
+    if xdt != "fp4":
+        return None
+    op = s.rule.op
+    is_mtp, e = s.expert
+    if op is Op.SCALE:
+        sources[name.removesuffix(".scale") + ".weight"]  # as _outputs: a scale has its weight (validated)
+        return e // (n_experts[is_mtp] // tp), _out(name, E8M0, _read(s), 0, s.rule, "copy")
+    if op is Op.AS_FP4 and quantized and s.dtype != E4M3:
+        logical = (s.shape[0], s.shape[1] * 2)
+        return e // (n_experts[is_mtp] // tp), _out(name, F4, _read(s), 0, s.rule, "as_fp4", shape=logical)
+    return None
 
 
 def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str):

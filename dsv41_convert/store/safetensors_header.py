@@ -35,6 +35,7 @@ DTYPE_BITS = {
     "C64": 64, "F64": 64, "I64": 64, "U64": 64,
 }  # fmt: skip
 _RANK = {d: i for i, d in enumerate(DTYPE_ORDER)}
+_NEG_RANK = {d: -i for i, d in enumerate(DTYPE_ORDER)}  # sort_key's first part, looked up
 _PLAIN = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but `"` and `\`: JSON-quoted as is
 
 
@@ -198,19 +199,29 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes
 
     -> (header, [(name, begin, end)] in file order, absolute file offsets)
     """
-    ordered = sorted(entries, key=lambda e: sort_key(e[0], e[1]))
+    header, spans = layout_header(entries)
+    return header, [(entries[i][0], b, e) for i, b, e in spans]
+
+
+def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """As build_header, with each span naming its entry by position: -> (header, [(i, begin, end)])."""
+    order = sorted(range(len(entries)), key=lambda i: (_NEG_RANK[entries[i][1]], entries[i][0]))
+    # one check for every name: _PLAIN matches a concatenation iff it matches each part
+    plain = _PLAIN.fullmatch("".join(e[0] for e in entries)) is not None
     parts = []
     spans = []
     pos = 0
-    for name, dtype, shape in ordered:
-        size = nbytes(dtype, shape)
+    for i in order:
+        name, dtype, shape = entries[i]
+        bits = DTYPE_BITS[dtype] * math.prod(shape)
+        size = bits >> 3 if bits & 7 == 0 else nbytes(dtype, shape)  # nbytes raises for a partial byte
         dims = ",".join(map(str, shape))
         # compact JSON written by hand: 100k entries through json.dumps cost seconds
-        quoted = f'"{name}"' if _PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
+        quoted = f'"{name}"' if plain or _PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
         parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{pos},{pos + size}]}}')
-        spans.append((name, pos, pos + size))
+        spans.append((i, pos, pos + size))
         pos += size
     text = ("{" + ",".join(parts) + "}").encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
-    return struct.pack("<Q", len(text)) + text, [(n, start + b, start + e) for n, b, e in spans]
+    return struct.pack("<Q", len(text)) + text, [(i, start + b, start + e) for i, b, e in spans]
