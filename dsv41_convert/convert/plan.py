@@ -269,12 +269,14 @@ def _expert_output(
         return None
     op = s.rule.op
     is_mtp, e = s.expert
+    shape = s.shape  # [out, in] or [out, in/2]: a whole 2-d tensor
+    read = (Read(s.file, s.name, s.dtype, shape, s.offset, 0, shape[0]),)
     if op is Op.SCALE:
         sources[name.removesuffix(".scale") + ".weight"]  # as _outputs: a scale has its weight (validated)
-        return e // (n_experts[is_mtp] // tp), _out(name, E8M0, _read(s), 0, s.rule, "copy")
+        return e // (n_experts[is_mtp] // tp), OutTensor(name, E8M0, shape, s.rule.pattern, "copy", read)
     if op is Op.AS_FP4 and quantized and s.dtype != E4M3:
-        logical = (s.shape[0], s.shape[1] * 2)
-        return e // (n_experts[is_mtp] // tp), _out(name, F4, _read(s), 0, s.rule, "as_fp4", shape=logical)
+        logical = (shape[0], shape[1] * 2)
+        return e // (n_experts[is_mtp] // tp), OutTensor(name, F4, logical, s.rule.pattern, "as_fp4", read)
     return None
 
 

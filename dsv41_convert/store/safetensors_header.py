@@ -205,7 +205,8 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes
 
 def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int, int]]]:
     """As build_header, with each span naming its entry by position: -> (header, [(i, begin, end)])."""
-    order = sorted(range(len(entries)), key=lambda i: (_NEG_RANK[entries[i][1]], entries[i][0]))
+    keys = [(_NEG_RANK[dtype], name) for name, dtype, _ in entries]  # sort_key, without a call per entry
+    order = sorted(range(len(entries)), key=keys.__getitem__)
     # one check for every name: _PLAIN matches a concatenation iff it matches each part
     plain = _PLAIN.fullmatch("".join(e[0] for e in entries)) is not None
     parts = []
