@@ -137,7 +137,7 @@ def plan_cmd(
         raise PlanError("--with-headers goes with --json")
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if as_json:
-        return report.print_json(plan.to_dict(with_headers), compact=True)
+        return report.print_json(plan.to_dict(True), compact=True) if with_headers else report.write(plan.to_json())
     _plan_table(summarize(plan))
 
 

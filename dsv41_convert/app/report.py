@@ -41,6 +41,12 @@ def print_json(data: Any, compact: bool = False) -> None:
     sys.stdout.flush()
 
 
+def write(text: str) -> None:
+    """A document already rendered (e.g. JSON), on stdout with a final newline, as print_json ends it."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def error(message: str) -> None:
     stderr.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
 

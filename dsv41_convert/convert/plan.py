@@ -9,6 +9,7 @@ A ConversionPlan is plain data: `to_dict()` / `from_dict()` round-trip it throug
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -23,7 +24,7 @@ from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.safetensors_header import layout_header
+from dsv41_convert.store.safetensors_header import JSON_PLAIN, layout_header
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
@@ -119,6 +120,10 @@ class ConversionPlan:
                     entry["header"] = f.header.hex()
                 entry["tensors"] = [tensor(t) for t in f.tensors]
                 files.append(entry)
+        return self._fields() | {"files": files}
+
+    def _fields(self) -> dict[str, Any]:
+        """The plan's own fields in to_dict, in its order, but "files"."""
         return {
             "src": self.src,
             "tp": self.tp,
@@ -128,8 +133,18 @@ class ConversionPlan:
             "digest": self.digest(),
             "inference_config": self.inference_config,
             "total_bytes": self.total_bytes,
-            "files": files,
         }
+
+    def to_json(self) -> str:
+        """`json.dumps(self.to_dict(), separators=(",", ":"))`: the same text, written here directly (for the
+        real checkpoint's 107k tensors, building 400k dicts and lists cost more than the text)."""
+        ranks = []
+        for f in self.files:
+            entry = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors), "bytes": f.nbytes}
+            tensors = ",".join(map(_tensor_json, f.tensors))
+            ranks.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"tensors":[' + tensors + "]}")
+        top = json.dumps(self._fields(), separators=(",", ":"), default=str)
+        return top[:-1] + ',"files":[' + ",".join(ranks) + "]}"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConversionPlan:
@@ -169,6 +184,27 @@ def _tensor_summary(t: OutTensor) -> dict[str, Any]:
             for r in t.reads
         ],
     }
+
+
+def _quote(text: str) -> str:
+    """`text` as json.dumps writes it (ASCII escapes)."""
+    return f'"{text}"' if JSON_PLAIN.fullmatch(text) else json.dumps(text)
+
+
+_quote_few = functools.cache(_quote)  # dtypes, rules, actions: a few dozen values, quoted 107k times
+
+
+def _tensor_json(t: OutTensor) -> str:
+    """json.dumps(_tensor_summary(t), separators=(",", ":")), without the dicts."""
+    reads = []
+    for r in t.reads:
+        cols = "" if r.c1 < 0 else f',"cols":[{r.c0},{r.c1}]'
+        reads.append(f'{{"file":{_quote(r.file)},"name":{_quote(r.name)},"rows":[{r.r0},{r.r1}]{cols}}}')
+    shape = ",".join(map(str, t.shape))
+    return (
+        f'{{"name":{_quote(t.name)},"dtype":{_quote_few(t.dtype)},"shape":[{shape}],"rule":{_quote_few(t.rule)},'
+        f'"action":{_quote_few(t.action)},"reads":[{",".join(reads)}]}}'
+    )
 
 
 def _tensor_from(d: dict[str, Any]) -> OutTensor:

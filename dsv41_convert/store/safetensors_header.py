@@ -36,7 +36,7 @@ DTYPE_BITS = {
 }  # fmt: skip
 _RANK = {d: i for i, d in enumerate(DTYPE_ORDER)}
 _NEG_RANK = {d: -i for i, d in enumerate(DTYPE_ORDER)}  # sort_key's first part, looked up
-_PLAIN = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but `"` and `\`: JSON-quoted as is
+JSON_PLAIN = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but `"` and `\`: JSON-quoted as is
 
 
 def nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
@@ -207,8 +207,8 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[byte
     """As build_header, with each span naming its entry by position: -> (header, [(i, begin, end)])."""
     keys = [(_NEG_RANK[dtype], name) for name, dtype, _ in entries]  # sort_key, without a call per entry
     order = sorted(range(len(entries)), key=keys.__getitem__)
-    # one check for every name: _PLAIN matches a concatenation iff it matches each part
-    plain = _PLAIN.fullmatch("".join(e[0] for e in entries)) is not None
+    # one check for every name: JSON_PLAIN matches a concatenation iff it matches each part
+    plain = JSON_PLAIN.fullmatch("".join(e[0] for e in entries)) is not None
     parts = []
     spans = []
     pos = 0
@@ -218,7 +218,7 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[byte
         size = bits >> 3 if bits & 7 == 0 else nbytes(dtype, shape)  # nbytes raises for a partial byte
         dims = ",".join(map(str, shape))
         # compact JSON written by hand: 100k entries through json.dumps cost seconds
-        quoted = f'"{name}"' if plain or _PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
+        quoted = f'"{name}"' if plain or JSON_PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
         parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{pos},{pos + size}]}}')
         spans.append((i, pos, pos + size))
         pos += size

@@ -16,6 +16,7 @@ from cli_run import run_cli
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert import plan as plan_module
 from dsv41_convert.convert.plan import ConversionPlan, build_plan, summarize
 from dsv41_convert.convert.validate import gather_sources, validate_sources
 from dsv41_convert.errors import HeaderError, PlanError
@@ -249,3 +250,18 @@ def tiny_sources(tmp_path_factory) -> dict[bool, Path]:
 def test_plan_is_pinned(tiny_sources, quantized, tp, expert_dtype):
     """Every field of every output tensor and every rank header, as before: speed work changes no byte."""
     assert _plan_sha(build_plan(tiny_sources[quantized], tp, expert_dtype)) == PINNED[quantized, tp, expert_dtype]
+
+
+@pytest.mark.parametrize(("quantized", "tp", "expert_dtype"), [(True, 2, "fp4"), (True, 4, "fp8"), (False, 2, "fp8")])
+def test_plan_json_text_is_the_dict_dumped(tiny_sources, quantized, tp, expert_dtype):
+    """`plan --json` writes to_json(), built without the dicts: it must be to_dict() dumped, to the byte
+    (tp 2 and 4 hold dim-1 reads with "cols" and replicated reads shared by every rank)."""
+    plan = build_plan(tiny_sources[quantized], tp, expert_dtype)
+    assert plan.to_json() == json.dumps(plan.to_dict(), separators=(",", ":"))
+
+
+@pytest.mark.parametrize("text", ["plain.name", 'a"quote', "back\\slash", "tab\there", "é", "\x7f", "", "~ [x]"])
+def test_plan_json_quotes_as_json_dumps(text):
+    """A name that needs escapes (quote, backslash, control, non-ASCII: JSON escapes them as \\uXXXX) is
+    written as json.dumps writes it."""
+    assert plan_module._quote(text) == json.dumps(text)
