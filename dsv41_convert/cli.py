@@ -130,15 +130,17 @@ def plan_cmd(
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
       dsv41-convert plan ./ckpt --tp 4 --json --with-headers > plan-full.json
     """
-    from dsv41_convert.convert.plan import build_plan, summarize
+    from dsv41_convert.convert.plan import build_plan, collector_paused, summarize
     from dsv41_convert.errors import PlanError
 
     if with_headers and not as_json:
         raise PlanError("--with-headers goes with --json")
-    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
-    if as_json:
-        return report.print_json(plan.to_dict(True), compact=True) if with_headers else report.write(plan.to_json())
-    _plan_table(summarize(plan))
+    folder = _local_source(src, tp)
+    with collector_paused():  # the real plan's ~500k objects, none in a cycle: ~0.15 s of collector passes
+        plan = build_plan(folder, tp, expert_dtype)
+        if as_json:
+            return report.print_json(plan.to_dict(True), compact=True) if with_headers else report.write(plan.to_json())
+        _plan_table(summarize(plan))
 
 
 def _plan_table(summary: dict) -> None:

@@ -112,7 +112,7 @@ class ConversionPlan:
         """
         tensor = _tensor_dict if with_headers else _tensor_summary
         files = []
-        with _collector_paused():  # ~400k new dicts and lists, none in a cycle
+        with collector_paused():  # ~400k new dicts and lists, none in a cycle
             for f in self.files:
                 entry: dict[str, Any] = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors)}
                 entry["bytes"] = f.nbytes
@@ -217,7 +217,7 @@ def rank_file_name(rank: int, tp: int) -> str:
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: a plan of the real checkpoint builds ~400k objects, none in a
     cycle, and the collector's repeated passes over them cost a third of the plan's time."""
     was_on = gc.isenabled()
@@ -234,7 +234,7 @@ def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
 
     Raises PlanError / HeaderError / ConfigError naming the file and tensor at fault.
     """
-    with _collector_paused():
+    with collector_paused():
         return _build_plan(src, tp, expert_dtype)
 
 
