@@ -191,18 +191,20 @@ def _quote(text: str) -> str:
     return f'"{text}"' if JSON_PLAIN.fullmatch(text) else json.dumps(text)
 
 
-_quote_few = functools.cache(_quote)  # dtypes, rules, actions: a few dozen values, quoted 107k times
+_quote_few = functools.cache(_quote)  # files, dtypes, rules, actions: a few dozen values, quoted 107k times
 
 
 def _tensor_json(t: OutTensor) -> str:
     """json.dumps(_tensor_summary(t), separators=(",", ":")), without the dicts."""
+    name = _quote(t.name)
     reads = []
     for r in t.reads:
         cols = "" if r.c1 < 0 else f',"cols":[{r.c0},{r.c1}]'
-        reads.append(f'{{"file":{_quote(r.file)},"name":{_quote(r.name)},"rows":[{r.r0},{r.r1}]{cols}}}')
+        rname = name if r.name == t.name else _quote(r.name)  # most reads are of the tensor's own name
+        reads.append(f'{{"file":{_quote_few(r.file)},"name":{rname},"rows":[{r.r0},{r.r1}]{cols}}}')
     shape = ",".join(map(str, t.shape))
     return (
-        f'{{"name":{_quote(t.name)},"dtype":{_quote_few(t.dtype)},"shape":[{shape}],"rule":{_quote_few(t.rule)},'
+        f'{{"name":{name},"dtype":{_quote_few(t.dtype)},"shape":[{shape}],"rule":{_quote_few(t.rule)},'
         f'"action":{_quote_few(t.action)},"reads":[{",".join(reads)}]}}'
     )
 
