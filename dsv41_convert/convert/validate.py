@@ -63,8 +63,14 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     _raise(problems, f"{src}")
     sources: dict[str, Source] = {}
     where: dict[str, str] = {}  # name in file -> file
-    indexed = (weight_map or {}).get
-    expert_split = Split.EXPERT  # a local: the loop runs once per tensor (96k in the real checkpoint)
+    # locals: the loop runs once per tensor (96k in the real checkpoint)
+    indexed, expert_split, canonical, match, source = (
+        (weight_map or {}).get,
+        Split.EXPERT,
+        canonical_name,
+        match_rule,
+        Source,
+    )
     for file in sorted(present):
         header = read_header(src / file)
         for name, info in header.tensors.items():
@@ -79,17 +85,17 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
                     if said is None
                     else f"{file}: tensor {name} is there, but the index puts it in {said}"
                 )
-            canon = canonical_name(name)
+            canon = canonical(name)
             if canon in sources:
                 problems.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
                 continue
             try:
-                rule = match_rule(canon)
+                rule = match(canon)
             except PlanError as exc:
                 problems.append(f"{file}: {exc}")
                 continue
             expert = expert_index(canon) if rule.split is expert_split else None
-            sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
+            sources[canon] = source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in where and file in present:

@@ -212,11 +212,13 @@ def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[byte
     parts = []
     spans = []
     pos = 0
+    sized: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # a rank file has a few dozen (dtype, shape)
     for i in order:
         name, dtype, shape = entries[i]
-        bits = DTYPE_BITS[dtype] * math.prod(shape)
-        size = bits >> 3 if bits & 7 == 0 else nbytes(dtype, shape)  # nbytes raises for a partial byte
-        dims = ",".join(map(str, shape))
+        known = sized.get((dtype, shape))
+        if known is None:
+            known = sized[dtype, shape] = (nbytes(dtype, shape), ",".join(map(str, shape)))
+        size, dims = known
         # compact JSON written by hand: 100k entries through json.dumps cost seconds
         quoted = f'"{name}"' if plain or JSON_PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
         parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{pos},{pos + size}]}}')
