@@ -202,11 +202,16 @@ def _tensor_json(t: OutTensor) -> str:
         cols = "" if r.c1 < 0 else f',"cols":[{r.c0},{r.c1}]'
         rname = name if r.name == t.name else _quote(r.name)  # most reads are of the tensor's own name
         reads.append(f'{{"file":{_quote_few(r.file)},"name":{rname},"rows":[{r.r0},{r.r1}]{cols}}}')
-    shape = ",".join(map(str, t.shape))
     return (
-        f'{{"name":{name},"dtype":{_quote_few(t.dtype)},"shape":[{shape}],"rule":{_quote_few(t.rule)},'
+        f'{{"name":{name},"dtype":{_quote_few(t.dtype)},"shape":[{_dims(t.shape)}],"rule":{_quote_few(t.rule)},'
         f'"action":{_quote_few(t.action)},"reads":[{",".join(reads)}]}}'
     )
+
+
+@functools.cache
+def _dims(shape: tuple[int, ...]) -> str:
+    """A shape as a JSON list's inside: a few hundred shapes, written 107k times."""
+    return ",".join(map(str, shape))
 
 
 def _tensor_from(d: dict[str, Any]) -> OutTensor:
