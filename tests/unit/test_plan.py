@@ -265,3 +265,24 @@ def test_plan_json_quotes_as_json_dumps(text):
     """A name that needs escapes (quote, backslash, control, non-ASCII: JSON escapes them as \\uXXXX) is
     written as json.dumps writes it."""
     assert plan_module._quote(text) == json.dumps(text)
+
+
+@pytest.mark.parametrize(("quantized", "expert_dtype"), [(True, "fp4"), (True, "fp8"), (False, "fp4"), (False, "fp8")])
+def test_expert_shortcut_makes_what_outputs_makes(tiny_sources, quantized, expert_dtype):
+    """build_plan makes most routed-expert outputs through `_expert_output`; wherever it answers, it must be
+    exactly `_outputs`' one output, and it must answer for the published layout at fp4 (its reason to be)."""
+    src = tiny_sources[quantized]
+    sources = gather_sources(src, plan_module.read_index(src)[1])
+    args = ModelArgs.from_hf_dict(json.loads((src / "config.json").read_text()), "config.json")
+    n_experts = validate_sources(sources, args, 2, expert_dtype)
+    answered = 0
+    for name, s in sources.items():
+        if s.expert is None:
+            continue
+        one = plan_module._expert_output(sources, name, s, 2, n_experts, quantized, expert_dtype)
+        if one is not None:
+            assert [one] == list(plan_module._outputs(sources, name, 2, n_experts, quantized, expert_dtype)), name
+            answered += 1
+    assert answered == (
+        sum(s.expert is not None for s in sources.values()) if quantized and expert_dtype == "fp4" else 0
+    )
