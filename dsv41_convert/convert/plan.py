@@ -9,7 +9,6 @@ A ConversionPlan is plain data: `to_dict()` / `from_dict()` round-trip it throug
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import json
@@ -20,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
+from dsv41_convert.convert.plan_json import tensor_json
 from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.safetensors_header import JSON_PLAIN, layout_header
+from dsv41_convert.store.safetensors_header import layout_header
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
@@ -141,7 +141,7 @@ class ConversionPlan:
         ranks = []
         for f in self.files:
             entry = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors), "bytes": f.nbytes}
-            tensors = ",".join(map(_tensor_json, f.tensors))
+            tensors = ",".join(map(tensor_json, f.tensors))
             ranks.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"tensors":[' + tensors + "]}")
         top = json.dumps(self._fields(), separators=(",", ":"), default=str)
         return top[:-1] + ',"files":[' + ",".join(ranks) + "]}"
@@ -184,34 +184,6 @@ def _tensor_summary(t: OutTensor) -> dict[str, Any]:
             for r in t.reads
         ],
     }
-
-
-def _quote(text: str) -> str:
-    """`text` as json.dumps writes it (ASCII escapes)."""
-    return f'"{text}"' if JSON_PLAIN.fullmatch(text) else json.dumps(text)
-
-
-_quote_few = functools.cache(_quote)  # files, dtypes, rules, actions: a few dozen values, quoted 107k times
-
-
-def _tensor_json(t: OutTensor) -> str:
-    """json.dumps(_tensor_summary(t), separators=(",", ":")), without the dicts."""
-    name = _quote(t.name)
-    reads = []
-    for r in t.reads:
-        cols = "" if r.c1 < 0 else f',"cols":[{r.c0},{r.c1}]'
-        rname = name if r.name == t.name else _quote(r.name)  # most reads are of the tensor's own name
-        reads.append(f'{{"file":{_quote_few(r.file)},"name":{rname},"rows":[{r.r0},{r.r1}]{cols}}}')
-    return (
-        f'{{"name":{name},"dtype":{_quote_few(t.dtype)},"shape":[{_dims(t.shape)}],"rule":{_quote_few(t.rule)},'
-        f'"action":{_quote_few(t.action)},"reads":[{",".join(reads)}]}}'
-    )
-
-
-@functools.cache
-def _dims(shape: tuple[int, ...]) -> str:
-    """A shape as a JSON list's inside: a few hundred shapes, written 107k times."""
-    return ",".join(map(str, shape))
 
 
 def _tensor_from(d: dict[str, Any]) -> OutTensor:

@@ -63,14 +63,6 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     _raise(problems, f"{src}")
     sources: dict[str, Source] = {}
     where: dict[str, str] = {}  # name in file -> file
-    # locals: the loop runs once per tensor (96k in the real checkpoint)
-    indexed, expert_split, canonical, match, source = (
-        (weight_map or {}).get,
-        Split.EXPERT,
-        canonical_name,
-        match_rule,
-        Source,
-    )
     for file in sorted(present):
         header = read_header(src / file)
         for name, info in header.tensors.items():
@@ -78,24 +70,24 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
                 problems.append(f"{file}: tensor {name} is also in {where[name]} (duplicated)")
                 continue
             where[name] = file
-            if weight_map is not None and indexed(name) != file:
-                said = indexed(name)
+            if weight_map is not None and weight_map.get(name) != file:
+                said = weight_map.get(name)
                 problems.append(
                     f"{file}: tensor {name} is not in the index"
                     if said is None
                     else f"{file}: tensor {name} is there, but the index puts it in {said}"
                 )
-            canon = canonical(name)
+            canon = canonical_name(name)
             if canon in sources:
                 problems.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
                 continue
             try:
-                rule = match(canon)
+                rule = match_rule(canon)
             except PlanError as exc:
                 problems.append(f"{file}: {exc}")
                 continue
-            expert = expert_index(canon) if rule.split is expert_split else None
-            sources[canon] = source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
+            expert = expert_index(canon) if rule.split is Split.EXPERT else None
+            sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in where and file in present:
@@ -117,9 +109,8 @@ def validate_sources(
             if not n.endswith(".scale")
         }
     problems: list[str] = []
-    if quantized and _same_layout(sources, layout):
-        pass  # the real checkpoint: 96k tensors compared in one dict comparison; the loops below find nothing
-    else:
+    # the real checkpoint's 96k tensors match in one dict comparison; only a mismatch needs the wording loops
+    if not (quantized and _same_layout(sources, layout)):
         _compare_layout(sources, layout, quantized, problems)
     _raise(problems, "checkpoint does not match config.json")
     n_experts = _expert_counts(sources)

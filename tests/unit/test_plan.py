@@ -18,6 +18,7 @@ from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert import plan as plan_module
 from dsv41_convert.convert.plan import ConversionPlan, build_plan, summarize
+from dsv41_convert.convert.plan_json import quote
 from dsv41_convert.convert.validate import gather_sources, validate_sources
 from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.store.safetensors_header import nbytes, read_header
@@ -264,7 +265,7 @@ def test_plan_json_text_is_the_dict_dumped(tiny_sources, quantized, tp, expert_d
 def test_plan_json_quotes_as_json_dumps(text):
     """A name that needs escapes (quote, backslash, control, non-ASCII: JSON escapes them as \\uXXXX) is
     written as json.dumps writes it."""
-    assert plan_module._quote(text) == json.dumps(text)
+    assert quote(text) == json.dumps(text)
 
 
 @pytest.mark.parametrize(("quantized", "expert_dtype"), [(True, "fp4"), (True, "fp8"), (False, "fp4"), (False, "fp8")])
