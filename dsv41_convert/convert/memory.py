@@ -27,7 +27,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.plan import ConversionPlan
-from dsv41_convert.convert.rules import Split, match_rule
+from dsv41_convert.convert.rules import RULES, Split
 from dsv41_convert.store.safetensors_header import nbytes
 
 DEFAULT_PROMPTS, DEFAULT_TOKENS, DEFAULT_DECODE, DEFAULT_SEQ = 3, 40, 3, 128
@@ -83,6 +83,7 @@ def tp1_tensors(plan: ConversionPlan) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor the plan's ranks hold, merged back to tp 1: what a tp-1 plan of
     the same source lays out (dim0/dim1 parts added up, Engram padding rows taken off, experts and
     replicated tensors once), without planning the source again."""
+    split_of = {rule.pattern: rule.split for rule in RULES}  # OutTensor.rule is its rule's pattern
     merged: dict[str, tuple[str, list[int]]] = {}
     for f in plan.files:
         for t in f.tensors:
@@ -91,7 +92,7 @@ def tp1_tensors(plan: ConversionPlan) -> list[tuple[str, str, tuple[int, ...]]]:
                 if t.pad_rows:
                     merged[t.name][1][0] -= t.pad_rows
                 continue
-            split, shape = match_rule(t.name).split, merged[t.name][1]
+            split, shape = split_of[t.rule], merged[t.name][1]
             if split in (Split.DIM0, Split.ROWS_PADDED):
                 shape[0] += t.shape[0] - t.pad_rows
             elif split is Split.DIM1:
