@@ -7,12 +7,14 @@ data), then runs, each in a fresh process as a user would, `plan SRC --tp N` (th
 and `plan --json --with-headers` (where the CLI has it), and reports per run the wall time, the CPU time
 (user + sys, which a busy machine inflates far less than wall time) and the bytes written to stdout.
 `--code DIR` (repeatable) times another checkout of the package (e.g. `git archive` of an older commit);
-with several, their runs alternate, so a before/after shares one run and its machine load.
+with several, their runs alternate, so a before/after shares one run and its machine load, and
+`same_stdout` says per command whether every checkout wrote the same bytes (sha256 of stdout, every run).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -38,7 +40,12 @@ def run_once(code: Path, args: list[str]) -> dict:
     if proc.returncode:
         return {"error": proc.stderr.decode()[-400:]}
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall": wall, "cpu": cpu, "stdout_bytes": len(proc.stdout)}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "stdout_bytes": len(proc.stdout),
+        "sha256": hashlib.sha256(proc.stdout).hexdigest(),
+    }
 
 
 def main() -> None:
@@ -66,6 +73,7 @@ def main() -> None:
             for code in codes:
                 runs[str(code), label].append(run_once(code, args))
     results: dict[str, dict] = {str(c): {} for c in codes}
+    same_stdout = {label: len({r.get("sha256") for c in codes for r in runs[str(c), label]}) == 1 for label in variants}
     for (code, label), done in runs.items():
         if any("error" in r for r in done):
             results[code][label] = {"error": next(r["error"] for r in done if "error" in r).strip().splitlines()[-1]}
@@ -85,6 +93,7 @@ def main() -> None:
                 "load_avg_1m": round(load[0], 2),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "results": results,
+                "same_stdout": same_stdout,
             },
             indent=2,
         )

@@ -6,6 +6,8 @@ Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -45,21 +47,50 @@ def make_tiny(
     shards: opts.LayerShardsOpt = None,
     preset: opts.PresetOpt = "tiny",
     overwrite: opts.OverwriteOpt = False,
+    sparse: Annotated[
+        bool,
+        typer.Option(
+            "--sparse", help="With --preset full: the published layout as sparse files that read as zeros (~20 MB)."
+        ),
+    ] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Write a Hugging Face-format DeepSeek V4.1 checkpoint with random weights, laid out like the published one.
+
+    `--preset full --sparse` writes the published V4.1-Flash layout at full size (real config, 48 shards,
+    96,085 tensors, 510 GB apparent) as holes that read as zeros, plus a 129,280-id tokenizer.json, to
+    test a pipeline at real size without downloading.
 
     Examples:
       dsv41-convert make-tiny /tmp/tiny
       dsv41-convert make-tiny /tmp/tiny-bf16 --source-dtype bf16 --seed 1
       dsv41-convert make-tiny /tmp/medium --preset medium --no-vision --shards 2
+      dsv41-convert make-tiny /tmp/v41-hollow --preset full --sparse
     """
     from dsv41_convert.errors import ConfigError
     from dsv41_convert.synth.presets import PRESETS
     from dsv41_convert.synth.write import write_checkpoint
 
+    if preset == "full" or sparse:
+        if not (preset == "full" and sparse):
+            raise ConfigError("--preset full goes with --sparse (and --sparse only with --preset full)")
+        if source_dtype != "fp8" or not vision or shards is not None:
+            raise ConfigError(
+                "--preset full --sparse writes the published layout: no --source-dtype bf16, --no-vision or --shards"
+            )
+        from dsv41_convert.synth.hollow import write_hollow
+
+        with report.byte_progress(f"make-tiny full --sparse -> {out}", quiet=as_json) as progress:
+            summary = write_hollow(out, overwrite=overwrite, progress=progress)
+        if as_json:
+            return report.print_json(summary)
+        report.info(
+            f"wrote {len(summary['files'])} sparse shards, {summary['n_tensors']} tensors, "
+            f"{summary['total_size']:,} bytes apparent, {summary['disk_bytes'] / 2**20:.1f} MiB on disk to {out}"
+        )
+        return report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
     if preset not in PRESETS:
-        raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)}")
+        raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)} or full (with --sparse)")
     if source_dtype not in ("fp8", "bf16"):
         raise ConfigError(f"--source-dtype {source_dtype!r}: expected fp8 or bf16")
     with report.byte_progress(f"make-tiny {preset} -> {out}", quiet=as_json) as progress:
@@ -130,15 +161,44 @@ def plan_cmd(
       dsv41-convert plan ./ckpt --tp 4 --expert-dtype fp8 --json > plan.json
       dsv41-convert plan ./ckpt --tp 4 --json --with-headers > plan-full.json
     """
-    from dsv41_convert.convert.plan import build_plan, summarize
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.convert.memory import memory_figures
+    from dsv41_convert.convert.plan import build_plan, collector_paused, summarize
     from dsv41_convert.errors import PlanError
 
     if with_headers and not as_json:
         raise PlanError("--with-headers goes with --json")
-    plan = build_plan(_local_source(src, tp), tp, expert_dtype)
-    if as_json:
-        return report.print_json(plan.to_dict(with_headers), compact=True)
-    _plan_table(summarize(plan))
+    folder = _local_source(src, tp)
+    with collector_paused():  # the real plan's ~500k objects, none in a cycle: ~0.15 s of collector passes
+        plan = build_plan(folder, tp, expert_dtype)
+        memory = memory_figures(plan, load_model_args(folder / "config.json"))
+        if as_json:
+            if with_headers:
+                return report.print_json(plan.to_dict(True) | {"memory": memory}, compact=True)
+            return report.write(plan.to_json(extra={"memory": memory}))
+        _plan_table(summarize(plan))
+        _memory_table(memory)
+
+
+def _memory_table(memory: dict) -> None:
+    """Per rank what running the converted model in verify holds, and what the streamed reference needs."""
+    from rich.table import Table
+
+    big = max(r["total"] for r in memory["verify"]) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    gib = lambda n: f"{n / scale:,.2f}"
+    p = memory["prompts"]
+    table = Table(title=f"memory ({unit}), verify's default prompts: {p['count']} x {p['tokens']} tokens, "
+                  f"{p['decode_steps']} decode steps")  # fmt: skip
+    for col in ("rank", "weights", "caches", "working", "total"):
+        table.add_column(col, justify="right")
+    for r in memory["verify"]:
+        table.add_row(str(r["rank"]), gib(r["weights"]), gib(r["caches"]), gib(r["working"]), gib(r["total"]))
+    s = memory["streamed"]
+    table.add_row(
+        "streamed", f"{gib(s['unit'])} ({s['largest_unit']})", gib(s["caches"]), gib(s["working"]), gib(s["peak"])
+    )
+    report.stdout.print(table)
 
 
 def _plan_table(summary: dict) -> None:
@@ -333,6 +393,15 @@ def reference_logits_cmd(
     decode_steps: DecodeOpt = 3,
     max_seq_len: MaxSeqOpt = None,
     threads: ThreadsOpt = None,
+    stream_layers: Annotated[
+        bool,
+        typer.Option(
+            "--stream-layers",
+            help="Hold one unit of weights at a time (embedding, each layer, each DSpark stage, head): bounded "
+            "memory for models larger than RAM. Decode tokens are fixed before the run (the prompt file's "
+            "decode_ids, else the prompt's own tokens repeated), not greedy.",
+        ),
+    ] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Compute reference logits from SRC on --tp ranks (one process each, every rank transforming only its
@@ -343,6 +412,7 @@ def reference_logits_cmd(
 
     Examples:
       dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --device cuda
+      dsv41-convert reference-logits ./DeepSeek-V4.1-Flash ref.safetensors --stream-layers --decode-steps 1
       dsv41-convert reference-logits ./tiny ref-tp8.safetensors --tp 8
       dsv41-convert reference-logits ./tiny ref.safetensors --prompts prompts.jsonl --decode-steps 5
     """
@@ -351,7 +421,7 @@ def reference_logits_cmd(
     from dsv41_convert.config import load_model_args
     from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
-    from dsv41_convert.verify.launch import backend_for, default_threads
+    from dsv41_convert.verify.launch import backend_for, default_threads, torchrun_world
     from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
 
     backend_for(device)
@@ -361,13 +431,30 @@ def reference_logits_cmd(
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
-    ref = compute_reference_ranks(
-        src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info
-    )  # fmt: skip
-    if ref is None:  # a torchrun rank other than 0
-        return
+    timings = None
     out.parent.mkdir(parents=True, exist_ok=True)
-    with hold(out.parent):  # one writer of OUT.partial
+    # the process that saves holds OUT's folder from the start (rank 0 of a torchrun launch, else this one),
+    # so a second writer is refused before minutes of compute, and torchrun's ranks do not contend
+    writes = torchrun_world() is None or os.environ.get("RANK") == "0"
+    with hold(out.parent) if writes else contextlib.nullcontext():
+        if stream_layers:
+            from dsv41_convert.verify.streamed import compute_streamed_reference
+
+            if tp != 1 or as_converted:
+                from dsv41_convert.errors import VerifyInputError
+
+                raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
+            with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
+                say = None if as_json else report.info
+                ref, timings = compute_streamed_reference(
+                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
+                )
+        else:
+            ref = compute_reference_ranks(
+                src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info
+            )  # fmt: skip
+        if ref is None:  # a torchrun rank other than 0
+            return
         reffile.save(ref, out)
     summary = {
         "out": str(out),
@@ -381,6 +468,10 @@ def reference_logits_cmd(
         "threads": ref.threads,
         "bytes": out.stat().st_size,
     }
+    if timings is not None:
+        summary["units"] = [vars(t) for t in timings]
+        for key in ("read_s", "transfer_s", "compute_s", "bytes_read"):
+            summary[key] = sum(getattr(t, key) for t in timings)
     if as_json:
         report.print_json(summary)
     else:
@@ -389,6 +480,11 @@ def reference_logits_cmd(
             f"{summary['prompts']} prompts, {summary['decode_steps']} decode steps, tp {tp} on {device}, "
             f"{summary['bytes']:,} bytes"
         )
+        if timings is not None:
+            report.info(
+                f"streamed: read {summary['read_s']:.1f} s ({summary['bytes_read'] / 2**30:.2f} GiB), "
+                f"transfer {summary['transfer_s']:.1f} s, compute {summary['compute_s']:.1f} s"
+            )
 
 
 @app.command("check")

@@ -32,7 +32,9 @@ VisionOpt = Annotated[bool, typer.Option("--vision/--no-vision", help="Include t
 LayerShardsOpt = Annotated[
     int | None, typer.Option("--shards", min=1, help="Files for the backbone layers (default: one per layer).")
 ]
-PresetOpt = Annotated[str, typer.Option("--preset", help="tiny (a few MB) or medium (real hidden sizes, GBs).")]
+PresetOpt = Annotated[
+    str, typer.Option("--preset", help="tiny (a few MB), medium (real hidden sizes, GBs) or full (with --sparse).")
+]
 
 
 def parse_workers(value: str) -> int:

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
+from dsv41_convert.convert.plan_json import tensor_json
 from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.safetensors_header import build_header
+from dsv41_convert.store.safetensors_header import layout_header
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
@@ -111,7 +112,7 @@ class ConversionPlan:
         """
         tensor = _tensor_dict if with_headers else _tensor_summary
         files = []
-        with _collector_paused():  # ~400k new dicts and lists, none in a cycle
+        with collector_paused():  # ~400k new dicts and lists, none in a cycle
             for f in self.files:
                 entry: dict[str, Any] = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors)}
                 entry["bytes"] = f.nbytes
@@ -119,6 +120,10 @@ class ConversionPlan:
                     entry["header"] = f.header.hex()
                 entry["tensors"] = [tensor(t) for t in f.tensors]
                 files.append(entry)
+        return self._fields() | {"files": files}
+
+    def _fields(self) -> dict[str, Any]:
+        """The plan's own fields in to_dict, in its order, but "files"."""
         return {
             "src": self.src,
             "tp": self.tp,
@@ -128,8 +133,19 @@ class ConversionPlan:
             "digest": self.digest(),
             "inference_config": self.inference_config,
             "total_bytes": self.total_bytes,
-            "files": files,
         }
+
+    def to_json(self, extra: dict[str, Any] | None = None) -> str:
+        """`json.dumps(self.to_dict() | extra, separators=(",", ":"))`: the same text, written here directly (for
+        the real checkpoint's 107k tensors, building 400k dicts and lists cost more than the text)."""
+        ranks = []
+        for f in self.files:
+            entry = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors), "bytes": f.nbytes}
+            tensors = ",".join(map(tensor_json, f.tensors))
+            ranks.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"tensors":[' + tensors + "]}")
+        top = json.dumps(self._fields(), separators=(",", ":"), default=str)
+        tail = json.dumps(extra, separators=(",", ":"))[1:-1] if extra else ""
+        return top[:-1] + ',"files":[' + ",".join(ranks) + "]" + ("," + tail if tail else "") + "}"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConversionPlan:
@@ -181,7 +197,7 @@ def rank_file_name(rank: int, tp: int) -> str:
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: a plan of the real checkpoint builds ~400k objects, none in a
     cycle, and the collector's repeated passes over them cost a third of the plan's time."""
     was_on = gc.isenabled()
@@ -198,7 +214,7 @@ def build_plan(src: Path, tp: int, expert_dtype: str = "fp4") -> ConversionPlan:
 
     Raises PlanError / HeaderError / ConfigError naming the file and tensor at fault.
     """
-    with _collector_paused():
+    with collector_paused():
         return _build_plan(src, tp, expert_dtype)
 
 
@@ -218,7 +234,13 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
         )
     quantized = args.dtype == "fp8"
     per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
-    for name in sorted(sources):
+    expert = Split.EXPERT
+    for name, s in sources.items():  # in name order (gather_sources)
+        if s.rule.split is expert:
+            one = _expert_output(sources, name, s, tp, n_experts, quantized, expert_dtype)
+            if one is not None:
+                per_rank[one[0]].append(one[1])
+                continue
         for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
             per_rank[rank].append(t)
     files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
@@ -239,16 +261,39 @@ def read_index(src: Path) -> tuple[str, dict[str, str] | None]:
 
 def lay_out(rank: int, file: str, tensors: list[OutTensor]) -> RankFile:
     """A file of `tensors`: its header (save_file's order) and each tensor's byte offsets set."""
-    header, spans = build_header([(t.name, t.dtype, t.shape) for t in tensors])
-    by_name = {t.name: t for t in tensors}
-    for n, b, e in spans:
-        by_name[n].begin, by_name[n].end = b, e
-    return RankFile(rank, file, header, tuple(by_name[n] for n, _, _ in spans))
+    header, spans = layout_header([(t.name, t.dtype, t.shape) for t in tensors])
+    ordered = []
+    for i, b, e in spans:
+        t = tensors[i]
+        t.begin, t.end = b, e
+        ordered.append(t)
+    return RankFile(rank, file, header, tuple(ordered))
 
 
 def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
     rows = s.shape[0] if s.shape else 1
     return Read(s.file, s.name, s.dtype, s.shape, s.offset, r0, rows if r1 is None else r1, c0, c1, ratio)
+
+
+def _expert_output(
+    sources: dict[str, Source], name: str, s: Source, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str
+) -> tuple[int, OutTensor] | None:
+    """(rank, OutTensor) of routed-expert tensor `name` where `_outputs` makes one copy of it, or None where
+    `_outputs` must decide. The copies: a published checkpoint's packed fp4 weights and their scales at
+    --expert-dtype fp4, 94k of its 96k tensors, made here without _outputs' generators."""
+    if xdt != "fp4":
+        return None
+    op = s.rule.op
+    is_mtp, e = s.expert
+    shape = s.shape  # [out, in] or [out, in/2]: a whole 2-d tensor
+    read = (Read(s.file, s.name, s.dtype, shape, s.offset, 0, shape[0]),)
+    if op is Op.SCALE:
+        sources[name.removesuffix(".scale") + ".weight"]  # as _outputs: a scale has its weight (validated)
+        return e // (n_experts[is_mtp] // tp), OutTensor(name, E8M0, shape, s.rule.pattern, "copy", read)
+    if op is Op.AS_FP4 and quantized and s.dtype != E4M3:
+        logical = (shape[0], shape[1] * 2)
+        return e // (n_experts[is_mtp] // tp), OutTensor(name, F4, logical, s.rule.pattern, "as_fp4", read)
+    return None
 
 
 def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str):

@@ -47,7 +47,7 @@ def _raise(problems: list[str], what: str) -> None:
 def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, Source]:
     """Headers of every *.safetensors in `src` (and every file the index names), checked against the index.
 
-    -> canonical name -> Source
+    -> canonical name -> Source, in name order
     """
     present = {p.name for p in src.glob("*.safetensors")}
     bad = bad_shard_names(weight_map) if weight_map is not None else []
@@ -93,7 +93,7 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
             if name not in where and file in present:
                 problems.append(f"{file}: tensor {name} is in the index but not in the file (source mid-upload?)")
     _raise(problems, f"{src}: checkpoint files and index disagree")
-    return sources
+    return {name: sources[name] for name in sorted(sources)}
 
 
 def validate_sources(
@@ -109,6 +109,25 @@ def validate_sources(
             if not n.endswith(".scale")
         }
     problems: list[str] = []
+    # the real checkpoint's 96k tensors match in one dict comparison; only a mismatch needs the wording loops
+    if not (quantized and _same_layout(sources, layout)):
+        _compare_layout(sources, layout, quantized, problems)
+    _raise(problems, "checkpoint does not match config.json")
+    n_experts = _expert_counts(sources)
+    _check_splits(sources, tp, quantized, expert_dtype)
+    return n_experts
+
+
+def _same_layout(sources: dict[str, Source], layout: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
+    """Whether the tensors, but those the plan drops, are exactly `layout`: names, dtypes and shapes."""
+    drop = Op.DROP
+    return layout == {n: (s.dtype, s.shape) for n, s in sources.items() if s.rule.op is not drop}
+
+
+def _compare_layout(
+    sources: dict[str, Source], layout: dict[str, tuple[str, tuple[int, ...]]], quantized: bool, problems: list[str]
+) -> None:
+    """Append a line to `problems` for every tensor missing, extra, or of another dtype or shape."""
     for name in sorted(set(layout) - set(sources)):
         dtype, shape = layout[name]
         problems.append(f"{name}: missing from the checkpoint; config.json implies {dtype} {list(shape)}")
@@ -136,10 +155,6 @@ def validate_sources(
                 f"{s.file}: tensor {s.name}: found {s.dtype} {list(s.shape)}, expected BF16 or F32 "
                 f"{list(shape)} (config.json has no quantization_config, so the source must be unquantized)"
             )
-    _raise(problems, "checkpoint does not match config.json")
-    n_experts = _expert_counts(sources)
-    _check_splits(sources, tp, quantized, expert_dtype)
-    return n_experts
 
 
 def _expert_counts(sources: dict[str, Source]) -> tuple[int, int]:
@@ -156,8 +171,10 @@ def _expert_counts(sources: dict[str, Source]) -> tuple[int, int]:
 
 def _check_splits(sources: dict[str, Source], tp: int, quantized: bool, expert_dtype: str) -> None:
     problems: list[str] = []
-    for name, s in sorted(sources.items()):
+    for name, s in sources.items():  # in name order (gather_sources)
         split, op = s.rule.split, s.rule.op
+        if split is Split.EXPERT and expert_dtype != "fp8":
+            continue  # nothing below checks them: the bulk of the real checkpoint skipped at one test
         if op is Op.AS_FP4 and expert_dtype == "fp8":
             rows, cols = s.shape[0], s.shape[1] * (2 if s.dtype == "I8" else 1)  # I8: packed pairs
             if rows % 32 or cols % 32:

@@ -15,6 +15,7 @@ file, which fails for files larger than memory); data goes straight into the par
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -137,3 +138,27 @@ def load_shards(model: nn.Module, folder: Path | str, rank: int | None = None, w
     finally:
         os.close(fd)
     return path
+
+
+@torch.no_grad()
+def load_tensors(
+    module: nn.Module, state: dict[str, torch.Tensor], what: str, prefix: str = "", deferred: Collection[str] = ()
+) -> None:
+    """Copy in-memory tensors into `module` as strictly as load_shards reads a file: the key sets (state
+    names minus `prefix`) must equal the module's, shapes equal, dtypes equal except bf16 -> float32 (the
+    model's fp32 Linear and head weights are bf16 in the rank files). `deferred`: module names the caller
+    fills later (the streamed path's lazily read experts), left out of both sides.
+    Raises PlanError naming the tensors."""
+    expected = {n: v for n, v in expected_tensors(module).items() if n not in deferred}
+    local = {name.removeprefix(prefix): t for name, t in state.items()}
+    problems = [f"{prefix}{n}: missing" for n in sorted(set(expected) - set(local))]
+    problems += [f"{prefix}{n}: not in the model" for n in sorted(set(local) - set(expected))]
+    for name in sorted(set(local) & set(expected)):
+        p, t = expected[name][0], local[name]
+        widen = t.dtype == torch.bfloat16 and p.dtype == torch.float32
+        if (t.dtype != p.dtype and not widen) or t.shape != p.shape:
+            problems.append(f"{prefix}{name}: {t.dtype} {list(t.shape)}, model wants {p.dtype} {list(p.shape)}")
+    if problems:
+        raise PlanError(f"{what} do not fit the model:\n  " + "\n  ".join(problems[:20]))
+    for name, (p, _owner) in expected.items():
+        p.data.copy_(local[name])  # copy_ widens bf16 -> float32 exactly, without a full-size temporary

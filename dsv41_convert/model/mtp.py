@@ -174,11 +174,12 @@ class DSparkBlock(Block):
         -> (draft block [B, K, H, D] bfloat16, main_x [B, S, D] bfloat16)
         """
         assert self.embed is not None, "Transformer sets DSparkBlock.embed"
-        main_x = self.main_norm(self.main_proj(main_hidden))
-        draft_ids = input_ids.new_full((input_ids.size(0), self.block_size), self.noise_token_id)
-        draft_ids[:, 0] = input_ids
-        x = self.embed(draft_ids)
-        return x.unsqueeze(2).repeat(1, 1, self.hc_mult, 1), main_x
+        x = embed_draft_block(self.embed, input_ids, self.block_size, self.noise_token_id, self.hc_mult)
+        return x, self.main_context(main_hidden)
+
+    def main_context(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        """Stage 0 only. main_hidden: [B, S, D * n_targets] bfloat16 -> main_x [B, S, D] bfloat16"""
+        return self.main_norm(self.main_proj(main_hidden))
 
     def forward_head(
         self, x: torch.Tensor, pre_mix: torch.Tensor, input_ids: torch.Tensor
@@ -191,19 +192,43 @@ class DSparkBlock(Block):
             confidence [B, K] float32)
         """
         assert self.head is not None, "Transformer sets DSparkBlock.head"
-        x = self.hc_pre(x, pre_mix)
-        logits = self.head(self.norm(x), full_logits=True)
-        output_ids = input_ids.new_empty(input_ids.size(0), self.block_size + 1)
-        output_ids[:, 0] = input_ids
-        embeds = []
-        # each draft's Markov bias depends on the token sampled just before it
-        for i in range(self.block_size):
-            bias, embed = self.markov_head(output_ids[:, i])
-            logits[:, i] += bias
-            embeds.append(embed)
-            output_ids[:, i + 1] = sample(logits[:, i], self.temperature)
-        confidence = self.confidence_head(x, torch.stack(embeds, dim=1))
-        return output_ids, logits, confidence
+        return draft_outputs(self, self.hc_pre(x, pre_mix), input_ids)
+
+
+def embed_draft_block(
+    embed: nn.Module, input_ids: torch.Tensor, block_size: int, noise_token_id: int, hc_mult: int
+) -> torch.Tensor:
+    """The draft block's input: the backbone's token then block_size - 1 noise tokens, embedded.
+
+    input_ids: [B] int64 -> [B, K, H, D] bfloat16
+    """
+    draft_ids = input_ids.new_full((input_ids.size(0), block_size), noise_token_id)
+    draft_ids[:, 0] = input_ids
+    x = embed(draft_ids)
+    return x.unsqueeze(2).repeat(1, 1, hc_mult, 1)
+
+
+def draft_outputs(
+    heads: nn.Module, x: torch.Tensor, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last stage's outputs from its collapsed stream. `heads` carries norm, head, markov_head,
+    confidence_head, block_size and temperature (the last DSparkBlock, or the streamed head unit).
+
+    x: [B, K, D] bfloat16, input_ids: [B] int64
+    -> (output_ids [B, K + 1] int64, logits [B, K, vocab] float32, confidence [B, K] float32), as forward_head
+    """
+    logits = heads.head(heads.norm(x), full_logits=True)
+    output_ids = input_ids.new_empty(input_ids.size(0), heads.block_size + 1)
+    output_ids[:, 0] = input_ids
+    embeds = []
+    # each draft's Markov bias depends on the token sampled just before it
+    for i in range(heads.block_size):
+        bias, embed = heads.markov_head(output_ids[:, i])
+        logits[:, i] += bias
+        embeds.append(embed)
+        output_ids[:, i + 1] = sample(logits[:, i], heads.temperature)
+    confidence = heads.confidence_head(x, torch.stack(embeds, dim=1))
+    return output_ids, logits, confidence
 
 
 @torch.inference_mode()

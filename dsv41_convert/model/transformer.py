@@ -81,19 +81,8 @@ class Transformer(nn.Module):
         return self.aligner(self.vision(patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
 
     def merge_image_embeddings(self, images, h: torch.Tensor) -> None:
-        """Write each image's span into h in place: IMAGE slots take the aligner rows in row-major
-        order, the delimiters their learned embeddings. images: per batch row, a list of images."""
-        from dsv41_convert.model.image_processor import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
-
-        for row, row_images in enumerate(images):
-            for img in row_images or ():
-                types = img.types.to(h.device)
-                span = h[row, img.start : img.start + types.numel()]
-                span[types == IMAGE_START] = self.image_start.to(h.dtype)
-                span[types == IMAGE_END] = self.image_end.to(h.dtype)
-                span[types == IMAGE_NEW_LINE] = self.image_newline.to(h.dtype)
-                embeds = self.encode_image(img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
-                span[types == IMAGE] = embeds.to(h.dtype)
+        """Write each image's span into h in place (see merge_image_spans), encoding each image here."""
+        merge_image_spans(self, images, h, self.encode_image)
 
     def _check_inputs(self, input_ids: torch.Tensor, start_pos: int) -> None:
         bsz, seqlen = input_ids.shape
@@ -146,15 +135,12 @@ class Transformer(nn.Module):
                 self.merge_image_embeddings(images, h)
             if hidden_states is not None:
                 hidden_states["embed"] = h.clone()
-            h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]
+            h, pre_mix = to_streams(h, self.hc_mult)
             main_hiddens = []
-            pre_mix = make_identity_pre_mix(h, self.hc_mult)
             for i, layer in enumerate(self.layers):
-                if layer.engram is not None:
-                    h = layer.engram(h, hashes[:, :, layer.engram.layer_hash_index, :], engram_mask)
-                if i in self.target_layer_ids:  # the MTP stages read the target layers' inputs
-                    main_hiddens.append(h.mean(dim=2))
-                h, pre_mix = layer(h, start_pos, pre_mix, image_mask)
+                h, pre_mix, target = block_step(layer, h, start_pos, pre_mix, image_mask, engram_mask, hashes)
+                if i in self.target_layer_ids:
+                    main_hiddens.append(target)
                 if hidden_states is not None:
                     hidden_states[f"layers.{i}"] = h.clone()
                     hidden_states[f"layers.{i}.pre_mix"] = pre_mix.clone()
@@ -172,21 +158,9 @@ class Transformer(nn.Module):
     def _capture(self, store: dict[str, torch.Tensor]) -> list:
         """Forward hooks that copy each layer's attention, MoE, Engram output and indexer choice into `store`."""
 
-        def saver(key: str, dtype: torch.dtype | None = None):
-            def hook(_module, _inputs, output):
-                store[key] = output.clone() if dtype is None else output.to(dtype)
-
-            return hook
-
         hooks = []
         for i, layer in enumerate(self.layers):
-            hooks.append(layer.attn.register_forward_hook(saver(f"layers.{i}.attn")))
-            hooks.append(layer.ffn.register_forward_hook(saver(f"layers.{i}.ffn")))
-            if layer.engram is not None:
-                hooks.append(layer.engram.register_forward_hook(saver(f"layers.{i}.engram")))
-            if getattr(layer.attn, "indexer", None) is not None:
-                indexer_hook = saver(f"layers.{i}.attn.indexer", torch.int64)
-                hooks.append(layer.attn.indexer.register_forward_hook(indexer_hook))
+            hooks += capture_block(layer, f"layers.{i}", store)
         return hooks
 
     @torch.inference_mode()
@@ -196,3 +170,76 @@ class Transformer(nn.Module):
         from dsv41_convert.model.mtp import forward_spec
 
         return forward_spec(self, input_ids, main_hidden, start_pos)
+
+
+def merge_image_spans(owner: nn.Module, images, h: torch.Tensor, encode) -> None:
+    """Write each image's span into h in place: IMAGE slots take the encoded rows in row-major order,
+    the delimiters their learned embeddings (owner.image_start / image_end / image_newline, [dim] bf16).
+
+    images: per batch row, a list of ImageInput; encode(patches, n_vit_h, n_vit_w) -> [image tokens, dim],
+    called once per image in row order; h: [b, s, dim] bfloat16
+    """
+    from dsv41_convert.model.image_processor import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START
+
+    for row, row_images in enumerate(images):
+        for img in row_images or ():
+            types = img.types.to(h.device)
+            span = h[row, img.start : img.start + types.numel()]
+            span[types == IMAGE_START] = owner.image_start.to(h.dtype)
+            span[types == IMAGE_END] = owner.image_end.to(h.dtype)
+            span[types == IMAGE_NEW_LINE] = owner.image_newline.to(h.dtype)
+            embeds = encode(img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
+            span[types == IMAGE] = embeds.to(h.dtype)
+
+
+def to_streams(h: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding copied into hc_mult streams, and the first block's collapse weights.
+
+    h: [b, s, dim] bfloat16 -> ([b, s, hc, dim] bfloat16, pre_mix [b, s, hc] float32)
+    """
+    h = h.unsqueeze(2).repeat(1, 1, hc_mult, 1)
+    return h, make_identity_pre_mix(h, hc_mult)
+
+
+def block_step(
+    layer: Block,
+    h: torch.Tensor,
+    start_pos: int,
+    pre_mix: torch.Tensor,
+    image_mask: torch.Tensor | None,
+    engram_mask: torch.Tensor | None,
+    hashes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One backbone layer as the Transformer runs it: Engram (if the layer has it), then the block.
+
+    h: [b, s, hc, dim] bfloat16; pre_mix: [b, s, hc] float32; hashes: [b, s, G, C] int64 (Engram rows)
+    -> (h [b, s, hc, dim], pre_mix [b, s, hc], the block's input collapsed by the hc mean [b, s, dim]:
+        what the DSpark stages read when this layer is one of their targets)
+    """
+    if layer.engram is not None:
+        h = layer.engram(h, hashes[:, :, layer.engram.layer_hash_index, :], engram_mask)
+    target = h.mean(dim=2)
+    h, pre_mix = layer(h, start_pos, pre_mix, image_mask)
+    return h, pre_mix, target
+
+
+def capture_block(layer: Block, key: str, store: dict[str, torch.Tensor]) -> list:
+    """Forward hooks that clone the block's attention and MoE outputs into store[key + ".attn" / ".ffn"],
+    and what running the block alone needs (verify.teacher): the stream after its Engram
+    (key + ".engram") and an index source's choice (key + ".attn.indexer", int64)."""
+
+    def saver(name: str, dtype: torch.dtype | None = None):
+        def hook(_module, _inputs, output):
+            store[name] = output.clone() if dtype is None else output.to(dtype)
+
+        return hook
+
+    hooks = [
+        layer.attn.register_forward_hook(saver(f"{key}.attn")),
+        layer.ffn.register_forward_hook(saver(f"{key}.ffn")),
+    ]
+    if layer.engram is not None:
+        hooks.append(layer.engram.register_forward_hook(saver(f"{key}.engram")))
+    if getattr(layer.attn, "indexer", None) is not None:
+        hooks.append(layer.attn.indexer.register_forward_hook(saver(f"{key}.attn.indexer", torch.int64)))
+    return hooks

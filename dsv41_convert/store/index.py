@@ -56,8 +56,12 @@ class BadShardName:
 def bad_shard_names(weight_map: dict) -> list[BadShardName]:
     """Every value of `weight_map` that `shard_name_problem` refuses, once each, in index order."""
     found: dict[str, BadShardName] = {}
+    checked: dict[str, str | None] = {}  # ~100k tensors name ~50 files: each file name is checked once
     for tensor, file in weight_map.items():
-        why = shard_name_problem(file)
+        if type(file) is str:
+            why = checked[file] if file in checked else checked.setdefault(file, shard_name_problem(file))
+        else:
+            why = shard_name_problem(file)
         if why is None:
             continue
         key = repr(file)

@@ -92,8 +92,12 @@ def _learned_merges(alphabet: list[str], budget: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer with exactly `vocab_size` ids (layout in the module docstring)."""
+def build_tokenizer(vocab_size: int, folded: int = 0) -> Tokenizer:
+    """A byte-level BPE tokenizer with exactly `vocab_size` ids (layout in the module docstring).
+
+    folded: the last `folded` filler merges add an upper-case twin of an earlier filler token (token +
+    letter.upper()), which the Engram token map folds onto that token: the knob that sets the
+    compressed vocab size (see fit_compressed_size)."""
     n_merges = vocab_size - N_HEAD_SPECIALS - 256 - N_TAIL_SPECIALS
     if n_merges < 0:
         raise ValueError(f"vocab_size {vocab_size} < {N_HEAD_SPECIALS + 256 + N_TAIL_SPECIALS} (specials + bytes)")
@@ -107,17 +111,26 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
             vocab[a + b] = len(vocab)
             merges.append((a, b))
     tokens = list(vocab)[N_HEAD_SPECIALS:]
+    filled: list[tuple[str, str]] = []
+    plain = n_merges - folded
     i = 0
-    while len(merges) < n_merges:  # filler: token + letter, breadth first over the growing vocab
+    while len(merges) < plain:  # filler: token + letter, breadth first over the growing vocab
         base = tokens[i]
         i += 1
         for c in _FILL_LETTERS:
-            if len(merges) == n_merges:
+            if len(merges) == plain:
                 break
             if base + c not in vocab:
                 vocab[base + c] = len(vocab)
                 tokens.append(base + c)
                 merges.append((base, c))
+                filled.append((base, c))
+    twins = iter(filled)
+    while len(merges) < n_merges:
+        base, c = next(twins)
+        if base + c.upper() not in vocab:
+            vocab[base + c.upper()] = len(vocab)
+            merges.append((base, c.upper()))
     vocab[IMAGE] = vocab_size - 2
     vocab[NOISE] = vocab_size - 1
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
@@ -153,3 +166,20 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
         "unk_token": None,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
+
+
+def fit_compressed_size(vocab_size: int, compressed_size: int) -> Tokenizer:
+    """A build_tokenizer(vocab_size, folded) whose Engram token map has exactly `compressed_size` ids
+    (a real config's engram_compressed_vocab_size); raises ValueError when no fold count gets there."""
+    from dsv41_convert.model.engram_hash import compressed_token_map
+
+    folded = 0
+    for _ in range(8):
+        tok = build_tokenizer(vocab_size, folded)
+        _, size = compressed_token_map(tok)
+        if size == compressed_size:
+            return tok
+        folded += size - compressed_size
+        if folded < 0:
+            break
+    raise ValueError(f"no {vocab_size}-id tokenizer here folds to {compressed_size} Engram ids (last: {size})")

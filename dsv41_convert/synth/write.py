@@ -107,7 +107,7 @@ def _is_ours(name: str) -> bool:
     )
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
+def prepare_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder; give a folder path")
     if out.exists() and any(out.iterdir()):
@@ -124,7 +124,7 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -195,12 +195,12 @@ def write_checkpoint(
     config = hf_config(preset, compressed_vocab_size=compressed, quantized=quantized, vision=vision)
     args = ModelArgs.from_hf_dict(config, f"preset {preset.name}")
     shards = plan_shards(args, quantized, layer_shards)  # every check before the first byte is touched
-    _prepare_out(out, overwrite)
+    prepare_out(out, overwrite)
 
-    _write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    _write_text(out / "tokenizer.json", tok.to_str(pretty=True))
+    write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    write_text(out / "tokenizer.json", tok.to_str(pretty=True))
     model_max = config["text_config"]["max_position_embeddings"]
-    _write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max), indent=2, ensure_ascii=False))
+    write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max), indent=2, ensure_ascii=False))
 
     total_bytes = sum(s.nbytes for s in shards)
     files = []
@@ -211,7 +211,7 @@ def write_checkpoint(
 
     weight_map = {t.name: s.file for s in shards for t in s.tensors}
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
+    write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
     return {
         "out": str(out),
         "preset": preset.name,

@@ -4,7 +4,9 @@ Each JSONL line is one prompt, an object with exactly one of
     {"input_ids": [int, ...]}          token ids, used as given
     {"text": "..."}                    tokenized with CONVERTED's tokenizer.json (no special tokens added)
 and optionally "image": "path" (text prompts only; the image span is placed after the text, built by
-dsv41_convert.model.image_processor). Blank lines and lines starting with '#' are skipped.
+dsv41_convert.model.image_processor) and "decode_ids": [int, ...], the tokens the decode steps feed
+(used by the layer-streamed reference, which fixes them before its one pass over the weights; see
+verify/streamed.py for the rule when they are absent). Blank lines and lines starting with '#' are skipped.
 
 The defaults are token ids, so they need no tokenizer: three prompts of 40 tokens each, longer than
 the tiny preset's 16-token sliding window and its 4-token candidate blocks, so compressed attention,
@@ -15,7 +17,7 @@ avoid the top of the vocabulary (the image and DSpark noise tokens live there).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ class Prompt:
     label: str
     text: str | None = None
     image: str | None = None  # path of an image placed after the text
+    decode_ids: tuple[int, ...] | None = None  # tokens the decode steps feed (streamed reference)
 
 
 def default_prompts(vocab_size: int, count: int = DEFAULT_COUNT, length: int = DEFAULT_LENGTH) -> list[Prompt]:
@@ -74,9 +77,16 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             raise VerifyInputError(f"{where}: not a JSON object ({exc})") from exc
         if not isinstance(obj, dict):
             raise VerifyInputError(f"{where}: expected a JSON object, found {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"input_ids", "text", "image"})
+        unknown = sorted(set(obj) - {"input_ids", "text", "image", "decode_ids"})
         if unknown:
-            raise VerifyInputError(f"{where}: unknown keys {unknown}; expected input_ids or text, optionally image")
+            raise VerifyInputError(
+                f"{where}: unknown keys {unknown}; expected input_ids or text, optionally image and decode_ids"
+            )
+        decode_ids = obj.get("decode_ids")
+        if decode_ids is not None and (
+            not isinstance(decode_ids, list) or not decode_ids or not all(isinstance(t, int) for t in decode_ids)
+        ):
+            raise VerifyInputError(f"{where}: decode_ids must be a non-empty list of integers")
         if ("input_ids" in obj) == ("text" in obj):
             raise VerifyInputError(f"{where}: give exactly one of input_ids and text")
         image = obj.get("image")
@@ -101,7 +111,9 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             if not ids and image is None:
                 raise VerifyInputError(f"{where}: text tokenizes to no tokens")
             prompts.append(Prompt(tuple(ids), f"line-{n}", text=text, image=image))
-        bad = [t for t in prompts[-1].input_ids if not 0 <= t < vocab_size]
+        if decode_ids is not None:
+            prompts[-1] = replace(prompts[-1], decode_ids=tuple(decode_ids))
+        bad = [t for t in (*prompts[-1].input_ids, *(decode_ids or ())) if not 0 <= t < vocab_size]
         if bad:
             raise VerifyInputError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if not prompts:

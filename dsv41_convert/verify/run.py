@@ -25,6 +25,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
+from dsv41_convert.convert.unshard import rank_tp
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile, teacher
@@ -128,18 +129,6 @@ class VerifyResult:
         }
 
 
-def shard_tp(folder: Path, requested: int | None) -> int:
-    """The tp of the rank files in `folder` (model{r}-mp{N}.safetensors); --tp must agree."""
-    found = sorted({int(p.stem.rsplit("-mp", 1)[1]) for p in folder.glob("model*-mp*.safetensors")})
-    if requested is not None:
-        if requested not in found:
-            raise VerifyInputError(f"{folder}: no model*-mp{requested}.safetensors files (found tp {found or 'none'})")
-        return requested
-    if len(found) != 1:
-        raise VerifyInputError(f"{folder}: rank files for tp {found or 'none'}; pass --tp to pick one")
-    return found[0]
-
-
 def _check_same_model(src_args: ModelArgs, conv_args: ModelArgs, src: Path, conv: Path) -> None:
     a, b = src_args.to_inference_dict(), conv_args.to_inference_dict()
     differ = sorted(k for k in a if k not in FORMAT_FIELDS and a[k] != b.get(k))
@@ -157,7 +146,7 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     if not (conv / "config.json").is_file():
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
     conv_args = load_model_args(conv / "config.json")
-    tp = shard_tp(conv, opts.tp)
+    tp = rank_tp(conv, opts.tp)
     check_tp(conv_args, tp, str(conv / "config.json"))
     launcher.backend_for(opts.device)
     threads = opts.threads or launcher.default_threads(tp)

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.errors import PlanError
 from dsv41_convert.verify.prompts import Prompt
 
 
@@ -110,20 +109,9 @@ def load_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Copy an in-memory state dict into `model`, as strictly as load_shards reads a file: the key sets
     must be equal, shapes equal, and dtypes equal except bf16 -> float32 (the model's fp32 Linear and
     head weights are bf16 in the rank files). Raises PlanError naming the tensors."""
-    from dsv41_convert.model.load import expected_tensors
+    from dsv41_convert.model.load import load_tensors
 
-    expected = expected_tensors(model)
-    problems = [f"{n}: missing" for n in sorted(set(expected) - set(state))]
-    problems += [f"{n}: not in the model" for n in sorted(set(state) - set(expected))]
-    for name in sorted(set(state) & set(expected)):
-        p, t = expected[name][0], state[name]
-        widen = t.dtype == torch.bfloat16 and p.dtype == torch.float32
-        if (t.dtype != p.dtype and not widen) or t.shape != p.shape:
-            problems.append(f"{name}: {t.dtype} {list(t.shape)}, model wants {p.dtype} {list(p.shape)}")
-    if problems:
-        raise PlanError("reference weights do not fit the model:\n  " + "\n  ".join(problems[:20]))
-    for name, (p, _owner) in expected.items():
-        p.data.copy_(state[name].to(p.dtype))
+    load_tensors(model, state, "reference weights")
 
 
 def positions_needed(prompt_length: int, n_decode: int) -> int:

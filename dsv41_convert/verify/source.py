@@ -11,14 +11,16 @@ from the source shards. Two flavours:
   stay bf16 (the model is then built with dtype "bf16"); only the Engram tables are still quantized
   to per-row fp8, because the model has no bf16 Engram path.
 
-Everything is held in RAM: fine for verify's small models, not for a 500 GB checkpoint (use
-`--reference-logits` computed on a big machine for those). `plan_state(plan, rank)` computes one rank's
-file of a tp-N plan: what `reference-logits --tp N` runs on each rank.
+Everything is held in RAM: fine for verify's small models, not for a 500 GB checkpoint. `plan_state(plan,
+rank)` computes one rank's file of a tp-N plan: what `reference-logits --tp N` runs on each rank.
+`SourceWeights` gives the tp-1 reference weights one request at a time (Engram tables row by row) for the
+layer-streamed model (model/streamed.py, `reference-logits --stream-layers`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ from torch import Tensor
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
+from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_exact
 
@@ -66,6 +69,18 @@ def _as_output(t: Tensor, out: OutTensor) -> Tensor:
     return t if t.dtype == want else t.view(want)
 
 
+def _compute(t: OutTensor, inputs: list[Tensor], skip_quant: bool, q) -> dict[str, Tensor]:
+    """The output(s) of one planned tensor from its source regions: {name: tensor}, the scale too for a group."""
+    if t.action in BYTE_COPIES:
+        return {t.name: _as_output(inputs[0], t)}
+    if skip_quant and t.action in QUANTIZING:
+        return {t.name: inputs[0].to(torch.bfloat16)}
+    results = apply(t.action, inputs, q, t.name, t.dtype, t.block)
+    if t.group:
+        return {t.name: results[0], t.name.removesuffix(".weight") + ".scale": results[1]}
+    return {t.name: results[0]}
+
+
 def plan_state(
     plan: ConversionPlan, rank: int = 0, skip_quant: bool = False, progress: Progress | None = None
 ) -> dict[str, Tensor]:
@@ -86,18 +101,7 @@ def plan_state(
                 progress("transform source", i, len(tensors))
             if t.name in out or (t.group and t.part != 0):
                 continue  # a group's scale is made with its weight
-            inputs = [_read(src, rd, fds) for rd in t.reads]
-            if t.action in BYTE_COPIES:
-                out[t.name] = _as_output(inputs[0], t)
-                continue
-            if skip_quant and t.action in QUANTIZING:
-                out[t.name] = inputs[0].to(torch.bfloat16)
-                continue
-            results = apply(t.action, inputs, q, t.name, t.dtype, t.block)
-            if t.group:
-                out[t.name], out[t.name.removesuffix(".weight") + ".scale"] = results
-            else:
-                out[t.name] = results[0]
+            out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q))
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -113,6 +117,73 @@ def _padded(t: Tensor, rows: int, fill: int) -> Tensor:
     """`t` with `rows` rows of byte `fill` appended. t: [n, ...] 1-byte dtype -> [n + rows, ...]"""
     tail = torch.full((rows, *t.shape[1:]), fill, dtype=torch.uint8)
     return torch.cat([t.view(torch.uint8), tail]).view(t.dtype)
+
+
+class SourceWeights:
+    """The reference weights of `reference_state`, tensor by tensor on request (model.streamed's
+    WeightProvider): only the requested tensors' bytes are read, through the same plan and transform.
+    Holds one open descriptor per source shard until close()."""
+
+    def __init__(self, src: Path):
+        self.src = Path(src)
+        self.plan = build_plan(self.src, 1, source_experts(self.src))
+        self.source_format = self.plan.source_format
+        self.skip_quant = self.source_format == "bf16"
+        self.by_name = {t.name: t for t in self.plan.files[0].tensors}
+        self.q = quantizer_for("cpu")
+        self.fds: dict[str, int] = {}
+
+    def _planned(self, name: str) -> OutTensor:
+        t = self.by_name.get(name)
+        if t is None:
+            raise PlanError(f"{self.src}: the model wants {name}, which the source does not provide")
+        return self.by_name[t.group] if t.group and t.part != 0 else t
+
+    def __call__(self, names) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for name in names:
+            if name not in out:
+                t = self._planned(name)
+                out.update(self._compute(t, [_read(self.src, rd, self.fds) for rd in t.reads]))
+        return {n: out[n] for n in names}
+
+    def rows(self, names, rows: Tensor) -> dict[str, Tensor]:
+        """Rows `rows` ([n] int64, sorted, unique) of row-split tensors, read run by run (never the whole table).
+        Only row-local transforms qualify (copies and per-row quantization: the Engram tables)."""
+        runs = _runs(rows.tolist())
+        out: dict[str, Tensor] = {}
+        for name in names:
+            if name in out:
+                continue
+            t = self._planned(name)
+            if t.action not in (*BYTE_COPIES, "quant_rows_fp8"):
+                raise PlanError(f"{name}: action {t.action} is not row-local; read it whole")
+            parts: dict[str, list[Tensor]] = {}
+            for r0, r1 in runs:
+                inputs = [_read(self.src, replace(rd, r0=r0, r1=r1), self.fds) for rd in t.reads]
+                for n, x in self._compute(t, inputs).items():
+                    parts.setdefault(n, []).append(x)
+            out.update({n: torch.cat(xs) for n, xs in parts.items()})
+        return {n: out[n] for n in names}
+
+    def _compute(self, t: OutTensor, inputs: list[Tensor]) -> dict[str, Tensor]:
+        return _compute(t, inputs, self.skip_quant, self.q)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted unique row ids as [r0, r1) runs of consecutive rows."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
 
 
 def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | None = None) -> dict[str, Tensor]:

@@ -172,3 +172,26 @@ def test_workers_die_with_a_killed_parent(src, clean, tmp_path, monkeypatch, cap
     assert code == 0 and f"took over the lock of a run that ended without releasing it: pid {run.pid}" in err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
     _same_as_clean(out, clean)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_reference_logits_under_torchrun_holds_the_folder_on_rank_0_only(tmp_path):
+    """torchrun's ranks all run the command: rank 0 holds OUT's folder from the start, the others take no
+    lock (were they to, the launch would refuse itself); a held folder still refuses the launch."""
+    from dsv41_convert.synth.presets import TINY
+    from dsv41_convert.synth.write import write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", TINY, vision=False)["out"]
+    folder = tmp_path / "refs"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+              "-m", "dsv41_convert.cli", "reference-logits", str(src), str(folder / "ref.safetensors"),
+              "--tp", "2", "--decode-steps", "1"]  # fmt: skip
+    res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["ref.safetensors"]
+    (folder / "ref.safetensors").unlink()
+    with hold(folder):
+        res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and f"{folder.resolve()}: in use by pid {os.getpid()}" in res.stderr
+    assert [p.name for p in folder.iterdir()] == []

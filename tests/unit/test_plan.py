@@ -3,6 +3,7 @@ validation problem reported with its file and tensor."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from cli_run import run_cli
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert import plan as plan_module
 from dsv41_convert.convert.plan import ConversionPlan, build_plan, summarize
+from dsv41_convert.convert.plan_json import quote
 from dsv41_convert.convert.validate import gather_sources, validate_sources
 from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.store.safetensors_header import nbytes, read_header
@@ -216,3 +219,73 @@ def test_plan_json_is_what_a_pipeline_reads(src, monkeypatch, capsys):
 def test_with_headers_needs_json(src, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "plan", str(src), "--with-headers")
     assert code == 2 and out == "" and "--with-headers goes with --json" in err
+
+
+def _plan_sha(plan: ConversionPlan) -> str:
+    """sha256 of everything the plan says (every tensor field, every rank header), but its src folder."""
+    doc = plan.to_dict(with_headers=True)
+    doc["src"] = ""
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# Computed on main dd568fc, before plan's speed work: a faster plan must say exactly the same.
+PINNED = {
+    (True, 1, "fp4"): "1900e55460565ca1",
+    (True, 2, "fp8"): "a6d9ffbb164768a0",
+    (True, 4, "fp4"): "ebba83608c30f0e0",
+    (True, 4, "fp8"): "9815a2e805bb277a",
+    (False, 1, "fp8"): "9670b472436c176d",
+    (False, 2, "fp4"): "5584822f965163e0",
+    (False, 4, "fp4"): "f7bc80ccdf89817a",
+    (False, 4, "fp8"): "b06f07078f41de3a",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_sources(tmp_path_factory) -> dict[bool, Path]:
+    root = tmp_path_factory.mktemp("pinned")
+    return {q: make_tiny(root / ("fp8" if q else "bf16"), quantized=q) for q in (True, False)}
+
+
+@pytest.mark.parametrize(("quantized", "tp", "expert_dtype"), sorted(PINNED))
+def test_plan_is_pinned(tiny_sources, quantized, tp, expert_dtype):
+    """Every field of every output tensor and every rank header, as before: speed work changes no byte."""
+    assert _plan_sha(build_plan(tiny_sources[quantized], tp, expert_dtype)) == PINNED[quantized, tp, expert_dtype]
+
+
+@pytest.mark.parametrize(("quantized", "tp", "expert_dtype"), [(True, 2, "fp4"), (True, 4, "fp8"), (False, 2, "fp8")])
+def test_plan_json_text_is_the_dict_dumped(tiny_sources, quantized, tp, expert_dtype):
+    """`plan --json` writes to_json(), built without the dicts: it must be to_dict() dumped, to the byte
+    (tp 2 and 4 hold dim-1 reads with "cols" and replicated reads shared by every rank)."""
+    plan = build_plan(tiny_sources[quantized], tp, expert_dtype)
+    assert plan.to_json() == json.dumps(plan.to_dict(), separators=(",", ":"))
+    extra = {"memory": {"verify": [{"rank": 0, "total": 1}], "note": 'a "q"'}}
+    assert plan.to_json(extra) == json.dumps(plan.to_dict() | extra, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("text", ["plain.name", 'a"quote', "back\\slash", "tab\there", "é", "\x7f", "", "~ [x]"])
+def test_plan_json_quotes_as_json_dumps(text):
+    """A name that needs escapes (quote, backslash, control, non-ASCII: JSON escapes them as \\uXXXX) is
+    written as json.dumps writes it."""
+    assert quote(text) == json.dumps(text)
+
+
+@pytest.mark.parametrize(("quantized", "expert_dtype"), [(True, "fp4"), (True, "fp8"), (False, "fp4"), (False, "fp8")])
+def test_expert_shortcut_makes_what_outputs_makes(tiny_sources, quantized, expert_dtype):
+    """build_plan makes most routed-expert outputs through `_expert_output`; wherever it answers, it must be
+    exactly `_outputs`' one output, and it must answer for the published layout at fp4 (its reason to be)."""
+    src = tiny_sources[quantized]
+    sources = gather_sources(src, plan_module.read_index(src)[1])
+    args = ModelArgs.from_hf_dict(json.loads((src / "config.json").read_text()), "config.json")
+    n_experts = validate_sources(sources, args, 2, expert_dtype)
+    answered = 0
+    for name, s in sources.items():
+        if s.expert is None:
+            continue
+        one = plan_module._expert_output(sources, name, s, 2, n_experts, quantized, expert_dtype)
+        if one is not None:
+            assert [one] == list(plan_module._outputs(sources, name, 2, n_experts, quantized, expert_dtype)), name
+            answered += 1
+    assert answered == (
+        sum(s.expert is not None for s in sources.values()) if quantized and expert_dtype == "fp4" else 0
+    )

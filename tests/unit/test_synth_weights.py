@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -114,7 +112,7 @@ def test_medium_shaped_slices_are_canonical():
             seen.setdefault((p.name.split(".")[-1], p.fmt, p.shape[1]), p)
     assert len(seen) >= 10
     for p in seen.values():
-        _assert_canonical(dataclasses.replace(p, shape=(64, p.shape[1])))
+        _assert_canonical(p._replace(shape=(64, p.shape[1])))
 
 
 def test_tables_hold_no_nan_and_follow_the_gaussian():

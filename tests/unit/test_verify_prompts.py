@@ -38,6 +38,9 @@ def test_jsonl_ids_and_text(tmp_path):
         (json.dumps({"input_ids": []}), r"non-empty list"),
         (json.dumps({"input_ids": [1], "image": "a.png"}), r"image goes with a text prompt"),
         (json.dumps({"text": "hi"}), r"needs tokenizer.json"),
+        (json.dumps({"input_ids": [1], "decode_ids": []}), r"decode_ids must be a non-empty list"),
+        (json.dumps({"input_ids": [1], "decode_ids": [3, "x"]}), r"decode_ids must be a non-empty list"),
+        (json.dumps({"input_ids": [1], "decode_ids": [3, 512]}), r"\[512\] outside the vocabulary"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path, line, match):
@@ -50,3 +53,9 @@ def test_empty_file(tmp_path):
     (tmp_path / "p.jsonl").write_text("\n# only a comment\n")
     with pytest.raises(VerifyInputError, match="no prompts"):
         load_prompts(tmp_path / "p.jsonl", None, 512)
+
+
+def test_decode_ids_are_kept(tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [5, 6], "decode_ids": [9, 8, 7]}) + "\n")
+    (prompt,) = load_prompts(tmp_path / "p.jsonl", None, 512)
+    assert prompt.input_ids == (5, 6) and prompt.decode_ids == (9, 8, 7)

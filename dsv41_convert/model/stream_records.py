@@ -1,0 +1,54 @@
+"""What the layer-streamed model (streamed.py) takes and gives: the weight provider it reads, the prompts,
+the per-prompt results and the per-unit timings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+
+class WeightProvider(Protocol):
+    """Tensors of the tp-1 state dict by name (the model's dtypes; bf16 stands for a float32 weight)."""
+
+    def __call__(self, names: Sequence[str]) -> dict[str, Tensor]: ...
+
+    def rows(self, names: Sequence[str], rows: Tensor) -> dict[str, Tensor]:
+        """Rows `rows` ([n] int64, sorted, unique) of row-split tables (Engram weight and scale)."""
+        ...
+
+
+@dataclass
+class StreamPrompt:
+    """One prompt: input_ids [S] int64, decode_ids [J] int64 (step t feeds decode_ids[t]; the drafts
+    after step t start from decode_ids[t + 1]), token_types [S] and images as Transformer.forward takes them."""
+
+    input_ids: Tensor
+    decode_ids: Tensor
+    token_types: Tensor | None = None
+    images: list | None = None
+
+
+@dataclass
+class StreamResult:
+    """Per prompt, the fields of verify.runner.PromptRun (float32 logits on the CPU)."""
+
+    logits_all: Tensor  # [S, V]
+    last: Tensor  # [V]
+    decode_logits: Tensor  # [J - 1, V]
+    draft_logits: Tensor | None  # [J - 1, K, V]
+    hidden: dict[str, Tensor] = field(default_factory=dict)  # key -> [S, ...] bfloat16
+
+
+@dataclass
+class UnitTiming:
+    """Seconds spent reading weights (provider calls), moving them to the device, and computing."""
+
+    unit: str
+    read_s: float = 0.0
+    transfer_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_read: int = 0
+    experts_read: int = 0

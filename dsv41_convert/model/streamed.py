@@ -1,0 +1,452 @@
+"""Layer-streamed execution of the bundled model at tp 1: one unit of weights in memory at a time.
+
+Units, in order: `vision` (vision.*, aligner.*; only when a prompt has an image), `embed` (embed,
+image_*), `layers.0` .. `layers.{n-1}`, `mtp.0` .. `mtp.{K-1}`, `head` (norm, head, and the last DSpark
+stage's norm / markov_head / confidence_head). Each unit is built, filled from a WeightProvider, run
+over every prompt and every step (the prefill, then each decode step), and dropped before the next.
+What passes between units stays in memory: per prompt and step the hc stream [1, s, hc, dim], its
+collapse weights, the DSpark target inputs and the attention runtime (compressed KV, index keys, top-k
+choice, candidates) that later layers read.
+
+The decode tokens are fixed before the run (`decode_ids`), as verify's teacher forcing feeds them, so
+the result is bit-identical to `verify.runner.run_prompt(whole_model, ..., teacher=decode_ids)` on the
+same device: every unit does the same operations on the same inputs in the same order, only the weights
+arrive later. Each unit's caches are kept per prompt between passes and restored, so every prompt's
+steps see the caches the whole model would.
+
+One pass over the units per step (the prefill of every prompt, then each decode step), not one pass for
+all steps: the attention runtime is shared across steps as upstream's is. At a decode step where a
+ratio-2 KV source's group is still incomplete it publishes no new index keys, and its indexer reads the
+keys published last, which are a later layer's (layer 20's in V4.1-Flash, layer 3's in the tiny preset)
+from the previous step. A layer-major single pass would not have them yet. The runtime left by the last
+layer at step t is what step t + 1 starts from, as in the whole model.
+
+Two kinds of weights are read lazily, never whole:
+- routed experts: read the first time the router sends a token to them (a forward pre-hook);
+- Engram tables: only the rows the prompts' n-gram hashes touch (known before the pass), packed into
+  a small table whose row ids replace the hashes of that layer.
+
+Legend: P prompts, J steps per prompt (1 + decode steps), S prompt length, K draft block.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.model import parallel
+from dsv41_convert.model.block import Block, make_identity_pre_mix
+from dsv41_convert.model.head import ParallelHead
+from dsv41_convert.model.layers import ParallelEmbedding, RMSNorm, dense_dtype
+from dsv41_convert.model.load import expected_tensors, load_tensors
+from dsv41_convert.model.runtime import SharedAttentionRuntime
+from dsv41_convert.model.stream_records import StreamPrompt, StreamResult, UnitTiming, WeightProvider
+from dsv41_convert.model.transformer import block_step, capture_block, merge_image_spans, to_streams
+
+if TYPE_CHECKING:
+    from dsv41_convert.config import ModelArgs
+    from dsv41_convert.progress import Progress
+
+RUNTIME_FIELDS = ("compress_kv", "index_k", "topk_idxs", "candidates")
+DRAFT_HEAD_PARTS = ("norm.", "markov_head.", "confidence_head.")  # of the last stage, run by the head unit
+
+
+@dataclass
+class _Step:
+    """What one (prompt, step) carries from unit to unit."""
+
+    ids: Tensor  # [1, s] int64
+    start_pos: int
+    image_mask: Tensor | None = None
+    engram_mask: Tensor | None = None
+    hashes: Tensor | None = None  # [1, s, G, C] int64
+    h: Tensor | None = None
+    pre_mix: Tensor | None = None
+    runtime: tuple = (None, None, None, None)
+    targets: list[Tensor] = field(default_factory=list)
+    draft_id: Tensor | None = None  # [1] int64
+    main_x: Tensor | None = None
+    draft_h: Tensor | None = None
+    draft_pre: Tensor | None = None
+
+
+class _DraftHeads(nn.Module):
+    """The last DSpark stage's output heads (mtp.draft_outputs reads these attributes)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        from dsv41_convert.model.mtp import DSparkConfidenceHead, DSparkMarkovHead
+
+        self.block_size = args.dspark_block_size
+        self.temperature = args.temperature
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.markov_head = DSparkMarkovHead(args.vocab_size, args.dspark_markov_rank)
+        self.confidence_head = DSparkConfidenceHead(args.dim + args.dspark_markov_rank)
+
+
+def _nbytes(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _release_freed_memory() -> None:
+    """Hand the pages of a dropped unit back to the OS (glibc's malloc_trim; nothing elsewhere). Weights
+    up to glibc's mmap threshold (which grows to 32 MiB once such a block is freed) live on the heap, and
+    without a trim a full-size run's RSS grew by ~0.1 GiB per unit (measured: 5.8 GiB before the head)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Runner:
+    """One pass over the units per step (the prefill of every prompt, then each decode step): the module
+    docstring says why a pass cannot hold several steps and stay exact."""
+
+    def __init__(self, args, provider, prompts, tokenizer, capture_hidden, device, progress):
+        if parallel.is_distributed():
+            raise VerifyInputError("the streamed model runs at tp 1, outside a process group")
+        shortest = min(p.input_ids.numel() for p in prompts)
+        ratio = max(args.compress_ratios[: args.n_layers], default=0)
+        if shortest < ratio:
+            # its prefill would publish no index keys and read the previous prompt's (not streamable)
+            raise VerifyInputError(f"a {shortest}-token prompt: streaming needs {ratio} (the largest compress ratio)")
+        self.args, self.provider, self.device = args, provider, device
+        self.capture = capture_hidden
+        self.progress = progress
+        self.timings: dict[str, UnitTiming] = {}
+        self.runtime = SharedAttentionRuntime()
+        self.prompts = prompts
+        self.steps = [self._steps(p) for p in prompts]
+        self.hidden: list[dict[str, Tensor]] = [{} for _ in prompts]
+        self.buffers: dict[tuple[str, int], dict[str, Tensor]] = {}  # (unit, prompt) -> its caches between passes
+        self.layout = None
+        self.engram_ids: dict[int, Tensor] = {}
+        self.drafts = args.dspark_block_size > 0 and any(len(p.decode_ids) > 1 for p in prompts)
+        self.logits: list[dict[str, list[Tensor]]] = [{"dec": [], "draft": []} for _ in prompts]
+        if args.engram_layer_ids:
+            self._hash(tokenizer)
+
+    def _steps(self, p: StreamPrompt) -> list[_Step]:
+        dev = self.device
+        first = _Step(p.input_ids.to(dev)[None], 0)
+        if p.token_types is not None:
+            first.image_mask = p.token_types.to(dev)[None] >= 0
+            first.engram_mask = ~first.image_mask
+        seq = p.input_ids.numel()
+        steps = [first] + [_Step(p.decode_ids[t].view(1, 1).to(dev), seq + t) for t in range(len(p.decode_ids) - 1)]
+        for j, step in enumerate(steps):
+            step.draft_id = p.decode_ids[j].view(1).to(dev)
+        return steps
+
+    @torch.inference_mode()
+    def _hash(self, tokenizer) -> None:
+        """Every step's Engram rows, in the whole model's order (the hash history is per position)."""
+        from dsv41_convert.model.engram_hash import EngramLayout, NgramHashState
+
+        self.layout = EngramLayout.from_args(self.args)
+        hasher = NgramHashState(self.args, self.layout, tokenizer).to(self.device)
+        for steps in self.steps:
+            for step in steps:
+                step.hashes = hasher(step.ids, step.start_pos, step.engram_mask)
+
+    # --- weights ---
+
+    def _read(self, timing: UnitTiming, names: Sequence[str]) -> dict[str, Tensor]:
+        t0 = time.perf_counter()
+        got = self.provider(names)
+        timing.read_s += time.perf_counter() - t0
+        timing.bytes_read += _nbytes(got)
+        return got
+
+    def _fill(self, unit: nn.Module, timing: UnitTiming, prefix: str, deferred: frozenset[str] = frozenset()) -> None:
+        names = [prefix + n for n in expected_tensors(unit) if n not in deferred]
+        load_tensors(unit, self._read(timing, names), f"{prefix or 'unit'} weights", prefix, deferred)
+
+    def _to_device(self, unit: nn.Module, timing: UnitTiming) -> nn.Module:
+        if self.device == "cpu":
+            return unit
+        t0 = time.perf_counter()
+        unit = unit.to(self.device)
+        torch.cuda.synchronize()
+        timing.transfer_s += time.perf_counter() - t0
+        return unit
+
+    def _lazy_experts(self, moe: nn.Module, prefix: str, timing: UnitTiming) -> frozenset[str]:
+        """Defer the routed experts' weights to their first call; -> the deferred module names."""
+        deferred = set()
+        for e, expert in enumerate(moe.experts):
+            if expert is None:
+                continue
+            local = {n: p for n, (p, _) in expected_tensors(expert).items()}
+            deferred.update(f"ffn.experts.{e}.{n}" for n in local)
+            expert.register_forward_pre_hook(self._expert_loader(f"{prefix}ffn.experts.{e}.", local, timing))
+        return frozenset(deferred)
+
+    def _expert_loader(self, prefix: str, params: dict[str, Tensor], timing: UnitTiming):
+        loaded = []
+
+        def load(_module, _inputs) -> None:
+            if loaded:
+                return
+            got = self._read(timing, [prefix + n for n in params])
+            for n, p in params.items():
+                p.data.copy_(got[prefix + n])
+            timing.experts_read += 1
+            loaded.append(True)
+
+        return load
+
+    # --- state between units and passes ---
+
+    def _restore(self, step: _Step) -> None:
+        for name, value in zip(RUNTIME_FIELDS, step.runtime, strict=True):
+            setattr(self.runtime, name, value)
+
+    def _save(self, step: _Step) -> None:
+        """Keep the runtime as it is after this unit; buffers a unit owns are cloned (later steps write them)."""
+        saved = []
+        for name, before in zip(RUNTIME_FIELDS, step.runtime, strict=True):
+            now = getattr(self.runtime, name)
+            saved.append(now if now is before or now is None else now.clone())
+        step.runtime = tuple(saved)
+
+    def _swap_in(self, unit: nn.Module, name: str, p: int) -> None:
+        saved = self.buffers.get((name, p))
+        if saved is not None:
+            for key, buf in unit.named_buffers():
+                buf.copy_(saved[key])
+
+    def _swap_out(self, unit: nn.Module, name: str, p: int, s: int) -> None:
+        """Caches (KV, compressor, indexer) of this prompt, kept for its next step's pass."""
+        if s + 1 < len(self.steps[p]):
+            self.buffers[(name, p)] = {key: buf.clone() for key, buf in unit.named_buffers()}
+        else:
+            self.buffers.pop((name, p), None)
+
+    # --- the passes ---
+
+    def run(self) -> tuple[list[StreamResult], list[UnitTiming]]:
+        n_steps = max(len(s) for s in self.steps)
+        units = self._unit_names()
+        for s in range(n_steps):
+            if s > 0:  # a step starts from the runtime its previous step left after the last unit
+                for steps in self.steps:
+                    if s < len(steps):
+                        steps[s].runtime = steps[s - 1].runtime
+            label = f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'}): units"
+            for u, name in enumerate(units):
+                if self.progress is not None:
+                    self.progress(label, u, len(units))
+                self._unit(name, s)
+            if self.progress is not None:
+                self.progress(label, len(units), len(units))
+        return self._results(), list(self.timings.values())
+
+    def _unit_names(self) -> list[str]:
+        names = ["vision"] if any(p.images for p in self.prompts) else []
+        names.append("embed")
+        names += [f"layers.{i}" for i in range(self.args.n_layers)]
+        if self.drafts:
+            names += [f"mtp.{k}" for k in range(self.args.n_mtp_layers)]
+        return [*names, "head"]
+
+    def _unit(self, name: str, s: int) -> None:
+        timing = self.timings.setdefault(name, UnitTiming(name))
+        work = [(p, steps[s]) for p, steps in enumerate(self.steps) if s < len(steps)]
+        if name == "vision" and s > 0:
+            return
+        t0, read0, transfer0 = time.perf_counter(), timing.read_s, timing.transfer_s
+        with torch.inference_mode():
+            kind, _, index = name.partition(".")
+            getattr(self, f"_{kind}")(timing, s, work, *((int(index),) if index else ()))
+        _release_freed_memory()
+        spent = time.perf_counter() - t0
+        timing.compute_s += spent - (timing.read_s - read0) - (timing.transfer_s - transfer0)
+
+    def _vision(self, timing: UnitTiming, s: int, work) -> None:
+        from dsv41_convert.model.vision import Aligner, ViT, encode_image
+
+        unit = nn.Module()
+        with dense_dtype(self.args):
+            unit.vision, unit.aligner = ViT(self.args), Aligner(self.args)
+        self._fill(unit, timing, "")
+        unit = self._to_device(unit, timing)
+        self.image_embeds = {
+            p: [encode_image(unit.vision, unit.aligner, i.patches.to(self.device), i.n_vit_h, i.n_vit_w)
+                for i in self.prompts[p].images or ()]
+            for p, _ in work
+        }  # fmt: skip
+
+    def _embed(self, timing: UnitTiming, s: int, work) -> None:
+        args = self.args
+        unit = nn.Module()
+        with dense_dtype(args):
+            unit.embed = ParallelEmbedding(args.vocab_size, args.dim)
+            if args.vision_enabled:
+                for name in ("image_start", "image_end", "image_newline"):
+                    setattr(unit, name, nn.Parameter(torch.empty(args.dim, dtype=torch.bfloat16)))
+        self._fill(unit, timing, "")
+        unit = self._to_device(unit, timing)
+        for p, step in work:
+            h = unit.embed(step.ids)
+            if s == 0 and self.prompts[p].images:
+                encoded = iter(self.image_embeds[p])
+                merge_image_spans(unit, [self.prompts[p].images], h, lambda *_, it=encoded: next(it))
+            if s == 0 and self.capture:
+                self.hidden[p]["embed"] = h.clone()
+            step.h, step.pre_mix = to_streams(h, args.hc_mult)
+            if self.drafts:
+                from dsv41_convert.model.mtp import embed_draft_block
+
+                block, noise = args.dspark_block_size, args.dspark_noise_token_id
+                step.draft_h = embed_draft_block(unit.embed, step.draft_id, block, noise, args.hc_mult)
+                step.draft_pre = make_identity_pre_mix(step.draft_h, step.draft_h.size(2))
+
+    def _engram_rows(self, block: Block, timing: UnitTiming, prefix: str, work) -> None:
+        """Read the rows this pass's hashes touch into a packed table; renumber the hashes to match."""
+        g = block.engram.layer_hash_index
+        rows = torch.unique(torch.cat([step.hashes[..., g, :].flatten().cpu() for _, step in work]))
+        names = [f"{prefix}engram.embed.weight", f"{prefix}engram.embed.scale"]
+        t0 = time.perf_counter()
+        got = self.provider.rows(names, rows)
+        timing.read_s += time.perf_counter() - t0
+        timing.bytes_read += _nbytes(got)
+        emb = block.engram.embed
+        emb.weight.data, emb.scale.data = got[names[0]], got[names[1]]
+        emb.part_num_embeddings = emb.num_embeddings = rows.numel()
+        for _, step in work:
+            packed = step.hashes.clone()
+            packed[..., g, :] = torch.searchsorted(rows.to(step.hashes.device), step.hashes[..., g, :].contiguous())
+            self.engram_ids[id(step)] = packed
+
+    def _layers(self, timing: UnitTiming, s: int, work, i: int) -> None:
+        args, prefix, layout = self.args, f"layers.{i}.", self.layout
+        if layout is not None and i in layout.layer_ids:
+            # an empty table here; _engram_rows fills it with the rows this pass reads
+            counts = list(layout.num_embeddings)
+            counts[layout.layer_ids.index(i)] = 0
+            layout = dataclasses.replace(layout, num_embeddings=tuple(counts))
+        with dense_dtype(args):
+            block = Block(i, args, layout)
+        block.attn.shared = self.runtime
+        deferred = self._lazy_experts(block.ffn, prefix, timing)
+        if block.engram is not None:
+            deferred |= {"engram.embed.weight", "engram.embed.scale"}
+        self._fill(block, timing, prefix, deferred)
+        self.engram_ids = {}
+        if block.engram is not None:
+            self._engram_rows(block, timing, prefix, work)
+        block = self._to_device(block, timing)
+        last = i == args.n_layers - 1
+        for p, step in work:
+            self._swap_in(block, f"layers.{i}", p)
+            self._restore(step)
+            hooks = capture_block(block, f"layers.{i}", self.hidden[p]) if s == 0 and self.capture else []
+            hashes = self.engram_ids.get(id(step), step.hashes)
+            h, pre_mix, target = block_step(
+                block, step.h, step.start_pos, step.pre_mix, step.image_mask, step.engram_mask, hashes
+            )
+            for hook in hooks:
+                hook.remove()
+            self._save(step)
+            self._swap_out(block, f"layers.{i}", p, s)
+            if i in args.dspark_target_layer_ids:
+                step.targets.append(target)
+            if s == 0 and self.capture:
+                self.hidden[p][f"layers.{i}"] = h.clone()
+                self.hidden[p][f"layers.{i}.pre_mix"] = pre_mix.clone()  # as Transformer.forward
+            # after the last layer only the collapsed stream goes on (to the final norm)
+            step.h, step.pre_mix = (block.hc_pre(h, pre_mix), None) if last else (h, pre_mix)
+
+    def _mtp(self, timing: UnitTiming, s: int, work, k: int) -> None:
+        from dsv41_convert.model.mtp import DSparkBlock
+
+        args, prefix = self.args, f"mtp.{k}."
+        with dense_dtype(args):
+            stage = DSparkBlock(args.n_layers + k, args)
+        deferred = self._lazy_experts(stage.ffn, prefix, timing)
+        last = k == args.n_mtp_layers - 1
+        if last:
+            deferred |= {n for n in expected_tensors(stage) if n.startswith(DRAFT_HEAD_PARTS)}
+        self._fill(stage, timing, prefix, deferred)
+        stage = self._to_device(stage, timing)
+        for p, step in work:
+            if len(self.steps[p]) == 1:
+                continue  # no decode steps: the whole model never runs the drafts either
+            self._swap_in(stage, f"mtp.{k}", p)
+            if k == 0:
+                step.main_x = stage.main_context(torch.cat(step.targets, dim=-1))
+            step.draft_h, step.draft_pre = stage(step.draft_h, step.start_pos, step.draft_pre, step.main_x)
+            if last and step.start_pos > 0:
+                step.draft_h = stage.hc_pre(step.draft_h, step.draft_pre)
+            self._swap_out(stage, f"mtp.{k}", p, s)
+
+    def _head(self, timing: UnitTiming, s: int, work) -> None:
+        args = self.args
+        unit = nn.Module()
+        with dense_dtype(args):
+            unit.norm = RMSNorm(args.dim, args.norm_eps)
+            unit.head = ParallelHead(args.vocab_size, args.dim, args.norm_eps, args.hc_eps)
+            drafts = _DraftHeads(args) if self.drafts and s > 0 else None
+        self._fill(unit, timing, "")
+        if drafts is not None:
+            self._fill(drafts, timing, f"mtp.{args.n_mtp_layers - 1}.")
+        unit = self._to_device(unit, timing)
+        if drafts is not None:
+            drafts = self._to_device(drafts, timing)
+            drafts.head = unit.head
+        for p, step in work:
+            normed = unit.norm(step.h)
+            out = self.logits[p]
+            if s == 0:
+                if self.capture:
+                    self.hidden[p]["norm"] = normed.clone()
+                out["all"] = unit.head(normed, full_logits=True)[0].float().cpu()
+                out["last"] = unit.head(normed, full_logits=False)[0].float().cpu()
+                continue
+            out["dec"].append(unit.head(normed)[0].float().cpu())
+            if drafts is not None:
+                from dsv41_convert.model.mtp import draft_outputs
+
+                out["draft"].append(draft_outputs(drafts, step.draft_h, step.draft_id)[1][0].float().cpu())
+
+    def _results(self) -> list[StreamResult]:
+        results = []
+        for p, out in enumerate(self.logits):
+            vocab = out["all"].shape[-1]
+            results.append(
+                StreamResult(
+                    logits_all=out["all"],
+                    last=out["last"],
+                    decode_logits=torch.stack(out["dec"]) if out["dec"] else torch.empty(0, vocab),
+                    draft_logits=torch.stack(out["draft"]) if out["draft"] else None,
+                    hidden={k: v[0].cpu() for k, v in self.hidden[p].items()},
+                )
+            )
+        return results
+
+
+def run_streamed(
+    args: ModelArgs,
+    provider: WeightProvider,
+    prompts: Sequence[StreamPrompt],
+    tokenizer=None,
+    capture_hidden: bool = False,
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> tuple[list[StreamResult], list[UnitTiming]]:
+    """Run `prompts` (prefill, the decode steps feeding decode_ids, the DSpark drafts) unit by unit.
+
+    args: runtime ModelArgs (max_batch_size >= 1, max_seq_len, temperature 0 for the drafts' argmax);
+    tokenizer: as Transformer takes it (Engram's token map); progress(pass label, units done, units in the pass).
+    -> per prompt a StreamResult, per unit a UnitTiming (summed over the passes)
+    """
+    return _Runner(args, provider, list(prompts), tokenizer, capture_hidden, device, progress).run()

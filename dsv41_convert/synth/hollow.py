@@ -1,0 +1,85 @@
+"""`make-tiny OUT --preset full --sparse`: the published V4.1-Flash layout at full size, without the bytes.
+
+The real config.json (dsv41_convert/data/v41-flash.config.json, hash-verified against the published
+file), the published shard grouping (48 files: vision + aligner, embed + image_*, layers 0..39, head +
+norm, mtp 0..2, the two Engram tables) with every tensor of the published catalogue (96,085, real names,
+dtypes, shapes), an index, and a tokenizer.json of the real vocab size (129,280 ids) whose Engram token
+map has the config's engram_compressed_vocab_size (99,092) ids, so the Engram hashing runs on it.
+
+Each shard is a safetensors header followed by a hole: `stat` reports 510,286,023,000 bytes of data,
+the disk holds ~20 MB (headers, index, tokenizer). Every data byte reads as zero, which is valid in
+every dtype of the file: e4m3 / bf16 / f32 / e2m1 zeros, and e8m0 byte 0 = 2^-127. A model run on it
+gives all-zero logits (finite): every weight is 0, so every projection, norm and expert output is 0.
+
+Tensor order within a file is safetensors' serializer order (dtype, then name), as published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from dsv41_convert.config import ModelArgs
+from dsv41_convert.progress import Progress
+from dsv41_convert.store.safetensors_header import build_header
+from dsv41_convert.synth.tokenizer import fit_compressed_size, tokenizer_config
+from dsv41_convert.synth.write import INDEX, plan_shards, prepare_out, write_text
+
+REAL_CONFIG = "v41-flash.config.json"
+
+
+def real_config() -> dict[str, Any]:
+    """The published V4.1-Flash config.json (nested HF form)."""
+    return json.loads(resources.files("dsv41_convert").joinpath("data", REAL_CONFIG).read_text(encoding="utf-8"))
+
+
+def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+    """Write the full-size layout as sparse files into `out` (see the module docstring).
+
+    progress(file, bytes, total): once per shard, with the shard's apparent size.
+    Returns a summary: files with apparent sizes, tensor count, total_size, disk bytes used.
+    """
+    out = Path(out)
+    config = real_config()
+    args = ModelArgs.from_hf_dict(config, REAL_CONFIG)
+    shards = plan_shards(args, quantized=True)
+    prepare_out(out, overwrite)
+    text = config["text_config"]
+    tok = fit_compressed_size(text["vocab_size"], text["engram_compressed_vocab_size"])
+    write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    write_text(out / "tokenizer.json", tok.to_str(pretty=False))
+    model_max = text["max_position_embeddings"]
+    write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max), indent=2, ensure_ascii=False))
+
+    files, weight_map, total = [], {}, 0
+    for shard in shards:
+        header, spans = build_header([(t.name, t.dtype, t.shape) for t in shard.tensors])
+        size = spans[-1][2] if spans else len(header)
+        tmp = out / (shard.file + ".partial")
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.truncate(size)  # the data: a hole that reads as zeros
+        os.replace(tmp, out / shard.file)
+        files.append({"file": shard.file, "bytes": size, "tensors": len(shard.tensors)})
+        weight_map.update({t.name: shard.file for t in shard.tensors})
+        total += size - len(header)
+        if progress is not None:
+            progress(shard.file, size, size)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
+    used = sum(p.stat().st_blocks * 512 for p in out.iterdir())
+    return {
+        "out": str(out),
+        "preset": "full",
+        "sparse": True,
+        "source_dtype": "fp8",
+        "vision": True,
+        "n_tensors": len(weight_map),
+        "total_size": total,
+        "disk_bytes": used,
+        "engram_compressed_vocab_size": text["engram_compressed_vocab_size"],
+        "files": files,
+    }

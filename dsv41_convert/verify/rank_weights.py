@@ -1,0 +1,80 @@
+"""Converted rank files as the layer-streamed model's weights (model.streamed.WeightProvider): each request
+merged back to tp 1 by `convert.unshard.unshard_tensors` (only the named tensors' bytes are read), Engram
+rows read straight from the rank that holds them (rank r holds rows [r * k, (r + 1) * k), k = ceil(rows / N)).
+
+This is the tp-1 replay of a converted set at real scale: `reference-logits OUT_FOLDER ... --stream-layers`
+on rank files computes what a tp-1 run of exactly those bytes gives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.model.load import SAFETENSORS_DTYPES
+from dsv41_convert.store.safetensors_header import Header, pread_exact, read_header
+
+_RANK_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")
+
+
+def rank_file_tp(folder: Path) -> int | None:
+    """The tp of the rank files in `folder`, None when it holds none (an HF source)."""
+    tps = {int(m.group(2)) for p in Path(folder).iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
+    if len(tps) > 1:
+        raise VerifyInputError(f"{folder}: rank files of several tp sizes {sorted(tps)}; keep one set")
+    return tps.pop() if tps else None
+
+
+class RankWeights:
+    """tp-1 tensors from the rank files of `folder` (see the module docstring)."""
+
+    source_format = "fp8"  # rank files are the deployable (quantized) format
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        tp = rank_file_tp(self.folder)
+        if tp is None:
+            raise VerifyInputError(f"{self.folder}: no model{{r}}-mp{{N}}.safetensors rank files")
+        self.tp = tp
+        self.headers: list[Header] = [
+            read_header(self.folder / f"model{r}-mp{tp}.safetensors") for r in range(tp)
+        ]  # fmt: skip
+        self.fds = [os.open(h.path, os.O_RDONLY) for h in self.headers]
+
+    def __call__(self, names) -> dict[str, Tensor]:
+        try:
+            from dsv41_convert.convert.unshard import unshard_tensors
+        except ImportError as exc:  # pragma: no cover - until convert/unshard.py (issue 16) is merged
+            raise VerifyInputError("streaming rank files needs dsv41_convert.convert.unshard") from exc
+        return unshard_tensors(self.folder, list(names), self.tp)
+
+    def rows(self, names, rows: Tensor) -> dict[str, Tensor]:
+        """Rows `rows` ([n] int64, sorted, unique, < the config's row count) of Engram tables."""
+        out = {}
+        for name in names:
+            info0 = self.headers[0].tensors.get(name)
+            if info0 is None:
+                raise VerifyInputError(f"{name}: not in {self.headers[0].path}")
+            per_rank = info0.shape[0]
+            dtype = SAFETENSORS_DTYPES[info0.dtype]
+            row_bytes = (info0.end - info0.begin) // per_rank
+            buf = bytearray(rows.numel() * row_bytes)
+            view = memoryview(buf)
+            for i, row in enumerate(rows.tolist()):
+                r, local = divmod(row, per_rank)
+                info = self.headers[r].tensors[name]
+                at = info.begin + local * row_bytes
+                pread_exact(self.fds[r], view[i * row_bytes : (i + 1) * row_bytes], at, self.headers[r].path)
+            raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+            out[name] = raw.view(rows.numel(), row_bytes).view(dtype)
+        return out
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []

@@ -1,0 +1,94 @@
+"""The reference computed layer by layer (`reference-logits SRC OUT --stream-layers`): the bundled model
+at tp 1 over the source weights, read one unit at a time (model/streamed.py) through SourceWeights, so
+the peak memory is one unit plus the working set instead of the whole checkpoint. A folder of converted
+rank files (model{r}-mp{N}.safetensors) is read through RankWeights instead: merged back to tp 1 per
+request, the tp-1 replay of those bytes.
+
+Decode tokens are fixed before the pass, not chosen greedily: a prompt's `decode_ids` from the prompt
+file (at least decode_steps + 1 of them; the first decode_steps + 1 are used), or else the rule below,
+recorded in the file's decode_ids like greedy ones:
+
+    decode_ids[k] = input_ids[k % len(input_ids)]   (the prompt's own tokens, from its first; text ids
+                                                      before any image span; token 0 for an empty prompt)
+
+The result equals `verify.runner.run_prompt(model, ..., teacher=decode_ids)` on the whole model bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dsv41_convert.config import load_model_args
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.model import parallel
+from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
+from dsv41_convert.progress import Progress
+from dsv41_convert.verify.prompts import Prompt
+from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
+from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
+from dsv41_convert.verify.reffile import Reference
+from dsv41_convert.verify.runner import ModelInput, PromptRun, model_input
+from dsv41_convert.verify.source import SourceWeights
+
+
+def fixed_decode_ids(prompt: Prompt, n_decode: int) -> torch.Tensor:
+    """The n_decode + 1 tokens the decode steps feed (see the module docstring). -> [n_decode + 1] int64"""
+    if prompt.decode_ids is not None:
+        if len(prompt.decode_ids) < n_decode + 1:
+            raise VerifyInputError(
+                f"{prompt.label}: {len(prompt.decode_ids)} decode_ids, {n_decode} decode steps need {n_decode + 1}"
+            )
+        ids = list(prompt.decode_ids[: n_decode + 1])
+    else:
+        own = list(prompt.input_ids) or [0]
+        ids = [own[k % len(own)] for k in range(n_decode + 1)]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def compute_streamed_reference(
+    src: Path,
+    prompts: list[Prompt],
+    n_decode: int,
+    max_seq_len: int | None = None,
+    device: str = "cpu",
+    capture_hidden: bool = True,
+    progress: Progress | None = None,
+    say: Callable[[str], None] | None = None,
+) -> tuple[Reference, list[UnitTiming]]:
+    """Run the source weights unit by unit over `prompts` at tp 1 (fixed decode tokens, drafts).
+
+    -> (the reference, as compute_reference's; per unit the seconds spent reading, transferring, computing)
+    """
+    src = Path(src)
+    if parallel.is_distributed():
+        raise VerifyInputError("the streamed reference runs at tp 1, before joining a process group")
+    say = say or (lambda _msg: None)
+    args = load_model_args(src / "config.json")
+    inputs: list[ModelInput] = [model_input(p, args) for p in prompts]
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
+    args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
+    decode = [fixed_decode_ids(p, n_decode) for p in prompts]
+    streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
+    say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
+    weights = RankWeights(src) if rank_file_tp(src) is not None else SourceWeights(src)
+    tokenizer = src / "tokenizer.json"
+    try:
+        results, timings = run_streamed(
+            args, weights, streamed, tokenizer if tokenizer.exists() else None, capture_hidden, device, progress
+        )
+    finally:
+        weights.close()
+    runs = [
+        PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last)
+        for r, d in zip(results, decode, strict=True)
+    ]
+    source_format = weights.source_format
+    recorded = _recorded(device)  # what decides bit equality, as the whole-model reference records it
+    weights_kind = "converted" if source_format == "fp8" else "bf16"
+    ref = Reference(
+        inputs, runs, [p.label for p in prompts], seq, source_format, device, weights=weights_kind, **recorded
+    )
+    return ref, timings

@@ -1,0 +1,89 @@
+"""make-tiny --preset full --sparse: the published V4.1-Flash layout at full size as holes, checked against
+the reconstructed published headers (tests/data/reference), plus the tokenizer the Engram map needs and
+the options it refuses."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from cli_run import run_cli
+from reference_src import REFERENCE
+
+from dsv41_convert.config import load_model_args
+from dsv41_convert.model.engram_hash import load_token_map
+from dsv41_convert.store.safetensors_header import read_header
+
+pytestmark = pytest.mark.slow  # ~20 s: the tokenizer is fitted to the Engram map's size
+
+
+@pytest.fixture(scope="module")
+def hollow(tmp_path_factory) -> tuple[Path, dict]:
+    from dsv41_convert.synth.hollow import write_hollow
+
+    out = tmp_path_factory.mktemp("full") / "v41"
+    return out, write_hollow(out)
+
+
+def test_layout_is_the_published_one(hollow):
+    out, summary = hollow
+    with gzip.open(REFERENCE / "v41-flash.headers.RECONSTRUCTED.json.gz") as f:
+        published = json.load(f)["shards"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(published)
+    for file, info in published.items():
+        header = read_header(out / file)
+        ours = {n: (e.dtype, tuple(e.shape)) for n, e in header.tensors.items()}
+        assert ours == {n: (t["dtype"], tuple(t["shape"])) for n, t in info["tensors"].items()}, file
+        assert (out / file).stat().st_size - header.data_start == info["data_bytes"], file
+    assert summary["n_tensors"] == 96085 and summary["total_size"] == 510_286_023_000
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 510_286_023_000 and len(index["weight_map"]) == 96085
+    assert (out / "config.json").read_bytes() == (REFERENCE / "v41-flash.config.json").read_bytes()
+
+
+def test_holes_read_as_zeros_and_take_no_disk(hollow):
+    out, summary = hollow
+    assert summary["disk_bytes"] < 40 * 2**20
+    assert sum(p.stat().st_blocks * 512 for p in out.iterdir()) == summary["disk_bytes"]
+    path = out / "model-00047-of-00048.safetensors"
+    header = read_header(path)
+    e = header.tensors["layers.1.engram.embed.scale"]
+    with open(path, "rb") as f:
+        f.seek(e.begin + 1000 * 8)
+        assert f.read(4096) == bytes(4096)  # e8m0 code 0 = 2^-127: a valid scale
+
+
+def test_tokenizer_feeds_the_engram_map(hollow):
+    out, _ = hollow
+    args = load_model_args(out / "config.json")
+    token_map = load_token_map(out / "tokenizer.json", args.engram_compressed_vocab_size)
+    assert len(token_map) == args.vocab_size == 129280
+    assert max(token_map) + 1 == args.engram_compressed_vocab_size == 99092
+
+
+def test_plan_and_dry_run_run_on_it(hollow, monkeypatch, capsys):
+    out, _ = hollow
+    code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(out), str(out.parent / "mp8"), "--tp", "8",
+                                "--dry-run", "--json")  # fmt: skip
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["tp"] == 8 and summary["total_bytes"] > 537e9  # wo_a to bf16, replicated tensors x 8
+    assert not (out.parent / "mp8").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--preset", "full"], r"--preset full goes with --sparse"),
+        (["--sparse"], r"--preset full goes with --sparse"),
+        (["--preset", "full", "--sparse", "--source-dtype", "bf16"], r"published layout: no --source-dtype bf16"),
+    ],
+)
+def test_refused_combinations(tmp_path, monkeypatch, capsys, extra, match):
+    import re
+
+    code, _, err = run_cli(monkeypatch, capsys, "make-tiny", str(tmp_path / "x"), *extra)
+    assert code == 2 and re.search(match, err), err
+    assert not (tmp_path / "x").exists()

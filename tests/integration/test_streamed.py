@@ -1,0 +1,241 @@
+"""The layer-streamed model (model/streamed.py, verify/streamed.py) against the whole model at tp 1:
+bit-identical prefill, decode and draft logits and hidden states, for fp8 and bf16 sources and an
+image prompt; and the streamed path reads only what it needs (routed experts, touched Engram rows)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41_convert.synth.presets import TINY
+from dsv41_convert.synth.write import write_checkpoint
+from dsv41_convert.verify.prompts import default_prompts, load_prompts
+from dsv41_convert.verify.reference import pick_max_seq_len
+from dsv41_convert.verify.runner import build_model, load_state, model_input, run_prompt
+from dsv41_convert.verify.source import SourceWeights, reference_state
+from dsv41_convert.verify.streamed import compute_streamed_reference, fixed_decode_ids
+
+N_DECODE = 2
+
+
+def whole_model_runs(src: Path, prompts, n_decode: int, teacher: list[torch.Tensor]):
+    """The whole model at tp 1 on the same weights, fed the same decode tokens (teacher forcing)."""
+    from dsv41_convert.config import load_model_args
+
+    args = load_model_args(src / "config.json")
+    inputs = [model_input(p, args) for p in prompts]
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, None)
+    args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
+    model = build_model(args, src / "tokenizer.json", "cpu")
+    load_state(model, reference_state(src)[1])
+    return [run_prompt(model, i, n_decode, t, True) for i, t in zip(inputs, teacher, strict=True)]
+
+
+def assert_bit_identical(streamed, whole) -> None:
+    for s, w in zip(streamed, whole, strict=True):
+        assert torch.equal(s.decode_ids, w.decode_ids)
+        for key in ("logits_all", "last", "decode_logits"):
+            a, b = getattr(s, key), getattr(w, key)
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), key
+        assert (s.draft_logits is None) == (w.draft_logits is None)
+        if w.draft_logits is not None:
+            assert torch.equal(s.draft_logits.view(torch.int32), w.draft_logits.view(torch.int32))
+        assert sorted(s.hidden) == sorted(w.hidden)
+        for key in w.hidden:
+            assert torch.equal(s.hidden[key].view(torch.int16), w.hidden[key].view(torch.int16)), key
+
+
+class CountingWeights(SourceWeights):
+    """SourceWeights that records what the streamed model asks for."""
+
+    def __init__(self, src: Path):
+        super().__init__(src)
+        self.names: list[str] = []
+        self.row_reads: dict[str, int] = {}
+
+    def __call__(self, names):
+        self.names += list(names)
+        return super().__call__(names)
+
+    def rows(self, names, rows):
+        for n in names:
+            self.row_reads[n] = self.row_reads.get(n, 0) + rows.numel()
+        return super().rows(names, rows)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("streamed")
+    out = {}
+    for dtype in ("fp8", "bf16"):
+        out[dtype] = root / dtype
+        write_checkpoint(out[dtype], TINY, seed=0, quantized=dtype == "fp8", vision=dtype == "fp8")
+    return out
+
+
+@pytest.mark.slow  # the whole model and the streamed one, 2 prompts x 3 steps each
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_streamed_equals_whole_model_bit_for_bit(sources, dtype):
+    src = sources[dtype]
+    prompts = default_prompts(TINY.vocab_size, count=2)
+    ref, timings = compute_streamed_reference(src, prompts, N_DECODE)
+    assert ref.source_format == dtype
+    assert [t.unit for t in timings] == ["embed", *(f"layers.{i}" for i in range(6)), "mtp.0", "mtp.1", "mtp.2", "head"]
+    assert ref.runs[0].draft_logits.shape == (N_DECODE, 5, TINY.vocab_size)
+    whole = whole_model_runs(src, prompts, N_DECODE, [r.decode_ids for r in ref.runs])
+    assert_bit_identical(ref.runs, whole)
+
+
+@pytest.mark.slow
+def test_streamed_image_prompt_bit_for_bit(sources, tmp_path):
+    from PIL import Image
+
+    from dsv41_convert.verify.prompts import Prompt
+
+    img = Image.new("RGB", (100, 70))
+    img.putdata([((x * 7) % 256, (y * 5) % 256, (x * y) % 256) for y in range(70) for x in range(100)])
+    img.save(tmp_path / "a.png")
+    prompts = [Prompt(tuple(range(5, 25)), "vl", image=str(tmp_path / "a.png"))]
+    ref, timings = compute_streamed_reference(sources["fp8"], prompts, 1)
+    assert timings[0].unit == "vision" and (ref.inputs[0].token_types >= 0).any()
+    whole = whole_model_runs(sources["fp8"], prompts, 1, [r.decode_ids for r in ref.runs])
+    assert_bit_identical(ref.runs, whole)
+
+
+def test_a_wrong_tensor_from_the_provider_moves_the_logits(sources, monkeypatch):
+    """The streamed model computes with what the provider hands it (a unit is not silently skipped)."""
+    from dsv41_convert.model import streamed
+
+    prompts = default_prompts(TINY.vocab_size, count=1, length=20)
+    args = _args(sources["fp8"], prompts, n_decode=0)
+    good = SourceWeights(sources["fp8"])
+
+    def bad(names):
+        got = good(names)
+        key = "layers.4.attn.wo_b.scale"
+        if key in got:
+            got[key] = (got[key].view(torch.uint8) + 1).view(torch.float8_e8m0fnu)  # every block doubled
+        return got
+
+    bad.rows = good.rows
+    inputs = [_stream_prompt(p, args, 0) for p in prompts]
+    ok, _ = streamed.run_streamed(args, good, inputs, sources["fp8"] / "tokenizer.json")
+    wrong, _ = streamed.run_streamed(args, bad, inputs, sources["fp8"] / "tokenizer.json")
+    assert not torch.equal(ok[0].logits_all, wrong[0].logits_all)
+
+
+def test_reads_only_routed_experts_and_touched_engram_rows(sources):
+    from dsv41_convert.model import streamed
+
+    prompts = default_prompts(TINY.vocab_size, count=1, length=20)
+    args = _args(sources["fp8"], prompts, n_decode=0)
+    weights = CountingWeights(sources["fp8"])
+    _, timings = streamed.run_streamed(args, weights, [_stream_prompt(p, args, 0) for p in prompts],
+                                       sources["fp8"] / "tokenizer.json")  # fmt: skip
+    assert not any("engram.embed" in n for n in weights.names)  # never through the whole-tensor call
+    table_rows = args.engram_num_embeddings
+    for layer, rows in zip(args.engram_layer_ids, table_rows, strict=True):
+        touched = weights.row_reads[f"layers.{layer}.engram.embed.weight"]
+        assert 0 < touched <= 20 * 24 < rows  # at most one row per (position, hash column)
+    for i in range(args.n_layers):
+        experts = {n.split(".")[3] for n in weights.names if n.startswith(f"layers.{i}.ffn.experts.")}
+        assert 0 < len(experts) <= timings[1 + i].experts_read < args.n_routed_experts
+    assert not any(n.startswith("mtp.") for n in weights.names)  # no decode step, no drafts
+
+
+def test_decode_ids_from_the_prompt_file_and_the_default_rule(sources):
+    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.verify.prompts import Prompt
+
+    given = Prompt((5, 6, 7), "a", decode_ids=(9, 8, 7, 6))
+    assert fixed_decode_ids(given, 2).tolist() == [9, 8, 7]
+    assert fixed_decode_ids(Prompt((5, 6, 7), "b"), 4).tolist() == [5, 6, 7, 5, 6]
+    with pytest.raises(VerifyInputError, match=r"a: 4 decode_ids, 5 decode steps need 6"):
+        fixed_decode_ids(given, 5)
+
+
+def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, capsys):
+    from cli_run import run_cli
+
+    from dsv41_convert.verify import reffile
+
+    ids = list(default_prompts(TINY.vocab_size, count=1, length=20)[0].input_ids)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": ids, "decode_ids": [11, 12, 13]}) + "\n")
+    out = tmp_path / "ref.safetensors"
+    code, stdout, _ = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out),
+                              "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1",
+                              "--json")  # fmt: skip
+    assert code == 0, stdout
+    summary = json.loads(stdout)
+    assert summary["units"][0]["unit"] == "embed" and summary["bytes_read"] > 0
+    ref = reffile.load(out, 128)
+    assert ref.runs[0].decode_ids.tolist() == [11, 12]
+    prompts = load_prompts(tmp_path / "p.jsonl", None, TINY.vocab_size)
+    whole = whole_model_runs(sources["fp8"], prompts, 1, [torch.tensor([11, 12])])
+    assert torch.equal(ref.runs[0].decode_logits, whole[0].decode_logits)
+    assert torch.equal(ref.runs[0].logits, whole[0].logits)
+
+
+def _args(src: Path, prompts, n_decode: int = 1):
+    from dsv41_convert.config import load_model_args
+
+    args = load_model_args(src / "config.json")
+    seq = pick_max_seq_len([len(p.input_ids) for p in prompts], n_decode, None)
+    return args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
+
+
+def _stream_prompt(prompt, args, n_decode: int = 1):
+    from dsv41_convert.model.streamed import StreamPrompt
+
+    return StreamPrompt(model_input(prompt, args).input_ids, fixed_decode_ids(prompt, n_decode))
+
+
+@pytest.mark.slow
+def test_rank_files_replay_equals_the_source(sources, tmp_path):
+    """Converted rank files (tp 2) streamed through RankWeights give the source's streamed outputs bit for
+    bit (the converter only relabels fp4 experts and dequantizes wo_a, as SourceWeights does)."""
+    pytest.importorskip("dsv41_convert.convert.unshard")
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+
+    execute(build_plan(sources["fp8"], 2), tmp_path / "mp2")
+    prompts = default_prompts(TINY.vocab_size, count=1, length=20)
+    ref, _ = compute_streamed_reference(sources["fp8"], prompts, 1)
+    replay, _ = compute_streamed_reference(tmp_path / "mp2", prompts, 1)
+    assert_bit_identical(replay.runs, ref.runs)
+
+
+def test_engram_rows_from_rank_files(sources, tmp_path):
+    """RankWeights.rows reads a row from the rank that holds it (rows split ceil(rows / tp) per rank)."""
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.verify.rank_weights import RankWeights
+
+    execute(build_plan(sources["fp8"], 4), tmp_path / "mp4")
+    name = "layers.1.engram.embed.weight"
+    whole = SourceWeights(sources["fp8"])([name])[name]
+    rows = torch.tensor([0, 1, whole.shape[0] // 2, whole.shape[0] - 1])
+    got = RankWeights(tmp_path / "mp4").rows([name, name.replace("weight", "scale")], rows)
+    assert torch.equal(got[name].view(torch.uint8), whole[rows].view(torch.uint8))
+
+
+def test_a_prompt_shorter_than_a_compress_group_is_refused(sources):
+    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.verify.prompts import Prompt
+
+    with pytest.raises(VerifyInputError, match=r"a 1-token prompt: streaming needs 2"):
+        compute_streamed_reference(sources["fp8"], [Prompt((5,), "short")], 1)
+
+
+def test_cli_stream_layers_refuses_tp(sources, tmp_path, monkeypatch, capsys):
+    from cli_run import run_cli
+
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out), "--stream-layers",
+                           "--tp", "2")  # fmt: skip
+    assert code == 2 and "--stream-layers computes the tp-1 reference" in err
+    assert not out.exists()
