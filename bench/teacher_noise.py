@@ -37,8 +37,8 @@ def worst_by_kind(devs: list[teacher.ModuleDeviations]) -> dict[str, float]:
         for key, value in d.ulps.items():
             kind = re.sub(r"layers\.\d+", "block", key).replace("block.", "")
             out[kind] = max(out.get(kind, 0.0), value)
-        for value in d.flips.values():
-            out["indexer"] = max(out.get("indexer", 0.0), value)
+        for value in d.flips.values():  # positions choosing otherwise, as a share of the prompt
+            out["indexer"] = max(out.get("indexer", 0.0), value / d.positions)
     return out
 
 

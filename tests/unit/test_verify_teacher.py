@@ -24,8 +24,8 @@ def test_bf16_ulps_counts_in_ulps_of_the_row_scale():
 
 
 def test_judge_fails_a_module_over_the_bound_and_too_many_indexer_flips():
-    quiet = ModuleDeviations({"layers.0.attn": 1.0, "layers.0.ffn": 0.0}, {"layers.1.attn.indexer": 0.025})
-    loud = ModuleDeviations({"layers.0.attn": 0.0, "layers.0.ffn": 9.0}, {"layers.1.attn.indexer": 0.5})
+    quiet = ModuleDeviations({"layers.0.attn": 1.0, "layers.0.ffn": 0.0}, {"layers.1.attn.indexer": 1}, 40)
+    loud = ModuleDeviations({"layers.0.attn": 0.0, "layers.0.ffn": 9.0}, {"layers.1.attn.indexer": 20}, 40)
     held = judge([quiet], ["a"])
     assert held.decisive and not held.exact and not held.failures
     failed = judge([quiet, loud], ["a", "b"])
@@ -33,6 +33,11 @@ def test_judge_fails_a_module_over_the_bound_and_too_many_indexer_flips():
     assert any(f.startswith("teacher layers.0.ffn: 9 bf16 ulps > 2 (b)") for f in failed.failures), failed.failures
     assert any(f.startswith("teacher layers.1.attn.indexer") for f in failed.failures), failed.failures
     assert judge([ModuleDeviations({"norm": float("nan")})], ["a"]).failures
+    # a short prompt may still flip two positions; 10 % of a long one
+    assert not judge([ModuleDeviations({}, {"layers.1.attn.indexer": 2}, 8)], ["a"]).failures
+    assert judge([ModuleDeviations({}, {"layers.1.attn.indexer": 3}, 8)], ["a"]).failures
+    assert not judge([ModuleDeviations({}, {"layers.1.attn.indexer": 10}, 100)], ["a"]).failures
+    assert judge([ModuleDeviations({}, {"layers.1.attn.indexer": 11}, 100)], ["a"]).failures
     # a held teacher check decides the run; a broken one fails it (verify.verdict)
     assert decide([held], [], statistical=False) == PASS
     assert decide([failed], [], statistical=False) == FAIL
