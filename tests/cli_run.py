@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 from dsv41_convert.cli import main
@@ -17,3 +18,21 @@ def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, " ".join(err.split())
+
+
+_FILE_SIZE_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.argv = ["dsv41-convert"] + sys.argv[1:]
+from dsv41_convert.cli import main
+main()
+"""
+
+
+def run_cli_with_file_size_limit(limit_bytes: int, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess whose files cannot grow past `limit_bytes`: write() fails with EFBIG
+    mid-file, as on a full disk. -> the finished process (text stdout/stderr)"""
+    return subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(limit_bytes), *args],
+                          capture_output=True, text=True)  # fmt: skip

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import run_cli
+from cli_run import run_cli, run_cli_with_file_size_limit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
@@ -164,23 +164,11 @@ def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
     assert_nothing_finished(tmp_path / "out")
 
 
-_LIMITED = """
-import resource, signal, sys
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
-sys.argv = ["dsv41-convert"] + sys.argv[1:]
-from dsv41_convert.cli import main
-main()
-"""
-
-
 @pytest.mark.slow
 def test_disk_full_while_writing(src, tmp_path):
     """A real write error: the file-size limit makes write() fail with EFBIG mid-file, as a full disk would."""
     out = tmp_path / "out"
-    res = subprocess.run(
-        [sys.executable, "-c", _LIMITED, "shard", str(src), str(out), "--tp", "1"], capture_output=True, text=True
-    )
+    res = run_cli_with_file_size_limit(200_000, "shard", str(src), str(out), "--tp", "1")
     err = " ".join(res.stderr.split())
     assert res.returncode == 2, res.stderr
     assert "model0-mp1.safetensors: no space left on the device while writing tensor" in err
