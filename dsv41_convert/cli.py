@@ -262,20 +262,28 @@ def shard_cmd(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
             progress=progress, direct_io=direct_io,
         )  # fmt: skip
+    _report_run(summary, as_json, "file(s)", summary["manifest"] or "pending (not every rank is done yet)")
+    if as_json:
+        return
+    if summary.get("fragment"):
+        report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
+
+
+def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None:
+    """What a writing run (shard, export) did: locks taken over (stderr), then the summary as JSON, or one
+    line of counts and the files continued from an earlier run."""
     for holder in summary["took_over"]:
         report.info(f"took over the lock of a run that ended without releasing it: {holder}")
     if as_json:
-        return report.print_json(summary)
+        report.print_json(summary)
+        return
     report.info(
-        f"wrote {len(summary['written'])} file(s), {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
-        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; "
-        f"manifest: {summary['manifest'] or 'pending (not every rank is done yet)'}"
+        f"wrote {len(summary['written'])} {files}, {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
+        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; manifest: {manifest}"
     )
     if summary.get("resumed"):
         kept = sum(summary["resumed"].values())
         report.info(f"continued {len(summary['resumed'])} partial file(s), {kept / 1e9:.2f} GB kept from before")
-    if summary.get("fragment"):
-        report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
 
 
 # --- commands: verify, reference-logits, check, demo ---
@@ -669,17 +677,9 @@ def export_cmd(
         return report.print_json(summary) if as_json else _plan_table(summary)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
         summary = export(ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress)
-    for holder in summary["took_over"]:
-        report.info(f"took over the lock of a run that ended without releasing it: {holder}")
+    _report_run(summary, as_json, "shard(s)", summary["manifest"])
     if as_json:
-        return report.print_json(summary)
-    report.info(
-        f"wrote {len(summary['written'])} shard(s), {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
-        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; manifest: {summary['manifest']}"
-    )
-    if summary.get("resumed"):
-        kept = sum(summary["resumed"].values())
-        report.info(f"continued {len(summary['resumed'])} partial file(s), {kept / 1e9:.2f} GB kept from before")
+        return
     report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
 
 
