@@ -47,6 +47,8 @@ _BYTES_TABLE, _EXACT_TABLE = _pair_tables()
 # back to bytes after the gather, so the layout round-trips on any byte order
 _PAIR16 = _BYTES_TABLE.contiguous().view(torch.int16).view(-1)
 _PAIR_EXACT = _EXACT_TABLE.all(dim=-1)
+# offsets whose every byte casts exactly (k >= -8): a weight using only these needs no per-byte check
+_K_EXACT = _EXACT_TABLE.view(-1, 256, 2).all(dim=2).all(dim=1)
 
 
 def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Tensor, Tensor]:
@@ -88,10 +90,12 @@ def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>
     s8_OG = s8.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(groups_per_block, 1)[:, : want[1]]
     # both are powers of two (2**-127 included: frexp handles subnormals), so k is exact
     k_OG = torch.frexp(s_OG).exponent - torch.frexp(s8_OG).exponent
-    row_OG = (k_OG.clamp_min(K_MIN) - K_MIN) * 256
+    kk_OG = k_OG.clamp_min(K_MIN) - K_MIN
+    row_OG = kk_OG * 256
     row = row_OG.repeat_interleave(block // 2, dim=1)[:, :half] + packed.view(torch.uint8)  # [O, I/2] int32
     row = row.view(-1)
-    if not bool(_PAIR_EXACT.index_select(0, row).all()):
+    exact = bool(_K_EXACT.index_select(0, kk_OG.view(-1)).all()) or bool(_PAIR_EXACT.index_select(0, row).all())
+    if not exact:
         o, j, nib = (int(i) for i in (~_EXACT_TABLE[row.view(out, half)]).nonzero()[0])
         _raise_lossy(name, packed, s_OG, s8, k_OG, o, 2 * j + nib, block)
     w8 = _PAIR16.index_select(0, row).view(torch.uint8).view(out, inp).view(torch.float8_e4m3fn)

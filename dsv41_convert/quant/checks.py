@@ -24,6 +24,16 @@ def require_finite(w: Tensor, name: str) -> None:
     )
 
 
+def require_amax_finite(amax: Tensor, w: Tensor, name: str) -> None:
+    """Raise as `require_finite(w, name)` does when a block amax is not finite: a NaN or Inf in `w`
+    reaches its block's amax (torch's amax propagates NaN), so the whole-tensor scan runs only then.
+
+    amax: [...]  float32, max |w| per block;  w: the weight it came from
+    """
+    if not bool(torch.isfinite(amax).all()):
+        require_finite(w, name)
+
+
 def require_dtype(t: Tensor, allowed: tuple[torch.dtype, ...], what: str) -> None:
     """ValueError when a caller hands over a tensor of the wrong dtype (a programming error)."""
     if t.dtype not in allowed:

@@ -1,0 +1,169 @@
+"""The CPU table paths of quant/ give the same bytes as the float paths they replace.
+
+decode_fp8_blocks gathers e4m3 values from a table instead of q.float(); decode_mxfp4 to bf16 gathers
+both values of a packed byte for its scale; encode_mxfp4 of a bf16 weight codes through a table of every
+bf16 bit pattern; pack_nibbles works on byte pairs; the encoders scan for NaN / Inf only when a block
+amax is not finite; fp4_to_fp8 skips the per-byte exactness gather when every offset is exact. Each test
+compares with the float path (kept for other dtypes and devices) on every table entry or on random data
+with the edge cases: zeros, subnormals, +-max, ties, shapes not divisible by the block, NaN / Inf.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dsv41_convert.errors import FormatError
+from dsv41_convert.quant import cast, decode_fp8_blocks, decode_mxfp4, encode_e2m1, encode_fp8_blocks, encode_mxfp4
+from dsv41_convert.quant import fp4 as fp4_mod
+from dsv41_convert.quant.fp8 import e4m3_to_float, pad_blocks, unpad_blocks
+
+ALL_BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+ALL_BF16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)
+FINITE_BF16 = ALL_BF16[torch.isfinite(ALL_BF16)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal dtype, shape and bytes (NaN payloads and -0 included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    ua, ub = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    assert torch.equal(ua, ub), (ua != ub).nonzero()[:5].tolist()
+
+
+def edge_bf16(out: int, inp: int, seed: int) -> torch.Tensor:
+    """A bf16 weight with groups spread over many magnitudes, plus zeros, subnormals, +-max and ties."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=gen) * torch.exp2(torch.randint(-40, 40, (out, 1), generator=gen).float())
+    w = w.bfloat16()
+    flat = w.view(-1)
+    big = torch.finfo(torch.bfloat16).max
+    edges = [
+        [0.0] * 40,
+        [1e-39, -1e-39, 9.2e-41, -9.2e-41, 0.0, -0.0, 1e-38, 2e-40],  # subnormals, -0
+        [big, -big, 1.0, -0.75],
+        [6.0, -6.0, 0.25, 0.75, 1.75, 2.5, 3.5, 5.0],  # e2m1 ties, at scale 1
+    ]
+    at = 0
+    for values in edges:
+        k = min(len(values), flat.numel() - at)
+        flat[at : at + k] = torch.tensor(values[:k])
+        at = min(flat.numel(), at + k + flat.numel() // 5)
+    return w
+
+
+SHAPES = [(64, 128), (33, 70), (1, 32), (5, 2), (96, 40)]
+
+
+# --- fp8 ------------------------------------------------------------------------------------------
+
+
+def test_e4m3_table_is_the_cast_for_every_byte_and_layout():
+    q = ALL_BYTES.view(torch.float8_e4m3fn)
+    same_bits(e4m3_to_float(q), q.float())  # both NaN bytes, +-0, subnormals, +-448
+    wide = torch.randint(0, 256, (48, 80), dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    same_bits(e4m3_to_float(wide), wide.float())
+    same_bits(e4m3_to_float(wide[:, 3:70:2]), wide[:, 3:70:2].float())  # a strided view
+
+
+@pytest.mark.parametrize("block", [(32, 32), (1, 32), (128, 128)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_fp8_blocks_equals_the_float_path(shape, block):
+    out, inp = shape
+    gen = torch.Generator().manual_seed(out * inp)
+    q = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    grid = (-(-out // block[0]), -(-inp // block[1]))
+    s = torch.randint(0, 256, grid, generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = unpad_blocks(pad_blocks(q.float(), *block) * s.float()[:, None, :, None], out, inp).to(dtype)
+        same_bits(decode_fp8_blocks(q, s, block, dtype), want)
+
+
+@pytest.mark.parametrize("block", [(32, 32), (1, 32)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_encode_fp8_blocks_bf16_equals_float32(shape, block):
+    w = edge_bf16(*shape, seed=shape[0])
+    for a, b in zip(encode_fp8_blocks(w, block), encode_fp8_blocks(w.float(), block), strict=True):
+        same_bits(a, b)
+
+
+# --- fp4 ------------------------------------------------------------------------------------------
+
+
+def test_e2m1_table_of_every_bf16_scaled_by_every_scale():
+    """Every finite bf16 value over every power-of-two scale the encoder can pick (2**-126 .. 2**127)."""
+    w = FINITE_BF16.view(1, -1)
+    exps = torch.arange(-126, 128, dtype=torch.float32)
+    for chunk in exps.split(32):
+        s = torch.exp2(chunk).view(-1, 1)
+        got = fp4_mod._encode_e2m1_scaled_bf16(w.expand(len(chunk), -1), s)
+        want = encode_e2m1(w.float() / s)
+        assert torch.equal(got, want), (chunk[0].item(), (got != want).nonzero()[:5].tolist())
+
+
+@pytest.mark.parametrize("block", [32, 16, 2])
+@pytest.mark.parametrize("shape", [*SHAPES, (2, 3, 96)])
+def test_encode_mxfp4_bf16_equals_float32(shape, block):
+    w = edge_bf16(math.prod(shape[:-1]), shape[-1], seed=shape[-1]).view(shape)
+    for a, b in zip(encode_mxfp4(w, block), encode_mxfp4(w.float(), block), strict=True):
+        same_bits(a, b)
+
+
+def test_mxfp4_bf16_table_is_the_float_path_for_every_scale_and_byte():
+    packed = ALL_BYTES.expand(256, 256).contiguous().view(256, 256)  # row = scale byte, 255 is NaN
+    s = ALL_BYTES.view(torch.float8_e8m0fnu).view(256, 1).expand(256, 16).contiguous()
+    got = decode_mxfp4(packed, s, 32, torch.bfloat16)
+    same_bits(got, fp4_mod._decode_mxfp4_float(packed, s, 32, torch.bfloat16))
+
+
+@pytest.mark.parametrize("block", [32, 16, 2, 3])
+@pytest.mark.parametrize("shape", [(64, 128), (33, 70), (1, 32), (2, 3, 96), (4, 36)])
+def test_decode_mxfp4_equals_the_float_path(shape, block):
+    gen = torch.Generator().manual_seed(block + shape[-1])
+    packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    grid = (*shape[:-1], -(-shape[-1] // block))
+    s = torch.randint(0, 256, grid, generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu)
+    for dtype in (torch.bfloat16, torch.float32):
+        for p in (packed, packed.view(torch.int8), packed.view(torch.float4_e2m1fn_x2)):
+            same_bits(decode_mxfp4(p, s, block, dtype), fp4_mod._decode_mxfp4_float(packed, s, block, dtype))
+
+
+def test_pack_nibbles_pairs_equal_the_strided_formula():
+    codes = torch.stack(torch.meshgrid(ALL_BYTES, ALL_BYTES, indexing="ij"), -1).reshape(-1, 2)  # every pair
+    want = (codes[..., 0::2] & 0x0F) | ((codes[..., 1::2] & 0x0F) << 4)  # the formula; bytes > 15 masked
+    same_bits(fp4_mod.pack_nibbles(codes), want)
+    wide = codes.reshape(64, -1)
+    same_bits(fp4_mod.pack_nibbles(wide[:, 2:50]), (wide[:, 2:50:2] & 0x0F) | ((wide[:, 3:50:2] & 0x0F) << 4))
+
+
+# --- NaN / Inf: found from the block amax, reported as before ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_anywhere_raises_naming_the_first(bad, dtype):
+    for pos in [(0, 0), (2, 39), (40, 69), (40, 0)]:
+        w = torch.randn(41, 70).to(dtype)
+        w[pos] = bad
+        w[40, 69] = bad  # a second one: the message names the first
+        where = rf"w: found {'nan' if math.isnan(bad) else '-?inf'} at index \[{pos[0]}, {pos[1]}\] \(\d non-finite"
+        with pytest.raises(FormatError, match=where):
+            encode_mxfp4(w, 32, "w")
+        for block in [(32, 32), (1, 32)]:
+            with pytest.raises(FormatError, match=where):
+                encode_fp8_blocks(w, block, name="w")
+
+
+# --- fp4 -> fp8: the per-byte check is skipped only where every byte of every offset is exact --------
+
+
+def test_cast_skips_the_byte_check_only_for_offsets_that_are_always_exact():
+    k = torch.arange(cast.K_MIN, cast.MAX_OFFSET_BITS + 1)
+    assert torch.equal(cast._K_EXACT, k >= -8)  # 0.5 * 2**-8 = 2**-9, e4m3's least subnormal
+    packed = torch.zeros(2, 16, dtype=torch.uint8)  # logical [2, 32]: one 32x32 block, a scale per row
+    packed[1, 0] = 0x01  # 0.5 in row 1, whose scale 2**-15 sits 2**-9 below the block scale 2**-6
+    s = torch.tensor([[127], [127 - 15]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(FormatError, match=r"lossy at \[1, 0\]"):
+        cast.fp4_to_fp8(packed, s, 32, "w")
+    packed[1, 0] = 0x02  # 1.0 there is 2**-9: exact
+    w8, _ = cast.fp4_to_fp8(packed, s, 32, "w")
+    assert w8.float()[1, 0].item() * 2.0**-6 == 2.0**-15
