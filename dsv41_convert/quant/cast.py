@@ -92,8 +92,10 @@ def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>
     k_OG = torch.frexp(s_OG).exponent - torch.frexp(s8_OG).exponent
     kk_OG = k_OG.clamp_min(K_MIN) - K_MIN
     row_OG = kk_OG * 256
-    row = row_OG.repeat_interleave(block // 2, dim=1)[:, :half] + packed.view(torch.uint8)  # [O, I/2] int32
-    row = row.view(-1)
+    if inp % block == 0:  # [O, G, 1] + [O, G, block/2]: no [O, I/2] copy of the rows first
+        row = (row_OG.unsqueeze(-1) + packed.view(torch.uint8).unflatten(-1, (-1, block // 2))).view(-1)
+    else:
+        row = (row_OG.repeat_interleave(block // 2, dim=1)[:, :half] + packed.view(torch.uint8)).view(-1)
     exact = bool(_K_EXACT.index_select(0, kk_OG.view(-1)).all()) or bool(_PAIR_EXACT.index_select(0, row).all())
     if not exact:
         o, j, nib = (int(i) for i in (~_EXACT_TABLE[row.view(out, half)]).nonzero()[0])
