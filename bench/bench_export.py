@@ -5,7 +5,7 @@
 1. `make-tiny WORK/pub --preset medium --no-vision` (4.79 GB, real hidden sizes, canonical fp8/fp4 values);
 2. for each format (bf16, fp8, fp8-fp4), alternating, each from a cold page cache for its files:
    `cp` of the source shards + sync, then `export WORK/pub WORK/out --format F` (it fsyncs every file);
-   per byte written = (export s / output bytes) / (cp s / source bytes);
+   per byte written = (export s / output bytes) / (cp s / source bytes), in wall and in CPU seconds;
 3. the quantizing direction and the round trip: `export WORK/bf16 --format fp8-fp4` (every weight
    quantized on the CPU), timed the same way, then every file compared with WORK/pub byte for byte (where
    files differ, verify/roundtrip.py lists the tensors and why);
@@ -108,6 +108,10 @@ def main() -> None:
                 "export_runs_s": [r["seconds"] for r in runs],
                 "export_vs_cp": round(ours["seconds"] / cp["seconds"], 2),
                 "export_vs_cp_per_byte": round(ours["seconds"] / out_bytes / (cp["seconds"] / src_bytes), 2),
+                # CPU seconds (user + system) per byte written: on a machine shared with other jobs the
+                # wall ratio follows their load, the CPU ratio much less
+                "export_vs_cp_cpu_per_byte": round(ours["cpu_s"] / out_bytes / (cp["cpu_s"] / src_bytes), 2),
+                "load_after": round(os.getloadavg()[0], 1),
             }
             if src != pub:
                 row["files_differing_from_pub"] = _compare(pub, out)
