@@ -132,7 +132,8 @@ def encode_mxfp4(w: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Te
     scale = 2**ceil(log2(amax * f32(1/6))) from the float32 bits;
     code = e2m1 of w / scale, clamped to +-6, nearest-even (see `encode_e2m1`).
     A last dim not a multiple of `block` gets ceil(in/block) scales. NaN or Inf in `w` raises
-    FormatError naming `name` and the first bad index.
+    FormatError naming `name` and the first bad index. A bfloat16 `w` on the CPU takes its codes from a
+    table of every bf16 pattern (`_encode_e2m1_scaled_bf16`): the same codes, ~10x faster.
 
     w: [..., in]                 float32 / bfloat16 / float16, in even
     -> packed: [..., in/2]       float4_e2m1fn_x2 (logical [..., in])
@@ -177,6 +178,8 @@ def decode_mxfp4(packed: Tensor, s: Tensor, block: int = 32, dtype: torch.dtype 
     """Multiply each decoded e2m1 value by its block's scale in float32, then cast to `dtype`.
 
     The float32 product is exact unless it overflows (6 * 2**127 -> inf); one rounding at the cast.
+    On the CPU, to bfloat16 with an even `block` that divides in: a gather of both values of each
+    byte from a (scale byte, packed byte) table that this float path made (the same bits, ~2x faster).
 
     packed: [..., in/2]          float4_e2m1fn_x2 / int8 / uint8 (logical [..., in])
     s: [..., ceil(in/block)]     float8_e8m0fnu

@@ -132,7 +132,8 @@ def decode_fp8_blocks(
 ) -> Tensor:
     """Multiply each e4m3 block by its scale in float32, then cast (upstream's wo_a dequantization).
 
-    value = f32(q) * f32(scale), one rounding at the final cast to `dtype` (nearest-even).
+    value = f32(q) * f32(scale), one rounding at the final cast to `dtype` (nearest-even); f32(q) comes
+    from a 256-entry table on the CPU (`e4m3_to_float`).
     `block` None infers it from the shapes (see `infer_block`).
 
     q: [out, in]                        float8_e4m3fn
