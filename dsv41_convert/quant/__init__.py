@@ -3,7 +3,7 @@
 e8m0 scales (e8m0.py):
     decode_e8m0, encode_e8m0_ceil, pow2_ceil
 fp8 e4m3 block-scaled weights (fp8.py):
-    encode_fp8_blocks, decode_fp8_blocks, infer_block, e4m3_saturate, FP8_MAX
+    encode_fp8_blocks, decode_fp8_blocks, infer_block, e4m3_saturate, e4m3_to_float, FP8_MAX
 fp4 e2m1 codes and MXFP4 weights (fp4.py):
     E2M1_VALUES, encode_e2m1, decode_e2m1, pack_nibbles, unpack_nibbles,
     encode_mxfp4, decode_mxfp4, as_fp4, as_int8, FP4_MAX
@@ -32,7 +32,14 @@ from dsv41_convert.quant.fp4 import (
     pack_nibbles,
     unpack_nibbles,
 )
-from dsv41_convert.quant.fp8 import FP8_MAX, decode_fp8_blocks, e4m3_saturate, encode_fp8_blocks, infer_block
+from dsv41_convert.quant.fp8 import (
+    FP8_MAX,
+    decode_fp8_blocks,
+    e4m3_saturate,
+    e4m3_to_float,
+    encode_fp8_blocks,
+    infer_block,
+)
 
 __all__ = [
     "E2M1_VALUES",
@@ -46,6 +53,7 @@ __all__ = [
     "decode_fp8_blocks",
     "decode_mxfp4",
     "e4m3_saturate",
+    "e4m3_to_float",
     "encode_e2m1",
     "encode_e8m0_ceil",
     "encode_fp8_blocks",
