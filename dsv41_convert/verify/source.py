@@ -122,7 +122,7 @@ def _padded(t: Tensor, rows: int, fill: int) -> Tensor:
 class SourceWeights:
     """The reference weights of `reference_state`, tensor by tensor on request (model.streamed's
     WeightProvider): only the requested tensors' bytes are read, through the same plan and transform.
-    Holds one open descriptor per source shard until close()."""
+    Holds one open descriptor per source shard until close(); safe to call from several threads."""
 
     def __init__(self, src: Path):
         self.src = Path(src)
@@ -131,7 +131,16 @@ class SourceWeights:
         self.skip_quant = self.source_format == "bf16"
         self.by_name = {t.name: t for t in self.plan.files[0].tensors}
         self.q = quantizer_for("cpu")
+        # every shard opened now: the streamed model calls this from several reader threads at once
+        # (stream_feed.CudaFeed), and pread on a shared descriptor is safe where adding one to the dict is not
+        files = sorted({rd.file for t in self.plan.files[0].tensors for rd in t.reads})
         self.fds: dict[str, int] = {}
+        try:
+            for f in files:
+                self.fds[f] = os.open(self.src / f, os.O_RDONLY)
+        except OSError:
+            self.close()
+            raise
 
     def _planned(self, name: str) -> OutTensor:
         t = self.by_name.get(name)
