@@ -3,11 +3,13 @@
 `HostFeed` (CPU): the provider's tensors, read when the unit asks for them; nothing is read ahead.
 
 `CudaFeed` (CUDA): while one unit computes, the next unit's tensors are read in reader threads (the
-provider is called for several groups of tensors at once), staged in pinned host buffers and copied to the
-GPU asynchronously on a side stream. When the unit starts, the compute stream waits on an event recorded
-after those copies (a stream wait, not a device synchronize), so compute waits only for its own weights;
-what it does not need yet keeps arriving. Routed experts, known only once the router ran, go through the
-same path on a second side stream (`now`), so their copies never queue behind the next unit's.
+provider is called for several groups of tensors at once) into pinned host buffers and copied to the GPU
+asynchronously on a side stream. A provider with an `alloc` attribute (SourceWeights) reads straight into
+pinned memory, so a tensor it only copies (experts, fp8 weights) needs no staging copy; the others are
+staged. When the unit starts, the compute stream waits on an event recorded after those copies (a stream
+wait, not a device synchronize), so compute waits only for its own weights. Routed experts, known only
+once the router ran, go through the same path on a second side stream (`now`), so their copies never
+queue behind the next unit's.
 
 Bounded: at most one unit is read ahead (`ahead` is called for the next unit only). Pinned buffers come
 from torch's caching host allocator and are reused once their copy finished, so host memory holds about
@@ -22,6 +24,7 @@ plus the staging copies into pinned memory; wait_s the seconds the running unit 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +53,11 @@ def _groups(sizes: dict[str, int], n: int) -> list[list[str]]:
         groups[k] += names
         load[k] += sum(sizes[x] for x in names)
     return [g for g in groups if g]
+
+
+def _pinned_bytes(n: int) -> Tensor:
+    """[n] uint8 in pinned host memory (torch's caching host allocator: reused once its copies finished)."""
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
 class HostFeed:
@@ -99,7 +107,10 @@ class CudaFeed:
         self.ahead_stream = torch.cuda.Stream(self.device)
         self.now_stream = torch.cuda.Stream(self.device)
         self.pending: dict[str, list[Future[_Part]]] = {}
+        self.queueing = threading.Lock()
         self.copies: list[tuple[UnitTiming, torch.cuda.Event, torch.cuda.Event]] = []
+        if hasattr(provider, "alloc"):  # the provider reads straight into pinned memory (SourceWeights)
+            provider.alloc = _pinned_bytes
 
     def _part(self, names: list[str], stream: torch.cuda.Stream) -> _Part:
         """Read `names`, stage each tensor in pinned memory, copy it to the device on `stream`."""
@@ -110,14 +121,17 @@ class CudaFeed:
         part = _Part({}, t1 - t0, 0.0)
         with torch.cuda.stream(stream), torch.inference_mode():
             for name, t in host.items():
-                s0 = time.perf_counter()
-                pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                pinned.copy_(t)
-                part.stage_s += time.perf_counter() - s0
+                pinned = t
+                if not t.is_pinned():  # computed by the provider (wo_a dequantized, ...), or read into pageable memory
+                    s0 = time.perf_counter()
+                    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    pinned.copy_(t)
+                    part.stage_s += time.perf_counter() - s0
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                part.tensors[name] = pinned.to(self.device, non_blocking=True)
-                end.record(stream)
+                with self.queueing:  # the events bracket this copy alone, not another thread's on the stream
+                    start.record(stream)
+                    part.tensors[name] = pinned.to(self.device, non_blocking=True)
+                    end.record(stream)
                 part.copies.append((start, end))
         return part
 
@@ -167,6 +181,8 @@ class CudaFeed:
         self.copies.clear()
 
     def close(self) -> None:
+        if getattr(self.provider, "alloc", None) is _pinned_bytes:
+            self.provider.alloc = None
         for parts in self.pending.values():
             for f in parts:
                 f.cancel()
