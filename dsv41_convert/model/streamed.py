@@ -22,9 +22,15 @@ from the previous step. A layer-major single pass would not have them yet. The r
 layer at step t is what step t + 1 starts from, as in the whole model.
 
 Two kinds of weights are read lazily, never whole:
-- routed experts: read the first time the router sends a token to them (a forward pre-hook);
+- routed experts: empty placeholders (no memory) until the router first sends a token to them; a
+  forward hook on the gate then reads every newly picked expert of the unit at once;
 - Engram tables: only the rows the prompts' n-gram hashes touch (known before the pass), packed into
   a small table whose row ids replace the hashes of that layer.
+
+Each unit is built (modules with empty weights) before its weights arrive, then bound to them
+(load.bind_tensors: the read tensors become the parameters, no copy). On CUDA the next unit is built
+and its weights read and copied to the GPU while the current one computes (stream_feed.CudaFeed); on
+the CPU a unit's weights are read when it starts (stream_feed.HostFeed).
 
 Legend: P prompts, J steps per prompt (1 + decode steps), S prompt length, K draft block.
 """
