@@ -63,6 +63,8 @@ def _pinned_bytes(n: int) -> Tensor:
 class HostFeed:
     """The provider's tensors on the CPU, read when asked (see the module docstring)."""
 
+    reads_ahead = False  # the runner builds the next unit early only for a feed that reads it ahead
+
     def __init__(self, provider: WeightProvider):
         self.provider = provider
 
@@ -97,6 +99,8 @@ class _Part:
 
 class CudaFeed:
     """Weights read ahead in threads, staged in pinned memory, copied on side streams (module docstring)."""
+
+    reads_ahead = True
 
     def __init__(self, provider: WeightProvider, device: str | torch.device, readers: int | None = None):
         self.provider = provider

@@ -145,8 +145,7 @@ class _Runner:
             raise VerifyInputError(f"a {shortest}-token prompt: streaming needs {ratio} (the largest compress ratio)")
         self.args, self.provider, self.device = args, provider, device
         # on CUDA the next unit's weights are read and copied while this one computes (stream_feed.py)
-        self.read_ahead = torch.device(device).type == "cuda"
-        self.feed = CudaFeed(provider, device) if self.read_ahead else HostFeed(provider)
+        self.feed = CudaFeed(provider, device) if torch.device(device).type == "cuda" else HostFeed(provider)
         self.built: dict[tuple[int, str], _Unit] = {}  # the unit read ahead, built before its weights
         self.capture = capture_hidden
         self.progress = progress
@@ -312,7 +311,7 @@ class _Runner:
         with torch.inference_mode():
             unit = self.built.pop((s, name), None) or self._build(s, name)
             self._bind(unit, timing)
-            if following is not None and self.read_ahead:
+            if following is not None and self.feed.reads_ahead:
                 nxt = self._build(*following)
                 self.built[following] = nxt
                 self.feed.ahead(f"{following[0]}:{following[1]}", nxt.sizes)

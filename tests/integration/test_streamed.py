@@ -4,8 +4,10 @@ image prompt; and the streamed path reads only what it needs (routed experts, to
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,3 +232,72 @@ def test_cli_stream_layers_refuses_tp(sources, tmp_path, monkeypatch, capsys):
                            "--tp", "2")  # fmt: skip
     assert code == 2 and "--stream-layers computes the tp-1 reference" in err
     assert not out.exists()
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 1.0
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _CpuTorch:
+    """torch for stream_feed, with the CUDA calls it makes turned into no-ops on the CPU."""
+
+    cuda = SimpleNamespace(
+        Stream=_Stream,
+        Event=_Event,
+        stream=lambda s: contextlib.nullcontext(),
+        current_stream=lambda device=None: _Stream(),
+        synchronize=lambda device=None: None,
+    )
+
+    @staticmethod
+    def empty(*args, pin_memory: bool = False, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def test_read_ahead_bookkeeping_on_the_cpu(sources, monkeypatch):
+    """CudaFeed's bookkeeping (reader threads, groups of tensors, the next unit read while the current one
+    runs, experts read when picked, provider buffers) with its CUDA calls stubbed, so it runs on the CPU:
+    the outputs equal the on-demand feed's bit for bit, and every unit after the first was read ahead.
+    Planted faults it catches: a unit fed another unit's or pass's tensors, a tensor lost between groups,
+    no read-ahead. Pinned memory, streams and events themselves run in tests/gpu/test_streamed_cuda.py."""
+    from dsv41_convert.model import stream_feed, streamed
+
+    takes: list[bool] = []
+
+    class Feed(stream_feed.CudaFeed):
+        def take(self, key, sizes, timing):
+            takes.append(key in self.pending)
+            return super().take(key, sizes, timing)
+
+    prompts = default_prompts(TINY.vocab_size, count=2, length=20)
+    args = _args(sources["fp8"], prompts, n_decode=2)
+    inputs = [_stream_prompt(p, args, 2) for p in prompts]
+    tokenizer = sources["fp8"] / "tokenizer.json"
+    plain, _ = streamed.run_streamed(args, SourceWeights(sources["fp8"]), inputs, tokenizer)
+    monkeypatch.setattr(stream_feed, "torch", _CpuTorch())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    monkeypatch.setattr(streamed, "HostFeed", lambda provider: Feed(provider, "cpu", readers=3))
+    ahead, timings = streamed.run_streamed(args, SourceWeights(sources["fp8"]), inputs, tokenizer)
+    assert takes[0] is False and len(takes) == 3 * len(timings) and all(takes[1:])
+    for a, b in zip(ahead, plain, strict=True):
+        for key in ("logits_all", "last", "decode_logits", "draft_logits"):
+            assert torch.equal(getattr(a, key).view(torch.int32), getattr(b, key).view(torch.int32)), key
+    assert all(t.transfer_s > 0 for t in timings)  # the stub's 1 ms per copy, settled at the end
