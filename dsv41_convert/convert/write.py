@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes, pread_exa
 from dsv41_convert.store.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
 from dsv41_convert.store.sink import Sink
 
+COPIED = ("copy", "as_fp4")  # actions whose bytes are copied unchanged (as_fp4: I8 bytes are e2m1 pairs)
 CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20
 PREFETCH_BYTES = 256 << 20  # read-ahead hint; dev box, tp 8 of 23.7 GB: 64 MiB 84-90 s, 256 MiB 73-81 s
@@ -85,14 +87,16 @@ class _Reader:
 
     def prefetch(self, tensors: list[OutTensor], i: int) -> None:
         """Tensor i is next: let the kernel start reading the sources of the tensors after it, up to
-        PREFETCH_BYTES ahead (each region capped at that too), so reads overlap the writing."""
+        PREFETCH_BYTES ahead (each region capped at that too), so reads overlap the writing. With `ahead`,
+        only copied tensors: its threads read the computed ones (and a hint can block the caller while
+        the disk is busy)."""
         if self._hinted_to <= i:
             self._hinted_to, self._hinted = i + 1, []
         self._hinted = [(j, n) for j, n in self._hinted if j > i]
         while self._hinted_to < len(tensors) and sum(n for _, n in self._hinted) < PREFETCH_BYTES:
             j = self._hinted_to
             size = 0
-            for rd in tensors[j].reads:
+            for rd in tensors[j].reads if self.ahead is None or tensors[j].action in COPIED else ():
                 rb = _row_bytes(rd.dtype, rd.shape)
                 n = min((rd.r1 - rd.r0) * rb, PREFETCH_BYTES)
                 os.posix_fadvise(self.fd(rd.file), rd.offset + rd.r0 * rb, n, os.POSIX_FADV_WILLNEED)
@@ -233,7 +237,7 @@ def _prefetch(rf: RankFile, src: Path, start: ResumePoint | None, device: str, c
     for i in range(first, len(rf.tensors)):
         t = rf.tensors[i]
         computed_before = t.group and first <= parts[(t.group, 1 - t.part)] < i and i != redo
-        if t.action in ("copy", "as_fp4") or i in read_back or computed_before:
+        if t.action in COPIED or i in read_back or computed_before:
             continue  # copied (the prefetch hint covers it), read back, or computed with its group's first part
         step = _chunk_rows(t, compute_chunk_bytes(chunk_bytes, device))
         for a in stream.block_starts(t, step, chunk0 if i == first else 0):
@@ -263,12 +267,16 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
         if warm is not None:
             warm.at(i)
         if PREFETCH_BYTES:
+            t0 = time.perf_counter()
             reader.prefetch(rf.tensors, i)
+            sink.stages["hint"] = sink.stages.get("hint", 0.0) + time.perf_counter() - t0
         ahead = sink.asides.get(t.group) if t.group else None
         if ahead is not None and ahead.tensor == i:
             _read_back(t, ahead, sink, skip, chunk_bytes)
-        elif t.action in ("copy", "as_fp4"):  # as_fp4: the I8 bytes are already e2m1 pairs
+        elif t.action in COPIED:  # as_fp4: the I8 bytes are already e2m1 pairs
+            t0 = time.perf_counter()
             _copy(t, reader, sink, chunk_bytes, skip)
+            sink.stages["copy"] = sink.stages.get("copy", 0.0) + time.perf_counter() - t0
         elif t.group:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
@@ -299,7 +307,7 @@ def _fits(start: ResumePoint, rf: RankFile) -> bool:
     if t.begin + start.skip != start.end or start.end > _data_end(t):
         return False
     rd = t.reads[0]
-    if t.action in ("copy", "as_fp4") and rd.c1 >= 0 and start.skip % ((rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8):
+    if t.action in COPIED and rd.c1 >= 0 and start.skip % ((rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8):
         return False
     parts = {(x.group, x.part): i for i, x in enumerate(rf.tensors) if x.group}
     for a in start.asides:
@@ -387,7 +395,7 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
 def _read_back(t: OutTensor, ahead: Aside, sink: Sink, skip: int, chunk_bytes: int) -> None:
     """A group part written ahead: hand its data bytes (from `skip` on) to the sink to hash, not write."""
     end = _data_end(t)
-    assert ahead.end == end, (t.name, ahead.end, end)  # its computing part finished before it
+    assert sink.ahead_end(ahead) == end, (t.name, sink.ahead_end(ahead), end)  # its computing part queued it all
     pos = t.begin + skip
     while pos < end:
         n = min(chunk_bytes, end - pos)
@@ -443,12 +451,8 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     kept: list[bytes] = []
     with closing(_compute(t, reader, quantizer, chunk_bytes, first, sink.stages)) as chunks:
         for outs in chunks:
-            if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
-                data = to_bytes(outs[1 - t.part])
-                ahead.sha.update(data)
-                while len(data):
-                    n = os.pwrite(sink.fd, data, ahead.end)
-                    data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
+            if ahead is not None:  # queued before the sink's checkpoint after this chunk, which records it
+                sink.write_ahead(ahead, to_bytes(outs[1 - t.part]), t.name)
                 sink.dirty.add(t.group)
             sink.write(to_bytes(outs[t.part]), t.name)
             if keep:

@@ -228,3 +228,32 @@ def test_resume_with_prefetch_is_byte_identical(bf16_src, tmp_path, monkeypatch,
     assert 0 < stats["resumed_from"] < rf.nbytes
     assert served.asked == served.listed > 0 and served.unlisted == 0
     assert (out / rf.file).read_bytes() == (tmp_path / "clean" / rf.file).read_bytes()
+
+
+def test_the_caller_hints_only_copied_tensors_with_the_prefetch_on(bf16_src, tmp_path, monkeypatch):
+    """With the prefetch on, the converting thread's WILLNEED hints cover only the copied tensors (its
+    threads read the computed ones, and a hint can block the caller while the disk is busy); without it,
+    computed tensors' regions are hinted too."""
+    rf = build_plan(bf16_src, 2).files[0]
+    computed = set()  # (file, region start) of the computed tensors' reads
+    for t in rf.tensors:
+        if t.action not in write.COPIED:
+            computed |= {(rd.file, rd.offset + rd.r0 * write._row_bytes(rd.dtype, rd.shape)) for rd in t.reads}
+    hinted: set[tuple[str, int]] = set()
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, n, advice):
+        if threading.current_thread() is threading.main_thread():
+            hinted.add((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset))
+        return real(fd, offset, n, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    (tmp_path / "a").mkdir()
+    write_rank_file(rf, bf16_src, tmp_path / "a", quantizer_for("cpu"))
+    assert computed & hinted  # without the prefetch
+    hinted.clear()
+    monkeypatch.setattr(write, "READ_AHEAD_DEVICES", ("cpu", "cuda"))
+    (tmp_path / "b").mkdir()
+    write_rank_file(rf, bf16_src, tmp_path / "b", quantizer_for("cpu"))
+    assert hinted and not computed & hinted  # copies still hinted, computed tensors not
+    assert (tmp_path / "b" / rf.file).read_bytes() == (tmp_path / "a" / rf.file).read_bytes()
