@@ -27,7 +27,7 @@ step() {  # name limit cmd...: wall seconds, exit code and compile lines of one 
 }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc
   python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__)"; } | tee "$out/steps.txt"
-step make 150 $cli make-tiny $w/med --preset medium --no-vision --seed 0 --json
+step make 240 $cli make-tiny $w/med --preset medium --no-vision --seed 0 --json
 step plan 60 $cli plan $w/med --tp 1 --json
 step whole_cold 200 $cli reference-logits $w/med $w/whole.safetensors --device cuda --json
 step stream_a 90 $cli reference-logits $w/med $w/stream.safetensors --stream-layers --device cuda --json
