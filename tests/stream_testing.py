@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from dsv41_convert.config import load_model_args
+from dsv41_convert.synth.presets import TINY
+from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.reference import pick_max_seq_len
 from dsv41_convert.verify.runner import build_model, load_state, model_input, run_prompt
 from dsv41_convert.verify.source import reference_state
@@ -48,3 +50,12 @@ def expected_param_bytes(args, layer: int, experts_read: int) -> int:
         block = Block(layer, args)
     size = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in (block, block.ffn.experts[0])]
     return size[0] - (args.n_routed_experts - experts_read) * size[1]
+
+
+def write_sources(root: Path) -> dict[str, Path]:
+    """The tiny preset as an fp8 source with vision and as a bf16 source without: {"fp8": ..., "bf16": ...}."""
+    out = {}
+    for dtype in ("fp8", "bf16"):
+        out[dtype] = root / dtype
+        write_checkpoint(out[dtype], TINY, seed=0, quantized=dtype == "fp8", vision=dtype == "fp8")
+    return out

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from stream_testing import assert_bit_identical, expected_param_bytes, whole_model_runs
+from stream_testing import assert_bit_identical, expected_param_bytes, whole_model_runs, write_sources
 
 from dsv41_convert.synth.presets import TINY
-from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.prompts import Prompt, default_prompts
 from dsv41_convert.verify.source import SourceWeights
 from dsv41_convert.verify.streamed import compute_streamed_reference
@@ -32,11 +31,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     root = tmp_path_factory.mktemp("streamed-cuda")
-    out = {}
-    for dtype in ("fp8", "bf16"):
-        out[dtype] = root / dtype
-        write_checkpoint(out[dtype], TINY, seed=0, quantized=dtype == "fp8", vision=dtype == "fp8")
-    return out
+    return write_sources(root)
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])

@@ -11,10 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stream_testing import assert_bit_identical, expected_param_bytes, whole_model_runs
+from stream_testing import assert_bit_identical, expected_param_bytes, whole_model_runs, write_sources
 
 from dsv41_convert.synth.presets import TINY
-from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.prompts import default_prompts, load_prompts
 from dsv41_convert.verify.reference import pick_max_seq_len
 from dsv41_convert.verify.runner import model_input
@@ -45,11 +44,7 @@ class CountingWeights(SourceWeights):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("streamed")
-    out = {}
-    for dtype in ("fp8", "bf16"):
-        out[dtype] = root / dtype
-        write_checkpoint(out[dtype], TINY, seed=0, quantized=dtype == "fp8", vision=dtype == "fp8")
-    return out
+    return write_sources(root)
 
 
 @pytest.mark.slow  # the whole model and the streamed one, 2 prompts x 3 steps each

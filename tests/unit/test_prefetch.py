@@ -15,6 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quant_testing import CountingQuantizer
+
 from dsv41_convert.convert import prefetch, write
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import Read, build_plan
@@ -189,26 +191,6 @@ def test_shard_with_prefetch_reads_each_piece_once_and_changes_no_byte(bf16_src,
         assert (tmp_path / "b" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
-class StopAt:
-    """The CPU quantizer; a Ctrl-C (KeyboardInterrupt) at its encode call `stop`."""
-
-    def __init__(self, stop: int):
-        self.q, self.n, self.stop, self.device = quantizer_for("cpu"), 0, stop, "cpu"
-
-    def __getattr__(self, attr):
-        func = getattr(self.q, attr)
-        if not attr.startswith("encode_"):
-            return func
-
-        def wrapped(*args):
-            self.n += 1
-            if self.n == self.stop:
-                raise KeyboardInterrupt
-            return func(*args)
-
-        return wrapped
-
-
 @pytest.mark.parametrize("stop", [30, 60, 95])
 def test_resume_with_prefetch_is_byte_identical(bf16_src, tmp_path, monkeypatch, stop):
     """Ctrl-C inside a computed tensor (later group parts written ahead: stash 0), then --resume with the
@@ -221,7 +203,7 @@ def test_resume_with_prefetch_is_byte_identical(bf16_src, tmp_path, monkeypatch,
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(KeyboardInterrupt):
-        write_partial(rf, bf16_src, out, StopAt(stop), **kw)
+        write_partial(rf, bf16_src, out, CountingQuantizer(stop), **kw)
     stats: dict = {}
     served.listed = served.asked = served.unlisted = 0
     write_rank_file(rf, bf16_src, out, quantizer_for("cpu"), resume=True, stats=stats, **kw)
