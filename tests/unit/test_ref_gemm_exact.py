@@ -140,7 +140,7 @@ def test_fp32_accumulator_bytes_equal_the_loop(m, n, k, fp4):
     b = _bytes((n, k // 2), g).view(torch.float4_e2m1fn_x2) if fp4 else _e4m3((n, k), g, nan=False)
     b32 = E2M1_VALUES[unpack_nibbles(b).long()] if fp4 else b.float()
     b_s = _scales((n, k // 32), g, "fp32")
-    new = ref._blockwise_gemm(a, a_s, ref._widen(b), b_s, 32)
+    new = ref._blockwise_gemm(a, a_s, ref._widen(b, 32), b_s, 32)
     spec = _loop_gemm(a, a_s, b32, b_s, 32)
     assert torch.equal(new.view(torch.int32), spec.view(torch.int32))
 
