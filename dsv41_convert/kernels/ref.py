@@ -43,6 +43,7 @@ def decode_fp4_pairs(b: Tensor) -> Tensor:
     return decode_e2m1_pairs(b)
 
 
+@torch.no_grad()  # weights are Parameters; nothing differentiates through a quantized GEMM (nor do the kernels)
 def _widen(b: Tensor, block_k: int) -> Tensor:
     """The exact fp32 value of every weight element, one K block after the other (each block's [N, block_k]
     contiguous), in this thread's scratch buffer (see scratch.py): valid until the next GEMM of this
@@ -61,6 +62,7 @@ def _widen(b: Tensor, block_k: int) -> Tensor:
     return scratch((nb, n, block_k), torch.float32, b.device).copy_(b.view(n, nb, block_k).transpose(0, 1))
 
 
+@torch.no_grad()  # mm(out=) and the in-place scaling refuse operands that require grad (scales are Parameters)
 def _blockwise_gemm(a: Tensor, a_s: Tensor, b_blocks: Tensor, b_s: Tensor, block_k: int) -> Tensor:
     """sum over K blocks k of (a_k @ b_k^T) * a_s[:, k] * b_s[:, k], added in K order.
 

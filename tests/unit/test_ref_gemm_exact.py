@@ -216,3 +216,13 @@ def test_decode_e2m1_pairs_every_byte():
     assert decode_e2m1_pairs(b, out=out) is out
     with pytest.raises(ValueError, match="out"):
         decode_e2m1_pairs(b, out=torch.empty(16, 31))
+
+
+def test_parameters_that_require_grad():
+    """Model weights and scales are nn.Parameters (requires_grad=True outside no_grad): accepted, same bytes."""
+    g = torch.Generator().manual_seed(13)
+    a, a_s = _e4m3((3, 64), g, nan=False), _scales((3, 2), g, "fp32")
+    b, b_s = _e4m3((40, 64), g, nan=False), _scales((2, 2), g, "fp32")
+    w, s = torch.nn.Parameter(b), torch.nn.Parameter(b_s)
+    assert w.requires_grad and s.requires_grad
+    _assert_same_bytes(ref.fp8_gemm(a, a_s, w, s, torch.float32, block_size=32), _spec_fp8_gemm(a, a_s, b, b_s, 32))
