@@ -56,10 +56,10 @@ def _widen(b: Tensor, block_k: int) -> Tensor:
     if b.dtype == torch.float4_e2m1fn_x2:
         nb = b.size(1) * 2 // block_k
         out = scratch((nb, n, block_k), torch.float32, b.device)
-        blocks = b.view(torch.uint8).view(n, nb, block_k // 2).transpose(0, 1).contiguous()  # bytes, K blocks first
+        blocks = b.view(torch.uint8).reshape(n, nb, block_k // 2).transpose(0, 1).contiguous()  # bytes, K blocks first
         return decode_e2m1_pairs(blocks, out=out)
     nb = b.size(1) // block_k
-    return scratch((nb, n, block_k), torch.float32, b.device).copy_(b.view(n, nb, block_k).transpose(0, 1))
+    return scratch((nb, n, block_k), torch.float32, b.device).copy_(b.reshape(n, nb, block_k).transpose(0, 1))
 
 
 @torch.no_grad()  # mm(out=) and the in-place scaling refuse operands that require grad (scales are Parameters)

@@ -226,3 +226,16 @@ def test_parameters_that_require_grad():
     w, s = torch.nn.Parameter(b), torch.nn.Parameter(b_s)
     assert w.requires_grad and s.requires_grad
     _assert_same_bytes(ref.fp8_gemm(a, a_s, w, s, torch.float32, block_size=32), _spec_fp8_gemm(a, a_s, b, b_s, 32))
+
+
+def test_a_strided_weight():
+    """A transposed weight (strides (1, N): no view into K blocks) gives the loop's bytes."""
+    g = torch.Generator().manual_seed(17)
+    a, a_s = _e4m3((5, 64), g, nan=False), _scales((5, 2), g, "e8m0")
+    b = _e4m3((64, 40), g, nan=False).T
+    b_s = _scales((2, 2), g, "e8m0")
+    assert not b.is_contiguous()
+    _assert_same_bytes(ref.fp8_gemm(a, a_s, b, b_s, block_size=32), _spec_fp8_gemm(a, a_s, b, b_s, 32))
+    bp = _bytes((32, 40), g).T.view(torch.float4_e2m1fn_x2)
+    bps = _scales((40, 2), g, "e8m0")
+    _assert_same_bytes(ref.fp4_gemm(a, a_s, bp, bps, act_block_size=32), _spec_fp4_gemm(a, a_s, bp, bps, 32))
