@@ -5,7 +5,7 @@ For each quantization kernel: bytes read + written per call over the median time
   - the quant/ torch reference run eagerly on the GPU, and compiled with torch.compile (--compile).
 For the gemms: TFLOP/s against torch._scaled_mm (per-tensor fp8, cuBLAS) and a bf16 matmul.
 
-Usage (on the GPU machine):  python bench/bench_kernels.py [--compile] [--json out.json] [--md out.md]
+Usage (on the GPU machine):  python bench/bench_kernels.py [--compile] [--gemm-only] [--json out.json] [--md out.md]
 Kernels are compiled first in parallel worker processes (TileLang's disk cache), then timed.
 """
 
@@ -23,8 +23,9 @@ import torch
 
 ROWS, COLS = 65536, 7168  # a 940 MB bf16 weight: ~0.3 ms per pass, launch costs small, far past L2
 GEMM_SHAPES = ((128, 4096, 7168), (4096, 4096, 7168))  # (M, N, K)
-# gemm tiles timed as raw launches (rows, columns, threads): the wrappers pick NARROW or WIDE by M
-GEMM_TILES = {"narrow": (64, 64, 128), "64x128": (64, 128, 128), "wide": (128, 128, 256)}
+# gemm tiles timed as raw launches (rows, columns, threads); the wrappers pick from block_gemm.FP8_TILES
+# and FP4_TILES by M
+GEMM_TILES = {"64x64": (64, 64, 128), "64x64/2wg": (64, 64, 256), "64x128": (64, 128, 128), "128x128": (128, 128, 256)}
 # torch.compile takes tens of seconds per function: only these are compiled (device time is scarce)
 COMPILED = ("encode_fp8_blocks 32x32 ue8m0", "encode_mxfp4", "act_quant 1x32")
 # launch-geometry variants timed by variant_rows (the first of each is the default)
@@ -57,8 +58,15 @@ def _compile_one(job):
     return job
 
 
-def compile_jobs():
+def compile_jobs(gemm_only=False):
     k = "dsv41_convert.kernels."
+    bg = (k + "block_gemm", "block_gemm_kernel")
+    gemm = []
+    for tile in GEMM_TILES.values():
+        gemm += [(*bg, (4096, 7168, 32, 32, 32, False, True, True, 4, tile))]  # fp8_gemm
+        gemm += [(*bg, (4096, 7168, 32, 32, 1, True, True, True, 3, tile))]  # fp4_gemm
+    if gemm_only:
+        return gemm
     jobs = [
         (k + "fp8_quant", "fp8_quant_kernel", (COLS, 32, 32, "bfloat16", True)),
         (k + "fp8_quant", "fp8_quant_kernel", (COLS, 128, 128, "bfloat16", True)),
@@ -69,10 +77,7 @@ def compile_jobs():
         (k + "fp4_dequant", "fp4_dequant_kernel", (COLS, 32, "bfloat16")),
         (k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS,)),
     ]
-    bg = (k + "block_gemm", "block_gemm_kernel")
-    for tile in GEMM_TILES.values():
-        jobs += [(*bg, (4096, 7168, 32, 32, 32, False, True, True, 4, tile))]  # fp8_gemm
-        jobs += [(*bg, (4096, 7168, 32, 32, 1, True, True, True, 3, tile))]  # fp4_gemm
+    jobs += gemm
     rq = (k + "row_quant", "row_quant_kernel")
     jobs += [(*rq, (COLS, 32, "bfloat16", "e2m1", "e8m0", False, u, t)) for u, t in FP4_ENCODE_VARIANTS]
     jobs += [(k + "fp4_to_fp8", "fp4_to_fp8_kernel", (COLS, b, t)) for b, t in FP4_TO_FP8_VARIANTS]
@@ -346,11 +351,15 @@ def gemm_rows():
 
 def markdown(quant, gemm, device, when, variants=()):
     lines = [f"Measured {when} on {device}, torch {torch.__version__}; median of 20 runs (eager/compile: 5).", ""]
-    lines += [
-        "| kernel | MB moved | kernel ms | kernel GB/s | copy GB/s | % of copy | wrapper GB/s "
-        "| torch eager GB/s | torch.compile GB/s | bytes == eager |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
-    ]
+    lines += (
+        []
+        if not quant
+        else [
+            "| kernel | MB moved | kernel ms | kernel GB/s | copy GB/s | % of copy | wrapper GB/s "
+            "| torch eager GB/s | torch.compile GB/s | bytes == eager |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        ]
+    )
     for r in quant:
         comp = "-" if r["compile_GBps"] is None else f"{r['compile_GBps']:.0f}"
         lines.append(
@@ -361,15 +370,16 @@ def markdown(quant, gemm, device, when, variants=()):
     lines += [
         "",
         "| M x N x K | fp8_gemm TFLOP/s | fp4_gemm TFLOP/s | fp8 / fp4 per tile (" + ", ".join(GEMM_TILES) + ") "
-        "| _scaled_mm (tensorwise) TFLOP/s | bf16 matmul TFLOP/s |",
+        "| _scaled_mm (tensorwise) TFLOP/s | fp8_gemm / _scaled_mm | bf16 matmul TFLOP/s |",
     ]
-    lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in gemm:
         per_tile = ", ".join(f"{t8:.0f} / {t4:.0f}" for t8, t4 in r["tiles_TFLOPs"].values())
         lines.append(
             f"| {r['M']} x {r['N']} x {r['K']} | {r['fp8_gemm_TFLOPs']:.0f} | {r['fp4_gemm_TFLOPs']:.0f} "
             f"| {per_tile} ({'same bytes' if r['tiles_same_bytes'] else 'bytes DIFFER'}) "
-            f"| {r['_scaled_mm_tensorwise_TFLOPs']:.0f} | {r['bf16_matmul_TFLOPs']:.0f} |"
+            f"| {r['_scaled_mm_tensorwise_TFLOPs']:.0f} "
+            f"| {100 * r['fp8_gemm_TFLOPs'] / r['_scaled_mm_tensorwise_TFLOPs']:.0f}% | {r['bf16_matmul_TFLOPs']:.0f} |"
         )
     if variants:
         lines += ["", "| variant | kernel ms | GB/s | % of copy |", "| --- | ---: | ---: | ---: |"]
@@ -386,10 +396,11 @@ def main():
     parser.add_argument("--compile-all", action="store_true", help="torch.compile every reference, not only COMPILED")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
+    parser.add_argument("--gemm-only", action="store_true", help="only the gemm table")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args()
     with cf.ProcessPoolExecutor(args.workers) as pool:
-        list(pool.map(_compile_one, compile_jobs()))
+        list(pool.map(_compile_one, compile_jobs(args.gemm_only)))
     try:
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         driver = subprocess.run(smi, capture_output=True, text=True, check=True).stdout.split()[0]
@@ -399,9 +410,9 @@ def main():
 
     device = f"{torch.cuda.get_device_name()} ({platform.node()}), driver {driver}, tilelang {tilelang.__version__}"
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    quant, cases = quant_rows()
+    quant, cases = ([], []) if args.gemm_only else quant_rows()
     gemm = gemm_rows()
-    variants = variant_rows()
+    variants = [] if args.gemm_only else variant_rows()
     if args.json:
         with open(args.json.replace(".json", "_variants.json"), "w") as f:
             json.dump(variants, f, indent=1)

@@ -1,18 +1,22 @@
 """Benchmark the streaming quantization of a bf16 source (`shard --device cuda|cpu`) against `cp`, with
 the time of each pipeline stage (issue 21).
 
-    python bench/bench_quant_stream.py SRC OUT [--tp 2] [--device cuda] [--prefetch-mib M] [--json FILE]
+    python bench/bench_quant_stream.py SRC OUT [--tp 2] [--device cuda] [--prefetch-mib M] [--read-ahead-mib M]
+        [--read-threads K] [--json FILE]
 
 SRC: a bf16 checkpoint (`make-tiny SRC --preset medium --no-vision --source-dtype bf16`). In one run:
 `cp` of SRC's shards to OUT.cp + sync (source evicted from the page cache first), then every rank file
 of `shard SRC OUT --tp N` written in process as execute() does with one worker (write_partial, then each
 file's fsync + rename in a thread while the next is written; source evicted again; the kernels compile or
 load from the cache in a warm-up file first, not timed), with seconds per stage summed over files: read
-(pread, reader thread), wait_read (the converter waiting for it), h2d / kernel / d2h (CUDA events),
+(getting each block's bytes), read_ahead (the Prefetch threads' reads, summed over threads), wait_read
+(the converter waiting for a block), h2d / kernel / d2h (CUDA events), launch,
 wait_gpu, write (pwrite / copy_file_range), hash (sha256, writer thread), commit (fsync + rename, its
 thread). Stages overlap, so they sum to more than the wall time; the largest is the bottleneck.
 --prefetch-mib sets write.PREFETCH_BYTES (the source read-ahead hint) for this run.
-Prints JSON: wall, cp, ratio per byte read, stages, peak host RSS and peak GPU memory.
+--read-ahead-mib / --read-threads set write.READ_AHEAD_BYTES / READ_THREADS (the Prefetch, CUDA only).
+Prints JSON: wall, cp, ratio per byte read, stages, CPU seconds of the timed run, peak host RSS and peak
+GPU memory.
 """
 
 from __future__ import annotations
@@ -50,10 +54,16 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prefetch-mib", type=int)
+    ap.add_argument("--read-ahead-mib", type=int)
+    ap.add_argument("--read-threads", type=int)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.prefetch_mib is not None:
         write.PREFETCH_BYTES = a.prefetch_mib << 20
+    if a.read_ahead_mib is not None:
+        write.READ_AHEAD_BYTES = a.read_ahead_mib << 20
+    if a.read_threads is not None:
+        write.READ_THREADS = a.read_threads
     shards = sorted(a.src.glob("*.safetensors"))
     src_bytes = sum(p.stat().st_size for p in shards)
     cp_dir = a.out.with_name(a.out.name + ".cp")
@@ -87,6 +97,7 @@ def main() -> None:
         commit(a.out, file)
         stages["commit"] += time.perf_counter() - t
 
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as committer:
         pending = None
@@ -100,6 +111,7 @@ def main() -> None:
             pending = committer.submit(timed_commit, rf.file)
         pending.result()
     wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     out_bytes = sum(f.nbytes for f in plan.files)
     result = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -115,6 +127,8 @@ def main() -> None:
         "shard_s": round(wall, 2),
         "shard_vs_cp_per_byte_read": round(wall / cp_s, 2),
         "source_read_gb_per_s": round(src_bytes / wall / 1e9, 3),
+        "cpu_s": {"user": round(cpu1.ru_utime - cpu0.ru_utime, 2), "sys": round(cpu1.ru_stime - cpu0.ru_stime, 2)},
+        "read_ahead": {"bytes": write.READ_AHEAD_BYTES, "threads": write.READ_THREADS},
         "stages_s": {k: round(v, 2) for k, v in sorted(stages.items())},
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if a.device == "cuda" else None,

@@ -104,8 +104,15 @@ def write_source(src: Path, gb: float, n_experts: int) -> int:
 
 
 def evict(*folders: Path) -> None:
-    """Drop the page cache of every file under `folders` (clean pages only: sync first)."""
+    """Drop the page cache of every file under `folders` (clean pages only: sync first); with
+    BENCH_DROP_CACHES=1 and as root, the whole page cache too (/proc/sys/vm/drop_caches: the file system's
+    metadata as well; opt-in, since on a shared machine it slows everyone's reads)."""
     os.sync()
+    if os.environ.get("BENCH_DROP_CACHES") == "1":
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except OSError:
+            pass  # not root: the files' own pages only
     for folder in folders:
         for p in folder.rglob("*") if folder.exists() else []:
             if p.is_file():

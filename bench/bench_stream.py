@@ -58,7 +58,7 @@ def main() -> None:
 
     tp1 = build_plan(src, 1)
     args = load_model_args(src / "config.json")
-    figure = memory_figures(tp1, tp1, args, a.prompts, a.tokens, a.decode_steps)["streamed"]
+    figure = memory_figures(tp1, args, a.prompts, a.tokens, a.decode_steps)["streamed"]
     del tp1
     out = a.work / "ref.safetensors"
     cmd = ["dsv41-convert", "reference-logits", str(src), str(out), "--stream-layers", "--prompts", str(prompts),

@@ -476,10 +476,13 @@ def reference_logits_cmd(
         "threads": ref.threads,
         "bytes": out.stat().st_size,
     }
+    if torch.device(device).type == "cuda" and tp == 1:  # this process ran the model
+        summary["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
     if timings is not None:
         summary["units"] = [vars(t) for t in timings]
-        for key in ("read_s", "transfer_s", "compute_s", "bytes_read"):
+        for key in ("read_s", "transfer_s", "compute_s", "wait_s", "bytes_read"):
             summary[key] = sum(getattr(t, key) for t in timings)
+        summary["largest_unit_bytes"] = max(t.param_bytes for t in timings)
     if as_json:
         report.print_json(summary)
     else:
@@ -491,7 +494,8 @@ def reference_logits_cmd(
         if timings is not None:
             report.info(
                 f"streamed: read {summary['read_s']:.1f} s ({summary['bytes_read'] / 2**30:.2f} GiB), "
-                f"transfer {summary['transfer_s']:.1f} s, compute {summary['compute_s']:.1f} s"
+                f"transfer {summary['transfer_s']:.1f} s, compute {summary['compute_s']:.1f} s, "
+                f"waiting for weights {summary['wait_s']:.1f} s"
             )
 
 

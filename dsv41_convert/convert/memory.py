@@ -1,7 +1,8 @@
 """Memory figures a user can plan with (`plan --tp N`): what one rank holds to run the converted model
 in verify, and what the layer-streamed reference (`reference-logits --stream-layers`, tp 1) needs.
 
-Estimates from shapes alone (the plan's tensors, the model's dtypes and caches built on the meta device),
+Estimates from shapes alone (the plan's tensors, the model's float32 weights and caches from the config;
+no torch, so `plan` stays fast),
 for verify's default prompts (3 x 40 tokens, 3 decode steps, batch 1):
 
     verify, per rank   weights    the rank file's tensors in the model's dtypes (bf16 on disk, fp32 in the
@@ -19,42 +20,57 @@ They leave out the Python/torch baseline of the process (~0.4 GiB on CPU) and al
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.convert.plan import ConversionPlan
+from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.rules import RULES, Split
 from dsv41_convert.store.safetensors_header import nbytes
 
 DEFAULT_PROMPTS, DEFAULT_TOKENS, DEFAULT_DECODE, DEFAULT_SEQ = 3, 40, 3, 128
-_EXPERT = re.compile(r"\.experts\.\d+\.")
 _UNIT = re.compile(r"(layers\.\d+|mtp\.\d+)\.")
 
 
-def _model_view(args: ModelArgs) -> tuple[dict[str, torch.dtype], int]:
-    """Model dtype per state-dict name (experts as experts.0) and cache bytes, from a meta-device model
-    with one routed expert per active slot (dtypes and caches do not depend on the expert count)."""
-    from dsv41_convert.model.load import expected_tensors
-    from dsv41_convert.model.transformer import Transformer
+# BF16 on disk, float32 in the model (the loader widens them exactly): the heads that emit float32 logits
+# or scores, the vision tower's norms, and the pooling projections of ratio > 1 compressors (checked
+# against the model's own parameters in tests/unit/test_memory_figures.py)
+_WIDENED = re.compile(
+    r"(head|mtp\.\d+\.markov_head\.head|mtp\.\d+\.confidence_head\.proj|vision\.(blocks\.\d+\.)?norm\d*)\.weight"
+)
+_COMPRESSOR_WEIGHT = re.compile(r"layers\.(\d+)\.attn\.compressor\.(wkv|wgate)\.weight")
+BF16, F32, I64 = 2, 4, 8  # bytes per element
 
-    small = dataclasses.replace(
-        args,
-        n_routed_experts=args.n_activated_experts,
-        dspark_n_routed_experts=args.dspark_n_activated_experts,
-    ).with_runtime(max_batch_size=1, max_seq_len=DEFAULT_SEQ, temperature=0.0)
-    token_map = None  # one compressed id per token id, as a tokenizer's map (only its size matters here)
+
+def widened(name: str, args: ModelArgs) -> bool:
+    """Whether state-dict tensor `name` is a float32 weight in the model (a bf16 file tensor doubles)."""
+    if _WIDENED.fullmatch(name):
+        return True
+    m = _COMPRESSOR_WEIGHT.fullmatch(name)
+    return m is not None and args.compress_ratios[int(m.group(1))] > 1
+
+
+def cache_bytes(args: ModelArgs, batch: int = 1, seq: int = DEFAULT_SEQ) -> int:
+    """Bytes of the model's runtime buffers at (batch, seq), the RoPE tables left out: every attention's
+    window KV; per kv-source layer its compressed KV, compressor state (ratio > 1) and indexer key cache
+    (when it is an index source too); the Engram hash tables and n-gram history. From the config alone,
+    so `plan` needs no torch; equal to the buffers of a model built at that runtime (tested)."""
+    total = (args.n_layers + args.n_mtp_layers) * batch * args.window_size * args.head_dim * BF16
+    for layer in args.kv_source_layers:
+        if layer >= args.n_layers:
+            continue
+        ratio = args.compress_ratios[layer]
+        total += batch * (seq // ratio) * args.head_dim * BF16
+        if ratio > 1:
+            total += 2 * batch * ratio * args.head_dim * F32  # kv_state, score_state
+        if layer in args.index_source_layers:
+            total += batch * (seq // ratio) * args.index_head_dim * BF16
     if args.engram_layer_ids:
-        folded = args.engram_compressed_vocab_size
-        token_map = list(range(folded)) + [0] * (args.vocab_size - folded)
-    with torch.device("meta"):
-        model = Transformer(small, token_map)
-    dtypes = {name: p.dtype for name, (p, _) in expected_tensors(model).items()}
-    caches = sum(b.numel() * b.element_size() for _, b in model.named_buffers() if not _.endswith("freqs_cis"))
-    return dtypes, caches
+        groups, looks, heads = len(args.engram_layer_ids), args.engram_max_ngram_size, args.engram_n_heads
+        # token map, multipliers [G, N], primes [G, N-1, H], row offsets [G, (N-1)*H], history [batch, seq]
+        total += (args.vocab_size + groups * looks + 2 * groups * (looks - 1) * heads + batch * seq) * I64
+    return total
 
 
 def _unit(name: str) -> str:
@@ -66,10 +82,10 @@ def _unit(name: str) -> str:
     return "embed" if name.startswith(("embed.", "image_")) else "head"
 
 
-def _in_model(name: str, dtype: str, shape: tuple[int, ...], dtypes: dict[str, torch.dtype]) -> int:
+def _in_model(name: str, dtype: str, shape: tuple[int, ...], args: ModelArgs) -> int:
     """Bytes of one file tensor in the model: bf16 on disk and fp32 in the model count twice."""
     size = nbytes(dtype, shape)
-    return 2 * size if dtype == "BF16" and dtypes.get(_EXPERT.sub(".experts.0.", name)) == torch.float32 else size
+    return 2 * size if dtype == "BF16" and widened(name, args) else size
 
 
 def _dequant_bytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -79,25 +95,49 @@ def _dequant_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     return 8 * nbytes(dtype, shape) if dtype in ("F4", "I8") else 0
 
 
+_SPLIT_OF = {rule.pattern: rule.split for rule in RULES}  # OutTensor.rule is its rule's pattern
+
+
+def _merged(tensors: Iterable[OutTensor]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of `tensors` (of every rank, in rank order) merged back to tp 1."""
+    merged: dict[str, tuple[str, list[int]]] = {}
+    for t in tensors:
+        if t.name not in merged:
+            merged[t.name] = (t.dtype, [*t.shape[:1], *t.shape[1:]])
+            if t.pad_rows:
+                merged[t.name][1][0] -= t.pad_rows
+            continue
+        split, shape = _SPLIT_OF[t.rule], merged[t.name][1]
+        if split in (Split.DIM0, Split.ROWS_PADDED):
+            shape[0] += t.shape[0] - t.pad_rows
+        elif split is Split.DIM1:
+            shape[1] += t.shape[1]
+    return [(name, dtype, tuple(shape)) for name, (dtype, shape) in merged.items()]
+
+
 def tp1_tensors(plan: ConversionPlan) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor the plan's ranks hold, merged back to tp 1: what a tp-1 plan of
     the same source lays out (dim0/dim1 parts added up, Engram padding rows taken off, experts and
     replicated tensors once), without planning the source again."""
-    split_of = {rule.pattern: rule.split for rule in RULES}  # OutTensor.rule is its rule's pattern
-    merged: dict[str, tuple[str, list[int]]] = {}
-    for f in plan.files:
-        for t in f.tensors:
-            if t.name not in merged:
-                merged[t.name] = (t.dtype, [*t.shape[:1], *t.shape[1:]])
-                if t.pad_rows:
-                    merged[t.name][1][0] -= t.pad_rows
-                continue
-            split, shape = split_of[t.rule], merged[t.name][1]
-            if split in (Split.DIM0, Split.ROWS_PADDED):
-                shape[0] += t.shape[0] - t.pad_rows
-            elif split is Split.DIM1:
-                shape[1] += t.shape[1]
-    return [(name, dtype, tuple(shape)) for name, (dtype, shape) in merged.items()]
+    return _merged(t for f in plan.files for t in f.tensors)
+
+
+def _rank_figures(f: RankFile, args: ModelArgs) -> tuple[int, int]:
+    """(weights in the model, largest whole-weight dequantization) of one rank file; its routed experts
+    (most of its tensors) are summed from their byte spans, never widened, and share a few shapes."""
+    weights, shapes = 0, set()
+    for t in f.tensors:
+        weights += t.end - t.begin
+        if t.dtype == "BF16" and widened(t.name, args):
+            weights += t.end - t.begin
+        if ".engram.embed." not in t.name:  # Engram tables are dequantized row by row on lookup, never whole
+            shapes.add((t.dtype, t.shape))
+    return weights, max(_dequant_bytes(dtype, shape) for dtype, shape in shapes)
+
+
+def _expert_unit(name: str) -> str:
+    """`layers.3.ffn.experts.7.w1.weight` -> `layers.3` (routed experts live in layers and MTP stages)."""
+    return name[: name.index(".", name.index(".") + 1)]
 
 
 def memory_figures(
@@ -111,33 +151,38 @@ def memory_figures(
     `tokens` tokens each (verify's defaults unless given).
 
     -> {"verify": per rank bytes (weights, caches, working, total), "streamed": the largest unit and peak}"""
-    dtypes, caches = _model_view(args)
+    caches = cache_bytes(args)
     logits = tokens * args.vocab_size * 4 * 2  # logits_all + the last row, float32
     hidden = prompts * tokens * args.dim * 2 * (args.n_layers * (args.hc_mult + 2) + 2)  # kept for the report
     ranks = []
     for f in plan.files:
-        weights = sum(_in_model(t.name, t.dtype, t.shape, dtypes) for t in f.tensors)
-        # Engram tables are dequantized row by row on lookup, never whole
-        temp = max(_dequant_bytes(t.dtype, t.shape) for t in f.tensors if ".engram.embed." not in t.name)
+        weights, temp = _rank_figures(f, args)
         working = logits + hidden + temp
         ranks.append({"rank": f.rank, "weights": weights, "caches": caches, "working": working,
                       "total": weights + caches + working})  # fmt: skip
 
-    # the streamed path reads the source at tp 1: the tp-1 plan's tensors, grouped by unit
+    # the streamed path reads the source at tp 1: the tp-1 plan's tensors, grouped by unit; each routed
+    # expert tensor is on one rank, whole
     dense: dict[str, int] = {}
     read: dict[str, int] = {}  # the dense part as the provider hands it over (file dtypes)
     experts: dict[str, int] = {}
+    others: list[OutTensor] = []
+    for f in plan.files:
+        for t in f.tensors:
+            if _SPLIT_OF[t.rule] is Split.EXPERT:
+                unit = _expert_unit(t.name)
+                experts[unit] = experts.get(unit, 0) + t.end - t.begin
+            else:
+                others.append(t)
     reach = prompts * tokens  # the prefill pass reaches the most experts and Engram rows
     temp = 0
-    for name, dtype, shape in tp1_tensors(plan):
+    for name, dtype, shape in _merged(others):
         unit = _unit(name)
-        size = _in_model(name, dtype, shape, dtypes)
+        size = _in_model(name, dtype, shape, args)
         if ".engram.embed." in name:
             rows = min(shape[0], reach * args.engram_n_heads * (args.engram_max_ngram_size - 1))
             dense[unit] = dense.get(unit, 0) + size // shape[0] * rows
             read[unit] = read.get(unit, 0) + size // shape[0] * rows
-        elif _EXPERT.search(name):
-            experts[unit] = experts.get(unit, 0) + size
         else:
             dense[unit] = dense.get(unit, 0) + size
             read[unit] = read.get(unit, 0) + nbytes(dtype, shape)

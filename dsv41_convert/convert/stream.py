@@ -2,7 +2,8 @@
 block travels through pinned host memory with asynchronous copies, so reading, the GPU, writing and
 hashing overlap:
 
-    reader thread   pread of block k+1 (into pinned memory on CUDA)
+    reader thread   pread of block k+1 (into pinned memory on CUDA), or on CUDA its buffer taken from
+                    the file's Prefetch (prefetch.py), which reads ahead across tensors
     caller          block k: H2D, the action's kernels, D2H into pinned memory, all queued on the
                     current stream; then waits for block k-1's copies and hands them to the Sink
     Sink thread     sha256 and pwrite of block k-2 (store/sink.py)
@@ -10,17 +11,19 @@ hashing overlap:
 At most DEPTH blocks are read ahead and DEPTH are on the GPU, so host memory is a few blocks whatever
 the tensor size, and a tensor of any size (an Engram table of 91.5 GiB) never needs to fit on the GPU
 whole: GPU memory is a few blocks of at most GPU_BLOCK_BYTES of source each, plus their outputs.
+`block_starts` and `block_rows` say which source rows each block reads; write.py lists the same pieces
+for the Prefetch, so what it reads is what the blocks ask for.
 
-Stage times (seconds summed over blocks, in `stages`): read = pread in the reader thread (the wait for
-it in the caller shows as `wait_read`); h2d, kernel, d2h = CUDA event intervals on the current stream
-(on CPU, kernel = the action's wall time); launch = the caller's time to queue them (the kernels'
-Python wrappers, their NaN checks' syncs, pinned allocations); wait_gpu = waiting for a block's copies;
-write and hash are timed by the Sink.
+Stage times (seconds summed over blocks, in `stages`): read = getting a block's bytes in the reader
+thread (a pread, or the wait for the Prefetch's buffer; its own reads show as `read_ahead`); the wait
+for the reader in the caller shows as `wait_read`; h2d, kernel, d2h = CUDA event intervals on the
+current stream (on CPU, kernel = the action's wall time); launch = the caller's time to queue them (the
+kernels' Python wrappers, their NaN checks' syncs, pinned allocations); wait_gpu = waiting for a block's
+copies; write and hash are timed by the Sink.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -29,7 +32,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dsv41_convert.convert.plan import OutTensor
+from dsv41_convert.convert.plan import OutTensor, Read
 from dsv41_convert.convert.transform import apply, from_bytes
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
@@ -45,7 +48,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     rows = main.r1 - main.r0
     cuda = quantizer.device == "cuda"
     name = f"{reader.src / main.file}: {main.name}"
-    starts = range(first * step, rows, step)
+    starts = block_starts(t, step, first)
     q: queue.Queue = queue.Queue(maxsize=DEPTH)
     stop = threading.Event()
     feeder = None
@@ -84,12 +87,23 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             feeder.join(0.01)
 
 
+def block_rows(t: OutTensor, a: int, b: int) -> Iterator[tuple[Read, int, int]]:
+    """The source rows that rows [a, b) of the main read need, per read: (read, first row, end row)
+    relative to its r0 (a scale read covers `ratio` main rows per row)."""
+    for rd in t.reads:
+        yield rd, a // rd.ratio, -(-b // rd.ratio)
+
+
+def block_starts(t: OutTensor, step: int, first: int) -> range:
+    """The first main-read row of each block of `step` rows, from block `first` on."""
+    return range(first * step, t.reads[0].r1 - t.reads[0].r0, step)
+
+
 def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list[torch.Tensor]:
     """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales)."""
     inputs = []
-    for rd in t.reads:
-        ra, rb_ = a // rd.ratio, -(-b // rd.ratio)
-        data, width = reader.rows(rd, ra, rb_, _pinned if cuda else bytearray)
+    for rd, ra, rb_ in block_rows(t, a, b):
+        data, width = reader.rows(rd, ra, rb_, pinned if cuda else bytearray)
         x = from_bytes(data, rd.dtype, rb_ - ra, width)
         if cuda and not x.is_pinned():  # a column slice, gathered in pageable memory
             x = x.pin_memory()
@@ -132,7 +146,7 @@ def _read_ahead(t, reader, step, starts, rows, cuda, q, stop, stages) -> None:
         _put(q, exc, stop)
 
 
-def _pinned(n: int):
+def pinned(n: int):
     """n bytes of page-locked host memory (torch's caching host allocator), as a writable buffer."""
     return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
 
@@ -173,76 +187,3 @@ def _land(flight: tuple, stages: dict) -> tuple:
 
 def _add(stages: dict, key: str, seconds: float) -> None:
     stages[key] = stages.get(key, 0.0) + seconds
-
-
-class ReadAhead:
-    """A thread that reads the source regions of the tensors after the current one into the page cache
-    (pread into a scratch buffer, bytes dropped), at most `ahead` bytes past the tensor the writer is on:
-    the per-tensor reader threads of `blocks` overlap only within a tensor, and most computed tensors
-    (each expert's weights) are one block. It only reads, so it cannot change what is written; it costs a
-    copy of each source byte (0.2 CPU s per GB), which is why write.py starts it for CUDA only, where
-    the host has cores to spare and the GPU path waits on reads.
-
-    regions: [(tensor index, file, offset, nbytes)] in file order.
-    """
-
-    PIECE = 16 << 20
-
-    def __init__(self, src, regions: list[tuple[int, str, int, int]], ahead: int, stages: dict | None = None):
-        self.src, self.regions, self.ahead = src, regions, ahead
-        self.stages = {} if stages is None else stages
-        self._at = -1  # the tensor the writer is on
-        self._read: deque = deque()  # (tensor index, bytes) read for tensors past the writer's
-        self._bytes = 0  # their sum
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
-        self._thread.start()
-
-    def at(self, index: int) -> None:
-        """The writer is now on tensor `index`: what it has reached no longer counts against `ahead`."""
-        with self._cv:
-            self._at = index
-            while self._read and self._read[0][0] <= index:
-                self._bytes -= self._read.popleft()[1]
-            self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        fds: dict[str, int] = {}
-        buf = memoryview(bytearray(self.PIECE))
-        try:
-            for index, file, offset, nbytes in self.regions:
-                pos, end = offset, offset + nbytes
-                while pos < end:
-                    n = min(self.PIECE, end - pos)
-                    with self._cv:
-                        self._cv.wait_for(
-                            lambda i=index, k=n: self._stop or i <= self._at or self._bytes + k <= self.ahead
-                        )
-                        if self._stop:
-                            return
-                        if index <= self._at:  # the writer got there first
-                            break
-                    if file not in fds:
-                        fds[file] = os.open(self.src / file, os.O_RDONLY)
-                    t0 = time.perf_counter()
-                    got = os.preadv(fds[file], [buf[:n]], pos)
-                    _add(self.stages, "read_ahead", time.perf_counter() - t0)
-                    if got <= 0:  # a short source: the writer's own read reports it
-                        break
-                    pos += got
-                    with self._cv:
-                        if index > self._at:
-                            self._read.append((index, got))
-                            self._bytes += got
-        except OSError:
-            pass  # the writer's own reads report a source that cannot be read
-        finally:
-            for fd in fds.values():
-                os.close(fd)

@@ -6,7 +6,9 @@ docs/BENCHMARKS.md); actions that compute (dequantize, quantize, cast) take row 
 chunk_bytes / 8 source bytes (on CUDA 64 MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale
 block is split, read ahead in a thread and overlapped with the GPU (stream.py). Reads stay ahead of the
 writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
-regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes.
+regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes. On CUDA, threads
+also read the computed tensors' row blocks ahead across tensors, up to READ_AHEAD_BYTES, straight into
+the pinned buffers the GPU copies from (prefetch.py), which `_Reader.rows` then takes without a copy.
 
 A quantizing action makes two tensors (weight and scale) that lie apart in the file. Each chunk is
 computed once: the part reached first is written in order; the other part's bytes are kept in memory
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,7 @@ import numpy as np
 
 from dsv41_convert.convert import stream
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
+from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.convert.transform import to_bytes
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
@@ -45,11 +49,13 @@ from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes, pread_exa
 from dsv41_convert.store.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
 from dsv41_convert.store.sink import Sink
 
+COPIED = ("copy", "as_fp4")  # actions whose bytes are copied unchanged (as_fp4: I8 bytes are e2m1 pairs)
 CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
 STASH_BYTES = 256 << 20
 PREFETCH_BYTES = 256 << 20  # read-ahead hint; dev box, tp 8 of 23.7 GB: 64 MiB 84-90 s, 256 MiB 73-81 s
-READ_AHEAD_BYTES = 1 << 30  # source bytes read into the page cache past the current tensor (stream.ReadAhead)
-READ_AHEAD_DEVICES = ("cuda",)  # on these devices only
+READ_AHEAD_BYTES = 256 << 20  # source bytes read ahead into (pinned) buffers at most (prefetch.Prefetch)
+READ_THREADS = 4  # reads in flight of the Prefetch
+READ_AHEAD_DEVICES = ("cuda",)  # on these devices only (on CPU the quantizers, not the reads, set the pace)
 JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs an fdatasync (256 MiB: +7 s of 33)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -66,6 +72,7 @@ class _Reader:
         self.fds: dict[str, int] = {}
         self.chunk_bytes = chunk_bytes
         self._bufs: list[memoryview] = []
+        self.ahead: Prefetch | None = None  # reads ahead that rows() takes its bytes from
         self._turn = 0
         self._hinted_to = 0  # tensors before this index have had their prefetch hint
         self._hinted: list[tuple[int, int]] = []  # (tensor index, bytes hinted) not yet reached
@@ -80,14 +87,16 @@ class _Reader:
 
     def prefetch(self, tensors: list[OutTensor], i: int) -> None:
         """Tensor i is next: let the kernel start reading the sources of the tensors after it, up to
-        PREFETCH_BYTES ahead (each region capped at that too), so reads overlap the writing."""
+        PREFETCH_BYTES ahead (each region capped at that too), so reads overlap the writing. With `ahead`,
+        only copied tensors: its threads read the computed ones (and a hint can block the caller while
+        the disk is busy)."""
         if self._hinted_to <= i:
             self._hinted_to, self._hinted = i + 1, []
         self._hinted = [(j, n) for j, n in self._hinted if j > i]
         while self._hinted_to < len(tensors) and sum(n for _, n in self._hinted) < PREFETCH_BYTES:
             j = self._hinted_to
             size = 0
-            for rd in tensors[j].reads:
+            for rd in tensors[j].reads if self.ahead is None or tensors[j].action in COPIED else ():
                 rb = _row_bytes(rd.dtype, rd.shape)
                 n = min((rd.r1 - rd.r0) * rb, PREFETCH_BYTES)
                 os.posix_fadvise(self.fd(rd.file), rd.offset + rd.r0 * rb, n, os.POSIX_FADV_WILLNEED)
@@ -108,11 +117,15 @@ class _Reader:
     def rows(self, rd: Read, a: int, b: int, alloc=bytearray) -> tuple[bytearray | memoryview, int]:
         """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected. -> (bytes, row bytes)
 
-        alloc(n): the writable buffer whole rows are read into (pinned memory for the GPU: stream.py).
+        alloc(n): the writable buffer whole rows are read into (pinned memory for the GPU: stream.py),
+        unless `ahead` has read them already.
         """
         rb = _row_bytes(rd.dtype, rd.shape)
-        buf = alloc((b - a) * rb)
-        pread_exact(self.fd(rd.file), memoryview(buf), rd.offset + (rd.r0 + a) * rb, str(self.src / rd.file))
+        pos, n = rd.offset + (rd.r0 + a) * rb, (b - a) * rb
+        buf = self.ahead.take(rd.file, pos, n) if self.ahead is not None else None
+        if buf is None:
+            buf = alloc(n)
+            pread_exact(self.fd(rd.file), memoryview(buf), pos, str(self.src / rd.file))
         if rd.c1 < 0:
             return buf, rb
         esz = DTYPE_BITS[rd.dtype] // 8
@@ -177,7 +190,7 @@ def write_partial(
         if journal_bytes:
             sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
             sink.journal_bytes = journal_bytes
-        warm = _read_ahead(rf, src, start, quantizer.device, sink.stages)
+        warm = reader.ahead = _prefetch(rf, src, start, quantizer.device, chunk_bytes, sink.stages)
         try:
             _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start, warm)
         finally:
@@ -206,22 +219,37 @@ def write_partial(
         reader.close()
 
 
-def _read_ahead(rf: RankFile, src: Path, start: ResumePoint | None, device: str, stages) -> stream.ReadAhead | None:
-    """On CUDA, a thread reading the sources of the tensors ahead into the page cache (stream.ReadAhead).
-    -> it, or None"""
+def _prefetch(rf: RankFile, src: Path, start: ResumePoint | None, device: str, chunk_bytes: int, stages):
+    """On CUDA, threads reading ahead the source pieces of the computed tensors' row blocks, into pinned
+    memory, in the order _write_tensors asks for them (a group is computed at its first part). -> a
+    prefetch.Prefetch, or None"""
     if device not in READ_AHEAD_DEVICES or not READ_AHEAD_BYTES:
         return None
-    first = start.tensor if start is not None else 0
-    regions = []
+    first, chunk0 = (start.tensor, start.chunk) if start is not None else (0, 0)
+    read_back = {a.tensor for a in start.asides} if start is not None else set()  # written ahead before
+    parts = {(t.group, t.part): i for i, t in enumerate(rf.tensors) if t.group}
+    redo = -1  # a group part computed again: its partner, resumed mid-tensor with no part written ahead
+    if start is not None and chunk0 and rf.tensors[first].group:
+        g = rf.tensors[first]
+        if all(rf.tensors[a.tensor].group != g.group for a in start.asides):
+            redo = parts[(g.group, 1 - g.part)]
+    pieces = []
     for i in range(first, len(rf.tensors)):
-        for rd in rf.tensors[i].reads:
-            rb = _row_bytes(rd.dtype, rd.shape)
-            regions.append((i, rd.file, rd.offset + rd.r0 * rb, (rd.r1 - rd.r0) * rb))
-    return stream.ReadAhead(src, regions, READ_AHEAD_BYTES, stages)
+        t = rf.tensors[i]
+        computed_before = t.group and first <= parts[(t.group, 1 - t.part)] < i and i != redo
+        if t.action in COPIED or i in read_back or computed_before:
+            continue  # copied (the prefetch hint covers it), read back, or computed with its group's first part
+        step = _chunk_rows(t, compute_chunk_bytes(chunk_bytes, device))
+        for a in stream.block_starts(t, step, chunk0 if i == first else 0):
+            for rd, ra, rb_ in stream.block_rows(t, a, min(a + step, t.reads[0].r1 - t.reads[0].r0)):
+                rb = _row_bytes(rd.dtype, rd.shape)
+                pieces.append((i, rd.file, rd.offset + (rd.r0 + ra) * rb, (rb_ - ra) * rb))
+    alloc = stream.pinned if device == "cuda" else bytearray
+    return Prefetch(src, pieces, READ_AHEAD_BYTES, alloc, READ_THREADS, stages)
 
 
 def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None, warm=None) -> None:
-    """Every tensor of `rf` from `start` (or the header) on, in file order; `warm` (a stream.ReadAhead)
+    """Every tensor of `rf` from `start` (or the header) on, in file order; `warm` (a prefetch.Prefetch)
     is told which tensor is being written."""
     first = 0
     if start is None:
@@ -239,12 +267,16 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
         if warm is not None:
             warm.at(i)
         if PREFETCH_BYTES:
+            t0 = time.perf_counter()
             reader.prefetch(rf.tensors, i)
+            sink.stages["hint"] = sink.stages.get("hint", 0.0) + time.perf_counter() - t0
         ahead = sink.asides.get(t.group) if t.group else None
         if ahead is not None and ahead.tensor == i:
             _read_back(t, ahead, sink, skip, chunk_bytes)
-        elif t.action in ("copy", "as_fp4"):  # as_fp4: the I8 bytes are already e2m1 pairs
+        elif t.action in COPIED:  # as_fp4: the I8 bytes are already e2m1 pairs
+            t0 = time.perf_counter()
             _copy(t, reader, sink, chunk_bytes, skip)
+            sink.stages["copy"] = sink.stages.get("copy", 0.0) + time.perf_counter() - t0
         elif t.group:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
@@ -275,7 +307,7 @@ def _fits(start: ResumePoint, rf: RankFile) -> bool:
     if t.begin + start.skip != start.end or start.end > _data_end(t):
         return False
     rd = t.reads[0]
-    if t.action in ("copy", "as_fp4") and rd.c1 >= 0 and start.skip % ((rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8):
+    if t.action in COPIED and rd.c1 >= 0 and start.skip % ((rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8):
         return False
     parts = {(x.group, x.part): i for i, x in enumerate(rf.tensors) if x.group}
     for a in start.asides:
@@ -363,7 +395,7 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
 def _read_back(t: OutTensor, ahead: Aside, sink: Sink, skip: int, chunk_bytes: int) -> None:
     """A group part written ahead: hand its data bytes (from `skip` on) to the sink to hash, not write."""
     end = _data_end(t)
-    assert ahead.end == end, (t.name, ahead.end, end)  # its computing part finished before it
+    assert sink.ahead_end(ahead) == end, (t.name, sink.ahead_end(ahead), end)  # its computing part queued it all
     pos = t.begin + skip
     while pos < end:
         n = min(chunk_bytes, end - pos)
@@ -419,12 +451,8 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     kept: list[bytes] = []
     with closing(_compute(t, reader, quantizer, chunk_bytes, first, sink.stages)) as chunks:
         for outs in chunks:
-            if ahead is not None:  # before the sink's checkpoint after this chunk, which records it
-                data = to_bytes(outs[1 - t.part])
-                ahead.sha.update(data)
-                while len(data):
-                    n = os.pwrite(sink.fd, data, ahead.end)
-                    data, ahead.end, sink.ahead = data[n:], ahead.end + n, sink.ahead + n
+            if ahead is not None:  # queued before the sink's checkpoint after this chunk, which records it
+                sink.write_ahead(ahead, to_bytes(outs[1 - t.part]), t.name)
                 sink.dirty.add(t.group)
             sink.write(to_bytes(outs[t.part]), t.name)
             if keep:

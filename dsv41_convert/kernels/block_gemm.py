@@ -21,16 +21,28 @@ e8m0 scales a_s * b_s is exact (while it stays a normal float32), so the bytes a
 order's.
 
 Layout: one CTA computes a bm x bn tile of C with wgmma (A and B tiles brought into shared memory by
-the tensor memory accelerator, software-pipelined over K blocks by a producer warpgroup); M is
-symbolic, N and K compile-time. The CTA's scales for the whole K range are read into shared memory
-once, before the K loop, and decoded where used (e8m0 by integer ops, no branch on loaded data: a
-branch there made each thread wait for every scale load). Where they do not fit (HOIST_BYTES) they
-are read from global memory where used. (The kernel this replaced staged each K block's scales in
-shared memory ring slots that the producer could overwrite while the consumers still read them, a
-race seen as different bytes from run to run; it is gone with the staging.)
+the tensor memory accelerator, software-pipelined by a producer warpgroup); M is symbolic, N and K
+compile-time. Each pipeline stage brings `k_tile` columns of K (K_TILE = 4 scale blocks of 32): one
+stage wait per four K blocks and four times the bytes per copy (one 32-wide block per stage: 12% fewer
+TFLOP/s at 4096 rows on 128 x 128). Each K block is still its own matmul from zero and its own promotion
+(acc += partial * scale), in K order, so the bytes do not depend on k_tile. With `pingpong` two partial
+tiles alternate: the matmul of K block t+1 is issued (asynchronously) before block t's partial is
+promoted on the CUDA cores, so the tensor cores and the promotion overlap; a stage is released only
+after its last matmul has completed. Each warpgroup takes whole rows of C (one 64 x bn wgmma per K
+block). Measurements, and what limits the kernel now (L2 traffic of the 64-row tile, the scale hoist
+of the 128-row one): docs/BENCHMARKS.md, "Gemms, 2026-12-01".
 
-Tiles (`pick_tile`): WIDE_TILE, 128 x 128 on two consumer warpgroups, when its CTAs fill every SM at
-least once; NARROW_TILE, 64 x 64, for few rows (more CTAs). Each wrapper compiles both on first use.
+The CTA's scales for the whole K range are read into shared memory once, before the K loop, and
+decoded where used (e8m0 by integer ops, no branch on loaded data: a branch there made each thread
+wait for every scale load). Where they do not fit beside the pipeline (SMEM_BYTES) they are read from
+global memory where used. (The kernel this replaced staged each K block's scales in shared memory
+ring slots that the producer could overwrite while the consumers still read them, a race seen as
+different bytes from run to run; it is gone with the staging.)
+
+Tiles (`pick_tile`), each wrapper's pair (few rows, many rows), measured on an H200 (docs/BENCHMARKS.md):
+the many-rows tile when its CTAs cover every SM at least once, else the few-rows tile (more CTAs).
+fp8: 64 x 64 and 64 x 128 on one consumer warpgroup. fp4: 64 x 64 and 128 x 128 on two consumer
+warpgroups (the fastest fp4 tiles measured). Each wrapper compiles both on first use.
 """
 
 import functools
@@ -41,10 +53,12 @@ from dsv41_convert.kernels.fp8_dequant import e8m0_to_f32_select as e8m0_to_f32
 from dsv41_convert.kernels.tl import BF16, E4M3, F32, PASS_CONFIGS, U8, T, tilelang
 
 BLOCK_M, BLOCK_N, THREADS = 64, 128, 128  # block_gemm_kernel's default tile: rows, columns, threads
-WIDE_TILE = (128, 128, 256)  # two consumer warpgroups: the most TFLOP/s with many rows
-NARROW_TILE = (64, 64, 128)  # four times the CTAs of WIDE_TILE: the most TFLOP/s with few rows
-TILES = (NARROW_TILE, WIDE_TILE)
-HOIST_BYTES = 160 * 1024  # shared memory for the hoisted scales, at most (the pipeline needs < 64 KiB)
+# (rows, columns, threads) of C per CTA for (few rows, many rows): the most TFLOP/s of those measured
+FP8_TILES = ((64, 64, 128), (64, 128, 128))
+FP4_TILES = ((64, 64, 256), (128, 128, 256))
+SMEM_BYTES = 200 * 1024  # shared memory for the pipeline and the hoisted scales, at most (Hopper: 227 KiB a CTA)
+K_TILE = 128  # K columns per pipeline stage
+E2M1_E4M3_TABLE = (0x3C383000, 0x4C484440)  # e4m3 bytes of the e2m1 magnitudes 0..7, little-endian
 
 
 @functools.cache
@@ -52,23 +66,24 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_tile(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
-    """WIDE_TILE when its CTAs cover every SM at least once for an [m, n] output, else NARROW_TILE."""
-    ctas = -(-m // WIDE_TILE[0]) * -(-n // WIDE_TILE[1])
-    return WIDE_TILE if ctas >= _sm_count(device.index if device.index is not None else 0) else NARROW_TILE
+def pick_tile(m: int, n: int, device: torch.device, tiles: tuple[tuple[int, int, int], ...]) -> tuple[int, int, int]:
+    """tiles = (few rows, many rows): the second when its CTAs cover every SM at least once for an [m, n]
+    output, else the first."""
+    few, many = tiles
+    ctas = -(-m // many[0]) * -(-n // many[1])
+    return many if ctas >= _sm_count(device.index if device.index is not None else 0) else few
 
 
 def e2m1_e4m3_byte(code):
-    """The e4m3 byte of a 4-bit e2m1 code, by integer arithmetic without branches.
+    """The e4m3 byte of a 4-bit e2m1 code: one byte-permute lookup and the sign, without branches.
 
-    The same bytes as `bits.e2m1_e4m3_byte`: magnitude m = 0 -> 0x00, 1 -> 0x30 (0.5), and m >= 2 ->
-    0x38 + 4 * (m - 2) (exponent and top mantissa bit one step apart); the sign moves from bit 3 to 7.
+    The same bytes as `bits.e2m1_e4m3_byte`: magnitude m = 0..7 selects byte m of E2M1_E4M3_TABLE (two
+    words: 0x00, 0x30 (0.5), 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C (6)); the sign moves from bit 3 to 7.
     """
     c = T.Cast(U8, code)
-    m = c & T.uint8(7)
-    ge2 = T.Cast(U8, m >= T.uint8(2))
-    mag = T.Cast(U8, m != T.uint8(0)) * (T.uint8(0x2C) + m * T.uint8(4) + ge2 * T.uint8(4))
-    return mag | ((c & T.uint8(8)) << T.uint8(4))
+    lo, hi = E2M1_E4M3_TABLE
+    mag = T.call_pure_extern("uint32", "__byte_perm", T.uint32(lo), T.uint32(hi), T.Cast("uint32", c & T.uint8(7)))
+    return T.Cast(U8, mag) | ((c & T.uint8(8)) << T.uint8(4))
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -84,26 +99,38 @@ def block_gemm_kernel(
     stages: int,
     tile: tuple[int, int, int] = (BLOCK_M, BLOCK_N, THREADS),
     hoist: bool = True,
+    k_tile: int = K_TILE,
+    pingpong: bool = True,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
     a_s: [M, k/a_block] (e8m0 bytes or float32); b_s: [ceil(n/b_rows), k/k_block] (likewise).
     tile: (rows, columns, threads) of C per CTA; 128 threads are one warpgroup, 256 two.
     hoist: read the CTA's scales for the whole K range into shared memory once, before the K loop
-    (when they fit in HOIST_BYTES); False reads them from global memory where used.
+    (when they fit next to the pipeline); False reads them from global memory where used.
+    k_tile: K columns per pipeline stage (a multiple of k_block dividing k, else k_block): one copy
+    per operand brings k_tile / k_block scale blocks, each still its own matmul and promotion.
+    pingpong: two partial tiles; the matmul of one K block runs while the previous one is promoted.
     """
     bm, bn, threads = tile
     m = T.symbolic("M")
     kb = k // k_block
+    kt = k_tile if k_tile % k_block == 0 and k % k_tile == 0 else k_block
+    subs = kt // k_block  # K blocks per stage
     per_a = a_block // k_block  # K blocks per activation scale
     nb = -(-n // b_rows)
-    b_cols = k_block // 2 if fp4 else k_block  # bytes of a weight row per K block
+    b_cols = kt // 2 if fp4 else kt  # bytes of a weight row per stage
 
     ka = k // a_block  # activation scale columns
+    regs = bm * bn // threads  # float32 registers of one partial tile per thread
+    # each warpgroup takes whole rows of C where it can (one 64 x bn wgmma per K block); the default
+    # square split gave each of two warpgroups 128 x bn/2 (two wgmmas, each re-reading the B tile)
+    policy = T.GemmWarpPolicy.FullRow if bm >= 64 * (threads // 128) else T.GemmWarpPolicy.Square
     sb_rows = max(bn // b_rows, 1)  # weight scale rows one CTA's columns use
     a_bytes, b_bytes = (1 if a_e8m0 else 4), (1 if b_e8m0 else 4)
+    pipe = stages * (bm * kt + bn * b_cols) + (bn * kt if fp4 else 0)
     hoist = hoist and (bn % b_rows == 0 or b_rows % bn == 0)
-    hoist = hoist and bm * ka * a_bytes + sb_rows * kb * b_bytes <= HOIST_BYTES
+    hoist = hoist and bm * ka * a_bytes + sb_rows * kb * b_bytes <= SMEM_BYTES - pipe
 
     def a_scale(x):
         return e8m0_to_f32(x) if a_e8m0 else x
@@ -115,6 +142,21 @@ def block_gemm_kernel(
         # b_s_rows[:, k]: the scale of each output row (N tail: any valid row)
         return b_s[T.min((bx * bn + j) // b_rows, nb - 1), kk]
 
+    @T.macro
+    def promote(c_acc, part, kk, sa_s, sb_s, bx, by):
+        # acc += partial * a_s[:, k] * b_s[:, k], one multiply-add (a_s * b_s exact for e8m0); sa_s, sb_s:
+        # the hoisted scales, or a_s, b_s themselves
+        if hoist:
+            for i, j in T.Parallel(bm, bn):
+                c_acc[i, j] += part[i, j] * (
+                    a_scale(sa_s[i, kk // per_a]) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk])
+                )
+        else:
+            for i, j in T.Parallel(bm, bn):
+                c_acc[i, j] += part[i, j] * (
+                    a_scale(sa_s[T.min(by * bm + i, m - 1), kk // per_a]) * b_scale(b_row_scale(sb_s, bx, j, kk))
+                )
+
     @T.prim_func
     def block_gemm_(
         a: T.Tensor[(m, k), E4M3],
@@ -124,13 +166,14 @@ def block_gemm_kernel(
         c: T.Tensor[(m, n), BF16],
     ):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
-            a_sh = T.alloc_shared((bm, k_block), E4M3)
+            a_sh = T.alloc_shared((bm, kt), E4M3)
             bin_sh = T.alloc_shared((bn, b_cols), U8 if fp4 else E4M3)
-            b8_sh = T.alloc_shared((bn, k_block), U8)
+            b8_sh = T.alloc_shared((bn, kt), U8)
             b_sh = T.view(b8_sh, dtype=E4M3) if fp4 else bin_sh  # the tile the tensor cores read
-            c_blk = T.alloc_fragment((bm, bn), F32)
+            blk = [T.alloc_fragment((bm, bn), F32) for _ in range(2 if pingpong else 1)]
             c_acc = T.alloc_fragment((bm, bn), F32)
             c_sh = T.alloc_shared((bm, bn), BF16)
+            touch = T.alloc_local((2,), E4M3)
             if hoist:
                 # every scale this CTA uses, read once (raw: e8m0 bytes are decoded where used)
                 sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 else F32)
@@ -139,27 +182,39 @@ def block_gemm_kernel(
                     sa_all[i, t] = a_s[T.min(by * bm + i, m - 1), t]  # M tail: any valid row
                 for r, t in T.Parallel(sb_rows, kb):
                     sb_all[r, t] = b_s[T.min((bx * bn) // b_rows + r, nb - 1), t]
+                sa_s, sb_s = sa_all, sb_all
+            else:
+                sa_s, sb_s = a_s, b_s
+
             T.clear(c_acc)
-            for kk in T.Pipelined(kb, num_stages=stages):
-                T.copy(a[by * bm, kk * k_block], a_sh)
-                T.copy(b[bx * bn, kk * b_cols], bin_sh)
+            for kt_i in T.Pipelined(kb // subs, num_stages=stages):
+                T.copy(a[by * bm, kt_i * kt], a_sh)
+                T.copy(b[bx * bn, kt_i * b_cols], bin_sh)
                 if fp4:
-                    for j, v in T.Parallel(bn, k_block):
+                    for j, v in T.Parallel(bn, kt):
                         # decode_fp4_pairs(b), as e4m3 bytes (exact)
                         b8_sh[j, v] = e2m1_e4m3_byte((bin_sh[j, v // 2] >> T.uint8(4 * (v % 2))) & T.uint8(15))
-                # partial = a[:, cols] @ b[:, cols].T, float32 from zero
-                T.gemm(a_sh, b_sh, c_blk, transpose_B=True, clear_accum=True)
-                # acc += partial * a_s[:, k] * b_s[:, k], one multiply-add (a_s * b_s exact for e8m0)
-                if hoist:
-                    for i, j in T.Parallel(bm, bn):
-                        c_acc[i, j] += c_blk[i, j] * (
-                            a_scale(sa_all[i, kk // per_a]) * b_scale(sb_all[(j // b_rows) if b_rows < bn else 0, kk])
-                        )
-                else:
-                    for i, j in T.Parallel(bm, bn):
-                        c_acc[i, j] += c_blk[i, j] * (
-                            a_scale(a_s[T.min(by * bm + i, m - 1), kk // per_a]) * b_scale(b_row_scale(b_s, bx, j, kk))
-                        )
+                for s in tuple(range(subs)):
+                    cols = slice(s * k_block, (s + 1) * k_block)
+                    # partial = a[:, cols] @ b[:, cols].T, float32 from zero
+                    if pingpong:
+                        T.wgmma_gemm(a_sh[:, cols], b_sh[:, cols], blk[s % 2], False, True, policy, clear_accum=True)
+                        if s > 0:
+                            T.wait_wgmma(1)  # the previous K block's partial is complete
+                            T.warpgroup_fence_operand(blk[(s - 1) % 2], 0, regs)  # read it only from here on
+                            promote(c_acc, blk[(s - 1) % 2], kt_i * subs + s - 1, sa_s, sb_s, bx, by)
+                    else:
+                        T.gemm(a_sh[:, cols], b_sh[:, cols], blk[0], False, True, policy, clear_accum=True)
+                        promote(c_acc, blk[0], kt_i * subs + s, sa_s, sb_s, bx, by)
+                if pingpong:
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(blk[(subs - 1) % 2], 0, regs)
+                    # the stage is released after the last statement that touches its tiles: touch them
+                    # here, after the matmuls that read them are complete
+                    touch[0] = a_sh[0, 0]
+                    if not fp4:
+                        touch[1] = bin_sh[0, 0]
+                    promote(c_acc, blk[(subs - 1) % 2], kt_i * subs + subs - 1, sa_s, sb_s, bx, by)
             T.copy(c_acc, c_sh)  # .to(bfloat16)
             T.copy(c_sh, c[by * bm, bx * bn])
 

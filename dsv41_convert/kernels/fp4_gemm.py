@@ -5,16 +5,18 @@ scale group) and one e8m0 weight scale per row; its docstring gives the numerics
 same as fp8_gemm's, for the same reasons) and the layout.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import TILES, WIDE_TILE, block_gemm_kernel, pick_tile
+from dsv41_convert.kernels.block_gemm import FP4_TILES, block_gemm_kernel, pick_tile
 
 GROUP = 32  # weight scale group along K
-STAGES = 3  # K blocks in flight
+STAGES = 3  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
 
 
-def fp4_gemm_kernel(n: int, k: int, act_block: int, e8m0: bool, tile: tuple[int, int, int] = WIDE_TILE):
+def fp4_gemm_kernel(n: int, k: int, act_block: int, e8m0: bool, tile: tuple[int, int, int] = FP4_TILES[1]):
     """[M, k] e4m3 x [n, k/2] packed e2m1 -> [M, n] bf16."""
     return block_gemm_kernel(n, k, GROUP, act_block, 1, True, e8m0, True, STAGES, tile)
 
@@ -52,15 +54,19 @@ def fp4_gemm(
     a_s_arg = a_s.contiguous().view(torch.uint8) if e8m0 else a_s.contiguous()
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        # both tiles compile on the first call (a warm-up with one row readies the many-row one too)
-        kernels = {tile: fp4_gemm_kernel(n, k, act_block_size, e8m0, tile) for tile in TILES}
-        kernel = kernels[pick_tile(m, n, a.device)]
+        kernel = _kernels(n, k, act_block_size, e8m0)[pick_tile(m, n, a.device, FP4_TILES)]
         b_arg = b.contiguous().view(torch.uint8)
         kernel(a.contiguous().view(m, k), a_s_arg.view(m, -1), b_arg, b_s.contiguous().view(torch.uint8), c)
     return c.view(*a.shape[:-1], n)
 
 
+@functools.cache
+def _kernels(n: int, k: int, act_block: int, e8m0: bool) -> dict:
+    """tile -> compiled kernel, both tiles on the first call (as fp8_gemm._kernels)."""
+    return {tile: fp4_gemm_kernel(n, k, act_block, e8m0, tile) for tile in FP4_TILES}
+
+
 def warm_up(n: int, k: int, act_block_size: int = 32, e8m0: bool = True) -> None:
     """Compile the kernels (both tiles) for an expert weight [n, k] (logical) before collectives start."""
-    for tile in TILES:
+    for tile in FP4_TILES:
         fp4_gemm_kernel(n, k, act_block_size, e8m0, tile)

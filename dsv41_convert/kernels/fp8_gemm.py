@@ -4,15 +4,17 @@ The kernel is `block_gemm.block_gemm_kernel` with e4m3 weights in square `block_
 docstring gives the numerics, the bound checked by tests/gpu/test_gemm_kernels.py, and the layout).
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import TILES, WIDE_TILE, block_gemm_kernel, pick_tile
+from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, pick_tile
 
-STAGES = 4  # K blocks in flight
+STAGES = 4  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
 
 
-def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool, tile: tuple[int, int, int] = WIDE_TILE):
+def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool, tile: tuple[int, int, int] = FP8_TILES[1]):
     """[M, k] e4m3 x [n, k] e4m3 -> [M, n] bf16; scales per (row, K block) and (block_size tile)."""
     return block_gemm_kernel(n, k, block_size, block_size, block_size, False, e8m0, e8m0, STAGES, tile)
 
@@ -53,14 +55,20 @@ def fp8_gemm(
 
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        # both tiles compile on the first call (a warm-up with one row readies the many-row one too)
-        kernels = {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile) for tile in TILES}
-        kernel = kernels[pick_tile(m, n, a.device)]
+        kernel = _kernels(n, k, block_size, e8m0)[pick_tile(m, n, a.device, FP8_TILES)]
         kernel(a.contiguous().view(m, k), arg(a_s).view(m, -1), b.contiguous(), arg(b_s), c)
     return c.view(*a.shape[:-1], n)
 
 
+@functools.cache
+def _kernels(n: int, k: int, block_size: int, e8m0: bool) -> dict:
+    """tile -> compiled kernel, both tiles on the first call (a warm-up with one row readies the many-row
+    one too); cached here, so that a call costs one dict lookup, not TileLang's argument hashing per tile
+    (a 128-row gemm takes only tens of microseconds)."""
+    return {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile) for tile in FP8_TILES}
+
+
 def warm_up(n: int, k: int, block_size: int = 32, e8m0: bool = True) -> None:
     """Compile the kernels (both tiles) for a weight [n, k] before collectives start."""
-    for tile in TILES:
+    for tile in FP8_TILES:
         fp8_gemm_kernel(n, k, block_size, e8m0, tile)

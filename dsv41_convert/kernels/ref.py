@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv41_convert.quant.fp4 import E2M1_VALUES, unpack_nibbles
+from dsv41_convert.kernels.scratch import scratch
+from dsv41_convert.quant.fp4 import decode_e2m1_pairs
 
 SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step, as the kernel tiles them
 FP4_GROUP = 32  # fp4 weight: one e8m0 scale per 32 values along K
@@ -39,22 +40,53 @@ def decode_fp4_pairs(b: Tensor) -> Tensor:
     b: [..., K/2]  float4_e2m1fn_x2 (logical [..., K])
     -> [..., K]    float32
     """
-    return E2M1_VALUES.to(b.device)[unpack_nibbles(b).long()]
+    return decode_e2m1_pairs(b)
 
 
-def _blockwise_gemm(a: Tensor, a_s: Tensor, b: Tensor, b_s: Tensor, block_k: int) -> Tensor:
+@torch.no_grad()  # weights are Parameters; nothing differentiates through a quantized GEMM (nor do the kernels)
+def _widen(b: Tensor, block_k: int) -> Tensor:
+    """The exact fp32 value of every weight element, one K block after the other (each block's [N, block_k]
+    contiguous), in this thread's scratch buffer (see scratch.py): valid until the next GEMM of this
+    thread, so only `_blockwise_gemm` may hold it.
+
+    b: [N, K] float8_e4m3fn, or [N, K/2] float4_e2m1fn_x2 (logical [N, K])
+    -> [K/block_k, N, block_k] float32
+    """
+    n = b.size(0)
+    if b.dtype == torch.float4_e2m1fn_x2:
+        nb = b.size(1) * 2 // block_k
+        out = scratch((nb, n, block_k), torch.float32, b.device)
+        blocks = b.view(torch.uint8).reshape(n, nb, block_k // 2).transpose(0, 1).contiguous()  # bytes, K blocks first
+        return decode_e2m1_pairs(blocks, out=out)
+    nb = b.size(1) // block_k
+    return scratch((nb, n, block_k), torch.float32, b.device).copy_(b.reshape(n, nb, block_k).transpose(0, 1))
+
+
+@torch.no_grad()  # mm(out=) and the in-place scaling refuse operands that require grad (scales are Parameters)
+def _blockwise_gemm(a: Tensor, a_s: Tensor, b_blocks: Tensor, b_s: Tensor, block_k: int) -> Tensor:
     """sum over K blocks k of (a_k @ b_k^T) * a_s[:, k] * b_s[:, k], added in K order.
 
-    a: [M, K] float32 (exact e4m3 values)   a_s: [M, K/block_k] float32
-    b: [N, K] float32 (exact weight values)  b_s: [N, K/block_k] float32
+    a:        [M, K] float32 (exact e4m3 values)                  a_s: [M, K/block_k] float32
+    b_blocks: [K/block_k, N, block_k] float32 (exact weight values, see `_widen`)
+    b_s:      [N, K/block_k] float32
     -> [M, N] float32
+
+    The specification is the plain loop over the [N, K] weight b:
+    `acc += (a[:, cols] @ b[:, cols].T) * a_s[:, k:k+1] * b_s[:, k]`. Here each block's matmul takes the
+    same values from a contiguous block (the weight read once, in order; only the leading dimension
+    differs), writes into one reused buffer, and the scaling is done in place: same operations, same
+    order, same bits (tests/unit/test_ref_gemm_exact.py keeps the loop and compares bytes). The order
+    inside a block's matmul is the BLAS kernel's.
     """
-    m, k_total = a.shape
-    acc = torch.zeros(m, b.size(0), dtype=torch.float32, device=a.device)
-    for k in range(k_total // block_k):
-        cols = slice(k * block_k, (k + 1) * block_k)
-        partial = a[:, cols] @ b[:, cols].T
-        acc += partial * a_s[:, k : k + 1] * b_s[:, k].unsqueeze(0)
+    m = a.size(0)
+    n_blocks, n, _ = b_blocks.shape
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    partial = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    b_s_kn = b_s.T.contiguous()  # [K/block_k, N]: the scales of one K block, contiguous
+    for k in range(n_blocks):
+        torch.mm(a[:, k * block_k : (k + 1) * block_k], b_blocks[k].T, out=partial)
+        # in place, the same fp32 operations in the same order as acc += partial * a_s[:, k] * b_s[:, k]
+        acc.add_(partial.mul_(a_s[:, k : k + 1]).mul_(b_s_kn[k]))
     return acc
 
 
@@ -83,7 +115,9 @@ def fp8_gemm(
     _check(a_s.numel() == m * (k_total // block_size), f"fp8_gemm: a_s {tuple(a_s.shape)} for a {tuple(a.shape)}")
     _check(tuple(b_s.shape) == (nb, k_total // block_size), f"fp8_gemm: b_s {tuple(b_s.shape)} for b {tuple(b.shape)}")
     b_s_rows = b_s.float().repeat_interleave(block_size, dim=0)[:n]  # tile scale -> one per output row
-    c = _blockwise_gemm(a.reshape(m, k_total).float(), a_s.reshape(m, -1).float(), b.float(), b_s_rows, block_size)
+    c = _blockwise_gemm(
+        a.reshape(m, k_total).float(), a_s.reshape(m, -1).float(), _widen(b, block_size), b_s_rows, block_size
+    )
     return c.to(torch.bfloat16).view(*a.shape[:-1], n)
 
 
@@ -113,7 +147,7 @@ def fp4_gemm(
     _check(tuple(b_s.shape) == (n, k_total // FP4_GROUP), f"fp4_gemm: b_s {tuple(b_s.shape)} for b {tuple(b.shape)}")
     # the weight group is the finer one: walk K in 32s, each activation scale covering act_block/32 of them
     a_s32 = a_s.reshape(m, -1).float().repeat_interleave(act_block_size // FP4_GROUP, dim=1)
-    c = _blockwise_gemm(a.reshape(m, k_total).float(), a_s32, decode_fp4_pairs(b), b_s.float(), FP4_GROUP)
+    c = _blockwise_gemm(a.reshape(m, k_total).float(), a_s32, _widen(b, FP4_GROUP), b_s.float(), FP4_GROUP)
     return c.to(torch.bfloat16).view(*a.shape[:-1], n)
 
 

@@ -140,6 +140,32 @@ def load_shards(model: nn.Module, folder: Path | str, rank: int | None = None, w
     return path
 
 
+def _checked(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    what: str,
+    prefix: str,
+    deferred: Collection[str],
+    shapes: dict[str, torch.Size] | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """load_tensors' check (`shapes`: module name -> the shape wanted where the parameter holds a
+    placeholder). -> module name -> (its parameter or buffer, the state's tensor for it)"""
+    shapes = shapes or {}
+    expected = {n: v for n, v in expected_tensors(module).items() if n not in deferred}
+    local = {name.removeprefix(prefix): t for name, t in state.items()}
+    problems = [f"{prefix}{n}: missing" for n in sorted(set(expected) - set(local))]
+    problems += [f"{prefix}{n}: not in the model" for n in sorted(set(local) - set(expected))]
+    for name in sorted(set(local) & set(expected)):
+        p, t = expected[name][0], local[name]
+        widen = t.dtype == torch.bfloat16 and p.dtype == torch.float32
+        shape = shapes.get(name, p.shape)
+        if (t.dtype != p.dtype and not widen) or t.shape != shape:
+            problems.append(f"{prefix}{name}: {t.dtype} {list(t.shape)}, model wants {p.dtype} {list(shape)}")
+    if problems:
+        raise PlanError(f"{what} do not fit the model:\n  " + "\n  ".join(problems[:20]))
+    return {name: (p, local[name]) for name, (p, _owner) in expected.items()}
+
+
 @torch.no_grad()
 def load_tensors(
     module: nn.Module, state: dict[str, torch.Tensor], what: str, prefix: str = "", deferred: Collection[str] = ()
@@ -149,16 +175,23 @@ def load_tensors(
     model's fp32 Linear and head weights are bf16 in the rank files). `deferred`: module names the caller
     fills later (the streamed path's lazily read experts), left out of both sides.
     Raises PlanError naming the tensors."""
-    expected = {n: v for n, v in expected_tensors(module).items() if n not in deferred}
-    local = {name.removeprefix(prefix): t for name, t in state.items()}
-    problems = [f"{prefix}{n}: missing" for n in sorted(set(expected) - set(local))]
-    problems += [f"{prefix}{n}: not in the model" for n in sorted(set(local) - set(expected))]
-    for name in sorted(set(local) & set(expected)):
-        p, t = expected[name][0], local[name]
-        widen = t.dtype == torch.bfloat16 and p.dtype == torch.float32
-        if (t.dtype != p.dtype and not widen) or t.shape != p.shape:
-            problems.append(f"{prefix}{name}: {t.dtype} {list(t.shape)}, model wants {p.dtype} {list(p.shape)}")
-    if problems:
-        raise PlanError(f"{what} do not fit the model:\n  " + "\n  ".join(problems[:20]))
-    for name, (p, _owner) in expected.items():
-        p.data.copy_(local[name])  # copy_ widens bf16 -> float32 exactly, without a full-size temporary
+    for p, t in _checked(module, state, what, prefix, deferred).values():
+        p.data.copy_(t)  # copy_ widens bf16 -> float32 exactly, without a full-size temporary
+
+
+@torch.no_grad()
+def bind_tensors(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    what: str,
+    prefix: str = "",
+    deferred: Collection[str] = (),
+    shapes: dict[str, torch.Size] | None = None,
+) -> None:
+    """load_tensors without the copy: each parameter's data becomes the state's tensor (contiguous, on
+    any device; bf16 -> float32 widened there, exactly), so a tensor already on the GPU is not copied
+    again. Same checks as load_tensors. `shapes`: the shapes to check against for parameters that hold a
+    placeholder (the streamed path's unloaded experts: 0 elements until read)."""
+    for p, t in _checked(module, state, what, prefix, deferred, shapes).values():
+        t = t if t.dtype == p.dtype else t.to(p.dtype)
+        p.data = t.contiguous()

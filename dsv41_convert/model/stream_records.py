@@ -13,7 +13,9 @@ from torch import Tensor
 class WeightProvider(Protocol):
     """Tensors of the tp-1 state dict by name (the model's dtypes; bf16 stands for a float32 weight)."""
 
-    def __call__(self, names: Sequence[str]) -> dict[str, Tensor]: ...
+    def __call__(self, names: Sequence[str]) -> dict[str, Tensor]:
+        """The named tensors; called from several threads at once on CUDA (stream_feed.CudaFeed)."""
+        ...
 
     def rows(self, names: Sequence[str], rows: Tensor) -> dict[str, Tensor]:
         """Rows `rows` ([n] int64, sorted, unique) of row-split tables (Engram weight and scale)."""
@@ -44,11 +46,17 @@ class StreamResult:
 
 @dataclass
 class UnitTiming:
-    """Seconds spent reading weights (provider calls), moving them to the device, and computing."""
+    """Per unit, summed over the passes: seconds spent reading weights (provider calls; on CUDA summed over
+    the reader threads), moving them to the device (staging in pinned memory + the host-to-device copies),
+    computing, and waiting for weights (the reading and moving that compute did not hide; on the CPU all
+    of it). The unit's wall time is compute_s + wait_s. param_bytes: the most parameter bytes the unit
+    held at once (dense weights + the routed experts read; unread experts hold nothing)."""
 
     unit: str
     read_s: float = 0.0
     transfer_s: float = 0.0
     compute_s: float = 0.0
+    wait_s: float = 0.0
     bytes_read: int = 0
     experts_read: int = 0
+    param_bytes: int = 0

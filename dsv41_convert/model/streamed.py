@@ -22,9 +22,15 @@ from the previous step. A layer-major single pass would not have them yet. The r
 layer at step t is what step t + 1 starts from, as in the whole model.
 
 Two kinds of weights are read lazily, never whole:
-- routed experts: read the first time the router sends a token to them (a forward pre-hook);
+- routed experts: empty placeholders (no memory) until the router first sends a token to them; a
+  forward hook on the gate then reads every newly picked expert of the unit at once;
 - Engram tables: only the rows the prompts' n-gram hashes touch (known before the pass), packed into
   a small table whose row ids replace the hashes of that layer.
+
+Each unit is built (modules with empty weights) before its weights arrive, then bound to them
+(load.bind_tensors: the read tensors become the parameters, no copy). On CUDA the next unit is built
+and its weights read and copied to the GPU while the current one computes (stream_feed.CudaFeed); on
+the CPU a unit's weights are read when it starts (stream_feed.HostFeed).
 
 Legend: P prompts, J steps per prompt (1 + decode steps), S prompt length, K draft block.
 """
@@ -46,8 +52,9 @@ from dsv41_convert.model import parallel
 from dsv41_convert.model.block import Block, make_identity_pre_mix
 from dsv41_convert.model.head import ParallelHead
 from dsv41_convert.model.layers import ParallelEmbedding, RMSNorm, dense_dtype
-from dsv41_convert.model.load import expected_tensors, load_tensors
+from dsv41_convert.model.load import bind_tensors, expected_tensors
 from dsv41_convert.model.runtime import SharedAttentionRuntime
+from dsv41_convert.model.stream_feed import CudaFeed, HostFeed, nbytes
 from dsv41_convert.model.stream_records import StreamPrompt, StreamResult, UnitTiming, WeightProvider
 from dsv41_convert.model.transformer import block_step, capture_block, merge_image_spans, to_streams
 
@@ -92,8 +99,26 @@ class _DraftHeads(nn.Module):
         self.confidence_head = DSparkConfidenceHead(args.dim + args.dspark_markov_rank)
 
 
-def _nbytes(tensors: dict[str, Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+_Part = tuple[nn.Module, str, frozenset[str]]  # a module, its provider prefix, the names it reads later
+
+
+@dataclass
+class _Unit:
+    """A unit built before its weights arrive: its modules (the first one is the unit's root), and per
+    provider name the bytes it will hold (what the feed reads; the deferred names are read later)."""
+
+    key: tuple[int, str]  # (pass, unit name)
+    parts: list[_Part]
+    sizes: dict[str, int]
+
+    @property
+    def root(self) -> nn.Module:
+        return self.parts[0][0]
+
+    def param_bytes(self) -> int:
+        """Bytes of the parameters the unit holds now (a tied parameter once)."""
+        params = {id(p): p for module, _, _ in self.parts for p in module.parameters()}
+        return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def _release_freed_memory() -> None:
@@ -119,6 +144,9 @@ class _Runner:
             # its prefill would publish no index keys and read the previous prompt's (not streamable)
             raise VerifyInputError(f"a {shortest}-token prompt: streaming needs {ratio} (the largest compress ratio)")
         self.args, self.provider, self.device = args, provider, device
+        # on CUDA the next unit's weights are read and copied while this one computes (stream_feed.py)
+        self.feed = CudaFeed(provider, device) if torch.device(device).type == "cuda" else HostFeed(provider)
+        self.built: dict[tuple[int, str], _Unit] = {}  # the unit read ahead, built before its weights
         self.capture = capture_hidden
         self.progress = progress
         self.timings: dict[str, UnitTiming] = {}
@@ -159,48 +187,53 @@ class _Runner:
 
     # --- weights ---
 
-    def _read(self, timing: UnitTiming, names: Sequence[str]) -> dict[str, Tensor]:
-        t0 = time.perf_counter()
-        got = self.provider(names)
-        timing.read_s += time.perf_counter() - t0
-        timing.bytes_read += _nbytes(got)
-        return got
+    def _unit_of(self, key: tuple[int, str], parts: list[tuple[nn.Module, str, frozenset[str]]]) -> _Unit:
+        names = {}
+        for module, prefix, deferred in parts:
+            names.update({prefix + n: p.numel() * p.element_size()
+                          for n, (p, _) in expected_tensors(module).items() if n not in deferred})  # fmt: skip
+        return _Unit(key, parts, names)
 
-    def _fill(self, unit: nn.Module, timing: UnitTiming, prefix: str, deferred: frozenset[str] = frozenset()) -> None:
-        names = [prefix + n for n in expected_tensors(unit) if n not in deferred]
-        load_tensors(unit, self._read(timing, names), f"{prefix or 'unit'} weights", prefix, deferred)
-
-    def _to_device(self, unit: nn.Module, timing: UnitTiming) -> nn.Module:
-        if self.device == "cpu":
-            return unit
-        t0 = time.perf_counter()
-        unit = unit.to(self.device)
-        torch.cuda.synchronize()
-        timing.transfer_s += time.perf_counter() - t0
-        return unit
+    def _bind(self, unit: _Unit, timing: UnitTiming) -> None:
+        """Fill the unit's modules with its weights (read ahead on CUDA) and move them to the device."""
+        got = self.feed.take(f"{unit.key[0]}:{unit.key[1]}", unit.sizes, timing)
+        for module, prefix, deferred in unit.parts:
+            mine = {n: got[prefix + n] for n in expected_tensors(module) if n not in deferred}
+            bind_tensors(module, mine, f"{prefix or 'unit'} weights", "", deferred)
+            if self.device != "cpu":
+                module.to(self.device)  # the buffers (caches) and the unread experts' empty placeholders
 
     def _lazy_experts(self, moe: nn.Module, prefix: str, timing: UnitTiming) -> frozenset[str]:
-        """Defer the routed experts' weights to their first call; -> the deferred module names."""
-        deferred = set()
+        """Leave the routed experts unread (empty placeholders) until the router first picks them, then
+        read every newly picked one at once; -> the deferred module names."""
+        experts: dict[int, tuple[nn.Module, dict[str, torch.Size]]] = {}
         for e, expert in enumerate(moe.experts):
             if expert is None:
                 continue
-            local = {n: p for n, (p, _) in expected_tensors(expert).items()}
-            deferred.update(f"ffn.experts.{e}.{n}" for n in local)
-            expert.register_forward_pre_hook(self._expert_loader(f"{prefix}ffn.experts.{e}.", local, timing))
-        return frozenset(deferred)
+            shapes = {}
+            for n, (p, _) in expected_tensors(expert).items():
+                shapes[n] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype)  # holds nothing until read
+            experts[e] = (expert, shapes)
+        moe.gate.register_forward_hook(self._expert_loader(prefix, experts, timing))
+        return frozenset(f"ffn.experts.{e}.{n}" for e, (_, shapes) in experts.items() for n in shapes)
 
-    def _expert_loader(self, prefix: str, params: dict[str, Tensor], timing: UnitTiming):
-        loaded = []
+    def _expert_loader(self, prefix: str, experts: dict, timing: UnitTiming):
+        loaded: set[int] = set()
 
-        def load(_module, _inputs) -> None:
-            if loaded:
+        def load(_gate, _inputs, out: tuple[Tensor, Tensor]) -> None:
+            picked = sorted(set(out[1].unique().tolist()) & (experts.keys() - loaded))
+            if not picked:
                 return
-            got = self._read(timing, [prefix + n for n in params])
-            for n, p in params.items():
-                p.data.copy_(got[prefix + n])
-            timing.experts_read += 1
-            loaded.append(True)
+            names = [f"{prefix}ffn.experts.{e}.{n}" for e in picked for n in experts[e][1]]
+            got = self.feed.now(names, timing)
+            for e in picked:
+                expert, shapes = experts[e]
+                at = f"{prefix}ffn.experts.{e}."
+                mine = {n: got[at + n] for n in shapes}
+                bind_tensors(expert, mine, f"{at.rstrip('.')} weights", shapes=shapes)
+            timing.experts_read += len(picked)
+            loaded.update(picked)
 
         return load
 
@@ -236,18 +269,24 @@ class _Runner:
     def run(self) -> tuple[list[StreamResult], list[UnitTiming]]:
         n_steps = max(len(s) for s in self.steps)
         units = self._unit_names()
-        for s in range(n_steps):
-            if s > 0:  # a step starts from the runtime its previous step left after the last unit
-                for steps in self.steps:
-                    if s < len(steps):
-                        steps[s].runtime = steps[s - 1].runtime
-            label = f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'}): units"
-            for u, name in enumerate(units):
+        order = [(s, n) for s in range(n_steps) for n in units if n != "vision" or s == 0]
+        try:
+            for s in range(n_steps):
+                if s > 0:  # a step starts from the runtime its previous step left after the last unit
+                    for steps in self.steps:
+                        if s < len(steps):
+                            steps[s].runtime = steps[s - 1].runtime
+                label = f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'}): units"
+                for u, name in enumerate(units):
+                    if self.progress is not None:
+                        self.progress(label, u, len(units))
+                    if name != "vision" or s == 0:
+                        k = order.index((s, name))
+                        self._unit(name, s, order[k + 1] if k + 1 < len(order) else None)
                 if self.progress is not None:
-                    self.progress(label, u, len(units))
-                self._unit(name, s)
-            if self.progress is not None:
-                self.progress(label, len(units), len(units))
+                    self.progress(label, len(units), len(units))
+        finally:
+            self.feed.close()
         return self._results(), list(self.timings.values())
 
     def _unit_names(self) -> list[str]:
@@ -258,34 +297,51 @@ class _Runner:
             names += [f"mtp.{k}" for k in range(self.args.n_mtp_layers)]
         return [*names, "head"]
 
-    def _unit(self, name: str, s: int) -> None:
+    def _build(self, s: int, name: str) -> _Unit:
+        """The unit's modules with their weights still to come (see _Unit)."""
+        timing = self.timings.setdefault(name, UnitTiming(name))
+        kind, _, index = name.partition(".")
+        parts = getattr(self, f"_build_{kind}")(timing, s, *((int(index),) if index else ()))
+        return self._unit_of((s, name), parts)
+
+    def _unit(self, name: str, s: int, following: tuple[int, str] | None) -> None:
         timing = self.timings.setdefault(name, UnitTiming(name))
         work = [(p, steps[s]) for p, steps in enumerate(self.steps) if s < len(steps)]
-        if name == "vision" and s > 0:
-            return
-        t0, read0, transfer0 = time.perf_counter(), timing.read_s, timing.transfer_s
+        t0, wait0 = time.perf_counter(), timing.wait_s
         with torch.inference_mode():
+            unit = self.built.pop((s, name), None) or self._build(s, name)
+            self._bind(unit, timing)
+            if following is not None and self.feed.reads_ahead:
+                nxt = self._build(*following)
+                self.built[following] = nxt
+                self.feed.ahead(f"{following[0]}:{following[1]}", nxt.sizes)
             kind, _, index = name.partition(".")
-            getattr(self, f"_{kind}")(timing, s, work, *((int(index),) if index else ()))
+            getattr(self, f"_{kind}")(unit, timing, s, work, *((int(index),) if index else ()))
+            timing.param_bytes = max(timing.param_bytes, unit.param_bytes())
+        del unit
         _release_freed_memory()
         spent = time.perf_counter() - t0
-        timing.compute_s += spent - (timing.read_s - read0) - (timing.transfer_s - transfer0)
+        timing.compute_s += spent - (timing.wait_s - wait0)
 
-    def _vision(self, timing: UnitTiming, s: int, work) -> None:
-        from dsv41_convert.model.vision import Aligner, ViT, encode_image
+    def _build_vision(self, timing: UnitTiming, s: int) -> list[_Part]:
+        from dsv41_convert.model.vision import Aligner, ViT
 
         unit = nn.Module()
         with dense_dtype(self.args):
             unit.vision, unit.aligner = ViT(self.args), Aligner(self.args)
-        self._fill(unit, timing, "")
-        unit = self._to_device(unit, timing)
+        return [(unit, "", frozenset())]
+
+    def _vision(self, built: _Unit, timing: UnitTiming, s: int, work) -> None:
+        from dsv41_convert.model.vision import encode_image
+
+        unit = built.root
         self.image_embeds = {
             p: [encode_image(unit.vision, unit.aligner, i.patches.to(self.device), i.n_vit_h, i.n_vit_w)
                 for i in self.prompts[p].images or ()]
             for p, _ in work
         }  # fmt: skip
 
-    def _embed(self, timing: UnitTiming, s: int, work) -> None:
+    def _build_embed(self, timing: UnitTiming, s: int) -> list[_Part]:
         args = self.args
         unit = nn.Module()
         with dense_dtype(args):
@@ -293,8 +349,10 @@ class _Runner:
             if args.vision_enabled:
                 for name in ("image_start", "image_end", "image_newline"):
                     setattr(unit, name, nn.Parameter(torch.empty(args.dim, dtype=torch.bfloat16)))
-        self._fill(unit, timing, "")
-        unit = self._to_device(unit, timing)
+        return [(unit, "", frozenset())]
+
+    def _embed(self, built: _Unit, timing: UnitTiming, s: int, work) -> None:
+        args, unit = self.args, built.root
         for p, step in work:
             h = unit.embed(step.ids)
             if s == 0 and self.prompts[p].images:
@@ -317,17 +375,19 @@ class _Runner:
         names = [f"{prefix}engram.embed.weight", f"{prefix}engram.embed.scale"]
         t0 = time.perf_counter()
         got = self.provider.rows(names, rows)
-        timing.read_s += time.perf_counter() - t0
-        timing.bytes_read += _nbytes(got)
+        spent = time.perf_counter() - t0
+        timing.read_s += spent
+        timing.wait_s += spent
+        timing.bytes_read += nbytes(got)
         emb = block.engram.embed
-        emb.weight.data, emb.scale.data = got[names[0]], got[names[1]]
+        emb.weight.data, emb.scale.data = got[names[0]].to(self.device), got[names[1]].to(self.device)
         emb.part_num_embeddings = emb.num_embeddings = rows.numel()
         for _, step in work:
             packed = step.hashes.clone()
             packed[..., g, :] = torch.searchsorted(rows.to(step.hashes.device), step.hashes[..., g, :].contiguous())
             self.engram_ids[id(step)] = packed
 
-    def _layers(self, timing: UnitTiming, s: int, work, i: int) -> None:
+    def _build_layers(self, timing: UnitTiming, s: int, i: int) -> list[_Part]:
         args, prefix, layout = self.args, f"layers.{i}.", self.layout
         if layout is not None and i in layout.layer_ids:
             # an empty table here; _engram_rows fills it with the rows this pass reads
@@ -340,11 +400,13 @@ class _Runner:
         deferred = self._lazy_experts(block.ffn, prefix, timing)
         if block.engram is not None:
             deferred |= {"engram.embed.weight", "engram.embed.scale"}
-        self._fill(block, timing, prefix, deferred)
+        return [(block, prefix, deferred)]
+
+    def _layers(self, built: _Unit, timing: UnitTiming, s: int, work, i: int) -> None:
+        args, prefix, block = self.args, f"layers.{i}.", built.root
         self.engram_ids = {}
         if block.engram is not None:
             self._engram_rows(block, timing, prefix, work)
-        block = self._to_device(block, timing)
         last = i == args.n_layers - 1
         for p, step in work:
             self._swap_in(block, f"layers.{i}", p)
@@ -366,18 +428,20 @@ class _Runner:
             # after the last layer only the collapsed stream goes on (to the final norm)
             step.h, step.pre_mix = (block.hc_pre(h, pre_mix), None) if last else (h, pre_mix)
 
-    def _mtp(self, timing: UnitTiming, s: int, work, k: int) -> None:
+    def _build_mtp(self, timing: UnitTiming, s: int, k: int) -> list[_Part]:
         from dsv41_convert.model.mtp import DSparkBlock
 
         args, prefix = self.args, f"mtp.{k}."
         with dense_dtype(args):
             stage = DSparkBlock(args.n_layers + k, args)
         deferred = self._lazy_experts(stage.ffn, prefix, timing)
-        last = k == args.n_mtp_layers - 1
-        if last:
+        if k == args.n_mtp_layers - 1:
             deferred |= {n for n in expected_tensors(stage) if n.startswith(DRAFT_HEAD_PARTS)}
-        self._fill(stage, timing, prefix, deferred)
-        stage = self._to_device(stage, timing)
+        return [(stage, prefix, deferred)]
+
+    def _mtp(self, built: _Unit, timing: UnitTiming, s: int, work, k: int) -> None:
+        args, stage = self.args, built.root
+        last = k == args.n_mtp_layers - 1
         for p, step in work:
             if len(self.steps[p]) == 1:
                 continue  # no decode steps: the whole model never runs the drafts either
@@ -389,19 +453,21 @@ class _Runner:
                 step.draft_h = stage.hc_pre(step.draft_h, step.draft_pre)
             self._swap_out(stage, f"mtp.{k}", p, s)
 
-    def _head(self, timing: UnitTiming, s: int, work) -> None:
+    def _build_head(self, timing: UnitTiming, s: int) -> list[_Part]:
         args = self.args
         unit = nn.Module()
         with dense_dtype(args):
             unit.norm = RMSNorm(args.dim, args.norm_eps)
             unit.head = ParallelHead(args.vocab_size, args.dim, args.norm_eps, args.hc_eps)
-            drafts = _DraftHeads(args) if self.drafts and s > 0 else None
-        self._fill(unit, timing, "")
+            if not (self.drafts and s > 0):
+                return [(unit, "", frozenset())]
+            drafts = _DraftHeads(args)
+        return [(unit, "", frozenset()), (drafts, f"mtp.{args.n_mtp_layers - 1}.", frozenset())]
+
+    def _head(self, built: _Unit, timing: UnitTiming, s: int, work) -> None:
+        unit = built.root
+        drafts = built.parts[1][0] if len(built.parts) > 1 else None
         if drafts is not None:
-            self._fill(drafts, timing, f"mtp.{args.n_mtp_layers - 1}.")
-        unit = self._to_device(unit, timing)
-        if drafts is not None:
-            drafts = self._to_device(drafts, timing)
             drafts.head = unit.head
         for p, step in work:
             normed = unit.norm(step.h)

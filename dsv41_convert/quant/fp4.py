@@ -98,6 +98,24 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
 
 
+def decode_e2m1_pairs(packed: Tensor, out: Tensor | None = None) -> Tensor:
+    """Value of every code of packed bytes (exact): one 8-byte table entry per byte, both nibbles at once.
+
+    packed: [..., m]      float4_e2m1fn_x2 / int8 / uint8 (logical [..., 2m])
+    out:    [..., 2m]     float32, contiguous, written and returned (allocated when None)
+    -> [..., 2m]          float32, the low nibble's value first; code 8 gives -0.0
+    """
+    require_dtype(packed, (torch.float4_e2m1fn_x2, *_BYTES), "decode_e2m1_pairs input")
+    shape = (*packed.shape[:-1], 2 * packed.size(-1))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=packed.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"decode_e2m1_pairs: out {out.dtype} {list(out.shape)}, want contiguous float32 {list(shape)}")
+    idx = packed.reshape(-1).view(torch.uint8).int()
+    torch.index_select(_BYTE_PAIRS64.to(packed.device), 0, idx, out=out.view(-1).view(torch.int64))
+    return out
+
+
 def as_fp4(packed: Tensor) -> Tensor:
     """Reinterpret packed e2m1 bytes (the checkpoint's I8) as torch's fp4 pair dtype; no copy.
 
@@ -203,8 +221,7 @@ def decode_mxfp4(packed: Tensor, s: Tensor, block: int = 32, dtype: torch.dtype 
 def _decode_mxfp4_float(packed: Tensor, s: Tensor, block: int, dtype: torch.dtype) -> Tensor:
     """decode_mxfp4 in float32 arithmetic (any dtype, block, device); shapes checked by the caller."""
     inp = 2 * packed.size(-1)
-    v = _BYTE_PAIRS64.index_select(0, packed.reshape(-1).view(torch.uint8).int()).view(torch.float32)
-    v = v.view(*packed.shape[:-1], inp)
+    v = decode_e2m1_pairs(packed)
     if inp % block:
         v = F.pad(v, (0, -inp % block))
     v = v.unflatten(-1, (-1, block)) * s.float().unsqueeze(-1)

@@ -3,6 +3,8 @@ hands checkpoints to the resume journal.
 
 The caller (write.py) hands over three kinds of work, in file order:
   write(data)          bytes to append;
+  write_ahead(a, data) bytes of a group's later part, at their final offset past the in-order end (an
+                       Aside: hashed into its own sha256 for the journal, then pwritten);
   read_back(pos, n)    bytes already written ahead at [pos, pos + n) (a group's later part): hashed by
                        reading them back, not written again;
   checkpoints          made by write() / read_back() every `journal_bytes` (counting bytes written
@@ -75,6 +77,7 @@ class Sink:
         self.asides: dict[str, Aside] = {}  # group -> its later part written ahead
         self.dirty: set[str] = set()  # groups whose aside grew since the last checkpoint
         self.ahead = 0  # bytes written ahead so far: they count towards the next checkpoint too
+        self._ahead_to: dict[int, int] = {}  # aside tensor -> end of the bytes queued for it (caller's side)
         # the progress shown counts bytes written ahead when they are written: done + (bytes written ahead
         # by an earlier run, past done, + self.ahead) - bytes read back; each counter has one writing thread
         self._ahead_before = sum(max(0, a.end - max(a.begin, self.done)) for a in start.asides) if start else 0
@@ -99,6 +102,22 @@ class Sink:
         self._q.put(("w", view, tensor))
         self._after_chunk()
 
+    def write_ahead(self, aside: Aside, data, tensor: str) -> None:
+        """The next bytes of a group's later part, written ahead at their final offset (after those queued
+        for `aside` before): hashed into aside.sha and pwritten in this thread, so neither stalls the
+        caller; a checkpoint queued after them records them. Not counted in `queued` (file order)."""
+        if self.error is not None:
+            raise self.error
+        view = memoryview(data).cast("B")
+        pos = self.ahead_end(aside)
+        self._ahead_to[aside.tensor] = pos + len(view)
+        self.ahead += len(view)
+        self._q.put(("a", (aside, pos, view), tensor))
+
+    def ahead_end(self, aside: Aside) -> int:
+        """Where the bytes queued for `aside` end (aside.end once the writer has caught up); caller's side."""
+        return self._ahead_to.get(aside.tensor, aside.end)
+
     def read_back(self, pos: int, n: int, tensor: str) -> None:
         """Bytes [pos, pos + n), written ahead, are next in the file: hash them, skip over them."""
         if self.error is not None:
@@ -114,7 +133,7 @@ class Sink:
         if self.journal is not None and self.mark_ok and progressed - self._last_mark >= self.journal_bytes:
             self._last_mark = progressed
             mark = {"end": self.queued, "tensor": self.index, "chunk": self.chunk, "skip": self.queued - self.t_begin}
-            mark["asides"] = [self.asides[g].to_json() for g in sorted(self.dirty) if g in self.asides]
+            mark["asides"] = [self.asides[g] for g in sorted(self.dirty) if g in self.asides]  # as JSON when written
             self.dirty.clear()
             self._q.put(("m", mark, ""))
         if self.throttle:
@@ -127,12 +146,25 @@ class Sink:
                 continue
             kind, payload, tensor = item
             try:
-                if kind == "m":
+                if kind == "m":  # every aside write queued before it is done, none after it started
                     self.out.flush()
+                    payload["asides"] = [a.to_json() for a in payload["asides"]]
                     payload["sha256"] = self.sha.copy().hexdigest()
                     self.journal.put(payload)
                     continue
                 self.tensor = tensor
+                if kind == "a":
+                    aside, pos, view = payload
+                    t0 = time.perf_counter()
+                    aside.sha.update(view)
+                    t1 = time.perf_counter()
+                    while len(view):
+                        n = os.pwrite(self.fd, view, pos)
+                        view, pos = view[n:], pos + n
+                        aside.end = pos
+                    self.stages["hash"] = self.stages.get("hash", 0.0) + t1 - t0
+                    self.stages["write"] = self.stages.get("write", 0.0) + time.perf_counter() - t1
+                    continue
                 if kind == "w":
                     t0 = time.perf_counter()
                     self.sha.update(payload)

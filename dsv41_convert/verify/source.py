@@ -20,6 +20,7 @@ layer-streamed model (model/streamed.py, `reference-logits --stream-layers`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,9 +38,10 @@ QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
 
 
-def _read(src: Path, rd: Read, fds: dict[str, int]) -> Tensor:
+def _read(src: Path, rd: Read, fds: dict[str, int], alloc: Callable[[int], Tensor] | None = None) -> Tensor:
     """Rows [r0, r1) and columns [c0, c1) of one source tensor, in its file dtype.
 
+    alloc: n -> a [n] uint8 CPU tensor the bytes are read into (None: a bytearray)
     -> [r1 - r0, *shape[1:]] (or [r1 - r0, c1 - c0])  DTYPES[rd.dtype]; a 0-d tensor comes back 0-d
     """
     if rd.file not in fds:
@@ -50,10 +52,15 @@ def _read(src: Path, rd: Read, fds: dict[str, int]) -> Tensor:
     for d in shape[1:]:
         row_elems *= d
     row_bytes = DTYPE_BITS[rd.dtype] * row_elems // 8
-    buf = bytearray((rd.r1 - rd.r0) * row_bytes)
-    if buf:
+    n = (rd.r1 - rd.r0) * row_bytes
+    if alloc is not None:
+        raw = alloc(n)
+        buf = memoryview(raw.numpy())
+    else:
+        buf = bytearray(n)
+        raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    if n:
         pread_exact(fd, memoryview(buf), rd.offset + rd.r0 * row_bytes, str(src / rd.file))
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
     dtype = torch.int8 if rd.dtype == "I8" else DTYPES[rd.dtype]
     t = raw.view(dtype).reshape(rd.r1 - rd.r0, *shape[1:])
     if rd.c1 >= 0:
@@ -122,7 +129,7 @@ def _padded(t: Tensor, rows: int, fill: int) -> Tensor:
 class SourceWeights:
     """The reference weights of `reference_state`, tensor by tensor on request (model.streamed's
     WeightProvider): only the requested tensors' bytes are read, through the same plan and transform.
-    Holds one open descriptor per source shard until close()."""
+    Holds one open descriptor per source shard until close(); safe to call from several threads."""
 
     def __init__(self, src: Path):
         self.src = Path(src)
@@ -131,7 +138,19 @@ class SourceWeights:
         self.skip_quant = self.source_format == "bf16"
         self.by_name = {t.name: t for t in self.plan.files[0].tensors}
         self.q = quantizer_for("cpu")
+        # where whole-tensor reads land: None, a bytearray each; stream_feed.CudaFeed sets pinned memory,
+        # so that a copied tensor (experts, fp8 weights) goes to the GPU without another host copy
+        self.alloc: Callable[[int], Tensor] | None = None
+        # every shard opened now: the streamed model calls this from several reader threads at once
+        # (stream_feed.CudaFeed), and pread on a shared descriptor is safe where adding one to the dict is not
+        files = sorted({rd.file for t in self.plan.files[0].tensors for rd in t.reads})
         self.fds: dict[str, int] = {}
+        try:
+            for f in files:
+                self.fds[f] = os.open(self.src / f, os.O_RDONLY)
+        except OSError:
+            self.close()
+            raise
 
     def _planned(self, name: str) -> OutTensor:
         t = self.by_name.get(name)
@@ -144,7 +163,7 @@ class SourceWeights:
         for name in names:
             if name not in out:
                 t = self._planned(name)
-                out.update(self._compute(t, [_read(self.src, rd, self.fds) for rd in t.reads]))
+                out.update(self._compute(t, [_read(self.src, rd, self.fds, self.alloc) for rd in t.reads]))
         return {n: out[n] for n in names}
 
     def rows(self, names, rows: Tensor) -> dict[str, Tensor]:

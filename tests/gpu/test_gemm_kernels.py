@@ -11,9 +11,17 @@ from dsv41_convert.quant import fp8 as fp8_ref
 
 pytestmark = pytest.mark.gpu
 
-# block_gemm_kernel's (tile, hoist) arguments: the wrappers' two tiles, the signature's default tile,
-# and that tile with its scales read from global memory (the path for scales too big to hoist)
-TILES = [((128, 128, 256), True), ((64, 64, 128), True), ((64, 128, 128), True), ((64, 128, 128), False)]
+# block_gemm_kernel's (tile, hoist, k_tile, pingpong) arguments: the wrappers' tiles (block_gemm.FP8_TILES,
+# FP4_TILES), 64 x 128 with its scales read from global memory (the path for scales too big to hoist), and
+# the one-K-block-per-stage kernel without ping-pong (the structure before both)
+TILES = [
+    ((128, 128, 256), True, 128, True),
+    ((64, 64, 128), True, 128, True),
+    ((64, 64, 256), True, 128, True),
+    ((64, 128, 128), True, 128, True),
+    ((64, 128, 128), False, 128, True),
+    ((128, 128, 256), True, 32, False),
+]
 
 
 def abs_e4m3(t):
@@ -35,12 +43,12 @@ def check(got, want, mag, what):
 
 
 def run_tile(tile, fp4, a, a_s, b, b_s, e8m0, k_block, a_block, b_rows, stages):
-    """The block gemm with an explicit (tile, hoist), called as fp8_gemm / fp4_gemm call it."""
+    """The block gemm with explicit (tile, hoist, k_tile, pingpong), called as fp8_gemm / fp4_gemm call it."""
     from dsv41_convert.kernels.block_gemm import block_gemm_kernel
 
     m, k, n = a.size(0), a.size(1), b.size(0)
     b_e8m0 = True if fp4 else e8m0
-    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, tile[0], tile[1])
+    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, *tile)
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
     def raw(t):
@@ -95,7 +103,7 @@ def test_fp4_gemm(act_block, fmt, sdtype, m, tile):
     check(got, want, mag, f"fp4_gemm act_block={act_block} m={m} tile={tile}")
 
 
-@pytest.mark.parametrize("tile", TILES[:2])
+@pytest.mark.parametrize("tile", TILES[:4])
 @pytest.mark.parametrize("fp4", [False, True])
 def test_gemm_same_bytes_run_to_run(fp4, tile):
     """Many CTAs per SM and a long K loop: five calls give the same bytes (a race would show here)."""

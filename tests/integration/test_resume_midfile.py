@@ -15,10 +15,10 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from quant_testing import CountingQuantizer
 
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
-from dsv41_convert.convert.transform import quantizer_for
 from dsv41_convert.convert.write import _chunk_rows, write_partial, write_rank_file
 from dsv41_convert.errors import OutputError
 from dsv41_convert.store.journal import journal_path
@@ -46,29 +46,6 @@ def clean(bf16_src, tmp_path_factory) -> Path:
     return out
 
 
-class Counting:
-    """The CPU quantizer, counting encode calls per tensor; raises KeyboardInterrupt (a Ctrl-C) at call `stop`."""
-
-    def __init__(self, stop: int | None = None):
-        self.q, self.calls, self.n, self.stop = quantizer_for("cpu"), {}, 0, stop
-        self.device = "cpu"
-
-    def __getattr__(self, attr):
-        func = getattr(self.q, attr)
-        if not attr.startswith("encode_"):
-            return func
-
-        def wrapped(*args):
-            self.n += 1
-            if self.stop is not None and self.n == self.stop:
-                raise KeyboardInterrupt
-            name = args[-1].split(": ")[-1]
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return func(*args)
-
-        return wrapped
-
-
 def _interrupt(rf, src, out, stop: int | float, stash: int = 256 << 20, digest: str = "d") -> None:
     """Ctrl-C at quantizer call `stop` (an int), or once the writer has been handed that fraction of the
     file in file order (a float: parts written ahead do not count until they are read back)."""
@@ -79,15 +56,15 @@ def _interrupt(rf, src, out, stop: int | float, stash: int = 256 << 20, digest: 
         if isinstance(stop, float) and sink.queued > stop * rf.nbytes:
             raise KeyboardInterrupt
 
-    q = Counting(stop if isinstance(stop, int) else None)
+    q = CountingQuantizer(stop if isinstance(stop, int) else None)
     with pytest.raises(KeyboardInterrupt), mock.patch.object(Sink, "_after_chunk", stop_at_fraction):
         write_partial(rf, src, out, q, chunk_bytes=CHUNK, stash_bytes=stash, plan_digest=digest,
                       journal_bytes=JOURNAL)  # fmt: skip
     assert (out / (rf.file + ".partial")).exists() and journal_path(out, rf.file).exists()
 
 
-def _resume(rf, src, out, stash: int = 256 << 20, digest: str = "d") -> tuple[dict, Counting]:
-    stats, q = {}, Counting()
+def _resume(rf, src, out, stash: int = 256 << 20, digest: str = "d") -> tuple[dict, CountingQuantizer]:
+    stats, q = {}, CountingQuantizer()
     write_rank_file(rf, src, out, q, chunk_bytes=CHUNK, stash_bytes=stash, plan_digest=digest, resume=True,
                     journal_bytes=JOURNAL, stats=stats)  # fmt: skip
     assert not journal_path(out, rf.file).exists() and not (out / (rf.file + ".partial")).exists()
@@ -177,7 +154,7 @@ def test_group_written_ahead_is_computed_once(bf16_src, clean, tmp_path):
     """A stash too small for any later part: each chunk of every quantizing action is computed once,
     and the file is byte-identical to the stashing run."""
     rf = build_plan(bf16_src, 2).files[0]
-    q = Counting()
+    q = CountingQuantizer()
     write_rank_file(rf, bf16_src, tmp_path, q, chunk_bytes=CHUNK, stash_bytes=0)
     assert (tmp_path / rf.file).read_bytes() == (clean / rf.file).read_bytes()
     engram = "layers.0.engram.embed.weight"

@@ -4,49 +4,23 @@ image prompt; and the streamed path reads only what it needs (routed experts, to
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from stream_testing import assert_bit_identical, expected_param_bytes, whole_model_runs, write_sources
 
 from dsv41_convert.synth.presets import TINY
-from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.prompts import default_prompts, load_prompts
 from dsv41_convert.verify.reference import pick_max_seq_len
-from dsv41_convert.verify.runner import build_model, load_state, model_input, run_prompt
-from dsv41_convert.verify.source import SourceWeights, reference_state
+from dsv41_convert.verify.runner import model_input
+from dsv41_convert.verify.source import SourceWeights
 from dsv41_convert.verify.streamed import compute_streamed_reference, fixed_decode_ids
 
 N_DECODE = 2
-
-
-def whole_model_runs(src: Path, prompts, n_decode: int, teacher: list[torch.Tensor]):
-    """The whole model at tp 1 on the same weights, fed the same decode tokens (teacher forcing)."""
-    from dsv41_convert.config import load_model_args
-
-    args = load_model_args(src / "config.json")
-    inputs = [model_input(p, args) for p in prompts]
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, None)
-    args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
-    model = build_model(args, src / "tokenizer.json", "cpu")
-    load_state(model, reference_state(src)[1])
-    return [run_prompt(model, i, n_decode, t, True) for i, t in zip(inputs, teacher, strict=True)]
-
-
-def assert_bit_identical(streamed, whole) -> None:
-    for s, w in zip(streamed, whole, strict=True):
-        assert torch.equal(s.decode_ids, w.decode_ids)
-        for key in ("logits_all", "last", "decode_logits"):
-            a, b = getattr(s, key), getattr(w, key)
-            assert a.dtype == b.dtype and a.shape == b.shape, key
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), key
-        assert (s.draft_logits is None) == (w.draft_logits is None)
-        if w.draft_logits is not None:
-            assert torch.equal(s.draft_logits.view(torch.int32), w.draft_logits.view(torch.int32))
-        assert sorted(s.hidden) == sorted(w.hidden)
-        for key in w.hidden:
-            assert torch.equal(s.hidden[key].view(torch.int16), w.hidden[key].view(torch.int16)), key
 
 
 class CountingWeights(SourceWeights):
@@ -70,11 +44,7 @@ class CountingWeights(SourceWeights):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("streamed")
-    out = {}
-    for dtype in ("fp8", "bf16"):
-        out[dtype] = root / dtype
-        write_checkpoint(out[dtype], TINY, seed=0, quantized=dtype == "fp8", vision=dtype == "fp8")
-    return out
+    return write_sources(root)
 
 
 @pytest.mark.slow  # the whole model and the streamed one, 2 prompts x 3 steps each
@@ -145,6 +115,24 @@ def test_reads_only_routed_experts_and_touched_engram_rows(sources):
         experts = {n.split(".")[3] for n in weights.names if n.startswith(f"layers.{i}.ffn.experts.")}
         assert 0 < len(experts) <= timings[1 + i].experts_read < args.n_routed_experts
     assert not any(n.startswith("mtp.") for n in weights.names)  # no decode step, no drafts
+
+
+def test_unread_experts_hold_no_memory(sources):
+    """A layer unit holds its dense weights and the experts the router picked; the others are empty
+    placeholders until read. Planted fault it catches: every expert allocated when the unit is built (the
+    earlier behaviour, which on CUDA moved all 384 experts of a layer to the GPU)."""
+    from dsv41_convert.model import streamed
+
+    prompts = default_prompts(TINY.vocab_size, count=1, length=20)
+    args = _args(sources["fp8"], prompts, n_decode=0)
+    inputs = [_stream_prompt(p, args, 0) for p in prompts]
+    _, timings = streamed.run_streamed(args, SourceWeights(sources["fp8"]), inputs, sources["fp8"] / "tokenizer.json")
+    plain = [i for i in range(args.n_layers) if i not in args.engram_layer_ids]
+    assert plain
+    for i in plain:
+        t = timings[1 + i]
+        assert 0 < t.experts_read < args.n_routed_experts
+        assert t.param_bytes == expected_param_bytes(args, i, t.experts_read), t.unit
 
 
 def test_decode_ids_from_the_prompt_file_and_the_default_rule(sources):
@@ -239,3 +227,72 @@ def test_cli_stream_layers_refuses_tp(sources, tmp_path, monkeypatch, capsys):
                            "--tp", "2")  # fmt: skip
     assert code == 2 and "--stream-layers computes the tp-1 reference" in err
     assert not out.exists()
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 1.0
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _CpuTorch:
+    """torch for stream_feed, with the CUDA calls it makes turned into no-ops on the CPU."""
+
+    cuda = SimpleNamespace(
+        Stream=_Stream,
+        Event=_Event,
+        stream=lambda s: contextlib.nullcontext(),
+        current_stream=lambda device=None: _Stream(),
+        synchronize=lambda device=None: None,
+    )
+
+    @staticmethod
+    def empty(*args, pin_memory: bool = False, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def test_read_ahead_bookkeeping_on_the_cpu(sources, monkeypatch):
+    """CudaFeed's bookkeeping (reader threads, groups of tensors, the next unit read while the current one
+    runs, experts read when picked, provider buffers) with its CUDA calls stubbed, so it runs on the CPU:
+    the outputs equal the on-demand feed's bit for bit, and every unit after the first was read ahead.
+    Planted faults it catches: a unit fed another unit's or pass's tensors, a tensor lost between groups,
+    no read-ahead. Pinned memory, streams and events themselves run in tests/gpu/test_streamed_cuda.py."""
+    from dsv41_convert.model import stream_feed, streamed
+
+    takes: list[bool] = []
+
+    class Feed(stream_feed.CudaFeed):
+        def take(self, key, sizes, timing):
+            takes.append(key in self.pending)
+            return super().take(key, sizes, timing)
+
+    prompts = default_prompts(TINY.vocab_size, count=2, length=20)
+    args = _args(sources["fp8"], prompts, n_decode=2)
+    inputs = [_stream_prompt(p, args, 2) for p in prompts]
+    tokenizer = sources["fp8"] / "tokenizer.json"
+    plain, _ = streamed.run_streamed(args, SourceWeights(sources["fp8"]), inputs, tokenizer)
+    monkeypatch.setattr(stream_feed, "torch", _CpuTorch())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    monkeypatch.setattr(streamed, "HostFeed", lambda provider: Feed(provider, "cpu", readers=3))
+    ahead, timings = streamed.run_streamed(args, SourceWeights(sources["fp8"]), inputs, tokenizer)
+    assert takes[0] is False and len(takes) == 3 * len(timings) and all(takes[1:])
+    for a, b in zip(ahead, plain, strict=True):
+        for key in ("logits_all", "last", "decode_logits", "draft_logits"):
+            assert torch.equal(getattr(a, key).view(torch.int32), getattr(b, key).view(torch.int32)), key
+    assert all(t.transfer_s > 0 for t in timings)  # the stub's 1 ms per copy, settled at the end

@@ -30,13 +30,19 @@ CASES = [
     ("fp4_dequant", "fp4_dequant_kernel", (200, 32, "float32")),
     ("fp4_to_fp8", "fp4_to_fp8_kernel", (1024,)),
     ("hc_split_sinkhorn", "hc_split_sinkhorn_kernel", (4, 20, 1e-6)),
-    # fp8_gemm and fp4_gemm, on both tiles (WIDE_TILE, NARROW_TILE); the last has too many scales to
-    # hoist into shared memory (2 MiB) and reads them where used
-    ("block_gemm", "block_gemm_kernel", (512, 1024, 32, 32, 32, False, True, True, 4, (128, 128, 256))),
+    # fp8_gemm and fp4_gemm, on their tiles (block_gemm.FP8_TILES, FP4_TILES); the last has too many
+    # scales to hoist into shared memory (2 MiB) and reads them where used
+    ("block_gemm", "block_gemm_kernel", (512, 1024, 32, 32, 32, False, True, True, 4, (64, 128, 128))),
     ("block_gemm", "block_gemm_kernel", (512, 1024, 32, 32, 32, False, True, True, 4, (64, 64, 128))),
     ("block_gemm", "block_gemm_kernel", (256, 1024, 32, 128, 1, True, False, True, 3, (128, 128, 256))),
-    ("block_gemm", "block_gemm_kernel", (256, 1024, 32, 128, 1, True, False, True, 3, (64, 64, 128))),
+    ("block_gemm", "block_gemm_kernel", (256, 1024, 32, 128, 1, True, False, True, 3, (64, 64, 256))),
     ("block_gemm", "block_gemm_kernel", (512, 65536, 32, 32, 32, False, False, False, 4, (128, 128, 256))),
+    # one K block per stage, one partial tile (no ping-pong)
+    (
+        "block_gemm",
+        "block_gemm_kernel",
+        (512, 1024, 32, 32, 32, False, True, True, 4, (128, 128, 256), True, 32, False),
+    ),
     ("sparse_attn", "sparse_attn_kernel", (16, 512, 200)),
 ]
 
@@ -60,6 +66,36 @@ def test_kernel_compiles_for_sm90(module, factory, args):
     assert "__global__" in source
     if module.endswith("gemm"):
         assert "wgmma" in source, "the gemm should run on Hopper's wgmma"
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_gemm_stage_released_after_its_matmuls(fp4):
+    """With ping-pong the K blocks' matmuls are asynchronous: the consumers may release a pipeline stage
+    (arrive on its empty barrier, letting the producer overwrite its tiles) only when no matmul is still
+    pending (after `wait_wgmma<0>`). A release with a matmul in flight is a race: bytes that differ run to
+    run. (TileLang places the release after the last statement that touches the tiles; block_gemm touches
+    them after the wait for that reason.)"""
+    import re
+
+    import tilelang
+
+    from dsv41_convert.kernels.block_gemm import block_gemm_kernel as jit
+
+    b_rows = 1 if fp4 else 32
+    args = (512, 1024, 32, 32, b_rows, fp4, True, True, 3, (128, 128, 256), True, 128, True)
+    source = tilelang.compile(jit.get_tir(*args), target=TARGET, pass_configs=jit.pass_configs).get_kernel_source()
+    consumer = source[source.index("warpgroup_reg_alloc<240>") :]
+    tokens = re.findall(r"(wgmma_ss<)|wait_wgmma<(\d)>|(mbarrier\[[^\]]*\]\.arrive\(\))", consumer)
+    pending, releases, mmas = 0, 0, 0
+    for mma, wait, release in tokens:
+        if mma:
+            pending, mmas = pending + 1, mmas + 1
+        elif wait:
+            pending = min(pending, int(wait))
+        elif release:
+            assert pending == 0, f"a stage is released with {pending} matmul(s) in flight"
+            releases += 1
+    assert mmas >= 4 and releases >= 1, f"expected the K loop's matmuls and releases, found {mmas} and {releases}"
 
 
 # --- the CUDA C helpers (kernels/device_c.py), compiled for the host and checked against quant/ ------------
