@@ -175,7 +175,7 @@ def plan_cmd(
         if as_json:
             if with_headers:
                 return report.print_json(plan.to_dict(True) | {"memory": memory}, compact=True)
-            return report.write(plan.to_json(extra={"memory": memory}))
+            return report.write(*plan.json_pieces(extra={"memory": memory}))
         _plan_table(summarize(plan))
         _memory_table(memory)
 

@@ -41,9 +41,12 @@ def print_json(data: Any, compact: bool = False) -> None:
     sys.stdout.flush()
 
 
-def write(text: str) -> None:
-    """A document already rendered (e.g. JSON), on stdout with a final newline, as print_json ends it."""
-    sys.stdout.write(text + "\n")
+def write(*pieces: str) -> None:
+    """A document already rendered (e.g. JSON), given whole or in pieces, on stdout with a final newline, as
+    print_json ends it."""
+    for piece in pieces:
+        sys.stdout.write(piece)
+    sys.stdout.write("\n")
     sys.stdout.flush()
 
 

@@ -138,14 +138,20 @@ class ConversionPlan:
     def to_json(self, extra: dict[str, Any] | None = None) -> str:
         """`json.dumps(self.to_dict() | extra, separators=(",", ":"))`: the same text, written here directly (for
         the real checkpoint's 107k tensors, building 400k dicts and lists cost more than the text)."""
-        ranks = []
-        for f in self.files:
-            entry = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors), "bytes": f.nbytes}
-            tensors = ",".join(map(tensor_json, f.tensors))
-            ranks.append(json.dumps(entry, separators=(",", ":"))[:-1] + ',"tensors":[' + tensors + "]}")
+        return "".join(self.json_pieces(extra))
+
+    def json_pieces(self, extra: dict[str, Any] | None = None) -> Iterator[str]:
+        """`to_json`'s text in pieces (a rank's tensors at most, ~4 MB of the real plan's 30 MB), so a writer
+        never holds the whole document, nor copies of it."""
         top = json.dumps(self._fields(), separators=(",", ":"), default=str)
+        yield top[:-1] + ',"files":['
+        for i, f in enumerate(self.files):
+            entry = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors), "bytes": f.nbytes}
+            yield ("," if i else "") + json.dumps(entry, separators=(",", ":"))[:-1] + ',"tensors":['
+            yield ",".join(map(tensor_json, f.tensors))
+            yield "]}"
         tail = json.dumps(extra, separators=(",", ":"))[1:-1] if extra else ""
-        return top[:-1] + ',"files":[' + ",".join(ranks) + "]" + ("," + tail if tail else "") + "}"
+        yield "]" + ("," + tail if tail else "") + "}"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConversionPlan:
