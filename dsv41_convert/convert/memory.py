@@ -1,9 +1,8 @@
 """Memory figures a user can plan with (`plan --tp N`): what one rank holds to run the converted model
 in verify, and what the layer-streamed reference (`reference-logits --stream-layers`, tp 1) needs.
 
-Estimates from shapes alone (the plan's tensors, the model's float32 weights and caches from the config;
-no torch, so `plan` stays fast),
-for verify's default prompts (3 x 40 tokens, 3 decode steps, batch 1):
+Estimates from shapes alone (the plan's tensors; the model's float32 weights and caches from the config,
+so `plan` needs no torch), for verify's default prompts (3 x 40 tokens, 3 decode steps, batch 1):
 
     verify, per rank   weights    the rank file's tensors in the model's dtypes (bf16 on disk, fp32 in the
                                   model for the head, markov and confidence heads, ratio-2 compressors)
@@ -30,7 +29,6 @@ from dsv41_convert.convert.rules import RULES, Split
 from dsv41_convert.store.safetensors_header import nbytes
 
 DEFAULT_PROMPTS, DEFAULT_TOKENS, DEFAULT_DECODE, DEFAULT_SEQ = 3, 40, 3, 128
-_UNIT = re.compile(r"(layers\.\d+|mtp\.\d+)\.")
 
 
 # BF16 on disk, float32 in the model (the loader widens them exactly): the heads that emit float32 logits
@@ -74,17 +72,17 @@ def cache_bytes(args: ModelArgs, batch: int = 1, seq: int = DEFAULT_SEQ) -> int:
 
 
 def _unit(name: str) -> str:
-    m = _UNIT.match(name)
-    if m:
-        return m.group(1)
+    """The streamed unit a tensor belongs to: `layers.3.ffn.experts.7.w1.weight` -> `layers.3`, `mtp.0....` ->
+    `mtp.0`, else vision, embed or head."""
+    if name.startswith(("layers.", "mtp.")):
+        return name[: name.index(".", name.index(".") + 1)]
     if name.startswith(("vision.", "aligner.")):
         return "vision"
     return "embed" if name.startswith(("embed.", "image_")) else "head"
 
 
-def _in_model(name: str, dtype: str, shape: tuple[int, ...], args: ModelArgs) -> int:
-    """Bytes of one file tensor in the model: bf16 on disk and fp32 in the model count twice."""
-    size = nbytes(dtype, shape)
+def _in_model(name: str, dtype: str, size: int, args: ModelArgs) -> int:
+    """Bytes in the model of a file tensor of `size` bytes: bf16 on disk and fp32 in the model count twice."""
     return 2 * size if dtype == "BF16" and widened(name, args) else size
 
 
@@ -127,17 +125,10 @@ def _rank_figures(f: RankFile, args: ModelArgs) -> tuple[int, int]:
     (most of its tensors) are summed from their byte spans, never widened, and share a few shapes."""
     weights, shapes = 0, set()
     for t in f.tensors:
-        weights += t.end - t.begin
-        if t.dtype == "BF16" and widened(t.name, args):
-            weights += t.end - t.begin
+        weights += _in_model(t.name, t.dtype, t.end - t.begin, args)
         if ".engram.embed." not in t.name:  # Engram tables are dequantized row by row on lookup, never whole
             shapes.add((t.dtype, t.shape))
     return weights, max(_dequant_bytes(dtype, shape) for dtype, shape in shapes)
-
-
-def _expert_unit(name: str) -> str:
-    """`layers.3.ffn.experts.7.w1.weight` -> `layers.3` (routed experts live in layers and MTP stages)."""
-    return name[: name.index(".", name.index(".") + 1)]
 
 
 def memory_figures(
@@ -170,7 +161,7 @@ def memory_figures(
     for f in plan.files:
         for t in f.tensors:
             if _SPLIT_OF[t.rule] is Split.EXPERT:
-                unit = _expert_unit(t.name)
+                unit = _unit(t.name)
                 experts[unit] = experts.get(unit, 0) + t.end - t.begin
             else:
                 others.append(t)
@@ -178,7 +169,7 @@ def memory_figures(
     temp = 0
     for name, dtype, shape in _merged(others):
         unit = _unit(name)
-        size = _in_model(name, dtype, shape, args)
+        size = _in_model(name, dtype, nbytes(dtype, shape), args)
         if ".engram.embed." in name:
             rows = min(shape[0], reach * args.engram_n_heads * (args.engram_max_ngram_size - 1))
             dense[unit] = dense.get(unit, 0) + size // shape[0] * rows
