@@ -145,25 +145,6 @@ def match_rule(name: str) -> Rule:
     raise PlanError(f"{name}: matches {len(hits)} rules ({', '.join(r.pattern for r in hits)}); the table is ambiguous")
 
 
-_CLASSES: dict[str, tuple[bool, Rule]] = {}  # template -> (whether canonical_name renames it, its rule)
-
-
-def classify(name: str) -> tuple[str, Rule, tuple[bool, int] | None]:
-    """-> (canonical_name(name), its rule, its expert_index): the three in one step for a checkpoint name.
-
-    Renaming never touches a whole-number component and the rules treat them alike, so both answers are
-    memoized per template (the real checkpoint's 96k names have ~150); PlanError as `match_rule`.
-    """
-    template = _INDEX.sub("#", name)
-    known = _CLASSES.get(template)
-    if known is None:
-        canon = canonical_name(name)
-        known = _CLASSES[template] = (canon != name, match_rule(canon))
-    renamed, rule = known
-    canon = canonical_name(name) if renamed else name
-    return canon, rule, expert_index(canon) if rule.split is Split.EXPERT else None
-
-
 def has_scale(op: Op) -> bool:
     """Whether the published checkpoint stores a `.scale` beside weights of this family."""
     return op in _SCALED

@@ -10,7 +10,7 @@ import pytest
 
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.catalogue import published_layout
-from dsv41_convert.convert.rules import RULES, Op, Split, canonical_name, classify, expert_index, match_rule
+from dsv41_convert.convert.rules import RULES, Op, Split, canonical_name, match_rule
 from dsv41_convert.errors import PlanError
 
 REF = Path(__file__).resolve().parents[1] / "data" / "reference"  # see tests/reference_data.py
@@ -96,24 +96,3 @@ def test_unknown_name_is_an_error_not_a_replica():
         match_rule("layers.0.attn.mystery.weight")
     with pytest.raises(PlanError, match="no rule"):
         match_rule("layers.0.ffn.experts.x.w1.weight")
-
-
-def _old_spelling(name: str) -> str:
-    """The older checkpoint spelling of a canonical name (model. prefix, self_attn, mlp, weight_scale_inv)."""
-    if name.startswith("vision."):
-        return name
-    old = "model." + name.replace(".attn.", ".self_attn.").replace(".ffn.", ".mlp.")
-    return old.replace(".scale", ".weight_scale_inv").replace("gate.bias", "gate.e_score_correction_bias")
-
-
-def test_classify_is_rename_match_and_expert_index(catalog):
-    """The memoized one-step classification gives, for every real name and its older spelling (mixed, so
-    the memo holds both kinds of template), what the three separate steps give."""
-    names = list(catalog)
-    for name in names + [_old_spelling(n) for n in names[::7]]:
-        canon = canonical_name(name)
-        rule = match_rule(canon)
-        expert = expert_index(canon) if rule.split is Split.EXPERT else None
-        assert classify(name) == (canon, rule, expert), name
-    with pytest.raises(PlanError, match=r"layers\.3\.attn\.mystery\.weight: no rule"):
-        classify("model.layers.3.self_attn.mystery.weight")
