@@ -118,7 +118,7 @@ class _Unit:
     def param_bytes(self) -> int:
         """Bytes of the parameters the unit holds now (a tied parameter once)."""
         params = {id(p): p for module, _, _ in self.parts for p in module.parameters()}
-        return sum(p.numel() * p.element_size() for p in params.values())
+        return nbytes(params)
 
 
 def _release_freed_memory() -> None:
