@@ -15,6 +15,13 @@ is left to the converter's own read (which reports the error, naming the file).
 
 Order and threads: pieces are claimed in list order; `take` of a piece not yet claimed stops the threads
 from reading it (the converter reads it itself), and a piece being read is waited for.
+
+With a `ring` (ring.HostRing, pinned, on CUDA) each piece's buffer is carved from the ring in claim order
+instead of allocated, so the host memory read ahead is the ring, allocated once per run. A taken buffer
+stays the converter's until it calls `release(buf, fence)` (fence: the CUDA event after its host-to-device
+copy); its bytes are claimed again only once the fence has passed. A piece larger than the ring is read
+alone into `alloc(n)`. `close` waits for the device (`settle`) before it takes back buffers the converter
+never released (it stopped on an error).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dsv41_convert.convert.ring import HostRing, Region
 from dsv41_convert.store.safetensors_header import pread_exact
 
 Piece = tuple[int, str, int, int]  # (tensor index, file, offset, nbytes)
@@ -35,6 +43,9 @@ class Prefetch:
 
     pieces: [(tensor index, file, offset, nbytes)] in the order the converter asks for them.
     stages: if given, `read_ahead` accumulates the seconds of the reads (summed over threads).
+    ring:   if given, the buffers are regions of it (see the module docstring); `alloc` then serves only
+            pieces larger than the ring.
+    settle: with a ring, called by close() before it takes back buffers never released (waits for the device).
     """
 
     def __init__(
@@ -45,8 +56,13 @@ class Prefetch:
         alloc: Callable[[int], object] = bytearray,
         threads: int = 2,
         stages: dict | None = None,
+        ring: HostRing | None = None,
+        settle: Callable[[], None] = lambda: None,
     ):
         self.src, self.pieces, self.ahead, self.alloc = Path(src), pieces, ahead, alloc
+        self.ring, self.settle = ring, settle
+        self._regions: dict[int, Region] = {}  # position -> its ring region, while being read or ready
+        self._lent: dict[int, tuple[object, Region]] = {}  # id(buffer) -> (buffer, region), taken
         self.stages = {} if stages is None else stages
         self._where: dict[tuple[str, int, int], list[int]] = {}
         for pos, (_, file, offset, n) in enumerate(pieces):
@@ -83,8 +99,20 @@ class Prefetch:
             buf = self._ready.pop(pos, None)
             if buf is not None:
                 self._claimed -= nbytes
+                region = self._regions.pop(pos, None)
+                if region is not None:
+                    self._lent[id(buf)] = (buf, region)
             self._cv.notify_all()
             return buf
+
+    def release(self, buf, fence: object | None = None) -> None:
+        """The converter is done with a buffer `take` gave it once `fence` has passed (a CUDA event
+        recorded after the copy that reads it; None: done now). A buffer not from the ring: nothing to do."""
+        with self._cv:
+            lent = self._lent.pop(id(buf), None)
+            if lent is not None:
+                self.ring.release(lent[1], fence)
+                self._cv.notify_all()
 
     def at(self, index: int) -> None:
         """The converter is on tensor `index`: the pieces of earlier tensors are no longer wanted."""
@@ -107,8 +135,16 @@ class Prefetch:
             self._cv.notify_all()
         for th in self._threads:
             th.join()
+        if self._lent:
+            self.settle()  # the converter stopped holding buffers: their copies may still be queued
         with self._cv:
             self._ready.clear()
+            for region in [*self._regions.values(), *(r for _, r in self._lent.values())]:
+                self.ring.release(region)
+            self._regions.clear()
+            self._lent.clear()
+            if self.ring is not None:
+                self.ring.settle()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -119,26 +155,49 @@ class Prefetch:
             return
         for p in [p for p in self._ready if p < pos]:
             del self._ready[p]
+            self._drop_region(p)
             self._claimed -= self.pieces[p][3]
         for p in [p for p in self._failed if p < pos]:
             self._failed.discard(p)
             self._claimed -= self.pieces[p][3]
         self._cursor = pos
 
+    def _drop_region(self, pos: int) -> None:
+        """Piece `pos` will not be used: its ring region (if any) is free once older ones are."""
+        region = self._regions.pop(pos, None)
+        if region is not None:
+            self.ring.release(region)
+
     def _claim(self) -> int | None:
-        """The next piece for a thread (its bytes counted as claimed), or None to stop."""
+        """The next piece for a thread (its bytes counted as claimed; with a ring, its region carved), or
+        None to stop."""
         with self._cv:
             while True:
                 if self._stop or self._next >= len(self.pieces):
                     return None
                 n = self.pieces[self._next][3]
-                if self._claimed == 0 or self._claimed + n <= self.ahead:
-                    pos = self._next
-                    self._next += 1
-                    self._claimed += n
-                    self._reading.add(pos)
-                    return pos
-                self._cv.wait()
+                if self.ring is not None and n <= self.ring.size:
+                    region = self.ring.carve(n)
+                    if region is None:
+                        fence = self.ring.blocking_fence()
+                        if fence is None:
+                            self._cv.wait()  # the oldest region is ready or lent: a take or release frees it
+                        else:  # a released region whose copy is still running
+                            self._cv.release()
+                            try:
+                                fence.synchronize()
+                            finally:
+                                self._cv.acquire()
+                        continue
+                    self._regions[self._next] = region
+                elif not (self._claimed == 0 or (self.ring is None and self._claimed + n <= self.ahead)):
+                    self._cv.wait()  # without a ring, within `ahead`; a piece larger than the ring alone
+                    continue
+                pos = self._next
+                self._next += 1
+                self._claimed += n
+                self._reading.add(pos)
+                return pos
 
     def _fd(self, file: str) -> int:
         with self._cv:
@@ -154,7 +213,9 @@ class Prefetch:
             try:
                 fd = self._fd(file)
                 os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)  # the whole piece queued at once
-                buf = self.alloc(n)
+                with self._cv:
+                    region = self._regions.get(pos)
+                buf = region.view if region is not None else self.alloc(n)
                 pread_exact(fd, memoryview(buf).cast("B"), offset, str(self.src / file))
             except BaseException:  # the converter's own read of this piece reports it
                 buf = None
@@ -164,8 +225,10 @@ class Prefetch:
                 self._reading.discard(pos)
                 if pos < self._cursor:  # passed while being read
                     self._claimed -= n
+                    self._drop_region(pos)
                 elif buf is None:
                     self._failed.add(pos)
+                    self._drop_region(pos)
                 else:
                     self._ready[pos] = buf
                 self._cv.notify_all()

@@ -29,14 +29,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
 from dsv41_convert.convert.plan import OutTensor, Read
+from dsv41_convert.convert.ring import Staging
 from dsv41_convert.convert.transform import apply, from_bytes
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
 DEPTH = 2  # blocks read ahead, and blocks in flight on the GPU
+STAGING_BYTES = 128 << 20  # pinned host memory the D2H copies land in (one ring per process)
+_staging: Staging | None = None
+
+
+def staging() -> Staging:
+    """The process's D2H staging ring, pinned, allocated at its first use."""
+    global _staging
+    if _staging is None:
+        _staging = Staging(STAGING_BYTES, pinned)
+    return _staging
 
 
 def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict | None = None) -> Iterator[tuple]:
@@ -60,18 +72,19 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     else:
         source = _read_here(t, reader, step, starts, rows, cuda, stages)
     flight: deque = deque()
+    flat = len(main.shape) < 2  # 1-d tensors travel as [rows, 1]
     try:
         for inputs in source:
-            if len(main.shape) < 2:  # 1-d tensors travel as [rows, 1]
-                inputs = [x.reshape(-1) for x in inputs]
             if not cuda:
+                if flat:
+                    inputs = [x.reshape(-1) for x in inputs]
                 t0 = time.perf_counter()
                 outs = apply(t.action, inputs, quantizer, name, t.dtype, t.block)
                 _add(stages, "kernel", time.perf_counter() - t0)
                 yield outs
                 continue
             t0 = time.perf_counter()
-            flight.append(_launch(t, inputs, quantizer, name))
+            flight.append(_launch(t, inputs, quantizer, name, flat, reader.ahead, stages))
             _add(stages, "launch", time.perf_counter() - t0)
             if len(flight) >= DEPTH:
                 yield _land(flight.popleft(), stages)
@@ -81,10 +94,12 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
         stop.set()
         while feeder is not None and feeder.is_alive():  # unblock a reader waiting on a full queue
             try:
-                q.get_nowait()
+                _unused(q.get_nowait(), reader.ahead)
             except queue.Empty:
                 pass
             feeder.join(0.01)
+        while feeder is not None and not q.empty():
+            _unused(q.get_nowait(), reader.ahead)
 
 
 def block_rows(t: OutTensor, a: int, b: int) -> Iterator[tuple[Read, int, int]]:
@@ -99,16 +114,40 @@ def block_starts(t: OutTensor, step: int, first: int) -> range:
     return range(first * step, t.reads[0].r1 - t.reads[0].r0, step)
 
 
-def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list[torch.Tensor]:
-    """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales)."""
+class HostRows(NamedTuple):
+    """One input of a block on its way to the GPU: whole source rows in host memory.
+
+    rows: [rows, row bytes / itemsize]  the read's dtype, sharing `buf` (a Prefetch ring region, or
+          pageable memory read by the converter)
+    cols: (c0, c1) the columns the action reads (selected on the GPU), or None for all
+    """
+
+    rows: torch.Tensor
+    cols: tuple[int, int] | None
+    buf: object
+
+
+def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list:
+    """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales):
+    CPU tensors of the selected columns, or on CUDA HostRows (whole rows: no gather on the host)."""
     inputs = []
     for rd, ra, rb_ in block_rows(t, a, b):
-        data, width = reader.rows(rd, ra, rb_, pinned if cuda else bytearray)
-        x = from_bytes(data, rd.dtype, rb_ - ra, width)
-        if cuda and not x.is_pinned():  # a column slice, gathered in pageable memory
-            x = x.pin_memory()
-        inputs.append(x)
+        if cuda:
+            data, width = reader.rows(rd, ra, rb_, bytearray, whole=True)
+            cols = (rd.c0, rd.c1) if rd.c1 >= 0 else None
+            inputs.append(HostRows(from_bytes(data, rd.dtype, rb_ - ra, width), cols, data))
+            continue
+        data, width = reader.rows(rd, ra, rb_, bytearray)
+        inputs.append(from_bytes(data, rd.dtype, rb_ - ra, width))
     return inputs
+
+
+def _unused(item, ahead) -> None:
+    """A block read but never launched (the consumer stopped): its Prefetch buffers are free now."""
+    if ahead is not None and isinstance(item, list):
+        for x in item:
+            if isinstance(x, HostRows):
+                ahead.release(x.buf)
 
 
 def _read_here(t, reader, step, starts, rows, cuda, stages) -> Iterator[list[torch.Tensor]]:
@@ -147,8 +186,23 @@ def _read_ahead(t, reader, step, starts, rows, cuda, q, stop, stages) -> None:
 
 
 def pinned(n: int):
-    """n bytes of page-locked host memory (torch's caching host allocator), as a writable buffer."""
+    """n bytes of page-locked host memory (torch's caching host allocator), as a writable buffer: for
+    buffers allocated once (the Prefetch's ring, the D2H staging ring), never per block."""
     return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def settle_device() -> None:
+    """Wait until the GPU has finished everything queued (before host buffers an aborted block may still
+    be copying are reused)."""
+    torch.cuda.synchronize()
+
+
+def drop_cached_pinned() -> None:
+    """Return the pinned blocks torch's caching host allocator keeps but nothing uses (stray per-call
+    pinned tensors) to the system; the rings, still referenced, stay."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_initialized():
+        empty()
 
 
 def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
@@ -161,17 +215,38 @@ def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
     return False
 
 
-def _launch(t: OutTensor, inputs: list[torch.Tensor], quantizer, name: str) -> tuple:
-    """Queue one block on the GPU: H2D, kernels, D2H into pinned memory, each bracketed by events."""
+def _launch(t: OutTensor, inputs: list[HostRows], quantizer, name: str, flat: bool, ahead, stages: dict) -> tuple:
+    """Queue one block on the GPU: H2D (then the columns selected), kernels, D2H into the staging ring,
+    each bracketed by events. The inputs' Prefetch buffers are released against the event after the H2D
+    copies: the ring hands their bytes out again only once those copies are done."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     ev[0].record()
-    dev = [x.to("cuda", non_blocking=True) for x in inputs]
+    dev = []
+    for x in inputs:
+        d = x.rows.to("cuda", non_blocking=True)
+        if x.cols is not None:
+            d = d[:, x.cols[0] : x.cols[1]].contiguous()
+        dev.append(d.reshape(-1) if flat else d)
     ev[1].record()
+    if ahead is not None:
+        for x in inputs:
+            ahead.release(x.buf, ev[1])
     outs = apply(t.action, dev, quantizer, name, t.dtype, t.block, to_host=False)
     ev[2].record()
-    host = tuple(torch.empty(o.shape, dtype=o.dtype, pin_memory=True).copy_(o, non_blocking=True) for o in outs)
+    host, staged = [], []
+    for o in outs:
+        got = staging().empty(o.shape, o.dtype)
+        if got is None:  # the staging ring is full: pageable memory (the copy then waits for the GPU)
+            t0 = time.perf_counter()
+            host.append(torch.empty(o.shape, dtype=o.dtype).copy_(o))
+            _add(stages, "d2h_pageable", time.perf_counter() - t0)
+            continue
+        host.append(got[0].copy_(o, non_blocking=True))
+        staged.append(got[1])
     ev[3].record()
-    return host, ev, inputs, outs  # inputs and outs stay referenced until their copies are done
+    for region in staged:
+        region.fence = ev[3]  # its bytes come back once the tensor is gone and this copy is done
+    return tuple(host), ev, inputs, outs  # inputs and outs stay referenced until their copies are done
 
 
 def _land(flight: tuple, stages: dict) -> tuple:

@@ -8,7 +8,7 @@ block is split, read ahead in a thread and overlapped with the GPU (stream.py). 
 writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
 regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes. On CUDA, threads
 also read the computed tensors' row blocks ahead across tensors, up to READ_AHEAD_BYTES, straight into
-the pinned buffers the GPU copies from (prefetch.py), which `_Reader.rows` then takes without a copy.
+one pinned ring the GPU copies from (prefetch.py, ring.py), which `_Reader.rows` then takes without a copy.
 
 A quantizing action makes two tensors (weight and scale) that lie apart in the file. Each chunk is
 computed once: the part reached first is written in order; the other part's bytes are kept in memory
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41_convert.convert import stream
+from dsv41_convert.convert import ring, stream
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.convert.transform import to_bytes
@@ -114,11 +114,12 @@ class _Reader:
             os.close(fd)
         self.fds.clear()
 
-    def rows(self, rd: Read, a: int, b: int, alloc=bytearray) -> tuple[bytearray | memoryview, int]:
-        """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected. -> (bytes, row bytes)
+    def rows(self, rd: Read, a: int, b: int, alloc=bytearray, whole: bool = False) -> tuple[memoryview | bytes, int]:
+        """Rows [a, b) of the region `rd` (relative to rd.r0), columns selected unless `whole`.
+        -> (bytes, row bytes)
 
-        alloc(n): the writable buffer whole rows are read into (pinned memory for the GPU: stream.py),
-        unless `ahead` has read them already.
+        alloc(n): the writable buffer whole rows are read into, unless `ahead` has read them already
+        (then a buffer of its ring on CUDA, which the caller releases: Prefetch.release).
         """
         rb = _row_bytes(rd.dtype, rd.shape)
         pos, n = rd.offset + (rd.r0 + a) * rb, (b - a) * rb
@@ -126,7 +127,7 @@ class _Reader:
         if buf is None:
             buf = alloc(n)
             pread_exact(self.fd(rd.file), memoryview(buf), pos, str(self.src / rd.file))
-        if rd.c1 < 0:
+        if rd.c1 < 0 or whole:
             return buf, rb
         esz = DTYPE_BITS[rd.dtype] // 8
         cols = np.frombuffer(buf, dtype=np.uint8).reshape(b - a, rb)[:, rd.c0 * esz : rd.c1 * esz]
@@ -196,6 +197,10 @@ def write_partial(
         finally:
             if warm is not None:
                 warm.close()
+                if warm.ring is not None:
+                    ring.give_back(warm.ring, stream.pinned)
+            if quantizer.device == "cuda":
+                stream.drop_cached_pinned()
         sink.finish()
         if sink.journal is not None:
             sink.journal.close()
@@ -220,9 +225,9 @@ def write_partial(
 
 
 def _prefetch(rf: RankFile, src: Path, start: ResumePoint | None, device: str, chunk_bytes: int, stages):
-    """On CUDA, threads reading ahead the source pieces of the computed tensors' row blocks, into pinned
-    memory, in the order _write_tensors asks for them (a group is computed at its first part). -> a
-    prefetch.Prefetch, or None"""
+    """On CUDA, threads reading ahead the source pieces of the computed tensors' row blocks, into the
+    process's pinned ring (ring.borrow: READ_AHEAD_BYTES, allocated once), in the order _write_tensors
+    asks for them (a group is computed at its first part). -> a prefetch.Prefetch, or None"""
     if device not in READ_AHEAD_DEVICES or not READ_AHEAD_BYTES:
         return None
     first, chunk0 = (start.tensor, start.chunk) if start is not None else (0, 0)
@@ -244,8 +249,10 @@ def _prefetch(rf: RankFile, src: Path, start: ResumePoint | None, device: str, c
             for rd, ra, rb_ in stream.block_rows(t, a, min(a + step, t.reads[0].r1 - t.reads[0].r0)):
                 rb = _row_bytes(rd.dtype, rd.shape)
                 pieces.append((i, rd.file, rd.offset + (rd.r0 + ra) * rb, (rb_ - ra) * rb))
-    alloc = stream.pinned if device == "cuda" else bytearray
-    return Prefetch(src, pieces, READ_AHEAD_BYTES, alloc, READ_THREADS, stages)
+    if device != "cuda":
+        return Prefetch(src, pieces, READ_AHEAD_BYTES, bytearray, READ_THREADS, stages)
+    pinned = ring.borrow(READ_AHEAD_BYTES, stream.pinned)  # allocated once per run, reused by every file
+    return Prefetch(src, pieces, READ_AHEAD_BYTES, bytearray, READ_THREADS, stages, pinned, stream.settle_device)
 
 
 def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start: ResumePoint | None, warm=None) -> None:
