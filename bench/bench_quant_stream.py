@@ -15,8 +15,9 @@ wait_gpu, write (pwrite / copy_file_range), hash (sha256, writer thread), commit
 thread). Stages overlap, so they sum to more than the wall time; the largest is the bottleneck.
 --prefetch-mib sets write.PREFETCH_BYTES (the source read-ahead hint) for this run.
 --read-ahead-mib / --read-threads set write.READ_AHEAD_BYTES / READ_THREADS (the Prefetch, CUDA only).
-Prints JSON: wall, cp, ratio per byte read, stages, CPU seconds of the timed run, peak host RSS and peak
-GPU memory.
+Prints JSON: wall, cp, ratio per byte read, stages, CPU seconds of the timed run, peak host RSS (of the
+whole process, and of the timed run alone: VmHWM reset before it, so the warm-up's in-process kernel
+compiles do not count), pinned bytes held by torch's host allocator, and peak GPU memory.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from bench_shard import evict  # noqa: E402
 
-from dsv41_convert.convert import write  # noqa: E402
+from dsv41_convert.convert import stream, write  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
 from dsv41_convert.convert.transform import quantizer_for  # noqa: E402
 from dsv41_convert.convert.write import commit, write_partial, write_rank_file  # noqa: E402
@@ -97,6 +98,8 @@ def main() -> None:
         commit(a.out, file)
         stages["commit"] += time.perf_counter() - t
 
+    rss_before = _status_gib("VmRSS")
+    timed_hwm = _reset_peak_rss()  # peak RSS of the timed run alone, not the warm-up's kernel compiles
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as committer:
@@ -112,6 +115,8 @@ def main() -> None:
         pending.result()
     wall = time.perf_counter() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    peak_timed = _status_gib("VmHWM") if timed_hwm else None
+    pinned = _pinned_stats() if a.device == "cuda" else None
     out_bytes = sum(f.nbytes for f in plan.files)
     result = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -131,12 +136,46 @@ def main() -> None:
         "read_ahead": {"bytes": write.READ_AHEAD_BYTES, "threads": write.READ_THREADS},
         "stages_s": {k: round(v, 2) for k, v in sorted(stages.items())},
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "host_rss_before_timed_gib": rss_before,
+        "peak_host_rss_timed_gib": peak_timed,
+        "pinned": pinned,
+        "d2h_staging_bytes": stream.STAGING_BYTES,
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if a.device == "cuda" else None,
     }
     text = json.dumps(result, indent=2)
     print(text)
     if a.json:
         a.json.write_text(text + "\n")
+
+
+def _status_gib(key: str) -> float | None:
+    """A size line of /proc/self/status (VmRSS: resident now, VmHWM: peak resident), in GiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return round(int(line.split()[1]) / 2**20, 3)
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0). -> whether it could."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _pinned_stats() -> dict | None:
+    """Pinned bytes torch's caching host allocator owns (in use + cached), now and at peak, in GiB."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    got = stats()
+    keys = ("allocated_bytes.current", "allocated_bytes.peak", "active_bytes.current", "active_bytes.peak")
+    return {k: round(got[k] / 2**30, 3) for k in keys if k in got} | {"num_host_alloc": got.get("num_host_alloc")}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@
 #           rank files compared (cmp); TileLang compile log lines counted per run;
 #   tests   tests/gpu/test_stream_gpu.py and tests/gpu/test_export_cuda.py (untimed, beside make-tiny);
 #   stream  the disk's read speed (cat, 1 and 4 readers), then bench_quant_stream.py: cp, then shard tp 2
-#           --device cuda with its stages (kernels compiled in its warm-up file);
+#           --device cuda with its stages (kernels compiled in its warm-up file), peak RSS of the whole
+#           process and of the timed run alone, pinned bytes;
+#   cli     `shard --tp 2` of the medium source as a fresh process (after stream: kernels cached): wall,
+#           CPU, peak RSS; with OLD=<another checkout's root> the same with that code, for comparison;
 #   export  `export --format fp8-fp4` of the bf16 source on cuda, then on cpu (--workers auto), outputs
 #           compared; the cuda output is the medium preset's published layout, the source of `ref`;
 #   ref     `reference-logits --device cuda` of that output, twice, fresh processes, one kernel cache.
@@ -47,7 +50,7 @@ cat "$out/env.txt"
 C="python3 -m dsv41_convert.cli"
 
 pid_m=
-if has stream || has export || has ref; then
+if has stream || has cli || has export || has ref; then
   if [ ! -f "$W/m/model.safetensors.index.json" ]; then
     ( $C make-tiny $W/m --preset $P --no-vision --source-dtype bf16 --overwrite > /dev/null 2> "$logs/mk_m.err"
       say "make-tiny $P bf16: $(du -sb $W/m | cut -f1) bytes" ) &
@@ -80,9 +83,20 @@ if has stream; then
   say "disk read, 4 readers: same bytes in $w ms"
   timeout 240 python3 bench/bench_quant_stream.py $W/m $W/new --tp 2 --device $D --json "$out/stream.json" \
     > /dev/null 2> "$logs/stream.err"
-  say "stream: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('cp_s','shard_s','shard_vs_cp_per_byte_read','source_read_gb_per_s','cpu_s','stages_s','peak_host_rss_gib','peak_gpu_gib','warmup_file_s')})" "$out/stream.json" 2>&1)"
+  say "stream: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('cp_s','shard_s','shard_vs_cp_per_byte_read','source_read_gb_per_s','cpu_s','stages_s','peak_host_rss_gib','host_rss_before_timed_gib','peak_host_rss_timed_gib','pinned','peak_gpu_gib','warmup_file_s')})" "$out/stream.json" 2>&1)"
   { echo "== stream"; tail -n 15 "$logs/stream.err"; } >> "$out/log.txt"
   rm -rf $W/new $W/new.cp $W/new.warm
+fi
+
+if has cli; then  # fresh processes, kernels already in the cache (run after stream)
+  rm -rf $W/cli; drop
+  run cli_shard $C shard $W/m $W/cli --tp 2 --device $D --json
+  rm -rf $W/cli
+  if [ -n "$OLD" ]; then
+    drop
+    run cli_shard_old env PYTHONPATH=$OLD:$PYTHONPATH $C shard $W/m $W/cli --tp 2 --device $D --json
+    rm -rf $W/cli
+  fi
 fi
 
 if has export || { has ref && [ ! -f "$W/xg/config.json" ]; }; then

@@ -2,10 +2,11 @@
 block travels through pinned host memory with asynchronous copies, so reading, the GPU, writing and
 hashing overlap:
 
-    reader thread   pread of block k+1 (into pinned memory on CUDA), or on CUDA its buffer taken from
-                    the file's Prefetch (prefetch.py), which reads ahead across tensors
-    caller          block k: H2D, the action's kernels, D2H into pinned memory, all queued on the
-                    current stream; then waits for block k-1's copies and hands them to the Sink
+    reader thread   pread of block k+1, or on CUDA its buffer taken from the file's Prefetch
+                    (prefetch.py), which reads ahead across tensors into one pinned ring
+    caller          block k: H2D (whole rows; a column slice is selected on the GPU), the action's
+                    kernels, D2H into the staging ring, all queued on the current stream; then waits
+                    for block k-1's copies and hands them to the Sink
     Sink thread     sha256 and pwrite of block k-2 (store/sink.py)
 
 At most DEPTH blocks are read ahead and DEPTH are on the GPU, so host memory is a few blocks whatever
@@ -14,12 +15,19 @@ whole: GPU memory is a few blocks of at most GPU_BLOCK_BYTES of source each, plu
 `block_starts` and `block_rows` say which source rows each block reads; write.py lists the same pieces
 for the Prefetch, so what it reads is what the blocks ask for.
 
+Pinned host memory on CUDA is two rings allocated once per process (ring.py), never a buffer per block:
+the Prefetch's (write.READ_AHEAD_BYTES), whose regions the caller releases against the event after
+their H2D copies, and the D2H staging ring (STAGING_BYTES), whose regions come back when the Sink has
+dropped the output and its copy is done; when it is full, an output is copied into pageable memory
+(stage d2h_pageable). A block the Prefetch did not read (read here, or larger than its ring) is read
+into pageable memory (the H2D copy from it is then synchronous).
+
 Stage times (seconds summed over blocks, in `stages`): read = getting a block's bytes in the reader
 thread (a pread, or the wait for the Prefetch's buffer; its own reads show as `read_ahead`); the wait
 for the reader in the caller shows as `wait_read`; h2d, kernel, d2h = CUDA event intervals on the
 current stream (on CPU, kernel = the action's wall time); launch = the caller's time to queue them (the
-kernels' Python wrappers, their NaN checks' syncs, pinned allocations); wait_gpu = waiting for a block's
-copies; write and hash are timed by the Sink.
+kernels' Python wrappers, their NaN checks' syncs); wait_gpu = waiting for a block's copies; write and
+hash are timed by the Sink.
 """
 
 from __future__ import annotations
@@ -200,7 +208,7 @@ def settle_device() -> None:
 def drop_cached_pinned() -> None:
     """Return the pinned blocks torch's caching host allocator keeps but nothing uses (stray per-call
     pinned tensors) to the system; the rings, still referenced, stay."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_initialized():
         empty()
 
