@@ -125,7 +125,8 @@ class Prefetch:
             self._cv.notify_all()
 
     def claimed(self) -> int:
-        """Bytes being read or read and not yet taken (at most `ahead`, or one larger piece)."""
+        """Bytes being read or read and not yet taken (at most `ahead`, or with a ring its size, plus one
+        piece larger than that)."""
         with self._cv:
             return self._claimed
 

@@ -134,3 +134,32 @@ def test_one_block_is_read_without_a_thread(table, monkeypatch):
     assert not started and len(got) == 1
     q, _ = encode_fp8_blocks(w, (1, 32), "ue8m0")
     assert bytes(to_bytes(got[0][0])) == bytes(to_bytes(q))
+
+
+def test_cuda_blocks_travel_as_whole_rows_with_their_columns(table):
+    """On CUDA a column slice is read as whole rows (the columns are selected on the GPU): the rows of
+    HostRows, cut at its columns, are the CPU path's input; a block never launched gives its Prefetch
+    buffer back (stream._unused)."""
+    folder, w, t = table
+    rd = t.reads[0]
+    sliced = Read(rd.file, rd.name, rd.dtype, rd.shape, rd.offset, rd.r0, rd.r1, 64, 192)
+    t2 = OutTensor(name=t.name, dtype=t.dtype, shape=(ROWS, 128), rule=t.rule, action=t.action, reads=(sliced,))
+    reader = _Reader(folder, 1 << 20)
+    try:
+        (cpu,) = stream._read_block(t2, reader, 128, 256, cuda=False)
+        (host,) = stream._read_block(t2, reader, 128, 256, cuda=True)
+    finally:
+        reader.close()
+    assert isinstance(host, stream.HostRows) and host.cols == (64, 192)
+    assert host.rows.shape == (128, WIDTH) and torch.equal(host.rows, w[128:256])
+    assert torch.equal(host.rows[:, 64:192], cpu) and torch.equal(cpu, w[128:256, 64:192])
+
+    released = []
+
+    class Ahead:
+        def release(self, buf, fence=None):
+            released.append(buf)
+
+    stream._unused([host], Ahead())
+    stream._unused(None, Ahead())
+    assert released == [host.buf]
