@@ -74,6 +74,25 @@ def pick_tile(m: int, n: int, device: torch.device, tiles: tuple[tuple[int, int,
     return many if ctas >= _sm_count(device.index if device.index is not None else 0) else few
 
 
+def launcher(kernel):
+    """The kernel's cheapest call: TileLang's compiled executable itself where its adapter exposes one (the
+    tvm_ffi backend), skipping the Python layer that stitches outputs into the argument list (this
+    kernel has none); else the kernel. Takes the kernel's arguments, in order."""
+    get = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
+    return get() if get is not None and not getattr(kernel.adapter, "result_idx", None) else kernel
+
+
+def _scale_tma(
+    n: int, k: int, bn: int, a_block: int, k_block: int, b_rows: int, a_bytes: int, b_bytes: int
+) -> tuple[bool, bool]:
+    """Whether the hoisted scales of A and of B can come by TMA: a tensor map needs each scale row's pitch
+    to be a multiple of 16 bytes; B's CTA rows lower to a 1-D bulk copy without bounds checks, so its
+    column tiles must cover N exactly (A's 2-D copy zero-fills the rows past M)."""
+    a_ok = (k // a_block) * a_bytes % 16 == 0
+    b_ok = (k // k_block) * b_bytes % 16 == 0 and n % bn == 0 and (bn % b_rows == 0 or b_rows % bn == 0)
+    return a_ok, b_ok
+
+
 def e2m1_e4m3_byte(code):
     """The e4m3 byte of a 4-bit e2m1 code: one byte-permute lookup and the sign, without branches.
 
@@ -101,6 +120,10 @@ def block_gemm_kernel(
     hoist: bool = True,
     k_tile: int = K_TILE,
     pingpong: bool = True,
+    depth: int = 2,
+    scale_tma: bool = True,
+    scale_f32: bool = False,
+    raster: int = 0,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
@@ -110,7 +133,13 @@ def block_gemm_kernel(
     (when they fit next to the pipeline); False reads them from global memory where used.
     k_tile: K columns per pipeline stage (a multiple of k_block dividing k, else k_block): one copy
     per operand brings k_tile / k_block scale blocks, each still its own matmul and promotion.
-    pingpong: two partial tiles; the matmul of one K block runs while the previous one is promoted.
+    pingpong: asynchronous matmuls into `depth` partial tiles (2: the matmul of one K block runs while the
+    previous one is promoted; more: up to depth - 1 matmuls queued behind the one being promoted).
+    scale_tma: hoist the scales with the tensor memory accelerator (one bulk copy per operand, issued
+    before the K loop, waited for at first use), where the layouts allow it (`_scale_tma`).
+    scale_f32: hoist e8m0 scales decoded to float32 (4x the shared memory; no decode per K block), where
+    they fit; those come by a loop, not by TMA.
+    raster: when > 0, CTAs run in panels of `raster` column tiles (T.use_swizzle), for L2 reuse.
     """
     bm, bn, threads = tile
     m = T.symbolic("M")
@@ -131,12 +160,21 @@ def block_gemm_kernel(
     pipe = stages * (bm * kt + bn * b_cols) + (bn * kt if fp4 else 0)
     hoist = hoist and (bn % b_rows == 0 or b_rows % bn == 0)
     hoist = hoist and bm * ka * a_bytes + sb_rows * kb * b_bytes <= SMEM_BYTES - pipe
+    # e8m0 scales decoded once, at the hoist, where the float32 copies fit
+    f32_a, f32_b = hoist and scale_f32 and a_e8m0, hoist and scale_f32 and b_e8m0
+    f32_a = f32_a and bm * ka * 4 + sb_rows * kb * b_bytes <= SMEM_BYTES - pipe
+    f32_b = f32_b and bm * ka * (4 if f32_a else a_bytes) + sb_rows * kb * 4 <= SMEM_BYTES - pipe
+    tma_a, tma_b = (
+        scale_tma and hoist and ok for ok in _scale_tma(n, k, bn, a_block, k_block, b_rows, a_bytes, b_bytes)
+    )
+    tma_a, tma_b = tma_a and not f32_a, tma_b and not f32_b
+    depth = max(min(depth, subs), 2) if pingpong else 1
 
-    def a_scale(x):
-        return e8m0_to_f32(x) if a_e8m0 else x
+    def a_scale(x, decoded=False):
+        return e8m0_to_f32(x) if a_e8m0 and not decoded else x
 
-    def b_scale(x):
-        return e8m0_to_f32(x) if b_e8m0 else x
+    def b_scale(x, decoded=False):
+        return e8m0_to_f32(x) if b_e8m0 and not decoded else x
 
     def b_row_scale(b_s, bx, j, kk):
         # b_s_rows[:, k]: the scale of each output row (N tail: any valid row)
@@ -149,7 +187,7 @@ def block_gemm_kernel(
         if hoist:
             for i, j in T.Parallel(bm, bn):
                 c_acc[i, j] += part[i, j] * (
-                    a_scale(sa_s[i, kk // per_a]) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk])
+                    a_scale(sa_s[i, kk // per_a], f32_a) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk], f32_b)
                 )
         else:
             for i, j in T.Parallel(bm, bn):
@@ -170,18 +208,26 @@ def block_gemm_kernel(
             bin_sh = T.alloc_shared((bn, b_cols), U8 if fp4 else E4M3)
             b8_sh = T.alloc_shared((bn, kt), U8)
             b_sh = T.view(b8_sh, dtype=E4M3) if fp4 else bin_sh  # the tile the tensor cores read
-            blk = [T.alloc_fragment((bm, bn), F32) for _ in range(2 if pingpong else 1)]
+            blk = [T.alloc_fragment((bm, bn), F32) for _ in range(depth)]
             c_acc = T.alloc_fragment((bm, bn), F32)
             c_sh = T.alloc_shared((bm, bn), BF16)
             touch = T.alloc_local((2,), E4M3)
+            if raster:
+                T.use_swizzle(panel_size=raster)
             if hoist:
                 # every scale this CTA uses, read once (raw: e8m0 bytes are decoded where used)
-                sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 else F32)
-                sb_all = T.alloc_shared((sb_rows, kb), U8 if b_e8m0 else F32)
-                for i, t in T.Parallel(bm, ka):
-                    sa_all[i, t] = a_s[T.min(by * bm + i, m - 1), t]  # M tail: any valid row
-                for r, t in T.Parallel(sb_rows, kb):
-                    sb_all[r, t] = b_s[T.min((bx * bn) // b_rows + r, nb - 1), t]
+                sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 and not f32_a else F32)
+                sb_all = T.alloc_shared((sb_rows, kb), U8 if b_e8m0 and not f32_b else F32)
+                if tma_a:
+                    T.copy(a_s[by * bm, 0], sa_all)  # rows past M read as zeros (never stored)
+                else:
+                    for i, t in T.Parallel(bm, ka):
+                        sa_all[i, t] = a_scale(a_s[T.min(by * bm + i, m - 1), t], not f32_a)  # M tail: any valid row
+                if tma_b:
+                    T.copy(b_s[(bx * bn) // b_rows, 0], sb_all)
+                else:
+                    for r, t in T.Parallel(sb_rows, kb):
+                        sb_all[r, t] = b_scale(b_s[T.min((bx * bn) // b_rows + r, nb - 1), t], not f32_b)
                 sa_s, sb_s = sa_all, sb_all
             else:
                 sa_s, sb_s = a_s, b_s
@@ -198,23 +244,29 @@ def block_gemm_kernel(
                     cols = slice(s * k_block, (s + 1) * k_block)
                     # partial = a[:, cols] @ b[:, cols].T, float32 from zero
                     if pingpong:
-                        T.wgmma_gemm(a_sh[:, cols], b_sh[:, cols], blk[s % 2], False, True, policy, clear_accum=True)
-                        if s > 0:
-                            T.wait_wgmma(1)  # the previous K block's partial is complete
-                            T.warpgroup_fence_operand(blk[(s - 1) % 2], 0, regs)  # read it only from here on
-                            promote(c_acc, blk[(s - 1) % 2], kt_i * subs + s - 1, sa_s, sb_s, bx, by)
+                        T.wgmma_gemm(
+                            a_sh[:, cols], b_sh[:, cols], blk[s % depth], False, True, policy, clear_accum=True
+                        )
+                        if s >= depth - 1:
+                            done = s - depth + 1  # the oldest matmul in flight
+                            T.wait_wgmma(depth - 1)
+                            T.warpgroup_fence_operand(blk[done % depth], 0, regs)  # read it only from here on
+                            promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by)
                     else:
                         T.gemm(a_sh[:, cols], b_sh[:, cols], blk[0], False, True, policy, clear_accum=True)
                         promote(c_acc, blk[0], kt_i * subs + s, sa_s, sb_s, bx, by)
                 if pingpong:
                     T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(blk[(subs - 1) % 2], 0, regs)
+                    left = tuple(range(subs - depth + 1, subs))  # K blocks of the stage not yet promoted
+                    for done in left:
+                        T.warpgroup_fence_operand(blk[done % depth], 0, regs)
                     # the stage is released after the last statement that touches its tiles: touch them
                     # here, after the matmuls that read them are complete
                     touch[0] = a_sh[0, 0]
                     if not fp4:
                         touch[1] = bin_sh[0, 0]
-                    promote(c_acc, blk[(subs - 1) % 2], kt_i * subs + subs - 1, sa_s, sb_s, bx, by)
+                    for done in left:
+                        promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by)
             T.copy(c_acc, c_sh)  # .to(bfloat16)
             T.copy(c_sh, c[by * bm, bx * bn])
 
