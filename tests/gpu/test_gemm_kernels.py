@@ -11,16 +11,21 @@ from dsv41_convert.quant import fp8 as fp8_ref
 
 pytestmark = pytest.mark.gpu
 
-# block_gemm_kernel's (tile, hoist, k_tile, pingpong) arguments: the wrappers' tiles (block_gemm.FP8_TILES,
-# FP4_TILES), 64 x 128 with its scales read from global memory (the path for scales too big to hoist), and
-# the one-K-block-per-stage kernel without ping-pong (the structure before both)
+# block_gemm_kernel's (tile, hoist, k_tile, pingpong, keywords) arguments: the wrappers' tiles
+# (block_gemm.FP8_TILES, FP4_TILES), 64 x 128 with its scales read from global memory (the path for scales
+# too big to hoist), the one-K-block-per-stage kernel without ping-pong (the structure before both), and the
+# other scale hoists and matmul queue depths (the rows past M of a TMA-hoisted a_s read as zeros: m = 1, 100)
 TILES = [
-    ((128, 128, 256), True, 128, True),
-    ((64, 64, 128), True, 128, True),
-    ((64, 64, 256), True, 128, True),
-    ((64, 128, 128), True, 128, True),
-    ((64, 128, 128), False, 128, True),
-    ((128, 128, 256), True, 32, False),
+    ((128, 128, 256), True, 128, True, {}),
+    ((64, 64, 128), True, 128, True, {"depth": 4}),
+    ((64, 64, 256), True, 128, True, {}),
+    ((64, 128, 128), True, 128, True, {}),
+    ((64, 128, 128), False, 128, True, {}),
+    ((128, 128, 256), True, 32, False, {}),
+    ((64, 128, 128), True, 128, True, {"scale_tma": False}),
+    ((64, 64, 128), True, 128, True, {"depth": 4, "scale_f32": True}),
+    ((128, 64, 256), True, 128, True, {"depth": 4, "scale_f32": True}),
+    ((64, 128, 128), True, 128, True, {"depth": 3, "scale_f32": True}),
 ]
 
 
@@ -43,12 +48,14 @@ def check(got, want, mag, what):
 
 
 def run_tile(tile, fp4, a, a_s, b, b_s, e8m0, k_block, a_block, b_rows, stages):
-    """The block gemm with explicit (tile, hoist, k_tile, pingpong), called as fp8_gemm / fp4_gemm call it."""
+    """The block gemm with explicit (tile, hoist, k_tile, pingpong, keywords), called as fp8_gemm / fp4_gemm
+    call it."""
     from dsv41_convert.kernels.block_gemm import block_gemm_kernel
 
     m, k, n = a.size(0), a.size(1), b.size(0)
     b_e8m0 = True if fp4 else e8m0
-    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, *tile)
+    *args, keywords = tile
+    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, *args, **keywords)
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
     def raw(t):
