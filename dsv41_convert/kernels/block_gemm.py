@@ -25,24 +25,27 @@ the tensor memory accelerator, software-pipelined by a producer warpgroup); M is
 compile-time. Each pipeline stage brings `k_tile` columns of K (K_TILE = 4 scale blocks of 32): one
 stage wait per four K blocks and four times the bytes per copy (one 32-wide block per stage: 12% fewer
 TFLOP/s at 4096 rows on 128 x 128). Each K block is still its own matmul from zero and its own promotion
-(acc += partial * scale), in K order, so the bytes do not depend on k_tile. With `pingpong` two partial
-tiles alternate: the matmul of K block t+1 is issued (asynchronously) before block t's partial is
-promoted on the CUDA cores, so the tensor cores and the promotion overlap; a stage is released only
-after its last matmul has completed. Each warpgroup takes whole rows of C (one 64 x bn wgmma per K
-block). Measurements, and what limits the kernel now (L2 traffic of the 64-row tile, the scale hoist
-of the 128-row one): docs/BENCHMARKS.md, "Gemms, 2026-12-01".
+(acc += partial * scale), in K order, so the bytes do not depend on k_tile. With `pingpong` the
+matmuls are asynchronous, into `depth` partial tiles used in turn: the matmuls of K blocks t+1 ..
+t+depth-1 are issued before block t's partial is promoted on the CUDA cores, so the tensor cores and
+the promotion overlap; a stage is released only after its last matmul has completed. Each warpgroup
+takes whole rows of C (one 64 x bn wgmma per K block). Measurements, and what limits the kernel now:
+docs/BENCHMARKS.md, "Gemms, 2026-12-01" and "Gemms, 2026-12-01 evening".
 
 The CTA's scales for the whole K range are read into shared memory once, before the K loop, and
 decoded where used (e8m0 by integer ops, no branch on loaded data: a branch there made each thread
-wait for every scale load). Where they do not fit beside the pipeline (SMEM_BYTES) they are read from
-global memory where used. (The kernel this replaced staged each K block's scales in shared memory
-ring slots that the producer could overwrite while the consumers still read them, a race seen as
-different bytes from run to run; it is gone with the staging.)
+wait for every scale load). Where the layout allows (`_scale_tma`) they come by TMA: one bulk copy per
+operand, issued with the first stages; the consumers wait for it at their first promotion and the
+producer does not wait at all (a load loop made the whole CTA wait, the 128-row tile's main stall).
+Where they do not fit beside the pipeline (SMEM_BYTES) they are read from global memory where used.
+(An earlier kernel staged each K block's scales in shared memory ring slots that the producer could
+overwrite while the consumers still read them, a race seen as different bytes from run to run; it is
+gone with the staging.)
 
 Tiles (`pick_tile`), each wrapper's pair (few rows, many rows), measured on an H200 (docs/BENCHMARKS.md):
 the many-rows tile when its CTAs cover every SM at least once, else the few-rows tile (more CTAs).
-fp8: 64 x 64 and 64 x 128 on one consumer warpgroup. fp4: 64 x 64 and 128 x 128 on two consumer
-warpgroups (the fastest fp4 tiles measured). Each wrapper compiles both on first use.
+fp8: 64 x 64 on one consumer warpgroup with three matmuls in flight, and 128 x 128 on two. fp4: 64 x 64
+and 128 x 128 on two consumer warpgroups. Each wrapper compiles both on first use.
 """
 
 import functools
@@ -54,7 +57,7 @@ from dsv41_convert.kernels.tl import BF16, E4M3, F32, PASS_CONFIGS, U8, T, tilel
 
 BLOCK_M, BLOCK_N, THREADS = 64, 128, 128  # block_gemm_kernel's default tile: rows, columns, threads
 # (rows, columns, threads) of C per CTA for (few rows, many rows): the most TFLOP/s of those measured
-FP8_TILES = ((64, 64, 128), (64, 128, 128))
+FP8_TILES = ((64, 64, 128), (128, 128, 256))
 FP4_TILES = ((64, 64, 256), (128, 128, 256))
 SMEM_BYTES = 200 * 1024  # shared memory for the pipeline and the hoisted scales, at most (Hopper: 227 KiB a CTA)
 K_TILE = 128  # K columns per pipeline stage
@@ -80,6 +83,18 @@ def launcher(kernel):
     kernel has none); else the kernel. Takes the kernel's arguments, in order."""
     get = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
     return get() if get is not None and not getattr(kernel.adapter, "result_idx", None) else kernel
+
+
+def dense(t: torch.Tensor, raw: bool = False) -> torch.Tensor:
+    """t as the kernel reads it: contiguous and 16-byte aligned (a tensor map's base), copied only when it
+    is not; raw: its bytes as uint8 (e8m0 scales, packed e2m1)."""
+    t = t.view(torch.uint8) if raw else t
+    return t if t.is_contiguous() and not t.data_ptr() % 16 else t.clone(memory_format=torch.contiguous_format)
+
+
+def rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    """t as a 2-D [m, -1] view (a no-op for a 2-D t)."""
+    return t if t.dim() == 2 else t.view(m, -1)
 
 
 def _scale_tma(
@@ -122,8 +137,6 @@ def block_gemm_kernel(
     pingpong: bool = True,
     depth: int = 2,
     scale_tma: bool = True,
-    scale_f32: bool = False,
-    raster: int = 0,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
@@ -137,9 +150,6 @@ def block_gemm_kernel(
     previous one is promoted; more: up to depth - 1 matmuls queued behind the one being promoted).
     scale_tma: hoist the scales with the tensor memory accelerator (one bulk copy per operand, issued
     before the K loop, waited for at first use), where the layouts allow it (`_scale_tma`).
-    scale_f32: hoist e8m0 scales decoded to float32 (4x the shared memory; no decode per K block), where
-    they fit; those come by a loop, not by TMA.
-    raster: when > 0, CTAs run in panels of `raster` column tiles (T.use_swizzle), for L2 reuse.
     """
     bm, bn, threads = tile
     m = T.symbolic("M")
@@ -160,21 +170,16 @@ def block_gemm_kernel(
     pipe = stages * (bm * kt + bn * b_cols) + (bn * kt if fp4 else 0)
     hoist = hoist and (bn % b_rows == 0 or b_rows % bn == 0)
     hoist = hoist and bm * ka * a_bytes + sb_rows * kb * b_bytes <= SMEM_BYTES - pipe
-    # e8m0 scales decoded once, at the hoist, where the float32 copies fit
-    f32_a, f32_b = hoist and scale_f32 and a_e8m0, hoist and scale_f32 and b_e8m0
-    f32_a = f32_a and bm * ka * 4 + sb_rows * kb * b_bytes <= SMEM_BYTES - pipe
-    f32_b = f32_b and bm * ka * (4 if f32_a else a_bytes) + sb_rows * kb * 4 <= SMEM_BYTES - pipe
     tma_a, tma_b = (
         scale_tma and hoist and ok for ok in _scale_tma(n, k, bn, a_block, k_block, b_rows, a_bytes, b_bytes)
     )
-    tma_a, tma_b = tma_a and not f32_a, tma_b and not f32_b
     depth = max(min(depth, subs), 2) if pingpong else 1
 
-    def a_scale(x, decoded=False):
-        return e8m0_to_f32(x) if a_e8m0 and not decoded else x
+    def a_scale(x):
+        return e8m0_to_f32(x) if a_e8m0 else x
 
-    def b_scale(x, decoded=False):
-        return e8m0_to_f32(x) if b_e8m0 and not decoded else x
+    def b_scale(x):
+        return e8m0_to_f32(x) if b_e8m0 else x
 
     def b_row_scale(b_s, bx, j, kk):
         # b_s_rows[:, k]: the scale of each output row (N tail: any valid row)
@@ -187,7 +192,7 @@ def block_gemm_kernel(
         if hoist:
             for i, j in T.Parallel(bm, bn):
                 c_acc[i, j] += part[i, j] * (
-                    a_scale(sa_s[i, kk // per_a], f32_a) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk], f32_b)
+                    a_scale(sa_s[i, kk // per_a]) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk])
                 )
         else:
             for i, j in T.Parallel(bm, bn):
@@ -212,22 +217,20 @@ def block_gemm_kernel(
             c_acc = T.alloc_fragment((bm, bn), F32)
             c_sh = T.alloc_shared((bm, bn), BF16)
             touch = T.alloc_local((2,), E4M3)
-            if raster:
-                T.use_swizzle(panel_size=raster)
             if hoist:
                 # every scale this CTA uses, read once (raw: e8m0 bytes are decoded where used)
-                sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 and not f32_a else F32)
-                sb_all = T.alloc_shared((sb_rows, kb), U8 if b_e8m0 and not f32_b else F32)
+                sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 else F32)
+                sb_all = T.alloc_shared((sb_rows, kb), U8 if b_e8m0 else F32)
                 if tma_a:
                     T.copy(a_s[by * bm, 0], sa_all)  # rows past M read as zeros (never stored)
                 else:
                     for i, t in T.Parallel(bm, ka):
-                        sa_all[i, t] = a_scale(a_s[T.min(by * bm + i, m - 1), t], not f32_a)  # M tail: any valid row
+                        sa_all[i, t] = a_s[T.min(by * bm + i, m - 1), t]  # M tail: any valid row
                 if tma_b:
                     T.copy(b_s[(bx * bn) // b_rows, 0], sb_all)
                 else:
                     for r, t in T.Parallel(sb_rows, kb):
-                        sb_all[r, t] = b_scale(b_s[T.min((bx * bn) // b_rows + r, nb - 1), t], not f32_b)
+                        sb_all[r, t] = b_s[T.min((bx * bn) // b_rows + r, nb - 1), t]
                 sa_s, sb_s = sa_all, sb_all
             else:
                 sa_s, sb_s = a_s, b_s

@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import FP4_TILES, block_gemm_kernel, launcher, pick_tile
+from dsv41_convert.kernels.block_gemm import FP4_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
 
 GROUP = 32  # weight scale group along K
 STAGES = 3  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
@@ -44,12 +44,7 @@ def fp4_gemm(
     )
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        a_s = a_s if a_s.is_contiguous() else a_s.contiguous()
-        a = a if a.is_contiguous() else a.contiguous()
-        b = b if b.is_contiguous() else b.contiguous()
-        b_s = b_s if b_s.is_contiguous() else b_s.contiguous()
-        a_s = a_s.view(torch.uint8) if e8m0 else a_s
-        run(a.view(m, -1), a_s.view(m, -1), b.view(torch.uint8), b_s.view(torch.uint8), c)
+        run(rows(dense(a), m), rows(dense(a_s, e8m0), m), dense(b, True), dense(b_s, True), c)
     return c if a.dim() == 2 else c.view(*a.shape[:-1], n)
 
 

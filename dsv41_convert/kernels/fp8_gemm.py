@@ -11,10 +11,11 @@ import functools
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, launcher, pick_tile
+from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
 
 STAGES = 4  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
-DEPTH = {FP8_TILES[0]: 4, FP8_TILES[1]: 2}  # matmuls in flight per tile (block_gemm_kernel's depth)
+DEPTH = {FP8_TILES[0]: 3}  # matmuls in flight (block_gemm_kernel's depth) where not 2; the 128-row tile
+# has registers for two partial tiles only
 
 
 def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool, tile: tuple[int, int, int] = FP8_TILES[1]):
@@ -44,12 +45,7 @@ def fp8_gemm(
     )
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        a_s = a_s if a_s.is_contiguous() else a_s.contiguous()
-        b_s = b_s if b_s.is_contiguous() else b_s.contiguous()
-        if e8m0:
-            a_s, b_s = a_s.view(torch.uint8), b_s.view(torch.uint8)
-        a = a if a.is_contiguous() else a.contiguous()
-        run(a.view(m, -1), a_s.view(m, -1), b if b.is_contiguous() else b.contiguous(), b_s, c)
+        run(rows(dense(a), m), rows(dense(a_s, e8m0), m), dense(b), dense(b_s, e8m0), c)
     return c if a.dim() == 2 else c.view(*a.shape[:-1], n)
 
 
