@@ -20,29 +20,34 @@ import torch
 from bench_kernels import GEMM_SHAPES, median_ms
 
 N, K = 4096, 7168
-OLD = {"scale_tma": False, "depth": 2}  # the kernel before 2026-12-01 17:30 UTC
+OLD = {"scale_tma": False, "depth": 2, "scale_lut": False}  # main 8554f92's kernel
+NO_LUT = {"scale_lut": False}
 OLD_TILES = {False: ((64, 64, 128), (64, 128, 128)), True: ((64, 64, 256), (128, 128, 256))}  # fp4 -> wrapper tiles
 # (name, fp4, tile, stages, block_gemm_kernel keywords); "old" rows are main 8554f92's kernels
 VARIANTS = (
     ("fp8 old 64x64", False, (64, 64, 128), 4, OLD),
     ("fp8 old 64x128", False, (64, 128, 128), 4, OLD),
     ("fp8 old 128x128", False, (128, 128, 256), 4, OLD),
-    ("fp8 64x64 tma", False, (64, 64, 128), 4, {}),
-    ("fp8 64x64 tma d3", False, (64, 64, 128), 4, {"depth": 3}),
-    ("fp8 64x64 tma d4", False, (64, 64, 128), 4, {"depth": 4}),
-    ("fp8 64x64 tma d3 s6", False, (64, 64, 128), 6, {"depth": 3}),
-    ("fp8 64x128 tma", False, (64, 128, 128), 4, {}),
-    ("fp8 128x128 tma", False, (128, 128, 256), 4, {}),
-    ("fp8 128x128 tma s3", False, (128, 128, 256), 3, {}),
-    ("fp8 128x64 tma d4", False, (128, 64, 256), 4, {"depth": 4}),
+    ("fp8 64x64 tma", False, (64, 64, 128), 4, NO_LUT),
+    ("fp8 64x64 tma d3", False, (64, 64, 128), 4, {"depth": 3} | NO_LUT),
+    ("fp8 64x64 tma d3 lut", False, (64, 64, 128), 4, {"depth": 3}),
+    ("fp8 64x64 tma d4 lut", False, (64, 64, 128), 4, {"depth": 4}),
+    ("fp8 64x64 tma d3 s6 lut", False, (64, 64, 128), 6, {"depth": 3}),
+    ("fp8 64x128 tma lut", False, (64, 128, 128), 4, {}),
+    ("fp8 128x128 tma", False, (128, 128, 256), 4, NO_LUT),
+    ("fp8 128x128 tma lut", False, (128, 128, 256), 4, {}),
+    ("fp8 128x128 tma s3 lut", False, (128, 128, 256), 3, {}),
+    ("fp8 128x64 tma d4 lut", False, (128, 64, 256), 4, {"depth": 4}),
     ("fp4 old 64x64/2wg", True, (64, 64, 256), 3, OLD),
     ("fp4 old 128x128", True, (128, 128, 256), 3, OLD),
-    ("fp4 64x64/2wg tma", True, (64, 64, 256), 3, {}),
-    ("fp4 64x64/2wg tma d3", True, (64, 64, 256), 3, {"depth": 3}),
-    ("fp4 64x64/2wg tma d4", True, (64, 64, 256), 3, {"depth": 4}),
-    ("fp4 64x64 tma d4", True, (64, 64, 128), 4, {"depth": 4}),
-    ("fp4 128x128 tma", True, (128, 128, 256), 3, {}),
-    ("fp4 128x128 tma s4", True, (128, 128, 256), 4, {}),
+    ("fp4 64x64/2wg tma", True, (64, 64, 256), 3, NO_LUT),
+    ("fp4 64x64/2wg tma lut", True, (64, 64, 256), 3, {}),
+    ("fp4 64x64/2wg tma d3 lut", True, (64, 64, 256), 3, {"depth": 3}),
+    ("fp4 64x64/2wg tma d4 lut", True, (64, 64, 256), 3, {"depth": 4}),
+    ("fp4 64x64 tma d4 lut", True, (64, 64, 128), 4, {"depth": 4}),
+    ("fp4 128x128 tma", True, (128, 128, 256), 3, NO_LUT),
+    ("fp4 128x128 tma lut", True, (128, 128, 256), 3, {}),
+    ("fp4 128x128 tma s4 lut", True, (128, 128, 256), 4, {}),
 )
 
 

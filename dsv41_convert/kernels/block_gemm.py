@@ -53,7 +53,7 @@ import functools
 import torch
 
 from dsv41_convert.kernels.fp8_dequant import e8m0_to_f32_select as e8m0_to_f32
-from dsv41_convert.kernels.tl import BF16, E4M3, F32, PASS_CONFIGS, U8, T, tilelang
+from dsv41_convert.kernels.tl import BF16, E4M3, F32, I32, PASS_CONFIGS, U8, T, tilelang
 
 BLOCK_M, BLOCK_N, THREADS = 64, 128, 128  # block_gemm_kernel's default tile: rows, columns, threads
 # (rows, columns, threads) of C per CTA for (few rows, many rows): the most TFLOP/s of those measured
@@ -137,6 +137,7 @@ def block_gemm_kernel(
     pingpong: bool = True,
     depth: int = 2,
     scale_tma: bool = True,
+    scale_lut: bool = True,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
@@ -150,6 +151,8 @@ def block_gemm_kernel(
     previous one is promoted; more: up to depth - 1 matmuls queued behind the one being promoted).
     scale_tma: hoist the scales with the tensor memory accelerator (one bulk copy per operand, issued
     before the K loop, waited for at first use), where the layouts allow it (`_scale_tma`).
+    scale_lut: decode e8m0 scales by a 256-entry float32 table in shared memory (one load per scale in
+    place of five integer ops; the same values).
     """
     bm, bn, threads = tile
     m = T.symbolic("M")
@@ -175,29 +178,33 @@ def block_gemm_kernel(
     )
     depth = max(min(depth, subs), 2) if pingpong else 1
 
-    def a_scale(x):
-        return e8m0_to_f32(x) if a_e8m0 else x
+    def decode(x, lut):
+        return e8m0_to_f32(x) if lut is None else lut[T.Cast(I32, x)]
 
-    def b_scale(x):
-        return e8m0_to_f32(x) if b_e8m0 else x
+    def a_scale(x, lut):
+        return decode(x, lut) if a_e8m0 else x
+
+    def b_scale(x, lut):
+        return decode(x, lut) if b_e8m0 else x
 
     def b_row_scale(b_s, bx, j, kk):
         # b_s_rows[:, k]: the scale of each output row (N tail: any valid row)
         return b_s[T.min((bx * bn + j) // b_rows, nb - 1), kk]
 
     @T.macro
-    def promote(c_acc, part, kk, sa_s, sb_s, bx, by):
+    def promote(c_acc, part, kk, sa_s, sb_s, bx, by, lut):
         # acc += partial * a_s[:, k] * b_s[:, k], one multiply-add (a_s * b_s exact for e8m0); sa_s, sb_s:
         # the hoisted scales, or a_s, b_s themselves
         if hoist:
             for i, j in T.Parallel(bm, bn):
                 c_acc[i, j] += part[i, j] * (
-                    a_scale(sa_s[i, kk // per_a]) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk])
+                    a_scale(sa_s[i, kk // per_a], lut) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk], lut)
                 )
         else:
             for i, j in T.Parallel(bm, bn):
                 c_acc[i, j] += part[i, j] * (
-                    a_scale(sa_s[T.min(by * bm + i, m - 1), kk // per_a]) * b_scale(b_row_scale(sb_s, bx, j, kk))
+                    a_scale(sa_s[T.min(by * bm + i, m - 1), kk // per_a], lut)
+                    * b_scale(b_row_scale(sb_s, bx, j, kk), lut)
                 )
 
     @T.prim_func
@@ -217,6 +224,11 @@ def block_gemm_kernel(
             c_acc = T.alloc_fragment((bm, bn), F32)
             c_sh = T.alloc_shared((bm, bn), BF16)
             touch = T.alloc_local((2,), E4M3)
+            lut = None
+            if scale_lut and (a_e8m0 or b_e8m0):
+                lut = T.alloc_shared((256,), F32)  # e8m0 byte -> its float32 value
+                for x in T.Parallel(256):
+                    lut[x] = e8m0_to_f32(x)
             if hoist:
                 # every scale this CTA uses, read once (raw: e8m0 bytes are decoded where used)
                 sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 else F32)
@@ -254,10 +266,10 @@ def block_gemm_kernel(
                             done = s - depth + 1  # the oldest matmul in flight
                             T.wait_wgmma(depth - 1)
                             T.warpgroup_fence_operand(blk[done % depth], 0, regs)  # read it only from here on
-                            promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by)
+                            promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by, lut)
                     else:
                         T.gemm(a_sh[:, cols], b_sh[:, cols], blk[0], False, True, policy, clear_accum=True)
-                        promote(c_acc, blk[0], kt_i * subs + s, sa_s, sb_s, bx, by)
+                        promote(c_acc, blk[0], kt_i * subs + s, sa_s, sb_s, bx, by, lut)
                 if pingpong:
                     T.wait_wgmma(0)
                     left = tuple(range(subs - depth + 1, subs))  # K blocks of the stage not yet promoted
@@ -269,7 +281,7 @@ def block_gemm_kernel(
                     if not fp4:
                         touch[1] = bin_sh[0, 0]
                     for done in left:
-                        promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by)
+                        promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by, lut)
             T.copy(c_acc, c_sh)  # .to(bfloat16)
             T.copy(c_sh, c[by * bm, bx * bn])
 

@@ -14,18 +14,21 @@ pytestmark = pytest.mark.gpu
 # block_gemm_kernel's (tile, hoist, k_tile, pingpong, keywords) arguments: the wrappers' tiles
 # (block_gemm.FP8_TILES, FP4_TILES), 64 x 128 with its scales read from global memory (the path for scales
 # too big to hoist), the one-K-block-per-stage kernel without ping-pong (the structure before both), and the
-# other scale hoists and matmul queue depths (the rows past M of a TMA-hoisted a_s read as zeros: m = 1, 100)
+# other scale hoists, decodes and matmul queue depths (the rows past M of a TMA-hoisted a_s read as zeros:
+# m = 1, 100)
 TILES = [
     ((128, 128, 256), True, 128, True, {}),
-    ((64, 64, 128), True, 128, True, {"depth": 4}),
+    ((64, 64, 128), True, 128, True, {"depth": 3}),
     ((64, 64, 256), True, 128, True, {}),
     ((64, 128, 128), True, 128, True, {}),
     ((64, 128, 128), False, 128, True, {}),
     ((128, 128, 256), True, 32, False, {}),
-    ((64, 128, 128), True, 128, True, {"scale_tma": False}),
-    ((64, 64, 128), True, 128, True, {"depth": 4, "scale_f32": True}),
-    ((128, 64, 256), True, 128, True, {"depth": 4, "scale_f32": True}),
-    ((64, 128, 128), True, 128, True, {"depth": 3, "scale_f32": True}),
+    ((64, 128, 128), True, 128, True, {"scale_tma": False, "scale_lut": False}),
+    ((64, 64, 128), True, 128, True, {"depth": 3, "scale_lut": False}),
+    ((128, 128, 256), True, 128, True, {"scale_lut": False}),
+    ((64, 64, 256), True, 128, True, {"scale_lut": False}),
+    ((64, 128, 128), False, 128, True, {"scale_lut": False}),
+    ((64, 64, 128), True, 128, True, {"depth": 4}),
 ]
 
 
