@@ -25,24 +25,27 @@ the tensor memory accelerator, software-pipelined by a producer warpgroup); M is
 compile-time. Each pipeline stage brings `k_tile` columns of K (K_TILE = 4 scale blocks of 32): one
 stage wait per four K blocks and four times the bytes per copy (one 32-wide block per stage: 12% fewer
 TFLOP/s at 4096 rows on 128 x 128). Each K block is still its own matmul from zero and its own promotion
-(acc += partial * scale), in K order, so the bytes do not depend on k_tile. With `pingpong` two partial
-tiles alternate: the matmul of K block t+1 is issued (asynchronously) before block t's partial is
-promoted on the CUDA cores, so the tensor cores and the promotion overlap; a stage is released only
-after its last matmul has completed. Each warpgroup takes whole rows of C (one 64 x bn wgmma per K
-block). Measurements, and what limits the kernel now (L2 traffic of the 64-row tile, the scale hoist
-of the 128-row one): docs/BENCHMARKS.md, "Gemms, 2026-12-01".
+(acc += partial * scale), in K order, so the bytes do not depend on k_tile. With `pingpong` the
+matmuls are asynchronous, into `depth` partial tiles used in turn: the matmuls of K blocks t+1 ..
+t+depth-1 are issued before block t's partial is promoted on the CUDA cores, so the tensor cores and
+the promotion overlap; a stage is released only after its last matmul has completed. Each warpgroup
+takes whole rows of C (one 64 x bn wgmma per K block). Measurements, and what limits the kernel now:
+docs/BENCHMARKS.md, "Gemms, 2026-12-01" and "Gemms, 2026-12-01 evening".
 
 The CTA's scales for the whole K range are read into shared memory once, before the K loop, and
 decoded where used (e8m0 by integer ops, no branch on loaded data: a branch there made each thread
-wait for every scale load). Where they do not fit beside the pipeline (SMEM_BYTES) they are read from
-global memory where used. (The kernel this replaced staged each K block's scales in shared memory
-ring slots that the producer could overwrite while the consumers still read them, a race seen as
-different bytes from run to run; it is gone with the staging.)
+wait for every scale load). Where the layout allows (`_scale_tma`) they come by TMA: one bulk copy per
+operand, issued with the first stages; the consumers wait for it at their first promotion and the
+producer does not wait at all (a load loop made the whole CTA wait, the 128-row tile's main stall).
+Where they do not fit beside the pipeline (SMEM_BYTES) they are read from global memory where used.
+(An earlier kernel staged each K block's scales in shared memory ring slots that the producer could
+overwrite while the consumers still read them, a race seen as different bytes from run to run; it is
+gone with the staging.)
 
 Tiles (`pick_tile`), each wrapper's pair (few rows, many rows), measured on an H200 (docs/BENCHMARKS.md):
 the many-rows tile when its CTAs cover every SM at least once, else the few-rows tile (more CTAs).
-fp8: 64 x 64 and 64 x 128 on one consumer warpgroup. fp4: 64 x 64 and 128 x 128 on two consumer
-warpgroups (the fastest fp4 tiles measured). Each wrapper compiles both on first use.
+fp8: 64 x 64 on one consumer warpgroup with three matmuls in flight, and 128 x 128 on two. fp4: 64 x 64
+and 128 x 128 on two consumer warpgroups. Each wrapper compiles both on first use.
 """
 
 import functools
@@ -50,11 +53,11 @@ import functools
 import torch
 
 from dsv41_convert.kernels.fp8_dequant import e8m0_to_f32_select as e8m0_to_f32
-from dsv41_convert.kernels.tl import BF16, E4M3, F32, PASS_CONFIGS, U8, T, tilelang
+from dsv41_convert.kernels.tl import BF16, E4M3, F32, I32, PASS_CONFIGS, U8, T, tilelang
 
 BLOCK_M, BLOCK_N, THREADS = 64, 128, 128  # block_gemm_kernel's default tile: rows, columns, threads
 # (rows, columns, threads) of C per CTA for (few rows, many rows): the most TFLOP/s of those measured
-FP8_TILES = ((64, 64, 128), (64, 128, 128))
+FP8_TILES = ((64, 64, 128), (128, 128, 256))
 FP4_TILES = ((64, 64, 256), (128, 128, 256))
 SMEM_BYTES = 200 * 1024  # shared memory for the pipeline and the hoisted scales, at most (Hopper: 227 KiB a CTA)
 K_TILE = 128  # K columns per pipeline stage
@@ -72,6 +75,37 @@ def pick_tile(m: int, n: int, device: torch.device, tiles: tuple[tuple[int, int,
     few, many = tiles
     ctas = -(-m // many[0]) * -(-n // many[1])
     return many if ctas >= _sm_count(device.index if device.index is not None else 0) else few
+
+
+def launcher(kernel):
+    """The kernel's cheapest call: TileLang's compiled executable itself where its adapter exposes one (the
+    tvm_ffi backend), skipping the Python layer that stitches outputs into the argument list (this
+    kernel has none); else the kernel. Takes the kernel's arguments, in order."""
+    get = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
+    return get() if get is not None and not getattr(kernel.adapter, "result_idx", None) else kernel
+
+
+def dense(t: torch.Tensor, raw: bool = False) -> torch.Tensor:
+    """t as the kernel reads it: contiguous and 16-byte aligned (a tensor map's base), copied only when it
+    is not; raw: its bytes as uint8 (e8m0 scales, packed e2m1)."""
+    t = t.view(torch.uint8) if raw else t
+    return t if t.is_contiguous() and not t.data_ptr() % 16 else t.clone(memory_format=torch.contiguous_format)
+
+
+def rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    """t as a 2-D [m, -1] view (a no-op for a 2-D t)."""
+    return t if t.dim() == 2 else t.view(m, -1)
+
+
+def _scale_tma(
+    n: int, k: int, bn: int, a_block: int, k_block: int, b_rows: int, a_bytes: int, b_bytes: int
+) -> tuple[bool, bool]:
+    """Whether the hoisted scales of A and of B can come by TMA: a tensor map needs each scale row's pitch
+    to be a multiple of 16 bytes; B's CTA rows lower to a 1-D bulk copy without bounds checks, so its
+    column tiles must cover N exactly (A's 2-D copy zero-fills the rows past M)."""
+    a_ok = (k // a_block) * a_bytes % 16 == 0
+    b_ok = (k // k_block) * b_bytes % 16 == 0 and n % bn == 0 and (bn % b_rows == 0 or b_rows % bn == 0)
+    return a_ok, b_ok
 
 
 def e2m1_e4m3_byte(code):
@@ -101,6 +135,9 @@ def block_gemm_kernel(
     hoist: bool = True,
     k_tile: int = K_TILE,
     pingpong: bool = True,
+    depth: int = 2,
+    scale_tma: bool = True,
+    scale_lut: bool = True,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
@@ -110,7 +147,12 @@ def block_gemm_kernel(
     (when they fit next to the pipeline); False reads them from global memory where used.
     k_tile: K columns per pipeline stage (a multiple of k_block dividing k, else k_block): one copy
     per operand brings k_tile / k_block scale blocks, each still its own matmul and promotion.
-    pingpong: two partial tiles; the matmul of one K block runs while the previous one is promoted.
+    pingpong: asynchronous matmuls into `depth` partial tiles (2: the matmul of one K block runs while the
+    previous one is promoted; more: up to depth - 1 matmuls queued behind the one being promoted).
+    scale_tma: hoist the scales with the tensor memory accelerator (one bulk copy per operand, issued
+    before the K loop, waited for at first use), where the layouts allow it (`_scale_tma`).
+    scale_lut: decode e8m0 scales by a 256-entry float32 table in shared memory (one load per scale in
+    place of five integer ops; the same values).
     """
     bm, bn, threads = tile
     m = T.symbolic("M")
@@ -131,30 +173,38 @@ def block_gemm_kernel(
     pipe = stages * (bm * kt + bn * b_cols) + (bn * kt if fp4 else 0)
     hoist = hoist and (bn % b_rows == 0 or b_rows % bn == 0)
     hoist = hoist and bm * ka * a_bytes + sb_rows * kb * b_bytes <= SMEM_BYTES - pipe
+    tma_a, tma_b = (
+        scale_tma and hoist and ok for ok in _scale_tma(n, k, bn, a_block, k_block, b_rows, a_bytes, b_bytes)
+    )
+    depth = max(min(depth, subs), 2) if pingpong else 1
 
-    def a_scale(x):
-        return e8m0_to_f32(x) if a_e8m0 else x
+    def decode(x, lut):
+        return e8m0_to_f32(x) if lut is None else lut[T.Cast(I32, x)]
 
-    def b_scale(x):
-        return e8m0_to_f32(x) if b_e8m0 else x
+    def a_scale(x, lut):
+        return decode(x, lut) if a_e8m0 else x
+
+    def b_scale(x, lut):
+        return decode(x, lut) if b_e8m0 else x
 
     def b_row_scale(b_s, bx, j, kk):
         # b_s_rows[:, k]: the scale of each output row (N tail: any valid row)
         return b_s[T.min((bx * bn + j) // b_rows, nb - 1), kk]
 
     @T.macro
-    def promote(c_acc, part, kk, sa_s, sb_s, bx, by):
+    def promote(c_acc, part, kk, sa_s, sb_s, bx, by, lut):
         # acc += partial * a_s[:, k] * b_s[:, k], one multiply-add (a_s * b_s exact for e8m0); sa_s, sb_s:
         # the hoisted scales, or a_s, b_s themselves
         if hoist:
             for i, j in T.Parallel(bm, bn):
                 c_acc[i, j] += part[i, j] * (
-                    a_scale(sa_s[i, kk // per_a]) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk])
+                    a_scale(sa_s[i, kk // per_a], lut) * b_scale(sb_s[(j // b_rows) if b_rows < bn else 0, kk], lut)
                 )
         else:
             for i, j in T.Parallel(bm, bn):
                 c_acc[i, j] += part[i, j] * (
-                    a_scale(sa_s[T.min(by * bm + i, m - 1), kk // per_a]) * b_scale(b_row_scale(sb_s, bx, j, kk))
+                    a_scale(sa_s[T.min(by * bm + i, m - 1), kk // per_a], lut)
+                    * b_scale(b_row_scale(sb_s, bx, j, kk), lut)
                 )
 
     @T.prim_func
@@ -170,18 +220,29 @@ def block_gemm_kernel(
             bin_sh = T.alloc_shared((bn, b_cols), U8 if fp4 else E4M3)
             b8_sh = T.alloc_shared((bn, kt), U8)
             b_sh = T.view(b8_sh, dtype=E4M3) if fp4 else bin_sh  # the tile the tensor cores read
-            blk = [T.alloc_fragment((bm, bn), F32) for _ in range(2 if pingpong else 1)]
+            blk = [T.alloc_fragment((bm, bn), F32) for _ in range(depth)]
             c_acc = T.alloc_fragment((bm, bn), F32)
             c_sh = T.alloc_shared((bm, bn), BF16)
             touch = T.alloc_local((2,), E4M3)
+            lut = None
+            if scale_lut and (a_e8m0 or b_e8m0):
+                lut = T.alloc_shared((256,), F32)  # e8m0 byte -> its float32 value
+                for x in T.Parallel(256):
+                    lut[x] = e8m0_to_f32(x)
             if hoist:
                 # every scale this CTA uses, read once (raw: e8m0 bytes are decoded where used)
                 sa_all = T.alloc_shared((bm, ka), U8 if a_e8m0 else F32)
                 sb_all = T.alloc_shared((sb_rows, kb), U8 if b_e8m0 else F32)
-                for i, t in T.Parallel(bm, ka):
-                    sa_all[i, t] = a_s[T.min(by * bm + i, m - 1), t]  # M tail: any valid row
-                for r, t in T.Parallel(sb_rows, kb):
-                    sb_all[r, t] = b_s[T.min((bx * bn) // b_rows + r, nb - 1), t]
+                if tma_a:
+                    T.copy(a_s[by * bm, 0], sa_all)  # rows past M read as zeros (never stored)
+                else:
+                    for i, t in T.Parallel(bm, ka):
+                        sa_all[i, t] = a_s[T.min(by * bm + i, m - 1), t]  # M tail: any valid row
+                if tma_b:
+                    T.copy(b_s[(bx * bn) // b_rows, 0], sb_all)
+                else:
+                    for r, t in T.Parallel(sb_rows, kb):
+                        sb_all[r, t] = b_s[T.min((bx * bn) // b_rows + r, nb - 1), t]
                 sa_s, sb_s = sa_all, sb_all
             else:
                 sa_s, sb_s = a_s, b_s
@@ -198,23 +259,29 @@ def block_gemm_kernel(
                     cols = slice(s * k_block, (s + 1) * k_block)
                     # partial = a[:, cols] @ b[:, cols].T, float32 from zero
                     if pingpong:
-                        T.wgmma_gemm(a_sh[:, cols], b_sh[:, cols], blk[s % 2], False, True, policy, clear_accum=True)
-                        if s > 0:
-                            T.wait_wgmma(1)  # the previous K block's partial is complete
-                            T.warpgroup_fence_operand(blk[(s - 1) % 2], 0, regs)  # read it only from here on
-                            promote(c_acc, blk[(s - 1) % 2], kt_i * subs + s - 1, sa_s, sb_s, bx, by)
+                        T.wgmma_gemm(
+                            a_sh[:, cols], b_sh[:, cols], blk[s % depth], False, True, policy, clear_accum=True
+                        )
+                        if s >= depth - 1:
+                            done = s - depth + 1  # the oldest matmul in flight
+                            T.wait_wgmma(depth - 1)
+                            T.warpgroup_fence_operand(blk[done % depth], 0, regs)  # read it only from here on
+                            promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by, lut)
                     else:
                         T.gemm(a_sh[:, cols], b_sh[:, cols], blk[0], False, True, policy, clear_accum=True)
-                        promote(c_acc, blk[0], kt_i * subs + s, sa_s, sb_s, bx, by)
+                        promote(c_acc, blk[0], kt_i * subs + s, sa_s, sb_s, bx, by, lut)
                 if pingpong:
                     T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(blk[(subs - 1) % 2], 0, regs)
+                    left = tuple(range(subs - depth + 1, subs))  # K blocks of the stage not yet promoted
+                    for done in left:
+                        T.warpgroup_fence_operand(blk[done % depth], 0, regs)
                     # the stage is released after the last statement that touches its tiles: touch them
                     # here, after the matmuls that read them are complete
                     touch[0] = a_sh[0, 0]
                     if not fp4:
                         touch[1] = bin_sh[0, 0]
-                    promote(c_acc, blk[(subs - 1) % 2], kt_i * subs + subs - 1, sa_s, sb_s, bx, by)
+                    for done in left:
+                        promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by, lut)
             T.copy(c_acc, c_sh)  # .to(bfloat16)
             T.copy(c_sh, c[by * bm, bx * bn])
 

@@ -2,7 +2,8 @@
 
 The kernel is `block_gemm.block_gemm_kernel` with packed e2m1 weights, K blocks of 32 (the weight's
 scale group) and one e8m0 weight scale per row; its docstring gives the numerics, the bound (the
-same as fp8_gemm's, for the same reasons) and the layout.
+same as fp8_gemm's, for the same reasons) and the layout. Operands are checked once per shape, as in
+fp8_gemm.
 """
 
 import functools
@@ -10,10 +11,11 @@ import functools
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import FP4_TILES, block_gemm_kernel, pick_tile
+from dsv41_convert.kernels.block_gemm import FP4_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
 
 GROUP = 32  # weight scale group along K
 STAGES = 3  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
+PACKED_DTYPES = (torch.float4_e2m1fn_x2, torch.uint8, torch.int8)
 
 
 def fp4_gemm_kernel(n: int, k: int, act_block: int, e8m0: bool, tile: tuple[int, int, int] = FP4_TILES[1]):
@@ -37,27 +39,34 @@ def fp4_gemm(
     b_s: [N, K/32]                 float8_e8m0fnu
     -> [..., N]                    bfloat16
     """
-    k, n = a.size(-1), b.size(0)
-    if a.dtype != torch.float8_e4m3fn or b.dtype not in (torch.float4_e2m1fn_x2, torch.uint8, torch.int8):
-        raise ValueError(f"fp4_gemm: a {a.dtype} {list(a.shape)} must be e4m3, b {b.dtype} {list(b.shape)} packed e2m1")
-    if act_block_size not in (32, 128) or k % act_block_size or 2 * b.size(1) != k or not a.is_cuda:
-        raise ValueError(f"fp4_gemm: a {list(a.shape)}, b {list(b.shape)} (packed), act block {act_block_size}")
-    m = a.numel() // k
-    if a_s.numel() != m * (k // act_block_size) or tuple(b_s.shape) != (n, k // GROUP):
-        raise ValueError(
-            f"fp4_gemm: scales a_s {list(a_s.shape)}, b_s {list(b_s.shape)} "
-            f"do not fit a {list(a.shape)}, b {list(b.shape)}"
-        )
-    if a_s.dtype not in (torch.float32, torch.float8_e8m0fnu) or b_s.dtype != torch.float8_e8m0fnu:
-        raise ValueError(f"fp4_gemm: scale dtypes {a_s.dtype}, {b_s.dtype}: want float32/e8m0 and e8m0")
-    e8m0 = a_s.dtype == torch.float8_e8m0fnu
-    a_s_arg = a_s.contiguous().view(torch.uint8) if e8m0 else a_s.contiguous()
+    run, m, n, e8m0 = _launch(
+        a.shape, a_s.shape, b.shape, b_s.shape, a.dtype, a_s.dtype, b.dtype, b_s.dtype, act_block_size, a.device
+    )
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        kernel = _kernels(n, k, act_block_size, e8m0)[pick_tile(m, n, a.device, FP4_TILES)]
-        b_arg = b.contiguous().view(torch.uint8)
-        kernel(a.contiguous().view(m, k), a_s_arg.view(m, -1), b_arg, b_s.contiguous().view(torch.uint8), c)
-    return c.view(*a.shape[:-1], n)
+        run(rows(dense(a), m), rows(dense(a_s, e8m0), m), dense(b, True), dense(b_s, True), c)
+    return c if a.dim() == 2 else c.view(*a.shape[:-1], n)
+
+
+@functools.cache
+def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b_s_dtype, act_block, device):
+    """-> (launch, M, N, e8m0) for operands of these shapes and dtypes, checked here once; raises ValueError."""
+    k, n = a_shape[-1], b_shape[0]
+    if a_dtype != torch.float8_e4m3fn or b_dtype not in PACKED_DTYPES:
+        raise ValueError(f"fp4_gemm: a {a_dtype} {list(a_shape)} must be e4m3, b {b_dtype} {list(b_shape)} packed e2m1")
+    if act_block not in (32, 128) or k % act_block or 2 * b_shape[1] != k or device.type != "cuda":
+        raise ValueError(f"fp4_gemm: a {list(a_shape)}, b {list(b_shape)} (packed), act block {act_block}")
+    m = a_shape.numel() // k
+    if a_s_shape.numel() != m * (k // act_block) or tuple(b_s_shape) != (n, k // GROUP):
+        raise ValueError(
+            f"fp4_gemm: scales a_s {list(a_s_shape)}, b_s {list(b_s_shape)} "
+            f"do not fit a {list(a_shape)}, b {list(b_shape)}"
+        )
+    if s_dtype not in (torch.float32, torch.float8_e8m0fnu) or b_s_dtype != torch.float8_e8m0fnu:
+        raise ValueError(f"fp4_gemm: scale dtypes {s_dtype}, {b_s_dtype}: want float32/e8m0 and e8m0")
+    e8m0 = s_dtype == torch.float8_e8m0fnu
+    run = launcher(_kernels(n, k, act_block, e8m0)[pick_tile(m, n, device, FP4_TILES)]) if m else None
+    return run, m, n, e8m0
 
 
 @functools.cache

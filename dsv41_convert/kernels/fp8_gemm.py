@@ -2,6 +2,8 @@
 
 The kernel is `block_gemm.block_gemm_kernel` with e4m3 weights in square `block_size` tiles (its
 docstring gives the numerics, the bound checked by tests/gpu/test_gemm_kernels.py, and the layout).
+A call checks its operands once per shape (`_launch`, cached): at 128 rows the kernel takes tens of
+microseconds, and Python time before the launch is time the GPU waits.
 """
 
 import functools
@@ -9,14 +11,17 @@ import functools
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, pick_tile
+from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
 
 STAGES = 4  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
+DEPTH = {FP8_TILES[0]: 3}  # matmuls in flight (block_gemm_kernel's depth) where not 2; the 128-row tile
+# has registers for two partial tiles only
 
 
 def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool, tile: tuple[int, int, int] = FP8_TILES[1]):
     """[M, k] e4m3 x [n, k] e4m3 -> [M, n] bf16; scales per (row, K block) and (block_size tile)."""
-    return block_gemm_kernel(n, k, block_size, block_size, block_size, False, e8m0, e8m0, STAGES, tile)
+    depth = DEPTH.get(tile, 2)
+    return block_gemm_kernel(n, k, block_size, block_size, block_size, False, e8m0, e8m0, STAGES, tile, depth=depth)
 
 
 def fp8_gemm(
@@ -35,36 +40,40 @@ def fp8_gemm(
     b_s: [ceil(N/block_size), K/block_size]    same dtype as a_s
     -> [..., N]                                bfloat16
     """
-    k, n = a.size(-1), b.size(0)
-    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemm: a {a.dtype} {list(a.shape)} and b {b.dtype} {list(b.shape)} must be e4m3")
-    if block_size not in (32, 128) or k % block_size or b.size(1) != k or not a.is_cuda:
-        raise ValueError(f"fp8_gemm: a {list(a.shape)}, b {list(b.shape)}, block {block_size}: K must match and divide")
-    m = a.numel() // k
-    if a_s.numel() != m * (k // block_size) or tuple(b_s.shape) != (-(-n // block_size), k // block_size):
-        raise ValueError(
-            f"fp8_gemm: scales a_s {list(a_s.shape)}, b_s {list(b_s.shape)} "
-            f"do not fit a {list(a.shape)}, b {list(b.shape)}"
-        )
-    if a_s.dtype != b_s.dtype or a_s.dtype not in (torch.float32, torch.float8_e8m0fnu):
-        raise ValueError(f"fp8_gemm: scale dtypes {a_s.dtype}, {b_s.dtype}: want both float32 or both e8m0")
-    e8m0 = a_s.dtype == torch.float8_e8m0fnu
-
-    def arg(t: Tensor) -> Tensor:
-        return t.contiguous().view(torch.uint8) if e8m0 else t.contiguous()
-
+    run, m, n, e8m0 = _launch(
+        a.shape, a_s.shape, b.shape, b_s.shape, a.dtype, a_s.dtype, b.dtype, b_s.dtype, block_size, a.device
+    )
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        kernel = _kernels(n, k, block_size, e8m0)[pick_tile(m, n, a.device, FP8_TILES)]
-        kernel(a.contiguous().view(m, k), arg(a_s).view(m, -1), b.contiguous(), arg(b_s), c)
-    return c.view(*a.shape[:-1], n)
+        run(rows(dense(a), m), rows(dense(a_s, e8m0), m), dense(b), dense(b_s, e8m0), c)
+    return c if a.dim() == 2 else c.view(*a.shape[:-1], n)
+
+
+@functools.cache
+def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b_s_dtype, block_size, device):
+    """-> (launch, M, N, e8m0) for operands of these shapes and dtypes, checked here once; raises ValueError."""
+    k, n = a_shape[-1], b_shape[0]
+    if a_dtype != torch.float8_e4m3fn or b_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm: a {a_dtype} {list(a_shape)} and b {b_dtype} {list(b_shape)} must be e4m3")
+    if block_size not in (32, 128) or k % block_size or b_shape[1] != k or device.type != "cuda":
+        raise ValueError(f"fp8_gemm: a {list(a_shape)}, b {list(b_shape)}, block {block_size}: K must match and divide")
+    m = a_shape.numel() // k
+    if a_s_shape.numel() != m * (k // block_size) or tuple(b_s_shape) != (-(-n // block_size), k // block_size):
+        raise ValueError(
+            f"fp8_gemm: scales a_s {list(a_s_shape)}, b_s {list(b_s_shape)} "
+            f"do not fit a {list(a_shape)}, b {list(b_shape)}"
+        )
+    if s_dtype != b_s_dtype or s_dtype not in (torch.float32, torch.float8_e8m0fnu):
+        raise ValueError(f"fp8_gemm: scale dtypes {s_dtype}, {b_s_dtype}: want both float32 or both e8m0")
+    e8m0 = s_dtype == torch.float8_e8m0fnu
+    run = launcher(_kernels(n, k, block_size, e8m0)[pick_tile(m, n, device, FP8_TILES)]) if m else None
+    return run, m, n, e8m0
 
 
 @functools.cache
 def _kernels(n: int, k: int, block_size: int, e8m0: bool) -> dict:
     """tile -> compiled kernel, both tiles on the first call (a warm-up with one row readies the many-row
-    one too); cached here, so that a call costs one dict lookup, not TileLang's argument hashing per tile
-    (a 128-row gemm takes only tens of microseconds)."""
+    one too)."""
     return {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile) for tile in FP8_TILES}
 
 

@@ -11,16 +11,24 @@ from dsv41_convert.quant import fp8 as fp8_ref
 
 pytestmark = pytest.mark.gpu
 
-# block_gemm_kernel's (tile, hoist, k_tile, pingpong) arguments: the wrappers' tiles (block_gemm.FP8_TILES,
-# FP4_TILES), 64 x 128 with its scales read from global memory (the path for scales too big to hoist), and
-# the one-K-block-per-stage kernel without ping-pong (the structure before both)
+# block_gemm_kernel's (tile, hoist, k_tile, pingpong, keywords) arguments: the wrappers' tiles
+# (block_gemm.FP8_TILES, FP4_TILES), 64 x 128 with its scales read from global memory (the path for scales
+# too big to hoist), the one-K-block-per-stage kernel without ping-pong (the structure before both), and the
+# other scale hoists, decodes and matmul queue depths (the rows past M of a TMA-hoisted a_s read as zeros:
+# m = 1, 100)
 TILES = [
-    ((128, 128, 256), True, 128, True),
-    ((64, 64, 128), True, 128, True),
-    ((64, 64, 256), True, 128, True),
-    ((64, 128, 128), True, 128, True),
-    ((64, 128, 128), False, 128, True),
-    ((128, 128, 256), True, 32, False),
+    ((128, 128, 256), True, 128, True, {}),
+    ((64, 64, 128), True, 128, True, {"depth": 3}),
+    ((64, 64, 256), True, 128, True, {}),
+    ((64, 128, 128), True, 128, True, {}),
+    ((64, 128, 128), False, 128, True, {}),
+    ((128, 128, 256), True, 32, False, {}),
+    ((64, 128, 128), True, 128, True, {"scale_tma": False, "scale_lut": False}),
+    ((64, 64, 128), True, 128, True, {"depth": 3, "scale_lut": False}),
+    ((128, 128, 256), True, 128, True, {"scale_lut": False}),
+    ((64, 64, 256), True, 128, True, {"scale_lut": False}),
+    ((64, 128, 128), False, 128, True, {"scale_lut": False}),
+    ((64, 64, 128), True, 128, True, {"depth": 4}),
 ]
 
 
@@ -43,12 +51,14 @@ def check(got, want, mag, what):
 
 
 def run_tile(tile, fp4, a, a_s, b, b_s, e8m0, k_block, a_block, b_rows, stages):
-    """The block gemm with explicit (tile, hoist, k_tile, pingpong), called as fp8_gemm / fp4_gemm call it."""
+    """The block gemm with explicit (tile, hoist, k_tile, pingpong, keywords), called as fp8_gemm / fp4_gemm
+    call it."""
     from dsv41_convert.kernels.block_gemm import block_gemm_kernel
 
     m, k, n = a.size(0), a.size(1), b.size(0)
     b_e8m0 = True if fp4 else e8m0
-    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, *tile)
+    *args, keywords = tile
+    kernel = block_gemm_kernel(n, k, k_block, a_block, b_rows, fp4, e8m0, b_e8m0, stages, *args, **keywords)
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
     def raw(t):
@@ -123,3 +133,35 @@ def test_gemm_same_bytes_run_to_run(fp4, tile):
         outs = [run_tile(tile, False, a, a_s, b, b_s, True, 32, 32, 32, FP8_STAGES) for _ in range(5)]
     for i, c in enumerate(outs[1:], 1):
         assert torch.equal(c.view(torch.uint16), outs[0].view(torch.uint16)), f"call {i} differs from call 0"
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_gemm_wrapper_views_misaligned_scales_and_errors(fp4):
+    """The wrappers check operands once per shape, then launch directly: a 3-D activation, a non-contiguous
+    weight and scales at a 1-byte offset (a tensor map needs 16-byte alignment, so they are copied) give the
+    bytes of the plain 2-D call; operands that do not fit raise ValueError, on every call."""
+    from dsv41_convert.kernels.fp4_gemm import fp4_gemm
+    from dsv41_convert.kernels.fp8_gemm import fp8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    m, n, k = 70, 256, 1024
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    a, a_s = act_ref.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    if fp4:
+        gemm, (b, b_s) = fp4_gemm, (t.cuda() for t in fp4_ref.encode_mxfp4(w.cpu(), 32, "w"))
+    else:
+        gemm, (b, b_s) = fp8_gemm, fp8_ref.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+    want = gemm(a, a_s, b, b_s, torch.float8_e8m0fnu, 32)
+
+    def shifted(t):  # the same values, one byte past a 16-byte boundary
+        flat = torch.empty(t.numel() + 1, dtype=torch.uint8, device="cuda")[1:]
+        return flat.copy_(t.contiguous().view(torch.uint8).flatten()).view(t.dtype).view(t.shape)
+
+    b_strided = torch.cat([b.view(torch.uint8)] * 2, dim=1)[:, : b.size(1)].view(b.dtype)  # non-contiguous
+    got = gemm(a.view(1, m, k), shifted(a_s).view(1, m, -1), b_strided, shifted(b_s), torch.float8_e8m0fnu, 32)
+    assert got.shape == (1, m, n)
+    assert torch.equal(got.view(m, n).view(torch.uint16), want.view(torch.uint16))
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            gemm(a, a_s[:, :-1], b, b_s, torch.float8_e8m0fnu, 32)

@@ -68,8 +68,10 @@ def test_kernel_compiles_for_sm90(module, factory, args):
         assert "wgmma" in source, "the gemm should run on Hopper's wgmma"
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-def test_gemm_stage_released_after_its_matmuls(fp4):
+@pytest.mark.parametrize(
+    "fp4,tile,depth", [(False, (128, 128, 256), 2), (True, (128, 128, 256), 2), (False, (64, 64, 128), 3)]
+)
+def test_gemm_stage_released_after_its_matmuls(fp4, tile, depth):
     """With ping-pong the K blocks' matmuls are asynchronous: the consumers may release a pipeline stage
     (arrive on its empty barrier, letting the producer overwrite its tiles) only when no matmul is still
     pending (after `wait_wgmma<0>`). A release with a matmul in flight is a race: bytes that differ run to
@@ -82,19 +84,21 @@ def test_gemm_stage_released_after_its_matmuls(fp4):
     from dsv41_convert.kernels.block_gemm import block_gemm_kernel as jit
 
     b_rows = 1 if fp4 else 32
-    args = (512, 1024, 32, 32, b_rows, fp4, True, True, 3, (128, 128, 256), True, 128, True)
+    args = (512, 1024, 32, 32, b_rows, fp4, True, True, 3, tile, True, 128, True, depth)
     source = tilelang.compile(jit.get_tir(*args), target=TARGET, pass_configs=jit.pass_configs).get_kernel_source()
     consumer = source[source.index("warpgroup_reg_alloc<240>") :]
     tokens = re.findall(r"(wgmma_ss<)|wait_wgmma<(\d)>|(mbarrier\[[^\]]*\]\.arrive\(\))", consumer)
-    pending, releases, mmas = 0, 0, 0
+    pending, releases, mmas, max_pending = 0, 0, 0, 0
     for mma, wait, release in tokens:
         if mma:
             pending, mmas = pending + 1, mmas + 1
+            max_pending = max(max_pending, pending)
         elif wait:
             pending = min(pending, int(wait))
         elif release:
             assert pending == 0, f"a stage is released with {pending} matmul(s) in flight"
             releases += 1
+    assert max_pending == depth, f"{max_pending} matmuls in flight at most, want {depth}"
     assert mmas >= 4 and releases >= 1, f"expected the K loop's matmuls and releases, found {mmas} and {releases}"
 
 
