@@ -271,21 +271,25 @@ def test_plan_json_quotes_as_json_dumps(text):
 
 
 @pytest.mark.parametrize(("quantized", "expert_dtype"), [(True, "fp4"), (True, "fp8"), (False, "fp4"), (False, "fp8")])
-def test_expert_shortcut_makes_what_outputs_makes(tiny_sources, quantized, expert_dtype):
-    """build_plan makes most routed-expert outputs through `_expert_output`; wherever it answers, it must be
-    exactly `_outputs`' one output, and it must answer for the published layout at fp4 (its reason to be)."""
+def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dtype):
+    """build_plan gathers most routed-expert outputs into ExpertRuns; every member a run makes must be exactly
+    `_outputs`' one output of its source, on the run's rank, and the runs must hold every routed-expert tensor
+    of the published layout at fp4 (their reason to be)."""
     src = tiny_sources[quantized]
+    plan = build_plan(src, 2, expert_dtype)
     sources = gather_sources(src, plan_module.read_index(src)[1])
     args = ModelArgs.from_hf_dict(json.loads((src / "config.json").read_text()), "config.json")
     n_experts = validate_sources(sources, args, 2, expert_dtype)
-    answered = 0
-    for name, s in sources.items():
-        if s.expert is None:
-            continue
-        one = plan_module._expert_output(sources, name, s, 2, n_experts, quantized, expert_dtype)
-        if one is not None:
-            assert [one] == list(plan_module._outputs(sources, name, 2, n_experts, quantized, expert_dtype)), name
-            answered += 1
-    assert answered == (
+    members = 0
+    for f in plan.files:
+        for run in (p for p in f.parts if type(p) is plan_module.ExpertRun):
+            for t in run.tensors():
+                assert t in f.tensors  # with its offsets
+                t.begin = t.end = 0  # laid out later, as _outputs' are
+                assert list(plan_module._outputs(sources, t.name, 2, n_experts, quantized, expert_dtype)) == [
+                    (f.rank, t)
+                ], t.name
+                members += 1
+    assert members == (
         sum(s.expert is not None for s in sources.values()) if quantized and expert_dtype == "fp4" else 0
     )
