@@ -29,6 +29,7 @@ F32 it is the full tensor name. Groups name the published shards: "vision" (visi
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 from dsv41_convert.config import ModelArgs
@@ -77,27 +78,26 @@ def _ceil(a: int, b: int) -> int:
 def file_tensors(p: Param, quantized: bool, fp8_experts: bool = False) -> list[FileTensor]:
     """The file tensors of one Param, in the fp8 (published) or bf16 source layout; `fp8_experts`: routed
     experts (FP4 params) as e4m3 with 32x32 scales, as `export --format fp8` writes them."""
-    return [FileTensor(name, dtype, shape, p.name) for name, dtype, shape in _file_entries(p, quantized, fp8_experts)]
+    forms = _forms(p.fmt, p.shape, quantized, fp8_experts)
+    return [FileTensor(p.name + suffix, dtype, shape, p.name) for suffix, dtype, shape in forms]
 
 
-def _file_entries(p: Param, quantized: bool, fp8_experts: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """file_tensors as (name, dtype, shape): published_layout's 96k entries without their records."""
-    if p.fmt is Fmt.BF16:
-        return [(p.name, "BF16", p.shape)]
-    if p.fmt is Fmt.F32:
-        return [(p.name, "F32", p.shape)]
-    weight = f"{p.name}.weight"
+@functools.cache
+def _forms(fmt: Fmt, shape: tuple[int, ...], quantized: bool, fp8_experts: bool) -> tuple[tuple[str, str, tuple], ...]:
+    """(name suffix, dtype, shape) of the file tensors of a Param of format `fmt` and logical `shape`: the
+    real catalogue's 48k Params have a few dozen (format, shape)."""
+    if fmt is Fmt.BF16:
+        return (("", "BF16", shape),)
+    if fmt is Fmt.F32:
+        return (("", "F32", shape),)
     if not quantized:
-        return [(weight, "BF16", p.shape)]
-    out, inp = p.shape
-    if p.fmt is Fmt.FP8 or (p.fmt is Fmt.FP4 and fp8_experts):
-        return [
-            (weight, "F8_E4M3", (out, inp)),
-            (f"{p.name}.scale", "F8_E8M0", (_ceil(out, BLOCK), _ceil(inp, BLOCK))),
-        ]
-    if p.fmt is Fmt.FP4:
-        return [(weight, "I8", (out, inp // 2)), (f"{p.name}.scale", "F8_E8M0", (out, inp // BLOCK))]
-    return [(weight, "F8_E4M3", (out, inp)), (f"{p.name}.scale", "F8_E8M0", (out, inp // BLOCK))]
+        return ((".weight", "BF16", shape),)
+    out, inp = shape
+    if fmt is Fmt.FP8 or (fmt is Fmt.FP4 and fp8_experts):
+        return ((".weight", "F8_E4M3", (out, inp)), (".scale", "F8_E8M0", (_ceil(out, BLOCK), _ceil(inp, BLOCK))))
+    if fmt is Fmt.FP4:
+        return ((".weight", "I8", (out, inp // 2)), (".scale", "F8_E8M0", (out, inp // BLOCK)))
+    return ((".weight", "F8_E4M3", (out, inp)), (".scale", "F8_E8M0", (out, inp // BLOCK)))
 
 
 # Weight statistics of the released checkpoint (measured on its layers 0, 2 and 20, as reported with
@@ -281,7 +281,11 @@ def published_layout(a: ModelArgs) -> Layout:
     the backbone and dropped if present).
     """
     fp8_experts = a.expert_dtype == "fp8"
-    return {name: (dtype, shape) for p in catalogue(a) for name, dtype, shape in _file_entries(p, True, fp8_experts)}
+    return {
+        p.name + suffix: (dtype, shape)
+        for p in catalogue(a)
+        for suffix, dtype, shape in _forms(p.fmt, p.shape, True, fp8_experts)
+    }
 
 
 def _mtp_stages(a: ModelArgs) -> int:
