@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout
-from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, expert_index, has_scale, match_rule, scale_name
+from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.index import bad_shard_names
 from dsv41_convert.store.safetensors_header import read_header
@@ -89,11 +89,10 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
                 problems.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
                 continue
             try:
-                rule = match_rule(canon)
+                rule, expert = classify(canon)
             except PlanError as exc:
                 problems.append(f"{file}: {exc}")
                 continue
-            expert = expert_index(canon) if rule.split is Split.EXPERT else None
             sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None and not agree:
         for name, file in weight_map.items():
