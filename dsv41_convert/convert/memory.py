@@ -166,7 +166,7 @@ def memory_figures(
         for p in f.parts:
             if type(p) is ExpertRun or _SPLIT_OF[p.rule] is Split.EXPERT:
                 unit = _unit(p.prefix if type(p) is ExpertRun else p.name)
-                experts[unit] = experts.get(unit, 0) + (p.nbytes if type(p) is ExpertRun else p.end - p.begin)
+                experts[unit] = experts.get(unit, 0) + p.end - p.begin
             else:
                 others.append(p)
     reach = prompts * tokens  # the prefill pass reaches the most experts and Engram rows

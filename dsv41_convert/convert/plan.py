@@ -83,7 +83,8 @@ class ExpertRun:
     rule: str
     action: str  # copy | as_fp4
     members: list[tuple[str, Source]] = field(default_factory=list)  # (output name, source), in name order
-    begin: int = 0  # absolute offset in the output file of the first member
+    begin: int = 0  # absolute offsets in the output file: the first member's first byte, the last one's end
+    end: int = 0
 
     def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The output shape of a member of source `shape`: as_fp4 keeps the bytes, F4 counts two per byte."""
@@ -91,7 +92,7 @@ class ExpertRun:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for _, s in self.members)  # the same bytes as the source tensors
+        return self.end - self.begin
 
     def tensors(self) -> list[OutTensor]:
         """The members as the OutTensors `_outputs` makes of them, with their offsets."""
@@ -100,7 +101,7 @@ class ExpertRun:
         for name, s in self.members:
             read = Read(s.file, s.name, s.dtype, s.shape, s.offset, 0, s.shape[0])
             t = OutTensor(name, self.dtype, self.out_shape(s.shape), self.rule, self.action, (read,))
-            t.begin, t.end = pos, pos + s.nbytes
+            t.begin, t.end = pos, pos + s.nbytes  # as_fp4 and copy: the source's bytes
             pos = t.end
             out.append(t)
         return out
@@ -124,10 +125,7 @@ class RankFile:
 
     @property
     def nbytes(self) -> int:
-        if not self.parts:
-            return len(self.header)
-        last = self.parts[-1]
-        return last.begin + last.nbytes if type(last) is ExpertRun else last.end
+        return self.parts[-1].end if self.parts else len(self.header)
 
 
 @dataclass(frozen=True)
@@ -339,16 +337,10 @@ def lay_out(rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun
     experts = [t for t in tensors if ".experts." in t.name]
     assert not any(t.name.startswith(r.prefix) and t.dtype == r.dtype for r in runs for t in experts)
     header, spans = layout_blocks(blocks)
-    ordered: list[OutTensor | ExpertRun] = []
+    parts = [*tensors, *runs]
     for i, b, e in spans:
-        if i < len(tensors):
-            t = tensors[i]
-            t.begin, t.end = b, e
-            ordered.append(t)
-        else:
-            ordered.append(runs[i - len(tensors)])
-            ordered[-1].begin = b
-    return RankFile(rank, file, header, tuple(ordered))
+        parts[i].begin, parts[i].end = b, e
+    return RankFile(rank, file, header, tuple(parts[i] for i, _, _ in spans))
 
 
 def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
