@@ -90,6 +90,10 @@ class ExpertRun:
         """The output shape of a member of source `shape`: as_fp4 keeps the bytes, F4 counts two per byte."""
         return _logical(shape) if self.action == "as_fp4" else shape
 
+    def out_shapes(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """out_shape of every source shape among the members (a run has two or three)."""
+        return {shape: self.out_shape(shape) for shape in {s.shape for _, s in self.members}}
+
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
@@ -332,7 +336,9 @@ def lay_out(rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun
     """A file of `tensors` and `runs`: its header (save_file's order) and each one's byte offsets set."""
     runs = runs or []
     blocks = [(t.name, t.dtype, ((t.name, t.shape),)) for t in tensors]
-    blocks += [(r.prefix, r.dtype, [(name, r.out_shape(s.shape)) for name, s in r.members]) for r in runs]
+    for r in runs:
+        out_shape = r.out_shapes()
+        blocks.append((r.prefix, r.dtype, [(name, out_shape[s.shape]) for name, s in r.members]))
     # a run sorts as its prefix (layout_blocks): no other tensor of its dtype may have that prefix
     experts = [t for t in tensors if ".experts." in t.name]
     assert not any(t.name.startswith(r.prefix) and t.dtype == r.dtype for r in runs for t in experts)

@@ -40,13 +40,13 @@ def run_json(run: Any) -> str:  # run: plan.ExpertRun
     head = f'"dtype":{_quote_few(run.dtype)},"shape":['
     tail = f'],"rule":{_quote_few(run.rule)},"action":{_quote_few(run.action)},"reads":[{{"file":'
     plain = JSON_PLAIN.fullmatch("".join(name + s.name for name, s in run.members)) is not None
+    dims = {shape: _dims(out) for shape, out in run.out_shapes().items()}
     entries = []
     for name, s in run.members:
         name_q = f'"{name}"' if plain else quote(name)
         read_q = name_q if s.name == name else (f'"{s.name}"' if plain else quote(s.name))
-        dims = _dims(run.out_shape(s.shape))
         entries.append(
-            f'{{"name":{name_q},{head}{dims}{tail}{_quote_few(s.file)},"name":{read_q},"rows":[0,{s.shape[0]}]}}]}}'
+            f'{{"name":{name_q},{head}{dims[s.shape]}{tail}{_quote_few(s.file)},"name":{read_q},"rows":[0,{s.shape[0]}]}}]}}'
         )
     return ",".join(entries)
 

@@ -229,14 +229,15 @@ def layout_blocks(blocks: Sequence[Block]) -> tuple[bytes, list[tuple[int, int, 
     parts = []
     spans = []
     pos = 0
-    sized: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # a rank file has a few dozen (dtype, shape)
+    sized: dict[str, dict[tuple[int, ...], tuple[int, str]]] = {}  # a rank file has a few dozen (dtype, shape)
     for i in order:
         _, dtype, members = blocks[i]
+        sized_as = sized.setdefault(dtype, {})
         begin = pos
         for name, shape in members:
-            known = sized.get((dtype, shape))
+            known = sized_as.get(shape)
             if known is None:
-                known = sized[dtype, shape] = (nbytes(dtype, shape), ",".join(map(str, shape)))
+                known = sized_as[shape] = (nbytes(dtype, shape), ",".join(map(str, shape)))
             size, dims = known
             # compact JSON written by hand: 100k entries through json.dumps cost seconds
             quoted = f'"{name}"' if plain or JSON_PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
