@@ -21,7 +21,7 @@ from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
 from dsv41_convert.convert.plan_json import run_json, tensor_json
-from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
+from dsv41_convert.convert.rules import Op, Split, expert_prefix, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
@@ -78,7 +78,7 @@ class ExpertRun:
     runs, which plan lays out, sums and writes as JSON without an OutTensor each; `tensors()` makes them.
     """
 
-    prefix: str  # "layers.3.ffn.experts.": every member's name starts with it, no other tensor of the file's does
+    prefix: str  # rules.expert_prefix of its members: no other tensor of the file's dtype starts with it
     dtype: str
     rule: str
     action: str  # copy | as_fp4
@@ -304,7 +304,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
             copy = _expert_copy(s, quantized, expert_dtype)
             if copy is not None:
                 is_mtp, e = s.expert
-                key = (name[: name.index(".experts.") + 9], copy[0])
+                key = (expert_prefix(name), copy[0])
                 rank_runs = runs[e // per_expert_rank[is_mtp]]
                 run = rank_runs.get(key)
                 if run is None:
@@ -340,8 +340,8 @@ def lay_out(rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun
         out_shape = r.out_shapes()
         blocks.append((r.prefix, r.dtype, [(name, out_shape[s.shape]) for name, s in r.members]))
     # a run sorts as its prefix (layout_blocks): no other tensor of its dtype may have that prefix
-    experts = [t for t in tensors if ".experts." in t.name]
-    assert not any(t.name.startswith(r.prefix) and t.dtype == r.dtype for r in runs for t in experts)
+    taken = {(r.prefix, r.dtype) for r in runs}
+    assert not any((expert_prefix(t.name), t.dtype) in taken for t in tensors)
     header, spans = layout_blocks(blocks)
     parts = [*tensors, *runs]
     for i, b, e in spans:

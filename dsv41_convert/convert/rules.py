@@ -175,6 +175,14 @@ def expert_index(name: str) -> tuple[bool, int] | None:
     return None if m is None else (m.group(1) == "mtp", int(m.group(3)))
 
 
+def expert_prefix(name: str) -> str | None:
+    """The part of a routed-expert name before its expert id (`layers.3.ffn.experts.7.w1.weight` ->
+    `layers.3.ffn.experts.`): what every tensor of the layer's experts, and no other, starts with. None for a
+    name without `.experts.`."""
+    head, sep, _ = name.partition(".experts.")
+    return head + sep if sep else None
+
+
 def scale_name(weight_name: str) -> str:
     """`x.weight` -> `x.scale`."""
     return weight_name.removesuffix(".weight") + ".scale"
