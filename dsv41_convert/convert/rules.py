@@ -153,15 +153,16 @@ def classify(name: str) -> tuple[Rule, tuple[bool, int] | None]:
 
     A routed expert's name (94k of the real checkpoint's 96k) takes a shortcut: names that differ only in the
     expert id have one template in match_rule's sense (the id is a whole dot-separated number), so one rule,
-    memoized here per the name's two other parts, found without match_rule's regex.
+    memoized here per the name's two other parts and found without match_rule's regex; and as every expert
+    rule reads `(layers|mtp).L.ffn.experts.E.`, the id is the number after `.experts.`.
     """
     head, sep, tail = name.partition(".experts.")
     expert_id, _, rest = tail.partition(".")
-    if sep and expert_id.isdecimal():
-        rule = _EXPERT_RULES.get((head, rest)) or _EXPERT_RULES.setdefault((head, rest), match_rule(name))
-    else:
+    if not (sep and expert_id.isdecimal()):
         rule = match_rule(name)
-    return rule, expert_index(name) if rule.split is Split.EXPERT else None
+        return rule, expert_index(name) if rule.split is Split.EXPERT else None
+    rule = _EXPERT_RULES.get((head, rest)) or _EXPERT_RULES.setdefault((head, rest), match_rule(name))
+    return rule, (head.startswith("mtp."), int(expert_id)) if rule.split is Split.EXPERT else None
 
 
 def has_scale(op: Op) -> bool:
