@@ -132,6 +132,31 @@ def test_expert_stored_as_fp8_is_refused(src):
         build_plan(src, 1)
 
 
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("missing", r"layers\.1\.ffn\.experts\.2\.w3\.scale: missing from the checkpoint; config\.json implies"),
+        ("extra", r"tensor layers\.1\.ffn\.experts\.8\.w1\.weight is not in the model config\.json describes"),
+        ("shape", r"tensor mtp\.0\.ffn\.experts\.5\.w2\.scale: found F8_E8M0 \[64, 3\], expected F8_E8M0"),
+    ],
+)
+def test_routed_expert_faults_named(src, fault, message):
+    """validate checks the routed experts per layer from their template (rules that hold 94k real names);
+    a missing, extra or misshapen expert tensor still fails the plan, named as before."""
+
+    def change(t):
+        if fault == "missing":
+            t.pop("layers.1.ffn.experts.2.w3.scale")
+        elif fault == "extra":
+            t["layers.1.ffn.experts.8.w1.weight"] = t["layers.1.ffn.experts.7.w1.weight"].clone()
+        else:
+            t["mtp.0.ffn.experts.5.w2.scale"] = torch.zeros(64, 3, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+    _rewrite(src, change)
+    with pytest.raises(PlanError, match=message):
+        build_plan(src, 1)
+
+
 def test_wo_a_without_its_scale(src):
     _rewrite(src, lambda t: t.pop("mtp.1.attn.wo_a.scale"))
     with pytest.raises(PlanError, match=r"mtp\.1\.attn\.wo_a\.scale: missing"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.convert.catalogue import published_layout
+from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import RULES, Op, Split, canonical_name, classify, expert_index, match_rule
 from dsv41_convert.errors import PlanError
 
@@ -77,6 +77,21 @@ def test_wo_a_and_experts_ops():
 def test_layout_of_the_real_config_is_the_catalog(catalog):
     args = load_model_args(REF / "v41-flash.config.json")
     assert published_layout(args) == catalog
+
+
+def test_routed_expert_layout_is_the_rest_of_the_layout(catalog):
+    """validate checks the routed experts from routed_expert_layout and the rest from published_layout without
+    them: together they must be the real layout, every name once."""
+    args = load_model_args(REF / "v41-flash.config.json")
+    experts = {
+        prefix + str(e) + tail: (dtype, shape)
+        for prefix, n_experts, forms in routed_expert_layout(args)
+        for e in range(n_experts)
+        for tail, dtype, shape in forms
+    }
+    rest = published_layout(args, routed_experts=False)
+    assert len(experts) == 94464 and not experts.keys() & rest.keys()
+    assert experts | rest == catalog
 
 
 @pytest.mark.parametrize(
