@@ -141,7 +141,8 @@ def _same_layout(sources: dict[str, Source], args: ModelArgs) -> bool:
                 if s is None or s.dtype != dtype or s.shape != shape:
                     return False
         expected += n_experts * len(forms)
-    return expected == len(sources) - sum(1 for s in sources.values() if s.expert is None)  # and no other
+    # every expected expert tensor is there; as many expert tensors as expected: no other
+    return expected == sum(1 for s in sources.values() if s.expert is not None)
 
 
 def _compare_layout(
