@@ -5,27 +5,35 @@ Library code never prints; it takes a `progress(event)` callback. This module ma
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from typing import TYPE_CHECKING, Any
 
 from dsv41_convert.progress import Progress as ProgressFn
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    stdout: Console  # results: tables, paths
+    stderr: Console  # progress, logs, warnings
+
+
+def __getattr__(name: str) -> Console:
+    """`report.stdout` / `report.stderr`, the rich consoles, made on first use: a command that writes only
+    JSON (`plan --json`) never imports rich (~50 ms of its start)."""
+    if name in ("stdout", "stderr"):
+        return _console(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _console(name: str) -> Console:
+    from rich.console import Console
+
+    return Console(stderr=name == "stderr", soft_wrap=True)
 
 
 def print_json(data: Any, compact: bool = False) -> None:
@@ -51,15 +59,15 @@ def write(*pieces: str) -> None:
 
 
 def error(message: str) -> None:
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    _console("stderr").print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
 
 
 def warn(message: str) -> None:
-    stderr.print(f"[yellow]warning:[/] {message}", highlight=False)
+    _console("stderr").print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
 def info(message: str) -> None:
-    stderr.print(message, highlight=False)
+    _console("stderr").print(message, highlight=False)
 
 
 @contextmanager
@@ -68,6 +76,16 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
     if quiet:
         yield lambda label, done, total: None
         return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TaskID,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -76,7 +94,7 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
         TimeRemainingColumn(),
     )
     tasks: dict[str, TaskID] = {}
-    with Progress(*columns, console=stderr, transient=False) as progress:
+    with Progress(*columns, console=_console("stderr"), transient=False) as progress:
         progress.console.print(title, highlight=False)
 
         def update(label: str, done: int, total: int) -> None:

@@ -29,6 +29,7 @@ F32 it is the full tensor name. Groups name the published shards: "vision" (visi
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 from dsv41_convert.config import ModelArgs
@@ -77,27 +78,26 @@ def _ceil(a: int, b: int) -> int:
 def file_tensors(p: Param, quantized: bool, fp8_experts: bool = False) -> list[FileTensor]:
     """The file tensors of one Param, in the fp8 (published) or bf16 source layout; `fp8_experts`: routed
     experts (FP4 params) as e4m3 with 32x32 scales, as `export --format fp8` writes them."""
-    return [FileTensor(name, dtype, shape, p.name) for name, dtype, shape in _file_entries(p, quantized, fp8_experts)]
+    forms = _forms(p.fmt, p.shape, quantized, fp8_experts)
+    return [FileTensor(p.name + suffix, dtype, shape, p.name) for suffix, dtype, shape in forms]
 
 
-def _file_entries(p: Param, quantized: bool, fp8_experts: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """file_tensors as (name, dtype, shape): published_layout's 96k entries without their records."""
-    if p.fmt is Fmt.BF16:
-        return [(p.name, "BF16", p.shape)]
-    if p.fmt is Fmt.F32:
-        return [(p.name, "F32", p.shape)]
-    weight = f"{p.name}.weight"
+@functools.cache
+def _forms(fmt: Fmt, shape: tuple[int, ...], quantized: bool, fp8_experts: bool) -> tuple[tuple[str, str, tuple], ...]:
+    """(name suffix, dtype, shape) of the file tensors of a Param of format `fmt` and logical `shape`: the
+    real catalogue's 48k Params have a few dozen (format, shape)."""
+    if fmt is Fmt.BF16:
+        return (("", "BF16", shape),)
+    if fmt is Fmt.F32:
+        return (("", "F32", shape),)
     if not quantized:
-        return [(weight, "BF16", p.shape)]
-    out, inp = p.shape
-    if p.fmt is Fmt.FP8 or (p.fmt is Fmt.FP4 and fp8_experts):
-        return [
-            (weight, "F8_E4M3", (out, inp)),
-            (f"{p.name}.scale", "F8_E8M0", (_ceil(out, BLOCK), _ceil(inp, BLOCK))),
-        ]
-    if p.fmt is Fmt.FP4:
-        return [(weight, "I8", (out, inp // 2)), (f"{p.name}.scale", "F8_E8M0", (out, inp // BLOCK))]
-    return [(weight, "F8_E4M3", (out, inp)), (f"{p.name}.scale", "F8_E8M0", (out, inp // BLOCK))]
+        return ((".weight", "BF16", shape),)
+    out, inp = shape
+    if fmt is Fmt.FP8 or (fmt is Fmt.FP4 and fp8_experts):
+        return ((".weight", "F8_E4M3", (out, inp)), (".scale", "F8_E8M0", (_ceil(out, BLOCK), _ceil(inp, BLOCK))))
+    if fmt is Fmt.FP4:
+        return ((".weight", "I8", (out, inp // 2)), (".scale", "F8_E8M0", (out, inp // BLOCK)))
+    return ((".weight", "F8_E4M3", (out, inp)), (".scale", "F8_E8M0", (out, inp // BLOCK)))
 
 
 # Weight statistics of the released checkpoint (measured on its layers 0, 2 and 20, as reported with
@@ -155,7 +155,7 @@ def _attention(a: ModelArgs, pre: str, layer: int, group: str) -> list[Param]:
     return out
 
 
-def _ffn(a: ModelArgs, pre: str, layer: int, group: str) -> list[Param]:
+def _ffn(a: ModelArgs, pre: str, layer: int, group: str, routed_experts: bool = True) -> list[Param]:
     n_experts, _ = a.moe_config(layer)
     out = [
         Param(f"{pre}.ffn.gate.weight", (n_experts, a.dim), Fmt.BF16, group, Init(GAIN["gate"] * a.dim**-0.5)),
@@ -164,10 +164,8 @@ def _ffn(a: ModelArgs, pre: str, layer: int, group: str) -> list[Param]:
     if a.vision_enabled:
         out.append(_vector(f"{pre}.ffn.gate.bias_vl", n_experts, Fmt.F32, group, std=0.01))
     # _linear once per weight, not once per expert (48k in the real model): every expert is expert 0 renamed
-    first = [_linear(f"{pre}.ffn.experts.0.w1", a.moe_inter_dim, a.dim, Fmt.FP4, group)]
-    first.append(_linear(f"{pre}.ffn.experts.0.w2", a.dim, a.moe_inter_dim, Fmt.FP4, group))
-    first.append(_linear(f"{pre}.ffn.experts.0.w3", a.moe_inter_dim, a.dim, Fmt.FP4, group))
-    for e in range(n_experts):
+    first = _expert0(a, pre, group)
+    for e in range(n_experts if routed_experts else 0):
         ex = f"{pre}.ffn.experts.{e}"
         out += (Param(f"{ex}.w{i}", p.shape, p.fmt, group, p.init) for i, p in enumerate(first, 1))
     inter = a.moe_inter_dim * a.n_shared_experts
@@ -201,9 +199,18 @@ def _engram(a: ModelArgs, layer: int) -> list[Param]:
     ]
 
 
-def _mtp(a: ModelArgs, stage: int) -> list[Param]:
+def _expert0(a: ModelArgs, pre: str, group: str) -> list[Param]:
+    """Routed expert 0 of backbone layer or MTP stage `pre`: w1, w2, w3 (every expert has their shapes)."""
+    return [
+        _linear(f"{pre}.ffn.experts.0.w1", a.moe_inter_dim, a.dim, Fmt.FP4, group),
+        _linear(f"{pre}.ffn.experts.0.w2", a.dim, a.moe_inter_dim, Fmt.FP4, group),
+        _linear(f"{pre}.ffn.experts.0.w3", a.moe_inter_dim, a.dim, Fmt.FP4, group),
+    ]
+
+
+def _mtp(a: ModelArgs, stage: int, routed_experts: bool = True) -> list[Param]:
     layer, pre, group = a.n_layers + stage, f"mtp.{stage}", f"mtp.{stage}"
-    out = _attention(a, pre, layer, group) + _ffn(a, pre, layer, group) + _block_common(a, pre, group)
+    out = _attention(a, pre, layer, group) + _ffn(a, pre, layer, group, routed_experts) + _block_common(a, pre, group)
     if stage == 0:
         n_targets = len(a.dspark_target_layer_ids)
         out.append(_linear(f"{pre}.main_proj", a.dim, a.dim * n_targets, Fmt.FP8, group))
@@ -248,9 +255,10 @@ def _vision(a: ModelArgs) -> list[Param]:
     return out
 
 
-def catalogue(a: ModelArgs) -> list[Param]:
+def catalogue(a: ModelArgs, routed_experts: bool = True) -> list[Param]:
     """Every parameter of the checkpoint described by `a`, grouped by shard, groups in published
-    order: vision, embed, layers, head, mtp, engram."""
+    order: vision, embed, layers, head, mtp, engram. `routed_experts=False`: all but the routed experts
+    (`routed_expert_layout` describes those per layer)."""
     out: list[Param] = []
     if a.vision_enabled:
         out += _vision(a)
@@ -260,11 +268,11 @@ def catalogue(a: ModelArgs) -> list[Param]:
             out.append(Param(name, (a.dim,), Fmt.BF16, "embed", Init(EMBED_STD)))
     for i in range(a.n_layers):
         group, pre = f"layer.{i}", f"layers.{i}"
-        out += _attention(a, pre, i, group) + _ffn(a, pre, i, group) + _block_common(a, pre, group)
+        out += _attention(a, pre, i, group) + _ffn(a, pre, i, group, routed_experts) + _block_common(a, pre, group)
     out.append(Param("head.weight", (a.vocab_size, a.dim), Fmt.BF16, "head", Init(a.dim**-0.5)))
     out.append(_norm("norm.weight", a.dim, "head"))
     for k in range(_mtp_stages(a)):
-        out += _mtp(a, k)
+        out += _mtp(a, k, routed_experts)
     for i in a.engram_layer_ids:
         out += _engram(a, i)
     return out
@@ -273,15 +281,41 @@ def catalogue(a: ModelArgs) -> list[Param]:
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
 
 
-def published_layout(a: ModelArgs) -> Layout:
+def published_layout(a: ModelArgs, routed_experts: bool = True) -> Layout:
     """name -> (dtype, shape) of every tensor in the published checkpoint with config `a` (routed experts
-    in fp8 where its quantization_config says expert_dtype "fp8").
+    in fp8 where its quantization_config says expert_dtype "fp8"); `routed_experts=False`: all but those.
 
     mtp.K.embed / head are not listed: the published checkpoint does not carry them (they are tied to
     the backbone and dropped if present).
     """
     fp8_experts = a.expert_dtype == "fp8"
-    return {name: (dtype, shape) for p in catalogue(a) for name, dtype, shape in _file_entries(p, True, fp8_experts)}
+    return {
+        p.name + suffix: (dtype, shape)
+        for p in catalogue(a, routed_experts)
+        for suffix, dtype, shape in _forms(p.fmt, p.shape, True, fp8_experts)
+    }
+
+
+ExpertLayout = tuple[str, int, tuple[tuple[str, str, tuple[int, ...]], ...]]
+
+
+def routed_expert_layout(a: ModelArgs) -> list[ExpertLayout]:
+    """The routed experts of published_layout, per backbone layer and MTP stage, in catalogue order:
+    (`layers.3.ffn.experts.`, experts, (rest of the name after the expert id, dtype, shape) of each file
+    tensor of an expert); expert e's tensors are named prefix + str(e) + rest. 94k names as ~40 records."""
+    fp8_experts = a.expert_dtype == "fp8"
+    owners = [(f"layers.{i}", i) for i in range(a.n_layers)]
+    owners += [(f"mtp.{k}", a.n_layers + k) for k in range(_mtp_stages(a))]
+    out = []
+    for pre, layer in owners:
+        prefix = f"{pre}.ffn.experts."
+        forms = tuple(
+            (p.name.removeprefix(prefix + "0") + suffix, dtype, shape)
+            for p in _expert0(a, pre, "")
+            for suffix, dtype, shape in _forms(p.fmt, p.shape, True, fp8_experts)
+        )
+        out.append((prefix, a.moe_config(layer)[0], forms))
+    return out
 
 
 def _mtp_stages(a: ModelArgs) -> int:

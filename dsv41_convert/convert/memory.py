@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
+from dsv41_convert.convert.plan import ConversionPlan, ExpertRun, OutTensor, RankFile
 from dsv41_convert.convert.rules import RULES, Split
 from dsv41_convert.store.safetensors_header import nbytes
 
@@ -122,12 +122,16 @@ def tp1_tensors(plan: ConversionPlan) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def _rank_figures(f: RankFile, args: ModelArgs) -> tuple[int, int]:
     """(weights in the model, largest whole-weight dequantization) of one rank file; its routed experts
-    (most of its tensors) are summed from their byte spans, never widened, and share a few shapes."""
+    (most of its tensors, in ExpertRuns) share a few shapes."""
     weights, shapes = 0, set()
-    for t in f.tensors:
-        weights += _in_model(t.name, t.dtype, t.end - t.begin, args)
-        if ".engram.embed." not in t.name:  # Engram tables are dequantized row by row on lookup, never whole
-            shapes.add((t.dtype, t.shape))
+    for p in f.parts:
+        if type(p) is ExpertRun:
+            weights += sum(_in_model(name, p.dtype, s.nbytes, args) for name, s in p.members)
+            shapes.update((p.dtype, p.out_shape(shape)) for shape in {s.shape for _, s in p.members})
+            continue
+        weights += _in_model(p.name, p.dtype, p.end - p.begin, args)
+        if ".engram.embed." not in p.name:  # Engram tables are dequantized row by row on lookup, never whole
+            shapes.add((p.dtype, p.shape))
     return weights, max(_dequant_bytes(dtype, shape) for dtype, shape in shapes)
 
 
@@ -159,12 +163,12 @@ def memory_figures(
     experts: dict[str, int] = {}
     others: list[OutTensor] = []
     for f in plan.files:
-        for t in f.tensors:
-            if _SPLIT_OF[t.rule] is Split.EXPERT:
-                unit = _unit(t.name)
-                experts[unit] = experts.get(unit, 0) + t.end - t.begin
+        for p in f.parts:
+            if type(p) is ExpertRun or _SPLIT_OF[p.rule] is Split.EXPERT:
+                unit = _unit(p.prefix if type(p) is ExpertRun else p.name)
+                experts[unit] = experts.get(unit, 0) + p.end - p.begin
             else:
-                others.append(t)
+                others.append(p)
     reach = prompts * tokens  # the prefill pass reaches the most experts and Engram rows
     temp = 0
     for name, dtype, shape in _merged(others):

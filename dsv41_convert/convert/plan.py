@@ -9,6 +9,7 @@ A ConversionPlan is plain data: `to_dict()` / `from_dict()` round-trip it throug
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -19,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import load_json, load_model_args
-from dsv41_convert.convert.plan_json import tensor_json
-from dsv41_convert.convert.rules import Op, Split, has_scale, scale_name
+from dsv41_convert.convert.plan_json import run_json, tensor_json
+from dsv41_convert.convert.rules import Op, Split, expert_prefix, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.safetensors_header import layout_header
+from dsv41_convert.store.safetensors_header import layout_blocks
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
@@ -69,16 +70,66 @@ class OutTensor:
     end: int = 0
 
 
+@dataclass(slots=True)
+class ExpertRun:
+    """Routed-expert tensors of one layer that one rank file holds as whole copies of their source tensors,
+    back to back, all of one dtype, rule and action: a published checkpoint's packed fp4 weights (as_fp4) or
+    their scales (copy) at --expert-dtype fp4. 94k of the real checkpoint's 107k outputs at tp 8 are in 688
+    runs, which plan lays out, sums and writes as JSON without an OutTensor each; `tensors()` makes them.
+    """
+
+    prefix: str  # rules.expert_prefix of its members: no other tensor of the file's dtype starts with it
+    dtype: str
+    rule: str
+    action: str  # copy | as_fp4
+    members: list[tuple[str, Source]] = field(default_factory=list)  # (output name, source), in name order
+    begin: int = 0  # absolute offsets in the output file: the first member's first byte, the last one's end
+    end: int = 0
+
+    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The output shape of a member of source `shape`: as_fp4 keeps the bytes, F4 counts two per byte."""
+        return _logical(shape) if self.action == "as_fp4" else shape
+
+    def out_shapes(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """out_shape of every source shape among the members (a run has two or three)."""
+        return {shape: self.out_shape(shape) for shape in {s.shape for _, s in self.members}}
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def tensors(self) -> list[OutTensor]:
+        """The members as the OutTensors `_outputs` makes of them, with their offsets."""
+        out = []
+        pos = self.begin
+        for name, s in self.members:
+            read = Read(s.file, s.name, s.dtype, s.shape, s.offset, 0, s.shape[0])
+            t = OutTensor(name, self.dtype, self.out_shape(s.shape), self.rule, self.action, (read,))
+            t.begin, t.end = pos, pos + s.nbytes  # as_fp4 and copy: the source's bytes
+            pos = t.end
+            out.append(t)
+        return out
+
+
 @dataclass(frozen=True)
 class RankFile:
     rank: int
     file: str  # model{r}-mp{N}.safetensors
     header: bytes = field(repr=False)
-    tensors: tuple[OutTensor, ...]  # in file order
+    parts: tuple[OutTensor | ExpertRun, ...]  # in file order
+
+    @functools.cached_property
+    def tensors(self) -> tuple[OutTensor, ...]:
+        """Every tensor of the file, in file order (runs made into their OutTensors)."""
+        return tuple(t for p in self.parts for t in (p.tensors() if type(p) is ExpertRun else (p,)))
+
+    @property
+    def n_tensors(self) -> int:
+        return sum(len(p.members) if type(p) is ExpertRun else 1 for p in self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.tensors[-1].end if self.tensors else len(self.header)
+        return self.parts[-1].end if self.parts else len(self.header)
 
 
 @dataclass(frozen=True)
@@ -114,7 +165,7 @@ class ConversionPlan:
         files = []
         with collector_paused():  # ~400k new dicts and lists, none in a cycle
             for f in self.files:
-                entry: dict[str, Any] = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors)}
+                entry: dict[str, Any] = {"rank": f.rank, "file": f.file, "n_tensors": f.n_tensors}
                 entry["bytes"] = f.nbytes
                 if with_headers:
                     entry["header"] = f.header.hex()
@@ -146,9 +197,9 @@ class ConversionPlan:
         top = json.dumps(self._fields(), separators=(",", ":"), default=str)
         yield top[:-1] + ',"files":['
         for i, f in enumerate(self.files):
-            entry = {"rank": f.rank, "file": f.file, "n_tensors": len(f.tensors), "bytes": f.nbytes}
+            entry = {"rank": f.rank, "file": f.file, "n_tensors": f.n_tensors, "bytes": f.nbytes}
             yield ("," if i else "") + json.dumps(entry, separators=(",", ":"))[:-1] + ',"tensors":['
-            yield ",".join(map(tensor_json, f.tensors))
+            yield ",".join(run_json(p) if type(p) is ExpertRun else tensor_json(p) for p in f.parts)
             yield "]}"
         tail = json.dumps(extra, separators=(",", ":"))[1:-1] if extra else ""
         yield "]" + ("," + tail if tail else "") + "}"
@@ -245,16 +296,27 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
         )
     quantized = args.dtype == "fp8"
     per_rank: list[list[OutTensor]] = [[] for _ in range(tp)]
+    runs: list[dict[tuple[str, str], ExpertRun]] = [{} for _ in range(tp)]  # by (layer prefix, dtype)
+    per_expert_rank = (n_experts[0] // tp, n_experts[1] // tp)
     expert = Split.EXPERT
-    for name, s in sources.items():  # in name order (gather_sources)
+    for name, s in sources.items():  # in name order (gather_sources), so each run's members are too
         if s.rule.split is expert:
-            one = _expert_output(sources, name, s, tp, n_experts, quantized, expert_dtype)
-            if one is not None:
-                per_rank[one[0]].append(one[1])
+            copy = _expert_copy(s, quantized, expert_dtype)
+            if copy is not None:
+                is_mtp, e = s.expert
+                key = (expert_prefix(name), copy[0])
+                rank_runs = runs[e // per_expert_rank[is_mtp]]
+                run = rank_runs.get(key)
+                if run is None:
+                    run = rank_runs[key] = ExpertRun(key[0], copy[0], s.rule.pattern, copy[1])
+                run.members.append((name, s))
                 continue
         for rank, t in _outputs(sources, name, tp, n_experts, quantized, expert_dtype):
             per_rank[rank].append(t)
-    files = tuple(lay_out(rank, rank_file_name(rank, tp), tensors) for rank, tensors in enumerate(per_rank))
+    files = tuple(
+        lay_out(rank, rank_file_name(rank, tp), tensors, list(runs[rank].values()))
+        for rank, tensors in enumerate(per_rank)
+    )
     out_args = args.to_inference_dict() | {"dtype": "fp8", "expert_dtype": "fp4" if expert_dtype == "fp4" else None}
     return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, files)
 
@@ -270,15 +332,21 @@ def read_index(src: Path) -> tuple[str, dict[str, str] | None]:
     return hashlib.sha256(index_path.read_bytes()).hexdigest(), weight_map
 
 
-def lay_out(rank: int, file: str, tensors: list[OutTensor]) -> RankFile:
-    """A file of `tensors`: its header (save_file's order) and each tensor's byte offsets set."""
-    header, spans = layout_header([(t.name, t.dtype, t.shape) for t in tensors])
-    ordered = []
+def lay_out(rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun] | None = None) -> RankFile:
+    """A file of `tensors` and `runs`: its header (save_file's order) and each one's byte offsets set."""
+    runs = runs or []
+    blocks = [(t.name, t.dtype, ((t.name, t.shape),)) for t in tensors]
+    for r in runs:
+        out_shape = r.out_shapes()
+        blocks.append((r.prefix, r.dtype, [(name, out_shape[s.shape]) for name, s in r.members]))
+    # a run sorts as its prefix (layout_blocks): no other tensor of its dtype may have that prefix
+    taken = {(r.prefix, r.dtype) for r in runs}
+    assert not any((expert_prefix(t.name), t.dtype) in taken for t in tensors)
+    header, spans = layout_blocks(blocks)
+    parts = [*tensors, *runs]
     for i, b, e in spans:
-        t = tensors[i]
-        t.begin, t.end = b, e
-        ordered.append(t)
-    return RankFile(rank, file, header, tuple(ordered))
+        parts[i].begin, parts[i].end = b, e
+    return RankFile(rank, file, header, tuple(parts[i] for i, _, _ in spans))
 
 
 def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = -1, ratio: int = 1) -> Read:
@@ -286,25 +354,22 @@ def _read(s: Source, r0: int = 0, r1: int | None = None, c0: int = 0, c1: int = 
     return Read(s.file, s.name, s.dtype, s.shape, s.offset, r0, rows if r1 is None else r1, c0, c1, ratio)
 
 
-def _expert_output(
-    sources: dict[str, Source], name: str, s: Source, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str
-) -> tuple[int, OutTensor] | None:
-    """(rank, OutTensor) of routed-expert tensor `name` where `_outputs` makes one copy of it, or None where
-    `_outputs` must decide. The copies: a published checkpoint's packed fp4 weights and their scales at
-    --expert-dtype fp4, 94k of its 96k tensors, made here without _outputs' generators."""
+def _expert_copy(s: Source, quantized: bool, xdt: str) -> tuple[str, str] | None:
+    """(output dtype, action) where `_outputs` makes one whole copy of routed-expert tensor `s`, or None where
+    `_outputs` must make it. The copies, which build_plan gathers into ExpertRuns: a published checkpoint's
+    packed fp4 weights and their scales at --expert-dtype fp4, 94k of its 96k tensors."""
     if xdt != "fp4":
         return None
-    op = s.rule.op
-    is_mtp, e = s.expert
-    shape = s.shape  # [out, in] or [out, in/2]: a whole 2-d tensor
-    read = (Read(s.file, s.name, s.dtype, shape, s.offset, 0, shape[0]),)
-    if op is Op.SCALE:
-        sources[name.removesuffix(".scale") + ".weight"]  # as _outputs: a scale has its weight (validated)
-        return e // (n_experts[is_mtp] // tp), OutTensor(name, E8M0, shape, s.rule.pattern, "copy", read)
-    if op is Op.AS_FP4 and quantized and s.dtype != E4M3:
-        logical = (shape[0], shape[1] * 2)
-        return e // (n_experts[is_mtp] // tp), OutTensor(name, F4, logical, s.rule.pattern, "as_fp4", read)
+    if s.rule.op is Op.SCALE:
+        return E8M0, "copy"
+    if s.rule.op is Op.AS_FP4 and quantized and s.dtype != E4M3:
+        return F4, "as_fp4"
     return None
+
+
+def _logical(packed: tuple[int, ...]) -> tuple[int, int]:
+    """The logical shape of packed e2m1 [out, in/2] (two values a byte): [out, in]."""
+    return (packed[0], packed[1] * 2)
 
 
 def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[int, int], quantized: bool, xdt: str):
@@ -336,7 +401,7 @@ def _outputs(sources: dict[str, Source], name: str, tp: int, n_experts: tuple[in
             else:
                 yield rank, _out(name, BF16, rd, 0, rule, "copy" if s.dtype == BF16 else "cast", shape=local)
         elif op is Op.AS_FP4 and quantized:
-            logical = (s.shape[0], s.shape[1] * 2)
+            logical = _logical(s.shape)
             if s.dtype == E4M3:  # fp8 experts (an `export --format fp8` source; fp4 refused in build_plan)
                 yield rank, _out(name, E4M3, rd, 0, rule, "copy", shape=local)
             elif xdt == "fp4":
@@ -427,9 +492,10 @@ def summarize(plan: ConversionPlan) -> dict[str, Any]:
     ranks = []
     for f in plan.files:
         rules: dict[str, int] = {}
-        for t in f.tensors:
-            rules[f"{t.rule} [{t.action}]"] = rules.get(f"{t.rule} [{t.action}]", 0) + 1
-        ranks.append({"rank": f.rank, "file": f.file, "tensors": len(f.tensors), "bytes": f.nbytes, "rules": rules})
+        for p in f.parts:
+            key, n = f"{p.rule} [{p.action}]", len(p.members) if type(p) is ExpertRun else 1
+            rules[key] = rules.get(key, 0) + n
+        ranks.append({"rank": f.rank, "file": f.file, "tensors": f.n_tensors, "bytes": f.nbytes, "rules": rules})
     return {
         "src": plan.src,
         "tp": plan.tp,

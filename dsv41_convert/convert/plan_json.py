@@ -34,6 +34,23 @@ def tensor_json(t: Any) -> str:  # t: plan.OutTensor (plan imports this module)
     )
 
 
+def run_json(run: Any) -> str:  # run: plan.ExpertRun
+    """`",".join(map(tensor_json, run.tensors()))`, without the OutTensors: a member's entry differs from the
+    next only in its name and source (file, name, rows)."""
+    head = f'"dtype":{_quote_few(run.dtype)},"shape":['
+    tail = f'],"rule":{_quote_few(run.rule)},"action":{_quote_few(run.action)},"reads":[{{"file":'
+    plain = JSON_PLAIN.fullmatch("".join(name + s.name for name, s in run.members)) is not None
+    dims = {shape: _dims(out) for shape, out in run.out_shapes().items()}
+    entries = []
+    for name, s in run.members:
+        name_q = f'"{name}"' if plain else quote(name)
+        read_q = name_q if s.name == name else (f'"{s.name}"' if plain else quote(s.name))
+        entries.append(
+            f'{{"name":{name_q},{head}{dims[s.shape]}{tail}{_quote_few(s.file)},"name":{read_q},"rows":[0,{s.shape[0]}]}}]}}'
+        )
+    return ",".join(entries)
+
+
 @functools.cache
 def _dims(shape: tuple[int, ...]) -> str:
     """A shape as a JSON list's inside: a few hundred shapes, written 107k times."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.convert.catalogue import published_layout
-from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, expert_index, has_scale, match_rule, scale_name
+from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
+from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.index import bad_shard_names
 from dsv41_convert.store.safetensors_header import read_header
@@ -61,34 +61,40 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     if not present:
         problems.append(f"{src}: no *.safetensors files")
     _raise(problems, f"{src}")
+    headers = [(file, read_header(src / file).tensors) for file in sorted(present)]
+    # the index and the files agree in one dict comparison (96k names in the real checkpoint); only where they
+    # do not, the loop below looks each name up to say which
+    located: dict[str, str] = {}
+    for file, tensors in headers:
+        located.update(dict.fromkeys(tensors, file))
+    agree = len(located) == sum(len(t) for _, t in headers) and (weight_map is None or located == weight_map)
     sources: dict[str, Source] = {}
     where: dict[str, str] = {}  # name in file -> file
-    for file in sorted(present):
-        header = read_header(src / file)
-        for name, info in header.tensors.items():
-            if name in where:
-                problems.append(f"{file}: tensor {name} is also in {where[name]} (duplicated)")
-                continue
-            where[name] = file
-            if weight_map is not None and weight_map.get(name) != file:
-                said = weight_map.get(name)
-                problems.append(
-                    f"{file}: tensor {name} is not in the index"
-                    if said is None
-                    else f"{file}: tensor {name} is there, but the index puts it in {said}"
-                )
+    for file, tensors in headers:
+        for name, info in tensors.items():
+            if not agree:
+                if name in where:
+                    problems.append(f"{file}: tensor {name} is also in {where[name]} (duplicated)")
+                    continue
+                where[name] = file
+                if weight_map is not None and weight_map.get(name) != file:
+                    said = weight_map.get(name)
+                    problems.append(
+                        f"{file}: tensor {name} is not in the index"
+                        if said is None
+                        else f"{file}: tensor {name} is there, but the index puts it in {said}"
+                    )
             canon = canonical_name(name)
             if canon in sources:
                 problems.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
                 continue
             try:
-                rule = match_rule(canon)
+                rule, expert = classify(canon)
             except PlanError as exc:
                 problems.append(f"{file}: {exc}")
                 continue
-            expert = expert_index(canon) if rule.split is Split.EXPERT else None
             sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
-    if weight_map is not None:
+    if weight_map is not None and not agree:
         for name, file in weight_map.items():
             if name not in where and file in present:
                 problems.append(f"{file}: tensor {name} is in the index but not in the file (source mid-upload?)")
@@ -100,28 +106,43 @@ def validate_sources(
     sources: dict[str, Source], args: ModelArgs, tp: int, expert_dtype: str = "fp4"
 ) -> tuple[int, int]:
     """Check every tensor against the config's layout and tp. -> (backbone experts, mtp experts)."""
-    layout = published_layout(args)
     quantized = args.dtype == "fp8"
-    if not quantized:  # an unquantized source has no scales and holds experts unpacked
-        layout = {
-            n: ("float", (s[0], s[1] * 2) if d == "I8" else s)
-            for n, (d, s) in layout.items()
-            if not n.endswith(".scale")
-        }
-    problems: list[str] = []
-    # the real checkpoint's 96k tensors match in one dict comparison; only a mismatch needs the wording loops
-    if not (quantized and _same_layout(sources, layout)):
+    # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
+    if not (quantized and _same_layout(sources, args)):
+        layout = published_layout(args)
+        if not quantized:  # an unquantized source has no scales and holds experts unpacked
+            layout = {
+                n: ("float", (s[0], s[1] * 2) if d == "I8" else s)
+                for n, (d, s) in layout.items()
+                if not n.endswith(".scale")
+            }
+        problems: list[str] = []
         _compare_layout(sources, layout, quantized, problems)
-    _raise(problems, "checkpoint does not match config.json")
+        _raise(problems, "checkpoint does not match config.json")
     n_experts = _expert_counts(sources)
     _check_splits(sources, tp, quantized, expert_dtype)
     return n_experts
 
 
-def _same_layout(sources: dict[str, Source], layout: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
-    """Whether the tensors, but those the plan drops, are exactly `layout`: names, dtypes and shapes."""
+def _same_layout(sources: dict[str, Source], args: ModelArgs) -> bool:
+    """Whether the tensors, but those the plan drops, are exactly published_layout(args): names, dtypes and
+    shapes. The routed experts (94k of the real 96k) are looked up by the names their layer's template makes
+    (routed_expert_layout), then counted, the rest compared in one dict comparison."""
     drop = Op.DROP
-    return layout == {n: (s.dtype, s.shape) for n, s in sources.items() if s.rule.op is not drop}
+    rest = {n: (s.dtype, s.shape) for n, s in sources.items() if s.expert is None and s.rule.op is not drop}
+    if rest != published_layout(args, routed_experts=False):
+        return False
+    expected = 0
+    for prefix, n_experts, forms in routed_expert_layout(args):
+        for e in range(n_experts):
+            head = prefix + str(e)
+            for tail, dtype, shape in forms:
+                s = sources.get(head + tail)
+                if s is None or s.dtype != dtype or s.shape != shape:
+                    return False
+        expected += n_experts * len(forms)
+    # every expected expert tensor is there; as many expert tensors as expected: no other
+    return expected == sum(1 for s in sources.values() if s.expert is not None)
 
 
 def _compare_layout(

@@ -16,6 +16,7 @@ import operator
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,25 +206,44 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes
 
 def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int, int]]]:
     """As build_header, with each span naming its entry by position: -> (header, [(i, begin, end)])."""
-    keys = [(_NEG_RANK[dtype], name) for name, dtype, _ in entries]  # sort_key, without a call per entry
-    order = sorted(range(len(entries)), key=keys.__getitem__)
+    return layout_blocks([(name, dtype, ((name, shape),)) for name, dtype, shape in entries])
+
+
+# A block: (sort name, dtype, members (name, shape) in name order), stored back to back.
+Block = tuple[str, str, Sequence[tuple[str, tuple[int, ...]]]]
+
+
+def layout_blocks(blocks: Sequence[Block]) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """Header bytes (length prefix included) for tensors given in blocks, and each block's span.
+
+    save_file's order sorts a block as its sort name: right for a one-tensor block (its own name) and for
+    several tensors of one dtype whose names all start with the sort name, when no tensor of another block of
+    that dtype has such a name (then nothing sorts between them). A plan's routed experts of one layer on one
+    rank are such a block: their ~200 entries are written without a sort key each.
+    -> (header, [(i, begin, end)] in file order, absolute file offsets of block i's first and last byte + 1)
+    """
+    keys = [(_NEG_RANK[dtype], name) for name, dtype, _ in blocks]  # sort_key, without a call per entry
+    order = sorted(range(len(blocks)), key=keys.__getitem__)
     # one check for every name: JSON_PLAIN matches a concatenation iff it matches each part
-    plain = JSON_PLAIN.fullmatch("".join(e[0] for e in entries)) is not None
+    plain = JSON_PLAIN.fullmatch("".join(name for b in blocks for name, _ in b[2])) is not None
     parts = []
     spans = []
     pos = 0
-    sized: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # a rank file has a few dozen (dtype, shape)
+    sized: dict[str, dict[tuple[int, ...], tuple[int, str]]] = {}  # a rank file has a few dozen (dtype, shape)
     for i in order:
-        name, dtype, shape = entries[i]
-        known = sized.get((dtype, shape))
-        if known is None:
-            known = sized[dtype, shape] = (nbytes(dtype, shape), ",".join(map(str, shape)))
-        size, dims = known
-        # compact JSON written by hand: 100k entries through json.dumps cost seconds
-        quoted = f'"{name}"' if plain or JSON_PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
-        parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{pos},{pos + size}]}}')
-        spans.append((i, pos, pos + size))
-        pos += size
+        _, dtype, members = blocks[i]
+        sized_as = sized.setdefault(dtype, {})
+        begin = pos
+        for name, shape in members:
+            known = sized_as.get(shape)
+            if known is None:
+                known = sized_as[shape] = (nbytes(dtype, shape), ",".join(map(str, shape)))
+            size, dims = known
+            # compact JSON written by hand: 100k entries through json.dumps cost seconds
+            quoted = f'"{name}"' if plain or JSON_PLAIN.fullmatch(name) else json.dumps(name, ensure_ascii=False)
+            parts.append(f'{quoted}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{pos},{pos + size}]}}')
+            pos += size
+        spans.append((i, begin, pos))
     text = ("{" + ",".join(parts) + "}").encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)

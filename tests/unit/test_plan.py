@@ -132,6 +132,31 @@ def test_expert_stored_as_fp8_is_refused(src):
         build_plan(src, 1)
 
 
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("missing", r"layers\.1\.ffn\.experts\.2\.w3\.scale: missing from the checkpoint; config\.json implies"),
+        ("extra", r"tensor layers\.1\.ffn\.experts\.8\.w1\.weight is not in the model config\.json describes"),
+        ("shape", r"tensor mtp\.0\.ffn\.experts\.5\.w2\.scale: found F8_E8M0 \[64, 3\], expected F8_E8M0"),
+    ],
+)
+def test_routed_expert_faults_named(src, fault, message):
+    """validate checks the routed experts per layer from their template (rules that hold 94k real names);
+    a missing, extra or misshapen expert tensor still fails the plan, named as before."""
+
+    def change(t):
+        if fault == "missing":
+            t.pop("layers.1.ffn.experts.2.w3.scale")
+        elif fault == "extra":
+            t["layers.1.ffn.experts.8.w1.weight"] = t["layers.1.ffn.experts.7.w1.weight"].clone()
+        else:
+            t["mtp.0.ffn.experts.5.w2.scale"] = torch.zeros(64, 3, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+    _rewrite(src, change)
+    with pytest.raises(PlanError, match=message):
+        build_plan(src, 1)
+
+
 def test_wo_a_without_its_scale(src):
     _rewrite(src, lambda t: t.pop("mtp.1.attn.wo_a.scale"))
     with pytest.raises(PlanError, match=r"mtp\.1\.attn\.wo_a\.scale: missing"):
@@ -271,21 +296,25 @@ def test_plan_json_quotes_as_json_dumps(text):
 
 
 @pytest.mark.parametrize(("quantized", "expert_dtype"), [(True, "fp4"), (True, "fp8"), (False, "fp4"), (False, "fp8")])
-def test_expert_shortcut_makes_what_outputs_makes(tiny_sources, quantized, expert_dtype):
-    """build_plan makes most routed-expert outputs through `_expert_output`; wherever it answers, it must be
-    exactly `_outputs`' one output, and it must answer for the published layout at fp4 (its reason to be)."""
+def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dtype):
+    """build_plan gathers most routed-expert outputs into ExpertRuns; every member a run makes must be exactly
+    `_outputs`' one output of its source, on the run's rank, and the runs must hold every routed-expert tensor
+    of the published layout at fp4 (their reason to be)."""
     src = tiny_sources[quantized]
+    plan = build_plan(src, 2, expert_dtype)
     sources = gather_sources(src, plan_module.read_index(src)[1])
     args = ModelArgs.from_hf_dict(json.loads((src / "config.json").read_text()), "config.json")
     n_experts = validate_sources(sources, args, 2, expert_dtype)
-    answered = 0
-    for name, s in sources.items():
-        if s.expert is None:
-            continue
-        one = plan_module._expert_output(sources, name, s, 2, n_experts, quantized, expert_dtype)
-        if one is not None:
-            assert [one] == list(plan_module._outputs(sources, name, 2, n_experts, quantized, expert_dtype)), name
-            answered += 1
-    assert answered == (
+    members = 0
+    for f in plan.files:
+        for run in (p for p in f.parts if type(p) is plan_module.ExpertRun):
+            for t in run.tensors():
+                assert t in f.tensors  # with its offsets
+                t.begin = t.end = 0  # laid out later, as _outputs' are
+                assert list(plan_module._outputs(sources, t.name, 2, n_experts, quantized, expert_dtype)) == [
+                    (f.rank, t)
+                ], t.name
+                members += 1
+    assert members == (
         sum(s.expert is not None for s in sources.values()) if quantized and expert_dtype == "fp4" else 0
     )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.convert.catalogue import published_layout
-from dsv41_convert.convert.rules import RULES, Op, Split, canonical_name, match_rule
+from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
+from dsv41_convert.convert.rules import RULES, Op, Split, canonical_name, classify, expert_index, match_rule
 from dsv41_convert.errors import PlanError
 
 REF = Path(__file__).resolve().parents[1] / "data" / "reference"  # see tests/reference_data.py
@@ -37,7 +38,6 @@ def test_every_catalog_name_has_a_rule_accepting_its_dtype(catalog):
 
 @pytest.mark.slow
 def test_every_catalog_name_matches_exactly_one_rule_unmemoized(catalog):
-    import re
 
     compiled = [(re.compile(r.pattern), r) for r in RULES]
     for name in catalog:
@@ -79,6 +79,21 @@ def test_layout_of_the_real_config_is_the_catalog(catalog):
     assert published_layout(args) == catalog
 
 
+def test_routed_expert_layout_is_the_rest_of_the_layout(catalog):
+    """validate checks the routed experts from routed_expert_layout and the rest from published_layout without
+    them: together they must be the real layout, every name once."""
+    args = load_model_args(REF / "v41-flash.config.json")
+    experts = {
+        prefix + str(e) + tail: (dtype, shape)
+        for prefix, n_experts, forms in routed_expert_layout(args)
+        for e in range(n_experts)
+        for tail, dtype, shape in forms
+    }
+    rest = published_layout(args, routed_experts=False)
+    assert len(experts) == 94464 and not experts.keys() & rest.keys()
+    assert experts | rest == catalog
+
+
 @pytest.mark.parametrize(
     ("old", "new"),
     [
@@ -96,3 +111,31 @@ def test_unknown_name_is_an_error_not_a_replica():
         match_rule("layers.0.attn.mystery.weight")
     with pytest.raises(PlanError, match="no rule"):
         match_rule("layers.0.ffn.experts.x.w1.weight")
+
+
+def _two_steps(name: str):
+    rule = match_rule(name)
+    return rule, expert_index(name) if rule.split is Split.EXPERT else None
+
+
+def test_classify_is_match_rule_and_expert_index(catalog):
+    """classify's memo for routed experts gives, for every real name and for names the memo could confuse
+    (the id not a number, a part that only an expert layer may have, an MTP expert), what the two steps give;
+    a name no rule matches stays an error, every time it is seen."""
+    odd = [
+        "mtp.0.ffn.experts.7.w2.scale",
+        "layers.1.ffn.experts.3.w4.weight",
+        "layers.1.ffn.experts.x.w1.weight",
+        "layers.1.ffn.experts.3",
+        "layers.1.ffn.shared_experts.w1.weight",
+        "layers.2.attn.experts.3.w1.weight",
+    ]
+    for name in [*catalog, *odd]:
+        try:
+            want = _two_steps(name)
+        except PlanError as exc:
+            for _ in range(2):
+                with pytest.raises(PlanError, match=re.escape(str(exc))):
+                    classify(name)
+            continue
+        assert classify(name) == want, name
