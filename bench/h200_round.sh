@@ -9,6 +9,7 @@
 #   tiny    the tiny bf16 preset, `shard --tp 2` on cuda twice (empty, then warm kernel cache) and on cpu;
 #           rank files compared (cmp); TileLang compile log lines counted per run;
 #   tests   tests/gpu/test_stream_gpu.py and tests/gpu/test_export_cuda.py (untimed, beside make-tiny);
+#   gputests  every GPU test (`pytest -n 8 tests/gpu`, untimed, beside make-tiny);
 #   stream  the disk's read speed (cat, 1 and 4 readers), then bench_quant_stream.py: cp, then shard tp 2
 #           --device cuda with its stages (kernels compiled in its warm-up file), peak RSS of the whole
 #           process and of the timed run alone, pinned bytes;
@@ -16,7 +17,10 @@
 #           CPU, peak RSS; with OLD=<another checkout's root> the same with that code, for comparison;
 #   export  `export --format fp8-fp4` of the bf16 source on cuda, then on cpu (--workers auto), outputs
 #           compared; the cuda output is the medium preset's published layout, the source of `ref`;
-#   ref     `reference-logits --device cuda` of that output, twice, fresh processes, one kernel cache.
+#   ref     `reference-logits --device cuda` of that output, twice, fresh processes, one kernel cache;
+#   exbench bench_export.py on the host's CPUs with that output as the published source: cp, then export to
+#           bf16, fp8 and fp8-fp4 and `shard --tp 8`, `--workers auto` (with OLD=<checkout>: the old code
+#           in the same rounds, bytes compared); its table into export_bench.txt.
 # The page cache is dropped before each timed step. OUTDIR gets summary.txt (one line a result),
 # stream.json, log.txt (each step's last log lines), env.txt: four files, within what a lent machine
 # returns. A dry run without a GPU: PRESET=tiny DEV=cpu DROP=0 W=/tmp/x bash bench/h200_round.sh OUT.
@@ -72,6 +76,11 @@ if has tests && [ "$D" = cuda ]; then
     > "$logs/pytest.txt" 2>&1
   say "gpu tests: $(tail -n 1 "$logs/pytest.txt")"
   { echo "== pytest"; tail -n 30 "$logs/pytest.txt"; } >> "$out/log.txt"
+fi
+if has gputests && [ "$D" = cuda ]; then
+  timeout ${GPUTESTS_LIMIT:-260} python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu > "$logs/pytest_all.txt" 2>&1
+  say "all gpu tests: $(tail -n 1 "$logs/pytest_all.txt")"
+  { echo "== pytest tests/gpu"; grep -E "FAILED|ERROR|passed|failed" "$logs/pytest_all.txt" | tail -n 30; } >> "$out/log.txt"
 fi
 [ -n "$pid_m" ] && wait $pid_m
 
@@ -131,5 +140,12 @@ if has ref; then
   run ref_2 $C reference-logits $W/xg $W/ref2.safetensors --device $D
   cmp -s $W/ref1.safetensors $W/ref2.safetensors && say "ref_1 == ref_2 (cmp)" || say "ref_1 != ref_2"
   say "kernel cache: $(du -sh ~/.cache/dsv41-convert/tilelang 2>&1 | cut -f1)"
+fi
+if has exbench; then
+  left=$((LIMIT - $(el)))
+  timeout $left python3 bench/bench_export.py $W/eb --src $W/xg --workers auto --shard-tp 8 \
+    --formats bf16,fp8,fp8-fp4 ${OLD:+--old $OLD} > "$out/export_bench.txt" 2> "$logs/exbench.err"
+  say "export bench: exit $? (export_bench.txt)"
+  { echo "== exbench"; tail -n 15 "$logs/exbench.err"; } >> "$out/log.txt"
 fi
 say "done"
