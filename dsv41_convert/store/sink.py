@@ -10,10 +10,12 @@ The caller (write.py) hands over three kinds of work, in file order:
   checkpoints          made by write() / read_back() every `journal_bytes` (counting bytes written
                        ahead too), where the caller allows them.
 Bytes are hashed once, into the whole-file sha256; a checkpoint records a copy of its state's digest (the
-sha256 of the prefix), which costs microseconds, not a second pass over the bytes. A chunk of at least
-HASH_APART_BYTES is hashed by a second thread (hasher.py) while this one writes it, so a chunk costs the
-slower of the two, not their sum; the next item is taken only once both are done, so a checkpoint still
-records exactly the bytes hashed and written before it, and the caller's buffer cycle is unchanged.
+sha256 of the prefix), which costs microseconds, not a second pass over the bytes. Given at least
+HASH_THREAD_CORES usable cores, a chunk of at least HASH_APART_BYTES is hashed by a second thread
+(hasher.py) while this one writes it, so a chunk costs the slower of the two, not their sum; the next
+item is taken only once both are done, so a checkpoint still records exactly the bytes hashed and
+written before it, and the caller's buffer cycle is unchanged. On the 2-core dev box, with other jobs
+running, the thread gained no wall time and cost up to 1.3 s more CPU per 4.8 GB (docs/BENCHMARKS.md).
 
 The stream goes to the file through a DirectAppender: buffered writes by default (the page cache lets the
 kernel write back while the next chunk is read: on the dev box 1.24-1.28x of cp against 1.40-1.50x with
@@ -41,6 +43,7 @@ from dsv41_convert.store.safetensors_header import pread_exact
 THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
 READ_BACK_BYTES = 16 << 20
 HASH_APART_BYTES = 1 << 20  # smaller chunks are hashed in the writer thread: a hand-over costs ~20 us
+HASH_THREAD_CORES = 4  # fewer usable cores: no hasher thread (the reading, writing and hashing threads compete)
 
 
 class Sink:
@@ -93,7 +96,7 @@ class Sink:
         self._last_mark = self.queued
         self.stages: dict[str, float] = {}  # seconds in this thread: hash, write
         self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._hasher = Hasher(f"sha256 {label}")
+        self._hasher = Hasher(f"sha256 {label}") if _usable_cores() >= HASH_THREAD_CORES else None
         self._thread = threading.Thread(target=self._drain, name=f"write {label}", daemon=True)
         self._thread.start()
 
@@ -187,8 +190,9 @@ class Sink:
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join()
-            self._hasher.close()
-            self.stages["hash"] = self.stages.get("hash", 0.0) + self._hasher.seconds
+            if self._hasher is not None:
+                self._hasher.close()
+                self.stages["hash"] = self.stages.get("hash", 0.0) + self._hasher.seconds
             if self.error is not None:
                 self.out.abort()
             else:
@@ -201,7 +205,7 @@ class Sink:
 
     def _hash_and_write(self, sha, view: memoryview, write) -> None:
         """sha.update(view) and write(view), at once in two threads when the chunk is large enough."""
-        if len(view) < HASH_APART_BYTES:
+        if self._hasher is None or len(view) < HASH_APART_BYTES:
             t0 = time.perf_counter()
             sha.update(view)
             t1 = time.perf_counter()
@@ -234,3 +238,7 @@ def _pwrite_aside(fd: int, view: memoryview, pos: int, aside: Aside) -> None:
         n = os.pwrite(fd, view, pos)
         view, pos = view[n:], pos + n
         aside.end = pos
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -104,6 +104,7 @@ def test_resume_with_every_chunk_hashed_beside_its_write(bf16_src, clean, tmp_pa
     """The same, with every chunk (not only those of 1 MiB and more) hashed in the Sink's hasher thread
     while it is written: each checkpoint still records exactly the bytes hashed and written before it."""
     monkeypatch.setattr(sink_module, "HASH_APART_BYTES", 0)
+    monkeypatch.setattr(sink_module, "HASH_THREAD_CORES", 1)
     rf = build_plan(bf16_src, 2).files[1]
     _interrupt(rf, bf16_src, tmp_path, stop, 0)
     stats, q = _resume(rf, bf16_src, tmp_path, 0)

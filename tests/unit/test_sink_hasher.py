@@ -9,6 +9,8 @@ import hashlib
 import os
 import threading
 
+import pytest
+
 from dsv41_convert.store import sink as sink_module
 from dsv41_convert.store.sink import Sink
 
@@ -32,6 +34,11 @@ class _MeetingSha:
 
     def hexdigest(self) -> str:
         return self.inner.hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def _hasher_on_any_machine(monkeypatch):
+    monkeypatch.setattr(sink_module, "HASH_THREAD_CORES", 1)
 
 
 def test_a_chunk_is_hashed_while_it_is_written(tmp_path, monkeypatch):
@@ -59,6 +66,31 @@ def test_a_chunk_is_hashed_while_it_is_written(tmp_path, monkeypatch):
     assert sha.threads == {"sha256 f"}, sha.threads
     assert sink.done == total
     assert {"hash", "write", "wait_hash"} <= set(sink.stages)
+
+
+def test_no_hasher_thread_below_the_core_count(tmp_path, monkeypatch):
+    """With fewer usable cores than HASH_THREAD_CORES the writer thread hashes (and nothing else changes)."""
+    monkeypatch.setattr(sink_module, "HASH_THREAD_CORES", 1 << 20)
+    threads: set[str] = set()
+    real = hashlib.sha256
+
+    class Spy:
+        def __init__(self):
+            self.inner = real()
+
+        def update(self, data):
+            threads.add(threading.current_thread().name)
+            self.inner.update(data)
+
+    data = os.urandom(3 * CHUNK)
+    sink = Sink(tmp_path / "f.partial", "f", len(data), lambda label, done, n: None)
+    sink.sha = spy = Spy()
+    for i in range(3):
+        sink.write(memoryview(data)[i * CHUNK : (i + 1) * CHUNK])
+    sink.finish()
+    os.close(sink.fd)
+    assert threads == {"write f"} and spy.inner.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "f.partial").read_bytes() == data
 
 
 def test_a_hash_error_reaches_the_caller(tmp_path):
