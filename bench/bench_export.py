@@ -1,15 +1,28 @@
 """Benchmark `dsv41-convert export` in each format against `cp` of the source, per byte written, with peak RSS.
 
     python bench/bench_export.py /tmp/export-bench [--preset medium] [--workers 1] [--repeat N] [--keep]
+                                 [--old DIR] [--shard-tp 8] [--formats bf16,fp8,...] [--src CKPT]
 
-1. `make-tiny WORK/pub --preset medium --no-vision` (4.79 GB, real hidden sizes, canonical fp8/fp4 values);
+1. `make-tiny WORK/pub --preset medium --no-vision` (4.79 GB, real hidden sizes, canonical fp8/fp4 values),
+   or --src CKPT (a published-format checkpoint, kept);
 2. for each format (bf16, fp8, fp8-fp4), alternating, each from a cold page cache for its files:
    `cp` of the source shards + sync, then `export WORK/pub WORK/out --format F` (it fsyncs every file);
    per byte written = (export s / output bytes) / (cp s / source bytes), in wall and in CPU seconds;
 3. the quantizing direction and the round trip: `export WORK/bf16 --format fp8-fp4` (every weight
    quantized on the CPU), timed the same way, then every file compared with WORK/pub byte for byte (where
    files differ, verify/roundtrip.py lists the tensors and why);
-4. prints a JSON result (machine, date) for docs/BENCHMARKS.md; deletes WORK unless --keep.
+4. with --shard-tp N, `shard WORK/pub OUT --tp N` the same way (the engine export shares);
+5. prints a JSON result (machine, date, load) for docs/BENCHMARKS.md, then a compact table; deletes WORK
+   unless --keep.
+
+--old DIR: another checkout (a folder holding dsv41_convert/, e.g. `git archive <commit> | tar -x -C DIR`)
+whose CLI is timed in the same rounds (cp, this code, the old code; the order of the two alternates from
+round to round), and whose outputs must equal this code's: the sha256 of every file in the two
+manifest.json files are compared (`same_bytes_as_old`). Each CLI runs as `python -m dsv41_convert.cli`
+with PYTHONPATH set to its checkout, so no console script or virtual environment is needed.
+
+The page cache: the source's pages are dropped before each run (posix_fadvise DONTNEED after a sync);
+with BENCH_DROP_CACHES=1, run as root, the whole page cache too (bench_shard.evict).
 """
 
 from __future__ import annotations
@@ -26,16 +39,22 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shard import _median_run, evict, measure
+sys.path.insert(0, str(ROOT))
+from bench_shard import _median_run, evict, measure  # noqa: E402
 
-from dsv41_convert.verify.roundtrip import compare_checkpoints
+FORMATS = ("bf16", "fp8", "fp8-fp4", "bf16 -> fp8-fp4")
 
-CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+
+def _cli(code: Path) -> list[str]:
+    """The CLI of the checkout `code`, whatever the caller's PYTHONPATH and working directory (-P: the working
+    directory is not put first on sys.path, as `-m` would)."""
+    return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
 
 
 def _bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.glob("model-*.safetensors"))
+    return sum(p.stat().st_size for p in folder.glob("model*.safetensors"))
 
 
 def _cp(src: Path, work: Path) -> dict:
@@ -48,30 +67,86 @@ def _cp(src: Path, work: Path) -> dict:
     return run
 
 
-def _export(src: Path, out: Path, fmt: str, workers: int) -> dict:
+def _run(code: Path, src: Path, out: Path, fmt: str, workers: str, shard_tp: int) -> dict:
+    if out.exists():
+        shutil.rmtree(out)
     evict(src)
-    return measure([*CLI, "export", str(src), str(out), "--format", fmt, "--workers", str(workers), "--json"])
+    if fmt.startswith("shard"):
+        args = ["shard", str(src), str(out), "--tp", str(shard_tp)]
+    else:
+        args = ["export", str(src), str(out), "--format", fmt.split()[-1]]
+    return measure([*_cli(code), *args, "--workers", workers, "--json"])
 
 
 def _compare(a: Path, b: Path) -> list[str]:
     """Names of the files of `a` (shards, index, config, tokenizer) that differ in `b`."""
     names = [p.name for p in sorted(a.iterdir()) if p.is_file()]
-    return [n for n in names if not filecmp.cmp(a / n, b / n, shallow=False)]
+    return [n for n in names if not (b / n).is_file() or not filecmp.cmp(a / n, b / n, shallow=False)]
+
+
+def _file_hashes(out: Path) -> dict[str, str]:
+    """file -> sha256, from the run's manifest.json."""
+    return {name: f["sha256"] for name, f in json.loads((out / "manifest.json").read_text())["files"].items()}
+
+
+def _row(cps: list[dict], runs: list[dict], src_bytes: int, out_bytes: int) -> dict:
+    cp, ours = _median_run(cps), _median_run(runs)
+    return {
+        "export": ours,
+        "runs_s": [r["seconds"] for r in runs],
+        "cpu_s_runs": [r["cpu_s"] for r in runs],
+        "vs_cp": round(ours["seconds"] / cp["seconds"], 2),
+        "vs_cp_per_byte": round(ours["seconds"] / out_bytes / (cp["seconds"] / src_bytes), 2),
+        # CPU seconds (user + system) per byte written: on a machine shared with other jobs the wall ratio
+        # follows their load, the CPU ratio much less
+        "vs_cp_cpu_per_byte": round(ours["cpu_s"] / out_bytes / (cp["cpu_s"] / src_bytes), 2),
+    }
+
+
+def _summary(result: dict) -> str:
+    """One line per format and code: cp s, run s, per byte (wall, CPU), peak RSS."""
+    head = f"{'run':<22} {'code':<4} {'GB out':>7} {'cp s':>6} {'run s':>7} {'/B wall':>8} {'/B cpu':>7} {'RSS GiB':>8}"
+    lines = [f"{result['date']}  {result['machine']}  workers {result['workers']}", head]
+    for fmt, row in result["formats"].items():
+        for code in ("new", "old"):
+            if code in row:
+                r = row[code]
+                lines.append(
+                    f"{fmt:<22} {code:<4} {row['output_bytes'] / 1e9:>7.2f} {row['cp']['seconds']:>6.1f} "
+                    f"{r['export']['seconds']:>7.1f} {r['vs_cp_per_byte']:>7.2f}x {r['vs_cp_cpu_per_byte']:>6.2f}x "
+                    f"{r['export']['peak_tree_rss_gib']:>8.2f}"
+                )
+        extra = {k: row[k] for k in ("same_bytes_as_old", "files_differing_from_pub") if k in row}
+        if extra:
+            lines.append(f"{'':<22} {json.dumps(extra)}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("work", type=Path)
     ap.add_argument("--preset", default="medium")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", default="1", help="a number, or auto")
     ap.add_argument("--repeat", type=int, default=1, help="cp and export alternate this many times per format")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--old", type=Path, help="another checkout timed in the same rounds (see above)")
+    ap.add_argument("--shard-tp", type=int, default=0, help="also time `shard --tp N` of the source")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of: " + ", ".join(FORMATS))
+    ap.add_argument("--src", type=Path, help="a published-format checkpoint to use (kept) instead of make-tiny")
     a = ap.parse_args()
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    if unknown := set(formats) - set(FORMATS):
+        raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {FORMATS}")
+    if "bf16 -> fp8-fp4" in formats and "bf16" not in formats:
+        raise SystemExit("--formats: 'bf16 -> fp8-fp4' exports the bf16 export: list bf16 too")
     work = a.work
+    if a.src and a.src.resolve().is_relative_to(work.resolve()):
+        raise SystemExit(f"--src {a.src}: inside WORK {work}, which the bench deletes; choose another WORK")
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    pub = work / "pub"
+    codes = {"new": ROOT} | ({"old": a.old.resolve()} if a.old else {})
+    pub = a.src.resolve() if a.src else work / "pub"
     result: dict = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
@@ -79,52 +154,51 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.1f}",
         "preset": a.preset,
         "workers": a.workers,
+        "codes": {k: str(v) for k, v in codes.items()},
         "formats": {},
     }
+    runs_todo = formats + ([f"shard tp {a.shard_tp}"] if a.shard_tp else [])
     try:
-        t0 = time.perf_counter()
-        measure([*CLI, "make-tiny", str(pub), "--preset", a.preset, "--no-vision"])
-        result["make_tiny_s"] = round(time.perf_counter() - t0, 1)
+        if not a.src:
+            t0 = time.perf_counter()
+            measure([*_cli(ROOT), "make-tiny", str(pub), "--preset", a.preset, "--no-vision"])
+            result["make_tiny_s"] = round(time.perf_counter() - t0, 1)
         src_bytes = result["source_bytes"] = _bytes(pub)
-        for fmt, src, out in (
-            ("bf16", pub, work / "bf16"),
-            ("fp8", pub, work / "out"),
-            ("fp8-fp4", pub, work / "out"),
-            ("bf16 -> fp8-fp4", work / "bf16", work / "back"),
-        ):
-            cps, runs = [], []
-            for _ in range(a.repeat):
+        for fmt in runs_todo:
+            src = work / "bf16-new" if fmt == "bf16 -> fp8-fp4" else pub
+            outs = {code: work / f"{fmt.replace(' ', '').replace('->', '-to-')}-{code}" for code in codes}
+            if fmt == "bf16":
+                outs = {code: work / f"bf16-{code}" for code in codes}
+            cps: list[dict] = []
+            runs: dict[str, list[dict]] = {code: [] for code in codes}
+            for i in range(a.repeat):
                 cps.append(_cp(pub, work))
-                if out.exists():
-                    shutil.rmtree(out)
-                runs.append(_export(src, out, fmt.split()[-1], a.workers))
-            out_bytes = _bytes(out)
-            cp, ours = _median_run(cps), _median_run(runs)
-            row = {
-                "output_bytes": out_bytes,
-                "cp": cp,
-                "export": ours,
-                "cp_runs_s": [r["seconds"] for r in cps],
-                "export_runs_s": [r["seconds"] for r in runs],
-                "export_vs_cp": round(ours["seconds"] / cp["seconds"], 2),
-                "export_vs_cp_per_byte": round(ours["seconds"] / out_bytes / (cp["seconds"] / src_bytes), 2),
-                # CPU seconds (user + system) per byte written: on a machine shared with other jobs the
-                # wall ratio follows their load, the CPU ratio much less
-                "export_vs_cp_cpu_per_byte": round(ours["cpu_s"] / out_bytes / (cp["cpu_s"] / src_bytes), 2),
-                "load_after": round(os.getloadavg()[0], 1),
-            }
-            if src != pub:
-                row["files_differing_from_pub"] = _compare(pub, out)
+                order = list(codes) if i % 2 == 0 else list(codes)[::-1]  # alternate which code goes first
+                for code in order:
+                    runs[code].append(_run(codes[code], src, outs[code], fmt, a.workers, a.shard_tp))
+            out_bytes = _bytes(outs["new"])
+            row: dict = {"output_bytes": out_bytes, "cp": _median_run(cps), "cp_runs_s": [r["seconds"] for r in cps]}
+            for code in codes:
+                row[code] = _row(cps, runs[code], src_bytes, out_bytes)
+            if "old" in codes:
+                row["same_bytes_as_old"] = _file_hashes(outs["new"]) == _file_hashes(outs["old"])
+            if src != pub or fmt == "fp8-fp4":  # a round trip, or a copy: the published files again
+                row["files_differing_from_pub"] = _compare(pub, outs["new"])
                 if row["files_differing_from_pub"]:  # which tensors, and why
-                    row["tensors_differing"] = [asdict(d) for d in compare_checkpoints(pub, out)]
+                    from dsv41_convert.verify.roundtrip import compare_checkpoints
+
+                    row["tensors_differing"] = [asdict(d) for d in compare_checkpoints(pub, outs["new"])]
+            row["load_after"] = round(os.getloadavg()[0], 1)
             result["formats"][fmt] = row
-            print(json.dumps({fmt: row}), file=sys.stderr)
-            if out.name in ("out", "back"):
-                shutil.rmtree(out)
+            print(json.dumps({fmt: row}), file=sys.stderr, flush=True)
+            for code, out in outs.items():  # the bf16 export stays: it is the next source
+                if not (fmt == "bf16" and code == "new"):
+                    shutil.rmtree(out, ignore_errors=True)
     finally:
         if not a.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)  # never --src: it lies outside WORK
     print(json.dumps(result, indent=2))
+    print(_summary(result))
 
 
 if __name__ == "__main__":

@@ -23,19 +23,26 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
-from dsv41_convert.convert.transform import quantizer_for
 from dsv41_convert.convert.workers import auto_workers
-from dsv41_convert.convert.write import CHUNK_BYTES, JOURNAL_BYTES, Progress, commit, write_partial, write_rank_file
+from dsv41_convert.convert.write import (
+    CHUNK_BYTES,
+    COPIED,
+    JOURNAL_BYTES,
+    Progress,
+    commit,
+    write_partial,
+    write_rank_file,
+)
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.store import journal
 from dsv41_convert.store.journal import journal_path
@@ -147,8 +154,11 @@ def execute(
     src, out = Path(plan.src), Path(out)
     if device not in ("cpu", "cuda"):
         raise PlanError(f"--device {device!r}: expected cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise PlanError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PlanError("--device cuda: torch sees no CUDA device here; use --device cpu")
     mine = select_files(plan, ranks)
     check_output(src, out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,6 +171,7 @@ def execute(
         check_empty(out, resume, overwrite, frozenset(others) if share else None)
         job = {
             "device": device,
+            "computes": any(t.action not in COPIED for f in mine for t in f.tensors),
             "chunk_bytes": chunk_bytes,
             "digest": plan.digest(),
             "resume": resume,
@@ -260,15 +271,9 @@ def _write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
 
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress):
     """Write, commit and record one rank file. -> (file, size, sha256, bytes kept from a partial file)"""
-    # one thread per job: parallelism comes from worker processes, and torch's thread pool on small
-    # chunks spends 1000x the work in barriers when cores are shared (measured: torch.round 4 ms vs 5 us)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     stats: dict[str, Any] = {}
-    try:
-        size, sha = write_rank_file(rf, src, out, quantizer_for(job["device"]), progress, **_write_kw(job, stats))
-    finally:
-        torch.set_num_threads(threads)
+    with _one_torch_thread(job):
+        size, sha = write_rank_file(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
     write_done(out, rf.file, size, sha, job["digest"])
     return rf.file, size, sha, stats["resumed_from"]
 
@@ -287,22 +292,45 @@ def _write_kw(job: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
 def _run_here(todo, src, out, job, progress) -> list[tuple[str, int, str, int]]:
     """One file after another in this process; each file's fsync + rename runs in a thread while the next
     file is written (one commit in flight), as `cp` lets writeback overlap its copying."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see _job
     results: list[tuple[str, int, str, int]] = []
     pending: Future | None = None
+    with _one_torch_thread(job), ThreadPoolExecutor(1, thread_name_prefix="commit") as committer:
+        for rf in todo:
+            stats: dict[str, Any] = {}
+            size, sha = write_partial(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
+            if pending is not None:
+                results.append(pending.result())
+            pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats["resumed_from"])
+        results.append(pending.result())
+    return results
+
+
+@contextmanager
+def _one_torch_thread(job: dict[str, Any]) -> Iterator[None]:
+    """torch on one thread while the job runs: parallelism comes from worker processes, and torch's thread
+    pool on small chunks spends 1000x the work in barriers when cores are shared (measured: torch.round
+    4 ms vs 5 us). A job that only copies never imports torch (1.6 s of a copy-only export's start)."""
+    if not job["computes"]:
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="commit") as committer:
-            for rf in todo:
-                stats: dict[str, Any] = {}
-                size, sha = write_partial(rf, src, out, quantizer_for(job["device"]), progress, **_write_kw(job, stats))
-                if pending is not None:
-                    results.append(pending.result())
-                pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats["resumed_from"])
-            results.append(pending.result())
+        yield
     finally:
         torch.set_num_threads(threads)
-    return results
+
+
+def _quantizer(job: dict[str, Any]) -> SimpleNamespace:
+    """The quantization functions for the job's device (transform.quantizer_for); for a job that only
+    copies, just the device: its writer calls none of them, and torch stays unimported."""
+    if not job["computes"]:
+        return SimpleNamespace(device=job["device"])
+    from dsv41_convert.convert.transform import quantizer_for
+
+    return quantizer_for(job["device"])
 
 
 def _commit(out: Path, file: str, size: int, sha: str, digest: str, kept: int) -> tuple[str, int, str, int]:

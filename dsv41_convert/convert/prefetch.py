@@ -31,9 +31,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dsv41_convert.convert.ring import HostRing, Region
 from dsv41_convert.store.safetensors_header import pread_exact
+
+if TYPE_CHECKING:  # ring.py imports torch; a CPU run never makes a ring
+    from dsv41_convert.convert.ring import HostRing, Region
 
 Piece = tuple[int, str, int, int]  # (tensor index, file, offset, nbytes)
 

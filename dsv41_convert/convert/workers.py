@@ -1,7 +1,8 @@
 """`shard --workers auto`: how many local worker processes a run gets, from cores, memory and rank files.
 
-Each worker writes one rank file at a time and keeps about two threads busy (its reads and writes in
-one, the sha256 in the other: store/sink.py), with a resident size under WORKER_RSS (0.37-0.5 GiB
+Each worker writes one rank file at a time and keeps two or three threads busy (reads and computing in
+one; the pwrite of a chunk in another, its sha256 in a third at the same time: store/sink.py), with a
+resident size under WORKER_RSS (0.37-0.5 GiB
 measured, docs/BENCHMARKS.md). Measured on the 16-core H200 host (old code, cold source): 1 worker
 2.33x cp, 4 workers 1.65x, 8 workers 1.68x: past a quarter of the cores the disk, not the CPU, limits.
 So: a quarter of the usable cores, at most one worker per WORKER_RSS of half the available memory (the

@@ -23,6 +23,9 @@ ranges written ahead), each after the data it covers is fsynced. With `resume`, 
 journal verifies is continued from its last checkpoint (only [0, R) is re-read, to rebuild the hash);
 otherwise it is rewritten from byte 0. On an error the partial file and its journal are removed (running
 out of disk space becomes an OutputError naming the file and tensor); on Ctrl-C they are kept for --resume.
+
+stream.py and transform.py (torch) are imported where a tensor is computed, not at the top: a file of
+copied tensors is written without torch (its import is 1.6 s of a copy-only export).
 """
 
 from __future__ import annotations
@@ -36,10 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41_convert.convert import ring, stream
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.convert.prefetch import Prefetch
-from dsv41_convert.convert.transform import to_bytes
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store import journal
@@ -198,8 +199,12 @@ def write_partial(
             if warm is not None:
                 warm.close()
                 if warm.ring is not None:
+                    from dsv41_convert.convert import ring, stream
+
                     ring.give_back(warm.ring, stream.pinned)
             if quantizer.device == "cuda":
+                from dsv41_convert.convert import stream
+
                 stream.drop_cached_pinned()
         sink.finish()
         if sink.journal is not None:
@@ -230,6 +235,8 @@ def _prefetch(rf: RankFile, src: Path, start: ResumePoint | None, device: str, c
     asks for them (a group is computed at its first part). -> a prefetch.Prefetch, or None"""
     if device not in READ_AHEAD_DEVICES or not READ_AHEAD_BYTES:
         return None
+    from dsv41_convert.convert import ring, stream
+
     first, chunk0 = (start.tensor, start.chunk) if start is not None else (0, 0)
     read_back = {a.tensor for a in start.asides} if start is not None else set()  # written ahead before
     parts = {(t.group, t.part): i for i, t in enumerate(rf.tensors) if t.group}
@@ -288,6 +295,8 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
         else:
+            from dsv41_convert.convert.transform import to_bytes
+
             with closing(_compute(t, reader, quantizer, chunk_bytes, chunk, sink.stages)) as chunks:
                 for outs in chunks:
                     sink.write(to_bytes(outs[0]), t.name)
@@ -423,12 +432,18 @@ def compute_chunk_bytes(chunk_bytes: int, device: str) -> int:
     """The `chunk_bytes` that sizes computed row chunks (chunk_bytes / 8 source bytes each): larger on CUDA,
     where per-chunk costs (launches, copies, a sync) dominate small chunks and the intermediates live on
     the GPU. Recorded in the journal: a resume on the other device restarts the file."""
-    return max(chunk_bytes, 8 * stream.GPU_BLOCK_BYTES) if device == "cuda" else chunk_bytes
+    if device != "cuda":
+        return chunk_bytes
+    from dsv41_convert.convert import stream
+
+    return max(chunk_bytes, 8 * stream.GPU_BLOCK_BYTES)
 
 
 def _compute(t: OutTensor, reader: _Reader, quantizer, chunk_bytes: int, first: int = 0, stages=None):
     """Yield the action's outputs for each row chunk of the tensor's source region, from chunk `first` on
     (reads ahead in a thread; on CUDA, overlapped copies: stream.py). Close it when done early."""
+    from dsv41_convert.convert import stream
+
     step = _chunk_rows(t, compute_chunk_bytes(chunk_bytes, quantizer.device))
     return stream.blocks(t, reader, quantizer, step, first, stages)
 
@@ -440,6 +455,8 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     `stash_bytes`, else written ahead at their offsets (an Aside, read back later). When neither is
     possible (its stash was lost to a restart), the part is computed again here.
     """
+    from dsv41_convert.convert.transform import to_bytes
+
     key, okey = (t.group, t.part), (t.group, 1 - t.part)
     if key in stash.parts:
         for data in stash.parts.pop(key):

@@ -9,7 +9,10 @@ k <= 6; 6 * 2**6 = 384 fits under e4m3's 448). A negative k shifts values toward
 would round or flush values; that raises FormatError instead of rounding.
 
 The cast itself is a lookup: one table row per offset k holds the two e4m3 bytes and an exactness flag
-for each of the 256 fp4 byte values, so the weight is never expanded to float32.
+for each of the 256 fp4 byte values, so the weight is never expanded to float32. Offsets come from the
+scale bytes by integer arithmetic (byte b is 2**(b - 127), so k is a difference of bytes). Where every
+offset casts every byte exactly (k >= -8, the published checkpoint's case), a wider table maps two
+packed bytes (four e2m1 codes) to their four e4m3 bytes, made from the first: half the gathers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from torch import Tensor
 
 from dsv41_convert.errors import FormatError
 from dsv41_convert.quant.checks import require_dtype
-from dsv41_convert.quant.e8m0 import E8M0_MIN_EXP
 from dsv41_convert.quant.fp4 import E2M1_VALUES
 from dsv41_convert.quant.fp8 import pad_blocks
 
@@ -49,6 +51,23 @@ _PAIR16 = _BYTES_TABLE.contiguous().view(torch.int16).view(-1)
 _PAIR_EXACT = _EXACT_TABLE.all(dim=-1)
 # offsets whose every byte casts exactly (k >= -8): a weight using only these needs no per-byte check
 _K_EXACT = _EXACT_TABLE.view(-1, 256, 2).all(dim=2).all(dim=1)
+K_ALL_EXACT = K_MIN + int(_K_EXACT.int().argmax())  # the least such offset; every larger one is exact too
+assert bool(_K_EXACT[K_ALL_EXACT - K_MIN :].all())
+
+
+def _quad_table() -> Tensor:
+    """For k in K_ALL_EXACT..6 and each pair of packed bytes (as one uint16 in this machine's byte order):
+    their four e4m3 bytes, from the rows of _BYTES_TABLE, as one int32 (so the layout round-trips).
+
+    -> [(7 - K_ALL_EXACT) * 65536]  int32, index (k - K_ALL_EXACT) * 65536 + the two bytes' uint16
+    """
+    first_second = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2).long()
+    rows_KB2 = _BYTES_TABLE.view(-1, 256, 2)[K_ALL_EXACT - K_MIN :]
+    quad_KP4 = torch.cat([rows_KB2[:, first_second[:, 0]], rows_KB2[:, first_second[:, 1]]], dim=-1)
+    return quad_KP4.contiguous().view(torch.int32).view(-1)
+
+
+_QUAD32: Tensor | None = None  # _quad_table(), made at the first cast that uses it (3.9 MB)
 
 
 def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>") -> tuple[Tensor, Tensor]:
@@ -78,19 +97,20 @@ def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>
     want = (out, -(-inp // block))
     if tuple(s.shape) != want:
         raise ValueError(f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}")
-    s_OG = s.float()
-    if torch.isnan(s_OG).any():
-        first = [int(i) for i in torch.isnan(s_OG).nonzero()[0]]
+    b_OG = s.view(torch.uint8)
+    if bool((b_OG == 255).any()):
+        first = [int(i) for i in (b_OG == 255).nonzero()[0]]
         raise FormatError(f"{name}: scale is NaN (e8m0 byte 255) at {first}; expected a power of two; corrupt shard?")
 
     groups_per_block = FP8_BLOCK // block
-    # zero padding never wins the max: every real scale is > 0
-    s8 = pad_blocks(s_OG, FP8_BLOCK, groups_per_block).amax(dim=(1, 3)) / 2.0**MAX_OFFSET_BITS  # [Ob, Ib]
-    s8 = s8.clamp_min(2.0**E8M0_MIN_EXP)
-    s8_OG = s8.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(groups_per_block, 1)[:, : want[1]]
-    # both are powers of two (2**-127 included: frexp handles subnormals), so k is exact
-    k_OG = torch.frexp(s_OG).exponent - torch.frexp(s8_OG).exponent
-    kk_OG = k_OG.clamp_min(K_MIN) - K_MIN
+    # in bytes: the block's largest scale / 2**6, raised to byte 0 (2**-127); zero padding never wins the max
+    s8b = (pad_blocks(b_OG, FP8_BLOCK, groups_per_block).amax(dim=(1, 3)).short() - MAX_OFFSET_BITS).clamp_min(0)
+    s8b_OG = s8b.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(groups_per_block, 1)[:, : want[1]]
+    k_OG = b_OG.short() - s8b_OG  # log2(fp4 scale / block scale), exact
+    s8 = s8b.to(torch.uint8).view(torch.float8_e8m0fnu)
+    if block % 4 == 0 and inp % block == 0 and int(k_OG.min()) >= K_ALL_EXACT:
+        return _cast_quads(packed, k_OG, block), s8
+    kk_OG = k_OG.int().clamp_min(K_MIN) - K_MIN
     row_OG = kk_OG * 256
     if inp % block == 0:  # [O, G, 1] + [O, G, block/2]: no [O, I/2] copy of the rows first
         row = (row_OG.unsqueeze(-1) + packed.view(torch.uint8).unflatten(-1, (-1, block // 2))).view(-1)
@@ -99,9 +119,26 @@ def fp4_to_fp8(packed: Tensor, s: Tensor, block: int = 32, name: str = "<tensor>
     exact = bool(_K_EXACT.index_select(0, kk_OG.view(-1)).all()) or bool(_PAIR_EXACT.index_select(0, row).all())
     if not exact:
         o, j, nib = (int(i) for i in (~_EXACT_TABLE[row.view(out, half)]).nonzero()[0])
-        _raise_lossy(name, packed, s_OG, s8, k_OG, o, 2 * j + nib, block)
+        _raise_lossy(name, packed, s.float(), s8.float(), k_OG, o, 2 * j + nib, block)
     w8 = _PAIR16.index_select(0, row).view(torch.uint8).view(out, inp).view(torch.float8_e4m3fn)
-    return w8, s8.to(torch.float8_e8m0fnu)
+    return w8, s8
+
+
+def _cast_quads(packed: Tensor, k_OG: Tensor, block: int) -> Tensor:
+    """The e4m3 bytes of every code, two packed bytes per gather from _QUAD32; every k >= K_ALL_EXACT.
+
+    packed: [O, I/2]  fp4 bytes;  k_OG: [O, I/block]  int16 offsets;  block a multiple of 4 dividing I
+    -> [O, I]         float8_e4m3fn
+    """
+    global _QUAD32
+    if _QUAD32 is None:
+        _QUAD32 = _quad_table()
+    out, half = packed.shape
+    base_OG1 = ((k_OG.int() - K_ALL_EXACT) << 16).unsqueeze(-1)
+    bytes_OP2 = packed.view(torch.uint8).contiguous().view(out, half // 2, 2)
+    pairs_OGP = bytes_OP2.view(torch.uint16).view(out, -1, block // 4)
+    idx = (base_OG1 | pairs_OGP.int()).view(-1)
+    return _QUAD32.index_select(0, idx).view(torch.uint8).view(out, 2 * half).view(torch.float8_e4m3fn)
 
 
 def _raise_lossy(name: str, packed: Tensor, s_OG: Tensor, s8: Tensor, k_OG: Tensor, o: int, i: int, block: int):

@@ -10,7 +10,12 @@ The caller (write.py) hands over three kinds of work, in file order:
   checkpoints          made by write() / read_back() every `journal_bytes` (counting bytes written
                        ahead too), where the caller allows them.
 Bytes are hashed once, into the whole-file sha256; a checkpoint records a copy of its state's digest (the
-sha256 of the prefix), which costs microseconds, not a second pass over the bytes.
+sha256 of the prefix), which costs microseconds, not a second pass over the bytes. Given at least
+HASH_THREAD_CORES usable cores, a chunk of at least HASH_APART_BYTES is hashed by a second thread
+(hasher.py) while this one writes it, so a chunk costs the slower of the two, not their sum; the next
+item is taken only once both are done, so a checkpoint still records exactly the bytes hashed and
+written before it, and the caller's buffer cycle is unchanged. On the 2-core dev box, with other jobs
+running, the thread gained no wall time and cost up to 1.3 s more CPU per 4.8 GB (docs/BENCHMARKS.md).
 
 The stream goes to the file through a DirectAppender: buffered writes by default (the page cache lets the
 kernel write back while the next chunk is read: on the dev box 1.24-1.28x of cp against 1.40-1.50x with
@@ -26,15 +31,19 @@ import os
 import queue
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.direct_write import DirectAppender
+from dsv41_convert.store.hasher import Hasher
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint
 from dsv41_convert.store.safetensors_header import pread_exact
 
 THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
 READ_BACK_BYTES = 16 << 20
+HASH_APART_BYTES = 1 << 20  # smaller chunks are hashed in the writer thread: a hand-over costs ~20 us
+HASH_THREAD_CORES = 4  # fewer usable cores: no hasher thread (the reading, writing and hashing threads compete)
 
 
 class Sink:
@@ -45,8 +54,8 @@ class Sink:
     Handed-over buffers must not change until written: `_copy` (write.py) cycles three buffers through a
     queue of one, so a buffer is refilled only after the writer has taken the next one.
 
-    `stages` collects seconds of this thread: hash, write; write.py adds the stages of the computed
-    tensors (stream.py).
+    `stages` collects seconds of this thread: write, wait_hash (the hash of a chunk outlasting its write),
+    and hash (of this thread and the hasher's); write.py adds the stages of the computed tensors (stream.py).
     """
 
     def __init__(
@@ -87,6 +96,7 @@ class Sink:
         self._last_mark = self.queued
         self.stages: dict[str, float] = {}  # seconds in this thread: hash, write
         self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._hasher = Hasher(f"sha256 {label}") if _usable_cores() >= HASH_THREAD_CORES else None
         self._thread = threading.Thread(target=self._drain, name=f"write {label}", daemon=True)
         self._thread.start()
 
@@ -155,23 +165,10 @@ class Sink:
                 self.tensor = tensor
                 if kind == "a":
                     aside, pos, view = payload
-                    t0 = time.perf_counter()
-                    aside.sha.update(view)
-                    t1 = time.perf_counter()
-                    while len(view):
-                        n = os.pwrite(self.fd, view, pos)
-                        view, pos = view[n:], pos + n
-                        aside.end = pos
-                    self.stages["hash"] = self.stages.get("hash", 0.0) + t1 - t0
-                    self.stages["write"] = self.stages.get("write", 0.0) + time.perf_counter() - t1
+                    self._hash_and_write(aside.sha, view, partial(_pwrite_aside, self.fd, pos=pos, aside=aside))
                     continue
                 if kind == "w":
-                    t0 = time.perf_counter()
-                    self.sha.update(payload)
-                    t1 = time.perf_counter()
-                    self.out.write(payload)
-                    self.stages["hash"] = self.stages.get("hash", 0.0) + t1 - t0
-                    self.stages["write"] = self.stages.get("write", 0.0) + time.perf_counter() - t1
+                    self._hash_and_write(self.sha, payload, self.out.write)
                     self.done += len(payload)
                 else:
                     buf = buf or memoryview(bytearray(READ_BACK_BYTES))
@@ -193,6 +190,9 @@ class Sink:
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join()
+            if self._hasher is not None:
+                self._hasher.close()
+                self.stages["hash"] = self.stages.get("hash", 0.0) + self._hasher.seconds
             if self.error is not None:
                 self.out.abort()
             else:
@@ -203,6 +203,26 @@ class Sink:
         if self.error is not None:
             raise self.error
 
+    def _hash_and_write(self, sha, view: memoryview, write) -> None:
+        """sha.update(view) and write(view), at once in two threads when the chunk is large enough."""
+        if self._hasher is None or len(view) < HASH_APART_BYTES:
+            t0 = time.perf_counter()
+            sha.update(view)
+            t1 = time.perf_counter()
+            write(view)
+            self.stages["hash"] = self.stages.get("hash", 0.0) + t1 - t0
+            self.stages["write"] = self.stages.get("write", 0.0) + time.perf_counter() - t1
+            return
+        self._hasher.start(sha, view)
+        t0 = time.perf_counter()
+        try:
+            write(view)
+        finally:  # the hasher reads `view` until then, and the next item may be a checkpoint of `sha`
+            t1 = time.perf_counter()
+            self._hasher.wait()
+            self.stages["write"] = self.stages.get("write", 0.0) + t1 - t0
+            self.stages["wait_hash"] = self.stages.get("wait_hash", 0.0) + time.perf_counter() - t1
+
     def fill(self, value: int, count: int, chunk: int, tensor: str) -> None:
         """Append `count` bytes of `value` (padding rows); no checkpoint falls inside padding."""
         self.mark_ok = False
@@ -210,3 +230,15 @@ class Sink:
         while count > 0:
             self.write(block[: min(count, len(block))], tensor)
             count -= len(block)
+
+
+def _pwrite_aside(fd: int, view: memoryview, pos: int, aside: Aside) -> None:
+    """All of `view` at `pos`, moving aside.end along with the bytes written."""
+    while len(view):
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+        aside.end = pos
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -21,6 +21,7 @@ from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.write import _chunk_rows, write_partial, write_rank_file
 from dsv41_convert.errors import OutputError
+from dsv41_convert.store import sink as sink_module
 from dsv41_convert.store.journal import journal_path
 from dsv41_convert.store.sink import Sink
 
@@ -96,6 +97,20 @@ def test_ctrl_c_then_resume_goes_on_mid_file(bf16_src, clean, tmp_path, stash, s
             assert not q.calls, q.calls
     else:
         assert sum(q.calls.values()) <= _total_calls(rf)
+
+
+@pytest.mark.parametrize("stop", [250, 0.6])
+def test_resume_with_every_chunk_hashed_beside_its_write(bf16_src, clean, tmp_path, monkeypatch, stop):
+    """The same, with every chunk (not only those of 1 MiB and more) hashed in the Sink's hasher thread
+    while it is written: each checkpoint still records exactly the bytes hashed and written before it."""
+    monkeypatch.setattr(sink_module, "HASH_APART_BYTES", 0)
+    monkeypatch.setattr(sink_module, "HASH_THREAD_CORES", 1)
+    rf = build_plan(bf16_src, 2).files[1]
+    _interrupt(rf, bf16_src, tmp_path, stop, 0)
+    stats, q = _resume(rf, bf16_src, tmp_path, 0)
+    assert 0 < stats["resumed_from"] < rf.nbytes, stats
+    assert (tmp_path / rf.file).read_bytes() == (clean / rf.file).read_bytes()
+    assert sum(q.calls.values()) < _total_calls(rf), "resume recomputed everything"
 
 
 def _total_calls(rf) -> int:

@@ -167,3 +167,66 @@ def test_cast_skips_the_byte_check_only_for_offsets_that_are_always_exact():
     packed[1, 0] = 0x02  # 1.0 there is 2**-9: exact
     w8, _ = cast.fp4_to_fp8(packed, s, 32, "w")
     assert w8.float()[1, 0].item() * 2.0**-6 == 2.0**-15
+
+
+# --- fp4 -> fp8: offsets from scale bytes, and four codes per gather where every offset is exact -------
+
+
+def test_quad_table_is_the_float_cast_of_every_byte_pair_and_offset():
+    """Every entry of the two-byte table (k = K_ALL_EXACT..6, all 65536 byte pairs) against the float path:
+    e2m1 value x 2**k cast to e4m3, -0 written as +0."""
+    quads = cast._quad_table().view(torch.uint8).view(-1, 1 << 16, 4)
+    pair_bytes = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2).long()
+    codes = torch.stack([pair_bytes[:, 0] & 15, pair_bytes[:, 0] >> 4, pair_bytes[:, 1] & 15, pair_bytes[:, 1] >> 4], 1)
+    values = fp4_mod.E2M1_VALUES[codes]
+    values = torch.where(values == 0, 0.0, values)
+    k = torch.arange(cast.K_ALL_EXACT, cast.MAX_OFFSET_BITS + 1, dtype=torch.float32)
+    want = (values * torch.exp2(k)[:, None, None]).to(torch.float8_e4m3fn)
+    assert quads.shape == want.shape
+    same_bits(quads, want.view(torch.uint8))
+    assert torch.equal(want.float(), values * torch.exp2(k)[:, None, None])  # exact, as K_ALL_EXACT promises
+
+
+def _float_block_scales(s: torch.Tensor, block: int) -> torch.Tensor:
+    """fp4_to_fp8's block scales by the float formula: max of the block's fp4 scales / 2**6, >= 2**-127."""
+    s8 = pad_blocks(s.float(), 32, 32 // block).amax(dim=(1, 3)) / 2.0**6
+    return s8.clamp_min(2.0**-127).to(torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("block", [4, 8, 16, 32])
+@pytest.mark.parametrize(("out", "inp"), [(64, 128), (100, 96), (33, 64)])
+@pytest.mark.parametrize(("lo", "spread"), [(120, 14), (0, 5), (0, 14), (240, 14)])
+def test_cast_by_quads_equals_the_pair_path_and_the_values(out, inp, lo, spread, block, monkeypatch):
+    """fp4 scale bytes spread by up to 14 (so k reaches -8 after the block max), at the bottom of e8m0 (byte 0
+    = 2**-127, block scales clamped there) and near its top, rows not a multiple of 32: the quad path gives
+    the pair path's bytes, the block scales follow the float formula, and every value is the fp4 value."""
+    gen = torch.Generator().manual_seed(out * inp + block + lo + spread)
+    packed = torch.randint(0, 256, (out, inp // 2), dtype=torch.uint8, generator=gen)
+    packed[0, :4] = torch.tensor([0x00, 0x88, 0x80, 0x08], dtype=torch.uint8)  # +0 and -0 codes
+    s = (lo + torch.randint(0, spread + 1, (out, inp // block), generator=gen)).to(torch.uint8)
+    s = s.view(torch.float8_e8m0fnu)
+    quad_w, quad_s = cast.fp4_to_fp8(packed, s, block, "w")
+    monkeypatch.setattr(cast, "K_ALL_EXACT", 1 << 10)  # never true: the pair path
+    pair_w, pair_s = cast.fp4_to_fp8(packed, s, block, "w")
+    same_bits(quad_w, pair_w)
+    same_bits(quad_s, pair_s)
+    same_bits(quad_s, _float_block_scales(s, block))
+    scale_OI = unpad_blocks(quad_s.float()[:, None, :, None].expand(-1, 32, -1, 32), out, inp)
+    fp4_values = fp4_mod.decode_e2m1_pairs(packed) * s.float().repeat_interleave(block, 1)
+    assert torch.equal(quad_w.float() * scale_OI, fp4_values)
+
+
+def test_cast_takes_the_quad_path_only_where_every_offset_is_exact(monkeypatch):
+    calls = []
+    real = cast._cast_quads
+    monkeypatch.setattr(cast, "_cast_quads", lambda *a: calls.append(1) or real(*a))
+    packed = torch.zeros(2, 16, dtype=torch.uint8)
+    for spread, want in ((8 + 6, 1), (9 + 6, 0)):  # k = -8 (exact for every byte) and k = -9 (checked)
+        s = torch.tensor([[127], [127 - spread]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        calls.clear()
+        cast.fp4_to_fp8(packed, s, 32, "w")
+        assert len(calls) == want, spread
+    calls.clear()
+    one_scale = torch.full((2, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    cast.fp4_to_fp8(torch.zeros(2, 15, dtype=torch.uint8), one_scale, 32, "w")  # in = 30: not whole blocks
+    assert not calls

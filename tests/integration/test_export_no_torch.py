@@ -1,0 +1,39 @@
+"""A copy-only export (published -> fp8-fp4: every tensor copied byte for byte) runs without importing
+torch, whose import is 1.6 s of that export's start on the dev box; an export that computes does import
+it (the check below can tell). Planted fault it catches: a module-level `import torch` back in
+convert/execute.py or write.py's imports of stream / transform."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CODE = (
+    "import sys; from dsv41_convert.cli import main; sys.argv = ['dsv41-convert', 'export', sys.argv[1], "
+    "sys.argv[2], '--format', sys.argv[3], '--json']\ntry:\n    main()\nexcept SystemExit as e:\n"
+    "    assert not e.code, e.code\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+)
+
+
+@pytest.fixture(scope="module")
+def pub(tmp_path_factory) -> Path:
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import write_checkpoint
+
+    out = tmp_path_factory.mktemp("pub") / "pub"
+    write_checkpoint(out, PRESETS["tiny"], seed=3, quantized=True, vision=False)
+    return out
+
+
+@pytest.mark.parametrize(("fmt", "want"), [("fp8-fp4", "NO-TORCH"), ("bf16", "TORCH")])
+def test_copy_only_export_does_not_import_torch(pub, tmp_path, fmt, want):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", CODE, str(pub), str(out), fmt], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == want, proc.stdout[-2000:]
+    if fmt == "fp8-fp4":  # the copy is still every published tensor, byte for byte
+        for shard in sorted(pub.glob("model-*.safetensors")):
+            assert (out / shard.name).read_bytes() == shard.read_bytes(), shard.name
