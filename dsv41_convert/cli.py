@@ -659,7 +659,7 @@ def export_cmd(
     src: opts.SrcArg,
     out: opts.OutArg,
     fmt: opts.FormatOpt,
-    workers: opts.WorkersOpt = 1,
+    workers: opts.WorkersOpt = "auto",  # parse_workers: 0, picked by execute()
     resume: opts.ResumeOpt = False,
     overwrite: opts.OverwriteOpt = False,
     device: opts.DeviceOpt = "cpu",

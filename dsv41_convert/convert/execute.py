@@ -222,7 +222,8 @@ def _execute_held(
     extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
     if workers == 0:  # --workers auto
-        workers = auto_workers(len(todo), device)
+        computed = sum(t.end - t.begin for f in todo for t in f.tensors if t.action not in COPIED)
+        workers = auto_workers(len(todo), device, computed_share=computed / max(1, need))
     results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)

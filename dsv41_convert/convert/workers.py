@@ -4,10 +4,13 @@ Each worker writes one rank file at a time and keeps two or three threads busy (
 one; the pwrite of a chunk in another, its sha256 in a third at the same time: store/sink.py), with a
 resident size under WORKER_RSS (0.37-0.5 GiB
 measured, docs/BENCHMARKS.md). Measured on the 16-core H200 host (old code, cold source): 1 worker
-2.33x cp, 4 workers 1.65x, 8 workers 1.68x: past a quarter of the cores the disk, not the CPU, limits.
-So: a quarter of the usable cores, at most one worker per WORKER_RSS of half the available memory (the
-page cache needs the rest), at most one per rank file, at least one. With --device cuda all workers
-would share one GPU and each load the kernels: one worker.
+2.33x cp, 4 workers 1.65x, 8 workers 1.68x: where most bytes are copied, past a quarter of the cores the
+disk, not the CPU, limits. Where most output bytes are computed on the CPU (an export that decodes or
+casts every expert), each worker's converting thread is the limit instead: 4 workers of the fp8 export
+kept 3 of 16 cores busy at 1.98x cp per byte (docs/BENCHMARKS.md, export).
+So: a quarter of the usable cores, half of them where most output bytes are computed, at most one worker
+per WORKER_RSS of half the available memory (the page cache needs the rest), at most one per rank file,
+at least one. With --device cuda all workers would share one GPU and each load the kernels: one worker.
 """
 
 from __future__ import annotations
@@ -33,10 +36,18 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def auto_workers(files: int, device: str = "cpu", cores: int | None = None, memory: int | None = None) -> int:
-    """Worker processes for `files` rank files to write (see the module doc)."""
+def auto_workers(
+    files: int,
+    device: str = "cpu",
+    cores: int | None = None,
+    memory: int | None = None,
+    computed_share: float = 0.0,
+) -> int:
+    """Worker processes for `files` rank files to write, `computed_share` of whose bytes are computed rather
+    than copied (see the module doc)."""
     if device == "cuda" or files <= 1:
         return 1
     cores = usable_cores() if cores is None else cores
     memory = available_memory() if memory is None else memory
-    return max(1, min(files, cores // 4, memory // 2 // WORKER_RSS))
+    per_worker = 2 if computed_share > 0.5 else 4
+    return max(1, min(files, cores // per_worker, memory // 2 // WORKER_RSS))

@@ -1,5 +1,6 @@
-"""--workers auto: a quarter of the cores, within half the available memory (1 GiB a worker) and the number
-of rank files, one with --device cuda; bad values are usage errors (exit 2), never a traceback."""
+"""--workers auto: a quarter of the cores (half where most output bytes are computed), within half the
+available memory (1 GiB a worker) and the number of rank files, one with --device cuda; bad values are usage
+errors (exit 2), never a traceback."""
 
 from __future__ import annotations
 
@@ -34,6 +35,34 @@ GIB = 1 << 30
 )
 def test_auto_workers(files, device, cores, memory, want):
     assert auto_workers(files, device, cores=cores, memory=memory) == want
+
+
+@pytest.mark.parametrize(
+    ("share", "want"),
+    [(0.0, 4), (0.5, 4), (0.51, 8), (1.0, 8)],  # 16 cores, 13 files: a quarter, or half where most is computed
+)
+def test_auto_workers_where_most_bytes_are_computed(share, want):
+    assert auto_workers(13, "cpu", cores=16, memory=100 * GIB, computed_share=share) == want
+    assert auto_workers(13, "cuda", cores=16, memory=100 * GIB, computed_share=share) == 1
+    assert auto_workers(13, "cpu", cores=16, memory=5 * WORKER_RSS, computed_share=share) == 2
+
+
+def test_auto_counts_the_computed_bytes_of_the_plan(tmp_path, monkeypatch, capsys):
+    """export --format bf16 computes most bytes; fp8-fp4 of the published layout copies every byte: the
+    same 16 cores give them 8 and 4 workers."""
+    import dsv41_convert.convert.execute as execute
+    from dsv41_convert.convert import workers
+
+    monkeypatch.setattr(workers, "usable_cores", lambda: 16)
+    monkeypatch.setattr(workers, "available_memory", lambda: 100 * GIB)
+    seen = []
+    real = execute.auto_workers
+    monkeypatch.setattr(execute, "auto_workers", lambda *a, **k: seen.append(k["computed_share"]) or real(*a, **k))
+    src = make_tiny(tmp_path / "src")
+    for fmt in ("bf16", "fp8-fp4"):
+        code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(tmp_path / fmt), "--format", fmt)
+        assert code == 0, err
+    assert seen[0] > 0.5 and seen[1] == 0.0  # the tiny bf16 export computes 68 % of its bytes
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x", "1.5"])
