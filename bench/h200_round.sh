@@ -15,11 +15,11 @@
 #           process and of the timed run alone, pinned bytes;
 #   cli     `shard --tp 2` of the medium source as a fresh process (after stream: kernels cached): wall,
 #           CPU, peak RSS; with OLD=<another checkout's root> the same with that code, for comparison;
-#   export  `export --format fp8-fp4` of the bf16 source on cuda, then on cpu (--workers auto), outputs
-#           compared; the cuda output is the medium preset's published layout, the source of `ref`;
+#   export  `export --format fp8-fp4` of the bf16 source on cuda (CUDA_RUNS times), then on cpu (--workers
+#           auto), outputs compared; the cuda output is the medium preset's published layout, the source of `ref`;
 #   ref     `reference-logits --device cuda` of that output, twice, fresh processes, one kernel cache;
 #   exbench bench_export.py on the host's CPUs with that output as the published source: cp, then export to
-#           bf16, fp8 and fp8-fp4 and `shard --tp 8`, `--workers auto` (with OLD=<checkout>: the old code
+#           EXFORMATS (default bf16,fp8,fp8-fp4) and `shard --tp $SHARD_TP` if set, `--workers auto` (with OLD=<checkout>: the old code
 #           in the same rounds, bytes compared); its table into export_bench.txt.
 # The page cache is dropped before each timed step. OUTDIR gets summary.txt (one line a result),
 # stream.json, log.txt (each step's last log lines), env.txt: four files, within what a lent machine
@@ -109,9 +109,11 @@ if has cli; then  # fresh processes, kernels already in the cache (run after str
 fi
 
 if has export || { has ref && [ ! -f "$W/xg/config.json" ]; }; then
-  rm -rf $W/xg
-  drop
-  run export_cuda $C export $W/m $W/xg --format fp8-fp4 --device $D --json
+  for k in $(seq 1 ${CUDA_RUNS:-1}); do  # CUDA_RUNS=2: the second run finds the kernels compiled
+    rm -rf $W/xg
+    drop
+    run export_cuda_$k $C export $W/m $W/xg --format fp8-fp4 --device $D --json
+  done
 fi
 pid_ref=
 if has ref; then  # the first run compiles the model's kernels; the cpu export may run beside it
@@ -143,8 +145,8 @@ if has ref; then
 fi
 if has exbench; then
   left=$((LIMIT - $(el)))
-  timeout $left python3 bench/bench_export.py $W/eb --src $W/xg --workers auto --shard-tp 8 \
-    --formats bf16,fp8,fp8-fp4 ${OLD:+--old $OLD} > "$out/export_bench.txt" 2> "$logs/exbench.err"
+  timeout $left python3 bench/bench_export.py $W/eb --src $W/xg --workers auto ${SHARD_TP:+--shard-tp $SHARD_TP} \
+    --formats ${EXFORMATS:-bf16,fp8,fp8-fp4} ${OLD:+--old $OLD} > "$out/export_bench.txt" 2> "$logs/exbench.err"
   say "export bench: exit $? (export_bench.txt)"
   { echo "== exbench"; tail -n 15 "$logs/exbench.err"; } >> "$out/log.txt"
 fi
