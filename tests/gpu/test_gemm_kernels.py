@@ -50,6 +50,20 @@ def check(got, want, mag, what):
     assert (got == want).float().mean().item() > 0.5, f"{what}: fewer than half the outputs bit-equal"
 
 
+def cuda_operands(seed, m, n, k, fp4):
+    """Random operands on the GPU as the model quantizes them: activations [m, k] e4m3 with ue8m0 scales per
+    32, weights [n, k] as fp8 32x32 blocks or MXFP4 ([n, k/2] packed, scales per 32). -> a, a_s, b, b_s"""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
+    a, a_s = act_ref.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    if fp4:
+        b, b_s = (t.cuda() for t in fp4_ref.encode_mxfp4(w.cpu(), 32, "w"))
+    else:
+        b, b_s = fp8_ref.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+    return a, a_s, b, b_s
+
+
 def run_tile(tile, fp4, a, a_s, b, b_s, e8m0, k_block, a_block, b_rows, stages):
     """The block gemm with explicit (tile, hoist, k_tile, pingpong, keywords), called as fp8_gemm / fp4_gemm
     call it."""
@@ -120,16 +134,10 @@ def test_gemm_same_bytes_run_to_run(fp4, tile):
     from dsv41_convert.kernels.fp4_gemm import STAGES as FP4_STAGES
     from dsv41_convert.kernels.fp8_gemm import STAGES as FP8_STAGES
 
-    g = torch.Generator(device="cuda").manual_seed(7)
-    m, n, k = 1000, 2048, 4096
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
-    a, a_s = act_ref.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    a, a_s, b, b_s = cuda_operands(7, 1000, 2048, 4096, fp4)
     if fp4:
-        b, b_s = (t.cuda() for t in fp4_ref.encode_mxfp4(w.cpu(), 32, "w"))
         outs = [run_tile(tile, True, a, a_s, b, b_s, True, 32, 32, 1, FP4_STAGES) for _ in range(5)]
     else:
-        b, b_s = fp8_ref.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
         outs = [run_tile(tile, False, a, a_s, b, b_s, True, 32, 32, 32, FP8_STAGES) for _ in range(5)]
     for i, c in enumerate(outs[1:], 1):
         assert torch.equal(c.view(torch.uint16), outs[0].view(torch.uint16)), f"call {i} differs from call 0"
@@ -143,15 +151,9 @@ def test_gemm_wrapper_views_misaligned_scales_and_errors(fp4):
     from dsv41_convert.kernels.fp4_gemm import fp4_gemm
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm
 
-    g = torch.Generator(device="cuda").manual_seed(8)
     m, n, k = 70, 256, 1024
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
-    a, a_s = act_ref.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    if fp4:
-        gemm, (b, b_s) = fp4_gemm, (t.cuda() for t in fp4_ref.encode_mxfp4(w.cpu(), 32, "w"))
-    else:
-        gemm, (b, b_s) = fp8_gemm, fp8_ref.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+    a, a_s, b, b_s = cuda_operands(8, m, n, k, fp4)
+    gemm = fp4_gemm if fp4 else fp8_gemm
     want = gemm(a, a_s, b, b_s, torch.float8_e8m0fnu, 32)
 
     def shifted(t):  # the same values, one byte past a 16-byte boundary
