@@ -5,7 +5,8 @@
 For each function, the median thread CPU time over --repeat calls on a chunk of the medium preset's
 shapes (a routed expert's 768 rows, an fp8 weight's 2 MiB), as MB/s of input and output per core.
 --old DIR (a dsv41_convert/quant folder of another checkout, e.g. from `git worktree add`) times that
-folder's fp8.py, fp4.py and cast.py on the same inputs and checks that both give the same bytes.
+folder's fp8.py, fp4.py and cast.py on the same inputs, the two codes called in turn, and checks that
+both give the same bytes.
 Prints JSON (machine, date, load) for docs/BENCHMARKS.md.
 """
 
@@ -65,14 +66,19 @@ def _bytes(result) -> list[bytes]:
     return [x.contiguous().view(torch.uint8).numpy().tobytes() for x in items]
 
 
-def _time(fn, repeat: int) -> float:
-    fn()  # warm: tables, allocator
-    times = []
-    for _ in range(repeat):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times)
+def _times(fns: list, repeat: int) -> list[float]:
+    """Median thread CPU seconds of each function, the functions called in turn (the first one first in even
+    rounds, last in odd ones) so that a change of load between rounds reaches them all alike."""
+    for fn in fns:
+        fn()  # warm: tables, allocator
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeat):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            t0 = time.thread_time()
+            fns[i]()
+            times[i].append(time.thread_time() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -90,14 +96,13 @@ def main() -> None:
         "functions": {},
     }
     for name, (fn, nin, nout) in new.items():
-        sec = _time(fn, a.repeat)
+        old_fn = old[name][0] if name in old else None
+        sec, *old_sec = _times([fn] if old_fn is None else [fn, old_fn], a.repeat)
         row = {"cpu_ms": round(sec * 1e3, 2), "in_mb_s": round(nin / sec / 1e6), "out_mb_s": round(nout / sec / 1e6)}
-        if name in old:
-            old_fn = old[name][0]
+        if old_fn is not None:
             row["same_bytes_as_old"] = _bytes(fn()) == _bytes(old_fn())
-            old_sec = _time(old_fn, a.repeat)
-            row["old_cpu_ms"] = round(old_sec * 1e3, 2)
-            row["speedup"] = round(old_sec / sec, 2)
+            row["old_cpu_ms"] = round(old_sec[0] * 1e3, 2)
+            row["speedup"] = round(old_sec[0] / sec, 2)
         result["functions"][name] = row
     print(json.dumps(result, indent=2))
 

@@ -230,3 +230,47 @@ def test_cast_takes_the_quad_path_only_where_every_offset_is_exact(monkeypatch):
     one_scale = torch.full((2, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     cast.fp4_to_fp8(torch.zeros(2, 15, dtype=torch.uint8), one_scale, 32, "w")  # in = 30: not whole blocks
     assert not calls
+
+
+def test_cast_by_quads_is_the_float_cast_of_every_byte_pair_at_every_offset(monkeypatch):
+    """Every packed byte pair at every offset k = K_ALL_EXACT..6, in one weight, through fp4_to_fp8 (so the
+    index the quad path builds from scale bytes and packed bytes is checked, not only the table): the bytes
+    equal e2m1 value x 2**k cast to e4m3 (-0 written as +0) and the pair path's. k changes from group to
+    group along a row and from row to row; row 0 of each 32-row block is all zero codes at the largest
+    scale (k = 6), so every block scale is the same."""
+    ks = torch.arange(cast.K_ALL_EXACT, cast.MAX_OFFSET_BITS + 1)
+    inp = 2048  # 512 byte pairs per row: 128 rows hold all 65536 once; len(ks) copies of them
+    all_pairs = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(128, inp // 2)
+    out = 32 * -(-len(ks) * 128 // 31)  # 31 data rows per 32-row block
+    data_rows = [r for r in range(out) if r % 32][: len(ks) * 128]
+    top = 137  # largest scale byte: block scale byte 131, and scale byte 131 + k elsewhere
+    k_OG = torch.full((out, inp // 32), cast.MAX_OFFSET_BITS)
+    # copy c of the pairs, group g, row q: k = ks[(128 c + q + g) % 15]; 128 c % 15 takes every value
+    k_OG[data_rows] = ks[(torch.arange(len(data_rows))[:, None] + torch.arange(inp // 32)) % len(ks)]
+    packed = torch.zeros(out, inp // 2, dtype=torch.uint8)
+    packed[data_rows] = all_pairs.repeat(len(ks), 1)
+    s = (top - cast.MAX_OFFSET_BITS + k_OG).to(torch.uint8).view(torch.float8_e8m0fnu)
+    calls = []
+    real = cast._cast_quads
+    monkeypatch.setattr(cast, "_cast_quads", lambda *a: calls.append(1) or real(*a))
+    w8, s8 = cast.fp4_to_fp8(packed, s, 32, "w")
+    assert calls and s8.view(torch.uint8).unique().tolist() == [top - cast.MAX_OFFSET_BITS]
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(out, inp).long()
+    values = fp4_mod.E2M1_VALUES[codes]
+    values = torch.where(values == 0, 0.0, values) * torch.exp2(k_OG.float()).repeat_interleave(32, 1)
+    same_bits(w8, values.to(torch.float8_e4m3fn))
+    monkeypatch.setattr(cast, "K_ALL_EXACT", 1 << 10)  # never true: the pair path
+    same_bits(w8, cast.fp4_to_fp8(packed, s, 32, "w")[0])
+
+
+@pytest.mark.parametrize(
+    ("out", "inp", "block", "at"), [(64, 64, 32, (63, 1)), (33, 80, 16, (32, 4)), (5, 40, 8, (0, 0))]
+)
+def test_cast_finds_a_nan_scale_anywhere(out, inp, block, at):
+    """The NaN check reads the block maxima (byte 255 wins every max): a NaN in a ragged last block or at
+    the first scale is still found, and named by its first position."""
+    s = torch.full((out, -(-inp // block)), 127, dtype=torch.uint8)
+    s[at] = 255
+    s[-1, -1] = 255  # a later one is not the one named
+    with pytest.raises(FormatError, match=rf"w: scale is NaN \(e8m0 byte 255\) at \[{at[0]}, {at[1]}\]"):
+        cast.fp4_to_fp8(torch.zeros(out, inp // 2, dtype=torch.uint8), s.view(torch.float8_e8m0fnu), block, "w")
