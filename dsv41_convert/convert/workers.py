@@ -15,25 +15,9 @@ at least one. With --device cuda all workers would share one GPU and each load t
 
 from __future__ import annotations
 
-import os
+from dsv41_convert.store.machine import available_memory, usable_cores
 
 WORKER_RSS = 1 << 30
-
-
-def available_memory() -> int:
-    """MemAvailable of /proc/meminfo in bytes (physical memory where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def auto_workers(

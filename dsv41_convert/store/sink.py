@@ -38,6 +38,7 @@ from dsv41_convert.progress import Progress
 from dsv41_convert.store.direct_write import DirectAppender
 from dsv41_convert.store.hasher import Hasher
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint
+from dsv41_convert.store.machine import usable_cores
 from dsv41_convert.store.safetensors_header import pread_exact
 
 THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
@@ -96,7 +97,7 @@ class Sink:
         self._last_mark = self.queued
         self.stages: dict[str, float] = {}  # seconds in this thread: hash, write
         self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._hasher = Hasher(f"sha256 {label}") if _usable_cores() >= HASH_THREAD_CORES else None
+        self._hasher = Hasher(f"sha256 {label}") if usable_cores() >= HASH_THREAD_CORES else None
         self._thread = threading.Thread(target=self._drain, name=f"write {label}", daemon=True)
         self._thread.start()
 
@@ -238,7 +239,3 @@ def _pwrite_aside(fd: int, view: memoryview, pos: int, aside: Aside) -> None:
         n = os.pwrite(fd, view, pos)
         view, pos = view[n:], pos + n
         aside.end = pos
-
-
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
