@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv41_convert.progress import add_seconds
 from dsv41_convert.store.safetensors_header import pread_exact
 
 if TYPE_CHECKING:  # ring.py imports torch; a CPU run never makes a ring
@@ -225,7 +226,7 @@ class Prefetch:
                 buf = None
             dt = time.perf_counter() - t0
             with self._cv:
-                self.stages["read_ahead"] = self.stages.get("read_ahead", 0.0) + dt
+                add_seconds(self.stages, "read_ahead", dt)
                 self._reading.discard(pos)
                 if pos < self._cursor:  # passed while being read
                     self._claimed -= n

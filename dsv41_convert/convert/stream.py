@@ -44,6 +44,7 @@ import torch
 from dsv41_convert.convert.plan import OutTensor, Read
 from dsv41_convert.convert.ring import Staging
 from dsv41_convert.convert.transform import apply, from_bytes
+from dsv41_convert.progress import add_seconds
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
 DEPTH = 2  # blocks read ahead, and blocks in flight on the GPU
@@ -88,12 +89,12 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
                     inputs = [x.reshape(-1) for x in inputs]
                 t0 = time.perf_counter()
                 outs = apply(t.action, inputs, quantizer, name, t.dtype, t.block)
-                _add(stages, "kernel", time.perf_counter() - t0)
+                add_seconds(stages, "kernel", time.perf_counter() - t0)
                 yield outs
                 continue
             t0 = time.perf_counter()
             flight.append(_launch(t, inputs, quantizer, name, flat, reader.ahead, stages))
-            _add(stages, "launch", time.perf_counter() - t0)
+            add_seconds(stages, "launch", time.perf_counter() - t0)
             if len(flight) >= DEPTH:
                 yield _land(flight.popleft(), stages)
         while flight:
@@ -162,8 +163,8 @@ def _read_here(t, reader, step, starts, rows, cuda, stages) -> Iterator[list[tor
     for a in starts:
         t0 = time.perf_counter()
         inputs = _read_block(t, reader, a, min(rows, a + step), cuda)
-        _add(stages, "read", time.perf_counter() - t0)
-        _add(stages, "wait_read", time.perf_counter() - t0)
+        add_seconds(stages, "read", time.perf_counter() - t0)
+        add_seconds(stages, "wait_read", time.perf_counter() - t0)
         yield inputs
 
 
@@ -171,7 +172,7 @@ def _from_queue(q: queue.Queue, stages: dict) -> Iterator[list[torch.Tensor]]:
     while True:
         t0 = time.perf_counter()
         item = q.get()
-        _add(stages, "wait_read", time.perf_counter() - t0)
+        add_seconds(stages, "wait_read", time.perf_counter() - t0)
         if isinstance(item, BaseException):
             raise item
         if item is None:
@@ -185,7 +186,7 @@ def _read_ahead(t, reader, step, starts, rows, cuda, q, stop, stages) -> None:
         for a in starts:
             t0 = time.perf_counter()
             inputs = _read_block(t, reader, a, min(rows, a + step), cuda)
-            _add(stages, "read", time.perf_counter() - t0)
+            add_seconds(stages, "read", time.perf_counter() - t0)
             if not _put(q, inputs, stop):
                 return
         _put(q, None, stop)
@@ -247,7 +248,7 @@ def _launch(t: OutTensor, inputs: list[HostRows], quantizer, name: str, flat: bo
         if got is None:  # the staging ring is full: pageable memory (the copy then waits for the GPU)
             t0 = time.perf_counter()
             host.append(torch.empty(o.shape, dtype=o.dtype).copy_(o))
-            _add(stages, "d2h_pageable", time.perf_counter() - t0)
+            add_seconds(stages, "d2h_pageable", time.perf_counter() - t0)
             continue
         host.append(got[0].copy_(o, non_blocking=True))
         staged.append(got[1])
@@ -262,11 +263,7 @@ def _land(flight: tuple, stages: dict) -> tuple:
     host, ev, _, _ = flight
     t0 = time.perf_counter()
     ev[3].synchronize()
-    _add(stages, "wait_gpu", time.perf_counter() - t0)
+    add_seconds(stages, "wait_gpu", time.perf_counter() - t0)
     for key, a, b in (("h2d", 0, 1), ("kernel", 1, 2), ("d2h", 2, 3)):
-        _add(stages, key, ev[a].elapsed_time(ev[b]) / 1e3)
+        add_seconds(stages, key, ev[a].elapsed_time(ev[b]) / 1e3)
     return host
-
-
-def _add(stages: dict, key: str, seconds: float) -> None:
-    stages[key] = stages.get(key, 0.0) + seconds

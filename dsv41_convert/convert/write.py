@@ -42,7 +42,7 @@ import numpy as np
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.errors import OutputError
-from dsv41_convert.progress import Progress
+from dsv41_convert.progress import Progress, add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
 from dsv41_convert.store.manifest import fsync_dir
@@ -283,14 +283,14 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
         if PREFETCH_BYTES:
             t0 = time.perf_counter()
             reader.prefetch(rf.tensors, i)
-            sink.stages["hint"] = sink.stages.get("hint", 0.0) + time.perf_counter() - t0
+            add_seconds(sink.stages, "hint", time.perf_counter() - t0)
         ahead = sink.asides.get(t.group) if t.group else None
         if ahead is not None and ahead.tensor == i:
             _read_back(t, ahead, sink, skip, chunk_bytes)
         elif t.action in COPIED:  # as_fp4: the I8 bytes are already e2m1 pairs
             t0 = time.perf_counter()
             _copy(t, reader, sink, chunk_bytes, skip)
-            sink.stages["copy"] = sink.stages.get("copy", 0.0) + time.perf_counter() - t0
+            add_seconds(sink.stages, "copy", time.perf_counter() - t0)
         elif t.group:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)

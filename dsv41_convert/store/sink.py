@@ -34,7 +34,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from dsv41_convert.progress import Progress
+from dsv41_convert.progress import Progress, add_seconds
 from dsv41_convert.store.direct_write import DirectAppender
 from dsv41_convert.store.hasher import Hasher
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint
@@ -193,7 +193,7 @@ class Sink:
             self._thread.join()
             if self._hasher is not None:
                 self._hasher.close()
-                self.stages["hash"] = self.stages.get("hash", 0.0) + self._hasher.seconds
+                add_seconds(self.stages, "hash", self._hasher.seconds)
             if self.error is not None:
                 self.out.abort()
             else:
@@ -211,8 +211,8 @@ class Sink:
             sha.update(view)
             t1 = time.perf_counter()
             write(view)
-            self.stages["hash"] = self.stages.get("hash", 0.0) + t1 - t0
-            self.stages["write"] = self.stages.get("write", 0.0) + time.perf_counter() - t1
+            add_seconds(self.stages, "hash", t1 - t0)
+            add_seconds(self.stages, "write", time.perf_counter() - t1)
             return
         self._hasher.start(sha, view)
         t0 = time.perf_counter()
@@ -221,8 +221,8 @@ class Sink:
         finally:  # the hasher reads `view` until then, and the next item may be a checkpoint of `sha`
             t1 = time.perf_counter()
             self._hasher.wait()
-            self.stages["write"] = self.stages.get("write", 0.0) + t1 - t0
-            self.stages["wait_hash"] = self.stages.get("wait_hash", 0.0) + time.perf_counter() - t1
+            add_seconds(self.stages, "write", t1 - t0)
+            add_seconds(self.stages, "wait_hash", time.perf_counter() - t1)
 
     def fill(self, value: int, count: int, chunk: int, tensor: str) -> None:
         """Append `count` bytes of `value` (padding rows); no checkpoint falls inside padding."""
