@@ -171,7 +171,7 @@ def execute(
         check_empty(out, resume, overwrite, frozenset(others) if share else None)
         job = {
             "device": device,
-            "computes": any(t.action not in COPIED for f in mine for t in f.tensors),
+            "computes": _computed_bytes(mine) > 0,
             "chunk_bytes": chunk_bytes,
             "digest": plan.digest(),
             "resume": resume,
@@ -222,8 +222,7 @@ def _execute_held(
     extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.perf_counter()
     if workers == 0:  # --workers auto
-        computed = sum(t.end - t.begin for f in todo for t in f.tensors if t.action not in COPIED)
-        workers = auto_workers(len(todo), device, computed_share=computed / max(1, need))
+        workers = auto_workers(len(todo), device, computed_share=_computed_bytes(todo) / max(1, need))
     results = _run(todo, src, out, workers, progress, job)
     seconds = time.perf_counter() - t0
     written = sum(size - kept for _, size, _, kept in results)
@@ -268,6 +267,11 @@ def _write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
     atomic_write(out / "config.json", (json.dumps(plan.inference_config, indent=2) + "\n").encode())
     atomic_write(out / "hf_config.json", (src / "config.json").read_bytes())
     return [*names, "config.json", "hf_config.json"]
+
+
+def _computed_bytes(files: list[RankFile]) -> int:
+    """Output bytes of `files` that an action computes (dequantize, quantize, cast) rather than copies."""
+    return sum(t.end - t.begin for f in files for t in f.tensors if t.action not in COPIED)
 
 
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress):

@@ -2,12 +2,12 @@
 
 Each worker writes one rank file at a time and keeps two or three threads busy (reads and computing in
 one; the pwrite of a chunk in another, its sha256 in a third at the same time: store/sink.py), with a
-resident size under WORKER_RSS (0.37-0.5 GiB
-measured, docs/BENCHMARKS.md). Measured on the 16-core H200 host (old code, cold source): 1 worker
-2.33x cp, 4 workers 1.65x, 8 workers 1.68x: where most bytes are copied, past a quarter of the cores the
-disk, not the CPU, limits. Where most output bytes are computed on the CPU (an export that decodes or
-casts every expert), each worker's converting thread is the limit instead: 4 workers of the fp8 export
-kept 3 of 16 cores busy at 1.98x cp per byte (docs/BENCHMARKS.md, export).
+resident size under WORKER_RSS (0.37-0.85 GiB measured, docs/BENCHMARKS.md). Measured on the 16-core
+H200 host (old code, cold source): 1 worker 2.33x cp, 4 workers 1.65x, 8 workers 1.68x: where most bytes
+are copied, past a quarter of the cores the disk, not the CPU, limits. Where most output bytes are
+computed on the CPU (an export that decodes or casts every expert), each worker's converting thread is
+the limit instead: 4 workers of the fp8 export kept 3 of 16 cores busy at 1.98x cp per byte, 8 workers
+1.63x (docs/BENCHMARKS.md, export).
 So: a quarter of the usable cores, half of them where most output bytes are computed, at most one worker
 per WORKER_RSS of half the available memory (the page cache needs the rest), at most one per rank file,
 at least one. With --device cuda all workers would share one GPU and each load the kernels: one worker.
