@@ -77,5 +77,4 @@ def _kernels(n: int, k: int, act_block: int, e8m0: bool) -> dict:
 
 def warm_up(n: int, k: int, act_block_size: int = 32, e8m0: bool = True) -> None:
     """Compile the kernels (both tiles) for an expert weight [n, k] (logical) before collectives start."""
-    for tile in FP4_TILES:
-        fp4_gemm_kernel(n, k, act_block_size, e8m0, tile)
+    _kernels(n, k, act_block_size, e8m0)

@@ -79,5 +79,4 @@ def _kernels(n: int, k: int, block_size: int, e8m0: bool) -> dict:
 
 def warm_up(n: int, k: int, block_size: int = 32, e8m0: bool = True) -> None:
     """Compile the kernels (both tiles) for a weight [n, k] before collectives start."""
-    for tile in FP8_TILES:
-        fp8_gemm_kernel(n, k, block_size, e8m0, tile)
+    _kernels(n, k, block_size, e8m0)
