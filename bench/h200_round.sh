@@ -15,12 +15,16 @@
 #           process and of the timed run alone, pinned bytes;
 #   cli     `shard --tp 2` of the medium source as a fresh process (after stream: kernels cached): wall,
 #           CPU, peak RSS; with OLD=<another checkout's root> the same with that code, for comparison;
-#   export  `export --format fp8-fp4` of the bf16 source on cuda (CUDA_RUNS times), then on cpu (--workers
-#           auto), outputs compared; the cuda output is the medium preset's published layout, the source of `ref`;
+#   export  `export --format fp8-fp4` of the bf16 source on cuda (CUDA_RUNS times, default 1), then on
+#           cpu (--workers auto), outputs compared; the cuda output is the medium preset's published
+#           layout, the source of `ref` and `exbench`;
 #   ref     `reference-logits --device cuda` of that output, twice, fresh processes, one kernel cache;
-#   exbench bench_export.py on the host's CPUs with that output as the published source: cp, then export to
-#           EXFORMATS (default bf16,fp8,fp8-fp4) and `shard --tp $SHARD_TP` if set, `--workers auto` (with OLD=<checkout>: the old code
-#           in the same rounds, bytes compared); its table into export_bench.txt.
+#   exbench bench_export.py on the host's CPUs with that output as the published source, `--workers
+#           auto`: cp, then export to EXFORMATS (default bf16,fp8,fp8-fp4), and `shard --tp $SHARD_TP` if
+#           set; with OLD=<checkout> the old code in the same rounds, bytes compared; its table into
+#           export_bench.txt.
+# Used 2026-12-01: OLD=<8554f92> STEPS="gputests export exbench" SHARD_TP=8 and
+# CUDA_RUNS=2 EXFORMATS=fp8,bf16 STEPS="export exbench" (docs/BENCHMARKS.md, export: the H200 host).
 # The page cache is dropped before each timed step. OUTDIR gets summary.txt (one line a result),
 # stream.json, log.txt (each step's last log lines), env.txt: four files, within what a lent machine
 # returns. A dry run without a GPU: PRESET=tiny DEV=cpu DROP=0 W=/tmp/x bash bench/h200_round.sh OUT.
