@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
 from dsv41_convert.convert.workers import auto_workers
@@ -75,6 +75,21 @@ class Sidecars:
     before: Callable[[Path, Path], list[str]]
     after: Callable[[Path], list[str]]
     options: dict[str, Any]
+
+
+class FileDone(NamedTuple):
+    """One rank file written by this run: its size and sha256, the bytes kept from a partial file, and
+    when and where it was written (`time.monotonic()`, the same clock in every process on one machine;
+    the writing process; its stage seconds: write.write_partial's `stats`)."""
+
+    file: str
+    size: int
+    sha: str
+    kept: int
+    worker: int
+    start: float
+    end: float
+    stages: dict[str, float]
 
 
 def disk_free(path: Path) -> int:
@@ -220,12 +235,12 @@ def _execute_held(
     if todo:
         forget_stale(out, digest)
     extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     if workers == 0:  # --workers auto
         workers = auto_workers(len(todo), device, computed_share=_computed_bytes(todo) / max(1, need))
     results = _run(todo, src, out, workers, progress, job)
-    seconds = time.perf_counter() - t0
-    written = sum(size - kept for _, size, _, kept in results)
+    seconds = time.monotonic() - t0
+    written = sum(r.size - r.kept for r in results)
     manifest = fragment = None
     options = sidecars.options if sidecars else {"tp": plan.tp, "expert_dtype": plan.expert_dtype}
     options = options | {"device": device}
@@ -238,16 +253,32 @@ def _execute_held(
         fragment = str(write_fragment(out, plan, options, done))
     return {
         "out": str(out.resolve()),
-        "written": [name for name, _, _, _ in results],
+        "written": [r.file for r in results],
         "skipped": skipped,
         "workers": workers,
-        "resumed": {name: kept for name, _, _, kept in results if kept},  # bytes kept from a partial file
+        "resumed": {r.file: r.kept for r in results if r.kept},  # bytes kept from a partial file
         "bytes": written,  # written by this run
         "seconds": round(seconds, 3),
         "gb_per_s": round(written / seconds / 1e9, 3) if seconds > 0 else None,
         "manifest": manifest,
         "fragment": fragment,
+        "timeline": _timeline(results, t0),
     }
+
+
+def _timeline(results: list[FileDone], t0: float) -> list[dict[str, Any]]:
+    """Per file, in order of start: the writing process, its start and end in seconds from the run's
+    start, and its stage seconds (where a file's time went: read, kernel, hash, write, ...)."""
+    return [
+        {
+            "file": r.file,
+            "worker": r.worker,
+            "start_s": round(r.start - t0, 3),
+            "end_s": round(r.end - t0, 3),
+            "stages": {k: round(v, 3) for k, v in sorted(r.stages.items())},
+        }
+        for r in sorted(results, key=lambda r: r.start)
+    ]
 
 
 def is_done_record(out: Path, file: str, digest: str) -> bool:
@@ -274,13 +305,18 @@ def _computed_bytes(files: list[RankFile]) -> int:
     return sum(t.end - t.begin for f in files for t in f.tensors if t.action not in COPIED)
 
 
-def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress):
-    """Write, commit and record one rank file. -> (file, size, sha256, bytes kept from a partial file)"""
-    stats: dict[str, Any] = {}
+def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> FileDone:
+    """Write, commit and record one rank file."""
+    start, stats = time.monotonic(), {}
     with _one_torch_thread(job):
         size, sha = write_rank_file(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
     write_done(out, rf.file, size, sha, job["digest"])
-    return rf.file, size, sha, stats["resumed_from"]
+    return _done(rf.file, size, sha, stats, start)
+
+
+def _done(file: str, size: int, sha: str, stats: dict[str, Any], start: float) -> FileDone:
+    stages = stats.get("stages", {})
+    return FileDone(file, size, sha, stats["resumed_from"], os.getpid(), start, time.monotonic(), stages)
 
 
 def _write_kw(job: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
@@ -294,18 +330,18 @@ def _write_kw(job: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run_here(todo, src, out, job, progress) -> list[tuple[str, int, str, int]]:
+def _run_here(todo, src, out, job, progress) -> list[FileDone]:
     """One file after another in this process; each file's fsync + rename runs in a thread while the next
     file is written (one commit in flight), as `cp` lets writeback overlap its copying."""
-    results: list[tuple[str, int, str, int]] = []
+    results: list[FileDone] = []
     pending: Future | None = None
     with _one_torch_thread(job), ThreadPoolExecutor(1, thread_name_prefix="commit") as committer:
         for rf in todo:
-            stats: dict[str, Any] = {}
+            start, stats = time.monotonic(), {}
             size, sha = write_partial(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
             if pending is not None:
                 results.append(pending.result())
-            pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats["resumed_from"])
+            pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats, start)
         results.append(pending.result())
     return results
 
@@ -338,10 +374,10 @@ def _quantizer(job: dict[str, Any]) -> SimpleNamespace:
     return quantizer_for(job["device"])
 
 
-def _commit(out: Path, file: str, size: int, sha: str, digest: str, kept: int) -> tuple[str, int, str, int]:
+def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[str, Any], start: float) -> FileDone:
     commit(out, file)
     write_done(out, file, size, sha, digest)
-    return file, size, sha, kept
+    return _done(file, size, sha, stats, start)
 
 
 _QUEUE: Any = None
@@ -366,7 +402,7 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _worker_job(rf, src, out, job) -> tuple:
+def _worker_job(rf, src, out, job) -> FileDone:
     last = [0.0]
 
     def report(label: str, done: int, total: int) -> None:
@@ -378,7 +414,7 @@ def _worker_job(rf, src, out, job) -> tuple:
     return _job(rf, src, out, job, report)
 
 
-def _run(todo, src, out, workers, progress, job) -> list[tuple[str, int, str, int]]:
+def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     if not todo:
         return []
     if workers <= 1 or len(todo) == 1:

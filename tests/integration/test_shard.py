@@ -140,3 +140,26 @@ def test_torchrun_share_is_disjoint(fp8_src):
     shares = [select_files(plan, None, {"WORLD_SIZE": "3", "RANK": str(r)}) for r in range(3)]
     files = [f.file for share in shares for f in share]
     assert sorted(files) == sorted(f.file for f in plan.files) and len(set(files)) == 8
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_timeline_names_each_file_its_process_and_stages(bf16_src, tmp_path, workers):
+    """--json's timeline: every written file once, in order of start, each inside the run's seconds,
+    written by this process (1 worker) or by as many other processes as workers, with the stages of a
+    quantizing run (the bf16 source's weights are computed, every file is hashed and written)."""
+    import os
+
+    summary = _shard(bf16_src, tmp_path / "out", 2, "fp4", workers=workers)
+    timeline = summary["timeline"]
+    assert sorted(r["file"] for r in timeline) == sorted(summary["written"])
+    starts = [r["start_s"] for r in timeline]
+    assert starts == sorted(starts)
+    assert all(0 <= r["start_s"] <= r["end_s"] <= summary["seconds"] + 1e-3 for r in timeline)
+    pids = {r["worker"] for r in timeline}
+    if workers == 1:
+        assert pids == {os.getpid()}
+    else:
+        assert len(pids) == workers and os.getpid() not in pids
+    for r in timeline:
+        assert {"kernel", "hash", "write"} <= set(r["stages"]), r["stages"]
+        assert all(v >= 0 for v in r["stages"].values())
