@@ -300,6 +300,13 @@ def _write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
     return [*names, "config.json", "hf_config.json"]
 
 
+def longest_first(files: list[RankFile]) -> list[RankFile]:
+    """The order in which workers take files: the most work first (output bytes, computed ones counted
+    twice), so that no large file starts last and runs alone while the other workers idle; ties in plan
+    order."""
+    return sorted(files, key=lambda f: -(f.nbytes + _computed_bytes([f])))
+
+
 def _computed_bytes(files: list[RankFile]) -> int:
     """Output bytes of `files` that an action computes (dequantize, quantize, cast) rather than copies."""
     return sum(t.end - t.begin for f in files for t in f.tensors if t.action not in COPIED)
@@ -425,7 +432,7 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     with ProcessPoolExecutor(
         min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
     ) as pool:
-        pending = {pool.submit(_worker_job, rf, src, out, job) for rf in todo}
+        pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)

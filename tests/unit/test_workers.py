@@ -89,3 +89,27 @@ def test_auto_is_the_default_and_reported(tmp_path, monkeypatch, capsys):
     assert json.loads(out)["workers"] == auto_workers(2)
     for f in (tmp_path / "o").glob("model*"):
         assert (tmp_path / "p" / f.name).read_bytes() == f.read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-fp4"])
+def test_workers_take_the_most_work_first(tmp_path, fmt):
+    """longest_first: every file of the plan once, in non-increasing work (output bytes plus the computed
+    ones, counted here from the tensors' actions); equal work keeps plan order."""
+    from dsv41_convert.convert.execute import longest_first
+    from dsv41_convert.convert.export import build_export_plan
+    from dsv41_convert.convert.write import COPIED
+
+    files = list(build_export_plan(make_tiny(tmp_path / "src"), fmt).plan.files)
+    order = longest_first(files)
+    assert sorted(f.file for f in order) == sorted(f.file for f in files)
+
+    def work(f) -> int:
+        return sum((t.end - t.begin) * (1 if t.action in COPIED else 2) for t in f.tensors) + f.tensors[0].begin
+
+    works = [work(f) for f in order]
+    assert works == sorted(works, reverse=True)
+    for a, b in zip(order, order[1:], strict=False):
+        if work(a) == work(b):
+            assert files.index(a) < files.index(b)
+    if fmt != "fp8-fp4":  # something computed: the plan's first file is not the most work
+        assert order != files
