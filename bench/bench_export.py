@@ -8,6 +8,9 @@
 2. for each format (bf16, fp8, fp8-fp4), alternating, each from a cold page cache for its files:
    `cp` of the source shards + sync, then `export WORK/pub WORK/out --format F` (it fsyncs every file);
    per byte written = (export s / output bytes) / (cp s / source bytes), in wall and in CPU seconds;
+   after each round, `cp` of the export's own output files + sync ("cp out": the same bytes written, from
+   a cold cache): where the disk's speed depends on how much is written (a write cache in front of it,
+   the dirty-page limits), export s / cp out s compares like with like;
 3. the quantizing direction and the round trip: `export WORK/bf16 --format fp8-fp4` (every weight
    quantized on the CPU), timed the same way, then every file compared with WORK/pub byte for byte (where
    files differ, verify/roundtrip.py lists the tensors and why);
@@ -105,7 +108,10 @@ def _row(cps: list[dict], runs: list[dict], src_bytes: int, out_bytes: int) -> d
 
 def _summary(result: dict) -> str:
     """One line per format and code: cp s, run s, per byte (wall, CPU), peak RSS."""
-    head = f"{'run':<22} {'code':<4} {'GB out':>7} {'cp s':>6} {'run s':>7} {'/B wall':>8} {'/B cpu':>7} {'RSS GiB':>8}"
+    head = (
+        f"{'run':<22} {'code':<4} {'GB out':>7} {'cp s':>6} {'run s':>7} {'/B wall':>8} {'/B cpu':>7} "
+        f"{'cp out s':>8} {'vs cp out':>9} {'RSS GiB':>8}"
+    )
     lines = [f"{result['date']}  {result['machine']}  workers {result['workers']}", head]
     for fmt, row in result["formats"].items():
         for code in ("new", "old"):
@@ -114,6 +120,7 @@ def _summary(result: dict) -> str:
                 lines.append(
                     f"{fmt:<22} {code:<4} {row['output_bytes'] / 1e9:>7.2f} {row['cp']['seconds']:>6.1f} "
                     f"{r['export']['seconds']:>7.1f} {r['vs_cp_per_byte']:>7.2f}x {r['vs_cp_cpu_per_byte']:>6.2f}x "
+                    f"{row['cp_out']['seconds']:>8.1f} {r['vs_cp_same_bytes']:>8.2f}x "
                     f"{r['export']['peak_tree_rss_gib']:>8.2f}"
                 )
         extra = {k: row[k] for k in ("same_bytes_as_old", "files_differing_from_pub") if k in row}
@@ -170,16 +177,21 @@ def main() -> None:
             if fmt == "bf16":
                 outs = {code: work / f"bf16-{code}" for code in codes}
             cps: list[dict] = []
+            cps_out: list[dict] = []
             runs: dict[str, list[dict]] = {code: [] for code in codes}
             for i in range(a.repeat):
                 cps.append(_cp(pub, work))
                 order = list(codes) if i % 2 == 0 else list(codes)[::-1]  # alternate which code goes first
                 for code in order:
                     runs[code].append(_run(codes[code], src, outs[code], fmt, a.workers, a.shard_tp))
+                cps_out.append(_cp(outs["new"], work))
             out_bytes = _bytes(outs["new"])
             row: dict = {"output_bytes": out_bytes, "cp": _median_run(cps), "cp_runs_s": [r["seconds"] for r in cps]}
+            row["cp_out"] = _median_run(cps_out)
+            row["cp_out_runs_s"] = [r["seconds"] for r in cps_out]
             for code in codes:
                 row[code] = _row(cps, runs[code], src_bytes, out_bytes)
+                row[code]["vs_cp_same_bytes"] = round(row[code]["export"]["seconds"] / row["cp_out"]["seconds"], 2)
             if "old" in codes:
                 row["same_bytes_as_old"] = _file_hashes(outs["new"]) == _file_hashes(outs["old"])
             if src != pub or fmt == "fp8-fp4":  # a round trip, or a copy: the published files again

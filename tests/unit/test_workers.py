@@ -4,6 +4,7 @@ errors (exit 2), never a traceback."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_workers_take_the_most_work_first(tmp_path, fmt):
 
     works = [work(f) for f in order]
     assert works == sorted(works, reverse=True)
-    for a, b in zip(order, order[1:], strict=False):
+    for a, b in itertools.pairwise(order):
         if work(a) == work(b):
             assert files.index(a) < files.index(b)
     if fmt != "fp8-fp4":  # something computed: the plan's first file is not the most work
