@@ -70,7 +70,9 @@ def _cp(src: Path, work: Path) -> dict:
     return run
 
 
-def _run(code: Path, src: Path, out: Path, fmt: str, workers: str, shard_tp: int) -> dict:
+def _run(code: Path, src: Path, out: Path, fmt: str, workers: str, shard_tp: int, keep_json: Path | None) -> dict:
+    """One timed CLI run; its --json summary, condensed by _timeline_summary, under "timeline" (the whole
+    summary kept in `keep_json` if given, one file per run)."""
     if out.exists():
         shutil.rmtree(out)
     evict(src)
@@ -78,7 +80,37 @@ def _run(code: Path, src: Path, out: Path, fmt: str, workers: str, shard_tp: int
         args = ["shard", str(src), str(out), "--tp", str(shard_tp)]
     else:
         args = ["export", str(src), str(out), "--format", fmt.split()[-1]]
-    return measure([*_cli(code), *args, "--workers", workers, "--json"])
+    summary = out.with_name(out.name + ".summary.json")
+    run = measure([*_cli(code), *args, "--workers", workers, "--json"], stdout=summary)
+    data = json.loads(summary.read_text())
+    if keep_json:
+        keep_json.mkdir(parents=True, exist_ok=True)
+        stem = f"{out.name}-{datetime.datetime.now(datetime.UTC).strftime('%H%M%S')}"
+        shutil.copy(summary, keep_json / f"{stem}.json")
+    summary.unlink()
+    return run | {"workers": data["workers"], "timeline": _timeline_summary(data.get("timeline", []))}
+
+
+def _timeline_summary(timeline: list[dict]) -> dict:
+    """Where a run's time went, from the CLI's --json timeline: when the first file started (the start:
+    planning, worker processes), when the last ended, how long the last worker to finish ran alone, and
+    the stage seconds summed over files (per thread: they overlap)."""
+    if not timeline:
+        return {}
+    ends: dict[int, float] = {}
+    for r in timeline:
+        ends[r["worker"]] = max(ends.get(r["worker"], 0.0), r["end_s"])
+    last = sorted(ends.values())
+    stages: dict[str, float] = {}
+    for r in timeline:
+        for k, v in r["stages"].items():
+            stages[k] = round(stages.get(k, 0.0) + v, 2)
+    return {
+        "first_start_s": min(r["start_s"] for r in timeline),
+        "last_end_s": last[-1],
+        "alone_at_end_s": round(last[-1] - last[-2], 2) if len(last) > 1 else 0.0,
+        "stages_s": stages,
+    }
 
 
 def _compare(a: Path, b: Path) -> list[str]:
@@ -140,6 +172,7 @@ def main() -> None:
     ap.add_argument("--shard-tp", type=int, default=0, help="also time `shard --tp N` of the source")
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of: " + ", ".join(FORMATS))
     ap.add_argument("--src", type=Path, help="a published-format checkpoint to use (kept) instead of make-tiny")
+    ap.add_argument("--keep-json", type=Path, help="keep each run's --json summary (with its timeline) here")
     a = ap.parse_args()
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     if unknown := set(formats) - set(FORMATS):
@@ -183,7 +216,7 @@ def main() -> None:
                 cps.append(_cp(pub, work))
                 order = list(codes) if i % 2 == 0 else list(codes)[::-1]  # alternate which code goes first
                 for code in order:
-                    runs[code].append(_run(codes[code], src, outs[code], fmt, a.workers, a.shard_tp))
+                    runs[code].append(_run(codes[code], src, outs[code], fmt, a.workers, a.shard_tp, a.keep_json))
                 cps_out.append(_cp(outs["new"], work))
             out_bytes = _bytes(outs["new"])
             row: dict = {"output_bytes": out_bytes, "cp": _median_run(cps), "cp_runs_s": [r["seconds"] for r in cps]}

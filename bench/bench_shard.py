@@ -154,10 +154,16 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def measure(cmd: list[str]) -> dict:
-    """Wall time, peak tree RSS and peak single-process RSS of `cmd` (which must succeed)."""
+def measure(cmd: list[str], stdout: Path | None = None) -> dict:
+    """Wall time, peak tree RSS and peak single-process RSS of `cmd` (which must succeed); its standard
+    output goes to `stdout` if given."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sink = open(stdout, "wb") if stdout else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.PIPE)
+    finally:
+        if stdout:
+            sink.close()
     peak = 0
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)

@@ -5,12 +5,8 @@ once, each written by its own thread with pwrite, so the device always has work 
 writer instead spends CPU copying every byte into the page cache (on the project's 2-core box: 12 s of
 system time per 7.7 GB written), but the kernel then writes back while the caller reads its next chunk:
 there, converting 23.7 GB at tp 8 took 1.21-1.48x the time of `cp` buffered against 1.40-1.68x with
-O_DIRECT, so `shard` writes buffered unless given --direct-io. Buffered writes need no staging copy: a
-call's bytes go to the page cache in pwrites of at most BUFFERED_PIECE_BYTES. Larger pwrites cost
-several times the system time per byte on the project's box (kernel 6.18 in a VM, large page-cache
-folios): 2 GB from one 16 MiB buffer took 1.7-2.3 s of system time as 16 MiB pwrites and 0.45-0.63 s as
-1 MiB pwrites (five alternating runs each, docs/BENCHMARKS.md); `cp`, which copies through 64 KiB pipe
-buffers, never paid it.
+O_DIRECT, so `shard` writes buffered unless given --direct-io. Buffered writes are one pwrite per call,
+no staging copy.
 
 The stream position may be any byte: a piece starts at the block boundary at or below it and carries
 the bytes before the position (already in the file) as its head, so every O_DIRECT write is block
@@ -28,13 +24,11 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers: covers 512- and 4096-byte sectors
 PIECE_BYTES = 8 << 20
 DEPTH = 4
-BUFFERED_PIECE_BYTES = 1 << 20  # the largest pwrite into the page cache (see the module doc)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -81,7 +75,7 @@ class DirectAppender:
         view = memoryview(data).cast("B")
         if self.direct_fd < 0:  # buffered: the page cache is the queue, no copy into a piece
             self._raise()
-            pwrite_buffered(self.fd, view, self._base)
+            _pwrite_all(self.fd, self.fd, view, self._base)
             self._base += len(view)
             return
         while len(view):
@@ -205,13 +199,3 @@ def _pwrite_all(fd: int, plain_fd: int, view: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
         view, offset, fd = view[n:], offset + n, plain_fd
-
-
-def pwrite_buffered(fd: int, view: memoryview, offset: int, done: Callable[[int], None] | None = None) -> None:
-    """All of `view` at `offset` through the page cache, BUFFERED_PIECE_BYTES at most per pwrite;
-    `done(end)` after each piece with the file offset written up to."""
-    for a in range(0, len(view), BUFFERED_PIECE_BYTES):
-        piece = view[a : a + BUFFERED_PIECE_BYTES]
-        _pwrite_all(fd, fd, piece, offset + a)
-        if done is not None:
-            done(offset + a + len(piece))

@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 
 from dsv41_convert.progress import Progress, add_seconds
-from dsv41_convert.store.direct_write import DirectAppender, pwrite_buffered
+from dsv41_convert.store.direct_write import DirectAppender
 from dsv41_convert.store.hasher import Hasher
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint
 from dsv41_convert.store.machine import usable_cores
@@ -235,4 +235,7 @@ class Sink:
 
 def _pwrite_aside(fd: int, view: memoryview, pos: int, aside: Aside) -> None:
     """All of `view` at `pos`, moving aside.end along with the bytes written."""
-    pwrite_buffered(fd, view, pos, partial(setattr, aside, "end"))
+    while len(view):
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+        aside.end = pos

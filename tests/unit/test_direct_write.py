@@ -98,37 +98,3 @@ def test_write_error_reaches_the_caller(tmp_path, monkeypatch):
         finally:
             out.abort()
     assert info.value.errno == errno.ENOSPC
-
-
-@pytest.mark.parametrize("size", [1, direct_write.BUFFERED_PIECE_BYTES, 3 * direct_write.BUFFERED_PIECE_BYTES + 17])
-def test_buffered_writes_go_in_pieces(tmp_path, monkeypatch, size):
-    """A buffered write reaches the file in pwrites of at most BUFFERED_PIECE_BYTES, each at its own offset,
-    together every byte once; `done` sees each piece's end in order. Planted fault it catches: one pwrite
-    of the whole call (what the module doc measures as several times the system time)."""
-    calls: list[tuple[int, int]] = []
-    real = os.pwrite
-
-    def pwrite(fd, data, pos):
-        calls.append((pos, len(data)))
-        return real(fd, data, pos)
-
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    data = os.urandom(size)
-    out = DirectAppender(tmp_path / "f", start=5, direct=False)
-    os.pwrite(out.fd, b"head!", 0)
-    calls.clear()
-    out.write(data)
-    out.close()
-    assert (tmp_path / "f").read_bytes() == b"head!" + data
-    cap = direct_write.BUFFERED_PIECE_BYTES
-    pieces = -(-size // cap)
-    assert all(n <= cap for _, n in calls) and len(calls) == pieces
-    assert [p for p, _ in calls] == [5 + i * cap for i in range(pieces)]
-    ends: list[int] = []
-    fd = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        direct_write.pwrite_buffered(fd, memoryview(data), 0, ends.append)
-    finally:
-        os.close(fd)
-    assert ends == [min(size, (i + 1) * cap) for i in range(pieces)]
-    assert (tmp_path / "g").read_bytes() == data
