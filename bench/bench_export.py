@@ -14,7 +14,8 @@
 3. the quantizing direction and the round trip: `export WORK/bf16 --format fp8-fp4` (every weight
    quantized on the CPU), timed the same way, then every file compared with WORK/pub byte for byte (where
    files differ, verify/roundtrip.py lists the tensors and why);
-4. with --shard-tp N, `shard WORK/pub OUT --tp N` the same way (the engine export shares);
+4. with --shard-tp N, `shard WORK/pub OUT --tp N` the same way (the engine export shares), and with
+   --peer CMD another converter's command in the same rounds, its rank files compared with ours;
 5. prints a JSON result (machine, date, load) for docs/BENCHMARKS.md, then a compact table; deletes WORK
    unless --keep.
 
@@ -113,6 +114,15 @@ def _timeline_summary(timeline: list[dict]) -> dict:
     }
 
 
+def _run_peer(command: str, src: Path, out: Path) -> dict:
+    """A peer converter's shell command ({src} and {out} filled in), timed as our runs are; it must leave
+    its files on disk (e.g. end with `&& sync`) for the times to compare."""
+    if out.exists():
+        shutil.rmtree(out)
+    evict(src)
+    return measure(["sh", "-c", command.format(src=src, out=out)])
+
+
 def _compare(a: Path, b: Path) -> list[str]:
     """Names of the files of `a` (shards, index, config, tokenizer) that differ in `b`."""
     names = [p.name for p in sorted(a.iterdir()) if p.is_file()]
@@ -146,7 +156,7 @@ def _summary(result: dict) -> str:
     )
     lines = [f"{result['date']}  {result['machine']}  workers {result['workers']}", head]
     for fmt, row in result["formats"].items():
-        for code in ("new", "old"):
+        for code in ("new", "old", "peer"):
             if code in row:
                 r = row[code]
                 lines.append(
@@ -155,7 +165,8 @@ def _summary(result: dict) -> str:
                     f"{row['cp_out']['seconds']:>8.1f} {r['vs_cp_same_bytes']:>8.2f}x "
                     f"{r['export']['peak_tree_rss_gib']:>8.2f}"
                 )
-        extra = {k: row[k] for k in ("same_bytes_as_old", "files_differing_from_pub") if k in row}
+        keys = ("same_bytes_as_old", "files_differing_from_pub", "rank_files_differing_from_peer")
+        extra = {k: row[k] for k in keys if k in row}
         if extra:
             lines.append(f"{'':<22} {json.dumps(extra)}")
     return "\n".join(lines)
@@ -173,6 +184,12 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of: " + ", ".join(FORMATS))
     ap.add_argument("--src", type=Path, help="a published-format checkpoint to use (kept) instead of make-tiny")
     ap.add_argument("--keep-json", type=Path, help="keep each run's --json summary (with its timeline) here")
+    ap.add_argument(
+        "--peer",
+        help="with --shard-tp: a peer converter's shell command, {src} and {out} filled in, timed in the same "
+        "rounds as `shard` and its rank files compared with ours, e.g. "
+        "'python convert.py --hf-ckpt-path {src} --save-path {out} --model-parallel 8 && sync'",
+    )
     a = ap.parse_args()
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     if unknown := set(formats) - set(FORMATS):
@@ -212,21 +229,33 @@ def main() -> None:
             cps: list[dict] = []
             cps_out: list[dict] = []
             runs: dict[str, list[dict]] = {code: [] for code in codes}
+            peer = a.peer if fmt.startswith("shard") else None
+            if peer:
+                outs["peer"], runs["peer"] = work / "shard-peer", []
             for i in range(a.repeat):
                 cps.append(_cp(pub, work))
-                order = list(codes) if i % 2 == 0 else list(codes)[::-1]  # alternate which code goes first
+                order = list(runs) if i % 2 == 0 else list(runs)[::-1]  # alternate which code goes first
                 for code in order:
-                    runs[code].append(_run(codes[code], src, outs[code], fmt, a.workers, a.shard_tp, a.keep_json))
+                    if code == "peer":
+                        runs[code].append(_run_peer(peer, src, outs[code]))
+                    else:
+                        runs[code].append(_run(codes[code], src, outs[code], fmt, a.workers, a.shard_tp, a.keep_json))
                 cps_out.append(_cp(outs["new"], work))
             out_bytes = _bytes(outs["new"])
             row: dict = {"output_bytes": out_bytes, "cp": _median_run(cps), "cp_runs_s": [r["seconds"] for r in cps]}
             row["cp_out"] = _median_run(cps_out)
             row["cp_out_runs_s"] = [r["seconds"] for r in cps_out]
-            for code in codes:
+            for code in runs:
                 row[code] = _row(cps, runs[code], src_bytes, out_bytes)
                 row[code]["vs_cp_same_bytes"] = round(row[code]["export"]["seconds"] / row["cp_out"]["seconds"], 2)
             if "old" in codes:
                 row["same_bytes_as_old"] = _file_hashes(outs["new"]) == _file_hashes(outs["old"])
+            if peer:
+                row["peer_command"] = peer
+                row["rank_files_differing_from_peer"] = [
+                    p.name for p in sorted(outs["new"].glob("model*-mp*.safetensors"))
+                    if not filecmp.cmp(p, outs["peer"] / p.name, shallow=False)
+                ]  # fmt: skip
             if src != pub or fmt == "fp8-fp4":  # a round trip, or a copy: the published files again
                 row["files_differing_from_pub"] = _compare(pub, outs["new"])
                 if row["files_differing_from_pub"]:  # which tensors, and why

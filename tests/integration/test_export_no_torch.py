@@ -1,7 +1,8 @@
 """A copy-only export (published -> fp8-fp4: every tensor copied byte for byte) runs without importing
 torch, whose import is 1.6 s of that export's start on the dev box; an export that computes does import
-it (the check below can tell). Planted fault it catches: a module-level `import torch` back in
-convert/execute.py or write.py's imports of stream / transform."""
+it (the check below can tell; one worker, so that the work runs in the process it looks at). Planted
+fault it catches: a module-level `import torch` back in convert/execute.py or write.py's imports of
+stream / transform."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 CODE = (
     "import sys; from dsv41_convert.cli import main; sys.argv = ['dsv41-convert', 'export', sys.argv[1], "
-    "sys.argv[2], '--format', sys.argv[3], '--json']\ntry:\n    main()\nexcept SystemExit as e:\n"
+    "sys.argv[2], '--format', sys.argv[3], '--workers', '1', '--json']\ntry:\n    main()\nexcept SystemExit as e:\n"
     "    assert not e.code, e.code\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
 )
 

@@ -25,7 +25,10 @@ GIB = 1 << 30
     ("files", "device", "cores", "memory", "want"),
     [
         (8, "cpu", 16, 100 * GIB, 4),  # a quarter of the cores (measured best on the 16-core host)
-        (8, "cpu", 2, 20 * GIB, 1),  # the 2-core dev box
+        (8, "cpu", 2, 20 * GIB, 2),  # the 2-core dev box: two workers overlap each other's waits
+        (8, "cpu", 6, 20 * GIB, 2),
+        (8, "cpu", 1, 20 * GIB, 1),  # one core: one worker
+        (8, "cpu", 2, 3 * WORKER_RSS, 1),  # memory still bounds it
         (8, "cpu", 64, 100 * GIB, 8),  # no more workers than rank files
         (2, "cpu", 64, 100 * GIB, 2),
         (8, "cpu", 64, 5 * WORKER_RSS, 2),  # half the available memory, 1 GiB a worker
