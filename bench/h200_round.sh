@@ -19,12 +19,18 @@
 #           cpu (--workers auto), outputs compared; the cuda output is the medium preset's published
 #           layout, the source of `ref` and `exbench`;
 #   ref     `reference-logits --device cuda` of that output, twice, fresh processes, one kernel cache;
+#   pub     the published layout of the preset straight from make-tiny into the folder `export` would
+#           write (~2 min on 16 cores, no GPU): the source of `exbench` without the bf16 preset and export;
 #   exbench bench_export.py on the host's CPUs with that output as the published source, `--workers
 #           auto`: cp, then export to EXFORMATS (default bf16,fp8,fp8-fp4), and `shard --tp $SHARD_TP` if
-#           set; with OLD=<checkout> the old code in the same rounds, bytes compared; its table into
+#           set, each followed by cp of its own output (the same bytes written); with OLD=<checkout> the
+#           old code in the same rounds, bytes compared; its JSON (with each run's timeline summary:
+#           first file's start, the last worker alone at the end, stage seconds) and table into
 #           export_bench.txt.
 # Used 2026-12-01: OLD=<8554f92> STEPS="gputests export exbench" SHARD_TP=8 and
 # CUDA_RUNS=2 EXFORMATS=fp8,bf16 STEPS="export exbench" (docs/BENCHMARKS.md, export: the H200 host).
+# Next (issue 18's fp8 row, with the timelines): OLD=<7ed5013> EXFORMATS=fp8,bf16 SHARD_TP=8
+# STEPS="pub exbench" (~2 + ~5 min).
 # The page cache is dropped before each timed step. OUTDIR gets summary.txt (one line a result),
 # stream.json, log.txt (each step's last log lines), env.txt: four files, within what a lent machine
 # returns. A dry run without a GPU: PRESET=tiny DEV=cpu DROP=0 W=/tmp/x bash bench/h200_round.sh OUT.
@@ -64,6 +70,11 @@ if has stream || has cli || has export || has ref; then
       say "make-tiny $P bf16: $(du -sb $W/m | cut -f1) bytes" ) &
     pid_m=$!
   fi
+fi
+
+if has pub && [ ! -f "$W/xg/config.json" ]; then
+  $C make-tiny $W/xg --preset $P --no-vision > /dev/null 2> "$logs/mk_pub.err"
+  say "make-tiny $P published layout: $(du -sb $W/xg | cut -f1) bytes"
 fi
 
 if has tiny; then
