@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from dsv41_convert.cli import main
 
@@ -36,3 +38,20 @@ def run_cli_with_file_size_limit(limit_bytes: int, *args: str) -> subprocess.Com
     mid-file, as on a full disk. -> the finished process (text stdout/stderr)"""
     return subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(limit_bytes), *args],
                           capture_output=True, text=True)  # fmt: skip
+
+
+def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, timeout: float = 120) -> None:
+    """Poll a running conversion into `out` until one file is done (its done record) and a partial file
+    holds more than `partial_bytes`: the moment to kill it. A partial file may be renamed between the
+    listing and its stat (another worker finishing it)."""
+    done_dir, deadline = out / ".dsv41-convert", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sizes = [0]
+        for p in out.glob("*.partial") if out.exists() else []:
+            try:
+                sizes.append(p.stat().st_size)
+            except FileNotFoundError:
+                pass
+        if done_dir.exists() and any(done_dir.glob("*.done.json")) and max(sizes) > partial_bytes:
+            return
+        time.sleep(0.02)

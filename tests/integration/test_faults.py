@@ -9,11 +9,10 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from cli_run import run_cli, run_cli_with_file_size_limit
+from cli_run import run_cli, run_cli_with_file_size_limit, wait_for_a_done_file_and_a_partial
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
@@ -183,13 +182,7 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path):
     env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.01"}
     proc = subprocess.Popen([*CLI, "shard", str(src), str(killed), "--tp", "4", "--json"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    done_dir = killed / ".dsv41-convert"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        partial = list(killed.glob("*.partial")) if killed.exists() else []
-        if (done_dir.exists() and any(done_dir.glob("*.done.json"))) and partial and partial[0].stat().st_size > 20_000:
-            break
-        time.sleep(0.02)
+    wait_for_a_done_file_and_a_partial(killed)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
