@@ -44,6 +44,7 @@ from dsv41_convert.convert.write import (
     write_rank_file,
 )
 from dsv41_convert.errors import OutputError, PlanError
+from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.journal import journal_path
 from dsv41_convert.store.lock import hold, is_lock_entry
@@ -313,10 +314,14 @@ def _computed_bytes(files: list[RankFile]) -> int:
 
 
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> FileDone:
-    """Write, commit and record one rank file."""
+    """Write, commit and record one rank file. Its "start" stage: the seconds before writing begins (in a
+    fresh worker process, importing torch and the quantizers)."""
     start, stats = time.monotonic(), {}
     with _one_torch_thread(job):
-        size, sha = write_rank_file(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
+        quantizer = _quantizer(job)
+        ready = time.monotonic()
+        size, sha = write_rank_file(rf, src, out, quantizer, progress, **_write_kw(job, stats))
+    add_seconds(stats.setdefault("stages", {}), "start", ready - start)
     write_done(out, rf.file, size, sha, job["digest"])
     return _done(rf.file, size, sha, stats, start)
 

@@ -158,8 +158,10 @@ def test_timeline_names_each_file_its_process_and_stages(bf16_src, tmp_path, wor
     pids = {r["worker"] for r in timeline}
     if workers == 1:
         assert pids == {os.getpid()}
-    else:
+    else:  # a worker's first file includes its start (importing torch and the quantizers), timed apart
         assert len(pids) == workers and os.getpid() not in pids
+        first = {pid: min((r for r in timeline if r["worker"] == pid), key=lambda r: r["start_s"]) for pid in pids}
+        assert all(0 < r["stages"]["start"] <= r["end_s"] - r["start_s"] for r in first.values())
     for r in timeline:
         assert {"kernel", "hash", "write"} <= set(r["stages"]), r["stages"]
         assert all(v >= 0 for v in r["stages"].values())
