@@ -309,8 +309,10 @@ def longest_first(files: list[RankFile]) -> list[RankFile]:
 
 
 def _computed_bytes(files: list[RankFile]) -> int:
-    """Output bytes of `files` that an action computes (dequantize, quantize, cast) rather than copies."""
-    return sum(t.end - t.begin for f in files for t in f.tensors if t.action not in COPIED)
+    """Output bytes of `files` that an action computes (dequantize, quantize, cast) rather than copies.
+    Summed over the files' parts: an ExpertRun (copied experts) is one part, so the parent process never
+    expands the runs into their 94k tensors (nor pickles them to the workers)."""
+    return sum(p.end - p.begin for f in files for p in f.parts if p.action not in COPIED)
 
 
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> FileDone:
@@ -321,14 +323,13 @@ def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> F
         quantizer = _quantizer(job)
         ready = time.monotonic()
         size, sha = write_rank_file(rf, src, out, quantizer, progress, **_write_kw(job, stats))
-    add_seconds(stats.setdefault("stages", {}), "start", ready - start)
+    add_seconds(stats["stages"], "start", ready - start)
     write_done(out, rf.file, size, sha, job["digest"])
     return _done(rf.file, size, sha, stats, start)
 
 
 def _done(file: str, size: int, sha: str, stats: dict[str, Any], start: float) -> FileDone:
-    stages = stats.get("stages", {})
-    return FileDone(file, size, sha, stats["resumed_from"], os.getpid(), start, time.monotonic(), stages)
+    return FileDone(file, size, sha, stats["resumed_from"], os.getpid(), start, time.monotonic(), stats["stages"])
 
 
 def _write_kw(job: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
