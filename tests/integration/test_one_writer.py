@@ -134,10 +134,19 @@ def test_reference_logits_waits_for_nobody(src, tmp_path, monkeypatch, capsys):
     assert [p.name for p in folder.iterdir()] == []
 
 
-def _spawned_workers(pid: int) -> list[int]:
-    """The multiprocessing workers (spawn) among the children of `pid` (Linux /proc)."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(k) for k in kids if b"spawn_main" in _cmdline(int(k))]
+def _workers_of(pid: int) -> list[int]:
+    """The multiprocessing workers of run `pid` (Linux /proc): its spawned children and the children of its
+    fork server."""
+    spawned = [k for k in _children(pid) if b"spawn_main" in _cmdline(k)]
+    return spawned + [w for s in _fork_servers(pid) for w in _children(s)]
+
+
+def _fork_servers(pid: int) -> list[int]:
+    return [k for k in _children(pid) if b"multiprocessing.forkserver" in _cmdline(k)]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _cmdline(pid: int) -> bytes:
@@ -163,14 +172,15 @@ def test_workers_die_with_a_killed_parent(src, clean, tmp_path, monkeypatch, cap
     run = subprocess.Popen([*CLI, "shard", str(src), str(out), "--tp", "2", "--workers", "2", "--json"], env=SLOW,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     _wait_for(lambda: len(list(out.glob("*.partial"))) == 2, [run], "both workers write")
-    workers = _spawned_workers(run.pid)
+    workers, servers = _workers_of(run.pid), _fork_servers(run.pid)
     assert len(workers) == 2
     run.kill()
     run.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+    while any(_alive(w) for w in workers + servers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(w) for w in workers), "orphaned workers still running"
+    assert not any(_alive(s) for s in servers), "orphaned fork server still running"
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
     assert code == 0 and f"took over the lock of a run that ended without releasing it: pid {run.pid}" in err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
