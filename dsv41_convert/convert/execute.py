@@ -466,9 +466,12 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     ctx = _worker_context(job)
     q = ctx.Queue()
     results = []
-    with _fork_server_stopped(), ProcessPoolExecutor(
-        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
-    ) as pool:
+    with (
+        _fork_server_stopped(),
+        ProcessPoolExecutor(
+            min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
+        ) as pool,
+    ):
         pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
         try:
             while pending:
