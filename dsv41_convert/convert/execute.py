@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
+from dsv41_convert.convert.stream import NUMPY_ACTIONS
 from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import (
     CHUNK_BYTES,
@@ -190,7 +191,7 @@ def execute(
         check_empty(out, resume, overwrite, frozenset(others) if share else None)
         job = {
             "device": device,
-            "computes": _computed_bytes(mine) > 0,
+            "torch": _needs_torch(mine, device),
             "chunk_bytes": chunk_bytes,
             "digest": plan.digest(),
             "resume": resume,
@@ -318,6 +319,13 @@ def _computed_bytes(files: list[RankFile]) -> int:
     return sum(p.end - p.begin for f in files for p in f.parts if p.action not in COPIED)
 
 
+def _needs_torch(files: list[RankFile], device: str) -> bool:
+    """Whether writing `files` computes anything through torch: on CUDA every computed tensor; on the CPU
+    those whose action numpy does not compute on bytes (stream.NUMPY_ACTIONS)."""
+    computed = {p.action for f in files for p in f.parts if p.action not in COPIED}
+    return bool(computed) and (device == "cuda" or not computed <= set(NUMPY_ACTIONS))
+
+
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> FileDone:
     """Write, commit and record one rank file. Its "start" stage: the seconds before writing begins (where
     the worker did not inherit them, importing torch and the quantizers)."""
@@ -366,8 +374,8 @@ def _run_here(todo, src, out, job, progress) -> list[FileDone]:
 def _one_torch_thread(job: dict[str, Any]) -> Iterator[None]:
     """torch on one thread while the job runs: parallelism comes from worker processes, and torch's thread
     pool on small chunks spends 1000x the work in barriers when cores are shared (measured: torch.round
-    4 ms vs 5 us). A job that only copies never imports torch (1.6 s of a copy-only export's start)."""
-    if not job["computes"]:
+    4 ms vs 5 us). A job that computes nothing through torch never imports it (_needs_torch)."""
+    if not job["torch"]:
         yield
         return
     import torch
@@ -381,9 +389,9 @@ def _one_torch_thread(job: dict[str, Any]) -> Iterator[None]:
 
 
 def _quantizer(job: dict[str, Any]) -> SimpleNamespace:
-    """The quantization functions for the job's device (transform.quantizer_for); for a job that only
-    copies, just the device: its writer calls none of them, and torch stays unimported."""
-    if not job["computes"]:
+    """The quantization functions for the job's device (transform.quantizer_for); for a job that computes
+    nothing through torch, just the device: its writer calls none of them, and torch stays unimported."""
+    if not job["torch"]:
         return SimpleNamespace(device=job["device"])
     from dsv41_convert.convert.transform import quantizer_for
 
@@ -406,16 +414,19 @@ def _init_worker(q, run: int) -> None:
 
 
 def _worker_context(job: dict[str, Any]) -> Any:
-    """Where worker processes come from. Linux: forked by a fork server that has imported torch and the
-    quantizers once (a job that computes), so N workers do not each import torch: that took 5 s per worker
-    with 8 starting at once on a 16-core host with a cold page cache (the timeline's `start` stage), a
-    third of an fp8 export. The server is a single-threaded process that never ran torch code, so forking
-    it is safe, unlike forking the run itself. Elsewhere: spawn."""
+    """Where worker processes come from. Linux: forked by a fork server that has imported the CLI, the
+    writer and, for a job that computes through torch, torch and the quantizers, once, so N workers do not
+    each import them: spawned, each of 8 workers spent 5 s importing torch on the 16-core H200 host with a
+    cold page cache (the timeline's `start` stage), a third of an fp8 export's wall time and half its CPU.
+    The server is a single-threaded process that never ran torch code, so forking it is safe, unlike
+    forking the run itself. Elsewhere: spawn."""
     if sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    if job["computes"]:
-        ctx.set_forkserver_preload(["__main__", "dsv41_convert.convert.transform"])  # only before the server starts
+    modules = ["__main__", "dsv41_convert.convert.write"]
+    if job["torch"]:
+        modules.append("dsv41_convert.convert.transform")
+    ctx.set_forkserver_preload(modules)  # takes effect when the server starts (once per run: see below)
     return ctx
 
 

@@ -33,18 +33,24 @@ hash are timed by the Sink.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+import numpy as np
 
 from dsv41_convert.convert.plan import OutTensor, Read
-from dsv41_convert.convert.ring import Staging
-from dsv41_convert.convert.transform import apply, from_bytes
 from dsv41_convert.progress import add_seconds
+
+if TYPE_CHECKING:
+    import torch
+
+    from dsv41_convert.convert.ring import Staging
+
+NUMPY_ACTIONS = ("fp4_to_fp8",)  # computed on the CPU by numpy on bytes: the worker never imports torch
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
 DEPTH = 2  # blocks read ahead, and blocks in flight on the GPU
@@ -56,6 +62,8 @@ def staging() -> Staging:
     """The process's D2H staging ring, pinned, allocated at its first use."""
     global _staging
     if _staging is None:
+        from dsv41_convert.convert.ring import Staging
+
         _staging = Staging(STAGING_BYTES, pinned)
     return _staging
 
@@ -69,6 +77,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     rows = main.r1 - main.r0
     cuda = quantizer.device == "cuda"
     name = f"{reader.src / main.file}: {main.name}"
+    compute = _numpy_action(t) if not cuda and t.action in NUMPY_ACTIONS else _torch_action(t, quantizer)
     starts = block_starts(t, step, first)
     q: queue.Queue = queue.Queue(maxsize=DEPTH)
     stop = threading.Event()
@@ -88,7 +97,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
                 if flat:
                     inputs = [x.reshape(-1) for x in inputs]
                 t0 = time.perf_counter()
-                outs = apply(t.action, inputs, quantizer, name, t.dtype, t.block)
+                outs = compute(inputs, name)
                 add_seconds(stages, "kernel", time.perf_counter() - t0)
                 yield outs
                 continue
@@ -109,6 +118,21 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             feeder.join(0.01)
         while feeder is not None and not q.empty():
             _unused(q.get_nowait(), reader.ahead)
+
+
+def _numpy_action(t: OutTensor):
+    """A NUMPY_ACTIONS action on one row block: uint8 rows in, uint8 arrays out (transform.py's shapes)."""
+    from dsv41_convert.quant.cast_bytes import fp4_to_fp8_bytes
+
+    assert t.action == "fp4_to_fp8", t.action
+    return lambda inputs, name: fp4_to_fp8_bytes(inputs[0], inputs[1], 32, name)
+
+
+def _torch_action(t: OutTensor, quantizer):
+    """Any action on one row block through transform.apply (torch tensors in and out; the quantizer's device)."""
+    from dsv41_convert.convert.transform import apply
+
+    return lambda inputs, name: apply(t.action, inputs, quantizer, name, t.dtype, t.block)
 
 
 def block_rows(t: OutTensor, a: int, b: int) -> Iterator[tuple[Read, int, int]]:
@@ -138,7 +162,16 @@ class HostRows(NamedTuple):
 
 def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list:
     """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales):
-    CPU tensors of the selected columns, or on CUDA HostRows (whole rows: no gather on the host)."""
+    CPU tensors of the selected columns (for NUMPY_ACTIONS uint8 arrays [rows, row bytes]), or on CUDA
+    HostRows (whole rows: no gather on the host)."""
+    if not cuda and t.action in NUMPY_ACTIONS:
+        views = []
+        for rd, ra, rb_ in block_rows(t, a, b):
+            data, width = reader.rows(rd, ra, rb_, bytearray)
+            views.append(np.frombuffer(data, np.uint8).reshape(rb_ - ra, width))
+        return views
+    from dsv41_convert.convert.transform import from_bytes
+
     inputs = []
     for rd, ra, rb_ in block_rows(t, a, b):
         if cuda:
@@ -197,18 +230,25 @@ def _read_ahead(t, reader, step, starts, rows, cuda, q, stop, stages) -> None:
 def pinned(n: int):
     """n bytes of page-locked host memory (torch's caching host allocator), as a writable buffer: for
     buffers allocated once (the Prefetch's ring, the D2H staging ring), never per block."""
+    import torch
+
     return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def settle_device() -> None:
     """Wait until the GPU has finished everything queued (before host buffers an aborted block may still
     be copying are reused)."""
+    import torch
+
     torch.cuda.synchronize()
 
 
 def drop_cached_pinned() -> None:
     """Return the pinned blocks torch's caching host allocator keeps but nothing uses (stray per-call
-    pinned tensors) to the system; the rings, still referenced, stay."""
+    pinned tensors) to the system; the rings, still referenced, stay. A process without torch has none."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_initialized():
         empty()
@@ -228,6 +268,10 @@ def _launch(t: OutTensor, inputs: list[HostRows], quantizer, name: str, flat: bo
     """Queue one block on the GPU: H2D (then the columns selected), kernels, D2H into the staging ring,
     each bracketed by events. The inputs' Prefetch buffers are released against the event after the H2D
     copies: the ring hands their bytes out again only once those copies are done."""
+    import torch
+
+    from dsv41_convert.convert.transform import apply
+
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     ev[0].record()
     dev = []

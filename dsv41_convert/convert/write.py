@@ -24,8 +24,9 @@ journal verifies is continued from its last checkpoint (only [0, R) is re-read, 
 otherwise it is rewritten from byte 0. On an error the partial file and its journal are removed (running
 out of disk space becomes an OutputError naming the file and tensor); on Ctrl-C they are kept for --resume.
 
-stream.py and transform.py (torch) are imported where a tensor is computed, not at the top: a file of
-copied tensors is written without torch (its import is 1.6 s of a copy-only export).
+transform.py (torch) is imported where a tensor is computed by torch, not at the top: a file of copied
+tensors, or of tensors that numpy computes (stream.NUMPY_ACTIONS: the fp4 -> fp8 cast on the CPU), is
+written without torch (its import is 1.5 s on the dev box, 3-5 s on the 16-core H200 host).
 """
 
 from __future__ import annotations
@@ -295,11 +296,9 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
             other = rf.tensors[parts[(t.group, 1 - t.part)]]
             _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written, stash_bytes, chunk)
         else:
-            from dsv41_convert.convert.transform import to_bytes
-
             with closing(_compute(t, reader, quantizer, chunk_bytes, chunk, sink.stages)) as chunks:
                 for outs in chunks:
-                    sink.write(to_bytes(outs[0]), t.name)
+                    sink.write(_raw(outs[0]), t.name)
         if t.pad_rows:
             sink.fill(PAD_BYTE[t.dtype], t.pad_rows * _row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
         if ahead is not None and ahead.tensor == i:
@@ -408,6 +407,15 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
         sink.write(data, t.name)
 
 
+def _raw(x) -> memoryview:
+    """The row-major bytes of a computed output: a uint8 array (stream.NUMPY_ACTIONS) or a CPU tensor."""
+    if isinstance(x, np.ndarray):
+        return memoryview(np.ascontiguousarray(x)).cast("B")
+    from dsv41_convert.convert.transform import to_bytes
+
+    return to_bytes(x)
+
+
 def _read_back(t: OutTensor, ahead: Aside, sink: Sink, skip: int, chunk_bytes: int) -> None:
     """A group part written ahead: hand its data bytes (from `skip` on) to the sink to hash, not write."""
     end = _data_end(t)
@@ -455,8 +463,6 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     `stash_bytes`, else written ahead at their offsets (an Aside, read back later). When neither is
     possible (its stash was lost to a restart), the part is computed again here.
     """
-    from dsv41_convert.convert.transform import to_bytes
-
     key, okey = (t.group, t.part), (t.group, 1 - t.part)
     if key in stash.parts:
         for data in stash.parts.pop(key):
@@ -476,11 +482,11 @@ def _group(t, other, parts, reader, sink, quantizer, chunk_bytes, stash, written
     with closing(_compute(t, reader, quantizer, chunk_bytes, first, sink.stages)) as chunks:
         for outs in chunks:
             if ahead is not None:  # queued before the sink's checkpoint after this chunk, which records it
-                sink.write_ahead(ahead, to_bytes(outs[1 - t.part]), t.name)
+                sink.write_ahead(ahead, _raw(outs[1 - t.part]), t.name)
                 sink.dirty.add(t.group)
-            sink.write(to_bytes(outs[t.part]), t.name)
+            sink.write(_raw(outs[t.part]), t.name)
             if keep:
-                kept.append(bytes(to_bytes(outs[1 - t.part])))
+                kept.append(bytes(_raw(outs[1 - t.part])))
                 stash.used += len(kept[-1])
     if keep:
         stash.parts[okey] = kept

@@ -7,39 +7,55 @@ fp8 e4m3 block-scaled weights (fp8.py):
 fp4 e2m1 codes and MXFP4 weights (fp4.py):
     E2M1_VALUES, encode_e2m1, decode_e2m1, pack_nibbles, unpack_nibbles,
     encode_mxfp4, decode_mxfp4, as_fp4, as_int8, FP4_MAX
-MXFP4 -> fp8 lossless expert cast (cast.py):
+MXFP4 -> fp8 lossless expert cast (cast.py; its rule in cast_bytes.py, numpy alone):
     fp4_to_fp8
 activation quantizers of the model (act.py, upstream kernel.py semantics):
     act_quant, fp4_act_quant
 
 Each docstring states the rounding, floors, clamps, shapes and dtypes.
 
-Imports nothing of this package but `errors`: the bottom layer.
+Imports nothing of this package but `errors`: the bottom layer. The names are looked up lazily (PEP 562):
+importing the package imports no torch.
 """
 
-from dsv41_convert.quant.act import act_quant, fp4_act_quant
-from dsv41_convert.quant.cast import fp4_to_fp8
-from dsv41_convert.quant.e8m0 import decode_e8m0, encode_e8m0_ceil, pow2_ceil
-from dsv41_convert.quant.fp4 import (
-    E2M1_VALUES,
-    FP4_MAX,
-    as_fp4,
-    as_int8,
-    decode_e2m1,
-    decode_mxfp4,
-    encode_e2m1,
-    encode_mxfp4,
-    pack_nibbles,
-    unpack_nibbles,
-)
-from dsv41_convert.quant.fp8 import (
-    FP8_MAX,
-    decode_fp8_blocks,
-    e4m3_saturate,
-    e4m3_to_float,
-    encode_fp8_blocks,
-    infer_block,
-)
+import importlib
+
+_HOME = {  # each name's module: imported at the first use of a name, so that `quant.cast_bytes` (numpy
+    # alone) is importable without torch
+    "act_quant": "act",
+    "fp4_act_quant": "act",
+    "fp4_to_fp8": "cast",
+    "decode_e8m0": "e8m0",
+    "encode_e8m0_ceil": "e8m0",
+    "pow2_ceil": "e8m0",
+    **dict.fromkeys(
+        (
+            "E2M1_VALUES",
+            "FP4_MAX",
+            "as_fp4",
+            "as_int8",
+            "decode_e2m1",
+            "decode_mxfp4",
+            "encode_e2m1",
+            "encode_mxfp4",
+            "pack_nibbles",
+            "unpack_nibbles",
+        ),
+        "fp4",
+    ),
+    **dict.fromkeys(
+        ("FP8_MAX", "decode_fp8_blocks", "e4m3_saturate", "e4m3_to_float", "encode_fp8_blocks", "infer_block"), "fp8"
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "E2M1_VALUES",

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from dsv41_convert.errors import FormatError
-from dsv41_convert.quant import cast, decode_fp8_blocks, decode_mxfp4, encode_e2m1, encode_fp8_blocks, encode_mxfp4
+from dsv41_convert.quant import (
+    cast,
+    cast_bytes,
+    decode_fp8_blocks,
+    decode_mxfp4,
+    encode_e2m1,
+    encode_fp8_blocks,
+    encode_mxfp4,
+)
 from dsv41_convert.quant import fp4 as fp4_mod
 from dsv41_convert.quant.fp8 import e4m3_to_float, pad_blocks, unpad_blocks
 
@@ -157,8 +165,8 @@ def test_non_finite_anywhere_raises_naming_the_first(bad, dtype):
 
 
 def test_cast_skips_the_byte_check_only_for_offsets_that_are_always_exact():
-    k = torch.arange(cast.K_MIN, cast.MAX_OFFSET_BITS + 1)
-    assert torch.equal(cast._K_EXACT, k >= -8)  # 0.5 * 2**-8 = 2**-9, e4m3's least subnormal
+    k = torch.arange(cast_bytes.K_MIN, cast_bytes.MAX_OFFSET_BITS + 1)
+    assert torch.equal(torch.from_numpy(cast_bytes.K_EXACT), k >= -8)  # 0.5 * 2**-8 = 2**-9, e4m3's least subnormal
     packed = torch.zeros(2, 16, dtype=torch.uint8)  # logical [2, 32]: one 32x32 block, a scale per row
     packed[1, 0] = 0x01  # 0.5 in row 1, whose scale 2**-15 sits 2**-9 below the block scale 2**-6
     s = torch.tensor([[127], [127 - 15]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
@@ -175,12 +183,12 @@ def test_cast_skips_the_byte_check_only_for_offsets_that_are_always_exact():
 def test_quad_table_is_the_float_cast_of_every_byte_pair_and_offset():
     """Every entry of the two-byte table (k = K_ALL_EXACT..6, all 65536 byte pairs) against the float path:
     e2m1 value x 2**k cast to e4m3, -0 written as +0."""
-    quads = cast._quad_table().view(torch.uint8).view(-1, 1 << 16, 4)
+    quads = torch.from_numpy(cast_bytes.quad_table()).view(torch.uint8).view(-1, 1 << 16, 4)
     pair_bytes = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2).long()
     codes = torch.stack([pair_bytes[:, 0] & 15, pair_bytes[:, 0] >> 4, pair_bytes[:, 1] & 15, pair_bytes[:, 1] >> 4], 1)
     values = fp4_mod.E2M1_VALUES[codes]
     values = torch.where(values == 0, 0.0, values)
-    k = torch.arange(cast.K_ALL_EXACT, cast.MAX_OFFSET_BITS + 1, dtype=torch.float32)
+    k = torch.arange(cast_bytes.K_ALL_EXACT, cast_bytes.MAX_OFFSET_BITS + 1, dtype=torch.float32)
     want = (values * torch.exp2(k)[:, None, None]).to(torch.float8_e4m3fn)
     assert quads.shape == want.shape
     same_bits(quads, want.view(torch.uint8))
@@ -206,7 +214,7 @@ def test_cast_by_quads_equals_the_pair_path_and_the_values(out, inp, lo, spread,
     s = (lo + torch.randint(0, spread + 1, (out, inp // block), generator=gen)).to(torch.uint8)
     s = s.view(torch.float8_e8m0fnu)
     quad_w, quad_s = cast.fp4_to_fp8(packed, s, block, "w")
-    monkeypatch.setattr(cast, "K_ALL_EXACT", 1 << 10)  # never true: the pair path
+    monkeypatch.setattr(cast_bytes, "K_ALL_EXACT", 1 << 10)  # never true: the pair path
     pair_w, pair_s = cast.fp4_to_fp8(packed, s, block, "w")
     same_bits(quad_w, pair_w)
     same_bits(quad_s, pair_s)
@@ -218,8 +226,8 @@ def test_cast_by_quads_equals_the_pair_path_and_the_values(out, inp, lo, spread,
 
 def test_cast_takes_the_quad_path_only_where_every_offset_is_exact(monkeypatch):
     calls = []
-    real = cast._cast_quads
-    monkeypatch.setattr(cast, "_cast_quads", lambda *a: calls.append(1) or real(*a))
+    real = cast_bytes._cast_quads
+    monkeypatch.setattr(cast_bytes, "_cast_quads", lambda *a: calls.append(1) or real(*a))
     packed = torch.zeros(2, 16, dtype=torch.uint8)
     for spread, want in ((8 + 6, 1), (9 + 6, 0)):  # k = -8 (exact for every byte) and k = -9 (checked)
         s = torch.tensor([[127], [127 - spread]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
@@ -238,28 +246,28 @@ def test_cast_by_quads_is_the_float_cast_of_every_byte_pair_at_every_offset(monk
     equal e2m1 value x 2**k cast to e4m3 (-0 written as +0) and the pair path's. k changes from group to
     group along a row and from row to row; row 0 of each 32-row block is all zero codes at the largest
     scale (k = 6), so every block scale is the same."""
-    ks = torch.arange(cast.K_ALL_EXACT, cast.MAX_OFFSET_BITS + 1)
+    ks = torch.arange(cast_bytes.K_ALL_EXACT, cast_bytes.MAX_OFFSET_BITS + 1)
     inp = 2048  # 512 byte pairs per row: 128 rows hold all 65536 once; len(ks) copies of them
     all_pairs = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(128, inp // 2)
     out = 32 * -(-len(ks) * 128 // 31)  # 31 data rows per 32-row block
     data_rows = [r for r in range(out) if r % 32][: len(ks) * 128]
     top = 137  # largest scale byte: block scale byte 131, and scale byte 131 + k elsewhere
-    k_OG = torch.full((out, inp // 32), cast.MAX_OFFSET_BITS)
+    k_OG = torch.full((out, inp // 32), cast_bytes.MAX_OFFSET_BITS)
     # copy c of the pairs, group g, row q: k = ks[(128 c + q + g) % 15]; 128 c % 15 takes every value
     k_OG[data_rows] = ks[(torch.arange(len(data_rows))[:, None] + torch.arange(inp // 32)) % len(ks)]
     packed = torch.zeros(out, inp // 2, dtype=torch.uint8)
     packed[data_rows] = all_pairs.repeat(len(ks), 1)
-    s = (top - cast.MAX_OFFSET_BITS + k_OG).to(torch.uint8).view(torch.float8_e8m0fnu)
+    s = (top - cast_bytes.MAX_OFFSET_BITS + k_OG).to(torch.uint8).view(torch.float8_e8m0fnu)
     calls = []
-    real = cast._cast_quads
-    monkeypatch.setattr(cast, "_cast_quads", lambda *a: calls.append(1) or real(*a))
+    real = cast_bytes._cast_quads
+    monkeypatch.setattr(cast_bytes, "_cast_quads", lambda *a: calls.append(1) or real(*a))
     w8, s8 = cast.fp4_to_fp8(packed, s, 32, "w")
-    assert calls and s8.view(torch.uint8).unique().tolist() == [top - cast.MAX_OFFSET_BITS]
+    assert calls and s8.view(torch.uint8).unique().tolist() == [top - cast_bytes.MAX_OFFSET_BITS]
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(out, inp).long()
     values = fp4_mod.E2M1_VALUES[codes]
     values = torch.where(values == 0, 0.0, values) * torch.exp2(k_OG.float()).repeat_interleave(32, 1)
     same_bits(w8, values.to(torch.float8_e4m3fn))
-    monkeypatch.setattr(cast, "K_ALL_EXACT", 1 << 10)  # never true: the pair path
+    monkeypatch.setattr(cast_bytes, "K_ALL_EXACT", 1 << 10)  # never true: the pair path
     same_bits(w8, cast.fp4_to_fp8(packed, s, 32, "w")[0])
 
 
@@ -274,3 +282,26 @@ def test_cast_finds_a_nan_scale_anywhere(out, inp, block, at):
     s[-1, -1] = 255  # a later one is not the one named
     with pytest.raises(FormatError, match=rf"w: scale is NaN \(e8m0 byte 255\) at \[{at[0]}, {at[1]}\]"):
         cast.fp4_to_fp8(torch.zeros(out, inp // 2, dtype=torch.uint8), s.view(torch.float8_e8m0fnu), block, "w")
+
+
+def test_e4m3_exact_bits_is_torchs_cast_where_exact():
+    """cast_bytes.e4m3_exact_bits (numpy, integer arithmetic) against torch's float -> float8_e4m3fn cast: every
+    e4m3 value, each times 2**k for k = -12..12 (normals, subnormals, underflow, past 448), halfway and odd
+    values, both zeros: exact where the cast round-trips, and then the same byte (-0 written as +0)."""
+    all_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
+    finite = all_bytes[torch.isfinite(all_bytes)]
+    y = torch.cat(
+        [
+            (finite[:, None] * torch.exp2(torch.arange(-12, 13, dtype=torch.float64))).reshape(-1),
+            torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 1.0625, 17.0, -(2.0**-6)]),
+        ]
+    )
+    y = y[y.abs() <= 448]
+    bits, exact = cast_bytes.e4m3_exact_bits(y.numpy())
+    torch_bits = y.to(torch.float8_e4m3fn)
+    want_exact = torch_bits.double() == y
+    assert torch.equal(torch.from_numpy(exact), want_exact)
+    assert want_exact.any() and (~want_exact).any()
+    want = torch.where(y == 0, 0, torch_bits.view(torch.uint8).int()).to(torch.uint8)
+    same_bits(torch.from_numpy(bits)[want_exact], want[want_exact])
+    assert not torch.from_numpy(bits)[~want_exact].any()  # no byte where e4m3 would round
