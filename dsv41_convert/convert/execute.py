@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
-from dsv41_convert.convert.stream import NUMPY_ACTIONS
+from dsv41_convert.convert.stream import numpy_computes
 from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import (
     CHUNK_BYTES,
@@ -321,9 +321,10 @@ def _computed_bytes(files: list[RankFile]) -> int:
 
 def _needs_torch(files: list[RankFile], device: str) -> bool:
     """Whether writing `files` computes anything through torch: on CUDA every computed tensor; on the CPU
-    those whose action numpy does not compute on bytes (stream.NUMPY_ACTIONS)."""
-    computed = {p.action for f in files for p in f.parts if p.action not in COPIED}
-    return bool(computed) and (device == "cuda" or not computed <= set(NUMPY_ACTIONS))
+    those that numpy does not compute on bytes (stream.numpy_computes). Copied parts (expert runs among
+    them) never need it."""
+    computed = (p for f in files for p in f.parts if p.action not in COPIED)
+    return any(device == "cuda" or not numpy_computes(p) for p in computed)
 
 
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> FileDone:

@@ -50,7 +50,15 @@ if TYPE_CHECKING:
 
     from dsv41_convert.convert.ring import Staging
 
-NUMPY_ACTIONS = ("fp4_to_fp8",)  # computed on the CPU by numpy on bytes: the worker never imports torch
+
+def numpy_computes(t: OutTensor) -> bool:
+    """Whether numpy computes t's action on the CPU, on bytes, so that its worker needs no torch: the fp4 ->
+    fp8 cast (quant/cast_bytes.py) and e4m3 x e8m0 -> bf16 (quant/fp8_bytes.py: wo_a in `shard`, the fp8
+    weights of a bf16 export). The other actions go through transform.apply (torch)."""
+    if t.action == "fp4_to_fp8":
+        return True
+    return t.action == "dequant_bf16" and t.dtype == "BF16" and [r.dtype for r in t.reads] == ["F8_E4M3", "F8_E8M0"]
+
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
 DEPTH = 2  # blocks read ahead, and blocks in flight on the GPU
@@ -77,7 +85,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     rows = main.r1 - main.r0
     cuda = quantizer.device == "cuda"
     name = f"{reader.src / main.file}: {main.name}"
-    compute = _numpy_action(t) if not cuda and t.action in NUMPY_ACTIONS else _torch_action(t, quantizer)
+    compute = _numpy_action(t) if not cuda and numpy_computes(t) else _torch_action(t, quantizer)
     starts = block_starts(t, step, first)
     q: queue.Queue = queue.Queue(maxsize=DEPTH)
     stop = threading.Event()
@@ -121,10 +129,14 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
 
 
 def _numpy_action(t: OutTensor):
-    """A NUMPY_ACTIONS action on one row block: uint8 rows in, uint8 arrays out (transform.py's shapes)."""
+    """A `numpy_computes` action on one row block: uint8 rows in, arrays of the output bytes' width out
+    (transform.py's shapes)."""
+    if t.action == "dequant_bf16":
+        from dsv41_convert.quant.fp8_bytes import decode_fp8_blocks_bf16
+
+        return lambda inputs, name: (decode_fp8_blocks_bf16(inputs[0], inputs[1], tuple(t.block), name),)
     from dsv41_convert.quant.cast_bytes import fp4_to_fp8_bytes
 
-    assert t.action == "fp4_to_fp8", t.action
     return lambda inputs, name: fp4_to_fp8_bytes(inputs[0], inputs[1], 32, name)
 
 
@@ -162,9 +174,9 @@ class HostRows(NamedTuple):
 
 def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list:
     """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales):
-    CPU tensors of the selected columns (for NUMPY_ACTIONS uint8 arrays [rows, row bytes]), or on CUDA
-    HostRows (whole rows: no gather on the host)."""
-    if not cuda and t.action in NUMPY_ACTIONS:
+    CPU tensors of the selected columns (where `numpy_computes`, uint8 arrays [rows, row bytes]), or on
+    CUDA HostRows (whole rows: no gather on the host)."""
+    if not cuda and numpy_computes(t):
         views = []
         for rd, ra, rb_ in block_rows(t, a, b):
             data, width = reader.rows(rd, ra, rb_, bytearray)

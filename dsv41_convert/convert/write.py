@@ -25,8 +25,8 @@ otherwise it is rewritten from byte 0. On an error the partial file and its jour
 out of disk space becomes an OutputError naming the file and tensor); on Ctrl-C they are kept for --resume.
 
 transform.py (torch) is imported where a tensor is computed by torch, not at the top: a file of copied
-tensors, or of tensors that numpy computes (stream.NUMPY_ACTIONS: the fp4 -> fp8 cast on the CPU), is
-written without torch (its import is 1.5 s on the dev box, 3-5 s on the 16-core H200 host).
+tensors, or of tensors that numpy computes on the CPU (stream.numpy_computes: the fp4 -> fp8 cast, e4m3 ->
+bf16), is written without torch (its import is 1.5 s on the dev box, 3-5 s on the 16-core H200 host).
 """
 
 from __future__ import annotations
@@ -408,7 +408,7 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
 
 
 def _raw(x) -> memoryview:
-    """The row-major bytes of a computed output: a uint8 array (stream.NUMPY_ACTIONS) or a CPU tensor."""
+    """The row-major bytes of a computed output: a numpy array (stream.numpy_computes) or a CPU tensor."""
     if isinstance(x, np.ndarray):
         return memoryview(np.ascontiguousarray(x)).cast("B")
     from dsv41_convert.convert.transform import to_bytes

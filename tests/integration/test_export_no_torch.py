@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 CODE = (
-    "import sys; from dsv41_convert.cli import main; sys.argv = ['dsv41-convert', 'export', sys.argv[1], "
-    "sys.argv[2], '--format', sys.argv[3], '--workers', '1', '--json']\ntry:\n    main()\nexcept SystemExit as e:\n"
+    "import sys; from dsv41_convert.cli import main; sys.argv = ['dsv41-convert', *sys.argv[1:], '--workers', '1', "
+    "'--json']\ntry:\n    main()\nexcept SystemExit as e:\n"
     "    assert not e.code, e.code\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
 )
 
@@ -34,9 +34,21 @@ def pub(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("fmt", "want"), [("fp8-fp4", "NO-TORCH"), ("fp8", "NO-TORCH"), ("bf16", "TORCH")])
 def test_export_without_torch_work_does_not_import_torch(pub, tmp_path, fmt, want):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", CODE, str(pub), str(out), fmt], capture_output=True, text=True)
+    args = ["export", str(pub), str(out), "--format", fmt]
+    proc = subprocess.run([sys.executable, "-c", CODE, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == want, proc.stdout[-2000:]
     if fmt == "fp8-fp4":  # the copy is still every published tensor, byte for byte
         for shard in sorted(pub.glob("model-*.safetensors")):
             assert (out / shard.name).read_bytes() == shard.read_bytes(), shard.name
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_shard_on_the_cpu_does_not_import_torch(pub, tmp_path, expert_dtype):
+    """`shard` of the published layout computes wo_a (e4m3 x e8m0 -> bf16) and, with fp8 experts, the cast:
+    both numpy on bytes, so no torch. (Their bytes: the shard tests against tests/reference_convert.py.)"""
+    out = tmp_path / "out"
+    args = ["shard", str(pub), str(out), "--tp", "2", "--expert-dtype", expert_dtype]
+    proc = subprocess.run([sys.executable, "-c", CODE, *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "NO-TORCH", proc.stdout[-2000:]

@@ -22,6 +22,7 @@ from dsv41_convert.quant import (
     encode_e2m1,
     encode_fp8_blocks,
     encode_mxfp4,
+    fp8_bytes,
 )
 from dsv41_convert.quant import fp4 as fp4_mod
 from dsv41_convert.quant.fp8 import e4m3_to_float, pad_blocks, unpad_blocks
@@ -305,3 +306,43 @@ def test_e4m3_exact_bits_is_torchs_cast_where_exact():
     want = torch.where(y == 0, 0, torch_bits.view(torch.uint8).int()).to(torch.uint8)
     same_bits(torch.from_numpy(bits)[want_exact], want[want_exact])
     assert not torch.from_numpy(bits)[~want_exact].any()  # no byte where e4m3 would round
+
+
+def _nan_bf16(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.int() & 0x7FFF) > 0x7F80
+
+
+def test_fp8_bytes_table_is_decode_fp8_blocks_for_every_scale_and_weight_byte():
+    """quant/fp8_bytes.py's lookup (every e8m0 byte x every e4m3 byte: overflow to inf, bf16 subnormals,
+    NaN in either) against decode_fp8_blocks (torch): the same bfloat16 bits; NaN as NaN (torch writes
+    0xFFFF in its vectorized loop and 0x7FC0 in its scalar tail; the table 0x7FC0)."""
+    q = ALL_BYTES.repeat(256).view(256 * 256 // 32, 32)  # row r: weight bytes, scale byte r // 8
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(8).view(-1, 1)
+    want = decode_fp8_blocks(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), (1, 32), torch.bfloat16)
+    got = torch.from_numpy(fp8_bytes.decode_fp8_blocks_bf16(q.numpy(), s.numpy(), (1, 32)))
+    want_bits = want.view(torch.uint16)
+    nan = _nan_bf16(want_bits)
+    assert torch.equal(_nan_bf16(got), nan) and nan.any()
+    same_bits(got[~nan], want_bits[~nan])
+    assert bool((got[nan] == 0x7FC0).all())
+    assert bool(torch.isinf(want).any()) and bool(((want_bits.int() & 0x7F80) == 0).logical_and(want != 0).any())
+
+
+FP8_DECODE_SHAPES = [(64, 64, (32, 32)), (100, 70, (32, 32)), (33, 65, (32, 32)), (256, 384, (128, 128)),
+                     (130, 100, (128, 128)), (5, 96, (1, 32))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("out", "inp", "block"), FP8_DECODE_SHAPES)
+def test_fp8_bytes_decode_equals_decode_fp8_blocks_on_random_bytes(out, inp, block):
+    """Random weight and scale bytes (NaN ones included), shapes not divisible by the block: the same bits as
+    decode_fp8_blocks wherever it is not NaN, NaN where it is; a scale that does not fit is refused."""
+    gen = torch.Generator().manual_seed(out * inp + block[0])
+    q = torch.randint(0, 256, (out, inp), dtype=torch.uint8, generator=gen)
+    s = torch.randint(0, 256, (-(-out // block[0]), -(-inp // block[1])), dtype=torch.uint8, generator=gen)
+    want = decode_fp8_blocks(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), block, torch.bfloat16)
+    got = torch.from_numpy(fp8_bytes.decode_fp8_blocks_bf16(q.numpy(), s.numpy(), block))
+    nan = _nan_bf16(want.view(torch.uint16))
+    assert torch.equal(_nan_bf16(got), nan)
+    same_bits(got[~nan], want.view(torch.uint16)[~nan])
+    with pytest.raises(ValueError, match="does not fit weight"):
+        fp8_bytes.decode_fp8_blocks_bf16(q.numpy(), s[:-1].numpy(), block, "w")
