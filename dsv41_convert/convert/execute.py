@@ -20,11 +20,9 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import queue
-import select
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
@@ -35,6 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+from dsv41_convert.convert import die_with
+from dsv41_convert.convert.die_with import alive, die_with_parent
 from dsv41_convert.convert.plan import ConversionPlan, RankFile
 from dsv41_convert.convert.stream import numpy_computes
 from dsv41_convert.convert.workers import auto_workers
@@ -411,7 +411,9 @@ _QUEUE: Any = None
 def _init_worker(q, run: int) -> None:
     global _QUEUE
     _QUEUE = q
-    _die_with(run)
+    die_with_parent()  # the run, or its fork server, which dies with the run (die_with.py)
+    if not alive(run):  # the run died before the server's guard took hold
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _worker_context(job: dict[str, Any]) -> Any:
@@ -424,38 +426,11 @@ def _worker_context(job: dict[str, Any]) -> Any:
     if sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    modules = ["__main__", "dsv41_convert.convert.write"]
+    modules = ["__main__", "dsv41_convert.convert.die_with", "dsv41_convert.convert.write"]
     if job["torch"]:
         modules.append("dsv41_convert.convert.transform")
     ctx.set_forkserver_preload(modules)  # takes effect when the server starts (once per run: see below)
     return ctx
-
-
-def _die_with(run: int) -> None:
-    """Linux: SIGKILL this worker when the run dies. The run's lock dies with it (kill -9, OOM kill); its
-    writers must stop with it, or they would write beside the run that takes the lock over. A spawned
-    worker's parent is the run (PR_SET_PDEATHSIG); a forked one's is the fork server, which outlives the
-    run while workers hold its pipe, so a thread waits on the run's pidfd instead."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    parent, pr_set_pdeathsig = os.getppid(), 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # a death before the line above
-        os.kill(os.getpid(), signal.SIGKILL)
-    if parent != run:
-        try:
-            pidfd = os.pidfd_open(run)
-        except ProcessLookupError:
-            os.kill(os.getpid(), signal.SIGKILL)
-        threading.Thread(target=_die_when_ready, args=(pidfd,), name="die-with-run", daemon=True).start()
-
-
-def _die_when_ready(pidfd: int) -> None:
-    """SIGKILL this process once `pidfd`'s process has exited (the fd turns readable)."""
-    select.select([pidfd], [], [])
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _worker_job(rf, src, out, job) -> FileDone:
@@ -476,6 +451,7 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     if workers <= 1 or len(todo) == 1:
         return _run_here(todo, src, out, job, progress)
     ctx = _worker_context(job)
+    _start_fork_server(ctx)
     q = ctx.Queue()
     results = []
     with (
@@ -496,6 +472,17 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
             raise
         _drain(q, progress)
     return results
+
+
+def _start_fork_server(ctx) -> None:
+    """Start the fork server now, telling it (die_with.RUN_ENV, for its start only) that it serves this run."""
+    if ctx.get_start_method() != "forkserver":
+        return
+    os.environ[die_with.RUN_ENV] = str(os.getpid())
+    try:
+        mp.forkserver.ensure_running()
+    finally:
+        del os.environ[die_with.RUN_ENV]
 
 
 @contextmanager

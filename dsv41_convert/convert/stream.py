@@ -53,11 +53,18 @@ if TYPE_CHECKING:
 
 def numpy_computes(t: OutTensor) -> bool:
     """Whether numpy computes t's action on the CPU, on bytes, so that its worker needs no torch: the fp4 ->
-    fp8 cast (quant/cast_bytes.py) and e4m3 x e8m0 -> bf16 (quant/fp8_bytes.py: wo_a in `shard`, the fp8
-    weights of a bf16 export). The other actions go through transform.apply (torch)."""
+    fp8 cast (quant/cast_bytes.py), e4m3 x e8m0 -> bf16 (quant/fp8_bytes.py: wo_a in `shard`, the fp8
+    weights of a bf16 export) and e2m1 x e8m0 -> bf16 (quant/fp4_bytes.py: a bf16 export's experts). The
+    other actions (quantizing a bf16 source) go through transform.apply (torch)."""
+    dtypes = [r.dtype for r in t.reads]
     if t.action == "fp4_to_fp8":
         return True
-    return t.action == "dequant_bf16" and t.dtype == "BF16" and [r.dtype for r in t.reads] == ["F8_E4M3", "F8_E8M0"]
+    if t.action == "dequant_bf16":
+        return t.dtype == "BF16" and dtypes == ["F8_E4M3", "F8_E8M0"]
+    return t.action == "dequant_fp4" and t.dtype == "BF16" and dtypes[1:] == ["F8_E8M0"] and dtypes[0] in FP4_BYTES
+
+
+FP4_BYTES = ("I8", "U8", "F4")  # dtypes that store packed e2m1 pairs
 
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
@@ -135,6 +142,10 @@ def _numpy_action(t: OutTensor):
         from dsv41_convert.quant.fp8_bytes import decode_fp8_blocks_bf16
 
         return lambda inputs, name: (decode_fp8_blocks_bf16(inputs[0], inputs[1], tuple(t.block), name),)
+    if t.action == "dequant_fp4":
+        from dsv41_convert.quant.fp4_bytes import decode_mxfp4_bf16
+
+        return lambda inputs, name: (decode_mxfp4_bf16(inputs[0], inputs[1], 32, name),)
     from dsv41_convert.quant.cast_bytes import fp4_to_fp8_bytes
 
     return lambda inputs, name: fp4_to_fp8_bytes(inputs[0], inputs[1], 32, name)

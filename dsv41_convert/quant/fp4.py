@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
 from dsv41_convert.quant.checks import FLOAT_INPUTS, require_amax_finite, require_dtype
 from dsv41_convert.quant.e8m0 import pow2_ceil
 
@@ -21,8 +22,7 @@ FP4_MAX = 6.0
 FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
 MXFP4_AMAX_FLOOR = 6 * 2.0**-126  # keeps the smallest scale at 2**-126, a normal float32
 
-_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_VALUES = torch.tensor(_MAGNITUDES + tuple(-m for m in _MAGNITUDES), dtype=torch.float32)
+E2M1_VALUES = torch.from_numpy(E2M1_CODE_VALUES).float()
 """Value of each 4-bit code 0..15, float32 [16]; code 8 is -0.0."""
 
 _BYTES = (torch.uint8, torch.int8)

@@ -1,10 +1,10 @@
-"""An export that computes nothing through torch runs without importing it: a copy (published -> fp8-fp4:
-every tensor copied byte for byte) and published -> fp8 (the experts' fp4 -> fp8 cast is numpy on bytes,
-quant/cast_bytes.py). torch's import is 1.5 s of a worker's start on the dev box, 3-5 s on the 16-core
-host. An export that computes through torch (bf16) does import it (the check below can tell; one worker,
-so that the work runs in the process it looks at). Planted faults it catches: a module-level `import
-torch` back in convert/execute.py, write.py, stream.py or quant/__init__.py, or write.py importing
-transform for numpy outputs."""
+"""Work that computes nothing through torch runs without importing it: every export of the published layout
+(the copy to fp8-fp4; fp8, whose fp4 -> fp8 cast is numpy on bytes, quant/cast_bytes.py; bf16, whose
+decoders are too, quant/fp8_bytes.py and fp4_bytes.py) and `shard` of it (wo_a). torch's import is 1.5 s
+of a worker's start on the dev box, 3-5 s on the 16-core host. Quantizing a bf16 source does import it
+(the check below can tell; one worker, so that the work runs in the process it looks at). Planted faults it
+catches: a module-level `import torch` back in convert/execute.py, write.py, stream.py or quant/__init__.py,
+or write.py importing transform for numpy outputs."""
 
 from __future__ import annotations
 
@@ -31,14 +31,28 @@ def pub(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("fmt", "want"), [("fp8-fp4", "NO-TORCH"), ("fp8", "NO-TORCH"), ("bf16", "TORCH")])
-def test_export_without_torch_work_does_not_import_torch(pub, tmp_path, fmt, want):
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory) -> Path:
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import write_checkpoint
+
+    out = tmp_path_factory.mktemp("bf16") / "bf16"
+    write_checkpoint(out, PRESETS["tiny"], seed=3, quantized=False, vision=False)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("source", "fmt", "want"),
+    [("pub", "fp8-fp4", "NO-TORCH"), ("pub", "fp8", "NO-TORCH"), ("pub", "bf16", "NO-TORCH"), ("bf16", "fp8", "TORCH")],
+)
+def test_export_without_torch_work_does_not_import_torch(request, pub, tmp_path, source, fmt, want):
     out = tmp_path / "out"
-    args = ["export", str(pub), str(out), "--format", fmt]
+    src = request.getfixturevalue(source)
+    args = ["export", str(src), str(out), "--format", fmt]
     proc = subprocess.run([sys.executable, "-c", CODE, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == want, proc.stdout[-2000:]
-    if fmt == "fp8-fp4":  # the copy is still every published tensor, byte for byte
+    if (source, fmt) == ("pub", "fp8-fp4"):  # the copy is still every published tensor, byte for byte
         for shard in sorted(pub.glob("model-*.safetensors")):
             assert (out / shard.name).read_bytes() == shard.read_bytes(), shard.name
 

@@ -22,6 +22,7 @@ from dsv41_convert.quant import (
     encode_e2m1,
     encode_fp8_blocks,
     encode_mxfp4,
+    fp4_bytes,
     fp8_bytes,
 )
 from dsv41_convert.quant import fp4 as fp4_mod
@@ -346,3 +347,30 @@ def test_fp8_bytes_decode_equals_decode_fp8_blocks_on_random_bytes(out, inp, blo
     same_bits(got[~nan], want.view(torch.uint16)[~nan])
     with pytest.raises(ValueError, match="does not fit weight"):
         fp8_bytes.decode_fp8_blocks_bf16(q.numpy(), s[:-1].numpy(), block, "w")
+
+
+def test_fp4_bytes_table_is_decode_mxfp4_for_every_scale_and_packed_byte():
+    """quant/fp4_bytes.py's lookup (every e8m0 byte x every packed byte: 6 * 2**127 overflows to inf, -0,
+    a NaN scale) against decode_mxfp4's float path (torch): the same bfloat16 bits, NaN as NaN."""
+    packed = ALL_BYTES.repeat(256).view(256 * 16, 16)  # row r: 16 packed bytes (32 codes), scale byte r // 16
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(16).view(-1, 1)
+    want = fp4_mod._decode_mxfp4_float(packed, s.view(torch.float8_e8m0fnu), 32, torch.bfloat16).view(torch.uint16)
+    got = torch.from_numpy(fp4_bytes.decode_mxfp4_bf16(packed.numpy(), s.numpy(), 32))
+    nan = _nan_bf16(want)
+    assert torch.equal(_nan_bf16(got), nan) and nan.any()
+    same_bits(got[~nan], want[~nan])
+    assert bool((want == 0x7F80).any()) and bool((want == 0x8000).any())  # inf and -0 are in the comparison
+
+
+@pytest.mark.parametrize(("out", "inp", "block"), [(64, 64, 32), (100, 96, 16), (33, 60, 4), (7, 30, 32), (5, 34, 2)])
+def test_fp4_bytes_decode_equals_decode_mxfp4_on_random_bytes(out, inp, block):
+    gen = torch.Generator().manual_seed(out * inp + block)
+    packed = torch.randint(0, 256, (out, inp // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(0, 256, (out, -(-inp // block)), dtype=torch.uint8, generator=gen)
+    want = decode_mxfp4(packed, s.view(torch.float8_e8m0fnu), block, torch.bfloat16).view(torch.uint16)
+    got = torch.from_numpy(fp4_bytes.decode_mxfp4_bf16(packed.numpy(), s.numpy(), block))
+    nan = _nan_bf16(want)
+    assert torch.equal(_nan_bf16(got), nan)
+    same_bits(got[~nan], want[~nan])
+    with pytest.raises(ValueError, match="does not fit weight"):
+        fp4_bytes.decode_mxfp4_bf16(packed.numpy(), s[:, :-1].numpy(), block, "w")
