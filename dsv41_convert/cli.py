@@ -648,6 +648,9 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     if as_json:
         return report.print_json(summary)
     report.stdout.print(summary["manifest"], highlight=False, soft_wrap=True)
+    if summary.get("already_merged"):
+        report.info("already written by the share that finished last (no fragment left); `check` verifies it")
+        return
     report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
 
 

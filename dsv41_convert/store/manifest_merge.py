@@ -132,6 +132,8 @@ def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
 
 def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     frags = read_fragments(out)
+    if not frags and (out / MANIFEST).is_file():  # the shares finished together: each saw every file done
+        return _already_merged(out)
     if not frags:
         raise OutputError(
             f"{out}: no {FRAGMENT_GLOB} files; copy the fragment each `shard --ranks` run left in its OUT, "
@@ -175,6 +177,18 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     extra = [n for n in SIDECARS if (out / n).is_file()] + list(REQUIRED_SIDECARS)
     path = write_manifest_from(out, first["source"], options, digest, rank_files, extra)
     return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags)}
+
+
+def _already_merged(out: Path) -> dict[str, Any]:
+    """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge);
+    `check` verifies its files."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        rank_files = [f for f in manifest["files"] if f.endswith(".safetensors")]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OutputError(f"{out / MANIFEST}: unreadable ({exc}); remove it and run `shard --resume`") from exc
+    return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],
+            "already_merged": True}  # fmt: skip
 
 
 def _add(records, problems, file: str, rec: dict[str, Any], where: str) -> None:

@@ -115,6 +115,25 @@ def test_no_fragment_is_an_error(tmp_path, monkeypatch, capsys):
     assert code == 2 and "no manifest-fragment-*.json files" in err
 
 
+def test_a_folder_whose_last_share_wrote_the_manifest_needs_no_merge(runs, tmp_path, monkeypatch, capsys):
+    """Shares that finish at the same moment each see every rank file done and each write manifest.json (no
+    fragment left): `manifest` then reports that manifest (exit 0, `already_merged`) instead of failing for
+    want of fragments; without a manifest it still fails."""
+    out = tmp_path / "out"
+    summary = execute(build_plan(runs["src"], 4), out)
+    assert summary["manifest"] and not list(out.glob("manifest-fragment-*.json"))
+    before = (out / "manifest.json").read_bytes()
+    code, stdout, err = run_cli(monkeypatch, capsys, "manifest", str(out), "--json")
+    assert code == 0, err
+    got = json.loads(stdout)
+    assert got["already_merged"] and got["manifest"] == str(out / "manifest.json")
+    assert sorted(got["rank_files"]) == [f"model{r}-mp4.safetensors" for r in range(4)]
+    assert (out / "manifest.json").read_bytes() == before
+    (out / "manifest.json").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))
+    assert code == 2 and "no manifest-fragment-*.json files" in err
+
+
 def test_torchrun_shares_leave_fragments(runs, tmp_path, monkeypatch):
     plan = build_plan(runs["src"], 4)
     for me in (0, 1):
