@@ -422,7 +422,7 @@ def _worker_context(job: dict[str, Any]) -> Any:
     each import them: spawned, each of 8 workers spent 5 s importing torch on the 16-core H200 host with a
     cold page cache (the timeline's `start` stage), a third of an fp8 export's wall time and half its CPU.
     The server is a single-threaded process that never ran torch code, so forking it is safe, unlike
-    forking the run itself. Elsewhere: spawn."""
+    forking the run itself; it imports die_with.py first, which makes it die with the run. Elsewhere: spawn."""
     if sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
