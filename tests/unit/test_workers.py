@@ -117,3 +117,25 @@ def test_workers_take_the_most_work_first(tmp_path, fmt):
             assert files.index(a) < files.index(b)
     if fmt != "fp8-fp4":  # something computed: the plan's first file is not the most work
         assert order != files
+
+
+@pytest.mark.parametrize(
+    ("source", "fmt", "device", "want"),
+    [("pub", "fp8-fp4", "cpu", False), ("pub", "fp8", "cpu", False), ("pub", "bf16", "cpu", False),
+     ("pub", "fp8", "cuda", True), ("pub", "fp8-fp4", "cuda", False), ("bf16", "fp8", "cpu", True),
+     ("bf16", "bf16", "cpu", False)],
+)  # fmt: skip
+def test_workers_import_torch_only_for_work_that_needs_it(tmp_path, source, fmt, device, want):
+    """execute._needs_torch: on the CPU the published layout's actions (copies, the fp4 -> fp8 cast, the
+    bf16 decoders) are numpy's; quantizing a bf16 source is torch's, and on CUDA every computed tensor is
+    (kernels). A copy never needs it. Counted independently from the plan's tensors here."""
+    from dsv41_convert.convert.execute import _needs_torch
+    from dsv41_convert.convert.export import build_export_plan
+    from dsv41_convert.convert.stream import numpy_computes
+    from dsv41_convert.convert.write import COPIED
+
+    src = make_tiny(tmp_path / "src") if source == "pub" else make_tiny(tmp_path / "src", quantized=False)
+    files = list(build_export_plan(src, fmt).plan.files)
+    computed = [t for f in files for t in f.tensors if t.action not in COPIED]
+    assert _needs_torch(files, device) == want
+    assert want == bool(computed and (device == "cuda" or not all(numpy_computes(t) for t in computed)))
