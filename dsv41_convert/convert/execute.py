@@ -33,9 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from dsv41_convert.convert import die_with
-from dsv41_convert.convert.die_with import alive, die_with_parent
-from dsv41_convert.convert.plan import ConversionPlan, RankFile
+from dsv41_convert.convert.die_with import RUN_ENV, alive, die_with_parent
+from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
 from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import (
@@ -312,19 +311,22 @@ def longest_first(files: list[RankFile]) -> list[RankFile]:
     return sorted(files, key=lambda f: -(f.nbytes + _computed_bytes([f])))
 
 
-def _computed_bytes(files: list[RankFile]) -> int:
-    """Output bytes of `files` that an action computes (dequantize, quantize, cast) rather than copies.
-    Summed over the files' parts: an ExpertRun (copied experts) is one part, so the parent process never
+def _computed_parts(files: list[RankFile]) -> Iterator[OutTensor]:
+    """The tensors of `files` that an action computes (dequantize, quantize, cast) rather than copies.
+    Taken from the files' parts: an ExpertRun (copied experts) is one part, so the parent process never
     expands the runs into their 94k tensors (nor pickles them to the workers)."""
-    return sum(p.end - p.begin for f in files for p in f.parts if p.action not in COPIED)
+    return (p for f in files for p in f.parts if p.action not in COPIED)
+
+
+def _computed_bytes(files: list[RankFile]) -> int:
+    """Output bytes of `files` that an action computes."""
+    return sum(p.end - p.begin for p in _computed_parts(files))
 
 
 def _needs_torch(files: list[RankFile], device: str) -> bool:
     """Whether writing `files` computes anything through torch: on CUDA every computed tensor; on the CPU
-    those that numpy does not compute on bytes (stream.numpy_computes). Copied parts (expert runs among
-    them) never need it."""
-    computed = (p for f in files for p in f.parts if p.action not in COPIED)
-    return any(device == "cuda" or not numpy_computes(p) for p in computed)
+    those that numpy does not compute on bytes (stream.numpy_computes)."""
+    return any(device == "cuda" or not numpy_computes(p) for p in _computed_parts(files))
 
 
 def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> FileDone:
@@ -429,7 +431,7 @@ def _worker_context(job: dict[str, Any]) -> Any:
     modules = ["__main__", "dsv41_convert.convert.die_with", "dsv41_convert.convert.write"]
     if job["torch"]:
         modules.append("dsv41_convert.convert.transform")
-    ctx.set_forkserver_preload(modules)  # takes effect when the server starts (once per run: see below)
+    ctx.set_forkserver_preload(modules)  # takes effect when the server starts (once per run: _fork_server)
     return ctx
 
 
@@ -451,11 +453,10 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     if workers <= 1 or len(todo) == 1:
         return _run_here(todo, src, out, job, progress)
     ctx = _worker_context(job)
-    _start_fork_server(ctx)
     q = ctx.Queue()
     results = []
     with (
-        _fork_server_stopped(),
+        _fork_server(ctx),
         ProcessPoolExecutor(
             min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
         ) as pool,
@@ -474,22 +475,20 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     return results
 
 
-def _start_fork_server(ctx) -> None:
-    """Start the fork server now, telling it (die_with.RUN_ENV, for its start only) that it serves this run."""
+@contextmanager
+def _fork_server(ctx) -> Iterator[None]:
+    """With a fork server context: start the server now, telling it (die_with.RUN_ENV, for its start only)
+    that it serves this run, and end it once its workers have exited: it holds torch's memory, and a
+    process that waits for it counts its CPU and its workers' as its own (as it did for spawned workers;
+    `time`, the benchmarks). The next run with workers starts a fresh one."""
     if ctx.get_start_method() != "forkserver":
+        yield
         return
-    os.environ[die_with.RUN_ENV] = str(os.getpid())
+    os.environ[RUN_ENV] = str(os.getpid())
     try:
         mp.forkserver.ensure_running()
     finally:
-        del os.environ[die_with.RUN_ENV]
-
-
-@contextmanager
-def _fork_server_stopped() -> Iterator[None]:
-    """End the fork server (if the run started one) once its workers have exited: it holds torch's memory,
-    and a process that waits for it counts its CPU and its workers' as its own (as it did for spawned
-    workers; `time`, the benchmarks). The next run with workers starts a fresh one."""
+        del os.environ[RUN_ENV]
     try:
         yield
     finally:

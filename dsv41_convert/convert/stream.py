@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from dsv41_convert.convert.plan import OutTensor, Read
+from dsv41_convert.convert.plan import BF16, E4M3, E8M0, F4, OutTensor, Read
 from dsv41_convert.progress import add_seconds
 
 if TYPE_CHECKING:
@@ -51,20 +51,20 @@ if TYPE_CHECKING:
     from dsv41_convert.convert.ring import Staging
 
 
+FP4_BYTES = ("I8", "U8", F4)  # dtypes that store packed e2m1 pairs
+
+
 def numpy_computes(t: OutTensor) -> bool:
     """Whether numpy computes t's action on the CPU, on bytes, so that its worker needs no torch: the fp4 ->
     fp8 cast (quant/cast_bytes.py), e4m3 x e8m0 -> bf16 (quant/fp8_bytes.py: wo_a in `shard`, the fp8
     weights of a bf16 export) and e2m1 x e8m0 -> bf16 (quant/fp4_bytes.py: a bf16 export's experts). The
     other actions (quantizing a bf16 source) go through transform.apply (torch)."""
-    dtypes = [r.dtype for r in t.reads]
     if t.action == "fp4_to_fp8":
         return True
+    dtypes = [r.dtype for r in t.reads]
     if t.action == "dequant_bf16":
-        return t.dtype == "BF16" and dtypes == ["F8_E4M3", "F8_E8M0"]
-    return t.action == "dequant_fp4" and t.dtype == "BF16" and dtypes[1:] == ["F8_E8M0"] and dtypes[0] in FP4_BYTES
-
-
-FP4_BYTES = ("I8", "U8", "F4")  # dtypes that store packed e2m1 pairs
+        return t.dtype == BF16 and dtypes == [E4M3, E8M0]
+    return t.action == "dequant_fp4" and t.dtype == BF16 and dtypes[1:] == [E8M0] and dtypes[0] in FP4_BYTES
 
 
 GPU_BLOCK_BYTES = 64 << 20  # source bytes per row block on CUDA (64 MiB blocks: per-block costs < 5%)
@@ -92,18 +92,19 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     rows = main.r1 - main.r0
     cuda = quantizer.device == "cuda"
     name = f"{reader.src / main.file}: {main.name}"
-    compute = _numpy_action(t) if not cuda and numpy_computes(t) else _torch_action(t, quantizer)
+    form = "cuda" if cuda else "bytes" if numpy_computes(t) else "tensors"  # how _read_block hands inputs over
+    compute = _numpy_action(t) if form == "bytes" else _torch_action(t, quantizer)
     starts = block_starts(t, step, first)
     q: queue.Queue = queue.Queue(maxsize=DEPTH)
     stop = threading.Event()
     feeder = None
     if len(starts) > 1:
-        args = (t, reader, step, starts, rows, cuda, q, stop, stages)
+        args = (t, reader, step, starts, rows, form, q, stop, stages)
         feeder = threading.Thread(target=_read_ahead, args=args, daemon=True)
         feeder.start()
         source = _from_queue(q, stages)
     else:
-        source = _read_here(t, reader, step, starts, rows, cuda, stages)
+        source = _read_here(t, reader, step, starts, rows, form, stages)
     flight: deque = deque()
     flat = len(main.shape) < 2  # 1-d tensors travel as [rows, 1]
     try:
@@ -183,11 +184,11 @@ class HostRows(NamedTuple):
     buf: object
 
 
-def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list:
-    """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales):
-    CPU tensors of the selected columns (where `numpy_computes`, uint8 arrays [rows, row bytes]), or on
-    CUDA HostRows (whole rows: no gather on the host)."""
-    if not cuda and numpy_computes(t):
+def _read_block(t: OutTensor, reader, a: int, b: int, form: str) -> list:
+    """The inputs of rows [a, b) of the main read (and the matching rows of the others, e.g. scales), in
+    `form`: "tensors", CPU tensors of the selected columns; "bytes" (where `numpy_computes`), uint8 arrays
+    [rows, row bytes] of them; "cuda", HostRows (whole rows: no gather on the host)."""
+    if form == "bytes":
         views = []
         for rd, ra, rb_ in block_rows(t, a, b):
             data, width = reader.rows(rd, ra, rb_, bytearray)
@@ -197,7 +198,7 @@ def _read_block(t: OutTensor, reader, a: int, b: int, cuda: bool) -> list:
 
     inputs = []
     for rd, ra, rb_ in block_rows(t, a, b):
-        if cuda:
+        if form == "cuda":
             data, width = reader.rows(rd, ra, rb_, bytearray, whole=True)
             cols = (rd.c0, rd.c1) if rd.c1 >= 0 else None
             inputs.append(HostRows(from_bytes(data, rd.dtype, rb_ - ra, width), cols, data))
@@ -215,16 +216,16 @@ def _unused(item, ahead) -> None:
                 ahead.release(x.buf)
 
 
-def _read_here(t, reader, step, starts, rows, cuda, stages) -> Iterator[list[torch.Tensor]]:
+def _read_here(t, reader, step, starts, rows, form, stages) -> Iterator[list]:
     for a in starts:
         t0 = time.perf_counter()
-        inputs = _read_block(t, reader, a, min(rows, a + step), cuda)
+        inputs = _read_block(t, reader, a, min(rows, a + step), form)
         add_seconds(stages, "read", time.perf_counter() - t0)
         add_seconds(stages, "wait_read", time.perf_counter() - t0)
         yield inputs
 
 
-def _from_queue(q: queue.Queue, stages: dict) -> Iterator[list[torch.Tensor]]:
+def _from_queue(q: queue.Queue, stages: dict) -> Iterator[list]:
     while True:
         t0 = time.perf_counter()
         item = q.get()
@@ -236,12 +237,12 @@ def _from_queue(q: queue.Queue, stages: dict) -> Iterator[list[torch.Tensor]]:
         yield item
 
 
-def _read_ahead(t, reader, step, starts, rows, cuda, q, stop, stages) -> None:
+def _read_ahead(t, reader, step, starts, rows, form, q, stop, stages) -> None:
     """The reader thread: each block's inputs, in order, then None (or the exception that stopped it)."""
     try:
         for a in starts:
             t0 = time.perf_counter()
-            inputs = _read_block(t, reader, a, min(rows, a + step), cuda)
+            inputs = _read_block(t, reader, a, min(rows, a + step), form)
             add_seconds(stages, "read", time.perf_counter() - t0)
             if not _put(q, inputs, stop):
                 return

@@ -32,6 +32,7 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest_from,
 )
+from dsv41_convert.store.manifest_check import read_manifest
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
 FRAGMENT_GLOB = "manifest-fragment-*.json"
@@ -182,11 +183,7 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
 def _already_merged(out: Path) -> dict[str, Any]:
     """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge);
     `check` verifies its files."""
-    try:
-        manifest = json.loads((out / MANIFEST).read_text())
-        rank_files = [f for f in manifest["files"] if f.endswith(".safetensors")]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OutputError(f"{out / MANIFEST}: unreadable ({exc}); remove it and run `shard --resume`") from exc
+    rank_files = [f for f in read_manifest(out)["files"] if f.endswith(".safetensors")]
     return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],
             "already_merged": True}  # fmt: skip
 
