@@ -146,8 +146,8 @@ def test_cuda_blocks_travel_as_whole_rows_with_their_columns(table):
     t2 = OutTensor(name=t.name, dtype=t.dtype, shape=(ROWS, 128), rule=t.rule, action=t.action, reads=(sliced,))
     reader = _Reader(folder, 1 << 20)
     try:
-        (cpu,) = stream._read_block(t2, reader, 128, 256, cuda=False)
-        (host,) = stream._read_block(t2, reader, 128, 256, cuda=True)
+        (cpu,) = stream._read_block(t2, reader, 128, 256, form="tensors")
+        (host,) = stream._read_block(t2, reader, 128, 256, form="cuda")
     finally:
         reader.close()
     assert isinstance(host, stream.HostRows) and host.cols == (64, 192)
