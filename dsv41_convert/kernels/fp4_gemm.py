@@ -4,18 +4,40 @@ The kernel is `block_gemm.block_gemm_kernel` with packed e2m1 weights, K blocks 
 scale group) and one e8m0 weight scale per row; its docstring gives the numerics, the bound (the
 same as fp8_gemm's, for the same reasons) and the layout. Operands are checked once per shape, as in
 fp8_gemm.
+
+From VIA_FP8_ROWS rows on (by default always), the weight is first re-expressed as e4m3 in 32x32
+blocks on the GPU (`fp4_to_fp8.cast_unchecked`, the lossless expert cast: each value times a power of two, the block
+scale divided by it) and multiplied by the fp8 kernel. The same bytes as the fp4 kernel: for one
+output column and K block all 32 products are scaled by the same power of two, which commutes with
+the tensor cores' sum and with the promotion's fused multiply-add, so partial * (a_s * 2**s) is the
+same float32 either way (while the scale products stay normal float32s, as with e8m0 scales anyway).
+Measured, that holds while every cast value is a normal e4m3; where the cast gives subnormals (a 32x32
+block whose scales span 12 binades or more) the H200's tensor cores summed a few outputs differently
+(1 and 26 of 131072 at spans 13 and 14, up to 2.3% apart; docs/BENCHMARKS.md, "Gemms, 2026-12-02"),
+so such a weight stays on the fp4 kernel, as does one whose cast is not exact (a span over 14, a NaN
+scale). Which route a weight takes is learned once per weight tensor (`_route_as_fp8`: one wait for
+the GPU) and kept while the tensor, its storage and its version counter are the same (inference
+tensors have no version counter: `_version`).
+The fp4 kernel widens e2m1 and multiplies per-element column scales on its consumer warpgroups; the
+fp8 kernel does neither, which was worth more than the cast's pass over the weight at every row count
+measured (16 to 4096 rows: 1.1x to 3.4x the fp4 kernel's TFLOP/s).
 """
 
 import functools
+import weakref
 
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import FP4_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
+from dsv41_convert.kernels import fp8_gemm
+from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
+from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked, fp4_to_fp8_kernel
 
 GROUP = 32  # weight scale group along K
 STAGES = 3  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
 PACKED_DTYPES = (torch.float4_e2m1fn_x2, torch.uint8, torch.int8)
+VIA_FP8_ROWS = 1  # rows from which the weight goes through the fp8 kernel: every row count measured, 16 to
+# 4096, was faster that way (docs/BENCHMARKS.md, "Gemms, 2026-12-02")
 
 
 def fp4_gemm_kernel(n: int, k: int, act_block: int, e8m0: bool, tile: tuple[int, int, int] = FP4_TILES[1]):
@@ -39,18 +61,24 @@ def fp4_gemm(
     b_s: [N, K/32]                 float8_e8m0fnu
     -> [..., N]                    bfloat16
     """
-    run, m, n, e8m0 = _launch(
+    run, via_fp8, m, n, e8m0 = _launch(
         a.shape, a_s.shape, b.shape, b_s.shape, a.dtype, a_s.dtype, b.dtype, b_s.dtype, act_block_size, a.device
     )
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m:
-        run(rows(dense(a), m), rows(dense(a_s, e8m0), m), dense(b, True), dense(b_s, True), c)
+        a2, a_s2 = rows(dense(a), m), rows(dense(a_s, e8m0), m)
+        fp8 = _route_as_fp8(b, b_s) if m >= VIA_FP8_ROWS else None
+        if fp8 is None:
+            run(a2, a_s2, dense(b, True), dense(b_s, True), c)
+        else:
+            via_fp8(a2, a_s2, fp8[0], fp8[1].view(torch.uint8), c)
     return c if a.dim() == 2 else c.view(*a.shape[:-1], n)
 
 
 @functools.cache
 def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b_s_dtype, act_block, device):
-    """-> (launch, M, N, e8m0) for operands of these shapes and dtypes, checked here once; raises ValueError."""
+    """-> (launch, launch of the fp8 route, M, N, e8m0) for operands of these shapes and dtypes, checked here
+    once; raises ValueError."""
     k, n = a_shape[-1], b_shape[0]
     if a_dtype != torch.float8_e4m3fn or b_dtype not in PACKED_DTYPES:
         raise ValueError(f"fp4_gemm: a {a_dtype} {list(a_shape)} must be e4m3, b {b_dtype} {list(b_shape)} packed e2m1")
@@ -65,8 +93,47 @@ def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b
     if s_dtype not in (torch.float32, torch.float8_e8m0fnu) or b_s_dtype != torch.float8_e8m0fnu:
         raise ValueError(f"fp4_gemm: scale dtypes {s_dtype}, {b_s_dtype}: want float32/e8m0 and e8m0")
     e8m0 = s_dtype == torch.float8_e8m0fnu
-    run = launcher(_kernels(n, k, act_block, e8m0)[pick_tile(m, n, device, FP4_TILES)]) if m else None
-    return run, m, n, e8m0
+    if not m:
+        return None, None, m, n, e8m0
+    run = launcher(_kernels(n, k, act_block, e8m0)[pick_tile(m, n, device, FP4_TILES)])
+    fp4_to_fp8_kernel(k)  # compiled with the rest, so that a warm-up with one row readies the fp8 route too
+    via_fp8 = launcher(fp8_gemm.kernels(n, k, GROUP, e8m0, act_block, True)[pick_tile(m, n, device, FP8_TILES)])
+    return run, via_fp8, m, n, e8m0
+
+
+_routes: dict[int, tuple] = {}  # id(weight) -> (weakref(weight), weakref(scale), their state, goes as fp8)
+
+
+def _route_as_fp8(b: Tensor, b_s: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The weight as (e4m3 [N, K], e8m0 [ceil(N/32), K/32]) where the fp8 kernel gives the fp4 kernel's
+    bytes with it (an exact cast to normal e4m3 values), else None.
+
+    That is asked of the GPU (a wait) the first time this weight tensor comes, and again whenever it,
+    its scale, their storage or their version counters (an in-place change) differ.
+    """
+    state = (b.data_ptr(), b_s.data_ptr(), _version(b), _version(b_s))
+    known = _routes.get(id(b))
+    if known is not None and known[0]() is b and known[1]() is b_s and known[2] == state:
+        return cast_unchecked(b, b_s, _untold(b.device))[:2] if known[3] else None
+    w8, s8, lossy = cast_unchecked(b, b_s)
+    u = w8.view(torch.uint8)
+    subnormal = ((u & 0x78) == 0) & ((u & 7) != 0)
+    as_fp8 = not int(lossy.item()) and not bool(subnormal.any())
+    key = id(b)
+    _routes[key] = (weakref.ref(b, lambda _: _routes.pop(key, None)), weakref.ref(b_s), state, as_fp8)
+    return (w8, s8) if as_fp8 else None
+
+
+def _version(t: Tensor) -> int | None:
+    """t's version counter; None for an inference tensor, which has none (made under torch.inference_mode,
+    as the streamed weights are: an in-place change of one inside inference mode is not seen)."""
+    return None if t.is_inference() else t._version
+
+
+@functools.cache
+def _untold(device: torch.device) -> Tensor:
+    """A lossy counter nobody reads, for casts of weights already known exact (saves a fill per call)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -76,5 +143,8 @@ def _kernels(n: int, k: int, act_block: int, e8m0: bool) -> dict:
 
 
 def warm_up(n: int, k: int, act_block_size: int = 32, e8m0: bool = True) -> None:
-    """Compile the kernels (both tiles) for an expert weight [n, k] (logical) before collectives start."""
+    """Compile the kernels (both tiles, and the cast and fp8 kernels of many rows) for an expert weight
+    [n, k] (logical) before collectives start."""
     _kernels(n, k, act_block_size, e8m0)
+    fp4_to_fp8_kernel(k)
+    fp8_gemm.kernels(n, k, GROUP, e8m0, act_block_size, True)

@@ -18,10 +18,23 @@ DEPTH = {FP8_TILES[0]: 3}  # matmuls in flight (block_gemm_kernel's depth) where
 # has registers for two partial tiles only
 
 
-def fp8_gemm_kernel(n: int, k: int, block_size: int, e8m0: bool, tile: tuple[int, int, int] = FP8_TILES[1]):
-    """[M, k] e4m3 x [n, k] e4m3 -> [M, n] bf16; scales per (row, K block) and (block_size tile)."""
+def fp8_gemm_kernel(
+    n: int,
+    k: int,
+    block_size: int,
+    e8m0: bool,
+    tile: tuple[int, int, int] = FP8_TILES[1],
+    a_block: int | None = None,
+    b_e8m0: bool | None = None,
+):
+    """[M, k] e4m3 x [n, k] e4m3 -> [M, n] bf16; scales per (row, a_block columns) and (block_size tile).
+
+    a_block defaults to block_size, b_e8m0 (the weight scales' format) to e8m0 (the activation scales').
+    """
+    a_block = block_size if a_block is None else a_block
+    b_e8m0 = e8m0 if b_e8m0 is None else b_e8m0
     depth = DEPTH.get(tile, 2)
-    return block_gemm_kernel(n, k, block_size, block_size, block_size, False, e8m0, e8m0, STAGES, tile, depth=depth)
+    return block_gemm_kernel(n, k, block_size, a_block, block_size, False, e8m0, b_e8m0, STAGES, tile, depth=depth)
 
 
 def fp8_gemm(
@@ -66,17 +79,19 @@ def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b
     if s_dtype != b_s_dtype or s_dtype not in (torch.float32, torch.float8_e8m0fnu):
         raise ValueError(f"fp8_gemm: scale dtypes {s_dtype}, {b_s_dtype}: want both float32 or both e8m0")
     e8m0 = s_dtype == torch.float8_e8m0fnu
-    run = launcher(_kernels(n, k, block_size, e8m0)[pick_tile(m, n, device, FP8_TILES)]) if m else None
+    run = launcher(kernels(n, k, block_size, e8m0)[pick_tile(m, n, device, FP8_TILES)]) if m else None
     return run, m, n, e8m0
 
 
 @functools.cache
-def _kernels(n: int, k: int, block_size: int, e8m0: bool) -> dict:
+def kernels(
+    n: int, k: int, block_size: int, e8m0: bool, a_block: int | None = None, b_e8m0: bool | None = None
+) -> dict:
     """tile -> compiled kernel, both tiles on the first call (a warm-up with one row readies the many-row
-    one too)."""
-    return {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile) for tile in FP8_TILES}
+    one too); arguments as fp8_gemm_kernel's."""
+    return {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile, a_block, b_e8m0) for tile in FP8_TILES}
 
 
 def warm_up(n: int, k: int, block_size: int = 32, e8m0: bool = True) -> None:
     """Compile the kernels (both tiles) for a weight [n, k] before collectives start."""
-    _kernels(n, k, block_size, e8m0)
+    kernels(n, k, block_size, e8m0)

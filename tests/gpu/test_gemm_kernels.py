@@ -107,7 +107,7 @@ def test_fp8_gemm(block, fmt, sdtype, m, tile):
 
 @pytest.mark.parametrize("tile", [None, *TILES])
 @pytest.mark.parametrize("act_block,fmt,sdtype", [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32)])
-@pytest.mark.parametrize("m", [3, 100])
+@pytest.mark.parametrize("m", [3, 100, 600])
 def test_fp4_gemm(act_block, fmt, sdtype, m, tile):
     from dsv41_convert.kernels.fp4_gemm import GROUP, STAGES, fp4_gemm
 
@@ -167,3 +167,91 @@ def test_gemm_wrapper_views_misaligned_scales_and_errors(fp4):
     for _ in range(2):
         with pytest.raises(ValueError):
             gemm(a, a_s[:, :-1], b, b_s, torch.float8_e8m0fnu, 32)
+
+
+def spread_mxfp4(seed, n, k, span):
+    """An MXFP4 weight [n, k/2] (uint8 codes) with e8m0 scales [n, k/32] that spread over `span` + 1
+    binades in each 32-row block (around 2**-7): the cast to 32x32 e4m3 gives normal values up to span
+    11, subnormals from 12, is exact up to 14 and lossy beyond."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = 120 + torch.randint(0, span + 1, (n, k // 32), dtype=torch.uint8, generator=g)
+    s[::32] = 120 + span  # each 32-row block holds both ends of the range
+    s[1::32] = 120
+    return codes.cuda(), s.cuda().view(torch.float8_e8m0fnu)
+
+
+def without_subnormal_casts(b, b_s, span):
+    """b with every nonzero code whose cast (span as spread_mxfp4's) would be a subnormal e4m3 made a 4 or
+    a 6: the same scale spread, only normal values after the cast."""
+    n, k = b.size(0), 2 * b.size(1)
+    low = b_s.view(torch.uint8).repeat_interleave(32, 1) < 120 + span - 11
+    codes = torch.stack([b & 15, b >> 4], -1).view(n, k)
+    codes = torch.where(low & (codes & 7 != 0), (codes & 8) | 6 | (codes & 1), codes).view(n, k // 2, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+
+
+@pytest.mark.parametrize("n", [256, 200])
+@pytest.mark.parametrize("m", [1, 256, 777])
+def test_fp4_gemm_through_fp8_same_bytes(monkeypatch, m, n):
+    """fp4_gemm (from VIA_FP8_ROWS rows: always by default) casts the weight to 32x32 e4m3 and runs the fp8
+    kernel: the same bytes as the fp4 kernel (scale spans up to 11 binades, and 14 where no cast value is
+    subnormal; ragged N and M). A weight whose cast gives subnormals (span 14), is not exact (span 16) or
+    meets a NaN scale stays on the fp4 kernel, asked once; an in-place change of its scales is seen (the version
+    counter) and the weight is asked again."""
+    from dsv41_convert.kernels import fp4_gemm as mod
+
+    casts = []
+
+    def counted(b, b_s, lossy=None):
+        casts.append(b)
+        return cast_unchecked(b, b_s, lossy)
+
+    cast_unchecked = mod.cast_unchecked
+    monkeypatch.setattr(mod, "cast_unchecked", counted)
+    k = 1024
+    a, a_s, _, _ = cuda_operands(11, m, n, k, True)
+    e8 = torch.float8_e8m0fnu
+
+    def both(b, b_s):
+        monkeypatch.setattr(mod, "VIA_FP8_ROWS", 1 << 30)
+        direct = mod.fp4_gemm(a, a_s, b, b_s, e8, 32)
+        monkeypatch.setattr(mod, "VIA_FP8_ROWS", 1)
+        routed = mod.fp4_gemm(a, a_s, b, b_s, e8, 32)
+        assert torch.equal(routed.view(torch.uint16), direct.view(torch.uint16))
+        return routed
+
+    weights = [(f"span {span}", *spread_mxfp4(span, n, k, span)) for span in (0, 6, 11)]
+    b, b_s = spread_mxfp4(14, n, k, 14)
+    weights.append(("span 14, normal casts", without_subnormal_casts(b, b_s, 14), b_s))
+    for what, b, b_s in weights:
+        casts.clear()
+        for _ in range(2):
+            routed = both(b, b_s)
+        assert len(casts) == 2, f"{what}: not cast on each call"
+        b4 = b.view(torch.float4_e2m1fn_x2)
+        want = ref.fp4_gemm(a, a_s, b4, b_s, e8, 32)
+        check(routed, want, ref.fp4_gemm(abs_e4m3(a), a_s, abs_e2m1(b4), b_s, e8, 32), f"through fp8, {what}")
+
+    with torch.inference_mode():  # inference tensors (as streamed weights are) have no version counter
+        b, b_s = (t.clone() for t in spread_mxfp4(6, n, k, 6))
+        casts.clear()
+        for _ in range(2):
+            both(b, b_s)
+        assert len(casts) == 2
+
+    for span in (14, 16):
+        b, b_s = spread_mxfp4(span, n, k, span)
+        casts.clear()
+        for _ in range(2):
+            both(b, b_s)
+        assert len(casts) == 1, f"span {span}: asked once, then stays on the fp4 kernel"
+    b_s.view(torch.uint8).clamp_(min=136 - 11)  # in place: now spans 11 binades
+    both(b, b_s)
+    assert len(casts) == 2, "the changed weight is asked again (and cast)"
+
+    b, b_s = spread_mxfp4(4, n, k, 2)
+    b_s.view(torch.uint8)[5, 7] = 255  # NaN scale
+    casts.clear()
+    both(b, b_s)
+    assert len(casts) == 1
