@@ -1,0 +1,98 @@
+"""CPU seconds per GB written of `shard --tp N --workers 1`, this code against another checkout, buffered
+and --direct-io, in alternating rounds, with `cp` of the source in each round (issue 19 goal 1: <= 1.0
+CPU s per GB written with one worker).
+
+    python bench/bench_shard_cpu.py SRC WORK --old DIR [--tp 8] [--rounds 3] [--cold]
+
+SRC: a published-format checkpoint (e.g. make-tiny --preset medium). Each round runs, in an order that
+rotates from round to round: cp -r SRC + sync, then every (code, write mode) pair, each into a fresh
+WORK/out that is deleted after. The source is read into the page cache before each run, or dropped from
+it with --cold (bench_shard.evict). Each CLI runs as `python -P -m dsv41_convert.cli` with PYTHONPATH
+set to its checkout. Prints one JSON line per run (wall, user, system, CPU s per GB written, peak RSS)
+and a table of medians; rank files of the two codes are compared by their manifest's sha256s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shard import evict, measure, warm  # noqa: E402
+
+
+def _cli(code: Path) -> list[str]:
+    return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith(".safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src", type=Path)
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--old", type=Path, required=True, help="another checkout (a folder holding dsv41_convert/)")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="drop the source from the page cache before each run")
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    out = a.work / "out"
+    src_bytes = sum(p.stat().st_size for p in a.src.iterdir() if p.is_file())
+    codes = (("new", ROOT), ("old", a.old))
+    runs = [("cp", None, None)] + [(c, path, io) for c, path in codes for io in ("", "--direct-io")]
+    results: list[dict] = []
+    manifests: dict[str, dict] = {}
+    for r in range(a.rounds):
+        for name, code, io in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            evict(a.src) if a.cold else warm(a.src)
+            label = f"{name} {io or 'buffered'}" if code is not None else "cp"
+            if code is None:
+                m = measure(["sh", "-c", f"cp -r '{a.src}' '{out}' && sync"])
+                written = src_bytes
+            else:
+                cmd = [*_cli(code), "shard", str(a.src), str(out), "--tp", str(a.tp), "--workers", "1"]
+                m = measure(cmd + ([io] if io else []))
+                written = _bytes(out)
+                manifests.setdefault(label, json.loads((out / "manifest.json").read_text())["files"])
+            row = {"round": r, "run": label, "written_gb": round(written / 1e9, 3), **m}
+            row["system_s"] = round(m["cpu_s"] - m["user_s"], 2)
+            row["cpu_s_per_gb"] = round(m["cpu_s"] / (written / 1e9), 3)
+            row["wall_s_per_gb"] = round(m["seconds"] / (written / 1e9), 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    same = len({json.dumps(files, sort_keys=True) for files in manifests.values()}) == 1
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": platform.node(),
+            "cpus": os.cpu_count(), "load": os.getloadavg(), "src_gb": round(src_bytes / 1e9, 3), "tp": a.tp,
+            "cold": a.cold, "same_rank_files_all_runs": same}  # fmt: skip
+    print(json.dumps(meta))
+    print("| run | wall s (median) | user s | system s | CPU s per GB written | wall s per GB | peak RSS GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for label in dict.fromkeys(r["run"] for r in results):
+        rows = [r for r in results if r["run"] == label]
+
+        def med(key: str, rows: list = rows) -> float:
+            return statistics.median(r[key] for r in rows)
+
+        walls = " / ".join(f"{r['seconds']:.1f}" for r in rows)
+        cpus = " / ".join(f"{r['cpu_s_per_gb']:.2f}" for r in rows)
+        print(f"| {label} | {med('seconds'):.1f} ({walls}) | {med('user_s'):.1f} | {med('system_s'):.1f} | "
+              f"{med('cpu_s_per_gb'):.2f} ({cpus}) | {med('wall_s_per_gb'):.2f} "
+              f"| {med('max_process_rss_gib'):.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
