@@ -1,15 +1,14 @@
 """Write one rank file of a plan: header first, then each tensor's bytes streamed into place, in order.
 
 Memory is bounded by the chunk size, never by tensor size: plain copies move `chunk_bytes` at a time
-through a read-only map of the source, read in by mmap (`_Reader.mapped`; pread where a file system
-cannot map; copy_file_range was measured slower on the dev box: docs/BENCHMARKS.md); actions that
-compute (dequantize, quantize, cast) take row chunks of at most chunk_bytes / 8 source bytes (on CUDA 64
-MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale block is split, read ahead in a thread and
-overlapped with the GPU (stream.py). Reads stay ahead of the writer through the page cache: at each
-tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source regions of the next tensors, up to
-PREFETCH_BYTES, so the disk reads while it writes. On CUDA, threads also read the computed tensors' row
-blocks ahead across tensors, up to READ_AHEAD_BYTES, straight into one pinned ring the GPU copies from
-(prefetch.py, ring.py), which `_Reader.rows` then takes without a copy.
+with pread (copy_file_range, hashing from a map of the source, was measured slower on the dev box:
+docs/BENCHMARKS.md); actions that compute (dequantize, quantize, cast) take row chunks of at most
+chunk_bytes / 8 source bytes (on CUDA 64 MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale
+block is split, read ahead in a thread and overlapped with the GPU (stream.py). Reads stay ahead of the
+writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
+regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes. On CUDA, threads
+also read the computed tensors' row blocks ahead across tensors, up to READ_AHEAD_BYTES, straight into
+one pinned ring the GPU copies from (prefetch.py, ring.py), which `_Reader.rows` then takes without a copy.
 
 A quantizing action makes two tensors (weight and scale) that lie apart in the file. Each chunk is
 computed once: the part reached first is written in order; the other part's bytes are kept in memory
@@ -33,7 +32,6 @@ bf16), is written without torch (its import is 1.5 s on the dev box, 3-5 s on th
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import time
 from contextlib import closing
@@ -44,7 +42,7 @@ import numpy as np
 
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.convert.prefetch import Prefetch
-from dsv41_convert.errors import HeaderError, OutputError
+from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress, add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
@@ -62,7 +60,6 @@ READ_THREADS = 4  # reads in flight of the Prefetch
 READ_AHEAD_DEVICES = ("cuda",)  # on these devices only (on CPU the quantizers, not the reads, set the pace)
 JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs an fdatasync (256 MiB: +7 s of 33)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages are read in by mmap itself
 
 
 def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -89,24 +86,6 @@ class _Reader:
             self._bufs = [memoryview(bytearray(self.chunk_bytes)) for _ in range(3)]
         self._turn = (self._turn + 1) % 3
         return self._bufs[self._turn]
-
-    def mapped(self, file: str, pos: int, n: int) -> memoryview | None:
-        """Bytes [pos, pos + n) of a source file through a read-only map whose pages are read in now
-        (MAP_POPULATE, while the writer works on the previous chunk): the writer hashes and writes them
-        straight from the page cache, with no copy into a buffer of ours (2.3 of 14 CPU seconds of a
-        `shard --tp 8 --direct-io` on the dev box, docs/BENCHMARKS.md). None where the file system
-        cannot map files (then pread). Raises HeaderError, naming the file, where the file no longer
-        holds those bytes; a file truncated while mapped ends the process with SIGBUS (its rank file
-        stays a .partial)."""
-        fd = self.fd(file)
-        if os.fstat(fd).st_size < pos + n:
-            raise HeaderError(f"{self.src / file}: unexpected end of file before byte {pos + n}; truncated?")
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        try:
-            view = mmap.mmap(fd, pos + n - base, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ, offset=base)
-        except OSError:
-            return None
-        return memoryview(view)[pos - base :]
 
     def prefetch(self, tensors: list[OutTensor], i: int) -> None:
         """Tensor i is next: let the kernel start reading the sources of the tensors after it, up to
@@ -417,10 +396,8 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
             n = min(left, chunk_bytes)
             if left > n:  # the kernel reads the next chunk while this one is hashed and written
                 os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
-            buf = reader.mapped(rd.file, pos, n)
-            if buf is None:
-                buf = reader.buffer()[:n]
-                pread_exact(fd, buf, pos, str(reader.src / rd.file))
+            buf = reader.buffer()[:n]
+            pread_exact(fd, buf, pos, str(reader.src / rd.file))
             sink.write(buf, t.name)
             pos, left = pos + n, left - n
         return

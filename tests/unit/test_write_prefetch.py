@@ -30,7 +30,7 @@ def _region(rd) -> tuple[str, int, int]:
 
 
 def _record(monkeypatch, events: list) -> None:
-    """Note every WILLNEED hint and every source read (pread or map), in order, by file name."""
+    """Note every WILLNEED hint and every source read, in order, by file name."""
     real_fadvise, real_pread = os.posix_fadvise, write.pread_exact
 
     def fadvise(fd, offset, length, advice):
@@ -42,15 +42,8 @@ def _record(monkeypatch, events: list) -> None:
         events.append(("read", Path(label).name, offset, offset + len(buf)))
         return real_pread(fd, buf, offset, label)
 
-    real_mapped = write._Reader.mapped
-
-    def mapped(self, file, pos, n):
-        events.append(("read", file, pos, pos + n))
-        return real_mapped(self, file, pos, n)
-
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
     monkeypatch.setattr(write, "pread_exact", pread)
-    monkeypatch.setattr(write._Reader, "mapped", mapped)
 
 
 @pytest.mark.parametrize("budget", [1 << 12, 1 << 20, 0])
