@@ -27,10 +27,13 @@
 #           old code in the same rounds, bytes compared; its JSON (with each run's timeline summary:
 #           first file's start, the last worker alone at the end, stage seconds) and table into
 #           export_bench.txt.
+#   shardio bench_shard_cpu.py with that output as the source: cp, then `shard --tp $SHARD_TP` (8) with
+#           --workers $WORKERS (auto), buffered and --direct-io, this code and OLD (required), cold source,
+#           $ROUNDS (2) rounds: the host's answer to which write mode should be the default (session 9).
+# Next: OLD=<a checkout> STEPS="pub shardio" (~2 + ~4 min).
 # Used 2026-12-01: OLD=<8554f92> STEPS="gputests export exbench" SHARD_TP=8 and
 # CUDA_RUNS=2 EXFORMATS=fp8,bf16 STEPS="export exbench" (docs/BENCHMARKS.md, export: the H200 host).
-# Next (issue 18's fp8 row, with the timelines): OLD=<7ed5013> EXFORMATS=fp8,bf16 SHARD_TP=8
-# STEPS="pub exbench" (~2 + ~5 min).
+# and (session 8) OLD=<7ed5013> EXFORMATS=fp8,bf16 SHARD_TP=8 STEPS="pub exbench".
 # The page cache is dropped before each timed step. OUTDIR gets summary.txt (one line a result),
 # stream.json, log.txt (each step's last log lines), env.txt: four files, within what a lent machine
 # returns. A dry run without a GPU: PRESET=tiny DEV=cpu DROP=0 W=/tmp/x bash bench/h200_round.sh OUT.
@@ -157,6 +160,13 @@ if has ref; then
   run ref_2 $C reference-logits $W/xg $W/ref2.safetensors --device $D
   cmp -s $W/ref1.safetensors $W/ref2.safetensors && say "ref_1 == ref_2 (cmp)" || say "ref_1 != ref_2"
   say "kernel cache: $(du -sh ~/.cache/dsv41-convert/tilelang 2>&1 | cut -f1)"
+fi
+if has shardio; then  # buffered against --direct-io on the host's CPUs, cold source, OLD required
+  left=$((LIMIT - $(el)))
+  timeout $left python3 bench/bench_shard_cpu.py $W/xg $W/sio --old "$OLD" --tp ${SHARD_TP:-8} \
+    --workers ${WORKERS:-auto} --rounds ${ROUNDS:-2} --cold > "$out/shard_io.txt" 2> "$logs/shardio.err"
+  say "shard io bench: exit $? (shard_io.txt)"
+  { echo "== shardio"; tail -n 15 "$logs/shardio.err"; } >> "$out/log.txt"
 fi
 if has exbench; then
   left=$((LIMIT - $(el)))
