@@ -26,15 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export import _bytes, _cli  # noqa: E402
 from bench_shard import evict, measure, warm  # noqa: E402
-
-
-def _cli(code: Path) -> list[str]:
-    return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
-
-
-def _bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith(".safetensors"))
 
 
 def main() -> None:

@@ -5,19 +5,19 @@ scale group) and one e8m0 weight scale per row; its docstring gives the numerics
 same as fp8_gemm's, for the same reasons) and the layout. Operands are checked once per shape, as in
 fp8_gemm.
 
-From VIA_FP8_ROWS rows on (by default always), the weight is first re-expressed as e4m3 in 32x32
-blocks on the GPU (`fp4_to_fp8.cast_unchecked`, the lossless expert cast: each value times a power of two, the block
-scale divided by it) and multiplied by the fp8 kernel. The same bytes as the fp4 kernel: for one
-output column and K block all 32 products are scaled by the same power of two, which commutes with
-the tensor cores' sum and with the promotion's fused multiply-add, so partial * (a_s * 2**s) is the
-same float32 either way (while the scale products stay normal float32s, as with e8m0 scales anyway).
+From VIA_FP8_ROWS rows on (by default always), the weight is first re-expressed as e4m3 in 32x32 blocks
+on the GPU (`fp4_to_fp8.cast_unchecked`, the lossless expert cast: each value times a power of two, the
+block scale divided by it) and multiplied by the fp8 kernel. The same bytes as the fp4 kernel: for one
+output column and K block all 32 products are scaled by the same power of two, which commutes with the
+tensor cores' sum and with the promotion's fused multiply-add, so partial * (a_s * 2**s) is the same
+float32 either way (while the scale products stay normal float32s, as with e8m0 scales anyway).
 Measured, that holds while every cast value is a normal e4m3; where the cast gives subnormals (a 32x32
-block whose scales span 12 binades or more) the H200's tensor cores summed a few outputs differently
-(1 and 26 of 131072 at spans 13 and 14, up to 2.3% apart; docs/BENCHMARKS.md, "Gemms, 2026-12-02"),
-so such a weight stays on the fp4 kernel, as does one whose cast is not exact (a span over 14, a NaN
-scale). Which route a weight takes is learned once per weight tensor (`_route_as_fp8`: one wait for
-the GPU) and kept while the tensor, its storage and its version counter are the same (inference
-tensors have no version counter: `_version`).
+block whose scales span 12 binades or more) the H200's tensor cores summed a few outputs differently (1
+and 26 of 131072 at spans 13 and 14, up to 2.3% apart; docs/BENCHMARKS.md, "Gemms, 2026-12-02"), so such
+a weight stays on the fp4 kernel, as does one whose cast is not exact (a span over 14, a NaN scale).
+Which route a weight takes is learned once per weight tensor (`_route_as_fp8`: one wait for the GPU) and
+kept while the tensor, its storage and its version counter are the same (inference tensors have no
+version counter: `_version`).
 The fp4 kernel widens e2m1 and multiplies per-element column scales on its consumer warpgroups; the
 fp8 kernel does neither, which was worth more than the cast's pass over the weight at every row count
 measured (16 to 4096 rows: 1.1x to 4.1x the fp4 kernel's TFLOP/s with calls queued, 1.0x to 3.1x with
@@ -30,9 +30,9 @@ import weakref
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels import fp8_gemm
+from dsv41_convert.kernels import fp4_to_fp8, fp8_gemm
 from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
-from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked, fp4_to_fp8_kernel
+from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked
 
 GROUP = 32  # weight scale group along K
 STAGES = 3  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
@@ -96,10 +96,9 @@ def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b
     e8m0 = s_dtype == torch.float8_e8m0fnu
     if not m:
         return None, None, m, n, e8m0
-    run = launcher(_kernels(n, k, act_block, e8m0)[pick_tile(m, n, device, FP4_TILES)])
-    fp4_to_fp8_kernel(k)  # compiled with the rest, so that a warm-up with one row readies the fp8 route too
-    via_fp8 = launcher(fp8_gemm.kernels(n, k, GROUP, e8m0, act_block, True)[pick_tile(m, n, device, FP8_TILES)])
-    return run, via_fp8, m, n, e8m0
+    fp4, fp8 = _compile(n, k, act_block, e8m0)  # both routes, so that a warm-up with one row readies either
+    run = launcher(fp4[pick_tile(m, n, device, FP4_TILES)])
+    return run, launcher(fp8[pick_tile(m, n, device, FP8_TILES)]), m, n, e8m0
 
 
 _routes: dict[int, tuple] = {}  # id(weight) -> (weakref(weight), weakref(scale), their state, goes as fp8)
@@ -143,9 +142,14 @@ def _kernels(n: int, k: int, act_block: int, e8m0: bool) -> dict:
     return {tile: fp4_gemm_kernel(n, k, act_block, e8m0, tile) for tile in FP4_TILES}
 
 
+def _compile(n: int, k: int, act_block: int, e8m0: bool) -> tuple[dict, dict]:
+    """Every kernel fp4_gemm may run for a weight [n, k] (logical): -> (tile -> fp4 kernel, tile -> fp8
+    kernel), the cast's kernel compiled too."""
+    fp4_to_fp8.warm_up(k)
+    return _kernels(n, k, act_block, e8m0), fp8_gemm.kernels(n, k, GROUP, e8m0, act_block, True)
+
+
 def warm_up(n: int, k: int, act_block_size: int = 32, e8m0: bool = True) -> None:
-    """Compile the kernels (both tiles, and the cast and fp8 kernels of many rows) for an expert weight
-    [n, k] (logical) before collectives start."""
-    _kernels(n, k, act_block_size, e8m0)
-    fp4_to_fp8_kernel(k)
-    fp8_gemm.kernels(n, k, GROUP, e8m0, act_block_size, True)
+    """Compile the kernels of both routes (both tiles each, and the cast) for an expert weight [n, k]
+    (logical) before collectives start."""
+    _compile(n, k, act_block_size, e8m0)

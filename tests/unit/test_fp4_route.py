@@ -106,3 +106,18 @@ def test_another_scale_tensor_at_the_same_address_asked_again(cast):
     assert other.data_ptr() == b_s.data_ptr() and other._version == b_s._version == 1
     cast.byte = SUBNORMAL
     assert fp4_gemm._route_as_fp8(b, other) is None and cast.checked == 2
+
+
+def test_warm_up_compiles_both_routes_and_the_cast(monkeypatch):
+    """A warm-up (or the first call, whatever its rows) compiles the fp4 kernels, the fp8 kernels with the
+    fp4 weight's scale layout (32x32 e8m0 blocks, the activation's blocks) and the cast."""
+    calls = []
+    monkeypatch.setattr(fp4_gemm, "_kernels", lambda *a: calls.append(("fp4", a)) or {})
+    monkeypatch.setattr(fp4_gemm.fp8_gemm, "kernels", lambda *a: calls.append(("fp8", a)) or {})
+    monkeypatch.setattr(fp4_gemm.fp4_to_fp8, "_launch", lambda *a: calls.append(("cast", a)))
+    fp4_gemm.warm_up(2304, 5120, 32, True)
+    assert sorted(calls) == [
+        ("cast", (5120,)),
+        ("fp4", (2304, 5120, 32, True)),
+        ("fp8", (2304, 5120, 32, True, 32, True)),
+    ]
