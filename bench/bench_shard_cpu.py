@@ -3,6 +3,9 @@ checkout, buffered and --direct-io, in alternating rounds, with `cp` of the sour
 goal 1: <= 1.0 CPU s per GB written with one worker; which write mode to make the default).
 
     python bench/bench_shard_cpu.py SRC WORK --old DIR [--tp 8] [--workers 1|N|auto] [--rounds 3] [--cold]
+                                    [--export FORMAT]
+
+--export FORMAT times `export SRC OUT --format FORMAT` instead of shard (the same writer).
 
 SRC: a published-format checkpoint (e.g. make-tiny --preset medium). Each round runs, in an order that
 rotates from round to round: cp -r SRC + sync, then every (code, write mode) pair, each into a fresh
@@ -30,6 +33,15 @@ from bench_export import _bytes, _cli  # noqa: E402
 from bench_shard import evict, measure, warm  # noqa: E402
 
 
+def _mode_flags(checkout: Path, mode: str) -> list[str]:
+    """The flags for a write mode ("buffered" or "--direct-io") in that checkout's shard: before session 10
+    buffered writes were the default and there was no --buffered-io."""
+    if mode != "buffered":
+        return [mode]
+    knows = "--buffered-io" in (checkout / "dsv41_convert" / "app" / "options.py").read_text()
+    return ["--buffered-io"] if knows else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path)
@@ -39,12 +51,13 @@ def main() -> None:
     ap.add_argument("--workers", default="1", help="a number, or auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="drop the source from the page cache before each run")
+    ap.add_argument("--export", metavar="FORMAT", help="time export --format FORMAT instead of shard")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     out = a.work / "out"
     src_bytes = sum(p.stat().st_size for p in a.src.iterdir() if p.is_file())
     codes = (("new", ROOT), ("old", a.old))
-    runs = [("cp", None, None)] + [(c, path, io) for c, path in codes for io in ("", "--direct-io")]
+    runs = [("cp", None, None)] + [(c, path, io) for c, path in codes for io in ("buffered", "--direct-io")]
     results: list[dict] = []
     manifests: dict[str, dict] = {}
     for r in range(a.rounds):
@@ -52,13 +65,14 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
             evict(a.src) if a.cold else warm(a.src)
-            label = f"{name} {io or 'buffered'}" if code is not None else "cp"
+            label = f"{name} {io}" if code is not None else "cp"
             if code is None:
                 m = measure(["sh", "-c", f"cp -r '{a.src}' '{out}' && sync"])
                 written = src_bytes
             else:
-                cmd = [*_cli(code), "shard", str(a.src), str(out), "--tp", str(a.tp), "--workers", a.workers]
-                m = measure(cmd + ([io] if io else []))
+                job = ["export", "--format", a.export] if a.export else ["shard", "--tp", str(a.tp)]
+                cmd = [*_cli(code), job[0], str(a.src), str(out), *job[1:], "--workers", a.workers]
+                m = measure(cmd + _mode_flags(code, io))
                 written = _bytes(out)
                 manifests.setdefault(label, json.loads((out / "manifest.json").read_text())["files"])
             row = {"round": r, "run": label, "written_gb": round(written / 1e9, 3), **m}
@@ -71,7 +85,7 @@ def main() -> None:
     same = len({json.dumps(files, sort_keys=True) for files in manifests.values()}) == 1
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": platform.node(),
             "cpus": os.cpu_count(), "load": os.getloadavg(), "src_gb": round(src_bytes / 1e9, 3), "tp": a.tp,
-            "cold": a.cold, "workers": a.workers, "same_rank_files_all_runs": same}  # fmt: skip
+            "cold": a.cold, "workers": a.workers, "export": a.export, "same_rank_files_all_runs": same}  # fmt: skip
     print(json.dumps(meta))
     print("| run | wall s (median) | user s | system s | CPU s per GB written | wall s per GB | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|")

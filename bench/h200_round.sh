@@ -30,7 +30,8 @@
 #   shardio bench_shard_cpu.py with that output as the source: cp, then `shard --tp $SHARD_TP` (8) with
 #           --workers $WORKERS (auto), buffered and --direct-io, this code and OLD (required), cold source,
 #           $ROUNDS (2) rounds: the host's answer to which write mode should be the default (session 9).
-# Next: OLD=<a checkout> STEPS="pub shardio" (~2 + ~4 min).
+# Used 2026-12-02 (session 10): OLD=<6180d08> STEPS="pub shardio" (190 s; docs/BENCHMARKS.md, "shard",
+# session 10: O_DIRECT became the default from it). shardio passes --buffered-io where OLD knows it.
 # Used 2026-12-01: OLD=<8554f92> STEPS="gputests export exbench" SHARD_TP=8 and
 # CUDA_RUNS=2 EXFORMATS=fp8,bf16 STEPS="export exbench" (docs/BENCHMARKS.md, export: the H200 host).
 # and (session 8) OLD=<7ed5013> EXFORMATS=fp8,bf16 SHARD_TP=8 STEPS="pub exbench".

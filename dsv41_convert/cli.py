@@ -240,7 +240,7 @@ def shard_cmd(
     overwrite: opts.OverwriteOpt = False,
     device: opts.DeviceOpt = "cpu",
     dry_run: opts.DryRunOpt = False,
-    direct_io: opts.DirectIoOpt = False,
+    direct_io: opts.DirectIoOpt = True,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Write model{r}-mp{N}.safetensors for every rank r, the tokenizer, config.json and manifest.json.
@@ -667,6 +667,7 @@ def export_cmd(
     overwrite: opts.OverwriteOpt = False,
     device: opts.DeviceOpt = "cpu",
     dry_run: opts.DryRunOpt = False,
+    direct_io: opts.DirectIoOpt = True,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Write a Hugging Face-format checkpoint shaped like SRC (same names and shard grouping) in another format.
@@ -688,7 +689,10 @@ def export_cmd(
         summary = summarize_export(ep)
         return report.print_json(summary) if as_json else _plan_table(summary)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
-        summary = export(ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress)
+        summary = export(
+            ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
+            direct_io=direct_io,
+        )  # fmt: skip
     _report_run(summary, as_json, "shard(s)", summary["manifest"])
     if as_json:
         return

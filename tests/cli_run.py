@@ -42,16 +42,19 @@ def run_cli_with_file_size_limit(limit_bytes: int, *args: str) -> subprocess.Com
 
 def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, timeout: float = 120) -> None:
     """Poll a running conversion into `out` until one file is done (its done record) and a partial file
-    holds more than `partial_bytes`: the moment to kill it. A partial file may be renamed between the
-    listing and its stat (another worker finishing it)."""
+    holds more than `partial_bytes`: the moment to kill it (raises AssertionError after `timeout` s). A
+    partial file may be renamed between the listing and its stat (another worker finishing it). Written
+    with O_DIRECT, a partial file grows one staging piece (8 MiB) at a time, at a checkpoint or at its
+    end: partial_bytes=-1 takes any partial file."""
     done_dir, deadline = out / ".dsv41-convert", time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sizes = [0]
+        sizes = []
         for p in out.glob("*.partial") if out.exists() else []:
             try:
                 sizes.append(p.stat().st_size)
             except FileNotFoundError:
                 pass
-        if done_dir.exists() and any(done_dir.glob("*.done.json")) and max(sizes) > partial_bytes:
+        if done_dir.exists() and any(done_dir.glob("*.done.json")) and sizes and max(sizes) > partial_bytes:
             return
         time.sleep(0.02)
+    raise AssertionError(f"{out}: no done file beside a partial one over {partial_bytes} bytes in {timeout} s")

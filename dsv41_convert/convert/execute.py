@@ -163,7 +163,7 @@ def execute(
     progress: Progress = lambda label, done, total: None,
     chunk_bytes: int = CHUNK_BYTES,
     journal_bytes: int = JOURNAL_BYTES,
-    direct_io: bool = False,
+    direct_io: bool = True,
     sidecars: Sidecars | None = None,
 ) -> dict[str, Any]:
     """Write the plan's rank files into `out`. -> summary (files written / skipped, bytes, seconds, GB/s).

@@ -1,14 +1,16 @@
 """Write one rank file of a plan: header first, then each tensor's bytes streamed into place, in order.
 
-Memory is bounded by the chunk size, never by tensor size: plain copies move `chunk_bytes` at a time
-with pread (copy_file_range, hashing from a map of the source, was measured slower on the dev box:
-docs/BENCHMARKS.md); actions that compute (dequantize, quantize, cast) take row chunks of at most
-chunk_bytes / 8 source bytes (on CUDA 64 MiB: stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale
-block is split, read ahead in a thread and overlapped with the GPU (stream.py). Reads stay ahead of the
-writer through the page cache: at each tensor the kernel is asked (POSIX_FADV_WILLNEED) for the source
-regions of the next tensors, up to PREFETCH_BYTES, so the disk reads while it writes. On CUDA, threads
-also read the computed tensors' row blocks ahead across tensors, up to READ_AHEAD_BYTES, straight into
-one pinned ring the GPU copies from (prefetch.py, ring.py), which `_Reader.rows` then takes without a copy.
+Memory is bounded by the chunk size, never by tensor size: plain copies move `chunk_bytes` at a time with
+pread (copy_file_range, hashing from a map of the source, was measured slower on the dev box:
+docs/BENCHMARKS.md) into buffers that start at the output position's offset within a block, which an O_DIRECT
+writer sends to the device without copying them again (direct_write.py); actions that compute (dequantize,
+quantize, cast) take row chunks of at most chunk_bytes / 8 source bytes (on CUDA 64 MiB:
+stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale block is split, read ahead in a thread and overlapped
+with the GPU (stream.py). Reads stay ahead of the writer through the page cache: at each tensor the kernel is
+asked (POSIX_FADV_WILLNEED) for the source regions of the next tensors, up to PREFETCH_BYTES, so the disk
+reads while it writes. On CUDA, threads also read the computed tensors' row blocks ahead across tensors, up to
+READ_AHEAD_BYTES, straight into one pinned ring the GPU copies from (prefetch.py, ring.py), which
+`_Reader.rows` then takes without a copy.
 
 A quantizing action makes two tensors (weight and scale) that lie apart in the file. Each chunk is
 computed once: the part reached first is written in order; the other part's bytes are kept in memory
@@ -45,6 +47,7 @@ from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress, add_seconds
 from dsv41_convert.store import journal
+from dsv41_convert.store.direct_write import BLOCK, aligned_buffer
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
 from dsv41_convert.store.manifest import fsync_dir
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes, pread_exact
@@ -79,13 +82,14 @@ class _Reader:
         self._hinted_to = 0  # tensors before this index have had their prefetch hint
         self._hinted: list[tuple[int, int]] = []  # (tensor index, bytes hinted) not yet reached
 
-    def buffer(self) -> memoryview:
+    def buffer(self, skew: int = 0) -> memoryview:
         """The next of three chunk buffers, in turn: with the writer's queue of one, a buffer comes back
-        only after the writer has finished with it (see Sink)."""
+        only after the writer has finished with it (see Sink). It starts `skew` (< BLOCK) bytes past a block
+        boundary: at the file position's skew, an O_DIRECT writer sends it without a copy (direct_write)."""
         if not self._bufs:
-            self._bufs = [memoryview(bytearray(self.chunk_bytes)) for _ in range(3)]
+            self._bufs = [memoryview(aligned_buffer(self.chunk_bytes + BLOCK)) for _ in range(3)]
         self._turn = (self._turn + 1) % 3
-        return self._bufs[self._turn]
+        return self._bufs[self._turn][skew : skew + self.chunk_bytes]
 
     def prefetch(self, tensors: list[OutTensor], i: int) -> None:
         """Tensor i is next: let the kernel start reading the sources of the tensors after it, up to
@@ -168,7 +172,7 @@ def write_partial(
     resume: bool = False,
     journal_bytes: int = JOURNAL_BYTES,
     stats: dict | None = None,
-    direct_io: bool = False,
+    direct_io: bool = True,
 ) -> tuple[int, str]:
     """Write every byte of `rf` to out/rf.file + ".partial" and close it (no fsync yet: see `commit`).
 
@@ -396,7 +400,7 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
             n = min(left, chunk_bytes)
             if left > n:  # the kernel reads the next chunk while this one is hashed and written
                 os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
-            buf = reader.buffer()[:n]
+            buf = reader.buffer(sink.queued % BLOCK)[:n]
             pread_exact(fd, buf, pos, str(reader.src / rd.file))
             sink.write(buf, t.name)
             pos, left = pos + n, left - n

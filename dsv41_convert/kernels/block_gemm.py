@@ -43,9 +43,10 @@ overwrite while the consumers still read them, a race seen as different bytes fr
 gone with the staging.)
 
 Tiles (`pick_tile`), each wrapper's pair (few rows, many rows), measured on an H200 (docs/BENCHMARKS.md):
-the many-rows tile when its CTAs cover every SM at least once, else the few-rows tile (more CTAs).
-fp8: 64 x 64 on one consumer warpgroup with three matmuls in flight, and 128 x 128 on two. fp4: 64 x 64
-and 128 x 128 on two consumer warpgroups. Each wrapper compiles both on first use.
+the many-rows tile when its waves of CTAs would be at least MANY_FILL full of output, else the few-rows
+tile (more, smaller CTAs). fp8: 64 x 64 on one consumer warpgroup with three matmuls in flight, and
+128 x 128 on two. fp4: 64 x 64 and 128 x 128 on two consumer warpgroups. Each wrapper compiles both on
+first use.
 """
 
 import functools
@@ -59,6 +60,7 @@ BLOCK_M, BLOCK_N, THREADS = 64, 128, 128  # block_gemm_kernel's default tile: ro
 # (rows, columns, threads) of C per CTA for (few rows, many rows): the most TFLOP/s of those measured
 FP8_TILES = ((64, 64, 128), (128, 128, 256))
 FP4_TILES = ((64, 64, 256), (128, 128, 256))
+MANY_FILL = 0.45  # pick_tile's break-even fill (fp8 on an H200: "Gemms, 2026-12-02, session 10")
 SMEM_BYTES = 200 * 1024  # shared memory for the pipeline and the hoisted scales, at most (Hopper: 227 KiB a CTA)
 K_TILE = 128  # K columns per pipeline stage
 E2M1_E4M3_TABLE = (0x3C383000, 0x4C484440)  # e4m3 bytes of the e2m1 magnitudes 0..7, little-endian
@@ -70,11 +72,17 @@ def _sm_count(device: int) -> int:
 
 
 def pick_tile(m: int, n: int, device: torch.device, tiles: tuple[tuple[int, int, int], ...]) -> tuple[int, int, int]:
-    """tiles = (few rows, many rows): the second when its CTAs cover every SM at least once for an [m, n]
-    output, else the first."""
+    """tiles = (few rows, many rows): for an [m, n] output the second when m * n fills at least MANY_FILL of
+    its CTAs' waves (waves = CTAs / SMs, rounded up; each wave SMs x bm x bn outputs), else the first.
+
+    At full waves the many-rows tile computes ~1.8x the few-rows tile's TFLOP/s, but a wave takes as long
+    with some SMs idle or tiles hanging past M; the few-rows tile's CTAs are small and many, so its rate
+    barely depends on the fill. Measured break-even on an H200: fill 0.45-0.55.
+    """
     few, many = tiles
-    ctas = -(-m // many[0]) * -(-n // many[1])
-    return many if ctas >= _sm_count(device.index if device.index is not None else 0) else few
+    sms = _sm_count(device.index if device.index is not None else 0)
+    waves = -(-(-(-m // many[0]) * -(-n // many[1])) // sms)
+    return many if m * n >= MANY_FILL * waves * sms * many[0] * many[1] else few
 
 
 def launcher(kernel):

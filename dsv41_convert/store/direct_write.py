@@ -1,17 +1,23 @@
 """Appending to a file, through O_DIRECT or through the page cache.
 
-O_DIRECT: bytes go from aligned staging pieces straight to the device; `depth` pieces are in flight at
-once, each written by its own thread with pwrite, so the device always has work queued. A buffered
-writer instead spends CPU copying every byte into the page cache (on the project's 2-core box: 12 s of
-system time per 7.7 GB written), but the kernel then writes back while the caller reads its next chunk:
-there, converting 23.7 GB at tp 8 took 1.21-1.48x the time of `cp` buffered against 1.40-1.68x with
-O_DIRECT, so `shard` writes buffered unless given --direct-io. Buffered writes are one pwrite per call,
-no staging copy.
+O_DIRECT: bytes go from aligned staging pieces (or the caller's own memory, below) straight to the device;
+`depth` pieces are in flight at once, each written by its own thread with pwrite, so the device always has
+work queued. A buffered writer instead spends CPU copying every byte into the page cache, and the kernel
+writes back while the caller reads its next chunk. `shard` writes with O_DIRECT unless given --buffered-io:
+measured on 2026-12-02 (docs/BENCHMARKS.md, "shard", sessions 9 and 10), the medium preset at tp 8 took
+half the wall time and 40-60% of the CPU of buffered writes on the 2-core dev box, cached or cold source,
+one or two workers, and the same wall time with 15% less CPU on the 16-core H200 host (4 workers, cold);
+earlier (2026-11-30, 23.7 GB in) buffered writes had been faster on the dev box.
+Buffered writes are one pwrite per call, no staging copy.
 
-The stream position may be any byte: a piece starts at the block boundary at or below it and carries
-the bytes before the position (already in the file) as its head, so every O_DIRECT write is block
-aligned. What does not fill a whole block at a flush goes through an ordinary descriptor: the kernel
-writes such cached pages back before a later O_DIRECT write over the same block.
+The stream position may be any byte: a piece starts at the block boundary at or below it and carries the
+bytes before the position (already in the file) as its head, so every O_DIRECT write is block aligned. A
+long write whose memory lies at the same offset within a block as its file position (the copy path reads
+into buffers placed so: write.py) is not copied into pieces: its bytes up to the next block boundary
+complete the current piece, its whole blocks go to the device straight from the caller's memory, and the
+rest starts the next piece; the caller keeps that memory unchanged until `settle`. What does not fill a
+whole block at a flush goes through an ordinary descriptor: the kernel writes such cached pages back
+before a later O_DIRECT write over the same block.
 
 Where the file system refuses O_DIRECT (tmpfs on older kernels, some network file systems) the same
 code writes through the ordinary descriptor.
@@ -26,9 +32,12 @@ import queue
 import threading
 from pathlib import Path
 
+import numpy as np
+
 BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers: covers 512- and 4096-byte sectors
 PIECE_BYTES = 8 << 20
 DEPTH = 4
+THROUGH_BYTES = 1 << 20  # shorter writes are copied into pieces even when their memory is aligned
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -55,9 +64,10 @@ class DirectAppender:
         pieces = depth if self.direct_fd >= 0 else 0  # buffered: no staging pieces, no writer threads
         self._free: queue.Queue = queue.Queue()
         for _ in range(pieces + 1 if pieces else 0):
-            self._free.put(mmap.mmap(-1, piece_bytes))  # page aligned, as O_DIRECT needs
+            self._free.put(aligned_buffer(piece_bytes))
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
+        self._through = 0  # writes from the caller's memory not yet done
         self._idle = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"pwrite {self.path.name}", daemon=True)
                          for _ in range(pieces)]  # fmt: skip
@@ -78,6 +88,9 @@ class DirectAppender:
             _pwrite_all(self.fd, self.fd, view, self._base)
             self._base += len(view)
             return
+        if len(view) >= THROUGH_BYTES and address(view) % BLOCK == self.position % BLOCK:
+            self._write_through(view)
+            return
         while len(view):
             self._raise()
             n = min(len(view), self.piece_bytes - self._fill)
@@ -86,6 +99,33 @@ class DirectAppender:
             if self._fill == self.piece_bytes:
                 self._submit(self._buf, 0, self._base, self._fill)
                 self._base, self._fill, self._head, self._buf = self._base + self._fill, 0, 0, self._free.get()
+
+    def settle(self) -> None:
+        """Return once every write that went out from the caller's memory is in the file (the caller may
+        then reuse that memory); raise the first write error, if any."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._through == 0)
+        self._raise()
+
+    def _write_through(self, view: memoryview) -> None:
+        """`view` (at least 2 blocks, at the file position's offset within a block) without copying its
+        whole blocks: see the module docstring."""
+        self._raise()
+        lead = -self.position % BLOCK
+        self._buf[self._fill : self._fill + lead] = view[:lead]
+        self._fill += lead
+        if self._fill > self._head:  # else the piece holds only bytes already in the file
+            self._submit(self._buf, 0, self._base, self._fill)
+            self._buf = None
+        start = self._base + self._fill
+        whole = (len(view) - lead) // BLOCK * BLOCK
+        with self._idle:
+            self._through += 1
+        self._submit(view, lead, start, whole, keep=True, through=True)
+        rest = view[lead + whole :]
+        self._buf = self._buf or self._free.get()
+        self._buf[: len(rest)] = rest
+        self._base, self._fill, self._head = start + whole, len(rest), 0
 
     def flush(self) -> None:
         """Write every byte handed over; the stream goes on at the same position."""
@@ -141,12 +181,13 @@ class DirectAppender:
                 raise OSError(errno.EIO, f"{self.path}: expected {head} bytes before offset {pos}, read {got}")
         self._base, self._fill, self._head = base, head, head
 
-    def _submit(self, buf: mmap.mmap, start: int, offset: int, length: int, keep: bool = False,
-                plain: bool = False) -> None:  # fmt: skip
-        """Queue buf[start : start + length] for the file at `offset`; `keep`: the caller goes on using buf."""
+    def _submit(self, buf: mmap.mmap | memoryview, start: int, offset: int, length: int, keep: bool = False,
+                plain: bool = False, through: bool = False) -> None:  # fmt: skip
+        """Queue buf[start : start + length] for the file at `offset`; `keep`: the caller goes on using buf;
+        `through`: buf is the caller's memory (counted in _through until written)."""
         with self._idle:
             self._pending += 1
-        self._jobs.put((buf, start, offset, length, plain, keep))
+        self._jobs.put((buf, start, offset, length, plain, keep, through))
 
     def _wait(self) -> None:
         with self._idle:
@@ -158,19 +199,30 @@ class DirectAppender:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            buf, start, offset, length, plain, keep = job
+            buf, start, offset, length, plain, keep, through = job
             try:
                 if self.error is None:
                     fd = self.fd if plain else self.direct_fd
                     _pwrite_all(fd, self.fd, memoryview(buf)[start : start + length], offset)
-            except BaseException as exc:  # raised to the caller by its next write / flush / close
+            except BaseException as exc:  # raised to the caller by its next write / flush / close / settle
                 self.error = self.error or exc
             finally:
                 if not keep:
                     self._free.put(buf)
                 with self._idle:
                     self._pending -= 1
+                    self._through -= through
                     self._idle.notify_all()
+
+
+def address(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """nbytes of anonymous memory starting at a page (so at a BLOCK) boundary."""
+    return mmap.mmap(-1, nbytes)
 
 
 def _open_direct(path: Path) -> int:

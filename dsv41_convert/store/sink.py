@@ -17,11 +17,12 @@ item is taken only once both are done, so a checkpoint still records exactly the
 written before it, and the caller's buffer cycle is unchanged. On the 2-core dev box, with other jobs
 running, the thread gained no wall time and cost up to 1.3 s more CPU per 4.8 GB (docs/BENCHMARKS.md).
 
-The stream goes to the file through a DirectAppender: buffered writes by default (the page cache lets the
-kernel write back while the next chunk is read: on the dev box 1.24-1.28x of cp against 1.40-1.50x with
-O_DIRECT, tp 8 of 23.7 GB), O_DIRECT with `direct` where the file system allows it. Bytes written ahead
-and read back go through the ordinary descriptor `fd`. A checkpoint first flushes the
-appender, so the journal's fdatasync covers every byte before it.
+The stream goes to the file through a DirectAppender: O_DIRECT by default where the file system allows
+it (direct_write.py has the measurements), buffered writes with `direct` False. Bytes written ahead and
+read back go through the ordinary descriptor `fd`. A checkpoint first flushes the appender, so the
+journal's fdatasync covers every byte before it. A chunk the appender sends from the caller's memory
+(no copy) is waited for (`settle`) before the next item is taken, so the caller's buffer cycle still
+holds.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Sink:
         total: int,
         progress: Progress,
         start: ResumePoint | None = None,
-        direct: bool = False,
+        direct: bool = True,
     ):
         self.path, self.label, self.total, self.progress = path, label, total, progress
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if start else os.O_TRUNC), 0o644)
@@ -170,6 +171,7 @@ class Sink:
                     continue
                 if kind == "w":
                     self._hash_and_write(self.sha, payload, self.out.write)
+                    self.out.settle()  # the caller refills the buffer once the next item is taken
                     self.done += len(payload)
                 else:
                     buf = buf or memoryview(bytearray(READ_BACK_BYTES))
@@ -206,13 +208,13 @@ class Sink:
 
     def _hash_and_write(self, sha, view: memoryview, write) -> None:
         """sha.update(view) and write(view), at once in two threads when the chunk is large enough."""
-        if self._hasher is None or len(view) < HASH_APART_BYTES:
+        if self._hasher is None or len(view) < HASH_APART_BYTES:  # write first: it may only queue the bytes
             t0 = time.perf_counter()
-            sha.update(view)
-            t1 = time.perf_counter()
             write(view)
-            add_seconds(self.stages, "hash", t1 - t0)
-            add_seconds(self.stages, "write", time.perf_counter() - t1)
+            t1 = time.perf_counter()
+            sha.update(view)
+            add_seconds(self.stages, "write", t1 - t0)
+            add_seconds(self.stages, "hash", time.perf_counter() - t1)
             return
         self._hasher.start(sha, view)
         t0 = time.perf_counter()

@@ -1,26 +1,48 @@
-"""DirectAppender against a bytearray model of the file: random appends, flushes and seeks."""
+"""DirectAppender against a bytearray model of the file: random appends (copied into pieces, or sent from the
+caller's memory), flushes and seeks."""
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
+import threading
+import time
 
 import pytest
 
 from dsv41_convert.store import direct_write
-from dsv41_convert.store.direct_write import BLOCK, DirectAppender
+from dsv41_convert.store.direct_write import BLOCK, DirectAppender, address, aligned_buffer
+
+
+def _aligned_copy(data: bytes, skew: int) -> tuple[memoryview, mmap.mmap]:
+    """`data` in memory that starts `skew` bytes past a block boundary (as write.py's copy buffers)."""
+    buf = aligned_buffer(len(data) + BLOCK)
+    view = memoryview(buf)[skew : skew + len(data)]
+    view[:] = data
+    return view, buf
 
 
 def _run_script(path, direct: bool, seed: int, piece_blocks: int, depth: int) -> bytearray:
-    """Apply a random script of operations to the file and to a model; return the model."""
+    """Apply a random script of operations to the file and to a model; return the model. Some long writes
+    come from memory at the file position's skew (sent without a copy where THROUGH_BYTES allows); their
+    memory is scribbled over right after `settle`."""
     rng = random.Random(seed)
     model = bytearray()
     out = DirectAppender(path, direct=direct, piece_bytes=piece_blocks * BLOCK, depth=depth)
     try:
         for _ in range(60):
             op = rng.random()
-            if op < 0.7:
+            if op < 0.2:
+                data = rng.randbytes(rng.choice([2 * BLOCK, 5 * BLOCK + 7, rng.randrange(2 * BLOCK, 40000)]))
+                pos = out.position
+                model[pos : pos + len(data)] = data
+                view, _ = _aligned_copy(data, pos % BLOCK)
+                out.write(view)
+                out.settle()
+                view[:] = bytes(len(view))
+            elif op < 0.7:
                 size = rng.choice([1, 7, BLOCK - 1, BLOCK, BLOCK + 3, 3 * BLOCK + 5, rng.randrange(20000)])
                 data = rng.randbytes(size)
                 pos = out.position
@@ -48,10 +70,66 @@ def _run_script(path, direct: bool, seed: int, piece_blocks: int, depth: int) ->
 
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_script_matches_model(tmp_path, direct, seed):
+@pytest.mark.parametrize("through_bytes", [2 * BLOCK, 1 << 30])
+def test_random_script_matches_model(tmp_path, monkeypatch, direct, seed, through_bytes):
+    monkeypatch.setattr(direct_write, "THROUGH_BYTES", through_bytes)
     path = tmp_path / "f.bin"
     model = _run_script(path, direct, seed, piece_blocks=3, depth=1 + seed % 3)
     assert path.read_bytes() == bytes(model)
+
+
+def _slow_pwrites(monkeypatch) -> list[tuple[int, int, int]]:
+    """Make each pwrite of the appender take 20 ms; -> the (address, length, offset) of each, as made."""
+    made, real, lock = [], os.pwrite, threading.Lock()
+
+    def pwrite(fd, view, offset):
+        time.sleep(0.02)
+        with lock:
+            made.append((address(memoryview(view)), len(view), offset))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(direct_write.os, "pwrite", pwrite)
+    return made
+
+
+def test_aligned_write_goes_out_from_the_callers_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_write, "THROUGH_BYTES", 2 * BLOCK)
+    made = _slow_pwrites(monkeypatch)
+    path = tmp_path / "f.bin"
+    head, body = os.urandom(BLOCK + 100), os.urandom(9 * BLOCK + 5)
+    out = DirectAppender(path, piece_bytes=4 * BLOCK, depth=2)
+    try:
+        if out.direct_fd < 0:
+            pytest.skip("this file system refuses O_DIRECT")
+        out.write(head)
+        view, _ = _aligned_copy(body, len(head) % BLOCK)
+        out.write(view)
+        out.settle()
+        view[:] = bytes(len(view))  # a settle that returned early lets these zeros reach the file
+        out.close()
+    finally:
+        out.abort()
+    assert path.read_bytes() == head + body
+    lead = BLOCK - 100  # the bytes up to the next block boundary went into the piece
+    whole = (len(body) - lead) // BLOCK * BLOCK
+    assert (address(view) + lead, whole, 2 * BLOCK) in made
+    assert sum(n for _, n, _ in made) == len(head) + len(body)  # each byte written once
+
+
+def test_unaligned_write_is_copied(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_write, "THROUGH_BYTES", 2 * BLOCK)
+    made = _slow_pwrites(monkeypatch)
+    body = os.urandom(9 * BLOCK)
+    view, _ = _aligned_copy(body, 8)  # position 0, memory 8 bytes past a block boundary
+    out = DirectAppender(tmp_path / "f.bin", piece_bytes=4 * BLOCK, depth=2)
+    try:
+        out.write(view)
+        out.close()
+    finally:
+        out.abort()
+    assert (tmp_path / "f.bin").read_bytes() == body
+    inside = range(address(view), address(view) + len(view))
+    assert made and not any(a in inside for a, _, _ in made)
 
 
 def test_direct_descriptor_is_used_where_supported(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,41 @@ def test_progress_counts_parts_written_ahead_when_written(bf16_src):
     write_rank_file(rf, bf16_src, out, quantizer_for("cpu"), lambda _f, d, _t: seen.append(d), 3000, 0)
     assert seen == sorted(seen) and seen[-1] == rf.nbytes
     assert seen.count(rf.nbytes) > 1  # the read-back of the parts written ahead adds nothing
+
+
+def test_direct_io_copies_from_the_read_buffers_without_a_copy(tmp_path, monkeypatch):
+    """With O_DIRECT, copied chunks go to the device from the buffers they were read into (placed at the
+    file position's skew within a block); pwrites slowed to 5 ms each: a buffer refilled before its
+    write finished would change the bytes."""
+    from dsv41_convert.store import direct_write
+
+    src = make_tiny(tmp_path / "pub", quantized=True)
+    rf = build_plan(src, 2).files[1]
+    real_pwrite, through = direct_write.os.pwrite, []
+
+    def slow(fd, view, offset):
+        time.sleep(0.005)
+        return real_pwrite(fd, view, offset)
+
+    real_through = direct_write.DirectAppender._write_through
+    monkeypatch.setattr(direct_write, "THROUGH_BYTES", 2 * direct_write.BLOCK)
+    monkeypatch.setattr(direct_write.os, "pwrite", slow)
+
+    def counted(appender, view):
+        through.append(len(view))
+        real_through(appender, view)
+
+    monkeypatch.setattr(direct_write.DirectAppender, "_write_through", counted)
+    shas = {}
+    for direct in (False, True):
+        out = tmp_path / f"out{direct}"
+        out.mkdir()
+        shas[direct] = write_rank_file(rf, src, out, quantizer_for("cpu"), chunk_bytes=40000, direct_io=direct)[1]
+        assert sha256_file(out / rf.file) == shas[direct]
+    assert shas[True] == shas[False]
+    probe = direct_write.DirectAppender(tmp_path / "probe")
+    refused = probe.direct_fd < 0
+    probe.abort()
+    if refused:
+        pytest.skip("this file system refuses O_DIRECT: the buffered path ran twice")
+    assert len(through) > 10 and sum(through) > rf.nbytes // 2

@@ -54,7 +54,7 @@ def test_a_chunk_is_hashed_while_it_is_written(tmp_path, monkeypatch):
     chunks = [os.urandom(CHUNK) for _ in range(3)] + [b"tail"]
     total = sum(map(len, chunks))
     path = tmp_path / "f.partial"
-    sink = Sink(path, "f", total, lambda label, done, n: None)
+    sink = Sink(path, "f", total, lambda label, done, n: None, direct=False)  # pwrite in the writer thread
     sink.sha = sha = _MeetingSha(meet)
     for c in chunks:
         sink.write(memoryview(c))
