@@ -26,13 +26,14 @@ each call waited for).
 
 import functools
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dsv41_convert.kernels import fp4_to_fp8, fp8_gemm
 from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
-from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked
+from dsv41_convert.kernels.fp4_to_fp8 import cast_into, cast_unchecked
 
 GROUP = 32  # weight scale group along K
 STAGES = 3  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
@@ -72,7 +73,7 @@ def fp4_gemm(
         if fp8 is None:
             run(a2, a_s2, dense(b, True), dense(b_s, True), c)
         else:
-            via_fp8(a2, a_s2, fp8[0], fp8[1].view(torch.uint8), c)
+            via_fp8(a2, a_s2, fp8[0], fp8[1], c)
     return c if a.dim() == 2 else c.view(*a.shape[:-1], n)
 
 
@@ -101,27 +102,74 @@ def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b
     return run, launcher(fp8[pick_tile(m, n, device, FP8_TILES)]), m, n, e8m0
 
 
-_routes: dict[int, tuple] = {}  # id(weight) -> (weakref(weight), weakref(scale), their state, goes as fp8)
+_routes: dict[int, tuple] = {}  # id(weight) -> (weakref(weight), weakref(scale), their state, the weight's
+# and scale's bytes (uint8 views) where it goes as fp8 and both are contiguous, () where it goes as fp8 and
+# is not, None where it stays on the fp4 kernel)
 
 
 def _route_as_fp8(b: Tensor, b_s: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The weight as (e4m3 [N, K], e8m0 [ceil(N/32), K/32]) where the fp8 kernel gives the fp4 kernel's
-    bytes with it (an exact cast to normal e4m3 values), else None.
+    """The weight as (e4m3 [N, K], e8m0 bytes uint8 [ceil(N/32), K/32]) where the fp8 kernel gives the fp4
+    kernel's bytes with it (an exact cast to normal e4m3 values), else None.
 
     That is asked of the GPU (a wait) the first time this weight tensor comes, and again whenever it,
-    its scale, their storage or their version counters (an in-place change) differ.
+    its scale, their storage or their version counters (an in-place change) differ. A known weight is
+    cast into the workspace of its shape (`_workspace`) when the current stream is the workspace's: no
+    allocation, no checks, one raw launch (at few rows the host's time per call is the GEMM's pace).
     """
     state = (b.data_ptr(), b_s.data_ptr(), _version(b), _version(b_s))
     known = _routes.get(id(b))
     if known is not None and known[0]() is b and known[1]() is b_s and known[2] == state:
-        return cast_unchecked(b, b_s, _untold(b.device))[:2] if known[3] else None
+        raw = known[3]
+        if raw is None:
+            return None
+        ws = _workspace(b.size(0), 2 * b.size(1), b.device)
+        if raw and ws.stream == _current_stream(b.device):
+            cast_into(raw[0], raw[1], ws.w8_bytes, ws.s8, _untold(b.device))
+            return ws.w8, ws.s8
+        w8, s8, _ = cast_unchecked(b, b_s, _untold(b.device))
+        return w8, s8.view(torch.uint8)
     w8, s8, lossy = cast_unchecked(b, b_s)
     u = w8.view(torch.uint8)
     subnormal = ((u & 0x78) == 0) & ((u & 7) != 0)
     as_fp8 = not int(lossy.item()) and not bool(subnormal.any())
+    raw = None
+    if as_fp8:
+        raw = (b.view(torch.uint8), b_s.view(torch.uint8)) if b.is_contiguous() and b_s.is_contiguous() else ()
     key = id(b)
-    _routes[key] = (weakref.ref(b, lambda _: _routes.pop(key, None)), weakref.ref(b_s), state, as_fp8)
-    return (w8, s8) if as_fp8 else None
+    _routes[key] = (weakref.ref(b, lambda _: _routes.pop(key, None)), weakref.ref(b_s), state, raw)
+    return (w8, s8.view(torch.uint8)) if as_fp8 else None
+
+
+@dataclass
+class Workspace:
+    """The cast's output for weights of one shape on one GPU, rewritten by every fp4_gemm on `stream` (the
+    stream runs a call's GEMM before the next call's cast): w8 e4m3 [N, K] (w8_bytes: as uint8), s8 e8m0
+    bytes uint8 [ceil(N/32), K/32]."""
+
+    stream: int
+    w8: Tensor
+    w8_bytes: Tensor
+    s8: Tensor
+
+
+_workspaces: dict[tuple[int, int, torch.device], Workspace] = {}
+
+
+def _workspace(n: int, k: int, device: torch.device) -> Workspace:
+    """The workspace for weights [n, k] (logical) on `device`, made on the first call, for the current
+    stream (calls on another stream cast into new tensors). One per weight shape: V4.1-Flash's experts
+    have two (w1/w3 [2304, 5120], w2 [5120, 2304]), 11.8 MB each."""
+    key = (n, k, device)
+    ws = _workspaces.get(key)
+    if ws is None:
+        w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
+        s8 = torch.empty(-(-n // 32), k // 32, dtype=torch.uint8, device=device)
+        ws = _workspaces[key] = Workspace(_current_stream(device), w8, w8.view(torch.uint8), s8)
+    return ws
+
+
+def _current_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _version(t: Tensor) -> int | None:

@@ -190,8 +190,16 @@ def cast_unchecked(packed: Tensor, s: Tensor, lossy: Tensor | None = None) -> tu
         lossy = torch.zeros(1, dtype=torch.int32, device=packed.device)
     if out and inp:
         p2 = packed.contiguous().view(torch.uint8)
-        _launch(inp)(p2, s.contiguous().view(torch.uint8), w8.view(torch.uint8), s8, lossy)
+        cast_into(p2, s.contiguous().view(torch.uint8), w8.view(torch.uint8), s8, lossy)
     return w8, s8.view(torch.float8_e8m0fnu), lossy
+
+
+def cast_into(packed: Tensor, s: Tensor, w8: Tensor, s8: Tensor, lossy: Tensor) -> None:
+    """The kernel into tensors the caller keeps (fp4_gemm's workspace): nothing checked, allocated or
+    waited for. All uint8, contiguous, non-empty, on one GPU, shaped as cast_unchecked's operands and
+    results: packed [out, in/2], s [out, in/32] -> w8 [out, in], s8 [ceil(out/32), in/32]; lossy [1] int32
+    is added to."""
+    _launch(w8.size(1))(packed, s, w8, s8, lossy)
 
 
 @functools.cache

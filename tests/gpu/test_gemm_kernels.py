@@ -207,8 +207,13 @@ def test_fp4_gemm_through_fp8_same_bytes(monkeypatch, m, n):
         casts.append(b)
         return cast_unchecked(b, b_s, lossy)
 
-    cast_unchecked = mod.cast_unchecked
+    def counted_into(b, *rest):  # a known weight, cast into its shape's workspace
+        casts.append(b)
+        cast_into(b, *rest)
+
+    cast_unchecked, cast_into = mod.cast_unchecked, mod.cast_into
     monkeypatch.setattr(mod, "cast_unchecked", counted)
+    monkeypatch.setattr(mod, "cast_into", counted_into)
     k = 1024
     a, a_s, _, _ = cuda_operands(11, m, n, k, True)
     e8 = torch.float8_e8m0fnu
@@ -255,3 +260,31 @@ def test_fp4_gemm_through_fp8_same_bytes(monkeypatch, m, n):
     casts.clear()
     both(b, b_s)
     assert len(casts) == 1
+
+
+def test_fp4_gemm_workspace_shared_by_queued_calls(monkeypatch):
+    """Known weights of one shape are cast into one workspace: calls queued back to back on one stream,
+    alternating two weights, each give the fp4 kernel's bytes of their own weight (the stream runs each
+    GEMM before the next cast); a call on another stream casts into new tensors."""
+    from dsv41_convert.kernels import fp4_gemm as mod
+
+    n, k, e8 = 256, 1024, torch.float8_e8m0fnu
+    a, a_s, _, _ = cuda_operands(12, 333, n, k, True)
+    weights = [spread_mxfp4(span, n, k, span) for span in (3, 9)]
+    want = []
+    for b, b_s in weights:
+        monkeypatch.setattr(mod, "VIA_FP8_ROWS", 1 << 30)
+        want.append(mod.fp4_gemm(a, a_s, b, b_s, e8, 32))
+        monkeypatch.setattr(mod, "VIA_FP8_ROWS", 1)
+        mod.fp4_gemm(a, a_s, b, b_s, e8, 32)  # asked: from here on each is known
+    torch.cuda.synchronize()
+    got = [mod.fp4_gemm(a, a_s, *weights[i % 2], e8, 32) for i in range(8)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got.append(mod.fp4_gemm(a, a_s, *weights[0], e8, 32))
+    torch.cuda.synchronize()
+    for i, c in enumerate(got):
+        assert torch.equal(c.view(torch.uint16), want[i % 2].view(torch.uint16)), f"call {i}"
+    ws = mod._workspaces[(n, k, a.device)]
+    assert ws.stream == torch.cuda.current_stream().cuda_stream

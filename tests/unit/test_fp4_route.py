@@ -2,7 +2,8 @@
 kernel only when its cast is exact and every cast value is a normal e4m3; the answer is asked of the GPU
 once per weight tensor and asked again after an in-place change (the version counter), for a new storage,
 a new scale tensor, and for inference tensors, which have no version counter, by storage only; a dead
-weight's entry goes with it."""
+weight's entry goes with it. A known weight is cast into its shape's workspace on the workspace's stream,
+into new tensors on another stream or when it is not contiguous."""
 
 from __future__ import annotations
 
@@ -18,10 +19,20 @@ NORMAL, SUBNORMAL = 0x38, 0x03  # e4m3 1.0 and 3 * 2**-9
 
 class FakeCast:
     """cast_unchecked's stand-in: w8 filled with `byte`, s8 zeros, lossy = `lossy`; counts checked casts
-    (a fresh counter, read by the caller) and unchecked ones (the caller's counter)."""
+    (a fresh counter, read by the caller) and unchecked ones (the caller's counter); `into` stands in for
+    cast_into (counted in `into_calls`, the w8 it wrote kept in `targets`)."""
 
     def __init__(self):
         self.byte, self.lossy, self.checked, self.unchecked = NORMAL, 0, 0, 0
+        self.into_calls, self.targets = 0, []
+
+    def into(self, packed, s, w8, s8, lossy):
+        assert packed.dtype == s.dtype == w8.dtype == s8.dtype == torch.uint8
+        w8.fill_(self.byte)
+        s8.zero_()
+        self.into_calls += 1
+        self.unchecked += 1
+        self.targets.append(w8)
 
     def __call__(self, b, b_s, lossy=None):
         n, k = b.size(0), 2 * b.size(1)
@@ -38,6 +49,9 @@ class FakeCast:
 def cast(monkeypatch):
     fake = FakeCast()
     monkeypatch.setattr(fp4_gemm, "cast_unchecked", fake)
+    monkeypatch.setattr(fp4_gemm, "cast_into", fake.into)
+    monkeypatch.setattr(fp4_gemm, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(fp4_gemm, "_workspaces", {})
     return fake
 
 
@@ -106,6 +120,32 @@ def test_another_scale_tensor_at_the_same_address_asked_again(cast):
     assert other.data_ptr() == b_s.data_ptr() and other._version == b_s._version == 1
     cast.byte = SUBNORMAL
     assert fp4_gemm._route_as_fp8(b, other) is None and cast.checked == 2
+
+
+def test_known_weight_is_cast_into_its_shapes_workspace(cast, monkeypatch):
+    b, b_s = weight()
+    first = fp4_gemm._route_as_fp8(b, b_s)  # asked: a new tensor
+    second = fp4_gemm._route_as_fp8(b, b_s)
+    other_b, other_s = weight()
+    fp4_gemm._route_as_fp8(other_b, other_s)  # asked
+    third = fp4_gemm._route_as_fp8(other_b, other_s)
+    ws = fp4_gemm._workspaces[(64, 128, b.device)]
+    assert second[0] is third[0] is ws.w8 and second[1] is ws.s8 and first[0] is not ws.w8
+    assert ws.w8.dtype == torch.float8_e4m3fn and ws.s8.dtype == torch.uint8 and ws.s8.shape == (2, 4)
+    assert cast.into_calls == 2 and all(t is ws.w8_bytes for t in cast.targets)
+    monkeypatch.setattr(fp4_gemm, "_current_stream", lambda device: 8)  # another stream: new tensors
+    elsewhere = fp4_gemm._route_as_fp8(b, b_s)
+    assert elsewhere[0] is not ws.w8 and cast.into_calls == 2 and cast.unchecked == 3
+    assert elsewhere[1].dtype == torch.uint8
+
+
+def test_a_strided_weight_is_cast_into_new_tensors(cast):
+    wide = torch.zeros(64, 128, dtype=torch.uint8)
+    b, b_s = wide[:, :64], torch.full((64, 4), 127, dtype=torch.uint8)
+    assert not b.is_contiguous()
+    fp4_gemm._route_as_fp8(b, b_s)
+    got = fp4_gemm._route_as_fp8(b, b_s)
+    assert got is not None and cast.into_calls == 0 and (cast.checked, cast.unchecked) == (1, 1)
 
 
 def test_warm_up_compiles_both_routes_and_the_cast(monkeypatch):
