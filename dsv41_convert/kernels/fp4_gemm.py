@@ -17,7 +17,7 @@ and 26 of 131072 at spans 13 and 14, up to 2.3% apart; docs/BENCHMARKS.md, "Gemm
 a weight stays on the fp4 kernel, as does one whose cast is not exact (a span over 14, a NaN scale).
 Which route a weight takes is learned once per weight tensor (`_route_as_fp8`: one wait for the GPU) and
 kept while the tensor, its storage and its version counter are the same (inference tensors have no
-version counter: `_version`).
+version counter: `_version`); from then on it is cast into a workspace of its shape by one raw launch.
 The fp4 kernel widens e2m1 and multiplies per-element column scales on its consumer warpgroups; the
 fp8 kernel does neither, which was worth more than the cast's pass over the weight at every row count
 measured (16 to 4096 rows: 1.1x to 4.1x the fp4 kernel's TFLOP/s with calls queued, 1.0x to 3.1x with
