@@ -1,7 +1,9 @@
 """fp4_gemm's two routes against fp8_gemm and torch._scaled_mm on one GPU, by rows (issue 19 goal 2).
 
 For each (M, N, K): the fp4 kernel alone (fp4_gemm below VIA_FP8_ROWS), the route through fp8 (the
-cast `fp4_to_fp8.cast_unchecked` plus the fp8 kernel, fp4_gemm from VIA_FP8_ROWS rows), the cast alone,
+cast into the weight shape's workspace, `fp4_to_fp8.cast_into`, plus the fp8 kernel: fp4_gemm from
+VIA_FP8_ROWS rows, the weight known after its first call), the cast alone (`cast_unchecked`, which
+allocates its outputs),
 fp8_gemm on the same weight encoded as 32x32 fp8, and per-tensor fp8 torch._scaled_mm (cuBLAS), all
 timed in the same run, the wrappers as the model calls them, two ways: "synced" (median of 20 single
 calls between CUDA events, each waited for: the host's time per call counts) and "queued" (50 calls back
