@@ -3,7 +3,8 @@
 O_DIRECT: bytes go from aligned staging pieces (or the caller's own memory, below) straight to the device;
 `depth` pieces are in flight at once, each written by its own thread with pwrite, so the device always has
 work queued. A buffered writer instead spends CPU copying every byte into the page cache, and the kernel
-writes back while the caller reads its next chunk. `shard` writes with O_DIRECT unless given --buffered-io:
+writes back while the caller reads its next chunk. `shard` and `export` write with O_DIRECT unless given
+--buffered-io:
 measured on 2026-12-02 (docs/BENCHMARKS.md, "shard", sessions 9 and 10), the medium preset at tp 8 took
 half the wall time and 40-60% of the CPU of buffered writes on the 2-core dev box, cached or cold source,
 one or two workers, and the same wall time with 15% less CPU on the 16-core H200 host (4 workers, cold);
