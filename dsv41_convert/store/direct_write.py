@@ -4,12 +4,11 @@ O_DIRECT: bytes go from aligned staging pieces (or the caller's own memory, belo
 `depth` pieces are in flight at once, each written by its own thread with pwrite, so the device always has
 work queued. A buffered writer instead spends CPU copying every byte into the page cache, and the kernel
 writes back while the caller reads its next chunk. `shard` and `export` write with O_DIRECT unless given
---buffered-io:
-measured on 2026-12-02 (docs/BENCHMARKS.md, "shard", sessions 9 and 10), the medium preset at tp 8 took
-half the wall time and 40-60% of the CPU of buffered writes on the 2-core dev box, cached or cold source,
-one or two workers, and the same wall time with 15% less CPU on the 16-core H200 host (4 workers, cold);
-earlier (2026-11-30, 23.7 GB in) buffered writes had been faster on the dev box.
-Buffered writes are one pwrite per call, no staging copy.
+--buffered-io: measured on 2026-12-02 (docs/BENCHMARKS.md, "shard", sessions 9 and 10), the medium preset
+at tp 8 took half the wall time and 40-60% of the CPU of buffered writes on the 2-core dev box, cached or
+cold source, one or two workers, and the same wall time with 15% less CPU on the 16-core H200 host (4
+workers, cold); earlier (2026-11-30, 23.7 GB in) buffered writes had been faster on the dev box. Buffered
+writes are one pwrite per call, no staging copy.
 
 The stream position may be any byte: a piece starts at the block boundary at or below it and carries the
 bytes before the position (already in the file) as its head, so every O_DIRECT write is block aligned. A
