@@ -40,6 +40,11 @@ def run_cli_with_file_size_limit(limit_bytes: int, *args: str) -> subprocess.Com
                           capture_output=True, text=True)  # fmt: skip
 
 
+def done_records(out: Path) -> set[str]:
+    """The files of `out` that have a done record (what --resume skips, once their size and sha256 check)."""
+    return {p.name.removesuffix(".done.json") for p in (out / ".dsv41-convert").glob("*.done.json")}
+
+
 def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, timeout: float = 120) -> None:
     """Poll a running conversion into `out` until one file is done (its done record) and a partial file
     holds more than `partial_bytes`: the moment to kill it (raises AssertionError after `timeout` s). A
