@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from dsv41_convert.cli import main
+from dsv41_convert.store.manifest import DONE_DIR
 
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -42,7 +43,7 @@ def run_cli_with_file_size_limit(limit_bytes: int, *args: str) -> subprocess.Com
 
 def done_records(out: Path) -> set[str]:
     """The files of `out` that have a done record (what --resume skips, once their size and sha256 check)."""
-    return {p.name.removesuffix(".done.json") for p in (out / ".dsv41-convert").glob("*.done.json")}
+    return {p.name.removesuffix(".done.json") for p in (out / DONE_DIR).glob("*.done.json")}
 
 
 def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, timeout: float = 120) -> None:
@@ -51,7 +52,7 @@ def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, t
     partial file may be renamed between the listing and its stat (another worker finishing it). Written
     with O_DIRECT, a partial file grows one staging piece (8 MiB) at a time, at a checkpoint or at its
     end: partial_bytes=-1 takes any partial file."""
-    done_dir, deadline = out / ".dsv41-convert", time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         sizes = []
         for p in out.glob("*.partial") if out.exists() else []:
@@ -59,7 +60,7 @@ def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, t
                 sizes.append(p.stat().st_size)
             except FileNotFoundError:
                 pass
-        if done_dir.exists() and any(done_dir.glob("*.done.json")) and sizes and max(sizes) > partial_bytes:
+        if done_records(out) and sizes and max(sizes) > partial_bytes:
             return
         time.sleep(0.02)
     raise AssertionError(f"{out}: no done file beside a partial one over {partial_bytes} bytes in {timeout} s")

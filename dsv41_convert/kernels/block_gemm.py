@@ -81,7 +81,8 @@ def pick_tile(m: int, n: int, device: torch.device, tiles: tuple[tuple[int, int,
     """
     few, many = tiles
     sms = _sm_count(device.index if device.index is not None else 0)
-    waves = -(-(-(-m // many[0]) * -(-n // many[1])) // sms)
+    ctas = -(-m // many[0]) * -(-n // many[1])
+    waves = -(-ctas // sms)
     return many if m * n >= MANY_FILL * waves * sms * many[0] * many[1] else few
 
 

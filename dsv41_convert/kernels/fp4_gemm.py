@@ -122,8 +122,8 @@ def _route_as_fp8(b: Tensor, b_s: Tensor) -> tuple[Tensor, Tensor] | None:
         raw = known[3]
         if raw is None:
             return None
-        ws = _workspace(b.size(0), 2 * b.size(1), b.device)
-        if raw and ws.stream == _current_stream(b.device):
+        ws = _workspace(b.size(0), 2 * b.size(1), b.device) if raw else None
+        if ws is not None and ws.stream == _current_stream(b.device):
             cast_into(raw[0], raw[1], ws.w8_bytes, ws.s8, _untold(b.device))
             return ws.w8, ws.s8
         w8, s8, _ = cast_unchecked(b, b_s, _untold(b.device))

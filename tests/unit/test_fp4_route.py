@@ -146,6 +146,7 @@ def test_a_strided_weight_is_cast_into_new_tensors(cast):
     fp4_gemm._route_as_fp8(b, b_s)
     got = fp4_gemm._route_as_fp8(b, b_s)
     assert got is not None and cast.into_calls == 0 and (cast.checked, cast.unchecked) == (1, 1)
+    assert not fp4_gemm._workspaces  # no workspace made for a weight that cannot use it
 
 
 def test_warm_up_compiles_both_routes_and_the_cast(monkeypatch):
