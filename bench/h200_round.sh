@@ -30,6 +30,8 @@
 #   shardio bench_shard_cpu.py with that output as the source: cp, then `shard --tp $SHARD_TP` (8) with
 #           --workers $WORKERS (auto), buffered and --direct-io, this code and OLD (required), cold source,
 #           $ROUNDS (2) rounds: the host's answer to which write mode should be the default (session 9).
+#           CACHED=1: the source stays in the page cache; IO_EXPORT=FORMAT times `export --format FORMAT`
+#           instead of shard (into shard_io_FORMAT.txt).
 # Used 2026-12-02 (session 10): OLD=<6180d08> STEPS="pub shardio" (190 s; docs/BENCHMARKS.md, "shard",
 # session 10: O_DIRECT became the default from it). shardio passes --buffered-io where OLD knows it.
 # Used 2026-12-01: OLD=<8554f92> STEPS="gputests export exbench" SHARD_TP=8 and
@@ -165,7 +167,8 @@ fi
 if has shardio; then  # buffered against --direct-io on the host's CPUs, cold source, OLD required
   left=$((LIMIT - $(el)))
   timeout $left python3 bench/bench_shard_cpu.py $W/xg $W/sio --old "$OLD" --tp ${SHARD_TP:-8} \
-    --workers ${WORKERS:-auto} --rounds ${ROUNDS:-2} --cold > "$out/shard_io.txt" 2> "$logs/shardio.err"
+    --workers ${WORKERS:-auto} --rounds ${ROUNDS:-2} $([ "${CACHED:-0}" = 1 ] || echo --cold) \
+    ${IO_EXPORT:+--export $IO_EXPORT} > "$out/shard_io${IO_EXPORT:+_$IO_EXPORT}.txt" 2> "$logs/shardio.err"
   say "shard io bench: exit $? (shard_io.txt)"
   { echo "== shardio"; tail -n 15 "$logs/shardio.err"; } >> "$out/log.txt"
 fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -64,3 +65,25 @@ def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, t
             return
         time.sleep(0.02)
     raise AssertionError(f"{out}: no done file beside a partial one over {partial_bytes} bytes in {timeout} s")
+
+
+def processes_with_open(path: Path) -> set[int]:
+    """The processes (other than this one) that have `path` open (Linux /proc)."""
+    found = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == str(path) for fd in fd_dir.iterdir()):
+                found.add(int(fd_dir.parent.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found - {os.getpid()}
+
+
+def wait_until_closed(path: Path, timeout: float = 30) -> None:
+    """Poll until no process has `path` open: after a kill -9 of a run, until its workers (which share its
+    lock descriptor, die_with.py) have died too (raises AssertionError after `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while processes_with_open(path):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: still open by {sorted(processes_with_open(path))} after {timeout} s")
+        time.sleep(0.02)

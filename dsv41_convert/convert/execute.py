@@ -24,7 +24,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from dsv41_convert.convert.die_with import RUN_ENV, alive, die_with_parent
+from dsv41_convert.convert.die_with import RUN_ENV, SharedFiles, alive, die_with_parent
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
 from dsv41_convert.convert.workers import auto_workers
@@ -197,7 +197,7 @@ def execute(
             "journal": journal_bytes,
             "direct_io": direct_io,
         }
-        summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars)
+        summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock.descriptors())
     return summary | {"took_over": [h.describe() for h in lock.stale]}  # locks of runs that died holding them
 
 
@@ -210,8 +210,9 @@ def _execute_held(
     progress: Progress,
     job: dict,
     sidecars: Sidecars | None,
+    lock_fds: list[int],
 ) -> dict[str, Any]:
-    """`execute` once OUT is locked and checked."""
+    """`execute` once OUT is locked and checked; worker processes hold `lock_fds` with the run (die_with.py)."""
     digest, resume, device = job["digest"], job["resume"], job["device"]
     if resume:
         import_fragments(out, digest)  # a folder gathered from several machines
@@ -242,7 +243,7 @@ def _execute_held(
     t0 = time.monotonic()
     if workers == 0:  # --workers auto
         workers = auto_workers(len(todo), device, computed_share=_computed_bytes(todo) / max(1, need))
-    results = _run(todo, src, out, workers, progress, job)
+    results = _run(todo, src, out, workers, progress, job, lock_fds)
     seconds = time.monotonic() - t0
     written = sum(r.size - r.kept for r in results)
     manifest = fragment = None
@@ -408,11 +409,12 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[
 
 
 _QUEUE: Any = None
+_LOCKS: SharedFiles | None = None
 
 
-def _init_worker(q, run: int) -> None:
-    global _QUEUE
-    _QUEUE = q
+def _init_worker(q, run: int, locks: SharedFiles) -> None:
+    global _QUEUE, _LOCKS
+    _QUEUE, _LOCKS = q, locks  # the run's locks, held until this process exits
     die_with_parent()  # the run, or its fork server, which dies with the run (die_with.py)
     if not alive(run):  # the run died before the server's guard took hold
         os.kill(os.getpid(), signal.SIGKILL)
@@ -447,7 +449,7 @@ def _worker_job(rf, src, out, job) -> FileDone:
     return _job(rf, src, out, job, report)
 
 
-def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
+def _run(todo, src, out, workers, progress, job, lock_fds: Sequence[int] = ()) -> list[FileDone]:
     if not todo:
         return []
     if workers <= 1 or len(todo) == 1:
@@ -458,7 +460,10 @@ def _run(todo, src, out, workers, progress, job) -> list[FileDone]:
     with (
         _fork_server(ctx),
         ProcessPoolExecutor(
-            min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q, os.getpid())
+            min(workers, len(todo)),
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(q, os.getpid(), SharedFiles(lock_fds)),
         ) as pool,
     ):
         pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}

@@ -15,6 +15,12 @@ Two modes:
   write the same rank file collide, and an exclusive holder (a `manifest` merge) excludes them all.
   File locks live in `FOLDER/.dsv41-convert/<file>.lock`.
 
+A run that writes through worker processes hands them its lock descriptors (`FolderLock.descriptors`,
+passed as the same open files: die_with.SharedFiles), so the lock is held until the last of them exits:
+after a kill -9 of the run its workers die a moment later (die_with.py), and until then a new run that
+finds the lock busy and its named holders gone waits for them (up to ORPHANS_WAIT_S), instead of writing
+beside them.
+
 The last holder removes the lock file when it is done: an exclusive one always, a shared one when it can
 turn its lock exclusive for a moment (no other share holds it). Removing is safe because every taker
 checks, after locking, that the descriptor it locked is still the file at the path (else it locked a
@@ -51,6 +57,7 @@ from dsv41_convert.errors import LockedError, OutputError
 LOCK_NAME = ".dsv41-convert.lock"
 FILE_LOCK_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
 BUSY_TRIES, BUSY_WAIT_S = 4, 0.02  # a busy lock is reported after this many tries (60 ms), not at the first
+ORPHANS_WAIT_S = 60.0  # how long a lock whose named holders are gone may stay held by the processes they started
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     Raises LockedError naming `what` and its holder(s) if another process holds a conflicting lock.
     """
     holder = Holder.me("exclusive" if exclusive else "shared")
-    busy = 0
+    busy, orphans_until = 0, None
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
@@ -144,6 +151,15 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
             if busy < BUSY_TRIES:  # a last shared holder checks it is alone for a moment while it releases
                 time.sleep(BUSY_WAIT_S)
                 continue
+            if _orphaned(data):  # a killed run's workers hold it until they die with it
+                orphans_until = orphans_until or time.monotonic() + ORPHANS_WAIT_S
+                if time.monotonic() < orphans_until:
+                    time.sleep(BUSY_WAIT_S)
+                    continue
+                raise LockedError(
+                    f"{what}: {_named(data)} ended, but processes it started still hold the lock after "
+                    f"{ORPHANS_WAIT_S:.0f} s (its workers, a write stuck on the device?); stop them or wait"
+                ) from None
             raise LockedError(f"{what}: in use by {_who(data)}; wait for it to end or stop it") from None
         except OSError as exc:
             os.close(fd)
@@ -178,6 +194,17 @@ def _read_all(fd: int) -> bytes:
     return os.pread(fd, min(size, 1 << 20), 0)
 
 
+def _orphaned(data: bytes) -> bool:
+    """Whether the lock file names holders and all of them are gone from this host: what still holds the lock
+    are processes they started, sharing its descriptor."""
+    holders = read_holders(data)
+    return bool(holders) and all(h.gone() for h in holders)
+
+
+def _named(data: bytes) -> str:
+    return "; ".join(h.describe() for h in read_holders(data))
+
+
 def _who(data: bytes) -> str:
     holders = [h for h in read_holders(data) if not h.gone()]
     if not holders:
@@ -196,6 +223,11 @@ class FolderLock:
         """Exclusive holders that died holding the folder or one of the files (kill -9, power loss) and whose
         locks were taken over."""
         return self.lock.stale + [h for lock in self.files.values() for h in lock.stale]
+
+    def descriptors(self) -> list[int]:
+        """The open lock files (the folder's, then the files'): a worker process given these (as the same open
+        files) holds the locks with the run until it exits."""
+        return [self.lock.fd, *(lock.fd for lock in self.files.values())]
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -10,12 +11,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_run import processes_with_open
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.convert.execute import execute, select_files
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.transform import quantizer_for
 from dsv41_convert.convert.write import write_rank_file
+from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME
 from dsv41_convert.store.manifest import sha256_file
 
 
@@ -115,3 +118,20 @@ def test_direct_io_copies_from_the_read_buffers_without_a_copy(tmp_path, monkeyp
     if refused:
         pytest.skip("this file system refuses O_DIRECT: the buffered path ran twice")
     assert len(through) > 10 and sum(through) > rf.nbytes // 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+@pytest.mark.parametrize("ranks", [None, [0, 1]])
+def test_workers_hold_the_runs_locks(bf16_src, tmp_path, ranks):
+    """Each worker process has the run's lock files open (the same open files: die_with.SharedFiles), so a
+    run killed with kill -9 keeps its locks until its last worker is gone (tests/unit/test_lock.py)."""
+    plan, out = build_plan(bf16_src, 4), tmp_path / "out"
+    locks = [out / LOCK_NAME] + [out / FILE_LOCK_DIR / f"model{r}-mp4.safetensors.lock" for r in ranks or ()]
+    seen: list[list[set[int]]] = []
+    summary = execute(
+        plan, out, workers=2, ranks=ranks, progress=lambda *a: seen.append([processes_with_open(p) for p in locks])
+    )
+    workers = {t["worker"] for t in summary["timeline"]}
+    assert len(workers) == 2 and os.getpid() not in workers
+    for i in range(len(locks)):
+        assert workers <= set().union(*(s[i] for s in seen)), locks[i]

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -139,3 +140,79 @@ def test_file_system_without_locks_is_refused(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match=rf"{tmp_path.resolve()}: the file system does not support locks"):
         with hold(tmp_path):
             pass
+
+
+_RUN_WITH_A_WORKER = textwrap.dedent(
+    """
+    import multiprocessing as mp, sys, time
+    from pathlib import Path
+    from dsv41_convert.convert.die_with import SharedFiles
+    from dsv41_convert.store.lock import hold
+
+    def linger(locks, seconds):  # a worker that outlives its run (it does not die with it)
+        print("worker", flush=True)
+        time.sleep(seconds)
+
+    if __name__ == "__main__":
+        folder, method, seconds, mode, *files = sys.argv[1:]
+        with hold(Path(folder), shared=mode == "shared", files=files) as held:
+            locks = SharedFiles(held.descriptors())
+            worker = mp.get_context(method).Process(target=linger, args=(locks, float(seconds)))
+            worker.start()
+            print(worker.pid, flush=True)
+            time.sleep(600)
+    """
+)
+
+
+def _killed_run_with_a_lingering_worker(tmp_path, method: str, seconds: float, mode: str = "exclusive",
+                                        files: tuple[str, ...] = ()) -> tuple[int, int]:  # fmt: skip
+    """A run holding tmp_path/out that started a worker (sharing its lock), killed with kill -9; the worker
+    lives on for `seconds`. -> (run pid, worker pid)"""
+    script = tmp_path / "run.py"
+    script.write_text(_RUN_WITH_A_WORKER)
+    (tmp_path / "out").mkdir()
+    args = [sys.executable, str(script), str(tmp_path / "out"), method, str(seconds), mode, *files]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE)
+    lines = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
+    assert b"worker" in lines
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return proc.pid, int((lines - {b"worker"}).pop())
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (a zombie holds no descriptors)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+@pytest.mark.parametrize(
+    ("method", "mode"), [("spawn", "exclusive"), ("forkserver", "exclusive"), ("forkserver", "shared")]
+)
+def test_a_killed_runs_worker_holds_its_lock_until_it_exits(tmp_path, method, mode):
+    """A run's workers die a moment after a kill -9 of the run: until they have, the next run must not write
+    beside them. It waits for them, then takes the lock over."""
+    files = ("model0-mp2.safetensors",) if mode == "shared" else ()
+    run, worker = _killed_run_with_a_lingering_worker(tmp_path, method, 1.5, mode, files)
+    assert _running(worker)
+    t0 = time.monotonic()
+    with hold(tmp_path / "out", shared=mode == "shared", files=files) as taken:
+        assert not _running(worker)
+        assert [h.pid for h in taken.stale] == [run]
+    assert time.monotonic() - t0 > 0.5
+
+
+def test_a_dead_runs_processes_holding_the_lock_too_long_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock_mod, "ORPHANS_WAIT_S", 0.3)
+    run, worker = _killed_run_with_a_lingering_worker(tmp_path, "spawn", 60)
+    try:
+        with pytest.raises(LockedError, match=rf"pid {run} on .* ended, but processes it started still hold the lock"):
+            with hold(tmp_path / "out"):
+                pass
+    finally:
+        os.kill(worker, signal.SIGKILL)
