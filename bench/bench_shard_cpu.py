@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,13 +35,24 @@ from bench_export import _bytes, _cli  # noqa: E402
 from bench_shard import evict, measure, warm  # noqa: E402
 
 
-def _mode_flags(checkout: Path, mode: str) -> list[str]:
-    """The flags for a write mode ("buffered" or "--direct-io") in that checkout's shard: before session 10
-    buffered writes were the default and there was no --buffered-io."""
+def _mode_flags(checkout: Path, command: str, mode: str) -> list[str] | None:
+    """The flags for a write mode ("buffered" or "--direct-io") of `command` in that checkout, or None where
+    it cannot write so: before session 10 buffered writes were the default (no --buffered-io), and export
+    had no --direct-io (buffered only)."""
+    flags = _flags(checkout, command)
     if mode != "buffered":
-        return [mode]
-    knows = "--buffered-io" in (checkout / "dsv41_convert" / "app" / "options.py").read_text()
-    return ["--buffered-io"] if knows else []
+        return [mode] if mode in flags else None
+    return ["--buffered-io"] if "--buffered-io" in flags else []  # without it, buffered was the default
+
+
+@functools.cache
+def _flags(checkout: Path, command: str) -> str:
+    """`command --help` of that checkout (its options)."""
+    done = subprocess.run([*_cli(checkout), command, "--help"], capture_output=True, text=True, env=_NO_COLOR)
+    return done.stdout
+
+
+_NO_COLOR = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
 
 
 def main() -> None:
@@ -71,8 +84,11 @@ def main() -> None:
                 written = src_bytes
             else:
                 job = ["export", "--format", a.export] if a.export else ["shard", "--tp", str(a.tp)]
+                flags = _mode_flags(code, job[0], io)
+                if flags is None:
+                    continue
                 cmd = [*_cli(code), job[0], str(a.src), str(out), *job[1:], "--workers", a.workers]
-                m = measure(cmd + _mode_flags(code, io))
+                m = measure(cmd + flags)
                 written = _bytes(out)
                 manifests.setdefault(label, json.loads((out / "manifest.json").read_text())["files"])
             row = {"round": r, "run": label, "written_gb": round(written / 1e9, 3), **m}

@@ -169,7 +169,7 @@ if has shardio; then  # buffered against --direct-io on the host's CPUs, cold so
   timeout $left python3 bench/bench_shard_cpu.py $W/xg $W/sio --old "$OLD" --tp ${SHARD_TP:-8} \
     --workers ${WORKERS:-auto} --rounds ${ROUNDS:-2} $([ "${CACHED:-0}" = 1 ] || echo --cold) \
     ${IO_EXPORT:+--export $IO_EXPORT} > "$out/shard_io${IO_EXPORT:+_$IO_EXPORT}.txt" 2> "$logs/shardio.err"
-  say "shard io bench: exit $? (shard_io.txt)"
+  say "shard io bench: exit $? (shard_io${IO_EXPORT:+_$IO_EXPORT}.txt)"
   { echo "== shardio"; tail -n 15 "$logs/shardio.err"; } >> "$out/log.txt"
 fi
 if has exbench; then
