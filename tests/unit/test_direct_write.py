@@ -7,10 +7,9 @@ import errno
 import mmap
 import os
 import random
-import threading
-import time
 
 import pytest
+from slow_writes import slow_pwrites
 
 from dsv41_convert.store import direct_write
 from dsv41_convert.store.direct_write import BLOCK, DirectAppender, address, aligned_buffer
@@ -78,23 +77,9 @@ def test_random_script_matches_model(tmp_path, monkeypatch, direct, seed, throug
     assert path.read_bytes() == bytes(model)
 
 
-def _slow_pwrites(monkeypatch) -> list[tuple[int, int, int]]:
-    """Make each pwrite of the appender take 20 ms; -> the (address, length, offset) of each, as made."""
-    made, real, lock = [], os.pwrite, threading.Lock()
-
-    def pwrite(fd, view, offset):
-        time.sleep(0.02)
-        with lock:
-            made.append((address(memoryview(view)), len(view), offset))
-        return real(fd, view, offset)
-
-    monkeypatch.setattr(direct_write.os, "pwrite", pwrite)
-    return made
-
-
 def test_aligned_write_goes_out_from_the_callers_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_write, "THROUGH_BYTES", 2 * BLOCK)
-    made = _slow_pwrites(monkeypatch)
+    made = slow_pwrites(monkeypatch, 0.02)
     path = tmp_path / "f.bin"
     head, body = os.urandom(BLOCK + 100), os.urandom(9 * BLOCK + 5)
     out = DirectAppender(path, piece_bytes=4 * BLOCK, depth=2)
@@ -118,7 +103,7 @@ def test_aligned_write_goes_out_from_the_callers_memory(tmp_path, monkeypatch):
 
 def test_unaligned_write_is_copied(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_write, "THROUGH_BYTES", 2 * BLOCK)
-    made = _slow_pwrites(monkeypatch)
+    made = slow_pwrites(monkeypatch, 0.02)
     body = os.urandom(9 * BLOCK)
     view, _ = _aligned_copy(body, 8)  # position 0, memory 8 bytes past a block boundary
     out = DirectAppender(tmp_path / "f.bin", piece_bytes=4 * BLOCK, depth=2)

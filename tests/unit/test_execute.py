@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli_run import processes_with_open
+from slow_writes import slow_pwrites
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.convert.execute import execute, select_files
@@ -90,15 +90,10 @@ def test_direct_io_copies_from_the_read_buffers_without_a_copy(tmp_path, monkeyp
 
     src = make_tiny(tmp_path / "pub", quantized=True)
     rf = build_plan(src, 2).files[1]
-    real_pwrite, through = direct_write.os.pwrite, []
-
-    def slow(fd, view, offset):
-        time.sleep(0.005)
-        return real_pwrite(fd, view, offset)
-
+    through = []
     real_through = direct_write.DirectAppender._write_through
     monkeypatch.setattr(direct_write, "THROUGH_BYTES", 2 * direct_write.BLOCK)
-    monkeypatch.setattr(direct_write.os, "pwrite", slow)
+    slow_pwrites(monkeypatch, 0.005)
 
     def counted(appender, view):
         through.append(len(view))
