@@ -96,8 +96,9 @@ class _Reader:
         return self._bufs[self._turn][skew : skew + self.chunk_bytes]
 
     def scratch(self, n: int) -> memoryview:
-        """n bytes of one reused buffer, for rows read only to have columns picked from them (`rows` with
-        `into`): fresh memory each time cost its zeroing and page faults (3% of a one-worker profile)."""
+        """n bytes of one reused buffer, for rows read only to have columns picked from them into other memory
+        (`rows` with `into`; without it, the columns of one row are a view of the rows' buffer): fresh memory
+        each time cost its zeroing and page faults (3% of a one-worker profile)."""
         if len(self._scratch) < n:
             self._scratch = memoryview(aligned_buffer(max(n, self.chunk_bytes)))
         return self._scratch[:n]
@@ -430,8 +431,10 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
     step, width = max(1, chunk_bytes // max(rb, 1)), (rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8
     for a in range(skip // width, rows, step):
         b = min(rows, a + step)
-        into = reader.buffer(sink.queued % BLOCK) if (b - a) * width <= chunk_bytes else None
-        data, _ = reader.rows(rd, a, b, reader.scratch, into=into)
+        if (b - a) * width <= chunk_bytes:
+            data, _ = reader.rows(rd, a, b, reader.scratch, into=reader.buffer(sink.queued % BLOCK))
+        else:  # one row's columns outgrow a chunk: fresh memory (one row's columns may be a view of it)
+            data, _ = reader.rows(rd, a, b)
         sink.write(data, t.name)
 
 
