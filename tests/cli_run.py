@@ -77,13 +77,3 @@ def processes_with_open(path: Path) -> set[int]:
         except OSError:  # gone meanwhile, or not ours
             continue
     return found - {os.getpid()}
-
-
-def wait_until_closed(path: Path, timeout: float = 30) -> None:
-    """Poll until no process has `path` open: after a kill -9 of a run, until its workers (which share its
-    lock descriptor, die_with.py) have died too (raises AssertionError after `timeout` s)."""
-    deadline = time.monotonic() + timeout
-    while processes_with_open(path):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path}: still open by {sorted(processes_with_open(path))} after {timeout} s")
-        time.sleep(0.02)
