@@ -94,6 +94,7 @@ def test_column_splits_match_reference_at_every_chunk_size(fp8_src, tmp_path, mo
     _check_against_reference(fp8_src, tmp_path / "out", 2, "fp4")
 
 
+@pytest.mark.slow
 def test_fp8_source_tp2_fp8_experts(fp8_src, tmp_path):
     _shard(fp8_src, tmp_path / "out", 2, "fp8")
     _check_against_reference(fp8_src, tmp_path / "out", 2, "fp8")
