@@ -24,7 +24,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -449,7 +449,7 @@ def _worker_job(rf, src, out, job) -> FileDone:
     return _job(rf, src, out, job, report)
 
 
-def _run(todo, src, out, workers, progress, job, lock_fds: Sequence[int] = ()) -> list[FileDone]:
+def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[FileDone]:
     if not todo:
         return []
     if workers <= 1 or len(todo) == 1:
