@@ -98,7 +98,7 @@ class _Reader:
     def scratch(self, n: int) -> memoryview:
         """n bytes of one reused buffer, for rows read only to have columns picked from them into other memory
         (`rows` with `into`; without it, the columns of one row are a view of the rows' buffer): fresh memory
-        each time cost its zeroing and page faults (3% of a one-worker profile)."""
+        each time cost its zeroing and page faults (memset alone 1.1% of a one-worker profile, gone with it)."""
         if len(self._scratch) < n:
             self._scratch = memoryview(aligned_buffer(max(n, self.chunk_bytes)))
         return self._scratch[:n]
