@@ -30,7 +30,9 @@ matmuls are asynchronous, into `depth` partial tiles used in turn: the matmuls o
 t+depth-1 are issued before block t's partial is promoted on the CUDA cores, so the tensor cores and
 the promotion overlap; a stage is released only after its last matmul has completed. Each warpgroup
 takes whole rows of C (one 64 x bn wgmma per K block). Measurements, and what limits the kernel now:
-docs/BENCHMARKS.md, "Gemms, 2026-12-01" and "Gemms, 2026-12-01 evening".
+docs/BENCHMARKS.md, "Gemms, 2026-12-01" and "Gemms, 2026-12-01 evening"; the same math with
+manual warp specialisation (bench/gemm_ws_kernel.py) and why a stage cannot hand its last promotion to
+the next: "Gemms, 2026-12-02, session 12".
 
 The CTA's scales for the whole K range are read into shared memory once, before the K loop, and
 decoded where used (e8m0 by integer ops, no branch on loaded data: a branch there made each thread
