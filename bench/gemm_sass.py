@@ -35,7 +35,15 @@ def cubin(fp4: bool, tile: tuple[int, int, int], stages: int, kw: dict, out: Pat
     src = tilelang.compile(
         jit.get_tir(*args, **kw), target={"kind": "cuda", "arch": "sm_90a"}, pass_configs=jit.pass_configs
     )
-    (out / "kernel.cu").write_text(src.get_kernel_source())
+    return nvcc_cubin(src.get_kernel_source(), out)
+
+
+def nvcc_cubin(source: str, out: Path) -> str:
+    """TileLang's CUDA source -> out/kernel.cubin for sm_90a (nvcc, TileLang's headers); -> ptxas's report
+    lines (resources, spills, performance advisories such as C7514)."""
+    import tilelang
+
+    (out / "kernel.cu").write_text(source)
     root = Path(tilelang.__file__).parent
     cmd = ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++20", f"-I{root / 'src'}"]
     cmd += [f"-I{root / '3rdparty' / 'cutlass' / 'include'}", "-Xptxas", "-v", "-o", str(out / "kernel.cubin")]

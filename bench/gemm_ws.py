@@ -19,7 +19,6 @@ import argparse
 import concurrent.futures
 import functools
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -40,9 +39,9 @@ NK = ((4096, 7168), (2304, 5120))
 def ptxas(names: list[str]) -> None:
     """Lower each variant for sm_90a on this machine and print ptxas's report (no GPU needed)."""
     import tilelang
+    from gemm_sass import nvcc_cubin
     from gemm_ws_kernel import ws_gemm
 
-    root = Path(tilelang.__file__).parent
     for name in names:
         src = tilelang.compile(
             ws_gemm.get_tir(*NK[0], **VARIANTS[name]),
@@ -50,21 +49,8 @@ def ptxas(names: list[str]) -> None:
             pass_configs=ws_gemm.pass_configs,
         ).get_kernel_source()
         with tempfile.TemporaryDirectory() as tmp:
-            cu = Path(tmp) / "k.cu"
-            cu.write_text(src)
-            cmd = ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++20", f"-I{root / 'src'}"]
-            cmd += [
-                f"-I{root / '3rdparty' / 'cutlass' / 'include'}",
-                "-Xptxas",
-                "-v",
-                "-o",
-                str(cu.with_suffix(".cubin")),
-            ]
-            done = subprocess.run([*cmd, str(cu)], capture_output=True, text=True, check=True)
-        report = [
-            line.strip() for line in done.stderr.splitlines() if "C7514" in line or "Used" in line or "spill" in line
-        ]
-        print(f"{name}: " + " | ".join(report), flush=True)
+            report = nvcc_cubin(src, Path(tmp)).splitlines()
+        print(f"{name}: " + " | ".join(line.strip() for line in report if "C7514" in line or "Used" in line))
 
 
 def main() -> None:
