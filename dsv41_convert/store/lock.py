@@ -18,8 +18,8 @@ Two modes:
 A run that writes through worker processes hands them its lock descriptors (`FolderLock.descriptors`,
 passed as the same open files: die_with.SharedFiles), so the lock is held until the last of them exits:
 after a kill -9 of the run its workers die a moment later (die_with.py), and until then a new run that
-finds the lock busy and its named holders gone waits for them (up to ORPHANS_WAIT_S), instead of writing
-beside them.
+finds the lock busy and its named holders gone waits for them (up to ORPHANS_WAIT_S; after
+ORPHANS_NOTICE_S it says so on stderr), instead of writing beside them.
 
 The last holder removes the lock file when it is done: an exclusive one always, a shared one when it can
 turn its lock exclusive for a moment (no other share holds it). Removing is safe because every taker
@@ -58,6 +58,7 @@ LOCK_NAME = ".dsv41-convert.lock"
 FILE_LOCK_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
 BUSY_TRIES, BUSY_WAIT_S = 4, 0.02  # a busy lock is reported after this many tries (60 ms), not at the first
 ORPHANS_WAIT_S = 60.0  # how long a lock whose named holders are gone may stay held by the processes they started
+ORPHANS_NOTICE_S = 1.0  # after this long such a wait says so on stderr (it is usually over in milliseconds)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     Raises LockedError naming `what` and its holder(s) if another process holds a conflicting lock.
     """
     holder = Holder.me("exclusive" if exclusive else "shared")
-    busy, orphans_until = 0, None
+    busy, orphans_until, told = 0, None, False
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
@@ -154,6 +155,12 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
             if _orphaned(data):  # a killed run's workers hold it until they die with it
                 orphans_until = orphans_until or time.monotonic() + ORPHANS_WAIT_S
                 if time.monotonic() < orphans_until:
+                    if not told and time.monotonic() > orphans_until - ORPHANS_WAIT_S + ORPHANS_NOTICE_S:
+                        told = True
+                        sys.stderr.write(
+                            f"{what}: {_named(data)} ended; waiting for processes it started to exit "
+                            f"(up to {ORPHANS_WAIT_S:.0f} s)\n"
+                        )
                     time.sleep(BUSY_WAIT_S)
                     continue
                 raise LockedError(

@@ -194,17 +194,22 @@ def _running(pid: int) -> bool:
 @pytest.mark.parametrize(
     ("method", "mode"), [("spawn", "exclusive"), ("forkserver", "exclusive"), ("forkserver", "shared")]
 )
-def test_a_killed_runs_worker_holds_its_lock_until_it_exits(tmp_path, method, mode):
+def test_a_killed_runs_worker_holds_its_lock_until_it_exits(tmp_path, capfd, monkeypatch, method, mode):
     """A run's workers die a moment after a kill -9 of the run: until they have, the next run must not write
-    beside them. It waits for them, then takes the lock over."""
+    beside them. It waits for them (saying so once the wait passes ORPHANS_NOTICE_S), then takes the lock
+    over."""
     files = ("model0-mp2.safetensors",) if mode == "shared" else ()
+    monkeypatch.setattr(lock_mod, "ORPHANS_NOTICE_S", 0.1)  # the worker's 1.5 s may be half over by the take
     run, worker = _killed_run_with_a_lingering_worker(tmp_path, method, 1.5, mode, files)
     assert _running(worker)
+    capfd.readouterr()
     t0 = time.monotonic()
     with hold(tmp_path / "out", shared=mode == "shared", files=files) as taken:
         assert not _running(worker)
         assert [h.pid for h in taken.stale] == [run]
     assert time.monotonic() - t0 > 0.5
+    told = [line for line in capfd.readouterr().err.splitlines() if "waiting for processes it started" in line]
+    assert len(told) == 1 and f"pid {run} on" in told[0], told
 
 
 def test_a_dead_runs_processes_holding_the_lock_too_long_are_reported(tmp_path, monkeypatch):
