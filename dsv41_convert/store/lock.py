@@ -137,7 +137,7 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     Raises LockedError naming `what` and its holder(s) if another process holds a conflicting lock.
     """
     holder = Holder.me("exclusive" if exclusive else "shared")
-    busy, orphans_until, told = 0, None, False
+    busy, orphans_since, told = 0, None, False
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
@@ -153,9 +153,10 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
                 time.sleep(BUSY_WAIT_S)
                 continue
             if _orphaned(data):  # a killed run's workers hold it until they die with it
-                orphans_until = orphans_until or time.monotonic() + ORPHANS_WAIT_S
-                if time.monotonic() < orphans_until:
-                    if not told and time.monotonic() > orphans_until - ORPHANS_WAIT_S + ORPHANS_NOTICE_S:
+                orphans_since = orphans_since or time.monotonic()
+                waited = time.monotonic() - orphans_since
+                if waited < ORPHANS_WAIT_S:
+                    if not told and waited > ORPHANS_NOTICE_S:
                         told = True
                         sys.stderr.write(
                             f"{what}: {_named(data)} ended; waiting for processes it started to exit "
