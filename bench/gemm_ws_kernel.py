@@ -11,8 +11,8 @@ Structure: `producers` warpgroups load each 128-column K stage by TMA into a rin
 warpgroups run the wgmmas and promotions. With fp4 the weight comes as packed e2m1 into a staging ring
 and the producers widen it to e4m3 in the slot the tensor cores read, times 2**(s - S) (s the row's
 fp4 scale, S the 32x32 block scale of the lossless cast, `fp4_to_fp8`): the cast's bytes, so the
-fp8 route's GEMM without the cast's pass over the weight. A zero code may come out as -0 where the cast
-writes +0; a product with -0 adds nothing either way, so C is the same.
+fp8 route's GEMM without the cast's pass over the weight. The widening is the cast kernel's own
+(`device_c.tl_fp4_to_e4m3`, 4 words of codes per call; -0 written as +0, as the cast).
 
 `cross` (fp8 only) promotes each stage's last K block after the next stage's first wgmma is issued, so
 no stage ends with the tensor cores idle; ptxas serializes every wgmma of that loop (C7514: a wgmma in
@@ -25,6 +25,8 @@ setmaxnreg moves registers within the CTA's pool (launch registers x threads); a
 pool waits forever (a 128 x 128 fp4 variant asking 216 + 80 of a 168 x 384 pool hung), hence `_pool`.
 """
 
+from dsv41_convert.kernels.block_gemm import K_TILE
+from dsv41_convert.kernels.device_c import PRELUDE
 from dsv41_convert.kernels.fp8_dequant import e8m0_to_f32_select as e8m0_to_f32
 from dsv41_convert.kernels.tl import BF16, E4M3, F32, I32, PASS_CONFIGS, U8, T, tilelang
 
@@ -33,9 +35,7 @@ CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
     tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True,
 }
-E2M1_LO, E2M1_HI = 0x3C383000, 0x4C484440  # e4m3 bytes of the e2m1 magnitudes 0..3 and 4..7
-K_BLOCK, K_TILE = 32, 128
-U32 = "uint32"
+K_BLOCK = 32
 
 
 def _pool(threads: int, producers: int, consumers: int, nreg: tuple[int, int]) -> None:
@@ -45,26 +45,6 @@ def _pool(threads: int, producers: int, consumers: int, nreg: tuple[int, int]) -
     want = 128 * (producers * nreg[0] + consumers * nreg[1])
     if want > launch * threads:
         raise ValueError(f"registers: {nreg} for {producers} + {consumers} warpgroups need {want} > {launch * threads}")
-
-
-def _perm(x, y, selector):
-    return T.call_pure_extern(U32, "__byte_perm", x, y, selector)
-
-
-def widen_word(w, lo, hi):
-    """Eight packed e2m1 codes (a uint32, code i in nibble i) -> their e4m3 bytes as two uint32s, through
-    the byte tables lo, hi (`E2M1_LO/HI` with the exponent offset added): magnitudes by byte permutes,
-    signs moved from bit 3 of each nibble to bit 7 of each byte."""
-    even = w & T.uint32(0x07070707)  # codes 0, 2, 4, 6
-    odd = (w >> T.uint32(4)) & T.uint32(0x07070707)  # codes 1, 3, 5, 7
-    mag_even = _perm(lo, hi, _perm(even | (even >> T.uint32(4)), T.uint32(0), T.uint32(0x4420)))
-    mag_odd = _perm(lo, hi, _perm(odd | (odd >> T.uint32(4)), T.uint32(0), T.uint32(0x4420)))
-    out = []
-    for half in (0, 1):
-        signs = _perm(w, T.uint32(0), T.uint32(0x3322 if half else 0x1100))
-        mag = _perm(mag_even, mag_odd, T.uint32(0x7362 if half else 0x5140))
-        out.append(mag | (signs & T.uint32(0x80008000)) | ((signs << T.uint32(4)) & T.uint32(0x00800080)))
-    return out
 
 
 @tilelang.jit(pass_configs=CONFIGS)
@@ -115,7 +95,8 @@ def ws_gemm(
         b4_s: T.Tensor[(n, kb), U8],
         c: T.Tensor[(m, n), BF16],
     ):
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=cthreads + pthreads) as (bx, by):
+        threads = cthreads + pthreads
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads, prelude=PRELUDE) as (bx, by):
             a_sh = T.alloc_shared((stages, bm, K_TILE), E4M3)
             b_sh = T.alloc_shared((stages, bn, K_TILE), E4M3)
             sa_all = T.alloc_shared((bm, kb), U8)
@@ -129,11 +110,9 @@ def ws_gemm(
             scales = T.alloc_barrier(pthreads)
             if fp4:
                 b4_sh = T.alloc_shared((stages, bn, K_TILE // 2), U8)
-                b4_words = T.view(b4_sh, shape=(stages, bn, K_TILE // 8), dtype=U32)
                 s4_all = T.alloc_shared((bn, kb), U8)
                 raw = T.alloc_barrier([pthreads] * stages)
-                out_words = T.alloc_local((8,), U32)
-                out_bytes = T.view(out_words, shape=(32,), dtype=E4M3)
+                out_bytes = T.alloc_local((32,), E4M3)
 
             with T.ws(*range(consumers, consumers + producers)):
                 T.dec_max_nreg(nreg[0])
@@ -160,13 +139,17 @@ def ws_gemm(
                             blk_k = (tx + q * pthreads) // bn
                             kk = ko * subs + blk_k
                             d = T.Cast(I32, s4_all[j, kk]) - T.Cast(I32, sb_all[j // 32, kk])
-                            lo = T.Cast(U32, T.int32(E2M1_LO) + d * T.int32(0x08080800))
-                            hi = T.Cast(U32, T.int32(E2M1_HI) + d * T.int32(0x08080808))
-                            for w_i in T.unroll(4):
-                                w = b4_words[st, j, blk_k * 4 + w_i]
-                                pair = widen_word(w, lo, hi)
-                                out_words[w_i * 2] = pair[0]
-                                out_words[w_i * 2 + 1] = pair[1]
+                            # the cast's widening (device_c.tl_fp4_to_e4m3): 4 words of codes times 2**d
+                            T.evaluate(
+                                T.call_extern(
+                                    "handle",
+                                    "tl_fp4_to_e4m3",
+                                    T.address_of(b4_sh[st, j, blk_k * 16]),
+                                    4,
+                                    d,
+                                    T.address_of(out_bytes[0]),
+                                )
+                            )
                             for h in T.unroll(2):
                                 for e in T.vectorized(16):
                                     b_sh[st, j, blk_k * 32 + h * 16 + e] = out_bytes[h * 16 + e]
