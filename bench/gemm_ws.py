@@ -30,6 +30,12 @@ VARIANTS = {
     "fp4ws64p2": dict(fp4=True, tile=(64, 64), stages=4, producers=2, nreg=(128, 240)),
     "fp4ws64p2s6": dict(fp4=True, tile=(64, 64), stages=6, producers=2, nreg=(128, 240)),
     "fp4ws128": dict(fp4=True, tile=(128, 128), stages=3, nreg=(40, 232)),
+    "fp8ws128x32": dict(fp4=False, tile=(128, 32), stages=6, nreg=(40, 232)),
+    "fp8ws128x64": dict(fp4=False, tile=(128, 64), stages=6, nreg=(40, 232)),
+    "fp8ws64x32": dict(fp4=False, tile=(64, 32), stages=6),
+    "fp4ws128x32": dict(fp4=True, tile=(128, 32), stages=6, nreg=(72, 200)),
+    "fp4ws128x64": dict(fp4=True, tile=(128, 64), stages=6, nreg=(72, 200)),
+    "fp4ws64x32": dict(fp4=True, tile=(64, 32), stages=6, nreg=(240, 240)),
 }
 TIMED = [name for name in VARIANTS if not name.endswith("cross")]  # cross: serialized by ptxas, not timed
 ROWS = (16, 64, 128, 256, 512, 4096)
@@ -50,12 +56,14 @@ def ptxas(names: list[str]) -> None:
         ).get_kernel_source()
         with tempfile.TemporaryDirectory() as tmp:
             report = nvcc_cubin(src, Path(tmp)).splitlines()
-        print(f"{name}: " + " | ".join(line.strip() for line in report if "C7514" in line or "Used" in line))
+        keep = [line.strip() for line in report if any(word in line for word in ("C7514", "Used", "spill"))]
+        print(f"{name}: " + " | ".join(keep))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(TIMED))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M, comma-separated")
     parser.add_argument("--json")
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel (into the disk cache)")
     parser.add_argument("--ptxas", action="store_true", help="ptxas's report of each variant (CPU, nvcc)")
@@ -89,7 +97,7 @@ def main() -> None:
         assert not int(lossy.item()), "the fp4 weight must cast exactly"
         b_s_u8, b4_u8, b4_s_u8, s8_u8 = (t.view(torch.uint8) for t in (b_s, b4, b4_s, s8))
         unused = torch.zeros(n, k // 32, dtype=torch.uint8, device="cuda")
-        for m in (16,) if args.compile_only else ROWS:
+        for m in (16,) if args.compile_only else [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
             a, a_s = act.act_quant(x, 32, "ue8m0", e8)
             one = torch.ones((), device="cuda")
