@@ -23,6 +23,14 @@ N, K = 4096, 7168
 OLD = {"scale_tma": False, "depth": 2, "scale_lut": False}  # main 8554f92's kernel
 NO_LUT = {"scale_lut": False}
 OLD_TILES = {False: ((64, 64, 128), (64, 128, 128)), True: ((64, 64, 256), (128, 128, 256))}  # fp4 -> wrapper tiles
+
+
+def old_pick(m: int, n: int, sms: int, tiles: tuple) -> tuple:
+    """8554f92's rule: the second tile once its CTAs cover every SM."""
+    few, many = tiles
+    return many if -(-m // many[0]) * -(-n // many[1]) >= sms else few
+
+
 # (name, fp4, tile, stages, block_gemm_kernel keywords); "old" rows are main 8554f92's kernels
 VARIANTS = (
     ("fp8 old 64x64", False, (64, 64, 128), 4, OLD),
@@ -97,7 +105,7 @@ def main():
     for name, err in failed.items():
         print(f"{name}: compile failed: {err}")
     from dsv41_convert.kernels import quant_ops
-    from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, launcher, pick_tile
+    from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, _sm_count, launcher, pick_tile
     from dsv41_convert.kernels.fp4_gemm import fp4_gemm, fp4_gemm_kernel
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm, fp8_gemm_kernel
     from dsv41_convert.quant import act, fp8
@@ -152,7 +160,7 @@ def main():
             wrap = fp4_gemm if fp4 else fp8_gemm
             want = wrap(a, a_s, bb, bs, e8, 32)
             tag = "fp4" if fp4 else "fp8"
-            old_tile = pick_tile(m, n, a.device, OLD_TILES[fp4])
+            old_tile = old_pick(m, n, _sm_count(0), OLD_TILES[fp4])
             old = kernel(fp4, old_tile, 3 if fp4 else 4, OLD)
             t_old = median_ms(functools.partial(old_wrapper, old, a, a_s, bb, bs))
             record(

@@ -42,7 +42,7 @@ VIA_FP8_ROWS = 1  # rows from which the weight goes through the fp8 kernel: ever
 # 4096, was faster that way (docs/BENCHMARKS.md, "Gemms, 2026-12-02")
 
 
-def fp4_gemm_kernel(n: int, k: int, act_block: int, e8m0: bool, tile: tuple[int, int, int] = FP4_TILES[1]):
+def fp4_gemm_kernel(n: int, k: int, act_block: int, e8m0: bool, tile: tuple[int, int, int] = max(FP4_TILES)):
     """[M, k] e4m3 x [n, k/2] packed e2m1 -> [M, n] bf16."""
     return block_gemm_kernel(n, k, GROUP, act_block, 1, True, e8m0, True, STAGES, tile)
 
@@ -186,7 +186,7 @@ def _untold(device: torch.device) -> Tensor:
 
 @functools.cache
 def _kernels(n: int, k: int, act_block: int, e8m0: bool) -> dict:
-    """tile -> compiled kernel, both tiles on the first call (as fp8_gemm._kernels)."""
+    """tile -> compiled kernel, every tile on the first call (as fp8_gemm.kernels)."""
     return {tile: fp4_gemm_kernel(n, k, act_block, e8m0, tile) for tile in FP4_TILES}
 
 
@@ -198,6 +198,6 @@ def _compile(n: int, k: int, act_block: int, e8m0: bool) -> tuple[dict, dict]:
 
 
 def warm_up(n: int, k: int, act_block_size: int = 32, e8m0: bool = True) -> None:
-    """Compile the kernels of both routes (both tiles each, and the cast) for an expert weight [n, k]
+    """Compile the kernels of both routes (every tile of each, and the cast) for an expert weight [n, k]
     (logical) before collectives start."""
     _compile(n, k, act_block_size, e8m0)

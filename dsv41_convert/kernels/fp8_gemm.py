@@ -14,8 +14,8 @@ from torch import Tensor
 from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
 
 STAGES = 4  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
-DEPTH = {FP8_TILES[0]: 3}  # matmuls in flight (block_gemm_kernel's depth) where not 2; the 128-row tile
-# has registers for two partial tiles only
+DEPTH = {(64, 64, 128): 3}  # matmuls in flight (block_gemm_kernel's depth) where not 2; the bigger tiles
+# have registers for two partial tiles only
 
 
 def fp8_gemm_kernel(
@@ -23,7 +23,7 @@ def fp8_gemm_kernel(
     k: int,
     block_size: int,
     e8m0: bool,
-    tile: tuple[int, int, int] = FP8_TILES[1],
+    tile: tuple[int, int, int] = max(FP8_TILES),
     a_block: int | None = None,
     b_e8m0: bool | None = None,
 ):
@@ -87,11 +87,11 @@ def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b
 def kernels(
     n: int, k: int, block_size: int, e8m0: bool, a_block: int | None = None, b_e8m0: bool | None = None
 ) -> dict:
-    """tile -> compiled kernel, both tiles on the first call (a warm-up with one row readies the many-row
-    one too); arguments as fp8_gemm_kernel's."""
+    """tile -> compiled kernel, every tile on the first call (a warm-up with one row readies the many-row
+    ones too); arguments as fp8_gemm_kernel's."""
     return {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile, a_block, b_e8m0) for tile in FP8_TILES}
 
 
 def warm_up(n: int, k: int, block_size: int = 32, e8m0: bool = True) -> None:
-    """Compile the kernels (both tiles) for a weight [n, k] before collectives start."""
+    """Compile the kernels (every tile) for a weight [n, k] before collectives start."""
     kernels(n, k, block_size, e8m0)
