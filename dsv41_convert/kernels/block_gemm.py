@@ -51,6 +51,8 @@ and 128 x 128 on two consumer warpgroups. Each wrapper compiles all of its tiles
 """
 
 import functools
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -89,6 +91,14 @@ def pick_tile(m: int, n: int, device: torch.device, tiles: dict[tuple[int, int, 
         return waves * bm * bn / tiles[tile]
 
     return min(tiles, key=end)
+
+
+def compile_tiles(build: Callable[[tuple[int, int, int]], object], tiles: Iterable[tuple[int, int, int]]) -> dict:
+    """tile -> build(tile) for every tile, compiled side by side (TileLang spends most of a compile in nvcc,
+    a child process, so a wrapper's tiles take about as long as its slowest one)."""
+    tiles = tuple(tiles)
+    with ThreadPoolExecutor(len(tiles), thread_name_prefix="compile") as pool:
+        return dict(zip(tiles, pool.map(build, tiles), strict=True))
 
 
 def launcher(kernel):

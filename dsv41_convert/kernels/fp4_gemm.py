@@ -32,7 +32,16 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.kernels import fp4_to_fp8, fp8_gemm
-from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
+from dsv41_convert.kernels.block_gemm import (
+    FP4_TILES,
+    FP8_TILES,
+    block_gemm_kernel,
+    compile_tiles,
+    dense,
+    launcher,
+    pick_tile,
+    rows,
+)
 from dsv41_convert.kernels.fp4_to_fp8 import cast_into, cast_unchecked
 
 GROUP = 32  # weight scale group along K
@@ -187,7 +196,7 @@ def _untold(device: torch.device) -> Tensor:
 @functools.cache
 def _kernels(n: int, k: int, act_block: int, e8m0: bool) -> dict:
     """tile -> compiled kernel, every tile on the first call (as fp8_gemm.kernels)."""
-    return {tile: fp4_gemm_kernel(n, k, act_block, e8m0, tile) for tile in FP4_TILES}
+    return compile_tiles(lambda tile: fp4_gemm_kernel(n, k, act_block, e8m0, tile), FP4_TILES)
 
 
 def _compile(n: int, k: int, act_block: int, e8m0: bool) -> tuple[dict, dict]:

@@ -11,7 +11,15 @@ import functools
 import torch
 from torch import Tensor
 
-from dsv41_convert.kernels.block_gemm import FP8_TILES, block_gemm_kernel, dense, launcher, pick_tile, rows
+from dsv41_convert.kernels.block_gemm import (
+    FP8_TILES,
+    block_gemm_kernel,
+    compile_tiles,
+    dense,
+    launcher,
+    pick_tile,
+    rows,
+)
 
 STAGES = 4  # pipeline stages (each block_gemm.K_TILE columns of K) in flight
 DEPTH = {(64, 64, 128): 3}  # matmuls in flight (block_gemm_kernel's depth) where not 2; the bigger tiles
@@ -89,7 +97,7 @@ def kernels(
 ) -> dict:
     """tile -> compiled kernel, every tile on the first call (a warm-up with one row readies the many-row
     ones too); arguments as fp8_gemm_kernel's."""
-    return {tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile, a_block, b_e8m0) for tile in FP8_TILES}
+    return compile_tiles(lambda tile: fp8_gemm_kernel(n, k, block_size, e8m0, tile, a_block, b_e8m0), FP8_TILES)
 
 
 def warm_up(n: int, k: int, block_size: int = 32, e8m0: bool = True) -> None:

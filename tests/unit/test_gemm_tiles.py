@@ -78,3 +78,21 @@ def test_e2m1_e4m3_table_holds_each_magnitude_as_e4m3():
     table = [(word >> (8 * i)) & 0xFF for word in block_gemm.E2M1_E4M3_TABLE for i in range(4)]
     want = E2M1_VALUES[:8].to(torch.float8_e4m3fn).view(torch.uint8).tolist()
     assert table == want
+
+
+def test_compile_tiles_builds_every_tile_once_side_by_side():
+    """Each tile built once, in the tiles' order, all at the same time (each build waits for the others)."""
+    import threading
+
+    tiles = tuple(block_gemm.FP8_TILES)
+    meet = threading.Barrier(len(tiles), timeout=10)
+    built = []
+
+    def build(tile):
+        built.append(tile)
+        meet.wait()  # raises BrokenBarrierError unless every tile's build runs at once
+        return ("kernel", tile)
+
+    got = block_gemm.compile_tiles(build, tiles)
+    assert list(got) == list(tiles) and sorted(built) == sorted(tiles)
+    assert all(got[tile] == ("kernel", tile) for tile in tiles)
