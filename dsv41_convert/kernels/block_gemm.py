@@ -66,6 +66,7 @@ FP8_TILES = {(64, 64, 128): 210, (64, 128, 128): 370, (128, 128, 256): 480}
 FP4_TILES = {(64, 64, 256): 70, (128, 128, 256): 144}
 SMEM_BYTES = 200 * 1024  # shared memory for the pipeline and the hoisted scales, at most (Hopper: 227 KiB a CTA)
 K_TILE = 128  # K columns per pipeline stage
+TMA_BOX = 256  # elements a side of one tensor-map copy, at most (Hopper)
 E2M1_E4M3_TABLE = (0x3C383000, 0x4C484440)  # e4m3 bytes of the e2m1 magnitudes 0..7, little-endian
 
 
@@ -125,9 +126,11 @@ def _scale_tma(
     n: int, k: int, bn: int, a_block: int, k_block: int, b_rows: int, a_bytes: int, b_bytes: int
 ) -> tuple[bool, bool]:
     """Whether the hoisted scales of A and of B can come by TMA: a tensor map needs each scale row's pitch
-    to be a multiple of 16 bytes; B's CTA rows lower to a 1-D bulk copy without bounds checks, so its
-    column tiles must cover N exactly (A's 2-D copy zero-fills the rows past M)."""
-    a_ok = (k // a_block) * a_bytes % 16 == 0
+    to be a multiple of 16 bytes, and A's box (its CTA's rows by every K block) at most TMA_BOX scales a
+    side (TileLang 0.1.15 refuses the copy of the MTP's main_proj, K = 3 x 5120: 480 scales a row); B's
+    CTA rows lower to a 1-D bulk copy without bounds checks, so its column tiles must cover N exactly (A's
+    2-D copy zero-fills the rows past M)."""
+    a_ok = (k // a_block) * a_bytes % 16 == 0 and k // a_block <= TMA_BOX
     b_ok = (k // k_block) * b_bytes % 16 == 0 and n % bn == 0 and (bn % b_rows == 0 or b_rows % bn == 0)
     return a_ok, b_ok
 

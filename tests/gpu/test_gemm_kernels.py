@@ -105,6 +105,20 @@ def test_fp8_gemm(block, fmt, sdtype, m, tile):
     check(got, want, mag, f"fp8_gemm block={block} m={m} tile={tile}")
 
 
+@pytest.mark.parametrize("m", [1, 100, 300])
+def test_fp8_gemm_with_more_scales_a_row_than_one_tma_box(m):
+    """K = 15360 (the MTP's main_proj, 3 x dim): 480 activation scales a row, read without TMA, on each
+    tile (at N = 5120 pick_tile takes 64 x 64 for 1 row, 64 x 128 for 100, 128 x 128 for 300)."""
+    from dsv41_convert.kernels.fp8_gemm import fp8_gemm
+
+    a, a_s, b, b_s = cuda_operands(11, m, 5120, 15360, False)
+    e8 = torch.float8_e8m0fnu
+    got = fp8_gemm(a, a_s, b, b_s, e8, 32)
+    want = ref.fp8_gemm(a, a_s, b, b_s, e8, 32)
+    mag = ref.fp8_gemm(abs_e4m3(a), a_s, abs_e4m3(b), b_s, e8, 32)
+    check(got, want, mag, f"fp8_gemm K=15360 m={m}")
+
+
 @pytest.mark.parametrize("tile", [None, *TILES])
 @pytest.mark.parametrize("act_block,fmt,sdtype", [(32, "ue8m0", torch.float8_e8m0fnu), (128, None, torch.float32)])
 @pytest.mark.parametrize("m", [3, 100, 600])
