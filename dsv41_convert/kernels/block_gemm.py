@@ -79,10 +79,11 @@ def pick_tile(m: int, n: int, device: torch.device, tiles: dict[tuple[int, int, 
     """Of tiles (tile -> wave rate), the one whose CTAs end first for an [m, n] output: waves x bm x bn / rate,
     waves = CTAs / SMs rounded up; on a tie the first.
 
-    A big tile computes more TFLOP/s with every SM busy (128 x 128: ~2.3x 64 x 64 on fp8), but a wave takes
-    as long with SMs idle or tile rows past M, so where a big tile leaves the last wave part empty a smaller
-    one with more, fuller waves ends first. The rates are fits (within 0.4% of the best tile on average
-    over 39 measured shapes, fp8), not peaks: the 64 x 64 tile runs two CTAs per SM where it can.
+    A big tile computes more TFLOP/s with every SM busy (fp8 128 x 128: ~1.8x 64 x 64, measured), but a wave
+    takes as long with SMs idle or tile rows past M, so where a big tile leaves the last wave part empty a
+    smaller one with more, fuller waves ends first. The rates are fits to measured shapes, not peaks (fp8:
+    0.2% below the best tile on average over 39 shapes, in the fit's run and in another; 64 x 64's rate is
+    below its measured one, perhaps because its small CTAs may share an SM, which the waves ignore).
     """
     sms = _sm_count(device.index if device.index is not None else 0)
 
