@@ -4,7 +4,7 @@ Memory is bounded by the chunk size, never by tensor size: plain copies move `ch
 pread (copy_file_range, hashing from a map of the source, was measured slower on the dev box:
 docs/BENCHMARKS.md) into buffers that start at the output position's offset within a block, which an O_DIRECT
 writer sends to the device without copying them again (direct_write.py); actions that compute (dequantize,
-quantize, cast) take row chunks of at most chunk_bytes / 8 source bytes (on CUDA 64 MiB:
+quantize, cast) take row chunks of at most COMPUTE_CHUNKS x chunk_bytes / 8 source bytes (on CUDA 64 MiB:
 stream.GPU_BLOCK_BYTES), aligned to 128 rows so no scale block is split, read ahead in a thread and overlapped
 with the GPU (stream.py). Reads stay ahead of the writer through the page cache: at each tensor the kernel is
 asked (POSIX_FADV_WILLNEED) for the source regions of the next tensors, up to PREFETCH_BYTES, so the disk
@@ -56,7 +56,10 @@ from dsv41_convert.store.sink import THROTTLE_ENV as THROTTLE_ENV  # the test ho
 from dsv41_convert.store.sink import Sink
 
 COPIED = ("copy", "as_fp4")  # actions whose bytes are copied unchanged (as_fp4: I8 bytes are e2m1 pairs)
-CHUNK_BYTES = 16 << 20  # measured best on the dev box: 4-16 MiB 27-29 s, 64 MiB 33 s (tp 8 of 5.6 GB)
+CHUNK_BYTES = 4 << 20  # a copy's step; dev box, shard --tp 8 of the medium preset, one worker, cached source, CPU
+# s per GB written (2026-12-02): 16 MiB 1.27-1.33, 8 MiB 1.24-1.29, 4 MiB 1.19-1.26, 2 MiB 1.17-1.24, 1 MiB 1.22-1.28
+COMPUTE_CHUNKS = 4  # computed row chunks are sized from COMPUTE_CHUNKS x chunk_bytes on the CPU: 16 MiB, as when
+# copies took 16 MiB steps (quantizing the bf16 medium preset with 4 MiB: 4-5% more CPU)
 STASH_BYTES = 256 << 20
 PREFETCH_BYTES = 256 << 20  # read-ahead hint; dev box, tp 8 of 23.7 GB: 64 MiB 84-90 s, 256 MiB 73-81 s
 READ_AHEAD_BYTES = 256 << 20  # source bytes read ahead into (pinned) buffers at most (prefetch.Prefetch)
@@ -468,11 +471,12 @@ def _chunk_rows(t: OutTensor, chunk_bytes: int) -> int:
 
 
 def compute_chunk_bytes(chunk_bytes: int, device: str) -> int:
-    """The `chunk_bytes` that sizes computed row chunks (chunk_bytes / 8 source bytes each): larger on CUDA,
-    where per-chunk costs (launches, copies, a sync) dominate small chunks and the intermediates live on
-    the GPU. Recorded in the journal: a resume on the other device restarts the file."""
+    """The `chunk_bytes` that sizes computed row chunks (chunk_bytes / 8 source bytes each): COMPUTE_CHUNKS
+    copy chunks on the CPU, more on CUDA, where per-chunk costs (launches, copies, a sync) dominate small
+    chunks and the intermediates live on the GPU. Recorded in the journal: a resume on the other device (or
+    with other chunk sizes) restarts the file."""
     if device != "cuda":
-        return chunk_bytes
+        return COMPUTE_CHUNKS * chunk_bytes
     from dsv41_convert.convert import stream
 
     return max(chunk_bytes, 8 * stream.GPU_BLOCK_BYTES)

@@ -244,7 +244,8 @@ def test_resume_with_other_compute_chunks_restarts_the_file(bf16_src, clean, tmp
 
     rf = build_plan(bf16_src, 2).files[1]
     _interrupt(rf, bf16_src, tmp_path, 0.6)
-    monkeypatch.setattr(write, "compute_chunk_bytes", lambda chunk_bytes, device: 4 * chunk_bytes)
+    other = 2 * write.COMPUTE_CHUNKS  # twice the CPU's compute chunk, as CUDA's larger one
+    monkeypatch.setattr(write, "compute_chunk_bytes", lambda chunk_bytes, device: other * chunk_bytes)
     stats, _ = _resume(rf, bf16_src, tmp_path)
     assert stats["resumed_from"] == 0 and "chunk size" in stats["resume"], stats
     assert (tmp_path / rf.file).read_bytes() == (clean / rf.file).read_bytes()
