@@ -4,19 +4,42 @@ TileLang builds CUDA kernels on a machine with nvcc and no GPU when given an exp
 catches a kernel that no longer lowers (a TileLang upgrade, an edit) on CPU-only CI. sm_90a is the
 H100/H200 target TileLang picks on those GPUs (wgmma and register reallocation need the 'a').
 Skipped where tilelang or nvcc is missing.
+
+Besides one representative configuration per factory, the GEMM kernels the published model's warm-up
+compiles, at its real shapes: the GPU tests multiply at K <= 7168, the real checkpoint has K up to 15360
+(the MTP's main_proj), and a kernel that does not lower there failed only on a GPU run of the whole model
+(the activation scales' TMA box, docs/BENCHMARKS.md "Gemms, 2026-12-02, session 13"). Every distinct fp8
+weight shape of the published headers (per rank at tp 1 and 8, split as `shard` splits it) goes through
+fp8_gemm's kernel factory on every tile, every routed-expert shape through fp4_gemm's own kernel on its
+tiles, with the exact arguments the wrappers pass.
 """
 
+import gzip
 import importlib.util
+import json
 import shutil
 
 import pytest
+from reference_data import HEADERS_GZ
 
 pytestmark = pytest.mark.slow
 
 if importlib.util.find_spec("tilelang") is None or shutil.which("nvcc") is None:
     pytest.skip("needs tilelang and nvcc", allow_module_level=True)
 
+from dsv41_convert.convert.rules import Op, Split, canonical_name, classify  # noqa: E402
+from dsv41_convert.kernels import block_gemm, fp4_gemm, fp8_gemm  # noqa: E402
+
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
+TPS = (1, 8)  # tensor-parallel sizes whose per-rank weight shapes the GEMMs are lowered at
+
+
+def cuda_source(jit, *args, **kw) -> str:
+    """The CUDA source of TileLang factory `jit` lowered for sm_90a with these compile-time arguments."""
+    import tilelang
+
+    return tilelang.compile(jit.get_tir(*args, **kw), target=TARGET, pass_configs=jit.pass_configs).get_kernel_source()
+
 
 # (module, factory, compile-time arguments): one representative configuration per factory
 CASES = [
@@ -38,7 +61,7 @@ CASES = [
     ("block_gemm", "block_gemm_kernel", (256, 1024, 32, 128, 1, True, False, True, 3, (64, 64, 256))),
     ("block_gemm", "block_gemm_kernel", (512, 65536, 32, 32, 32, False, False, False, 4, (128, 128, 256))),
     # the fp4 kernel with 480 activation scales a row, more than one TMA box takes (fp8 at the real model's
-    # shapes, K = 15360 among them: test_kernels_real_shapes.py)
+    # shapes, K = 15360 among them: test_fp8_gemm_lowers_at_the_real_shapes below)
     ("block_gemm", "block_gemm_kernel", (256, 15360, 32, 32, 1, True, True, True, 3, (64, 64, 256))),
     # one K block per stage, one partial tile (no ping-pong)
     (
@@ -62,11 +85,7 @@ def no_kernel_cache():
 
 @pytest.mark.parametrize("module,factory,args", CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[2]))}" for c in CASES])
 def test_kernel_compiles_for_sm90(module, factory, args):
-    import tilelang
-
-    jit = getattr(importlib.import_module(f"dsv41_convert.kernels.{module}"), factory)
-    kernel = tilelang.compile(jit.get_tir(*args), target=TARGET, pass_configs=jit.pass_configs)
-    source = kernel.get_kernel_source()
+    source = cuda_source(getattr(importlib.import_module(f"dsv41_convert.kernels.{module}"), factory), *args)
     assert "__global__" in source
     if module.endswith("gemm"):
         assert "wgmma" in source, "the gemm should run on Hopper's wgmma"
@@ -83,13 +102,9 @@ def test_gemm_stage_released_after_its_matmuls(fp4, tile, depth):
     them after the wait for that reason.)"""
     import re
 
-    import tilelang
-
-    from dsv41_convert.kernels.block_gemm import block_gemm_kernel as jit
-
     b_rows = 1 if fp4 else 32
     args = (512, 1024, 32, 32, b_rows, fp4, True, True, 3, tile, True, 128, True, depth)
-    source = tilelang.compile(jit.get_tir(*args), target=TARGET, pass_configs=jit.pass_configs).get_kernel_source()
+    source = cuda_source(block_gemm.block_gemm_kernel, *args)
     consumer = source[source.index("warpgroup_reg_alloc<240>") :]
     tokens = re.findall(r"(wgmma_ss<)|wait_wgmma<(\d)>|(mbarrier\[[^\]]*\]\.arrive\(\))", consumer)
     pending, releases, mmas, max_pending = 0, 0, 0, 0
@@ -250,3 +265,52 @@ def test_device_fp4_decoders_match_reference(host_lib):
     host_lib.mxfp4_to_bf16(_ptr(w), n, _ptr(b), _ptr(got16))
     want16 = decode_mxfp4(w.view(torch.uint8).view(n, 4), b.to(torch.uint8).view(torch.float8_e8m0fnu)[:, None], 8)
     assert torch.equal(got16.view(torch.int16), want16.view(torch.int16))
+
+
+def real_gemm_shapes() -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+    """({(n, k)} of the fp8 linear weights, {(n, k)} of the routed experts, k logical) on one rank."""
+    fp8, fp4 = set(), set()
+    for header in json.loads(gzip.decompress(HEADERS_GZ.read_bytes()))["shards"].values():
+        for name, info in header["tensors"].items():
+            rule, _ = classify(canonical_name(name))
+            n, k = info["shape"] if len(info["shape"]) == 2 else (0, 0)
+            if rule.op is Op.AS_FP4:
+                fp4.add((n, 2 * k))
+            elif rule.op is Op.FP8:
+                for tp in TPS:
+                    rows, cols = {Split.DIM0: (tp, 1), Split.DIM1: (1, tp)}.get(rule.split, (1, 1))
+                    fp8.add((n // rows, k // cols))
+    return fp8, fp4
+
+
+FP8_SHAPES, FP4_SHAPES = (sorted(s) for s in real_gemm_shapes())
+
+
+def test_the_headers_hold_the_shapes_that_matter():
+    assert (5120, 15360) in FP8_SHAPES  # mtp.0.main_proj
+    assert (5120, 8192) in FP8_SHAPES and (5120, 1024) in FP8_SHAPES  # wo_b at tp 1 and 8
+    assert FP4_SHAPES == [(2304, 5120), (5120, 2304)]
+
+
+def lower(module, call, monkeypatch) -> str:
+    """Call `call` with module.block_gemm_kernel recorded instead of compiled, then lower what it was given
+    for sm_90a: -> the kernel's CUDA source."""
+    given = []
+    monkeypatch.setattr(module, "block_gemm_kernel", lambda *args, **kw: given.append((args, kw)))
+    call()
+    (args, kw), *_ = given
+    return cuda_source(block_gemm.block_gemm_kernel, *args, **kw)
+
+
+@pytest.mark.parametrize("tile", list(block_gemm.FP8_TILES), ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("n,k", FP8_SHAPES)
+def test_fp8_gemm_lowers_at_the_real_shapes(n, k, tile, monkeypatch):
+    source = lower(fp8_gemm, lambda: fp8_gemm.fp8_gemm_kernel(n, k, 32, True, tile), monkeypatch)
+    assert "wgmma" in source
+
+
+@pytest.mark.parametrize("tile", list(block_gemm.FP4_TILES), ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("n,k", FP4_SHAPES)
+def test_fp4_gemm_lowers_at_the_real_expert_shapes(n, k, tile, monkeypatch):
+    source = lower(fp4_gemm, lambda: fp4_gemm.fp4_gemm_kernel(n, k, 32, True, tile), monkeypatch)
+    assert "wgmma" in source
