@@ -1,12 +1,13 @@
 """The block gemm's tiles per wrapper (block_gemm.FP8_TILES, FP4_TILES) by rows: what pick_tile should take.
 
-For each N x K of fp4_route.NK and each row count of ROWS, times every tile as a raw launch of the
-wrapper's compiled kernels (`fp8_gemm.kernels(n, k, 32, True)`: e4m3 weights in 32 x 32 blocks;
-`fp4_gemm._kernels(n, k, 32, True)`: packed e2m1, the kernel fp4_gemm runs where the fp8 route is
-refused), e8m0 scales per 32-wide block as the model runs them, queued (fp4_route.queued_ms) and synced
-(bench_kernels.median_ms); then fp8_gemm itself (its pick). Checks that the tiles give the same bytes,
-prints each tile's CTA count and pick_tile's choice. pick_tile's rates are fits to this table's rows
-(docs/BENCHMARKS.md, "Gemms, 2026-12-02, session 10" and "session 13"); --extra-tiles times candidates.
+For each N x K of fp4_route.NK and each row count of ROWS, times every tile as a raw launch of the wrapper's
+kernel (`fp8_gemm.fp8_gemm_kernel(n, k, 32, True, tile)`: e4m3 weights in 32 x 32 blocks;
+`fp4_gemm.fp4_gemm_kernel(n, k, 32, True, tile)`: packed e2m1, the kernel fp4_gemm runs where the fp8 route
+is refused; all compiled at once before timing), e8m0 scales per 32-wide block as the model runs them,
+queued (fp4_route.queued_ms) and synced (bench_kernels.median_ms); then fp8_gemm itself (its pick). Checks
+that the tiles give the same bytes, prints each tile's CTA count and pick_tile's choice. pick_tile's rates
+are fits to this table's rows (docs/BENCHMARKS.md, "Gemms, 2026-12-02, session 10" and "session 13");
+--extra-tiles times candidates.
 
 Usage (on the GPU machine):  python bench/gemm_tiles.py [--json out.json] [--kinds fp8,fp4] [--extra-tiles 128x64x256]
 """
