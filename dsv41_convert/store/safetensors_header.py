@@ -190,6 +190,22 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "?") -> None:
         done += got
 
 
+def with_sorted_metadata(blob: bytes) -> bytes:
+    """A serialized safetensors file with its `__metadata__` keys sorted, everything else unchanged.
+
+    safetensors writes the metadata map in an order that changes from process to process (a hash map), so
+    the same tensors and metadata saved twice differ in bytes; sorted, they are the same file.
+    """
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    if meta is not None:
+        header = {"__metadata__": dict(sorted(meta.items())), **header}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + blob[8 + n :]
+
+
 def sort_key(name: str, dtype: str) -> tuple[int, str]:
     """save_file's order: dtype descending, then name bytewise (UTF-8 keeps code point order, so the str)."""
     return (-_RANK[dtype], name)

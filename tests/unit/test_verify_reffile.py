@@ -1,5 +1,9 @@
 """verify.reffile: the reference-logits file round-trips and rejects malformed files by name."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -33,6 +37,23 @@ def test_round_trip_with_prompts_of_different_lengths(tmp_path):
         for key in ("logits_all", "decode_ids", "decode_logits", "draft_logits", "last"):
             assert torch.equal(getattr(want, key), getattr(got, key)), key
         assert torch.equal(want.hidden["embed"], got.hidden["embed"])
+
+
+def test_saving_twice_in_two_processes_gives_the_same_bytes(tmp_path):
+    script = (
+        "import sys, torch;"
+        "from dsv41_convert.verify import reffile;"
+        "from dsv41_convert.verify.runner import ModelInput;"
+        "sys.path.insert(0, sys.argv[2]);"
+        "from test_verify_reffile import _run;"
+        "ref = reffile.Reference([ModelInput(torch.arange(5))], [_run(5)], ['a'], 96, 'fp8', 'cpu');"
+        "reffile.save(ref, sys.argv[1])"
+    )
+    here = str(Path(__file__).parent)
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / name), here], check=True)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_minimal_file_needs_only_ids_and_logits(tmp_path):
