@@ -4,8 +4,11 @@ goal 1: <= 1.0 CPU s per GB written with one worker; which write mode to make th
 
     python bench/bench_shard_cpu.py SRC WORK --old DIR [--tp 8] [--workers 1|N|auto] [--rounds 3] [--cold]
                                     [--export FORMAT]
+    python bench/bench_shard_cpu.py SRC WORK --chunk-mib 4,16 [...]
 
 --export FORMAT times `export SRC OUT --format FORMAT` instead of shard (the same writer).
+--chunk-mib LIST times this code only, in its default write mode, with each copy step of LIST (MiB; through
+bench/with_chunk.py) instead of the two codes and write modes.
 
 SRC: a published-format checkpoint (e.g. make-tiny --preset medium). Each round runs, in an order that
 rotates from round to round: cp -r SRC + sync, then every (code, write mode) pair, each into a fresh
@@ -59,18 +62,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path)
     ap.add_argument("work", type=Path)
-    ap.add_argument("--old", type=Path, required=True, help="another checkout (a folder holding dsv41_convert/)")
+    ap.add_argument("--old", type=Path, help="another checkout (a folder holding dsv41_convert/)")
+    ap.add_argument("--chunk-mib", help="copy steps to compare (MiB, comma-separated) instead of --old")
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--workers", default="1", help="a number, or auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="drop the source from the page cache before each run")
     ap.add_argument("--export", metavar="FORMAT", help="time export --format FORMAT instead of shard")
     a = ap.parse_args()
+    if (a.old is None) == (a.chunk_mib is None):
+        ap.error("give --old or --chunk-mib")
     a.work.mkdir(parents=True, exist_ok=True)
     out = a.work / "out"
     src_bytes = sum(p.stat().st_size for p in a.src.iterdir() if p.is_file())
-    codes = (("new", ROOT), ("old", a.old))
-    runs = [("cp", None, None)] + [(c, path, io) for c, path in codes for io in ("buffered", "--direct-io")]
+    if a.chunk_mib:
+        steps = [int(m) for m in a.chunk_mib.split(",")]
+        runs = [("cp", None, None)] + [(f"{mib} MiB", ROOT, mib) for mib in steps]
+    else:
+        codes = (("new", ROOT), ("old", a.old))
+        runs = [("cp", None, None)] + [(c, path, io) for c, path in codes for io in ("buffered", "--direct-io")]
     results: list[dict] = []
     manifests: dict[str, dict] = {}
     for r in range(a.rounds):
@@ -78,16 +88,19 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
             evict(a.src) if a.cold else warm(a.src)
-            label = f"{name} {io}" if code is not None else "cp"
+            label = f"{name} {io}" if code is not None and not a.chunk_mib else name
             if code is None:
                 m = measure(["sh", "-c", f"cp -r '{a.src}' '{out}' && sync"])
                 written = src_bytes
             else:
                 job = ["export", "--format", a.export] if a.export else ["shard", "--tp", str(a.tp)]
-                flags = _mode_flags(code, job[0], io)
+                flags = [] if a.chunk_mib else _mode_flags(code, job[0], io)
                 if flags is None:
                     continue
-                cmd = [*_cli(code), job[0], str(a.src), str(out), *job[1:], "--workers", a.workers]
+                cli = _cli(code)
+                if a.chunk_mib:  # io is the copy step here
+                    cli = [*cli[:-2], str(Path(__file__).with_name("with_chunk.py")), str(io)]
+                cmd = [*cli, job[0], str(a.src), str(out), *job[1:], "--workers", a.workers]
                 m = measure(cmd + flags)
                 written = _bytes(out)
                 manifests.setdefault(label, json.loads((out / "manifest.json").read_text())["files"])
@@ -101,7 +114,8 @@ def main() -> None:
     same = len({json.dumps(files, sort_keys=True) for files in manifests.values()}) == 1
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": platform.node(),
             "cpus": os.cpu_count(), "load": os.getloadavg(), "src_gb": round(src_bytes / 1e9, 3), "tp": a.tp,
-            "cold": a.cold, "workers": a.workers, "export": a.export, "same_rank_files_all_runs": same}  # fmt: skip
+            "cold": a.cold, "workers": a.workers, "export": a.export, "chunk_mib": a.chunk_mib,
+            "same_rank_files_all_runs": same}  # fmt: skip
     print(json.dumps(meta))
     print("| run | wall s (median) | user s | system s | CPU s per GB written | wall s per GB | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|")
