@@ -25,6 +25,22 @@ ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 NK = ((4096, 7168), (2304, 5120), (5120, 2304))
 
 
+def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random [n, k] bf16 weight on the GPU and its 32x32 fp8 encoding: -> (w, b, b_s)."""
+    from dsv41_convert.quant import fp8
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    return (w, *fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w"))
+
+
+def fp8_rows(m: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random activations [m, k] quantized as the model does (e4m3, e8m0 per 32): -> (a, a_s)."""
+    from dsv41_convert.quant import act
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    return act.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+
+
 def queued_ms(fn, reps=50, warm=3):
     """GPU time per call of `reps` calls queued back to back."""
     for _ in range(warm):
@@ -47,19 +63,16 @@ def main() -> None:
     from dsv41_convert.kernels import quant_ops
     from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm
-    from dsv41_convert.quant import act, fp8
 
     e8 = torch.float8_e8m0fnu
     rows = []
     for n, k in NK:
         g = torch.Generator(device="cuda").manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
-        b, b_s = fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+        w, b, b_s = fp8_weight(n, k, g)
         b4, b4_s = quant_ops.encode_mxfp4(w, 32, "w")
         t_cast = queued_ms(functools.partial(cast_unchecked, b4, b4_s))
         for m in ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-            a, a_s = act.act_quant(x, 32, "ue8m0", e8)
+            a, a_s = fp8_rows(m, k, g)
             flop = 2 * m * n * k
             one = torch.ones((), device="cuda")
             sm = functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)

@@ -23,7 +23,7 @@ import functools
 import json
 
 import torch
-from fp4_route import queued_ms
+from fp4_route import fp8_rows, fp8_weight, queued_ms
 
 ROWS = (128, 512, 1024, 2048, 4096)
 NK = ((4096, 7168), (2304, 5120), (5120, 2304), (7168, 2048))
@@ -35,73 +35,71 @@ def widen_rows(a: torch.Tensor, a_s: torch.Tensor, block: int = 32) -> torch.Ten
     return a.to(torch.bfloat16) * s
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json")
-    args = parser.parse_args()
+def against_ref(fn, want: torch.Tensor) -> dict:
+    """How fn()'s bf16 result differs from the reference's, and whether a second call gives its bytes again."""
+    got = fn()
+    return {
+        "max_abs": float((got.float() - want.float()).abs().max()),
+        "max_ref": float(want.float().abs().max()),
+        "bytes_differ": int((got.view(torch.int16) != want.view(torch.int16)).sum()),
+        "run_to_run_same": bool(torch.equal(got.view(torch.int16), fn().view(torch.int16))),
+    }
+
+
+def one_weight(n: int, k: int) -> list[dict]:
+    """Every ROWS count against one random [n, k] weight: the rates and the errors, printed and returned."""
     from dsv41_convert.kernels import ref
     from dsv41_convert.kernels.fp8_dequant import decode_fp8_blocks
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm
-    from dsv41_convert.quant import act, fp8
 
     e8 = torch.float8_e8m0fnu
-    rows = []
-    for n, k in NK:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
-        b, b_s = fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
-        b16 = decode_fp8_blocks(b, b_s)
-        for m in ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-            a, a_s = act.act_quant(x, 32, "ue8m0", e8)
-            a16 = widen_rows(a, a_s)
-            exact = bool(torch.equal(a16.float(), a.float() * a_s.float().repeat_interleave(32, dim=1)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    _, b, b_s = fp8_weight(n, k, g)
+    b16 = decode_fp8_blocks(b, b_s)
+    one = torch.ones((), device="cuda")
+    out = []
+    for m in ROWS:
+        a, a_s = fp8_rows(m, k, g)
+        a16 = widen_rows(a, a_s)
+        exact = bool(torch.equal(a16.float(), a.float() * a_s.float().repeat_interleave(32, dim=1)))
 
-            def route(cached: bool, a=a, a_s=a_s, b=b, b_s=b_s, b16=b16) -> torch.Tensor:
-                return torch.matmul(widen_rows(a, a_s), (b16 if cached else decode_fp8_blocks(b, b_s)).t())
+        def route(cached: bool, a=a, a_s=a_s) -> torch.Tensor:
+            return torch.matmul(widen_rows(a, a_s), (b16 if cached else decode_fp8_blocks(b, b_s)).t())
 
-            one = torch.ones((), device="cuda")
-            fns = {
-                "scaled_mm": functools.partial(
-                    torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
-                ),
-                "fp8_gemm": functools.partial(fp8_gemm, a, a_s, b, b_s, e8, 32),
-                "bf16_mm": functools.partial(torch.matmul, a16, b16.t()),
-                "route_cached": functools.partial(route, True),
-                "route": functools.partial(route, False),
-            }
-            want = ref.fp8_gemm(a, a_s, b, b_s, e8, 32)
-            errs = {}
-            for name in ("fp8_gemm", "route"):
-                got = fns[name]()
-                runs_same = bool(torch.equal(got.view(torch.int16), fns[name]().view(torch.int16)))
-                errs[name] = {
-                    "max_abs": float((got.float() - want.float()).abs().max()),
-                    "max_ref": float(want.float().abs().max()),
-                    "bytes_differ": int((got.view(torch.int16) != want.view(torch.int16)).sum()),
-                    "run_to_run_same": runs_same,
-                }
-            flop = 2 * m * n * k
-            rate = {name: flop / queued_ms(fn) / 1e9 for name, fn in fns.items()}
-            row = {"M": m, "N": n, "K": k, "widening_exact": exact, "tflops": rate, "vs_ref": errs}
-            rows.append(row)
-            print(
-                f"{m:5d}x{n}x{k}: "
-                + "  ".join(f"{name} {r:5.0f}" for name, r in rate.items())
-                + f"  | fp8_gemm/_scaled_mm {rate['fp8_gemm'] / rate['scaled_mm']:.0%}"
-                f" route/_scaled_mm {rate['route'] / rate['scaled_mm']:.0%}"
-                f" | exact widening {exact}; vs ref: "
-                + "; ".join(
-                    f"{nm} max {e['max_abs']:.3g} of {e['max_ref']:.3g}, {e['bytes_differ']} differ,"
-                    f" run-to-run same {e['run_to_run_same']}"
-                    for nm, e in errs.items()
-                ),
-                flush=True,
-            )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        fns = {
+            "scaled_mm": functools.partial(
+                torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+            ),
+            "fp8_gemm": functools.partial(fp8_gemm, a, a_s, b, b_s, e8, 32),
+            "bf16_mm": functools.partial(torch.matmul, a16, b16.t()),
+            "route_cached": functools.partial(route, True),
+            "route": functools.partial(route, False),
+        }
+        want = ref.fp8_gemm(a, a_s, b, b_s, e8, 32)
+        errs = {name: against_ref(fns[name], want) for name in ("fp8_gemm", "route")}
+        rate = {name: 2 * m * n * k / queued_ms(fn) / 1e9 for name, fn in fns.items()}
+        out.append({"M": m, "N": n, "K": k, "widening_exact": exact, "tflops": rate, "vs_ref": errs})
+        print(
+            f"{m:5d}x{n}x{k}: "
+            + "  ".join(f"{name} {r:5.0f}" for name, r in rate.items())
+            + f"  | fp8_gemm/_scaled_mm {rate['fp8_gemm'] / rate['scaled_mm']:.0%}"
+            f" route/_scaled_mm {rate['route'] / rate['scaled_mm']:.0%}"
+            f" | exact widening {exact}; vs ref: "
+            + "; ".join(
+                f"{nm} max {e['max_abs']:.3g} of {e['max_ref']:.3g}, {e['bytes_differ']} differ,"
+                f" run-to-run same {e['run_to_run_same']}"
+                for nm, e in errs.items()
+            ),
+            flush=True,
+        )
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = [row for n, k in NK for row in one_weight(n, k)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
