@@ -190,20 +190,28 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "?") -> None:
         done += got
 
 
-def with_sorted_metadata(blob: bytes) -> bytes:
-    """A serialized safetensors file with its `__metadata__` keys sorted, everything else unchanged.
+def sort_metadata(path: Path | str) -> None:
+    """Sort the `__metadata__` keys of the safetensors file at `path` in place, then fsync it.
 
     safetensors writes the metadata map in an order that changes from process to process (a hash map), so
-    the same tensors and metadata saved twice differ in bytes; sorted, they are the same file.
+    the same tensors and metadata saved twice differ in bytes; sorted, they are the same file. The header
+    is rewritten in its own bytes (the same entries in another order take the same room), the data is
+    not touched.
     """
-    n = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8 : 8 + n])
-    meta = header.pop("__metadata__", None)
-    if meta is not None:
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        meta = header.pop("__metadata__", None)
+        if meta is None:
+            return
         header = {"__metadata__": dict(sorted(meta.items())), **header}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + blob[8 + n :]
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n:
+            raise HeaderError(f"{path}: the sorted header needs {len(text)} bytes, the file has {n}")
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def sort_key(name: str, dtype: str) -> tuple[int, str]:

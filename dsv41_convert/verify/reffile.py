@@ -43,14 +43,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
-from safetensors.torch import save as save_bytes
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.store.manifest import atomic_write
-from dsv41_convert.store.safetensors_header import with_sorted_metadata
+from dsv41_convert.store.safetensors_header import sort_metadata
 from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
 FORMAT = "dsv41-reference-logits/1"
@@ -149,7 +147,10 @@ def save(ref: Reference, path: Path) -> None:
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, with_sorted_metadata(save_bytes({k: v.contiguous() for k, v in out.items()}, metadata=meta)))
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata=meta)
+    sort_metadata(tmp)  # the same run, the same file
+    tmp.replace(path)
 
 
 def hidden_dtype(module: str) -> torch.dtype:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load, save, save_file
 
 from dsv41_convert.errors import HeaderError
-from dsv41_convert.store.safetensors_header import build_header, read_header, with_sorted_metadata
+from dsv41_convert.store.safetensors_header import build_header, read_header, sort_metadata
 
 TORCH_TO_ST = {
     torch.float32: "F32",
@@ -111,30 +111,35 @@ def test_short_file(tmp_path):
         read_header(tmp_path / "s.safetensors")
 
 
-@pytest.mark.parametrize("metadata", [None, {"z": "1", "format": "f", "ä": "ü", "a": '["x"]', "m": ""}])
-def test_sorted_metadata_keeps_tensors_and_values(metadata):
+@pytest.mark.parametrize(
+    "metadata", [None, {"z": "1", "format": "f", "ä": "ü", "a": '["x"]', "m": "", "q": 'a"b\\c\n\x01'}]
+)
+def test_sorting_metadata_keeps_tensors_and_values(tmp_path, metadata):
     g = torch.Generator().manual_seed(3)
     tensors = {"w": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16()}
-    blob = save(tensors, metadata=metadata)
-    out = with_sorted_metadata(blob)
-    n = struct.unpack("<Q", out[:8])[0]
-    header = json.loads(out[8 : 8 + n])
-    assert n % 8 == 0 and out[8 + n :] == blob[8 + struct.unpack("<Q", blob[:8])[0] :]
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    before = path.read_bytes()
+    sort_metadata(path)
+    after = path.read_bytes()
+    n = struct.unpack("<Q", after[:8])[0]
+    header = json.loads(after[8 : 8 + n])
+    assert len(after) == len(before) and after[8 + n :] == before[8 + n :]
     assert list(header.get("__metadata__", {})) == sorted(metadata or {})
     assert header.get("__metadata__") == metadata
-    back = load(out)
+    back = load(after)
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
-    assert with_sorted_metadata(out) == out
+    sort_metadata(path)
+    assert path.read_bytes() == after
 
 
 def test_sorted_metadata_gives_one_file_from_many_processes(tmp_path):
     """safetensors itself orders the metadata by a per-process hash: three processes, three files."""
     script = (
-        "import sys, torch; from safetensors.torch import save;"
-        "from dsv41_convert.store.safetensors_header import with_sorted_metadata as w;"
-        "m = {k: str(i) for i, k in enumerate('abcdefgh')};"
-        "b = save({'t': torch.arange(4.0)}, metadata=m);"
-        "open(sys.argv[1], 'wb').write(b); open(sys.argv[2], 'wb').write(w(b))"
+        "import sys, shutil, torch; from safetensors.torch import save_file;"
+        "from dsv41_convert.store.safetensors_header import sort_metadata;"
+        "save_file({'t': torch.arange(4.0)}, sys.argv[1], metadata={k: str(i) for i, k in enumerate('abcdefgh')});"
+        "shutil.copy(sys.argv[1], sys.argv[2]); sort_metadata(sys.argv[2])"
     )
     for i in range(3):
         subprocess.run([sys.executable, "-c", script, tmp_path / f"raw{i}", tmp_path / f"sorted{i}"], check=True)
