@@ -62,7 +62,7 @@ def main() -> None:
     del tp1
     out = a.work / "ref.safetensors"
     cmd = ["dsv41-convert", "reference-logits", str(src), str(out), "--stream-layers", "--prompts", str(prompts),
-           "--decode-steps", str(a.decode_steps), "--json"]  # fmt: skip
+           "--decode-steps", str(a.decode_steps), "--overwrite", "--json"]  # fmt: skip
     wall, rss, stdout = timed(cmd)
     s = json.loads(stdout)
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")

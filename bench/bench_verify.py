@@ -53,14 +53,14 @@ def main() -> None:
     if not src.exists():
         subprocess.run([*CLI, "make-tiny", str(src), "--preset", a.preset, "--no-vision"], check=True)
     ref1 = a.root / "ref-tp1.safetensors"
-    t_ref1, _ = best(a.repeat, "reference-logits", str(src), str(ref1), *th)
+    t_ref1, _ = best(a.repeat, "reference-logits", str(src), str(ref1), "--overwrite", *th)
     rows = [f"| reference-logits --tp 1 | {t_ref1:.1f} s | |"]
     for tp in [int(x) for x in a.tps.split(",")]:
         out = a.root / f"mp{tp}"
         if not out.exists():
             subprocess.run([*CLI, "shard", str(src), str(out), "--tp", str(tp)], check=True, capture_output=True)
         ref_n = a.root / f"ref-tp{tp}.safetensors"
-        t_refn, _ = best(a.repeat, "reference-logits", str(src), str(ref_n), "--tp", str(tp), *th)
+        t_refn, _ = best(a.repeat, "reference-logits", str(src), str(ref_n), "--tp", str(tp), "--overwrite", *th)
         t_same, j_same = best(a.repeat, "verify", str(out), "--reference-logits", str(ref_n), *th)
         t_rep, j_rep = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), *th)
         t_src, j_src = best(a.repeat, "verify", str(out), "--reference", str(src), *th)

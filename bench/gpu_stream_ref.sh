@@ -29,10 +29,10 @@ step() {  # name limit cmd...: wall seconds, exit code and compile lines of one 
   python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__)"; } | tee "$out/steps.txt"
 step make 240 $cli make-tiny $w/med --preset medium --no-vision --seed 0 --json
 step plan 60 $cli plan $w/med --tp 1 --json
-step whole_cold 200 $cli reference-logits $w/med $w/whole.safetensors --device cuda --json
-step stream_a 90 $cli reference-logits $w/med $w/stream.safetensors --stream-layers --device cuda --json
-step whole_warm 90 $cli reference-logits $w/med $w/whole.safetensors --device cuda --json
-step stream_b 90 $cli reference-logits $w/med $w/stream.safetensors --stream-layers --device cuda --json
+step whole_cold 200 $cli reference-logits $w/med $w/whole.safetensors --device cuda --overwrite --json
+step stream_a 90 $cli reference-logits $w/med $w/stream.safetensors --stream-layers --device cuda --overwrite --json
+step whole_warm 90 $cli reference-logits $w/med $w/whole.safetensors --device cuda --overwrite --json
+step stream_b 90 $cli reference-logits $w/med $w/stream.safetensors --stream-layers --device cuda --overwrite --json
 python3 bench/gpu_stream_summary.py "$out" $w/whole.safetensors $w/stream.safetensors | tee "$out/summary.txt"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_streamed_cuda.py -rfE > "$out/tests.log" 2>&1
 tail -4 "$out/tests.log"

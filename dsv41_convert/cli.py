@@ -415,6 +415,7 @@ def reference_logits_cmd(
             "decode_ids, else the prompt's own tokens repeated), not greedy.",
         ),
     ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Compute reference logits from SRC on --tp ranks (one process each, every rank transforming only its
@@ -432,6 +433,7 @@ def reference_logits_cmd(
     import torch
 
     from dsv41_convert.config import load_model_args
+    from dsv41_convert.convert.execute import check_output_file
     from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads, torchrun_world
@@ -445,11 +447,13 @@ def reference_logits_cmd(
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
     timings = None
+    check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start (rank 0 of a torchrun launch, else this one),
     # so a second writer is refused before minutes of compute, and torchrun's ranks do not contend
     writes = torchrun_world() is None or os.environ.get("RANK") == "0"
     with hold(out.parent) if writes else contextlib.nullcontext():
+        check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
         if stream_layers:
             from dsv41_convert.verify.streamed import compute_streamed_reference
 

@@ -109,6 +109,18 @@ def check_output(src: Path, out: Path) -> None:
         raise OutputError(f"{out}: exists and is not a folder")
 
 
+def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
+    """An output file OUT must lie outside the source folder SRC, must not be a folder, and is replaced
+    only with --overwrite."""
+    src, out = src.resolve(), out.resolve()
+    if out.is_relative_to(src):
+        raise OutputError(f"{out}: the output file is inside the source folder {src}; choose another OUT")
+    if out.is_dir():
+        raise OutputError(f"{out}: is a folder; give the path of the file to write")
+    if out.exists() and not overwrite:
+        raise OutputError(f"{out}: exists; pass --overwrite to replace it")
+
+
 def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str] | None = None) -> None:
     """Unless --resume or --overwrite, OUT holds nothing but its lock and, for a share of the ranks
     (`others` given), what the other shares of this conversion write: `others` (their rank files and

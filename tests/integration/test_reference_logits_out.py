@@ -1,0 +1,66 @@
+"""`reference-logits SRC OUT`: OUT is replaced only with --overwrite, never written inside SRC, never a folder;
+each refusal exits 2 naming OUT before any compute and leaves everything as it was. The same run writes
+the same bytes (the metadata's key order is fixed: store.safetensors_header.sort_metadata)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_run import run_cli
+
+from dsv41_convert.verify import reffile
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    """The tiny preset as `make-tiny` writes it (a real tokenizer, so the default prompts)."""
+    out = tmp_path_factory.mktemp("src") / "src"
+    subprocess.run([sys.executable, "-m", "dsv41_convert.cli", "make-tiny", str(out)], check=True, capture_output=True)
+    return out
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"" for p in sorted(folder.rglob("*"))}
+
+
+def _compute_fails(*_args, **_kwargs):
+    raise AssertionError("the refusal must come before the compute")
+
+
+def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(src, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "ref.safetensors"
+    once = ("--decode-steps", "1")
+    assert run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), *once)[0] == 0
+    first = out.read_bytes()
+    with monkeypatch.context() as m:
+        m.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+        out.write_bytes(b"precious")
+        code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out))
+    assert code == 2 and f"error: {out.resolve()}: exists; pass --overwrite to replace it" in err
+    assert out.read_bytes() == b"precious"
+    code, _, _ = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), *once, "--overwrite")
+    assert code == 0 and out.read_bytes() == first  # and the same run, the same bytes
+    assert len(reffile.load(out, 128).runs) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors"]
+
+
+@pytest.mark.parametrize("where", ["ref.safetensors", "new/sub/ref.safetensors"])
+def test_out_inside_the_source_is_refused_and_nothing_is_created(src, where, monkeypatch, capsys):
+    before = _listing(src)
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+    out = src / where
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--overwrite")
+    assert code == 2 and f"error: {out.resolve()}: the output file is inside the source folder" in err
+    assert _listing(src) == before
+
+
+def test_out_that_is_a_folder_is_refused(src, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "refs"
+    out.mkdir()
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--overwrite")
+    assert code == 2 and f"error: {out.resolve()}: is a folder" in err
+    assert list(out.iterdir()) == []
