@@ -53,7 +53,8 @@ def test_out_inside_the_source_is_refused_and_nothing_is_created(src, where, mon
     monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
     out = src / where
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--overwrite")
-    assert code == 2 and f"error: {out.resolve()}: the output file is inside the source folder" in err
+    said = f"error: {out.resolve()}: the output file is the source folder {src.resolve()} or inside it"
+    assert code == 2 and said in err
     assert _listing(src) == before
 
 
