@@ -191,7 +191,8 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "?") -> None:
 
 
 def sort_metadata(path: Path | str) -> None:
-    """Sort the `__metadata__` keys of the safetensors file at `path` in place, then fsync it.
+    """Sort the `__metadata__` keys of the safetensors file at `path` in place, then fsync it (a file without
+    metadata is left as it is).
 
     safetensors writes the metadata map in an order that changes from process to process (a hash map), so
     the same tensors and metadata saved twice differ in bytes; sorted, they are the same file. The header
