@@ -75,31 +75,31 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     out = a.work / "out"
     src_bytes = sum(p.stat().st_size for p in a.src.iterdir() if p.is_file())
+    # (label, checkout, write mode, copy step in MiB): a checkout's write modes, or this code's copy steps
     if a.chunk_mib:
-        steps = [int(m) for m in a.chunk_mib.split(",")]
-        runs = [("cp", None, None)] + [(f"{mib} MiB", ROOT, mib) for mib in steps]
+        runs = [("cp", None, None, None)] + [(f"{m} MiB", ROOT, None, int(m)) for m in a.chunk_mib.split(",")]
     else:
         codes = (("new", ROOT), ("old", a.old))
-        runs = [("cp", None, None)] + [(c, path, io) for c, path in codes for io in ("buffered", "--direct-io")]
+        modes = ("buffered", "--direct-io")
+        runs = [("cp", None, None, None)] + [(f"{c} {io}", path, io, None) for c, path in codes for io in modes]
     results: list[dict] = []
     manifests: dict[str, dict] = {}
     for r in range(a.rounds):
-        for name, code, io in runs[r % len(runs) :] + runs[: r % len(runs)]:
+        for label, code, io, mib in runs[r % len(runs) :] + runs[: r % len(runs)]:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
             evict(a.src) if a.cold else warm(a.src)
-            label = f"{name} {io}" if code is not None and not a.chunk_mib else name
             if code is None:
                 m = measure(["sh", "-c", f"cp -r '{a.src}' '{out}' && sync"])
                 written = src_bytes
             else:
                 job = ["export", "--format", a.export] if a.export else ["shard", "--tp", str(a.tp)]
-                flags = [] if a.chunk_mib else _mode_flags(code, job[0], io)
+                flags = [] if mib else _mode_flags(code, job[0], io)
                 if flags is None:
                     continue
                 cli = _cli(code)
-                if a.chunk_mib:  # io is the copy step here
-                    cli = [*cli[:-2], str(Path(__file__).with_name("with_chunk.py")), str(io)]
+                if mib:  # the CLI's module swapped for the script that sets the step first
+                    cli = [*cli[:-2], str(Path(__file__).with_name("with_chunk.py")), str(mib)]
                 cmd = [*cli, job[0], str(a.src), str(out), *job[1:], "--workers", a.workers]
                 m = measure(cmd + flags)
                 written = _bytes(out)
