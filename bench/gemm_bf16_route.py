@@ -11,6 +11,8 @@ process per shape:
   bf16_mm       torch.matmul of the operands already widened (the route's ceiling)
   route_cached  widen a, matmul with b widened once (a weight kept in bf16: twice the bytes)
   route         widen a and b, matmul (nothing kept)
+  fused_cached  widen a with the package's dequant kernel (kernels/fp8_dequant.py, 1 x 32 blocks), b kept
+  fused         widen a and b with that kernel, matmul
 
 and the error of fp8_gemm and of the route against kernels/ref.py (max |diff| and how many outputs differ
 from the reference's bf16 bytes). Queued TFLOP/s (50 calls between two CUDA events).
@@ -62,9 +64,13 @@ def one_weight(n: int, k: int) -> list[dict]:
         a, a_s = fp8_rows(m, k, g)
         a16 = widen_rows(a, a_s)
         exact = bool(torch.equal(a16.float(), a.float() * a_s.float().repeat_interleave(32, dim=1)))
+        exact = exact and bool(torch.equal(decode_fp8_blocks(a, a_s, (1, 32)), a16))
 
         def route(cached: bool, a=a, a_s=a_s) -> torch.Tensor:
             return torch.matmul(widen_rows(a, a_s), (b16 if cached else decode_fp8_blocks(b, b_s)).t())
+
+        def fused(cached: bool, a=a, a_s=a_s) -> torch.Tensor:
+            return torch.matmul(decode_fp8_blocks(a, a_s, (1, 32)), (b16 if cached else decode_fp8_blocks(b, b_s)).t())
 
         fns = {
             "scaled_mm": functools.partial(
@@ -74,9 +80,11 @@ def one_weight(n: int, k: int) -> list[dict]:
             "bf16_mm": functools.partial(torch.matmul, a16, b16.t()),
             "route_cached": functools.partial(route, True),
             "route": functools.partial(route, False),
+            "fused_cached": functools.partial(fused, True),
+            "fused": functools.partial(fused, False),
         }
         want = ref.fp8_gemm(a, a_s, b, b_s, e8, 32)
-        errs = {name: against_ref(fns[name], want) for name in ("fp8_gemm", "route")}
+        errs = {name: against_ref(fns[name], want) for name in ("fp8_gemm", "route", "fused")}
         rate = {name: 2 * m * n * k / queued_ms(fn) / 1e9 for name, fn in fns.items()}
         out.append({"M": m, "N": n, "K": k, "widening_exact": exact, "tflops": rate, "vs_ref": errs})
         print(

@@ -46,6 +46,18 @@ VARIANTS = (
     ("fp8 128x128 tma lut", False, (128, 128, 256), 4, {}),
     ("fp8 128x128 tma s3 lut", False, (128, 128, 256), 3, {}),
     ("fp8 128x64 tma d4 lut", False, (128, 64, 256), 4, {"depth": 4}),
+    # session 15: 256 K columns per stage (two 128-column copies an operand: half the stage ends), and the
+    # second consumer warpgroup started later (stagger, ns), so its promotions meet the first's matmuls
+    ("fp8 128x128 k256 s2 lut", False, (128, 128, 256), 2, {"k_tile": 256}),
+    ("fp8 128x128 stagger300 lut", False, (128, 128, 256), 4, {"stagger": 300}),
+    ("fp8 128x128 stagger600 lut", False, (128, 128, 256), 4, {"stagger": 600}),
+    ("fp8 128x128 k256 s2 stagger600 lut", False, (128, 128, 256), 2, {"k_tile": 256, "stagger": 600}),
+    ("fp8 128x128 stagger1000 lut", False, (128, 128, 256), 4, {"stagger": 1000}),
+    ("fp8 128x128 k256 s2 stagger1000 lut", False, (128, 128, 256), 2, {"k_tile": 256, "stagger": 1000}),
+    ("fp8 128x128 k256 s2 stagger1500 lut", False, (128, 128, 256), 2, {"k_tile": 256, "stagger": 1500}),
+    ("fp8 64x128 k256 s2 lut", False, (64, 128, 128), 2, {"k_tile": 256}),
+    ("fp8 64x128 k256 s3 lut", False, (64, 128, 128), 3, {"k_tile": 256}),
+    ("fp8 64x64 k256 s3 d3 lut", False, (64, 64, 128), 3, {"k_tile": 256, "depth": 3}),
     ("fp4 old 64x64/2wg", True, (64, 64, 256), 3, OLD),
     ("fp4 old 128x128", True, (128, 128, 256), 3, OLD),
     ("fp4 64x64/2wg tma", True, (64, 64, 256), 3, NO_LUT),
@@ -98,7 +110,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", default="", help="comma-separated substrings of variant names")
+    parser.add_argument("--no-wrappers", action="store_true", help="time the variants only")
+    parser.add_argument("--rows", default="", help="comma-separated M values (default: bench_kernels.GEMM_SHAPES)")
     args = parser.parse_args()
+    shapes = [(int(m), N, K) for m in args.rows.split(",")] if args.rows else GEMM_SHAPES
     wanted = [v for v in VARIANTS if not args.only or any(s in v[0] for s in args.only.split(","))]
     with cf.ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
         failed = dict((name, err) for name, err in pool.map(_compile, wanted) if err)
@@ -112,7 +127,7 @@ def main():
 
     u8, e8 = torch.uint8, torch.float8_e8m0fnu
     rows = []
-    for m, n, k in GEMM_SHAPES:
+    for m, n, k in shapes:
         assert (n, k) == (N, K)
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -152,7 +167,7 @@ def main():
             ref = first.setdefault(fp4, outs[0])
             record(name, t, bool(torch.equal(outs[0], ref)), bool(torch.equal(outs[0], outs[1])))
         # the wrappers: previous per-call path, current one, and the raw launch of the tile they pick
-        for fp4 in (False, True):
+        for fp4 in () if args.no_wrappers else (False, True):
             bb, bs = (b4, b4_s) if fp4 else (b, b_s)
             tiles = FP4_TILES if fp4 else FP8_TILES
             tile = pick_tile(m, n, a.device, tiles)
