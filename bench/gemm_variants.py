@@ -7,7 +7,8 @@ scales every variant computes the same bytes) and with its own second run. Then 
 previous one (checks, views and TileLang's call per call, `old_wrapper`), the current fp8_gemm /
 fp4_gemm, and their kernels' raw launches.
 
-Usage (on the GPU machine):  python bench/gemm_variants.py [--json out.json] [--only SUBSTR,...]
+Usage (on the GPU machine):  python bench/gemm_variants.py [--json out.json] [--only SUBSTR,...] [--rows M,...]
+                             [--no-wrappers]
 """
 
 import argparse
@@ -46,18 +47,6 @@ VARIANTS = (
     ("fp8 128x128 tma lut", False, (128, 128, 256), 4, {}),
     ("fp8 128x128 tma s3 lut", False, (128, 128, 256), 3, {}),
     ("fp8 128x64 tma d4 lut", False, (128, 64, 256), 4, {"depth": 4}),
-    # session 15: 256 K columns per stage (two 128-column copies an operand: half the stage ends), and the
-    # second consumer warpgroup started later (stagger, ns), so its promotions meet the first's matmuls
-    ("fp8 128x128 k256 s2 lut", False, (128, 128, 256), 2, {"k_tile": 256}),
-    ("fp8 128x128 stagger300 lut", False, (128, 128, 256), 4, {"stagger": 300}),
-    ("fp8 128x128 stagger600 lut", False, (128, 128, 256), 4, {"stagger": 600}),
-    ("fp8 128x128 k256 s2 stagger600 lut", False, (128, 128, 256), 2, {"k_tile": 256, "stagger": 600}),
-    ("fp8 128x128 stagger1000 lut", False, (128, 128, 256), 4, {"stagger": 1000}),
-    ("fp8 128x128 k256 s2 stagger1000 lut", False, (128, 128, 256), 2, {"k_tile": 256, "stagger": 1000}),
-    ("fp8 128x128 k256 s2 stagger1500 lut", False, (128, 128, 256), 2, {"k_tile": 256, "stagger": 1500}),
-    ("fp8 64x128 k256 s2 lut", False, (64, 128, 128), 2, {"k_tile": 256}),
-    ("fp8 64x128 k256 s3 lut", False, (64, 128, 128), 3, {"k_tile": 256}),
-    ("fp8 64x64 k256 s3 d3 lut", False, (64, 64, 128), 3, {"k_tile": 256, "depth": 3}),
     ("fp4 old 64x64/2wg", True, (64, 64, 256), 3, OLD),
     ("fp4 old 128x128", True, (128, 128, 256), 3, OLD),
     ("fp4 64x64/2wg tma", True, (64, 64, 256), 3, NO_LUT),

@@ -66,7 +66,6 @@ FP8_TILES = {(64, 64, 128): 210, (64, 128, 128): 370, (128, 128, 256): 480}
 FP4_TILES = {(64, 64, 256): 70, (128, 128, 256): 144}
 SMEM_BYTES = 200 * 1024  # shared memory for the pipeline and the hoisted scales, at most (Hopper: 227 KiB a CTA)
 K_TILE = 128  # K columns per pipeline stage
-TMA_COPY_K = 128  # K columns of one operand copy, at most (a wider one fails in TileLang 0.1.15's lowering)
 TMA_BOX = 256  # elements a side of one tensor-map copy, at most (Hopper)
 E2M1_E4M3_TABLE = (0x3C383000, 0x4C484440)  # e4m3 bytes of the e2m1 magnitudes 0..7, little-endian
 
@@ -167,7 +166,6 @@ def block_gemm_kernel(
     depth: int = 2,
     scale_tma: bool = True,
     scale_lut: bool = True,
-    stagger: int = 0,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
@@ -194,9 +192,6 @@ def block_gemm_kernel(
     b_cols = kt // 2 if fp4 else kt  # bytes of a weight row per stage
 
     ka = k // a_block  # activation scale columns
-    # a stage wider than one TMA_COPY_K-column copy goes in parts, one shared tile each (fp8 only)
-    parts = kt // TMA_COPY_K if kt > TMA_COPY_K and not fp4 and kt % TMA_COPY_K == 0 else 1
-    part_k = kt // parts
     regs = bm * bn // threads  # float32 registers of one partial tile per thread
     # each warpgroup takes whole rows of C where it can (one 64 x bn wgmma per K block); the default
     # square split gave each of two warpgroups 128 x bn/2 (two wgmmas, each re-reading the B tile)
@@ -249,14 +244,8 @@ def block_gemm_kernel(
         c: T.Tensor[(m, n), BF16],
     ):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
-            if parts == 1:
-                a_sh = T.alloc_shared((bm, kt), E4M3)
-                bin_sh = T.alloc_shared((bn, b_cols), U8 if fp4 else E4M3)
-                a_parts, bin_parts = [a_sh], [bin_sh]
-            else:
-                a_parts = [T.alloc_shared((bm, part_k), E4M3) for _ in range(parts)]
-                bin_parts = [T.alloc_shared((bn, part_k), E4M3) for _ in range(parts)]
-                a_sh, bin_sh = a_parts[-1], bin_parts[-1]
+            a_sh = T.alloc_shared((bm, kt), E4M3)
+            bin_sh = T.alloc_shared((bn, b_cols), U8 if fp4 else E4M3)
             b8_sh = T.alloc_shared((bn, kt), U8)
             b_sh = T.view(b8_sh, dtype=E4M3) if fp4 else bin_sh  # the tile the tensor cores read
             blk = [T.alloc_fragment((bm, bn), F32) for _ in range(depth)]
@@ -288,23 +277,15 @@ def block_gemm_kernel(
 
             T.clear(c_acc)
             for kt_i in T.Pipelined(kb // subs, num_stages=stages):
-                for p in tuple(range(parts)):
-                    T.copy(a[by * bm, kt_i * kt + p * part_k], a_parts[p])
-                    T.copy(b[bx * bn, kt_i * b_cols + p * part_k], bin_parts[p])
+                T.copy(a[by * bm, kt_i * kt], a_sh)
+                T.copy(b[bx * bn, kt_i * b_cols], bin_sh)
                 if fp4:
                     for j, v in T.Parallel(bn, kt):
                         # decode_fp4_pairs(b), as e4m3 bytes (exact)
                         b8_sh[j, v] = e2m1_e4m3_byte((bin_sh[j, v // 2] >> T.uint8(4 * (v % 2))) & T.uint8(15))
                 for s in tuple(range(subs)):
-                    p = s * k_block // part_k
-                    cols = slice(s * k_block - p * part_k, (s + 1) * k_block - p * part_k)
-                    if parts > 1:
-                        a_sh, b_sh = a_parts[p], bin_parts[p]
+                    cols = slice(s * k_block, (s + 1) * k_block)
                     # partial = a[:, cols] @ b[:, cols].T, float32 from zero
-                    if stagger and s == 0:
-                        if kt_i == 0:
-                            if T.get_thread_binding(0) >= 128:
-                                T.call_extern("handle", "__nanosleep", T.uint32(stagger))
                     if pingpong:
                         T.wgmma_gemm(
                             a_sh[:, cols], b_sh[:, cols], blk[s % depth], False, True, policy, clear_accum=True
