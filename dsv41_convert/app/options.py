@@ -55,8 +55,9 @@ WorkersOpt = Annotated[
     typer.Option(
         "--workers",
         parser=parse_workers,
-        help="Local worker processes (one rank file each), or auto: a quarter of the cores, within memory "
-        "and the number of rank files (1 with --device cuda).",
+        help="Local worker processes (one rank file each), or auto: a quarter of the cores but at least 4 "
+        "(half but at least 2 where most bytes are computed), within memory and the number of rank files "
+        "(1 with --device cuda).",
     ),
 ]
 RanksOpt = Annotated[str | None, typer.Option("--ranks", help="Only these output ranks, e.g. 0,3 (default: all).")]

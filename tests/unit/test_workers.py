@@ -1,6 +1,6 @@
-"""--workers auto: a quarter of the cores (half where most output bytes are computed), within half the
-available memory (1 GiB a worker) and the number of rank files, one with --device cuda; bad values are usage
-errors (exit 2), never a traceback."""
+"""--workers auto: a quarter of the cores but four on two or more (half the cores but two where most output
+bytes are computed), within half the available memory (1 GiB a worker) and the number of rank files, one
+with --device cuda; bad values are usage errors (exit 2), never a traceback."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ GIB = 1 << 30
     ("files", "device", "cores", "memory", "want"),
     [
         (8, "cpu", 16, 100 * GIB, 4),  # a quarter of the cores (measured best on the 16-core host)
-        (8, "cpu", 2, 20 * GIB, 2),  # the 2-core dev box: two workers overlap each other's waits
-        (8, "cpu", 6, 20 * GIB, 2),
+        (8, "cpu", 2, 20 * GIB, 4),  # the 2-core dev box: four workers fill each other's waits
+        (8, "cpu", 6, 20 * GIB, 4),
+        (8, "cpu", 20, 100 * GIB, 5),  # past 16 cores a quarter again
+        (3, "cpu", 2, 20 * GIB, 3),  # no more workers than rank files
         (8, "cpu", 1, 20 * GIB, 1),  # one core: one worker
         (8, "cpu", 2, 3 * WORKER_RSS, 1),  # memory still bounds it
         (8, "cpu", 64, 100 * GIB, 8),  # no more workers than rank files
@@ -42,11 +44,13 @@ def test_auto_workers(files, device, cores, memory, want):
 
 
 @pytest.mark.parametrize(
-    ("share", "want"),
-    [(0.0, 4), (0.5, 4), (0.51, 8), (1.0, 8)],  # 16 cores, 13 files: a quarter, or half where most is computed
-)
-def test_auto_workers_where_most_bytes_are_computed(share, want):
+    ("share", "want", "want_2_cores"),
+    [(0.0, 4, 4), (0.5, 4, 4), (0.51, 8, 2), (1.0, 8, 2)],  # 13 files: 16 cores give a quarter, or half where
+)  # most is computed; 2 cores give the floor: four where most is copied, two where most is computed
+def test_auto_workers_where_most_bytes_are_computed(share, want, want_2_cores):
     assert auto_workers(13, "cpu", cores=16, memory=100 * GIB, computed_share=share) == want
+    assert auto_workers(13, "cpu", cores=2, memory=100 * GIB, computed_share=share) == want_2_cores
+    assert auto_workers(13, "cpu", cores=1, memory=100 * GIB, computed_share=share) == 1
     assert auto_workers(13, "cuda", cores=16, memory=100 * GIB, computed_share=share) == 1
     assert auto_workers(13, "cpu", cores=16, memory=5 * WORKER_RSS, computed_share=share) == 2
 
