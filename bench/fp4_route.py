@@ -33,6 +33,14 @@ def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
     return (w, *fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w"))
 
 
+def fp8_and_fp4_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One random [n, k] weight as 32x32 fp8 and as MXFP4 (packed, e8m0 per 32): -> (b, b_s, b4, b4_s)."""
+    from dsv41_convert.kernels import quant_ops
+
+    w, b, b_s = fp8_weight(n, k, g)
+    return (b, b_s, *quant_ops.encode_mxfp4(w, 32, "w"))
+
+
 def fp8_rows(m: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random activations [m, k] quantized as the model does (e4m3, e8m0 per 32): -> (a, a_s)."""
     from dsv41_convert.quant import act
@@ -60,7 +68,6 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     from dsv41_convert.kernels import fp4_gemm as fp4_mod
-    from dsv41_convert.kernels import quant_ops
     from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm
 
@@ -68,8 +75,7 @@ def main() -> None:
     rows = []
     for n, k in NK:
         g = torch.Generator(device="cuda").manual_seed(0)
-        w, b, b_s = fp8_weight(n, k, g)
-        b4, b4_s = quant_ops.encode_mxfp4(w, 32, "w")
+        b, b_s, b4, b4_s = fp8_and_fp4_weight(n, k, g)
         t_cast = queued_ms(functools.partial(cast_unchecked, b4, b4_s))
         for m in ROWS:
             a, a_s = fp8_rows(m, k, g)

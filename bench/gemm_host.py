@@ -21,7 +21,7 @@ import json
 import time
 
 import torch
-from fp4_route import NK, fp8_rows, fp8_weight, queued_ms
+from fp4_route import NK, fp8_and_fp4_weight, fp8_rows, queued_ms
 
 ROWS = (16, 64, 128, 256)
 CALLS = 200
@@ -46,7 +46,6 @@ def main() -> None:
     args = parser.parse_args()
     from dsv41_convert.kernels import fp4_gemm as fp4_mod
     from dsv41_convert.kernels import fp8_gemm as fp8_mod
-    from dsv41_convert.kernels import quant_ops
     from dsv41_convert.kernels.block_gemm import FP8_TILES, launcher, pick_tile
     from dsv41_convert.kernels.fp4_to_fp8 import cast_into
 
@@ -54,8 +53,7 @@ def main() -> None:
     out = []
     for n, k in NK:
         g = torch.Generator(device="cuda").manual_seed(0)
-        w, b, b_s = fp8_weight(n, k, g)
-        b4, b4_s = quant_ops.encode_mxfp4(w, 32, "w")
+        b, b_s, b4, b4_s = fp8_and_fp4_weight(n, k, g)
         for m in ROWS:
             a, a_s = fp8_rows(m, k, g)
             fp4_mod.fp4_gemm(a, a_s, b4, b4_s, e8, 32)  # the weight becomes known to the route
