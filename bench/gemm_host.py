@@ -9,7 +9,7 @@ For each N x K of fp4_route.NK and each of ROWS rows, per call of:
   fp8 raw      the raw launch of the fp8 kernel fp8_gemm picks
 
 "host us": the time the host takes to issue one call while the GPU is held busy (`torch.cuda._sleep`), so
-nothing waits on the GPU; "queued us": GPU time per call of 50 calls queued back to back (fp4_route.queued_ms).
+nothing waits on the GPU; "queued us": GPU time per call of CALLS calls queued back to back (fp4_route.queued_ms).
 Where host us >= queued us the host paces the call.
 
 Usage (on the GPU machine):  python bench/gemm_host.py [--json out.json]

@@ -100,18 +100,18 @@ def disk_free(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _outside_source(src: Path, out: Path, what: str) -> tuple[Path, Path]:
+def _outside_source(src: Path, out: Path, what: str) -> Path:
     """Nothing is written into the source: OUT (`what`: "folder" or "file") must not be SRC or inside it.
-    -> (src, out) resolved"""
+    -> out resolved"""
     src, out = src.resolve(), out.resolve()
     if out.is_relative_to(src):  # SRC itself included
         raise OutputError(f"{out}: the output {what} is the source folder {src} or inside it; choose another OUT")
-    return src, out
+    return out
 
 
 def check_output(src: Path, out: Path) -> None:
     """OUT must not be SRC or inside it, and must be a folder if it exists."""
-    _, out = _outside_source(src, out, "folder")
+    out = _outside_source(src, out, "folder")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
 
@@ -119,7 +119,7 @@ def check_output(src: Path, out: Path) -> None:
 def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
     """An output file OUT must lie outside the source folder SRC, must not be a folder, and is replaced
     only with --overwrite."""
-    _, out = _outside_source(src, out, "file")
+    out = _outside_source(src, out, "file")
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give the path of the file to write")
     if out.exists() and not overwrite:
