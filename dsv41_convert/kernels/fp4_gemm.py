@@ -111,9 +111,22 @@ def _launch(a_shape, a_s_shape, b_shape, b_s_shape, a_dtype, s_dtype, b_dtype, b
     return run, launcher(fp8[pick_tile(m, n, device, FP8_TILES)]), m, n, e8m0
 
 
-_routes: dict[int, tuple] = {}  # id(weight) -> (weakref(weight), weakref(scale), their state, the weight's
-# and scale's bytes (uint8 views) where it goes as fp8 and both are contiguous, () where it goes as fp8 and
-# is not, None where it stays on the fp4 kernel)
+_routes: dict[int, tuple] = {}  # id(weight) -> (weakref(weight), weakref(scale), their state, the route:
+# a _Cast where it goes as fp8 through its shape's workspace, AS_FP8_ELSEWHERE where it goes as fp8 into new
+# tensors (not contiguous), None where it stays on the fp4 kernel)
+AS_FP8_ELSEWHERE = ()
+
+
+@dataclass(frozen=True)
+class _Cast:
+    """A known weight's cast into the workspace of its shape, bound once: the current stream is checked
+    against `stream` (the workspace's) and `args` go to cast_into as they are."""
+
+    device: torch.device
+    stream: int
+    args: tuple  # (weight bytes uint8 [N, K/2], scale bytes uint8 [N, K/32], w8_bytes, s8, lossy counter)
+    w8: Tensor
+    s8: Tensor
 
 
 def _route_as_fp8(b: Tensor, b_s: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -123,30 +136,36 @@ def _route_as_fp8(b: Tensor, b_s: Tensor) -> tuple[Tensor, Tensor] | None:
     That is asked of the GPU (a wait) the first time this weight tensor comes, and again whenever it,
     its scale, their storage or their version counters (an in-place change) differ. A known weight is
     cast into the workspace of its shape (`_workspace`) when the current stream is the workspace's: no
-    allocation, no checks, one raw launch (at few rows the host's time per call is the GEMM's pace).
+    allocation, no checks, one raw launch with arguments bound when it was asked (at few rows the host's
+    time per call is the GEMM's pace).
     """
     state = (b.data_ptr(), b_s.data_ptr(), _version(b), _version(b_s))
     known = _routes.get(id(b))
     if known is not None and known[0]() is b and known[1]() is b_s and known[2] == state:
-        raw = known[3]
-        if raw is None:
+        route = known[3]
+        if route is None:
             return None
-        ws = _workspace(b.size(0), 2 * b.size(1), b.device) if raw else None
-        if ws is not None and ws.stream == _current_stream(b.device):
-            cast_into(raw[0], raw[1], ws.w8_bytes, ws.s8, _untold(b.device))
-            return ws.w8, ws.s8
+        if route is not AS_FP8_ELSEWHERE and route.stream == _current_stream(route.device):
+            cast_into(*route.args)
+            return route.w8, route.s8
         w8, s8, _ = cast_unchecked(b, b_s, _untold(b.device))
         return w8, s8.view(torch.uint8)
     w8, s8, lossy = cast_unchecked(b, b_s)
     u = w8.view(torch.uint8)
     subnormal = ((u & 0x78) == 0) & ((u & 7) != 0)
-    as_fp8 = not int(lossy.item()) and not bool(subnormal.any())
-    raw = None
-    if as_fp8:
-        raw = (b.view(torch.uint8), b_s.view(torch.uint8)) if b.is_contiguous() and b_s.is_contiguous() else ()
+    route = None
+    if not int(lossy.item()) and not bool(subnormal.any()):
+        route = _bind_cast(b, b_s) if b.is_contiguous() and b_s.is_contiguous() else AS_FP8_ELSEWHERE
     key = id(b)
-    _routes[key] = (weakref.ref(b, lambda _: _routes.pop(key, None)), weakref.ref(b_s), state, raw)
-    return (w8, s8.view(torch.uint8)) if as_fp8 else None
+    _routes[key] = (weakref.ref(b, lambda _: _routes.pop(key, None)), weakref.ref(b_s), state, route)
+    return None if route is None else (w8, s8.view(torch.uint8))
+
+
+def _bind_cast(b: Tensor, b_s: Tensor) -> _Cast:
+    """The cast of the contiguous weight b (packed [N, K/2]) into its shape's workspace, as a _Cast."""
+    ws = _workspace(b.size(0), 2 * b.size(1), b.device)
+    args = (b.view(torch.uint8), b_s.view(torch.uint8), ws.w8_bytes, ws.s8, _untold(b.device))
+    return _Cast(b.device, ws.stream, args, ws.w8, ws.s8)
 
 
 @dataclass
@@ -178,7 +197,14 @@ def _workspace(n: int, k: int, device: torch.device) -> Workspace:
 
 
 def _current_stream(device: torch.device) -> int:
+    """The handle of the current stream on `device` (torch.cuda.current_stream(device).cuda_stream, read
+    without making a Stream object where torch offers that)."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _version(t: Tensor) -> int | None:

@@ -302,3 +302,17 @@ def test_fp4_gemm_workspace_shared_by_queued_calls(monkeypatch):
         assert torch.equal(c.view(torch.uint16), want[i % 2].view(torch.uint16)), f"call {i}"
     ws = mod._workspaces[(n, k, a.device)]
     assert ws.stream == torch.cuda.current_stream().cuda_stream
+
+
+def test_fp4_gemm_reads_the_current_stream_as_torch_names_it():
+    """The route's stream check (a raw handle, no Stream object) names the stream torch.cuda.current_stream
+    does, on the default stream and inside `with torch.cuda.stream(side)`; the two differ."""
+    from dsv41_convert.kernels import fp4_gemm as mod
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    main = mod._current_stream(dev)
+    assert main == torch.cuda.current_stream(dev).cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert mod._current_stream(dev) == side.cuda_stream == torch.cuda.current_stream(dev).cuda_stream
+    assert side.cuda_stream != main

@@ -1,0 +1,88 @@
+"""Host time of the pieces of a few-row fp8_gemm / fp4_gemm call (issue 19 goal 2): what the wrappers spend
+in Python and torch besides the raw launches, per piece, at one expert shape (16 x 2304 x 5120).
+
+Each piece runs REPS times in a loop (QUEUED times where it queues GPU work: the wrappers, the raw
+launches; those run while the GPU sleeps, `torch.cuda._sleep`, as in gemm_host.py); us per call.
+
+Usage (on the GPU machine):  python bench/wrapper_parts.py [--json out.json]
+"""
+
+import argparse
+import functools
+import json
+import time
+
+import torch
+from fp4_route import fp8_and_fp4_weight, fp8_rows
+
+REPS = 2000  # calls per piece that queues nothing
+QUEUED = 200  # calls per piece that queues GPU work (the launch queue is not filled)
+M, N, K = 16, 2304, 5120
+
+
+def per_call_us(fn, sleep: bool) -> float:
+    fn()
+    torch.cuda.synchronize()
+    reps = QUEUED if sleep else REPS
+    if sleep:
+        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU cycles: longer than the loop takes to issue
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    us = (time.perf_counter() - t0) / reps * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    from dsv41_convert.kernels import fp4_gemm as fp4_mod
+    from dsv41_convert.kernels import fp8_gemm as fp8_mod
+    from dsv41_convert.kernels.block_gemm import FP8_TILES, dense, launcher, pick_tile
+
+    e8, u8 = torch.float8_e8m0fnu, torch.uint8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, b_s, b4, b4_s = fp8_and_fp4_weight(N, K, g)
+    a, a_s = fp8_rows(M, K, g)
+    dev = a.device
+    fp4_mod.fp4_gemm(a, a_s, b4, b4_s, e8, 32)  # the weight becomes known to the route
+    fp8_mod.fp8_gemm(a, a_s, b, b_s, e8, 32)
+    raw = launcher(fp8_mod.kernels(N, K, 32, True)[pick_tile(M, N, dev, FP8_TILES)])
+    c = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    launch_args = (a.shape, a_s.shape, b.shape, b_s.shape, a.dtype, a_s.dtype, b.dtype, b_s.dtype, 32, dev)
+
+    def made_args() -> tuple:
+        return (a.shape, a_s.shape, b.shape, b_s.shape, a.dtype, a_s.dtype, b.dtype, b_s.dtype, 32, a.device)
+
+    pieces = {
+        "a.device": (lambda: a.device, False),
+        "a.shape": (lambda: a.shape, False),
+        "fp8 _launch lookup (arguments made)": (lambda: fp8_mod._launch(*made_args()), False),
+        "fp8 _launch lookup (arguments given)": (lambda: fp8_mod._launch(*launch_args), False),
+        "torch.empty(M, N) bf16 cuda": (lambda: torch.empty(M, N, dtype=torch.bfloat16, device=dev), False),
+        "dense(a)": (lambda: dense(a), False),
+        "a_s.view(uint8)": (lambda: a_s.view(u8), False),
+        "torch.cuda.current_stream().cuda_stream": (lambda: torch.cuda.current_stream(dev).cuda_stream, False),
+        "fp4_gemm._current_stream": (lambda: fp4_mod._current_stream(dev), False),
+        "route state (data_ptr, _version)": (
+            lambda: (b4.data_ptr(), b4_s.data_ptr(), fp4_mod._version(b4), fp4_mod._version(b4_s)),
+            False,
+        ),
+        "fp8 raw launch": (functools.partial(raw, a, a_s.view(u8), b, b_s.view(u8), c), True),
+        "_route_as_fp8 (known: bound cast launch)": (functools.partial(fp4_mod._route_as_fp8, b4, b4_s), True),
+        "fp8_gemm": (functools.partial(fp8_mod.fp8_gemm, a, a_s, b, b_s, e8, 32), True),
+        "fp4_gemm": (functools.partial(fp4_mod.fp4_gemm, a, a_s, b4, b4_s, e8, 32), True),
+    }
+    out = {}
+    for name, (fn, sleep) in pieces.items():
+        out[name] = per_call_us(fn, sleep)
+        print(f"{name:45s} {out[name]:7.2f} us", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"M": M, "N": N, "K": K, "us": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
