@@ -4,7 +4,11 @@ in Python and torch besides the raw launches, per piece, at one expert shape (16
 Each piece runs REPS times in a loop (QUEUED times where it queues GPU work: the wrappers, the raw
 launches; those run while the GPU sleeps, `torch.cuda._sleep`, as in gemm_host.py); us per call.
 
-Usage (on the GPU machine):  python bench/wrapper_parts.py [--json out.json]
+`--against FILE` loads another version of kernels/fp4_gemm.py (e.g. `git show OLD:dsv41_convert/kernels/
+fp4_gemm.py > old.py`) beside this one and times the two fp4_gemm wrappers in alternating rounds (ROUNDS,
+each both in turn, at every shape and row count of gemm_host.py), so that the host's drift hits both.
+
+Usage (on the GPU machine):  python bench/wrapper_parts.py [--json out.json] [--against old_fp4_gemm.py]
 """
 
 import argparse
@@ -15,6 +19,7 @@ import time
 import torch
 from fp4_route import fp8_and_fp4_weight, fp8_rows
 
+ROUNDS = 7
 REPS = 2000  # calls per piece that queues nothing
 QUEUED = 200  # calls per piece that queues GPU work (the launch queue is not filled)
 M, N, K = 16, 2304, 5120
@@ -37,7 +42,10 @@ def per_call_us(fn, sleep: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--against")
     args = parser.parse_args()
+    if args.against:
+        return against(args.against, args.json)
     from dsv41_convert.kernels import fp4_gemm as fp4_mod
     from dsv41_convert.kernels import fp8_gemm as fp8_mod
     from dsv41_convert.kernels.block_gemm import FP8_TILES, dense, launcher, pick_tile
@@ -82,6 +90,52 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"M": M, "N": N, "K": K, "us": out}, f, indent=1)
+
+
+def against(path: str, json_path: str | None) -> None:
+    """Host and queued time per call of this fp4_gemm and the one in `path`, alternating, ROUNDS rounds."""
+    import importlib.util
+    import statistics
+
+    from fp4_route import NK, queued_ms
+    from gemm_host import ROWS, host_us
+
+    from dsv41_convert.kernels import fp4_gemm as this
+
+    spec = importlib.util.spec_from_file_location("other_fp4_gemm", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    e8 = torch.float8_e8m0fnu
+    out = []
+    for n, k in NK:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        _, _, b4, b4_s = fp8_and_fp4_weight(n, k, g)
+        for m in ROWS:
+            a, a_s = fp8_rows(m, k, g)
+            fns = {
+                "this": functools.partial(this.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
+                "other": functools.partial(other.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
+            }
+            got = {name: fn() for name, fn in fns.items()}  # each module learns the weight's route
+            assert torch.equal(got["this"].view(torch.uint16), got["other"].view(torch.uint16)), (m, n, k)
+            row = {"M": m, "N": n, "K": k}
+            for name in fns:
+                row[name] = {"host_us": [], "queued_us": []}
+            for _ in range(ROUNDS):
+                for name, fn in fns.items():
+                    row[name]["host_us"].append(host_us(fn))
+                    row[name]["queued_us"].append(queued_ms(fn, reps=QUEUED) * 1e3)
+            out.append(row)
+            med = {nm: {key: statistics.median(v) for key, v in row[nm].items()} for nm in fns}
+            this_, other_ = med["this"], med["other"]
+            print(
+                f"{m:4d} x {n} x {k}: host this {this_['host_us']:5.1f} / other {other_['host_us']:5.1f} us, "
+                f"queued this {this_['queued_us']:5.1f} / other {other_['queued_us']:5.1f} us (medians of {ROUNDS})",
+                flush=True,
+            )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
