@@ -27,17 +27,27 @@ ROWS = (16, 64, 128, 256)
 CALLS = 200
 
 
-def host_us(fn) -> float:
+def host_us(fn, calls: int = CALLS) -> float:
     """Host time per call of fn, issued while the GPU sleeps (the queue is not drained meanwhile)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU cycles: longer than the calls take to issue
     t0 = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
-    host = (time.perf_counter() - t0) / CALLS
+    host = (time.perf_counter() - t0) / calls
     torch.cuda.synchronize()
     return host * 1e6
+
+
+def cases():
+    """For every N x K of NK and row count of ROWS, the same operands every run (one generator per N x K):
+    -> (m, n, k, (b, b_s, b4, b4_s), (a, a_s)); the weight as fp8_and_fp4_weight, the rows as fp8_rows."""
+    for n, k in NK:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        weight = fp8_and_fp4_weight(n, k, g)
+        for m in ROWS:
+            yield m, n, k, weight, fp8_rows(m, k, g)
 
 
 def main() -> None:
@@ -51,32 +61,28 @@ def main() -> None:
 
     e8 = torch.float8_e8m0fnu
     out = []
-    for n, k in NK:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        b, b_s, b4, b4_s = fp8_and_fp4_weight(n, k, g)
-        for m in ROWS:
-            a, a_s = fp8_rows(m, k, g)
-            fp4_mod.fp4_gemm(a, a_s, b4, b4_s, e8, 32)  # the weight becomes known to the route
-            ws = fp4_mod._workspace(n, k, a.device)
-            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-            kernel = fp8_mod.kernels(n, k, 32, True)[pick_tile(m, n, a.device, FP8_TILES)]
-            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            u8 = torch.uint8
-            fns = {
-                "fp8_gemm": functools.partial(fp8_mod.fp8_gemm, a, a_s, b, b_s, e8, 32),
-                "fp4_gemm": functools.partial(fp4_mod.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
-                "cast": functools.partial(cast_into, b4.view(u8), b4_s.view(u8), ws.w8_bytes, ws.s8, counter),
-                "fp8 raw": functools.partial(launcher(kernel), a, a_s.view(u8), b, b_s.view(u8), c),
-            }
-            row = {"M": m, "N": n, "K": k}
-            for name, fn in fns.items():
-                row[name] = {"host_us": host_us(fn), "queued_us": queued_ms(fn, reps=CALLS) * 1e3}
-            out.append(row)
-            print(
-                f"{m:4d} x {n} x {k}: "
-                + "  ".join(f"{nm} host {row[nm]['host_us']:5.1f} / GPU {row[nm]['queued_us']:6.1f} us" for nm in fns),
-                flush=True,
-            )
+    for m, n, k, (b, b_s, b4, b4_s), (a, a_s) in cases():
+        fp4_mod.fp4_gemm(a, a_s, b4, b4_s, e8, 32)  # the weight becomes known to the route
+        ws = fp4_mod._workspace(n, k, a.device)
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        kernel = fp8_mod.kernels(n, k, 32, True)[pick_tile(m, n, a.device, FP8_TILES)]
+        c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        u8 = torch.uint8
+        fns = {
+            "fp8_gemm": functools.partial(fp8_mod.fp8_gemm, a, a_s, b, b_s, e8, 32),
+            "fp4_gemm": functools.partial(fp4_mod.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
+            "cast": functools.partial(cast_into, b4.view(u8), b4_s.view(u8), ws.w8_bytes, ws.s8, counter),
+            "fp8 raw": functools.partial(launcher(kernel), a, a_s.view(u8), b, b_s.view(u8), c),
+        }
+        row = {"M": m, "N": n, "K": k}
+        for name, fn in fns.items():
+            row[name] = {"host_us": host_us(fn), "queued_us": queued_ms(fn, reps=CALLS) * 1e3}
+        out.append(row)
+        print(
+            f"{m:4d} x {n} x {k}: "
+            + "  ".join(f"{nm} host {row[nm]['host_us']:5.1f} / GPU {row[nm]['queued_us']:6.1f} us" for nm in fns),
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

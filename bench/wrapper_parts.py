@@ -17,7 +17,8 @@ import json
 import time
 
 import torch
-from fp4_route import fp8_and_fp4_weight, fp8_rows
+from fp4_route import fp8_and_fp4_weight, fp8_rows, queued_ms
+from gemm_host import cases, host_us
 
 ROUNDS = 7
 REPS = 2000  # calls per piece that queues nothing
@@ -25,18 +26,15 @@ QUEUED = 200  # calls per piece that queues GPU work (the launch queue is not fi
 M, N, K = 16, 2304, 5120
 
 
-def per_call_us(fn, sleep: bool) -> float:
+def per_call_us(fn, queues: bool) -> float:
+    """Host time per call of fn: while the GPU sleeps where fn queues GPU work (gemm_host.host_us)."""
+    if queues:
+        return host_us(fn, QUEUED)
     fn()
-    torch.cuda.synchronize()
-    reps = QUEUED if sleep else REPS
-    if sleep:
-        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU cycles: longer than the loop takes to issue
     t0 = time.perf_counter()
-    for _ in range(reps):
+    for _ in range(REPS):
         fn()
-    us = (time.perf_counter() - t0) / reps * 1e6
-    torch.cuda.synchronize()
-    return us
+    return (time.perf_counter() - t0) / REPS * 1e6
 
 
 def main() -> None:
@@ -97,9 +95,6 @@ def against(path: str, json_path: str | None) -> None:
     import importlib.util
     import statistics
 
-    from fp4_route import NK, queued_ms
-    from gemm_host import ROWS, host_us
-
     from dsv41_convert.kernels import fp4_gemm as this
 
     spec = importlib.util.spec_from_file_location("other_fp4_gemm", path)
@@ -107,32 +102,28 @@ def against(path: str, json_path: str | None) -> None:
     spec.loader.exec_module(other)
     e8 = torch.float8_e8m0fnu
     out = []
-    for n, k in NK:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        _, _, b4, b4_s = fp8_and_fp4_weight(n, k, g)
-        for m in ROWS:
-            a, a_s = fp8_rows(m, k, g)
-            fns = {
-                "this": functools.partial(this.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
-                "other": functools.partial(other.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
-            }
-            got = {name: fn() for name, fn in fns.items()}  # each module learns the weight's route
-            assert torch.equal(got["this"].view(torch.uint16), got["other"].view(torch.uint16)), (m, n, k)
-            row = {"M": m, "N": n, "K": k}
-            for name in fns:
-                row[name] = {"host_us": [], "queued_us": []}
-            for _ in range(ROUNDS):
-                for name, fn in fns.items():
-                    row[name]["host_us"].append(host_us(fn))
-                    row[name]["queued_us"].append(queued_ms(fn, reps=QUEUED) * 1e3)
-            out.append(row)
-            med = {nm: {key: statistics.median(v) for key, v in row[nm].items()} for nm in fns}
-            this_, other_ = med["this"], med["other"]
-            print(
-                f"{m:4d} x {n} x {k}: host this {this_['host_us']:5.1f} / other {other_['host_us']:5.1f} us, "
-                f"queued this {this_['queued_us']:5.1f} / other {other_['queued_us']:5.1f} us (medians of {ROUNDS})",
-                flush=True,
-            )
+    for m, n, k, (_, _, b4, b4_s), (a, a_s) in cases():
+        fns = {
+            "this": functools.partial(this.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
+            "other": functools.partial(other.fp4_gemm, a, a_s, b4, b4_s, e8, 32),
+        }
+        got = {name: fn() for name, fn in fns.items()}  # each module learns the weight's route
+        assert torch.equal(got["this"].view(torch.uint16), got["other"].view(torch.uint16)), (m, n, k)
+        row = {"M": m, "N": n, "K": k}
+        for name in fns:
+            row[name] = {"host_us": [], "queued_us": []}
+        for _ in range(ROUNDS):
+            for name, fn in fns.items():
+                row[name]["host_us"].append(host_us(fn))
+                row[name]["queued_us"].append(queued_ms(fn, reps=QUEUED) * 1e3)
+        out.append(row)
+        med = {nm: {key: statistics.median(v) for key, v in row[nm].items()} for nm in fns}
+        this_, other_ = med["this"], med["other"]
+        print(
+            f"{m:4d} x {n} x {k}: host this {this_['host_us']:5.1f} / other {other_['host_us']:5.1f} us, "
+            f"queued this {this_['queued_us']:5.1f} / other {other_['queued_us']:5.1f} us (medians of {ROUNDS})",
+            flush=True,
+        )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
