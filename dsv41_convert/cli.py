@@ -509,19 +509,20 @@ def reference_logits_cmd(
 
 
 @app.command("check")
-def check_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
-    """Check every file listed in OUT/manifest.json (size, then sha256) without running the model.
+def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: opts.JsonOpt = False) -> None:
+    """Check every file listed in OUT/manifest.json (size, then sha256) without running the model; several
+    files at once (--workers).
 
     Exit 1 naming each missing, resized or corrupt file.
 
     Examples:
       dsv41-convert check ./mp8
-      dsv41-convert check ./mp8 --json
+      dsv41-convert check ./mp8 --json --workers 1
     """
     from dsv41_convert.store.manifest_check import check_folder
 
     with report.byte_progress(f"check {out}", quiet=as_json) as progress:
-        result = check_folder(out, progress=progress)
+        result = check_folder(out, progress=progress, threads=workers or None)
     for problem in result.problems:
         report.error(problem)
     if as_json:

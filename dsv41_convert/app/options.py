@@ -60,6 +60,15 @@ WorkersOpt = Annotated[
         "(1 with --device cuda).",
     ),
 ]
+HashWorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        parser=parse_workers,
+        help="Files hashed at once (threads), or auto: one per usable core, at most 8 and the number of files. "
+        "1 reads one file at a time (a spinning disk).",
+    ),
+]
 RanksOpt = Annotated[str | None, typer.Option("--ranks", help="Only these output ranks, e.g. 0,3 (default: all).")]
 ResumeOpt = Annotated[
     bool,

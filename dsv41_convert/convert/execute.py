@@ -55,7 +55,7 @@ from dsv41_convert.store.manifest import (
     DONE_DIR,
     MANIFEST,
     atomic_write,
-    is_done,
+    finished,
     read_done,
     write_done,
     write_manifest,
@@ -234,14 +234,16 @@ def _execute_held(
     if resume:
         import_fragments(out, digest)  # a folder gathered from several machines
     todo, skipped = [], []
-    for f in mine:
+    for f in mine if resume else []:
         rec = read_done(out, f.file)
-        if resume and rec is not None and rec.get("plan_digest") != digest:
+        if rec is not None and rec.get("plan_digest") != digest:
             raise OutputError(
                 f"{out / f.file}: finished by a run with other options or another source (plan digest "
                 f"{rec.get('plan_digest', '?')[:12]}, now {digest[:12]}); use --overwrite to replace it"
             )
-        if resume and is_done(out, f.file, digest):
+    intact = finished(out, [f.file for f in mine], digest, progress) if resume else set()
+    for f in mine:
+        if f.file in intact:
             skipped.append(f.file)
         else:
             todo.append(f)

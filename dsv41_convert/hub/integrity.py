@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dsv41_convert.errors import DownloadError, HeaderError
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.file_digest import hash_file
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, shard_name_problem
 from dsv41_convert.store.safetensors_header import read_header
 
@@ -96,24 +97,22 @@ class Problem:
 
 
 def file_digests(path: Path, *, sha256: bool, git_sha1: bool, progress: Callable[[int], None] | None = None) -> dict:
-    """sha256 and/or git blob sha1 (sha1 of b"blob {size}\\0" + content) of one file, in one read."""
+    """sha256 and/or git blob sha1 (sha1 of b"blob {size}\\0" + content) of one file, in one read;
+    progress(bytes) for each chunk read."""
     size = path.stat().st_size
-    h256 = hashlib.sha256() if sha256 else None
-    h1 = hashlib.sha1(b"blob %d\0" % size) if git_sha1 else None
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            if h256 is not None:
-                h256.update(chunk)
-            if h1 is not None:
-                h1.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    out = {}
-    if h256 is not None:
-        out["sha256"] = h256.hexdigest()
-    if h1 is not None:
-        out["git_sha1"] = h1.hexdigest()
-    return out
+    hashes = {}
+    if sha256:
+        hashes["sha256"] = hashlib.sha256()
+    if git_sha1:
+        hashes["git_sha1"] = hashlib.sha1(b"blob %d\0" % size)
+    last = [0]
+
+    def read(done: int) -> None:
+        progress(done - last[0])
+        last[0] = done
+
+    hash_file(path, list(hashes.values()), _CHUNK, read if progress is not None else None)
+    return {name: h.hexdigest() for name, h in hashes.items()}
 
 
 def check_files(

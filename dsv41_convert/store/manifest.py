@@ -11,12 +11,14 @@ Unfinished files have a resume journal beside their done records (journal.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from dsv41_convert.progress import Progress
+from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 
 DONE_DIR = ".dsv41-convert"
 MANIFEST = "manifest.json"
@@ -42,16 +44,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def done_path(out: Path, file: str) -> Path:
     return out / DONE_DIR / f"{file}.done.json"
 
@@ -69,13 +61,15 @@ def read_done(out: Path, file: str) -> dict[str, Any] | None:
         return None
 
 
-def is_done(out: Path, file: str, plan_digest: str) -> bool:
-    """A finished file: its record names this plan, and its size and sha256 still match the record."""
-    rec = read_done(out, file)
-    path = out / file
-    if rec is None or rec.get("plan_digest") != plan_digest or not path.exists():
-        return False
-    return path.stat().st_size == rec["size"] and sha256_file(path) == rec["sha256"]
+def finished(out: Path, files: list[str], plan_digest: str, progress: Progress | None = None) -> set[str]:
+    """The files of `files` that are finished: a done record names this plan, and their size and sha256
+    still match it (files hashed in parallel: file_digest.mismatches; progress(file, bytes hashed, size))."""
+    recorded = {}
+    for file in files:
+        rec = read_done(out, file)
+        if rec is not None and rec.get("plan_digest") == plan_digest:
+            recorded[file] = (out / file, Recorded(rec["size"], rec["sha256"], "its done record"))
+    return {file for file, problem in mismatches(recorded, progress=progress).items() if problem is None}
 
 
 def source_revision(src: Path) -> str | None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.manifest import FORMAT, MANIFEST, sha256_file
+from dsv41_convert.store.file_digest import Recorded, mismatches
+from dsv41_convert.store.manifest import FORMAT, MANIFEST
 
 
 @dataclass
@@ -53,27 +54,14 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return data
 
 
-def check_folder(folder: Path, progress: Progress | None = None) -> CheckResult:
-    """Check sizes, then sha256, of every file in the manifest. -> CheckResult (ok when no problems)."""
+def check_folder(folder: Path, progress: Progress | None = None, threads: int | None = None) -> CheckResult:
+    """Check sizes, then sha256, of every file in the manifest, `threads` files at a time (None: one per
+    usable core, file_digest.hash_threads). -> CheckResult (ok when no problems), files in name order."""
     folder = Path(folder)
     files = read_manifest(folder)["files"]
+    listed = {name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in files.items()}
+    listed = dict(sorted(listed.items()))
     result = CheckResult(str(folder))
-    for name, rec in sorted(files.items()):
-        path = folder / name
-        if progress is not None:
-            progress(name, 0, rec["size"])
-        if not path.is_file():
-            result.problems.append(f"{name}: missing (manifest lists {rec['size']} bytes)")
-            continue
-        size = path.stat().st_size
-        if size != rec["size"]:
-            result.problems.append(f"{name}: {size} bytes, manifest says {rec['size']}; truncated or replaced?")
-            continue
-        digest = sha256_file(path)
-        if digest != rec["sha256"]:
-            result.problems.append(f"{name}: sha256 {digest[:16]}..., manifest says {rec['sha256'][:16]}...; corrupt?")
-        else:
-            result.checked.append(name)
-        if progress is not None:
-            progress(name, size, size)
+    for name, problem in mismatches(listed, threads, progress).items():
+        (result.problems if problem else result.checked).append(problem or name)
     return result

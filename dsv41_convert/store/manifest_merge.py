@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.lock import hold
 from dsv41_convert.store.manifest import (
     DONE_DIR,
@@ -27,7 +28,6 @@ from dsv41_convert.store.manifest import (
     atomic_write,
     fsync_dir,
     read_done,
-    sha256_file,
     source_info,
     write_done,
     write_manifest_from,
@@ -38,6 +38,7 @@ FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
 FRAGMENT_GLOB = "manifest-fragment-*.json"
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
 REQUIRED_SIDECARS = ("config.json", "hf_config.json")
+COPY_IT = "; copy it from the machine that wrote it"
 
 
 def fragment_name(tp: int, ranks: list[int]) -> str:
@@ -93,12 +94,14 @@ def import_fragments(out: Path, plan_digest: str) -> list[str]:
                 f"{out / name}: a fragment from a run with other options or another source (plan digest "
                 f"{str(frag.get('plan_digest'))[:12]}, now {plan_digest[:12]}); remove it or use --overwrite"
             )
+        listed = {}
         for file, rec in frag["files"].items():
             done = read_done(out, file)
-            if done is not None and done.get("plan_digest") == plan_digest:
-                continue
-            path = out / file
-            if path.is_file() and path.stat().st_size == rec["size"] and sha256_file(path) == rec["sha256"]:
+            if done is None or done.get("plan_digest") != plan_digest:
+                listed[file] = (out / file, Recorded(rec["size"], rec["sha256"], name))
+        for file, problem in mismatches(listed).items():
+            if problem is None:
+                rec = frag["files"][file]
                 write_done(out, file, rec["size"], rec["sha256"], plan_digest)
                 recorded.append(file)
     return recorded
@@ -159,13 +162,14 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
             problems.append(f"{DONE_DIR}/{file}.done.json: from another plan (digest {rec.get('plan_digest')})")
         elif rec is not None:
             _add(records, problems, file, rec, f"{DONE_DIR}/{file}.done.json")
+    listed = {}
     for file in first["rank_files"]:
         if file not in records:
             problems.append(f"{file}: no fragment lists it; gather its rank file and fragment into {out}")
             continue
-        problem = _check_file(out, file, records[file], progress)
-        if problem:
-            problems.append(problem)
+        rec, where = records[file]
+        listed[file] = (out / file, Recorded(rec["size"], rec["sha256"], where, COPY_IT))
+    problems += [problem for problem in mismatches(listed, progress=progress).values() if problem]
     missing = [n for n in REQUIRED_SIDECARS if not (out / n).is_file()]
     problems += [f"{n}: missing (every `shard` run writes it); copy it from any machine's OUT" for n in missing]
     if problems:
@@ -193,21 +197,3 @@ def _add(records, problems, file: str, rec: dict[str, Any], where: str) -> None:
     if file in records and records[file][0] != entry:
         problems.append(f"{file}: {where} and {records[file][1]} record different sizes or sha256")
     records.setdefault(file, (entry, where))
-
-
-def _check_file(out: Path, file: str, record: tuple[dict[str, Any], str], progress: Progress | None) -> str | None:
-    rec, where = record
-    path = out / file
-    if not path.is_file():
-        return f"{file}: missing ({where} lists {rec['size']} bytes); copy it from the machine that wrote it"
-    size = path.stat().st_size
-    if size != rec["size"]:
-        return f"{file}: {size} bytes, {where} says {rec['size']}; truncated or replaced?"
-    if progress is not None:
-        progress(file, 0, size)
-    digest = sha256_file(path)
-    if progress is not None:
-        progress(file, size, size)
-    if digest != rec["sha256"]:
-        return f"{file}: sha256 {digest[:16]}..., {where} says {rec['sha256'][:16]}...; corrupt?"
-    return None

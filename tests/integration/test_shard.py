@@ -21,7 +21,7 @@ from slow_writes import slow_pwrites
 
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
-from dsv41_convert.store.manifest import sha256_file
+from dsv41_convert.store.file_digest import sha256_file
 
 
 def _make_tiny(out: Path, quantized: bool = True) -> Path:

@@ -18,8 +18,8 @@ from dsv41_convert.convert.execute import execute, select_files
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.transform import quantizer_for
 from dsv41_convert.convert.write import write_rank_file
+from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME
-from dsv41_convert.store.manifest import sha256_file
 
 
 @pytest.fixture(scope="module")

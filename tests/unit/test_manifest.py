@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from dsv41_convert.store.manifest import atomic_write, is_done, read_done, sha256_file, source_revision, write_done
+from dsv41_convert.store.file_digest import sha256_file
+from dsv41_convert.store.manifest import atomic_write, finished, read_done, source_revision, write_done
 
 
 def test_done_record_checks_size_sha_and_plan(tmp_path):
@@ -15,13 +16,27 @@ def test_done_record_checks_size_sha_and_plan(tmp_path):
     assert sha256_file(f, chunk=7) == sha
     write_done(tmp_path, f.name, 3000, sha, "plan-a")
     assert read_done(tmp_path, f.name)["sha256"] == sha
-    assert is_done(tmp_path, f.name, "plan-a")
-    assert not is_done(tmp_path, f.name, "plan-b")  # other options
+    assert finished(tmp_path, [f.name], "plan-a") == {f.name}
+    assert finished(tmp_path, [f.name], "plan-b") == set()  # other options
     f.write_bytes(b"abd" * 1000)  # same size, other bytes
-    assert not is_done(tmp_path, f.name, "plan-a")
+    assert finished(tmp_path, [f.name], "plan-a") == set()
     f.write_bytes(b"abc" * 999)
-    assert not is_done(tmp_path, f.name, "plan-a")
-    assert not is_done(tmp_path, "missing.safetensors", "plan-a")
+    assert finished(tmp_path, [f.name], "plan-a") == set()
+    assert finished(tmp_path, ["missing.safetensors"], "plan-a") == set()
+
+
+def test_finished_sorts_many_files_hashed_at_once(tmp_path):
+    """Of several recorded files, only the intact ones of this plan count, whichever thread hashed them."""
+    names = [f"model{r}-mp8.safetensors" for r in range(8)]
+    for r, name in enumerate(names):
+        data = bytes([r]) * (3 << 20)
+        (tmp_path / name).write_bytes(data)
+        write_done(tmp_path, name, len(data), hashlib.sha256(data).hexdigest(), "plan-b" if r == 5 else "plan-a")
+    with open(tmp_path / names[2], "r+b") as f:  # one byte flipped, size kept
+        f.seek(1 << 20)
+        f.write(b"\xff")
+    (tmp_path / names[6]).unlink()
+    assert finished(tmp_path, names, "plan-a") == {names[r] for r in (0, 1, 3, 4, 7)}
 
 
 def test_atomic_write_leaves_no_temporary(tmp_path):

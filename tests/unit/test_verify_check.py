@@ -2,8 +2,13 @@
 
 import hashlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_run import run_cli
 
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.manifest import FORMAT
@@ -23,12 +28,13 @@ def test_clean_folder_passes(tmp_path):
     assert result.ok and sorted(result.checked) == ["config.json", "model0-mp1.safetensors"]
 
 
-def test_flipped_byte_truncation_and_missing_file_are_named(tmp_path):
+@pytest.mark.parametrize("threads", [None, 1, 3])
+def test_flipped_byte_truncation_and_missing_file_are_named(tmp_path, threads):
     folder = _folder(tmp_path, {"a.safetensors": b"x" * 64, "b.safetensors": b"y" * 64, "c.json": b"{}"})
     (folder / "a.safetensors").write_bytes(b"x" * 63 + b"z")
     (folder / "b.safetensors").write_bytes(b"y" * 60)
     (folder / "c.json").unlink()
-    result = check_folder(folder)
+    result = check_folder(folder, threads=threads)
     assert not result.ok and result.checked == []
     a, b, c = result.problems
     assert a.startswith("a.safetensors: sha256")
@@ -47,3 +53,17 @@ def test_missing_or_foreign_manifest_is_an_input_error(tmp_path):
     )
     with pytest.raises(VerifyInputError, match="plain file name"):
         check_folder(tmp_path)
+
+
+def test_check_cli_reports_the_same_at_any_workers_and_refuses_zero(tmp_path, monkeypatch, capsys):
+    files = {f"model{r}-mp4.safetensors": bytes([r]) * (1 << 16) for r in range(4)} | {"config.json": b"{}"}
+    folder = _folder(tmp_path, files)
+    (folder / "model2-mp4.safetensors").write_bytes(b"\x09" * (1 << 16))  # same size, other bytes
+    reports = []
+    for workers in ([], ["--workers", "1"], ["--workers", "4"], ["--workers", "auto"]):
+        code, out, err = run_cli(monkeypatch, capsys, "check", str(folder), "--json", *workers)
+        assert code == 1 and "model2-mp4.safetensors: sha256" in err
+        reports.append(json.loads(out))
+    assert all(r == reports[0] for r in reports) and reports[0]["problems"][0].startswith("model2-mp4.safetensors")
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder), "--workers", "0")
+    assert code == 2 and "--workers" in err

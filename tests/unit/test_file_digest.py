@@ -1,0 +1,95 @@
+"""store/file_digest.py: whole files against their records, several at once."""
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+from dsv41_convert.store import file_digest
+from dsv41_convert.store.file_digest import Recorded, mismatch, mismatches, sha256_file
+
+
+def _record(path, where="manifest", if_missing=""):
+    data = path.read_bytes()
+    return Recorded(len(data), hashlib.sha256(data).hexdigest(), where, if_missing)
+
+
+@pytest.mark.parametrize("size", [0, 1, 6, 7, 8, 4096 * 7 + 3])
+def test_sha256_file_matches_hashlib_across_chunk_edges(tmp_path, size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    seen = []
+    assert sha256_file(tmp_path / "f", chunk=7, on_bytes=seen.append) == hashlib.sha256(data).hexdigest()
+    assert seen == list(range(7, size, 7)) + ([size] if size else [])  # every chunk, the last one partial
+
+
+def test_mismatch_names_the_file_and_what_differs(tmp_path):
+    f = tmp_path / "model3-mp8.safetensors"
+    f.write_bytes(b"a" * 1000)
+    rec = _record(f, "fragment r3", "; copy it")
+    assert mismatch(f, f.name, rec) is None
+    f.write_bytes(b"a" * 999 + b"b")
+    assert mismatch(f, f.name, rec) == f"{f.name}: sha256 {hashlib.sha256(f.read_bytes()).hexdigest()[:16]}..., " + (
+        f"fragment r3 says {rec.sha256[:16]}...; corrupt?"
+    )
+    f.write_bytes(b"a" * 999)
+    assert mismatch(f, f.name, rec) == f"{f.name}: 999 bytes, fragment r3 says 1000; truncated or replaced?"
+    f.unlink()
+    assert mismatch(f, f.name, rec) == f"{f.name}: missing (fragment r3 lists 1000 bytes); copy it"
+    f.mkdir()  # not a plain file
+    assert mismatch(f, f.name, rec).startswith(f"{f.name}: missing")
+
+
+def _planted(tmp_path, n=6, size=(1 << 20) + 5):
+    """n files with records; file 1 gets a flipped byte; of n > 4, file 3 is truncated and file 4 removed."""
+    files = {}
+    for i in range(n):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes())
+        files[path.name] = (path, _record(path))
+    with open(tmp_path / "f1.bin", "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    if n > 4:
+        with open(tmp_path / "f3.bin", "r+b") as f:
+            f.truncate(size - 1)
+        (tmp_path / "f4.bin").unlink()
+    return files
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, None])
+def test_mismatches_finds_each_planted_fault_in_order(tmp_path, threads):
+    files = _planted(tmp_path)
+    got = mismatches(files, threads)
+    assert list(got) == list(files)  # the caller's order, whichever thread finished first
+    assert [name for name, problem in got.items() if problem is None] == ["f0.bin", "f2.bin", "f5.bin"]
+    assert "sha256" in got["f1.bin"] and "truncated" in got["f3.bin"] and "missing" in got["f4.bin"]
+
+
+def test_files_are_hashed_at_the_same_time(tmp_path):
+    """With two threads, two files are in progress at once: each first progress call waits for the other."""
+    files = _planted(tmp_path, n=2)
+    both = threading.Barrier(2, timeout=20)
+    progress_seen = {}
+
+    def progress(name, done, total):
+        if done == 0:
+            both.wait()  # BrokenBarrierError (so the test fails) unless the other file has started too
+        progress_seen.setdefault(name, []).append((done, total))
+
+    got = mismatches(files, threads=2, progress=progress)
+    assert got == {"f0.bin": None, "f1.bin": got["f1.bin"]} and "sha256" in got["f1.bin"]
+    size = files["f0.bin"][1].size
+    for name in files:
+        counts = [done for done, _ in progress_seen[name]]
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == size  # bytes hashed, up to the size
+
+
+def test_hash_threads_bounded_by_files_cores_and_cap(monkeypatch):
+    monkeypatch.setattr(file_digest, "usable_cores", lambda: 16)
+    assert [file_digest.hash_threads(n) for n in (0, 1, 3, 8, 64)] == [1, 1, 3, 8, file_digest.MAX_THREADS]
+    monkeypatch.setattr(file_digest, "usable_cores", lambda: 2)
+    assert file_digest.hash_threads(64) == 2
