@@ -19,7 +19,7 @@ from dsv41_convert.progress import Progress
 from dsv41_convert.store.machine import usable_cores
 
 CHUNK = 16 << 20
-MAX_THREADS = 8  # 128 MiB of buffers; past this, reads rather than cores pace a hash of many large files
+MAX_THREADS = 8  # 128 MiB of buffers; 16 were no faster on the H200 host, cached or cold (docs/BENCHMARKS.md)
 
 
 def hash_file(path: Path, hashes: list, chunk: int = CHUNK, on_bytes: Callable[[int], None] | None = None) -> None:
