@@ -233,15 +233,16 @@ def _execute_held(
     digest, resume, device = job["digest"], job["resume"], job["device"]
     if resume:
         import_fragments(out, digest)  # a folder gathered from several machines
-    todo, skipped = [], []
-    for f in mine if resume else []:
-        rec = read_done(out, f.file)
-        if rec is not None and rec.get("plan_digest") != digest:
-            raise OutputError(
-                f"{out / f.file}: finished by a run with other options or another source (plan digest "
-                f"{rec.get('plan_digest', '?')[:12]}, now {digest[:12]}); use --overwrite to replace it"
-            )
-    intact = finished(out, [f.file for f in mine], digest, progress) if resume else set()
+    todo, skipped, intact = [], [], set()
+    if resume:
+        for f in mine:
+            rec = read_done(out, f.file)
+            if rec is not None and rec.get("plan_digest") != digest:
+                raise OutputError(
+                    f"{out / f.file}: finished by a run with other options or another source (plan digest "
+                    f"{rec.get('plan_digest', '?')[:12]}, now {digest[:12]}); use --overwrite to replace it"
+                )
+        intact = finished(out, [f.file for f in mine], digest, progress)
     for f in mine:
         if f.file in intact:
             skipped.append(f.file)

@@ -59,8 +59,9 @@ def check_folder(folder: Path, progress: Progress | None = None, threads: int | 
     usable core, file_digest.hash_threads). -> CheckResult (ok when no problems), files in name order."""
     folder = Path(folder)
     files = read_manifest(folder)["files"]
-    listed = {name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in files.items()}
-    listed = dict(sorted(listed.items()))
+    listed = {
+        name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in sorted(files.items())
+    }
     result = CheckResult(str(folder))
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)
