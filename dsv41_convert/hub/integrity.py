@@ -3,7 +3,8 @@
 Three layers, each one cheap enough to run on its own:
 - the download record (`Record`): every file's size, sha256 (LFS files) and git blob id, as the Hub
   published them at download time, saved beside the files so `--verify-only` works offline;
-- file checks against that record: present, right size, right hash;
+- file checks against that record: present, right size, right hash (store/file_digest.py, shared with
+  our own manifests' check);
 - checkpoint checks from the files themselves: each safetensors header passes `safetensors_header`'s
   checks (its tensors tile 8 + header + data == the file size), and `model.safetensors.index.json`
   names exactly the tensors of each shard.
@@ -13,21 +14,19 @@ Nothing here talks to the Hub or prints; `download.py` does the fetching.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dsv41_convert.errors import DownloadError, HeaderError
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.file_digest import hash_file
+from dsv41_convert.store.file_digest import Problem, Recorded, differences
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, shard_name_problem
 from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
-_CHUNK = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -80,88 +79,35 @@ class Record:
             ) from exc
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with the folder. `kind`: missing, size, sha256, git-sha1, header or index."""
-
-    path: str
-    kind: str
-    found: str
-    expected: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.kind}: found {self.found}, expected {self.expected}"
-
-
-# --- hashes ---
-
-
-def file_digests(path: Path, *, sha256: bool, git_sha1: bool, progress: Callable[[int], None] | None = None) -> dict:
-    """sha256 and/or git blob sha1 (sha1 of b"blob {size}\\0" + content) of one file, in one read;
-    progress(bytes) for each chunk read."""
-    size = path.stat().st_size
-    hashes = {}
-    if sha256:
-        hashes["sha256"] = hashlib.sha256()
-    if git_sha1:
-        hashes["git_sha1"] = hashlib.sha1(b"blob %d\0" % size)
-    last = [0]
-
-    def read(done: int) -> None:
-        progress(done - last[0])
-        last[0] = done
-
-    hash_file(path, list(hashes.values()), _CHUNK, read if progress is not None else None)
-    return {name: h.hexdigest() for name, h in hashes.items()}
-
-
 def check_files(
     root: Path,
     files: Iterable[RemoteFile],
     *,
-    hashes: bool = True,
     workers: int = 4,
     progress: Progress | None = None,
 ) -> list[Problem]:
-    """Compare each file under `root` with its record: presence, size, then hash (sha256 if LFS, else git id).
+    """Compare each file under `root` with its record: presence, size, then hash (sha256 if LFS, else the git
+    blob id), `workers` files at a time (file_digest.differences). Problems come back in the order of
+    `files`; progress("verify", bytes checked, total) over all of them."""
+    listed = {
+        f.path: (root / f.path, Recorded(f.size, f.sha256, "download record", git_sha1=f.git_sha1)) for f in files
+    }
+    total = sum(rec.size for _, rec in listed.values())
+    hashed: dict[str, int] = {}  # bytes hashed so far, per file
+    verified = 0
+    lock = threading.Lock()
 
-    Files are hashed on `workers` threads (hashlib drops the GIL on large buffers). Problems come back in
-    the order of `files`.
-    """
-    files = list(files)
-    total = sum(f.size for f in files)
-    done = [0]
+    def tick(name: str, done: int, size: int) -> None:
+        nonlocal verified
+        with lock:
+            verified += done - hashed.get(name, 0)
+            hashed[name] = done
+            progress("verify", verified, total)
 
-    def tick(n: int) -> None:
-        done[0] += n  # a lost update under threads only makes the bar lag; the total is reported at the end
-        if progress is not None:
-            progress("verify", done[0], total)
-
-    def one(f: RemoteFile) -> Problem | None:
-        path = root / f.path
-        if not path.is_file():
-            tick(f.size)
-            return Problem(f.path, "missing", "no file", f"{f.size} bytes")
-        size = path.stat().st_size
-        if size != f.size:
-            tick(f.size)
-            return Problem(f.path, "size", f"{size} bytes", f"{f.size} bytes")
-        if not hashes or (f.sha256 is None and f.git_sha1 is None):
-            tick(f.size)
-            return None
-        want256 = f.sha256 is not None
-        got = file_digests(path, sha256=want256, git_sha1=not want256, progress=tick)
-        if want256 and got["sha256"] != f.sha256:
-            return Problem(f.path, "sha256", got["sha256"], f.sha256)
-        if not want256 and got["git_sha1"] != f.git_sha1:
-            return Problem(f.path, "git-sha1", got["git_sha1"], str(f.git_sha1))
-        return None
-
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        found = list(pool.map(one, files))
+    found = differences(listed, max(1, workers), tick if progress is not None else None)
     if progress is not None:
         progress("verify", total, total)
-    return [p for p in found if p is not None]
+    return [p for p in found.values() if p is not None]
 
 
 # --- safetensors headers and the index ---

@@ -1,10 +1,14 @@
-"""Whole files against their records (size, then sha256), several files at once: how `check`, `manifest`
-(merge) and `shard --resume` decide that a finished file is still what was written.
+"""Whole files against their records (presence, size, then a digest), several files at once: how `check`,
+`manifest` (merge), `shard --resume` and `download`'s integrity check decide that a file is what its record
+says.
 
 hashlib's update and the file's readinto release the GIL, so threads hash files in parallel: one thread per
 usable core, at most MAX_THREADS (each holds one CHUNK buffer), never more than there are files. A file is
 hashed by one thread from start to end: sha256 is one sequential chain per file. A size that differs from
 the record is reported without reading the file.
+
+Digests: sha256 (our manifests, and the Hub's LFS files) or, where a record has no sha256, the git blob id
+(sha1 of b"blob {size}\\0" + content: the Hub's id of a file kept in git itself).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dsv41_convert.store.machine import usable_cores
 
 CHUNK = 16 << 20
 MAX_THREADS = 8  # 128 MiB of buffers; 16 were no faster on the H200 host, cached or cold (docs/BENCHMARKS.md)
+SHA256, GIT_SHA1 = "sha256", "git-sha1"
 
 
 def hash_file(path: Path, hashes: list, chunk: int = CHUNK, on_bytes: Callable[[int], None] | None = None) -> None:
@@ -37,34 +42,87 @@ def hash_file(path: Path, hashes: list, chunk: int = CHUNK, on_bytes: Callable[[
                 on_bytes(done)
 
 
-def sha256_file(path: Path, chunk: int = CHUNK, on_bytes: Callable[[int], None] | None = None) -> str:
-    """sha256 hex of the file at `path` (hash_file)."""
-    h = hashlib.sha256()
+def hex_digest(
+    path: Path, kind: str = SHA256, chunk: int = CHUNK, on_bytes: Callable[[int], None] | None = None
+) -> str:
+    """`kind` (SHA256 or GIT_SHA1) hex digest of the file at `path`, in one read (hash_file)."""
+    if kind == SHA256:
+        h = hashlib.sha256()
+    elif kind == GIT_SHA1:
+        h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    else:
+        raise ValueError(f"unknown digest {kind!r}")
     hash_file(path, [h], chunk, on_bytes)
     return h.hexdigest()
 
 
+def sha256_file(path: Path, chunk: int = CHUNK, on_bytes: Callable[[int], None] | None = None) -> str:
+    """sha256 hex of the file at `path`."""
+    return hex_digest(path, SHA256, chunk, on_bytes)
+
+
 @dataclass(frozen=True)
 class Recorded:
-    """What a record says of a file: its size and sha256, and where that record is (for messages)."""
+    """What a record says of a file: its size and digest, and where that record is (for messages).
+
+    sha256 None: the git blob id is compared instead; both None: the size only."""
 
     size: int
-    sha256: str
+    sha256: str | None
     where: str  # "manifest", "rank fragment of machine 2", ...
     if_missing: str = ""  # advice appended when the file is missing
+    git_sha1: str | None = None
+
+    def digest(self) -> tuple[str, str] | None:
+        """(kind, expected hex) of the digest to compare, or None for a size-only record."""
+        if self.sha256 is not None:
+            return SHA256, self.sha256
+        return (GIT_SHA1, self.git_sha1) if self.git_sha1 is not None else None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a file. `kind`: missing, size, sha256 or git-sha1 here (hub/integrity adds
+    header and index)."""
+
+    path: str
+    kind: str
+    found: str
+    expected: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.kind}: found {self.found}, expected {self.expected}"
+
+
+def difference(path: Path, name: str, rec: Recorded, on_bytes: Callable[[int], None] | None = None) -> Problem | None:
+    """None when the file at `path` has the recorded size and digest; else the first thing that differs."""
+    if not path.is_file():
+        return Problem(name, "missing", "no file", f"{rec.size} bytes")
+    size = path.stat().st_size
+    if size != rec.size:
+        return Problem(name, "size", f"{size} bytes", f"{rec.size} bytes")
+    want = rec.digest()
+    if want is None:
+        return None
+    kind, expected = want
+    found = hex_digest(path, kind, on_bytes=on_bytes)
+    return None if found == expected else Problem(name, kind, found, expected)
+
+
+def describe(problem: Problem, rec: Recorded) -> str:
+    """One line naming the file, what differs and where the record is."""
+    name = problem.path
+    if problem.kind == "missing":
+        return f"{name}: missing ({rec.where} lists {rec.size} bytes){rec.if_missing}"
+    if problem.kind == "size":
+        return f"{name}: {problem.found}, {rec.where} says {rec.size}; truncated or replaced?"
+    return f"{name}: {problem.kind} {problem.found[:16]}..., {rec.where} says {problem.expected[:16]}...; corrupt?"
 
 
 def mismatch(path: Path, name: str, rec: Recorded, on_bytes: Callable[[int], None] | None = None) -> str | None:
-    """None when the file at `path` has the recorded size and sha256; else one line naming `name` and what differs."""
-    if not path.is_file():
-        return f"{name}: missing ({rec.where} lists {rec.size} bytes){rec.if_missing}"
-    size = path.stat().st_size
-    if size != rec.size:
-        return f"{name}: {size} bytes, {rec.where} says {rec.size}; truncated or replaced?"
-    digest = sha256_file(path, on_bytes=on_bytes)
-    if digest != rec.sha256:
-        return f"{name}: sha256 {digest[:16]}..., {rec.where} says {rec.sha256[:16]}...; corrupt?"
-    return None
+    """None when the file at `path` matches `rec`; else describe() of what differs."""
+    problem = difference(path, name, rec, on_bytes)
+    return None if problem is None else describe(problem, rec)
 
 
 def hash_threads(files: int) -> int:
@@ -72,20 +130,28 @@ def hash_threads(files: int) -> int:
     return max(1, min(files, usable_cores(), MAX_THREADS))
 
 
+def differences(
+    files: Mapping[str, tuple[Path, Recorded]], threads: int | None = None, progress: Progress | None = None
+) -> dict[str, Problem | None]:
+    """difference() of every file, `threads` at a time (None: hash_threads). -> name -> Problem or None,
+    in the order of `files`. progress(name, bytes hashed, size) as each file's chunks go by, from 0; an
+    OSError while reading is raised (the files already started are finished first)."""
+    threads = hash_threads(len(files)) if threads is None else max(1, threads)
+
+    def one(name: str) -> Problem | None:
+        path, rec = files[name]
+        if progress is None:
+            return difference(path, name, rec)
+        progress(name, 0, rec.size)
+        return difference(path, name, rec, on_bytes=lambda done: progress(name, done, rec.size))
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="digest") as pool:
+        return dict(zip(files, pool.map(one, files), strict=True))
+
+
 def mismatches(
     files: Mapping[str, tuple[Path, Recorded]], threads: int | None = None, progress: Progress | None = None
 ) -> dict[str, str | None]:
-    """mismatch() of every file, `threads` at a time (None: hash_threads). -> name -> problem or None, in the
-    order of `files`. progress(name, bytes hashed, size) as each file's chunks go by; an OSError while reading
-    is raised (the files already started are finished first)."""
-    threads = hash_threads(len(files)) if threads is None else max(1, threads)
-
-    def one(name: str) -> str | None:
-        path, rec = files[name]
-        if progress is None:
-            return mismatch(path, name, rec)
-        progress(name, 0, rec.size)
-        return mismatch(path, name, rec, on_bytes=lambda done: progress(name, done, rec.size))
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="sha256") as pool:
-        return dict(zip(files, pool.map(one, files), strict=True))
+    """differences() as one line each (describe): name -> problem or None, in the order of `files`."""
+    found = differences(files, threads, progress)
+    return {name: None if p is None else describe(p, files[name][1]) for name, p in found.items()}

@@ -21,8 +21,8 @@ from dsv41_convert.hub.integrity import (
     RemoteFile,
     check_checkpoint,
     check_files,
-    file_digests,
 )
+from dsv41_convert.store.file_digest import GIT_SHA1, hex_digest
 
 
 def remote(path, data: bytes, lfs: bool) -> RemoteFile:
@@ -34,13 +34,9 @@ def test_git_blob_ids_match_git(tmp_path):
     # `git hash-object` of an empty file and of "hello\n"
     (tmp_path / "empty").write_bytes(b"")
     (tmp_path / "hello").write_bytes(b"hello\n")
-    assert file_digests(tmp_path / "empty", sha256=False, git_sha1=True)["git_sha1"] == (
-        "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
-    )
-    assert file_digests(tmp_path / "hello", sha256=True, git_sha1=True) == {
-        "sha256": "5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03",
-        "git_sha1": "ce013625030ba8dba906f756967f9e9ca394464a",
-    }
+    assert hex_digest(tmp_path / "empty", GIT_SHA1) == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+    assert hex_digest(tmp_path / "hello", GIT_SHA1) == "ce013625030ba8dba906f756967f9e9ca394464a"
+    assert hex_digest(tmp_path / "hello") == "5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03"
 
 
 def test_check_files_reports_each_kind(tmp_path):
@@ -52,6 +48,8 @@ def test_check_files_reports_each_kind(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"c" * 100)
     (tmp_path / "short.json").write_bytes(b"{")
     (tmp_path / "cfg.json").write_bytes(b"{2}")
+    records.append(RemoteFile("no-hash.txt", 2, None, None))  # a record without hashes: the size only
+    (tmp_path / "no-hash.txt").write_bytes(b"zz")
     found = {(p.path, p.kind) for p in check_files(tmp_path, records, workers=2)}
     assert found == {
         ("bad.safetensors", "sha256"),
@@ -62,11 +60,19 @@ def test_check_files_reports_each_kind(tmp_path):
     assert check_files(tmp_path, records[:1]) == []
 
 
-def test_check_files_progress_ends_at_total(tmp_path):
-    (tmp_path / "a").write_bytes(b"x" * 1000)
+@pytest.mark.parametrize("workers", [1, 3])
+def test_check_files_progress_counts_all_files_up_to_total(tmp_path, workers):
+    records = []
+    for i, size in enumerate([1000, (16 << 20) + 7, 0, 5000]):  # the second takes two chunks
+        data = bytes([i]) * size
+        (tmp_path / f"f{i}").write_bytes(data)
+        records.append(remote(f"f{i}", data, lfs=i % 2 == 0))
+    total = sum(r.size for r in records)
     seen = []
-    check_files(tmp_path, [remote("a", b"x" * 1000, True)], progress=lambda *e: seen.append(e))
-    assert seen[-1] == ("verify", 1000, 1000)
+    assert check_files(tmp_path, records, workers=workers, progress=lambda *e: seen.append(e)) == []
+    counts = [done for label, done, whole in seen if label == "verify" and whole == total]
+    assert len(counts) == len(seen) and counts == sorted(counts)  # one bar, never going back
+    assert total in counts[:-1]  # the files' own chunks add up to the total before the closing call
 
 
 def test_record_round_trip(tmp_path):

@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from dsv41_convert.store import file_digest
-from dsv41_convert.store.file_digest import Recorded, mismatch, mismatches, sha256_file
+from dsv41_convert.store.file_digest import (
+    Problem,
+    Recorded,
+    difference,
+    differences,
+    mismatch,
+    mismatches,
+    sha256_file,
+)
 
 
 def _record(path, where="manifest", if_missing=""):
@@ -41,6 +49,30 @@ def test_mismatch_names_the_file_and_what_differs(tmp_path):
     assert mismatch(f, f.name, rec).startswith(f"{f.name}: missing")
 
 
+def test_difference_compares_the_digest_the_record_has(tmp_path):
+    """sha256 when recorded; else the git blob id; neither: the size only. A planted change is caught by each."""
+    f = tmp_path / "config.json"
+    f.write_bytes(b'{"a": 1}\n')
+    git_id = hashlib.sha1(b"blob 9\0" + f.read_bytes()).hexdigest()
+    by_sha256 = _record(f, "download record")
+    by_git = Recorded(9, None, "download record", git_sha1=git_id)
+    by_size = Recorded(9, None, "download record")
+    assert [difference(f, f.name, rec) for rec in (by_sha256, by_git, by_size)] == [None, None, None]
+    f.write_bytes(b'{"a": 2}\n')
+    changed = hashlib.sha1(b"blob 9\0" + f.read_bytes()).hexdigest()
+    assert difference(f, f.name, by_git) == Problem(f.name, "git-sha1", changed, git_id)
+    assert difference(f, f.name, by_sha256).kind == "sha256"
+    assert difference(f, f.name, by_size) is None  # what a size-only record cannot see
+    assert (
+        mismatch(f, f.name, by_git)
+        == f"{f.name}: git-sha1 {changed[:16]}..., download record says {git_id[:16]}...; corrupt?"
+    )
+    f.write_bytes(b"{}")
+    assert difference(f, f.name, by_size) == Problem(f.name, "size", "2 bytes", "9 bytes")
+    f.unlink()
+    assert str(difference(f, f.name, by_git)) == f"{f.name}: missing: found no file, expected 9 bytes"
+
+
 def _planted(tmp_path, n=6, size=(1 << 20) + 5):
     """n files with records; file 1 gets a flipped byte; of n > 4, file 3 is truncated and file 4 removed."""
     files = {}
@@ -67,6 +99,8 @@ def test_mismatches_finds_each_planted_fault_in_order(tmp_path, threads):
     assert list(got) == list(files)  # the caller's order, whichever thread finished first
     assert [name for name, problem in got.items() if problem is None] == ["f0.bin", "f2.bin", "f5.bin"]
     assert "sha256" in got["f1.bin"] and "truncated" in got["f3.bin"] and "missing" in got["f4.bin"]
+    kinds = {name: p.kind for name, p in differences(files, threads).items() if p is not None}
+    assert kinds == {"f1.bin": "sha256", "f3.bin": "size", "f4.bin": "missing"}
 
 
 def test_files_are_hashed_at_the_same_time(tmp_path):
