@@ -126,7 +126,9 @@ def _local_source(src: Path, tp: int | None = None) -> Path:
         return src
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.tp import check_tp
-    from dsv41_convert.hub.download import resolve_source
+    from dsv41_convert.hub.download import resolve_source, source_repo_ref
+
+    source_repo_ref(src)  # neither a folder nor a repo id: say so before a download's progress starts
 
     def runs_at_tp(config: Path) -> None:
         check_tp(load_model_args(config), tp, f"{src}: {config.name}")

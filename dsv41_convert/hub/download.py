@@ -58,6 +58,14 @@ def parse_repo_ref(src: str) -> tuple[str, str | None] | None:
     return (m["repo"], m["rev"]) if m else None
 
 
+def source_repo_ref(src: str | Path) -> tuple[str, str | None]:
+    """(repo_id, rev or None) of a `src` that is no existing path; DownloadError if it is no repo id either."""
+    ref = parse_repo_ref(str(src))
+    if ref is None:
+        raise DownloadError(f"{src}: no such folder, and not a Hub repo id (owner/name or owner/name@revision)")
+    return ref
+
+
 def resolve_source(
     src: str | Path,
     *,
@@ -77,9 +85,7 @@ def resolve_source(
     path = Path(src)
     if path.exists():
         return path
-    ref = parse_repo_ref(str(src))
-    if ref is None:
-        raise DownloadError(f"{src}: no such folder, and not a Hub repo id (owner/name or owner/name@revision)")
+    ref = source_repo_ref(src)
     where = {"revision": ref[1], "local_dir": local_dir, "token": token, "endpoint": endpoint, "cache_dir": cache_dir}
     try:
         if check_config is not None:

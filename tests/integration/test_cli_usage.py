@@ -70,3 +70,14 @@ def test_input_error_still_exits_2_with_error_line(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "error: --preset 'nosuch'" in proc.stderr
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "shard"])
+def test_source_neither_folder_nor_repo_id_is_refused_before_any_download(tmp_path, command):
+    missing = tmp_path / "no" / "such" / "checkpoint"
+    args = [command, str(missing)] + ([str(tmp_path / "out")] if command == "shard" else [])
+    proc = run_entry_point(*args, "--tp", "2")
+    assert proc.returncode == 2
+    assert f"error: {missing}: no such folder, and not a Hub repo id" in proc.stderr
+    assert "download" not in proc.stdout + proc.stderr.replace("not a Hub repo id", "")
+    assert not (tmp_path / "out").exists()
