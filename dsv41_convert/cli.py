@@ -577,7 +577,9 @@ RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag
 LocalDirOpt = Annotated[Path | None, typer.Option("--local-dir", help="Put the files here, not in the HF cache.")]
 IncludeOpt = Annotated[list[str] | None, typer.Option("--include", help="Only files matching this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str] | None, typer.Option("--exclude", help="Skip files matching this glob; repeatable.")]
-WorkersOpt = Annotated[int, typer.Option("--max-workers", min=1, help="Files fetched (and hashed) at once.")]
+WorkersOpt = Annotated[
+    int, typer.Option("--max-workers", min=1, help="Files fetched at once (and hashed: one per core, 8 at most).")
+]
 VerifyOnlyOpt = Annotated[
     bool, typer.Option("--verify-only", help="No network: check the local copy against the download record.")
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dsv41_convert.errors import DownloadError, HeaderError
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.file_digest import Problem, Recorded, differences
+from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, shard_name_problem
 from dsv41_convert.store.safetensors_header import read_header
 
@@ -87,8 +87,8 @@ def check_files(
     progress: Progress | None = None,
 ) -> list[Problem]:
     """Compare each file under `root` with its record: presence, size, then hash (sha256 if LFS, else the git
-    blob id), `workers` files at a time (file_digest.differences). Problems come back in the order of
-    `files`; progress("verify", bytes checked, total) over all of them."""
+    blob id), at most `workers` files at a time and no more than file_digest.hash_threads gives. Problems come
+    back in the order of `files`; progress("verify", bytes checked, total) over all of them."""
     listed = {
         f.path: (root / f.path, Recorded(f.size, f.sha256, "download record", git_sha1=f.git_sha1)) for f in files
     }
@@ -104,7 +104,8 @@ def check_files(
             hashed[name] = done
             progress("verify", verified, total)
 
-    found = differences(listed, max(1, workers), tick if progress is not None else None)
+    threads = min(max(1, workers), hash_threads(len(listed)))  # no more threads than cores: they would only wait
+    found = differences(listed, threads, tick if progress is not None else None)
     if progress is not None:
         progress("verify", total, total)
     return [p for p in found.values() if p is not None]
