@@ -1,7 +1,7 @@
 """Benchmark `dsv41-convert export` in each format against `cp` of the source, per byte written, with peak RSS.
 
     python bench/bench_export.py /tmp/export-bench [--preset medium] [--workers 1] [--repeat N] [--keep]
-                                 [--old DIR] [--shard-tp 8] [--formats bf16,fp8,...] [--src CKPT]
+                                 [--old DIR] [--shard-tp 8] [--formats bf16,fp8,...] [--src CKPT] [--warm]
 
 1. `make-tiny WORK/pub --preset medium --no-vision` (4.79 GB, real hidden sizes, canonical fp8/fp4 values),
    or --src CKPT (a published-format checkpoint, kept);
@@ -26,7 +26,8 @@ manifest.json files are compared (`same_bytes_as_old`). Each CLI runs as `python
 with PYTHONPATH set to its checkout, so no console script or virtual environment is needed.
 
 The page cache: the source's pages are dropped before each run (posix_fadvise DONTNEED after a sync);
-with BENCH_DROP_CACHES=1, run as root, the whole page cache too (bench_shard.evict).
+with BENCH_DROP_CACHES=1, run as root, the whole page cache too (bench_shard.evict). --warm reads the
+source into the page cache before each run instead (the "source cached" case).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from bench_shard import _median_run, evict, measure  # noqa: E402
+from bench_shard import _median_run, evict, measure, warm  # noqa: E402
 
 FORMATS = ("bf16", "fp8", "fp8-fp4", "bf16 -> fp8-fp4")
 
@@ -57,6 +58,19 @@ def _cli(code: Path) -> list[str]:
     return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
 
 
+WARM_SOURCE = False  # --warm: every run reads a source already in the page cache
+
+
+def _source_ready(src: Path) -> None:
+    """Before a timed run: the source's pages dropped (the default) or all read in (--warm); dirty pages
+    written out either way."""
+    if WARM_SOURCE:
+        os.sync()
+        warm(src)
+    else:
+        evict(src)
+
+
 def _bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("model*.safetensors"))
 
@@ -64,7 +78,7 @@ def _bytes(folder: Path) -> int:
 def _cp(src: Path, work: Path) -> dict:
     dst = work / "cp"
     dst.mkdir()
-    evict(src)
+    _source_ready(src)
     shards = sorted(str(p) for p in src.glob("*.safetensors"))
     run = measure(["sh", "-c", f'cp "$@" {dst} && sync', "cp", *shards])
     shutil.rmtree(dst)
@@ -76,7 +90,7 @@ def _run(code: Path, src: Path, out: Path, fmt: str, workers: str, shard_tp: int
     summary kept in `keep_json` if given, one file per run)."""
     if out.exists():
         shutil.rmtree(out)
-    evict(src)
+    _source_ready(src)
     if fmt.startswith("shard"):
         args = ["shard", str(src), str(out), "--tp", str(shard_tp)]
     else:
@@ -119,7 +133,7 @@ def _run_peer(command: str, src: Path, out: Path) -> dict:
     its files on disk (e.g. end with `&& sync`) for the times to compare."""
     if out.exists():
         shutil.rmtree(out)
-    evict(src)
+    _source_ready(src)
     return measure(["sh", "-c", command.format(src=src, out=out)])
 
 
@@ -190,7 +204,10 @@ def main() -> None:
         "rounds as `shard` and its rank files compared with ours, e.g. "
         "'python convert.py --hf-ckpt-path {src} --save-path {out} --model-parallel 8 && sync'",
     )
+    ap.add_argument("--warm", action="store_true", help="source in the page cache for every run (else evicted)")
     a = ap.parse_args()
+    global WARM_SOURCE
+    WARM_SOURCE = a.warm
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     if unknown := set(formats) - set(FORMATS):
         raise SystemExit(f"--formats: unknown {sorted(unknown)}; choose from {FORMATS}")
@@ -211,6 +228,7 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.1f}",
         "preset": a.preset,
         "workers": a.workers,
+        "source": "cached" if a.warm else "evicted",
         "codes": {k: str(v) for k, v in codes.items()},
         "formats": {},
     }
