@@ -72,7 +72,7 @@ def info(message: str) -> None:
 
 @contextmanager
 def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
-    """A rich progress display with one bar per label, bytes, speed and ETA, on stderr."""
+    """A rich progress display with one bar per label, bytes, speed (app/speed_column.py) and ETA, on stderr."""
     if quiet:
         yield lambda label, done, total: None
         return
@@ -83,14 +83,15 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
         TaskID,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
+
+    from dsv41_convert.app.speed_column import MeanSpeedColumn
 
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        MeanSpeedColumn(),
         TimeRemainingColumn(),
     )
     tasks: dict[str, TaskID] = {}

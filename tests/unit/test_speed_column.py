@@ -1,0 +1,55 @@
+"""The progress bars' speed column: a bar finished in a burst of reports shows its mean, not the burst's rate."""
+
+from __future__ import annotations
+
+from rich.progress import Progress, TransferSpeedColumn
+
+from dsv41_convert.app.speed_column import MIN_SECONDS, MeanSpeedColumn, bar_speed
+
+MB = 10**6
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def bar(reports: list[tuple[float, int]], total: int) -> tuple[Progress, int]:
+    """A rich Progress with one bar fed `reports` of (seconds since its start, bytes done so far)."""
+    clock = Clock()
+    progress = Progress(get_time=clock, disable=True)
+    task = progress.add_task("model0-mp8.safetensors", total=total)
+    start = clock.now
+    for at, done in reports:
+        clock.now = start + at
+        progress.update(task, completed=done)
+    return progress, task
+
+
+def test_a_bar_finished_in_a_burst_shows_its_mean_not_the_burst():
+    # 100 MB over 2 s, the last 60 MB reported 1 ms after the rest (a worker's queued chunks)
+    progress, task_id = bar([(0.5, 20 * MB), (1.999, 40 * MB), (2.0, 100 * MB)], total=100 * MB)
+    task = progress.tasks[task_id]
+    assert task.finished_time == 2.0
+    assert bar_speed(task) == 50 * MB
+    assert MeanSpeedColumn().render(task).plain == "50.0 MB/s"
+    assert TransferSpeedColumn().render(task).plain != "50.0 MB/s"  # rich's own column: the burst's rate
+
+
+def test_a_running_bar_shows_the_recent_rate():
+    progress, task_id = bar([(0.0, 0), (1.0, 10 * MB), (2.0, 30 * MB)], total=100 * MB)
+    task = progress.tasks[task_id]
+    assert task.finished_time is None
+    assert bar_speed(task) == task.speed == 20 * MB  # the last second's 20 MB
+    assert MeanSpeedColumn().render(task).plain == "20.0 MB/s"
+
+
+def test_a_bar_done_too_soon_shows_no_rate():
+    progress, task_id = bar([(MIN_SECONDS / 10, 6 * MB)], total=6 * MB)
+    task = progress.tasks[task_id]
+    assert task.finished_time is not None and task.finished_time < MIN_SECONDS
+    assert bar_speed(task) is None
+    assert MeanSpeedColumn().render(task).plain == ""
