@@ -29,6 +29,7 @@ app = typer.Typer(
 )
 
 _debug = {"on": False}
+INTERRUPTED = 130
 
 
 @app.callback()
@@ -258,12 +259,13 @@ def shard_cmd(
     from dsv41_convert.errors import PlanError
 
     try:
-        rank_list = [int(r) for r in ranks.split(",")] if ranks else None
+        rank_list = [int(r) for r in ranks.split(",")] if ranks is not None else None
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
         return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
+    _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
@@ -274,6 +276,16 @@ def shard_cmd(
         return
     if summary.get("fragment"):
         report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
+
+
+def _warn_without_tokenizer(folder: Path, then: str) -> None:
+    """A warning where `folder` has no tokenizer.json: the rank files are complete without it, but the model
+    is not (Engram's hashes and text prompts read it)."""
+    if not (folder / "tokenizer.json").is_file():
+        report.warn(
+            f"{folder}: no tokenizer.json, {then}; verify and inference need the checkpoint's own "
+            "(Engram's hashes, text prompts): put it beside the rank files"
+        )
 
 
 def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None:
@@ -399,7 +411,7 @@ def verify_cmd(
 
 @app.command("reference-logits")
 def reference_logits_cmd(
-    src: opts.SrcArg,
+    src: opts.LocalSrcArg,
     out: Annotated[Path, typer.Argument(help="Output .safetensors file.")],
     prompts: PromptsOpt = None,
     device: opts.DeviceOpt = "cpu",
@@ -609,6 +621,7 @@ def download_cmd(
     """
     from dsv41_convert.hub import download as dl
 
+    dl.check_repo_id(repo_id)  # before the banner
     patterns = {"include": include or [], "exclude": exclude or []}
     with report.byte_progress(f"{'verifying' if verify_only else 'downloading'} {repo_id}") as progress:
         if verify_only:
@@ -654,6 +667,7 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
 
     with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
         summary = merge(out, progress=progress)
+    _warn_without_tokenizer(out, "so the manifest lists none")
     if as_json:
         return report.print_json(summary)
     report.stdout.print(summary["manifest"], highlight=False, soft_wrap=True)
@@ -718,18 +732,33 @@ def _click_exceptions():
     return importlib.import_module(typer.BadParameter.__module__)
 
 
+def os_error_message(exc: OSError) -> str:
+    """One line for an OSError: the path(s) it names, then the system's reason."""
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    return f"{paths}: {exc.strerror or exc}" if paths else str(exc.strerror or exc)
+
+
+def _input_error(message: str) -> None:
+    """`error: message` on stderr, and with --json also {"ok": false, "exit_code": 2, "error": message} on
+    stdout (a pipeline that reads stdout gets a document either way); exit 2."""
+    report.error(message)
+    if "--json" in sys.argv[1:]:
+        report.print_json({"ok": False, "exit_code": 2, "error": message})
+    sys.exit(2)
+
+
 def main() -> None:
-    """Entry point: ConvertError -> `error: ...` on stderr and exit 2; a usage error -> Typer's usage message on
-    stderr and exit 2; anything else keeps its traceback."""
+    """Entry point: ConvertError -> `error: ...` on stderr and exit 2, and so an OSError (the system refused a
+    path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130; anything else
+    keeps its traceback."""
     click_exceptions = _click_exceptions()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
-    except ConvertError as exc:
+    except (ConvertError, OSError) as exc:  # OSError: the system refused a path (read-only, not a folder)
         if _debug["on"]:
             raise
-        report.error(str(exc))
-        sys.exit(2)
+        _input_error(str(exc) if isinstance(exc, ConvertError) else os_error_message(exc))
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
@@ -738,6 +767,8 @@ def main() -> None:
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
         exc.show()
         sys.exit(2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code)
+    if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
+        report.error("interrupted; what is on disk is kept: shard and export continue it with --resume")
     if isinstance(code, int) and code:
         sys.exit(code)
 

@@ -269,6 +269,7 @@ class ModelArgs:
         missing = sorted(names - set(data) - optional)
         if missing:
             raise ConfigError(f"{source}: missing keys {missing}")
+        check_values(data, source, {})
         kwargs = {k: tuple(v) if k in TUPLE_FIELDS else v for k, v in data.items()}
         args = cls(**kwargs)
         args.validate(source)
@@ -278,9 +279,9 @@ class ModelArgs:
     def from_hf_dict(cls, data: dict[str, Any], source: str = "<config.json>") -> ModelArgs:
         """Build from the nested Hugging Face config.json (text_config / vision_config /
         quantization_config). Unknown and missing keys are errors."""
+        if not isinstance(data.get("text_config"), dict):
+            raise ConfigError(f"{source}: no text_config object; is this a V4.1 config.json?")
         _check_keys(data, HF_TOP_FIXED, {}, source)
-        if "text_config" not in data:
-            raise ConfigError(f"{source}: no text_config; is this a V4.1 config.json?")
         text = data["text_config"]
         kwargs: dict[str, Any] = {}
         _check_keys(text, HF_TEXT_FIXED, HF_TO_ARGS, f"{source} text_config")
@@ -326,6 +327,7 @@ class ModelArgs:
                 raise ConfigError(f"{source}: scale_fmt {quant.get('scale_fmt')!r}, expected 'ue8m0'")
             kwargs["dtype"] = "fp8"
             kwargs["expert_dtype"] = quant.get("expert_dtype")
+        check_values(kwargs, source, HF_NAMES)
         for name in TUPLE_FIELDS:
             kwargs[name] = tuple(kwargs[name])
         args = cls(**kwargs)
@@ -383,12 +385,71 @@ def _check_keys(data: dict[str, Any], fixed: dict[str, Any], mapped: dict[str, s
             raise ConfigError(f"{where}: {key} = {data[key]!r}, this model supports only {expected!r}")
 
 
+# fields the model divides by or sizes tensors with: 0 or less is no model
+POSITIVE_FIELDS = (
+    "vocab_size",
+    "dim",
+    "moe_inter_dim",
+    "n_layers",
+    "n_heads",
+    "n_routed_experts",
+    "n_activated_experts",
+    "q_lora_rank",
+    "head_dim",
+    "rope_head_dim",
+    "o_groups",
+    "o_lora_rank",
+    "window_size",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "hc_mult",
+)
+# ModelArgs field -> its key in the HF config.json, for messages
+HF_NAMES: dict[str, str] = {
+    **{arg: f"text_config.{key}" for key, arg in HF_TO_ARGS.items()},
+    **{arg: f"text_config.rope_scaling.{key}" for key, arg in HF_ROPE_TO_ARGS.items()},
+    **{arg: f"vision_config.{key}" for key, arg in HF_VISION_TO_ARGS.items()},
+}
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _fits(annotation: str, value: Any) -> bool:
+    """Whether `value` (as JSON gives it) fits a ModelArgs annotation: int, float, str, bool, `X | None` or
+    tuple[int, ...] (a JSON list); a bool is no number."""
+    if annotation.endswith(" | None"):
+        return value is None or _fits(annotation.removesuffix(" | None"), value)
+    if annotation == "tuple[int, ...]":
+        return isinstance(value, (list, tuple)) and all(_fits("int", v) for v in value)
+    if isinstance(value, bool) and annotation != "bool":
+        return False
+    return isinstance(value, _SCALARS[annotation])
+
+
+def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> None:
+    """ConfigError naming the first ModelArgs value of the wrong JSON type, or a size that is not positive.
+
+    values: ModelArgs field -> value; names: field -> the key as the file spells it (else the field)."""
+    fields = {f.name: str(f.type) for f in dataclasses.fields(ModelArgs)}
+    for name, value in values.items():
+        if name in fields and not _fits(fields[name], value):
+            raise ConfigError(
+                f"{source}: {names.get(name, name)} = {value!r} ({type(value).__name__}), expected {fields[name]}"
+            )
+    for name in POSITIVE_FIELDS:
+        if name in values and values[name] <= 0:
+            raise ConfigError(f"{source}: {names.get(name, name)} = {values[name]!r}, expected a positive number")
+
+
 def load_json(path: Path) -> dict[str, Any]:
     """Read a JSON file, naming it in the error."""
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: not found") from exc
+    except NotADirectoryError as exc:  # the folder it should be in is a file
+        folder = Path(path).parent
+        raise ConfigError(f"{folder}: not a folder (a checkpoint is a folder with {Path(path).name})") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
 
@@ -397,6 +458,8 @@ def load_model_args(path: Path) -> ModelArgs:
     """ModelArgs from either config file: the nested HF config.json (has `text_config`) or the
     inference config (flat ModelArgs names)."""
     data = load_json(path)
-    if "text_config" in data:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a JSON object expected, found a {type(data).__name__}")
+    if {"text_config", "architectures", "model_type"} & set(data):  # the nested Hugging Face config
         return ModelArgs.from_hf_dict(data, str(path))
     return ModelArgs.from_inference_dict(data, str(path))

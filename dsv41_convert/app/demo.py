@@ -37,9 +37,11 @@ def run_demo(
 ) -> tuple[Any, dict[str, float]]:
     """-> (VerifyResult, seconds per stage). `step(message)` announces each stage; `progress` gets
     byte progress of the writes."""
+    from dsv41_convert.config import ModelArgs
     from dsv41_convert.convert.execute import execute
     from dsv41_convert.convert.plan import build_plan
-    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.convert.tp import check_tp
+    from dsv41_convert.synth.presets import PRESETS, hf_config
     from dsv41_convert.synth.write import write_checkpoint
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import default_threads
@@ -48,6 +50,8 @@ def run_demo(
     from dsv41_convert.verify.run import VerifyOptions, verify
 
     say = step or (lambda _m: None)
+    tiny = ModelArgs.from_hf_dict(hf_config(PRESETS["tiny"], compressed_vocab_size=1, vision=False))
+    check_tp(tiny, tp, "the demo's tiny model")  # before anything is written
     folder = Path(folder)
     src, out = folder / "src", folder / f"mp{tp}"
     if folder.exists() and any(folder.iterdir()):

@@ -6,7 +6,15 @@ from typing import Annotated
 import typer
 
 SrcArg = Annotated[
-    Path, typer.Argument(help="Source checkpoint folder (config.json, index, shards) or Hub repo id owner/name[@rev].")
+    Path,
+    typer.Argument(help=r"Source checkpoint folder (config.json, index, shards) or Hub repo id owner/name\[@rev]."),
+]
+LocalSrcArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Checkpoint folder: Hugging Face format (config.json, index, shards), or rank files (model{r}-mp{N}, "
+        "with --stream-layers)."
+    ),
 ]
 OutArg = Annotated[Path, typer.Argument(help="Output folder.")]
 TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Number of tensor-parallel ranks.")]

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from dsv41_convert.convert.die_with import RUN_ENV, SharedFiles, alive, die_with_parent
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
+from dsv41_convert.convert.tp import RANK_FILE
 from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import (
     CHUNK_BYTES,
@@ -55,14 +56,15 @@ from dsv41_convert.store.manifest import (
     DONE_DIR,
     MANIFEST,
     atomic_write,
+    done_path,
     finished,
     read_done,
+    remove_stale_temporaries,
     write_done,
     write_manifest,
 )
-from dsv41_convert.store.manifest_merge import FRAGMENT_GLOB, forget_stale, import_fragments, write_fragment
+from dsv41_convert.store.manifest_merge import FRAGMENT_GLOB, SIDECARS, forget_stale, import_fragments, write_fragment
 
-SIDECARS = ("tokenizer.json", "tokenizer_config.json")
 COMMON_FILES = (*SIDECARS, "config.json", "hf_config.json")
 
 
@@ -146,6 +148,30 @@ def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str]
         )
 
 
+def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool) -> None:
+    """A folder holds one conversion: rank files (or their partials) in OUT that a shard plan does not write,
+    another tp's, are removed with their records where `remove` (--overwrite, the folder held alone), else
+    an OutputError names them (they would make verify ask which tp and pass `check` unlisted)."""
+    mine = {f.file for f in plan.files}
+    if not all(RANK_FILE.fullmatch(name) for name in mine):
+        return  # an export: its files are no rank files
+    others = sorted(
+        p.name for p in out.iterdir() if RANK_FILE.fullmatch(n := p.name.removesuffix(".partial")) and n not in mine
+    )
+    if not others:
+        return
+    if not remove:
+        raise OutputError(
+            f"{out.resolve()}: holds rank files of another conversion ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}), not of this plan (tp {plan.tp}); remove them, or pass "
+            "--overwrite (alone) to replace them"
+        )
+    for name in others:
+        file = name.removesuffix(".partial")
+        for path in (out / name, done_path(out, file), journal_path(out, file)):
+            path.unlink(missing_ok=True)
+
+
 def _common_output(name: str) -> bool:
     """Written by every share of a conversion into one folder (atomic_write's temporaries included)."""
     return (
@@ -188,6 +214,8 @@ def execute(
     workers: local processes; 0 picks them from cores, memory and the files to write (workers.py).
     """
     src, out = Path(plan.src), Path(out)
+    if resume and overwrite:
+        raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
     if device not in ("cpu", "cuda"):
         raise PlanError(f"--device {device!r}: expected cpu or cuda")
     if device == "cuda":
@@ -205,6 +233,9 @@ def execute(
     with hold(out, shared=share, files=names if share else ()) as lock:
         others = {n for f in plan.files if f.file not in names for n in (f.file, f.file + ".partial")}
         check_empty(out, resume, overwrite, frozenset(others) if share else None)
+        if not share:
+            remove_stale_temporaries(out)
+        _no_other_conversion(plan, out, overwrite and not share)
         job = {
             "device": device,
             "torch": _needs_torch(mine, device),
@@ -430,6 +461,7 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[
 
 _QUEUE: Any = None
 _LOCKS: SharedFiles | None = None
+_INTERRUPTED = False  # this worker took Ctrl-C: it writes nothing more
 
 
 def _init_worker(q, run: int, locks: SharedFiles) -> None:
@@ -438,6 +470,27 @@ def _init_worker(q, run: int, locks: SharedFiles) -> None:
     die_with_parent()  # the run, or its fork server, which dies with the run (die_with.py)
     if not alive(run):  # the run died before the server's guard took hold
         os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGINT, _interrupt_worker)
+
+
+def _interrupt_worker(signum, frame) -> None:
+    """Ctrl-C in a worker, from the terminal or forwarded by the run (_stop_workers), whichever comes first:
+    the file being written stops and keeps its partial for --resume (write.py), and the files the pool has
+    already queued to this worker are refused (_worker_job), so that no file is written after Ctrl-C. A
+    second Ctrl-C is ignored: it would interrupt the first one's cleanup."""
+    global _INTERRUPTED
+    if not _INTERRUPTED:
+        _INTERRUPTED = True
+        raise KeyboardInterrupt
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Forward Ctrl-C to the pool's workers (a `kill -INT` of the run reaches the run alone)."""
+    for pid in list(getattr(pool, "_processes", None) or {}):  # pid -> process, CPython's, 3.8 to 3.14
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
 
 
 def _worker_context(job: dict[str, Any]) -> Any:
@@ -458,6 +511,8 @@ def _worker_context(job: dict[str, Any]) -> Any:
 
 
 def _worker_job(rf, src, out, job) -> FileDone:
+    if _INTERRUPTED:
+        raise KeyboardInterrupt
     last = [0.0]
 
     def report(label: str, done: int, total: int) -> None:
@@ -493,7 +548,9 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
                 _drain(q, progress)
                 for fut in done:
                     results.append(fut.result())
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                _stop_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)  # running jobs remove (on Ctrl-C: keep) their partials
             raise
         _drain(q, progress)

@@ -22,7 +22,7 @@ from typing import Any
 from dsv41_convert.config import load_json, load_model_args
 from dsv41_convert.convert.plan_json import run_json, tensor_json
 from dsv41_convert.convert.rules import Op, Split, expert_prefix, has_scale, scale_name
-from dsv41_convert.convert.tp import check_tp
+from dsv41_convert.convert.tp import check_tp, rank_file_name
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.safetensors_header import layout_blocks
@@ -247,10 +247,6 @@ def _tensor_summary(t: OutTensor) -> dict[str, Any]:
 def _tensor_from(d: dict[str, Any]) -> OutTensor:
     reads = tuple(Read(**{**r, "shape": tuple(r["shape"])}) for r in d["reads"])
     return OutTensor(**{**d, "reads": reads, "shape": tuple(d["shape"]), "block": tuple(d["block"])})
-
-
-def rank_file_name(rank: int, tp: int) -> str:
-    return f"model{rank}-mp{tp}.safetensors"
 
 
 @contextmanager

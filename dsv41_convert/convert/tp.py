@@ -22,6 +22,7 @@ leaves tp 1, 2, 4, 8.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from dsv41_convert.config import HF_TO_ARGS, ModelArgs
@@ -56,6 +57,14 @@ class TpRequirement:
         else:
             why = f"{self.value} / {tp} = {self.value / tp:g} is not a multiple of {self.unit}"
         return f"{names} = {self.value}: {self.needs}; {why}; works at tp {_listed(self.working_tps())}"
+
+
+RANK_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")  # rank_file_name's names: (rank, tp)
+
+
+def rank_file_name(rank: int, tp: int) -> str:
+    """The file of rank `rank` of a tp-`tp` conversion (upstream convert.py's name)."""
+    return f"model{rank}-mp{tp}.safetensors"
 
 
 def tp_requirements(args: ModelArgs) -> list[TpRequirement]:

@@ -30,32 +30,35 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, rank_file_name
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
+from dsv41_convert.convert.tp import RANK_FILE
 from dsv41_convert.convert.transform import DTYPES
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 from dsv41_convert.store.safetensors_header import Header, TensorInfo, pread_exact, read_header
 
-_RANK_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")
 _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")
 
 
 def rank_tp(folder: Path, tp: int | None = None) -> int:
-    """The tp of the rank files in `folder`; with several sets present, `tp` must pick one."""
-    found = sorted({int(m.group(2)) for p in Path(folder).iterdir() if (m := _RANK_FILE.fullmatch(p.name))})
-    if tp is not None:
-        if tp not in found:
-            raise VerifyInputError(f"{folder}: no model*-mp{tp}.safetensors files (found tp {found or 'none'})")
-        return tp
-    if len(found) != 1:
-        raise VerifyInputError(f"{folder}: rank files for tp {found or 'none'}; pass the tp to pick one")
-    return found[0]
+    """The tp of the rank files in `folder`; with several sets present, `tp` must pick one. VerifyInputError
+    where there are none, or the set is incomplete (verify cannot run the model: an input error, as a
+    truncated file is)."""
+    found = sorted({int(m.group(2)) for p in Path(folder).iterdir() if (m := RANK_FILE.fullmatch(p.name))})
+    if not found:
+        raise VerifyInputError(f"{folder}: no rank files (model{{r}}-mp{{N}}.safetensors); is it a shard output?")
+    if tp is not None and tp not in found:
+        raise VerifyInputError(f"{folder}: no model*-mp{tp}.safetensors files (found tp {found})")
+    if tp is None and len(found) != 1:
+        raise VerifyInputError(f"{folder}: rank files for tp {found}; pass the tp to pick one")
+    tp = tp if tp is not None else found[0]
+    missing = [name for r in range(tp) if not (Path(folder) / (name := rank_file_name(r, tp))).is_file()]
+    if missing:
+        raise VerifyInputError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}")
+    return tp
 
 
 def _headers(folder: Path, tp: int) -> list[Header]:
-    paths = [Path(folder) / rank_file_name(r, tp) for r in range(tp)]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise ShardConsistencyError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}")
-    return [read_header(p) for p in paths]
+    """The rank files' headers, rank by rank (`rank_tp` has checked that every file is there)."""
+    return [read_header(Path(folder) / rank_file_name(r, tp)) for r in range(tp)]
 
 
 def unshard_names(folder: Path, tp: int | None = None) -> list[str]:

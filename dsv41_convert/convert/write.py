@@ -50,7 +50,7 @@ from dsv41_convert.progress import Progress, add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.direct_write import BLOCK, aligned_buffer
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
-from dsv41_convert.store.manifest import fsync_dir
+from dsv41_convert.store.manifest import fsync_path
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes, pread_exact
 from dsv41_convert.store.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
 from dsv41_convert.store.sink import Sink
@@ -375,13 +375,9 @@ def commit(out: Path, file: str) -> None:
     partial file."""
     final, partial = out / file, out / (file + ".partial")
     try:
-        fd = os.open(partial, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(partial)
         os.replace(partial, final)
-        fsync_dir(out)
+        fsync_path(out)
     except OSError as exc:
         partial.unlink(missing_ok=True)
         journal_path(out, file).unlink(missing_ok=True)

@@ -37,6 +37,7 @@ from dsv41_convert.hub.local import (
     RECORD_NAME,
     DownloadReport,
     Progress,
+    check_repo_id,
     drop_unwanted,
     listing,
     offline,
@@ -125,6 +126,7 @@ def download(
     or other tensors than the shard holds) come back in `report.problems`. A `local_dir` is held alone
     from the first byte written to the end (store/lock.py): a second download into it fails at once.
     """
+    check_repo_id(repo_id)
     if offline():
         report = verify_local(
             repo_id,

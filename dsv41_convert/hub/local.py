@@ -15,7 +15,7 @@ from pathlib import Path
 
 from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import filter_repo_objects
+from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
@@ -79,6 +79,14 @@ def place_of(repo_id: str, commit: str, local_dir: Path | None, cache_dir: Path 
     return Place(storage / "snapshots" / commit, storage / ".dsv41-download" / f"{commit}.json")
 
 
+def check_repo_id(repo_id: str) -> None:
+    """DownloadError unless `repo_id` is a Hub repo id (owner/name; a revision goes in --revision)."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise DownloadError(f"{repo_id}: not a Hub repo id ({exc})") from None
+
+
 def storage_of(repo_id: str, cache_dir: Path | None) -> Path:
     return Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
 
@@ -119,6 +127,7 @@ def verify_local(
 ) -> DownloadReport:
     """Check a downloaded folder without network: against our record when there is one (sizes and hashes),
     else from the files alone (safetensors headers, sizes implied by them, the index)."""
+    check_repo_id(repo_id)
     rev = revision or constants.DEFAULT_REVISION
     if local_dir is not None:
         place = Place(Path(local_dir), Path(local_dir) / RECORD_NAME)
@@ -131,7 +140,8 @@ def verify_local(
             )
         place = place_of(repo_id, commit, None, cache_dir)
     if not place.folder.is_dir():
-        raise DownloadError(f"{place.folder}: no such folder; download {repo_id} first")
+        what = "not a folder" if place.folder.exists() else "no such folder"
+        raise DownloadError(f"{place.folder}: {what}; download {repo_id} first")
     record = Record.load(place.record)
     if record is not None and record.repo_id != repo_id:
         raise DownloadError(f"{place.folder}: holds {record.repo_id} (per {place.record.name}), not {repo_id}")

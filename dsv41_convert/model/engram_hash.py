@@ -205,6 +205,11 @@ def load_token_map(tokenizer_json: Path, expected_size: int) -> list[int]:
     """The compressed token map of `tokenizer_json`, checked against engram_compressed_vocab_size."""
     from tokenizers import Tokenizer
 
+    if not Path(tokenizer_json).is_file():
+        raise ConfigError(
+            f"{tokenizer_json}: not found; this model has Engram layers, whose hashes need the checkpoint's "
+            "tokenizer.json (shard copies it from the source: put the source's beside the weights)"
+        )
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_json))
     except Exception as exc:  # the tokenizers library raises its own untyped errors

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import OutputError
-from dsv41_convert.store.manifest import fsync_dir
+from dsv41_convert.store.manifest import fsync_path
 
 FORMAT = "dsv41-convert journal v1"
 READ_BYTES = 16 << 20
@@ -90,7 +90,7 @@ class JournalWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self.error: BaseException | None = None
         self._q: queue.Queue = queue.Queue()

@@ -35,8 +35,25 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in folder `path` survive power loss."""
+_TEMPORARY = re.compile(r".+\.\d+\.partial")  # atomic_write's NAME.PID.partial
+
+
+def remove_stale_temporaries(folder: Path) -> list[str]:
+    """Delete atomic_write's temporaries in `folder` and its record folder, left by a run that died while
+    writing a small file (a rank file's own NAME.partial is resume state: kept). Only for a writer that
+    holds the folder alone (store/lock.py), so none is another writer's. -> the names deleted"""
+    gone = []
+    for where in (Path(folder), Path(folder) / DONE_DIR):
+        for path in where.iterdir() if where.is_dir() else ():
+            if _TEMPORARY.fullmatch(path.name) and path.is_file():
+                path.unlink()
+                gone.append(path.name)
+    return gone
+
+
+def fsync_path(path: Path) -> None:
+    """Put `path` on the disk: a file's data, or a folder's entries (a rename, a new file), so that it
+    survives power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

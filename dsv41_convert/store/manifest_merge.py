@@ -26,7 +26,7 @@ from dsv41_convert.store.manifest import (
     DONE_DIR,
     MANIFEST,
     atomic_write,
-    fsync_dir,
+    fsync_path,
     read_done,
     source_info,
     write_done,
@@ -116,7 +116,7 @@ def forget_stale(out: Path, plan_digest: str) -> list[str]:
     for name in gone:
         (out / name).unlink(missing_ok=True)  # a share of the ranks beside us may have done it
     if gone:
-        fsync_dir(out)
+        fsync_path(out)
     return gone
 
 

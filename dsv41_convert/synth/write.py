@@ -29,6 +29,7 @@ from dsv41_convert.convert.catalogue import FileTensor, Param, catalogue, file_t
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.progress import Progress as ProgressFn
+from dsv41_convert.store.publish import publish
 from dsv41_convert.synth.presets import Preset, hf_config
 from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
@@ -165,7 +166,7 @@ def write_shard(out: Path, shard: Shard, seed: int, quantized: bool, progress: P
         done += t.nbytes
     tmp = out / (shard.file + ".partial")
     save_file(tensors, str(tmp))
-    os.replace(tmp, out / shard.file)
+    publish(tmp, out / shard.file, durable=False)  # random weights, made again in seconds
     if progress:
         progress(shard.file, done, total)
     return (out / shard.file).stat().st_size

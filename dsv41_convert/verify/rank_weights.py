@@ -9,22 +9,20 @@ on rank files computes what a tp-1 run of exactly those bytes gives.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from dsv41_convert.convert.tp import RANK_FILE
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.model.load import SAFETENSORS_DTYPES
 from dsv41_convert.store.safetensors_header import Header, pread_exact, read_header
 
-_RANK_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")
-
 
 def rank_file_tp(folder: Path) -> int | None:
     """The tp of the rank files in `folder`, None when it holds none (an HF source)."""
-    tps = {int(m.group(2)) for p in Path(folder).iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
+    tps = {int(m.group(2)) for p in Path(folder).iterdir() if (m := RANK_FILE.fullmatch(p.name))}
     if len(tps) > 1:
         raise VerifyInputError(f"{folder}: rank files of several tp sizes {sorted(tps)}; keep one set")
     return tps.pop() if tps else None

@@ -54,7 +54,7 @@ def run_converted(job: RankJob) -> RankResult | LoadFailure:
         max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0
     )
     tokenizer = folder / "tokenizer.json"
-    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    model = build_model(args, tokenizer, "cpu")
     error = _try_load(model, folder)
     errors = [error]
     if parallel.is_distributed():

@@ -84,7 +84,7 @@ def compute_reference(
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src)
     tokenizer = src / "tokenizer.json"
-    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    model = build_model(args, tokenizer, "cpu")
     load_state(model, state)
     if device != "cpu":
         model = model.to(device)
@@ -162,7 +162,7 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
     args = load_model_args(src / "config.json") if unquantized else ModelArgs.from_inference_dict(plan.inference_config)
     args = args.with_runtime(max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0)
     tokenizer = src / "tokenizer.json"
-    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    model = build_model(args, tokenizer, "cpu")
     error = ""
     try:
         load_state(model, plan_state(plan, parallel.rank(), skip_quant=unquantized))

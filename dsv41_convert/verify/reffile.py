@@ -48,6 +48,7 @@ from torch import Tensor
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import sort_metadata
 from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
@@ -150,7 +151,7 @@ def save(ref: Reference, path: Path) -> None:
     tmp = path.with_name(path.name + ".partial")
     save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata=meta)
     sort_metadata(tmp)  # the same run, the same file
-    tmp.replace(path)
+    publish(tmp, path)
 
 
 def hidden_dtype(module: str) -> torch.dtype:

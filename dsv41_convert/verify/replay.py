@@ -42,7 +42,7 @@ def replay_runs(folder: Path, ref: Reference, device: str) -> list[PromptRun]:
         max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0
     )
     tokenizer = Path(folder) / "tokenizer.json"
-    model = build_model(args, tokenizer if tokenizer.exists() else None, "cpu")
+    model = build_model(args, tokenizer, "cpu")
     load_state(model, unshard_tensors(folder))
     if device != "cpu":
         model = model.to(device)

@@ -95,11 +95,7 @@ def build_model(args: ModelArgs, tokenizer_json: Path | None, device: str) -> nn
     """A Transformer for `args` (tp from torch.distributed), empty weights, in eval mode."""
     from dsv41_convert.model.transformer import Transformer
 
-    tokenizer = None
-    if args.engram_layer_ids and tokenizer_json is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    tokenizer = tokenizer_json if args.engram_layer_ids else None  # read (and checked) by the Engram hash
     model = Transformer(args, tokenizer).eval()
     return model if device == "cpu" else model.to(device)
 

@@ -76,9 +76,7 @@ def compute_streamed_reference(
     weights = RankWeights(src) if rank_file_tp(src) is not None else SourceWeights(src)
     tokenizer = src / "tokenizer.json"
     try:
-        results, timings = run_streamed(
-            args, weights, streamed, tokenizer if tokenizer.exists() else None, capture_hidden, device, progress
-        )
+        results, timings = run_streamed(args, weights, streamed, tokenizer, capture_hidden, device, progress)
     finally:
         weights.close()
     runs = [

@@ -7,6 +7,7 @@ a bad option value, an unknown option, no arguments at all, and (not a usage err
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,18 @@ def test_help_exits_0():
     proc = run_entry_point("shard", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "Usage: dsv41-convert shard" in proc.stdout
+
+
+def test_src_help_says_what_each_command_takes():
+    """rich reads `[@rev]` as markup unless escaped (it vanished from the help); reference-logits takes no
+    repo id."""
+    for command in ("plan", "shard", "export"):
+        proc = subprocess.run([entry_point(), command, "--help"], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "COLUMNS": "300"})  # fmt: skip
+        assert "Hub repo id owner/name[@rev]" in proc.stdout, (command, proc.stdout)
+    proc = subprocess.run([entry_point(), "reference-logits", "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "300"})  # fmt: skip
+    assert "repo id" not in proc.stdout and "or rank files" in proc.stdout
 
 
 def test_input_error_still_exits_2_with_error_line(tmp_path):

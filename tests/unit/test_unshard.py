@@ -17,7 +17,7 @@ from tiny_ckpt import make_tiny
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.unshard import unshard_names, unshard_tensors
-from dsv41_convert.errors import ShardConsistencyError
+from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 
 ENGRAM = "layers.1.engram.embed"  # 75 rows: tp 4 pads 1 row, tp 8 pads 5
 
@@ -127,5 +127,6 @@ def test_engram_padding_not_the_fill(shards, tmp_path):
 def test_missing_rank_file(shards, tmp_path):
     bad = _copy(shards, 4, tmp_path)
     (bad / "model3-mp4.safetensors").unlink()
-    with pytest.raises(ShardConsistencyError, match=r"missing model3-mp4\.safetensors"):
+    # an input error (verify exits 2), as a truncated file is: the folder is incomplete, not inconsistent
+    with pytest.raises(VerifyInputError, match=r"tp 4 needs 4 rank files; missing model3-mp4\.safetensors"):
         unshard_tensors(bad, ["norm.weight"])

@@ -1,0 +1,33 @@
+"""A finished temporary file put in place under its final name, as a file created by open() would be.
+
+safetensors' `save_file` creates its file readable by its owner alone (mode 0600); every other file we write
+gets the usual 0666 less the umask. `publish` gives a saved temporary that mode, puts its bytes on disk and
+renames it: under its final name a file is complete, also after a power cut (where asked: `durable`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dsv41_convert.store.manifest import fsync_path
+
+
+def new_file_mode() -> int:
+    """0o666 less the process's umask: the mode open() gives a new file."""
+    try:
+        with open("/proc/self/status") as status:  # Linux: read without changing it (no race with threads)
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        umask = os.umask(0)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def publish(tmp: Path, path: Path, durable: bool = True) -> None:
+    """`tmp` (written and closed) -> `path`: the mode of a new file, fsync (unless not `durable`: data made
+    again in seconds, as make-tiny's), rename."""
+    os.chmod(tmp, new_file_mode())
+    if durable:
+        fsync_path(tmp)
+    os.replace(tmp, path)

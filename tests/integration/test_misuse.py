@@ -1,0 +1,227 @@
+"""Misuse the CLI the way a user can (wrong paths, wrong values, conflicting options, Ctrl-C) and see a clear
+`error:` naming the file, exit 2 (130 for Ctrl-C), no traceback, and nothing misleading left in OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_run import done_records, run_cli
+from tiny_ckpt import make_tiny
+
+from dsv41_convert.store.manifest import DONE_DIR
+from dsv41_convert.store.publish import new_file_mode
+
+CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("misuse") / "src")
+
+
+@pytest.fixture(scope="module")
+def sharded(src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("misuse") / "mp2"
+    subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "2"], check=True, capture_output=True)
+    return out
+
+
+def copy_of(folder: Path, to: Path) -> Path:
+    subprocess.run(["cp", "-a", str(folder), str(to)], check=True)
+    return to
+
+
+def edit_config(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(cfg)))
+
+
+def assert_clean_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error:") or "error:" in err, err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("command", [["plan"], ["shard", "OUT"], ["export", "OUT", "--format", "bf16"]])
+def test_a_file_given_as_the_source_folder(src, tmp_path, monkeypatch, capsys, command):
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    code, _, err = run_cli(monkeypatch, capsys, args[0], str(src / "config.json"), *args[1:])
+    assert_clean_error(code, err, f"{src / 'config.json'}: not a folder")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda c: c["text_config"].update(vocab_size="512") or c,
+            "text_config.vocab_size = '512' (str), expected int",
+        ),
+        (lambda c: c["text_config"].update(num_attention_heads=0) or c, "text_config.num_attention_heads = 0"),
+        (lambda c: c["text_config"].update(rms_norm_eps=True) or c, "text_config.rms_norm_eps = True (bool)"),
+        (lambda c: c["text_config"].update(compress_ratios=4) or c, "text_config.compress_ratios = 4 (int)"),
+        (lambda c: [1, 2], "a JSON object expected, found a list"),
+        (lambda c: {k: v for k, v in c.items() if k != "text_config"}, "no text_config object"),
+    ],
+)
+def test_config_values_of_the_wrong_kind(src, tmp_path, monkeypatch, capsys, edit, message):
+    bad = copy_of(src, tmp_path / "bad")
+    edit_config(bad, edit)
+    for command in (["plan", str(bad), "--tp", "2"], ["shard", str(bad), str(tmp_path / "out"), "--tp", "2"]):
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        assert_clean_error(code, err, f"{bad / 'config.json'}: ", message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_the_system_refuses_is_an_error_not_a_traceback(src, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("x")
+    for command in (
+        ["shard", str(src), str(tmp_path / "a_file" / "out")],
+        ["make-tiny", str(tmp_path / "a_file" / "t")],
+    ):
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        assert_clean_error(code, err, str(tmp_path / "a_file"), "Not a directory")
+
+
+@pytest.mark.parametrize("repo", ["a/b/c", "../x"])
+def test_download_of_something_that_is_no_repo_id(tmp_path, monkeypatch, capsys, repo):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_cli(monkeypatch, capsys, "download", repo, "--local-dir", str(tmp_path / "d"))
+    assert_clean_error(code, err, f"{repo}: not a Hub repo id")
+    assert "downloading" not in err and not (tmp_path / "d").exists()
+
+
+def test_verify_of_an_incomplete_or_empty_folder_is_an_input_error(src, sharded, tmp_path, monkeypatch, capsys):
+    incomplete = copy_of(sharded, tmp_path / "incomplete")
+    (incomplete / "model1-mp2.safetensors").unlink()
+    ref = tmp_path / "ref.safetensors"  # never read: the rank files are checked first
+    ref.write_bytes(b"")
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(incomplete), "--reference-logits", str(ref))
+    assert_clean_error(code, err, "tp 2 needs 2 rank files; missing model1-mp2.safetensors")
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(src), "--reference-logits", str(ref))
+    assert_clean_error(code, err, f"{src}: no rank files")
+
+
+def test_rank_files_given_as_a_source(sharded, tmp_path, monkeypatch, capsys):
+    for command in (["plan", str(sharded)], ["reference-logits", str(sharded), str(tmp_path / "r.safetensors")]):
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        assert_clean_error(code, err, f"{sharded}: holds rank files (model0-mp2.safetensors", "--stream-layers")
+        assert "duplicated" not in err
+    assert not (tmp_path / "r.safetensors").exists()
+
+
+def test_conflicting_or_empty_options(src, sharded, tmp_path, monkeypatch, capsys):
+    out = copy_of(sharded, tmp_path / "out")
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume", "--overwrite")
+    assert_clean_error(code, err, "--resume and --overwrite: pick one")
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "o2"), "--tp", "2", "--ranks", "")
+    assert_clean_error(code, err, "--ranks ''")
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before and not (tmp_path / "o2").exists()
+
+
+def test_rank_files_of_another_tp_are_refused_on_resume_and_replaced_on_overwrite(src, sharded, tmp_path):
+    out = copy_of(sharded, tmp_path / "out")
+    res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "4", "--resume"], capture_output=True, text=True)
+    assert res.returncode == 2 and "holds rank files of another conversion (model0-mp2.safetensors" in res.stderr
+    assert not list(out.glob("*-mp4.*"))
+    subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "4", "--overwrite"], check=True, capture_output=True)
+    assert sorted(p.name for p in out.glob("model*")) == [f"model{r}-mp4.safetensors" for r in range(4)]
+    assert done_records(out) == {f"model{r}-mp4.safetensors" for r in range(4)}
+    assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+
+def test_resume_removes_the_temporaries_of_a_run_killed_while_writing_a_small_file(src, sharded, tmp_path):
+    out = copy_of(sharded, tmp_path / "out")
+    stale = [out / "tokenizer.json.4242.partial", out / DONE_DIR / "model0-mp2.safetensors.done.json.4242.partial"]
+    for path in stale:
+        path.write_text("half")
+    kept = out / "model1-mp2.safetensors.partial"  # a rank file's partial is resume state, not a temporary
+    res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "2", "--resume", "--json"], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    assert not any(p.exists() for p in stale) and not kept.exists()
+    assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+
+def test_a_source_without_a_tokenizer_is_said_and_verify_names_what_is_missing(src, tmp_path, monkeypatch, capsys):
+    bare = copy_of(src, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(bare), str(out), "--tp", "2")
+    assert code == 0 and f"warning: {bare}: no tokenizer.json, so {out} will have none either" in err
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bare), str(tmp_path / "r.safetensors"))
+    assert_clean_error(code, err, f"{bare / 'tokenizer.json'}: not found; this model has Engram layers")
+
+
+def test_an_unreadable_tokenizer_is_named(src, tmp_path, monkeypatch, capsys):
+    bad = copy_of(src, tmp_path / "bad")
+    (bad / "tokenizer.json").write_text("{not json")
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bad), str(tmp_path / "r.safetensors"))
+    assert_clean_error(code, err, f"{bad / 'tokenizer.json'}: not a readable tokenizer.json")
+    assert not (tmp_path / "r.safetensors").exists()
+
+
+def test_demo_refuses_a_tp_before_writing_anything(tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "d"), "--tp", "3")
+    assert_clean_error(code, err, "the demo's tiny model: the model cannot run at tp 3")
+    assert not (tmp_path / "d").exists()
+
+
+def test_made_files_have_the_mode_of_a_new_file(tmp_path, monkeypatch, capsys):
+    old = os.umask(0o027)
+    try:
+        assert new_file_mode() == 0o640
+        code, _, _ = run_cli(monkeypatch, capsys, "make-tiny", str(tmp_path / "t"), "--no-vision")
+    finally:
+        os.umask(old)
+    assert code == 0
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "t").glob("*.safetensors")}
+    assert modes == {0o640}  # safetensors' save_file alone makes 0600
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(src, sharded, tmp_path):
+    """`kill -INT` of the run (not its process group): before, the workers ran on, finished their files
+    and the one each had queued, and the run waited for them."""
+    out = tmp_path / "out"
+    env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.05"}
+    cmd = [*CLI, "shard", str(src), str(out), "--tp", "8", "--workers", "2", "--buffered-io"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not [p for p in out.glob("*.partial") if p.stat().st_size > 0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = {p.name.removesuffix(".partial") for p in out.glob("model*.partial")} | done_records(out)
+    os.kill(proc.pid, signal.SIGINT)
+    t = time.monotonic()
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130 and "interrupted; what is on disk is kept" in err and "Traceback" not in err
+    assert time.monotonic() - t < 10  # the throttled files take over a minute each
+    time.sleep(1)  # no worker left to write anything
+    written = {p.name.removesuffix(".partial") for p in out.glob("model*")}
+    assert written <= started and len(started) <= 3, (written, started)
+    assert not (out / "manifest.json").exists()
+    res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "8", "--resume"], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    clean = tmp_path / "clean"
+    subprocess.run([*CLI, "shard", str(src), str(clean), "--tp", "8"], check=True, capture_output=True)
+    for p in clean.glob("model*"):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"), "--json")
+    assert_clean_error(code, err, "manifest.json: not found")
+    assert json.loads(out) == {"ok": False, "exit_code": 2, "error": err.removeprefix("error: ")}
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"))
+    assert code == 2 and out == ""
