@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from dsv41_convert.config import HF_TO_ARGS, ModelArgs
+from dsv41_convert.config import HF_NAMES, ModelArgs
 from dsv41_convert.errors import PlanError
 
 BLOCK = 32  # the fp8 weight block (quantization_config.weight_block_size) and the activation quant block
-_HF_NAME = {arg: hf for hf, arg in HF_TO_ARGS.items()}
 MAX_LISTED = 12  # tp values listed per requirement
 
 
@@ -51,7 +51,8 @@ class TpRequirement:
 
     def problem(self, tp: int) -> str:
         """`o_groups = 8: wo_a output groups per rank; 8 / 16 is not whole; works at tp 1, 2, 4, 8`."""
-        names = " x ".join(f"{k} (text_config.{_HF_NAME[k]})" if _HF_NAME.get(k, k) != k else k for k in self.keys)
+        names = " x ".join(f"{k} ({HF_NAMES[k]})" if HF_NAMES.get(k, f"text_config.{k}") != f"text_config.{k}" else k
+                           for k in self.keys)  # fmt: skip
         if self.unit == 1:
             why = f"{self.value} / {tp} is not whole"
         else:
@@ -65,6 +66,11 @@ RANK_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")  # rank_file_name's n
 def rank_file_name(rank: int, tp: int) -> str:
     """The file of rank `rank` of a tp-`tp` conversion (upstream convert.py's name)."""
     return f"model{rank}-mp{tp}.safetensors"
+
+
+def rank_file_tps(folder: Path) -> list[int]:
+    """The tp sizes of the rank files in `folder`, sorted; [] for a folder without any."""
+    return sorted({int(m.group(2)) for p in Path(folder).iterdir() if (m := RANK_FILE.fullmatch(p.name))})
 
 
 def tp_requirements(args: ModelArgs) -> list[TpRequirement]:

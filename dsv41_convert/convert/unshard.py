@@ -30,7 +30,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, rank_file_name
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
-from dsv41_convert.convert.tp import RANK_FILE
+from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.convert.transform import DTYPES
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 from dsv41_convert.store.safetensors_header import Header, TensorInfo, pread_exact, read_header
@@ -42,7 +42,7 @@ def rank_tp(folder: Path, tp: int | None = None) -> int:
     """The tp of the rank files in `folder`; with several sets present, `tp` must pick one. VerifyInputError
     where there are none, or the set is incomplete (verify cannot run the model: an input error, as a
     truncated file is)."""
-    found = sorted({int(m.group(2)) for p in Path(folder).iterdir() if (m := RANK_FILE.fullmatch(p.name))})
+    found = rank_file_tps(folder)
     if not found:
         raise VerifyInputError(f"{folder}: no rank files (model{{r}}-mp{{N}}.safetensors); is it a shard output?")
     if tp is not None and tp not in found:
@@ -56,7 +56,7 @@ def rank_tp(folder: Path, tp: int | None = None) -> int:
     return tp
 
 
-def _headers(folder: Path, tp: int) -> list[Header]:
+def rank_headers(folder: Path, tp: int) -> list[Header]:
     """The rank files' headers, rank by rank (`rank_tp` has checked that every file is there)."""
     return [read_header(Path(folder) / rank_file_name(r, tp)) for r in range(tp)]
 
@@ -64,7 +64,7 @@ def _headers(folder: Path, tp: int) -> list[Header]:
 def unshard_names(folder: Path, tp: int | None = None) -> list[str]:
     """Every tensor name of the merged tp-1 state dict (the union of the rank files' names), sorted."""
     tp = rank_tp(folder, tp)
-    return sorted(set().union(*(h.tensors for h in _headers(folder, tp))))
+    return sorted(set().union(*(h.tensors for h in rank_headers(folder, tp))))
 
 
 def _read(fd: int, info: TensorInfo, path: str) -> Tensor:
@@ -101,7 +101,7 @@ def unshard_tensors(folder: Path, names: Iterable[str] | None = None, tp: int | 
     """
     folder = Path(folder)
     tp = rank_tp(folder, tp)
-    headers = _headers(folder, tp)
+    headers = rank_headers(folder, tp)
     args = load_model_args(folder / "config.json")
     wanted = unshard_names(folder, tp) if names is None else list(names)
     fds = [os.open(h.path, os.O_RDONLY) for h in headers]

@@ -126,7 +126,6 @@ def download(
     or other tensors than the shard holds) come back in `report.problems`. A `local_dir` is held alone
     from the first byte written to the end (store/lock.py): a second download into it fails at once.
     """
-    check_repo_id(repo_id)
     if offline():
         report = verify_local(
             repo_id,
@@ -144,6 +143,7 @@ def download(
                 f"whole: {listing(report.problems)}; unset HF_HUB_OFFLINE to fetch the rest"
             )
         return report
+    check_repo_id(repo_id)
     if local_dir is not None:
         Path(local_dir).mkdir(parents=True, exist_ok=True)
     with hold(Path(local_dir)) if local_dir is not None else nullcontext():

@@ -14,18 +14,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dsv41_convert.convert.tp import RANK_FILE
+from dsv41_convert.convert.tp import rank_file_tps
+from dsv41_convert.convert.unshard import rank_headers, rank_tp, unshard_tensors
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.model.load import SAFETENSORS_DTYPES
-from dsv41_convert.store.safetensors_header import Header, pread_exact, read_header
+from dsv41_convert.store.safetensors_header import Header, pread_exact
 
 
 def rank_file_tp(folder: Path) -> int | None:
     """The tp of the rank files in `folder`, None when it holds none (an HF source)."""
-    tps = {int(m.group(2)) for p in Path(folder).iterdir() if (m := RANK_FILE.fullmatch(p.name))}
+    tps = rank_file_tps(folder)
     if len(tps) > 1:
-        raise VerifyInputError(f"{folder}: rank files of several tp sizes {sorted(tps)}; keep one set")
-    return tps.pop() if tps else None
+        raise VerifyInputError(f"{folder}: rank files of several tp sizes {tps}; keep one set")
+    return tps[0] if tps else None
 
 
 class RankWeights:
@@ -38,17 +39,11 @@ class RankWeights:
         tp = rank_file_tp(self.folder)
         if tp is None:
             raise VerifyInputError(f"{self.folder}: no model{{r}}-mp{{N}}.safetensors rank files")
-        self.tp = tp
-        self.headers: list[Header] = [
-            read_header(self.folder / f"model{r}-mp{tp}.safetensors") for r in range(tp)
-        ]  # fmt: skip
+        self.tp = rank_tp(self.folder, tp)  # the whole set, or the missing files named
+        self.headers: list[Header] = rank_headers(self.folder, self.tp)
         self.fds = [os.open(h.path, os.O_RDONLY) for h in self.headers]
 
     def __call__(self, names) -> dict[str, Tensor]:
-        try:
-            from dsv41_convert.convert.unshard import unshard_tensors
-        except ImportError as exc:  # pragma: no cover - until convert/unshard.py (issue 16) is merged
-            raise VerifyInputError("streaming rank files needs dsv41_convert.convert.unshard") from exc
         return unshard_tensors(self.folder, list(names), self.tp)
 
     def rows(self, names, rows: Tensor) -> dict[str, Tensor]:

@@ -111,6 +111,10 @@ def test_verify_of_an_incomplete_or_empty_folder_is_an_input_error(src, sharded,
     assert_clean_error(code, err, "tp 2 needs 2 rank files; missing model1-mp2.safetensors")
     code, _, err = run_cli(monkeypatch, capsys, "verify", str(src), "--reference-logits", str(ref))
     assert_clean_error(code, err, f"{src}: no rank files")
+    out = tmp_path / "streamed.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(incomplete), str(out), "--stream-layers")
+    assert_clean_error(code, err, "tp 2 needs 2 rank files; missing model1-mp2.safetensors")
+    assert not out.exists()
 
 
 def test_rank_files_given_as_a_source(sharded, tmp_path, monkeypatch, capsys):
