@@ -486,6 +486,8 @@ def reference_logits_cmd(
             )  # fmt: skip
         if ref is None:  # a torchrun rank other than 0
             return
+        if as_converted and ref.source_format == "fp8":
+            report.info("--as-converted changes nothing here: an fp8 source holds the converted values already")
         reffile.save(ref, out)
     summary = {
         "out": str(out),
@@ -593,7 +595,10 @@ WorkersOpt = Annotated[
     int, typer.Option("--max-workers", min=1, help="Files fetched at once (and hashed: one per core, 8 at most).")
 ]
 VerifyOnlyOpt = Annotated[
-    bool, typer.Option("--verify-only", help="No network: check the local copy against the download record.")
+    bool,
+    typer.Option(
+        "--verify-only", help="No network: check the local copy against the download record (or huggingface_hub's)."
+    ),
 ]
 
 

@@ -60,6 +60,7 @@ from dsv41_convert.store.manifest import (
     finished,
     read_done,
     remove_stale_temporaries,
+    temporary_target,
     write_done,
     write_manifest,
 )
@@ -174,11 +175,8 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool) -> None:
 
 def _common_output(name: str) -> bool:
     """Written by every share of a conversion into one folder (atomic_write's temporaries included)."""
-    return (
-        name in (DONE_DIR, MANIFEST)
-        or fnmatch(name, FRAGMENT_GLOB)
-        or any(name == s or (name.startswith(s + ".") and name.endswith(".partial")) for s in COMMON_FILES)
-    )
+    name = temporary_target(name) or name
+    return name in (DONE_DIR, MANIFEST, *COMMON_FILES) or fnmatch(name, FRAGMENT_GLOB)
 
 
 def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, str] | None = None) -> list[RankFile]:

@@ -85,13 +85,12 @@ def check_files(
     *,
     workers: int = 4,
     progress: Progress | None = None,
+    where: str = "download record",
 ) -> list[Problem]:
     """Compare each file under `root` with its record: presence, size, then hash (sha256 if LFS, else the git
     blob id), at most `workers` files at a time and no more than file_digest.hash_threads gives. Problems come
-    back in the order of `files`; progress("verify", bytes checked, total) over all of them."""
-    listed = {
-        f.path: (root / f.path, Recorded(f.size, f.sha256, "download record", git_sha1=f.git_sha1)) for f in files
-    }
+    back in the order of `files`, naming the record as `where`; progress("verify", bytes checked, total)."""
+    listed = {f.path: (root / f.path, Recorded(f.size, f.sha256, where, git_sha1=f.git_sha1)) for f in files}
     total = sum(rec.size for _, rec in listed.values())
     hashed: dict[str, int] = {}  # bytes hashed so far, per file
     verified = 0

@@ -18,6 +18,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
 from dsv41_convert.errors import DownloadError
+from dsv41_convert.hub.hf_metadata import hub_metadata
 from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.lock import LOCK_NAME
@@ -151,13 +152,7 @@ def verify_local(
             "download that revision into another folder"
         )
     if record is None:
-        paths = [p for p in _local_paths(place.folder) if _wanted(p, include, exclude)]
-        problems = drop_unwanted(check_checkpoint(place.folder, paths), include, exclude)
-        nbytes = sum((place.folder / p).stat().st_size for p in paths)
-        checks = "headers, index and sizes only: no download record, so no hashes"
-        return DownloadReport(
-            repo_id, rev, None, place.folder, len(paths), nbytes, checks, True, problems=tuple(problems)
-        )
+        return _verify_without_record(repo_id, revision, place.folder, include, exclude, workers, progress)
     if not include and not exclude:  # by default, check what was downloaded
         include, exclude = record.include, record.exclude
     files = selected(record.files, include, exclude)
@@ -174,6 +169,43 @@ def verify_local(
         True,
         problems=tuple(_dedup(problems)),
     )
+
+
+def _verify_without_record(
+    repo_id: str,
+    revision: str | None,
+    folder: Path,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    workers: int,
+    progress: Progress | None,
+) -> DownloadReport:
+    """A folder we did not download: the digests huggingface_hub left where it has them (hf_metadata.py),
+    the headers and the index always. Which of the two ran is said in `checks`."""
+    paths = [p for p in _local_paths(folder) if _wanted(p, include, exclude)]
+    hub = hub_metadata(folder, paths)
+    if revision is not None and COMMIT.fullmatch(revision) and hub.commits - {revision}:
+        raise DownloadError(
+            f"{folder}: downloaded at commit {', '.join(sorted(hub.commits - {revision}))} (per {hub.where}), "
+            f"not {revision}"
+        )
+    problems = check_files(folder, hub.files, workers=workers, progress=progress, where=hub.where)
+    problems += drop_unwanted(check_checkpoint(folder, paths), include, exclude)
+    nbytes = sum((folder / p).stat().st_size for p in paths)
+    if not hub.files:
+        checks = "headers, index and sizes only: no download record, so no hashes"
+    else:
+        unhashed = len(paths) - len(hub.files)
+        checks = (
+            f"sha256 / git ids of {len(hub.files)} files from {hub.where} (no record of ours, so the repo id "
+            f"is not checked){f'; headers only for {unhashed} files it has no digest of' if unhashed else ''}; "
+            "headers, index"
+        )
+    commit = next(iter(hub.commits)) if len(hub.commits) == 1 else None
+    return DownloadReport(
+        repo_id, revision or constants.DEFAULT_REVISION, commit, folder, len(paths), nbytes, checks, True,
+        problems=tuple(_dedup(problems)),
+    )  # fmt: skip
 
 
 def _local_paths(folder: Path) -> list[str]:

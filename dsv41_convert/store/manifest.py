@@ -35,7 +35,13 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-_TEMPORARY = re.compile(r".+\.\d+\.partial")  # atomic_write's NAME.PID.partial
+_TEMPORARY = re.compile(r"(.+)\.\d+\.partial")  # atomic_write's NAME.PID.partial
+
+
+def temporary_target(name: str) -> str | None:
+    """NAME when `name` is atomic_write's temporary NAME.PID.partial, else None."""
+    found = _TEMPORARY.fullmatch(name)
+    return found.group(1) if found else None
 
 
 def remove_stale_temporaries(folder: Path) -> list[str]:
@@ -45,7 +51,7 @@ def remove_stale_temporaries(folder: Path) -> list[str]:
     gone = []
     for where in (Path(folder), Path(folder) / DONE_DIR):
         for path in where.iterdir() if where.is_dir() else ():
-            if _TEMPORARY.fullmatch(path.name) and path.is_file():
+            if temporary_target(path.name) is not None and path.is_file():
                 path.unlink()
                 gone.append(path.name)
     return gone

@@ -21,6 +21,7 @@ from typing import Any
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
+from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import hold
 from dsv41_convert.store.manifest import (
     DONE_DIR,
@@ -130,19 +131,27 @@ def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
     out = Path(out)
     if not out.is_dir():
         raise OutputError(f"{out}: no such folder; gather the rank files and fragments of every machine in it")
+    _nothing_to_merge(out)  # before the lock: a folder of something else (a source checkpoint) gets no lock file
     with hold(out):
         return _merge(out, progress)
+
+
+def _nothing_to_merge(out: Path) -> None:
+    """OutputError when `out` holds neither fragments nor a manifest (nothing `manifest` could do there)."""
+    if any(out.glob(FRAGMENT_GLOB)) or (out / MANIFEST).is_file():
+        return
+    what = " (a Hugging Face checkpoint: `shard` reads it)" if (out / INDEX_NAME).is_file() else ""
+    raise OutputError(
+        f"{out}: no {FRAGMENT_GLOB} files{what}; copy the fragment each `shard --ranks` run left in its OUT, "
+        "with its rank files, into this folder"
+    )
 
 
 def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     frags = read_fragments(out)
     if not frags and (out / MANIFEST).is_file():  # the shares finished together: each saw every file done
         return _already_merged(out)
-    if not frags:
-        raise OutputError(
-            f"{out}: no {FRAGMENT_GLOB} files; copy the fragment each `shard --ranks` run left in its OUT, "
-            "with its rank files, into this folder"
-        )
+    _nothing_to_merge(out)  # again under the lock: a share may have merged and removed them meanwhile
     first_name, first = next(iter(frags.items()))
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)

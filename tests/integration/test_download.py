@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
+from pathlib import Path
 
 import huggingface_hub.constants as hf_constants
 import pytest
@@ -336,3 +337,37 @@ def test_plan_of_a_repo_checks_tp_on_config_json_before_the_shards(hub, tmp_path
     code, _, err = run_cli(monkeypatch, capsys, "plan", "acme/v41", "--tp", "8")
     assert code == 2 and "cannot run at tp" not in err, err  # the fake shard is no V4.1 checkpoint, but it came
     assert list(home.rglob("model-00001-of-00001.safetensors"))
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_verify_only_of_a_folder_huggingface_hub_downloaded_checks_its_hashes(hub, tmp_path, checkpoints, in_cache):
+    """A folder fetched by huggingface_hub alone (no record of ours) is checked against the ETags it kept:
+    a flipped byte is found; without that metadata only the headers are checked, and the report says so."""
+    from huggingface_hub import snapshot_download
+
+    kw = {"cache_dir": tmp_path / "cache"} if in_cache else {"local_dir": tmp_path / "hf"}
+    folder = Path(snapshot_download(REPO, endpoint=hub.url, **kw))
+    assert not (folder / dl.RECORD_NAME).exists()
+    where = {"cache_dir": tmp_path / "cache"} if in_cache else {"local_dir": folder}
+    clean = dl.verify_local(REPO, **where)
+    assert clean.ok and clean.commit == C1 and clean.files == len(checkpoints[C1])
+    assert f"sha256 / git ids of {len(checkpoints[C1])} files" in clean.checks
+
+    bad = shards(checkpoints[C1])[-1]
+    data = bytearray((folder / bad).read_bytes())
+    data[-1] ^= 0x01  # in the last tensor's bytes: the header stays valid, only the hash can tell
+    (folder / bad).resolve().write_bytes(bytes(data))
+    (folder / "config.json").resolve().write_text("{}\n")  # a plain git blob: its git id tells
+    verdict = dl.verify_local(REPO, **where)
+    assert sorted((p.path, p.kind) for p in verdict.problems) == [("config.json", "git-sha1"), (bad, "sha256")]
+    assert ("HF cache's blob names" if in_cache else ".cache/huggingface/download") in verdict.checks
+    other_commit = rf"snapshots/{C0}: no such folder" if in_cache else rf"downloaded at commit {C1}.*not {C0}"
+    with pytest.raises(DownloadError, match=other_commit):
+        dl.verify_local(REPO, revision=C0, **where)
+
+    if not in_cache:  # the metadata gone: headers only, said so, and the flipped byte goes unseen
+        import shutil
+
+        shutil.rmtree(folder / ".cache")
+        blind = dl.verify_local(REPO, local_dir=folder)
+        assert "no download record, so no hashes" in blind.checks and blind.ok

@@ -229,3 +229,13 @@ def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path
     assert json.loads(out) == {"ok": False, "exit_code": 2, "error": err.removeprefix("error: ")}
     code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"))
     assert code == 2 and out == ""
+
+
+def test_manifest_of_a_source_folder_writes_nothing_there(src, monkeypatch, capsys):
+    """`manifest SRC` on a Hugging Face checkpoint (nothing to merge) says what the folder is and leaves it
+    as it was: no lock file, no done-records folder."""
+    before = sorted(p.relative_to(src) for p in src.rglob("*")), src.stat().st_mtime_ns
+    time.sleep(0.01)  # a file made and removed would move the folder's mtime
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(src))
+    assert_clean_error(code, err, "no manifest-fragment-*.json files (a Hugging Face checkpoint")
+    assert (sorted(p.relative_to(src) for p in src.rglob("*")), src.stat().st_mtime_ns) == before

@@ -41,8 +41,11 @@ def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(src, tmp_pa
         code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out))
     assert code == 2 and f"error: {out.resolve()}: exists; pass --overwrite to replace it" in err
     assert out.read_bytes() == b"precious"
-    code, _, _ = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), *once, "--overwrite")
-    assert code == 0 and out.read_bytes() == first  # and the same run, the same bytes
+    code, _, err = run_cli(
+        monkeypatch, capsys, "reference-logits", str(src), str(out), *once, "--overwrite", "--as-converted"
+    )
+    assert code == 0 and out.read_bytes() == first  # and the same run, the same bytes (--as-converted: no-op)
+    assert "--as-converted changes nothing here: an fp8 source" in err
     assert len(reffile.load(out, 128).runs) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors"]
 
