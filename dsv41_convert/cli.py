@@ -752,6 +752,17 @@ def _input_error(message: str) -> None:
     sys.exit(2)
 
 
+RESUMABLE = {"shard": "--resume", "export": "--resume", "download": "running it again"}
+
+
+def interrupted_message(command: list[str]) -> str:
+    """What Ctrl-C left: for a command that writes in steps, how to go on; for the others, nothing written."""
+    name = command[0] if command else ""
+    if name in RESUMABLE:
+        return f"interrupted; what is on disk is kept: {name} continues it with {RESUMABLE[name]}"
+    return "interrupted" + ("; nothing was written" if name in ("verify", "plan", "check") else "")
+
+
 def main() -> None:
     """Entry point: ConvertError -> `error: ...` on stderr and exit 2, and so an OSError (the system refused a
     path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130; anything else
@@ -773,7 +784,7 @@ def main() -> None:
         exc.show()
         sys.exit(2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code)
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
-        report.error("interrupted; what is on disk is kept: shard and export continue it with --resume")
+        report.error(interrupted_message(sys.argv[1:2]))
     if isinstance(code, int) and code:
         sys.exit(code)
 

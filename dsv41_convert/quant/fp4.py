@@ -7,6 +7,7 @@ stores the same bytes as I8. Codes 0 and 8 are +0 and -0: compare decoded values
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -54,9 +55,14 @@ def encode_e2m1(x: Tensor) -> Tensor:
     return code.to(torch.uint8) | sign
 
 
-# The code of every bf16 bit pattern (read as uint16), made by `encode_e2m1` itself: a gather through
-# it gives encode_e2m1's codes for a bf16 input without its binary search (about 25x slower).
-_E2M1_OF_BF16 = encode_e2m1(torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16))
+@functools.cache
+def _e2m1_of_bf16() -> Tensor:
+    """The code of every bf16 bit pattern (read as uint16), made by `encode_e2m1` itself: a gather through
+    it gives encode_e2m1's codes for a bf16 input without its binary search (about 25x slower).
+    -> [65536] uint8. Made at first use, not at import: 65536 elements start torch's OpenMP pool, and a
+    process forked after that (verify's ranks come from a fork server that imports this module) hangs in
+    its first parallel op."""
+    return encode_e2m1(torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16))
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
@@ -183,13 +189,13 @@ def _encode_e2m1_scaled_bf16(w: Tensor, s: Tensor) -> Tensor:
 
     w / s only moves the exponent, so wherever it is a normal float32 it is exact in bf16 too, and
     w * bf16(1/s) gives it in bf16 (1/s is exact for s in [2**-126, 2**127]); below 2**-126 both give
-    code 0 or 8 with w's sign. The code is then a gather through _E2M1_OF_BF16.
+    code 0 or 8 with w's sign. The code is then a gather through _e2m1_of_bf16().
 
     w: [..., G, B]  bfloat16 (CPU);  s: [..., G, 1]  float32 powers of two
     -> [..., G, B]  uint8 codes 0..15
     """
     y = w * (1.0 / s).bfloat16()
-    return _E2M1_OF_BF16.index_select(0, y.reshape(-1).view(torch.uint16).int()).view(y.shape)
+    return _e2m1_of_bf16().index_select(0, y.reshape(-1).view(torch.uint16).int()).view(y.shape)
 
 
 def decode_mxfp4(packed: Tensor, s: Tensor, block: int = 32, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -212,9 +218,9 @@ def decode_mxfp4(packed: Tensor, s: Tensor, block: int = 32, dtype: torch.dtype 
             f"decode_mxfp4: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}"
         )
     if dtype == torch.bfloat16 and packed.device.type == "cpu" and block % 2 == 0 and inp % block == 0:
-        # (scale byte, packed byte) -> the two bf16 values, from _MXFP4_BF16 (made by the float path)
+        # (scale byte, packed byte) -> the two bf16 values, from _mxfp4_bf16_table() (the float path's)
         idx = (s.view(torch.uint8).int() << 8).unsqueeze(-1) + packed.view(torch.uint8).unflatten(-1, (-1, block // 2))
-        return _MXFP4_BF16.index_select(0, idx.view(-1)).view(torch.bfloat16).view(*packed.shape[:-1], inp)
+        return _mxfp4_bf16_table().index_select(0, idx.view(-1)).view(torch.bfloat16).view(*packed.shape[:-1], inp)
     return _decode_mxfp4_float(packed, s, block, dtype)
 
 
@@ -228,15 +234,13 @@ def _decode_mxfp4_float(packed: Tensor, s: Tensor, block: int, dtype: torch.dtyp
     return v.flatten(-2)[..., :inp].to(dtype)
 
 
+@functools.cache
 def _mxfp4_bf16_table() -> Tensor:
     """The two bf16 values of every (e8m0 scale byte, packed byte), by the float path: row = scale byte
     (255 is NaN), column = packed byte; each pair as one int32, so the layout round-trips on any byte order.
 
-    -> [256 * 256]  int32, index scale byte * 256 + packed byte
+    -> [256 * 256]  int32, index scale byte * 256 + packed byte. Made at first use (see _e2m1_of_bf16).
     """
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(256, 256)
     s = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu).view(256, 1)
     return _decode_mxfp4_float(packed, s, 512, torch.bfloat16).view(torch.int32).reshape(-1)
-
-
-_MXFP4_BF16 = _mxfp4_bf16_table()

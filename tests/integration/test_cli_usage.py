@@ -94,3 +94,13 @@ def test_source_neither_folder_nor_repo_id_is_refused_before_any_download(tmp_pa
     assert f"error: {missing}: no such folder, and not a Hub repo id" in proc.stderr
     assert "download" not in proc.stdout + proc.stderr.replace("not a Hub repo id", "")
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_message_fits_the_command():
+    """Only the commands that continue what an interrupted run left are told to (verify wrote nothing)."""
+    from dsv41_convert.cli import interrupted_message
+
+    assert interrupted_message(["shard"]).endswith("shard continues it with --resume")
+    assert interrupted_message(["export"]).endswith("export continues it with --resume")
+    assert interrupted_message(["verify"]) == "interrupted; nothing was written"
+    assert "--resume" not in interrupted_message(["reference-logits"])
