@@ -20,6 +20,7 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -50,6 +51,7 @@ from dsv41_convert.convert.write import (
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
+from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.journal import journal_path
 from dsv41_convert.store.lock import hold, is_lock_entry
 from dsv41_convert.store.manifest import (
@@ -149,22 +151,30 @@ def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str]
         )
 
 
+HF_SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a Hugging Face checkpoint's shard names
+
+
 def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool) -> None:
-    """A folder holds one conversion: rank files (or their partials) in OUT that a shard plan does not write,
-    another tp's, are removed with their records where `remove` (--overwrite, the folder held alone), else
-    an OutputError names them (they would make verify ask which tp and pass `check` unlisted)."""
+    """A folder holds one conversion. What OUT holds of another (rank files of another tp, or an export's
+    shards and index beside rank files, or rank files and hf_config.json beside an export's shards, and
+    their .partial files) is removed with its records where `remove` (--overwrite, the folder held alone),
+    else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files."""
     mine = {f.file for f in plan.files}
-    if not all(RANK_FILE.fullmatch(name) for name in mine):
-        return  # an export: its files are no rank files
+    shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
+    foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
     others = sorted(
-        p.name for p in out.iterdir() if RANK_FILE.fullmatch(n := p.name.removesuffix(".partial")) and n not in mine
+        p.name
+        for p in out.iterdir()
+        if (n := p.name.removesuffix(".partial")) not in mine
+        and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
     )
     if not others:
         return
     if not remove:
+        what = f"tp {plan.tp} rank files" if shard_plan else "an export"
         raise OutputError(
-            f"{out.resolve()}: holds rank files of another conversion ({', '.join(others[:3])}"
-            f"{', ...' if len(others) > 3 else ''}), not of this plan (tp {plan.tp}); remove them, or pass "
+            f"{out.resolve()}: holds files of another conversion ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}), not of this one ({what}); remove them, or pass "
             "--overwrite (alone) to replace them"
         )
     for name in others:

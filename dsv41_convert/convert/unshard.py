@@ -67,6 +67,42 @@ def unshard_names(folder: Path, tp: int | None = None) -> list[str]:
     return sorted(set().union(*(h.tensors for h in rank_headers(folder, tp))))
 
 
+def replica_mismatches(folder: Path, tp: int) -> list[str]:
+    """Every replicated tensor (split NONE: norms, gates, the aligner ...) whose bytes or header entry differ
+    between the rank files of `folder`, as 'NAME: replicated, but ranks [r, ...] differ from rank 0'.
+    Reads those tensors only, one at a time (at most two copies in memory: rank 0's and one other's).
+
+    Every rank runs its own copy, so a copy damaged on one rank changes that rank's partial sums only a
+    little, often within a tolerance; this compares the bytes themselves."""
+    headers = rank_headers(folder, rank_tp(folder, tp))
+    found = []
+    for name, info in sorted(headers[0].tensors.items()):
+        if match_rule(name).split is not Split.NONE:
+            continue
+        first = _raw(headers[0], info)
+        differ = [
+            r
+            for r in range(1, tp)
+            if (other := headers[r].tensors.get(name)) is None
+            or (other.dtype, other.shape) != (info.dtype, info.shape)
+            or _raw(headers[r], other) != first
+        ]
+        if differ:
+            found.append(f"{name}: replicated, but ranks {differ} differ from rank 0")
+    return found
+
+
+def _raw(header: Header, info: TensorInfo) -> bytearray:
+    buf = bytearray(info.nbytes)
+    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        if buf:
+            pread_exact(fd, memoryview(buf), info.begin, header.path)
+    finally:
+        os.close(fd)
+    return buf
+
+
 def _read(fd: int, info: TensorInfo, path: str) -> Tensor:
     """One tensor of a rank file in its file dtype.
 

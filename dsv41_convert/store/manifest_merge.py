@@ -131,7 +131,8 @@ def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
     out = Path(out)
     if not out.is_dir():
         raise OutputError(f"{out}: no such folder; gather the rank files and fragments of every machine in it")
-    _nothing_to_merge(out)  # before the lock: a folder of something else (a source checkpoint) gets no lock file
+    if (out / INDEX_NAME).is_file():  # a source checkpoint gets no lock file (one being written does: in use)
+        _nothing_to_merge(out)
     with hold(out):
         return _merge(out, progress)
 

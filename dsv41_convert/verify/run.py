@@ -25,7 +25,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
-from dsv41_convert.convert.unshard import rank_tp
+from dsv41_convert.convert.unshard import rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile, teacher
@@ -205,6 +205,11 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
         result.checks.append(_reference_check(result, blockers, ref))
         if out.twin_runs is not None:
             result.checks.append(_twin_check(result))
+    if tp > 1 and not isinstance(out, LoadFailure):
+        t2 = time.perf_counter()
+        say("replicas: the tensors every rank holds, byte for byte across the rank files")
+        result.failures += [f"replicas: {m}" for m in replica_mismatches(conv, tp)]
+        seconds["replicas"] = time.perf_counter() - t2
     replay_runs = None
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
         t2 = time.perf_counter()
@@ -305,10 +310,25 @@ def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: 
             ref_hidden, rtol = [r.hidden for r in out.twin_runs], 0.0
         elif replay_runs is not None and any(f.startswith("replay") for f in result.failures):
             conv_hidden, rtol = [r.hidden for r in replay_runs], 0.0
+        exact_pair = out.twin_runs is not None or rtol == 0.0
         if any(ref_hidden):
             loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
         backbone_failed = any("draft" not in f.split(":")[0] for f in result.failures)
-        if loc.module is None and not backbone_failed:
+        replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
+        taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
+        if replicas:  # the bytes themselves say where
+            loc.module = replicas[0].rsplit(".", 1)[0]
+            loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
+        elif taught:
+            loc.module = min(taught, key=localize.module_order)
+            loc.note = "the first module the teacher check failed"
+        elif not exact_pair and ref.tp != tp:
+            loc.module = None
+            loc.note = (
+                f"not localized: the reference ran at tp {ref.tp} and the rank files at tp {tp}, so every "
+                "module's output differs by reduction noise; a reference at this tp, or --reference SRC, localizes"
+            )
+        elif loc.module is None and not backbone_failed:
             loc.module = "mtp"
             loc.note = "the backbone agrees; the DSpark stages (mtp.*) differ"
         elif loc.module is None and any(ref_hidden):

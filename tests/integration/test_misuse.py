@@ -138,12 +138,38 @@ def test_conflicting_or_empty_options(src, sharded, tmp_path, monkeypatch, capsy
 def test_rank_files_of_another_tp_are_refused_on_resume_and_replaced_on_overwrite(src, sharded, tmp_path):
     out = copy_of(sharded, tmp_path / "out")
     res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "4", "--resume"], capture_output=True, text=True)
-    assert res.returncode == 2 and "holds rank files of another conversion (model0-mp2.safetensors" in res.stderr
+    assert res.returncode == 2 and "holds files of another conversion (model0-mp2.safetensors" in res.stderr
     assert not list(out.glob("*-mp4.*"))
     subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "4", "--overwrite"], check=True, capture_output=True)
     assert sorted(p.name for p in out.glob("model*")) == [f"model{r}-mp4.safetensors" for r in range(4)]
     assert done_records(out) == {f"model{r}-mp4.safetensors" for r in range(4)}
     assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+
+def test_an_export_and_rank_files_never_share_a_folder(src, sharded, tmp_path):
+    """export into a folder of rank files (and shard into an export's folder): refused on --resume, naming
+    the other conversion's files; --overwrite removes them with their records. Before, both were kept beside
+    the new files, `check` passed the mix and verify failed to load it."""
+    out = copy_of(sharded, tmp_path / "out")
+    export = [*CLI, "export", str(src), str(out), "--format", "bf16"]
+    res = subprocess.run([*export, "--resume"], capture_output=True, text=True)
+    assert res.returncode == 2 and "holds files of another conversion (hf_config.json, model0-mp2" in res.stderr
+    assert not list(out.glob("model-*"))
+    subprocess.run([*export, "--overwrite"], check=True, capture_output=True)
+    assert not list(out.glob("*-mp2.*")) and not (out / "hf_config.json").exists()
+    assert not [n for n in done_records(out) if "-mp2" in n]
+    assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+    shard = [*CLI, "shard", str(src), str(out), "--tp", "2"]
+    res = subprocess.run([*shard, "--resume"], capture_output=True, text=True)
+    assert res.returncode == 2 and "(model-00001-of-" in res.stderr
+    subprocess.run([*shard, "--overwrite"], check=True, capture_output=True)
+    assert sorted(p.name for p in out.glob("model*")) == ["model0-mp2.safetensors", "model1-mp2.safetensors"]
+    assert done_records(out) == {"model0-mp2.safetensors", "model1-mp2.safetensors"}
+    assert all(
+        a.read_bytes() == b.read_bytes()
+        for a, b in zip(sorted(out.glob("model*")), sorted(sharded.glob("model*")), strict=True)
+    )
 
 
 def test_resume_removes_the_temporaries_of_a_run_killed_while_writing_a_small_file(src, sharded, tmp_path):

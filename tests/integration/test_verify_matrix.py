@@ -358,3 +358,32 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     for rank in range(2):
         _edit(bad, rank, 2, lambda t: t.__setitem__(name, t[name] * 1.5))
     assert _verify(bad, ref).verdict == "FAIL"
+
+
+def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:
+    _edit(d, tp - 1, tp, _bump_byte("layers.1.ffn_norm.weight", (2,)))  # the low byte of a bf16: its last mantissa bits
+
+
+def test_a_replica_damaged_on_one_rank_fails_where_the_teacher_sees_only_noise(m):
+    """tp-4 rank files against a tp-2 reference (the teacher check decides): one bit of a norm weight on the
+    last rank only moves that rank's partial sums within the teacher's noise bound; the replicas check
+    compares the copies' bytes and fails, naming the tensor, and localizes to it."""
+    d = m.faulty("replica_low_bit_on_one_rank", 4)
+    replica_low_bit_on_one_rank(m, d, 4)
+    result = _verify(d, m.reference("tpN", 2))
+    assert result.verdict == "FAIL", result.checks
+    assert "replicas: layers.1.ffn_norm.weight: replicated, but ranks [3] differ from rank 0" in result.failures
+    assert result.localization.module == "layers.1.ffn_norm"
+    clean = _verify(m.shard(4), m.reference("tpN", 2))
+    assert clean.verdict == "PASS" and not [f for f in clean.failures if f.startswith("replicas")]
+
+
+def test_across_tp_the_teacher_localizes_not_the_noise(m):
+    """A doubled block scale in layer 1's attention, tp-4 files against a tp-2 reference: the module named
+    is the one the teacher check failed (the hidden states alone differ from layer 0 on, by reduction noise,
+    and were reported as layers.0.ffn)."""
+    d = m.faulty("fp8_block_scale_changed", 4)
+    fp8_block_scale_changed(m, d, 4)
+    result = _verify(d, m.reference("tpN", 2))
+    assert result.verdict == "FAIL" and any(f.startswith("teacher layers.1.attn") for f in result.failures)
+    assert result.localization.module == "layers.1.attn", result.localization
