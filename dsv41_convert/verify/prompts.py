@@ -84,7 +84,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             )
         decode_ids = obj.get("decode_ids")
         if decode_ids is not None and (
-            not isinstance(decode_ids, list) or not decode_ids or not all(isinstance(t, int) for t in decode_ids)
+            not isinstance(decode_ids, list) or not decode_ids or not all(_token_id(t) for t in decode_ids)
         ):
             raise VerifyInputError(f"{where}: decode_ids must be a non-empty list of integers")
         if ("input_ids" in obj) == ("text" in obj):
@@ -96,7 +96,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             image = str((path.parent / image) if not Path(image).is_absolute() else Path(image))
         if "input_ids" in obj:
             ids = obj["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(_token_id(t) for t in ids):
                 raise VerifyInputError(f"{where}: input_ids must be a non-empty list of integers")
             if image is not None:
                 raise VerifyInputError(f"{where}: image goes with a text prompt, not with input_ids")
@@ -130,3 +130,8 @@ def _tokenizer(path: Path | None, where: str):
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception subclasses for a bad file
         raise VerifyInputError(f"{path}: not a readable tokenizer.json ({exc})") from exc
+
+
+def _token_id(value: object) -> bool:
+    """A JSON integer (true and false are bools to JSON, ints to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -159,6 +159,12 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
         src = Path(opts.reference)
         src_args = load_model_args(src / "config.json")
         _check_same_model(src_args, conv_args, src, conv)
+        if src_args.expert_dtype == "fp8" and conv_args.expert_dtype == "fp4":  # before minutes of reference
+            raise VerifyInputError(
+                f"{src}: its routed experts are fp8 (an `export --format fp8` checkpoint) and {conv}'s are fp4: "
+                "no conversion of it holds these rank files; verify against the source they were made from, or "
+                "`export --format fp8-fp4` it first"
+            )
         tokenizer = conv / "tokenizer.json"
         prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
         src_ref = compute_reference(src, prompts, opts.n_decode, opts.max_seq_len, opts.device, True, say)

@@ -265,3 +265,19 @@ def test_manifest_of_a_source_folder_writes_nothing_there(src, monkeypatch, caps
     code, _, err = run_cli(monkeypatch, capsys, "manifest", str(src))
     assert_clean_error(code, err, "no manifest-fragment-*.json files (a Hugging Face checkpoint")
     assert (sorted(p.relative_to(src) for p in src.rglob("*")), src.stat().st_mtime_ns) == before
+
+
+def test_verify_against_a_source_with_fp8_experts_is_refused_before_the_reference(
+    src, sharded, tmp_path, monkeypatch, capsys
+):
+    """fp4 rank files against an `export --format fp8` checkpoint: no conversion of it holds them; said at
+    once (it computed the whole reference, then failed to cut a [2, 8] scale into [64, 8])."""
+    fp8 = tmp_path / "fp8"
+    subprocess.run([*CLI, "export", str(src), str(fp8), "--format", "fp8"], check=True, capture_output=True)
+
+    def no_compute(*_args, **_kwargs):
+        raise AssertionError("the refusal must come before the reference")
+
+    monkeypatch.setattr("dsv41_convert.verify.run.compute_reference", no_compute)
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference", str(fp8))
+    assert_clean_error(code, err, f"{fp8}: its routed experts are fp8", "export --format fp8-fp4")

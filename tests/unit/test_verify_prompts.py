@@ -41,6 +41,8 @@ def test_jsonl_ids_and_text(tmp_path):
         (json.dumps({"input_ids": [1], "decode_ids": []}), r"decode_ids must be a non-empty list"),
         (json.dumps({"input_ids": [1], "decode_ids": [3, "x"]}), r"decode_ids must be a non-empty list"),
         (json.dumps({"input_ids": [1], "decode_ids": [3, 512]}), r"\[512\] outside the vocabulary"),
+        (json.dumps({"input_ids": [True, 2, 3]}), r"input_ids must be a non-empty list of integers"),
+        (json.dumps({"input_ids": [1], "decode_ids": [False]}), r"decode_ids must be a non-empty list"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path, line, match):
