@@ -30,7 +30,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, rank_file_name
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
-from dsv41_convert.convert.tp import rank_file_tps
+from dsv41_convert.convert.tp import RANK_FILE, rank_file_tps
 from dsv41_convert.convert.transform import DTYPES
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 from dsv41_convert.store.safetensors_header import Header, TensorInfo, pread_exact, read_header
@@ -53,6 +53,13 @@ def rank_tp(folder: Path, tp: int | None = None) -> int:
     missing = [name for r in range(tp) if not (Path(folder) / (name := rank_file_name(r, tp))).is_file()]
     if missing:
         raise VerifyInputError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}")
+    stray = sorted(
+        p.name
+        for p in Path(folder).iterdir()
+        if (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) == tp and int(m[1]) >= tp
+    )
+    if stray:
+        raise VerifyInputError(f"{folder}: {', '.join(stray)}: no such rank in a tp-{tp} conversion; remove it")
     return tp
 
 

@@ -35,6 +35,8 @@ class CheckResult:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """OUT/manifest.json, checked for shape; VerifyInputError names what is wrong."""
     path = Path(folder) / MANIFEST
+    if not Path(folder).is_dir():
+        raise VerifyInputError(f"{folder}: {'not a folder' if Path(folder).exists() else 'no such folder'}")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -58,11 +60,36 @@ def check_folder(folder: Path, progress: Progress | None = None, threads: int | 
     """Check sizes, then sha256, of every file in the manifest, `threads` files at a time (None: one per
     usable core, file_digest.hash_threads). -> CheckResult (ok when no problems), files in name order."""
     folder = Path(folder)
-    files = read_manifest(folder)["files"]
+    manifest = read_manifest(folder)
+    files = manifest["files"]
     listed = {
         name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in sorted(files.items())
     }
     result = CheckResult(str(folder))
+    result.problems += unlisted(folder, manifest)
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)
     return result
+
+
+def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
+    """What the manifest should list and does not: a rank file of its own tp (a shard manifest), and any
+    .safetensors file in the folder (another conversion's, or one copied in): verify would load or ask about
+    it, so a folder holding it is not the conversion the manifest describes."""
+    from dsv41_convert.convert.tp import rank_file_name
+
+    files = manifest["files"]
+    tp = manifest.get("options", {}).get("tp") if isinstance(manifest.get("options"), dict) else None
+    problems = []
+    if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0:
+        problems += [
+            f"{name}: a tp-{tp} conversion's rank file, not listed in {MANIFEST}"
+            for r in range(tp)
+            if (name := rank_file_name(r, tp)) not in files
+        ]
+    problems += [
+        f"{p.name}: in the folder but not in {MANIFEST} (another conversion's file?)"
+        for p in sorted(folder.glob("*.safetensors"))
+        if p.name not in files and not any(x.startswith(f"{p.name}:") for x in problems)
+    ]
+    return problems

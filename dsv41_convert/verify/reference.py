@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.verify.launch import launch
@@ -137,6 +138,7 @@ def compute_reference_ranks(
     say = progress or (lambda _msg: None)
     src = Path(src)
     args = load_model_args(src / "config.json")
+    check_tp(args, tp, str(src / "config.json"))  # here, not in each rank after the launch
     inputs = [model_input(p, args) for p in prompts]
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")

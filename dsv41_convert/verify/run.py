@@ -25,7 +25,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
-from dsv41_convert.convert.unshard import rank_tp, replica_mismatches
+from dsv41_convert.convert.unshard import rank_headers, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile, teacher
@@ -136,6 +136,21 @@ def _check_same_model(src_args: ModelArgs, conv_args: ModelArgs, src: Path, conv
         raise VerifyInputError(f"{conv} was not converted from {src}: config differs in {differ[:8]}")
 
 
+def _config_fits_rank_files(conv: Path, args: ModelArgs, tp: int) -> None:
+    """VerifyInputError when CONVERTED/config.json's vocab_size or dim is not what its rank files hold (an
+    edited or swapped config, which was reported as a problem of the reference file)."""
+    embed = rank_headers(conv, tp)[0].tensors.get("embed.weight")
+    if embed is None or len(embed.shape) != 2:
+        return  # the model's load reports it, naming the file
+    rows, dim = embed.shape
+    if (rows * tp, dim) != (args.vocab_size, args.dim):
+        raise VerifyInputError(
+            f"{conv / 'config.json'}: vocab_size {args.vocab_size}, dim {args.dim}, but its rank files hold "
+            f"embed.weight [{rows}, {dim}] per rank (vocab {rows * tp} at tp {tp}): not the config these rank "
+            "files were written with"
+        )
+
+
 def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResult | None:
     """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError for
     unusable inputs (exit 2); a mismatch, including a shard that does not load, is a failed result."""
@@ -143,11 +158,14 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     conv = Path(opts.converted)
     if (opts.reference is None) == (opts.reference_logits is None):
         raise VerifyInputError("give exactly one of --reference SRC and --reference-logits FILE")
+    if not conv.is_dir():
+        raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
     if not (conv / "config.json").is_file():
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
     conv_args = load_model_args(conv / "config.json")
     tp = rank_tp(conv, opts.tp)
     check_tp(conv_args, tp, str(conv / "config.json"))
+    _config_fits_rank_files(conv, conv_args, tp)
     launcher.backend_for(opts.device)
     threads = opts.threads or launcher.default_threads(tp)
     if opts.device == "cpu":

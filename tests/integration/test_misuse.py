@@ -281,3 +281,31 @@ def test_verify_against_a_source_with_fp8_experts_is_refused_before_the_referenc
     monkeypatch.setattr("dsv41_convert.verify.run.compute_reference", no_compute)
     code, _, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference", str(fp8))
     assert_clean_error(code, err, f"{fp8}: its routed experts are fp8", "export --format fp8-fp4")
+
+
+def test_an_edited_config_of_the_rank_files_is_named_not_the_reference(sharded, tmp_path, monkeypatch, capsys):
+    """vocab_size changed in OUT/config.json: the error names that file against the rank files' shapes (it
+    blamed the reference file's logits)."""
+    bad = copy_of(sharded, tmp_path / "bad")
+    edit_config(bad, lambda c: c | {"vocab_size": c["vocab_size"] * 2})
+    ref = tmp_path / "unused.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(bad), "--reference-logits", str(ref))
+    assert_clean_error(code, err, f"{bad / 'config.json'}: vocab_size", "not the config these rank files were written")
+
+
+@pytest.mark.parametrize("command", [["check"], ["verify", "--reference-logits", "r.safetensors"]])
+def test_a_folder_that_does_not_exist_is_called_so(tmp_path, monkeypatch, capsys, command):
+    missing = tmp_path / "nowhere"
+    code, _, err = run_cli(monkeypatch, capsys, command[0], str(missing), *command[1:])
+    assert_clean_error(code, err, f"{missing}: no such folder")
+
+
+def test_reference_at_a_tp_the_model_cannot_run_is_refused_before_the_launch(src, tmp_path, monkeypatch, capsys):
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("refused before the ranks start")
+
+    monkeypatch.setattr("dsv41_convert.verify.reference.launch", no_launch)
+    out = tmp_path / "r.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--tp", "3")
+    assert_clean_error(code, err, f"{src / 'config.json'}: the model cannot run at tp 3")
+    assert "rank 0:" not in err and not out.exists()

@@ -130,3 +130,13 @@ def test_missing_rank_file(shards, tmp_path):
     # an input error (verify exits 2), as a truncated file is: the folder is incomplete, not inconsistent
     with pytest.raises(VerifyInputError, match=r"tp 4 needs 4 rank files; missing model3-mp4\.safetensors"):
         unshard_tensors(bad, ["norm.weight"])
+
+
+def test_a_rank_past_the_tp_is_refused(shards, tmp_path):
+    """model4-mp4 (a copy of another rank dropped in) was ignored: verify passed the folder without a word."""
+    import shutil
+
+    bad = _copy(shards, 4, tmp_path)
+    shutil.copy(bad / "model3-mp4.safetensors", bad / "model4-mp4.safetensors")
+    with pytest.raises(VerifyInputError, match=r"model4-mp4\.safetensors: no such rank in a tp-4 conversion"):
+        unshard_tensors(bad, ["norm.weight"])

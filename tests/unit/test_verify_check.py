@@ -67,3 +67,18 @@ def test_check_cli_reports_the_same_at_any_workers_and_refuses_zero(tmp_path, mo
     assert all(r == reports[0] for r in reports) and reports[0]["problems"][0].startswith("model2-mp4.safetensors")
     code, _, err = run_cli(monkeypatch, capsys, "check", str(folder), "--workers", "0")
     assert code == 2 and "--workers" in err
+
+
+def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path):
+    """A manifest of tp 2 that lists rank 0 only, and a safetensors file nobody listed (another tp's rank
+    file dropped in): both were passed as long as the listed files matched."""
+    folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, "config.json": b"{}"})
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 2}}))
+    (folder / "model0-mp4.safetensors").write_bytes(b"b" * 64)
+    result = check_folder(folder)
+    assert result.problems == [
+        "model1-mp2.safetensors: a tp-2 conversion's rank file, not listed in manifest.json",
+        "model0-mp4.safetensors: in the folder but not in manifest.json (another conversion's file?)",
+    ]
+    assert sorted(result.checked) == ["config.json", "model0-mp2.safetensors"]
