@@ -254,7 +254,7 @@ def shard_cmd(
       dsv41-convert shard ./ckpt ./mp4 --tp 4 --resume
       torchrun --nproc-per-node 8 -m dsv41_convert.cli shard ./ckpt ./mp8 --tp 8
     """
-    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.execute import check_destination, execute
     from dsv41_convert.convert.plan import build_plan, summarize
     from dsv41_convert.errors import PlanError
 
@@ -264,6 +264,7 @@ def shard_cmd(
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
+        check_destination(plan, out, resume, overwrite)
         return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
     _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
@@ -710,10 +711,12 @@ def export_cmd(
       dsv41-convert export ./DeepSeek-V4.1-Flash ./v41-fp8 --format fp8
       dsv41-convert export ./finetuned-bf16 ./finetuned-fp8-fp4 --format fp8-fp4 --resume
     """
+    from dsv41_convert.convert.execute import check_destination
     from dsv41_convert.convert.export import build_export_plan, export, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
     if dry_run:
+        check_destination(ep.plan, out, resume, overwrite)
         summary = summarize_export(ep)
         return report.print_json(summary) if as_json else _plan_table(summary)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:

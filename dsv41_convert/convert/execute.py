@@ -202,6 +202,18 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
     return files[me::world] if world > 1 else files
 
 
+def check_destination(plan: ConversionPlan, out: Path, resume: bool, overwrite: bool) -> None:
+    """What `execute` would refuse about OUT before writing, for --dry-run: nothing is locked or written."""
+    if resume and overwrite:
+        raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
+    out = Path(out)
+    check_output(Path(plan.src), out)
+    if out.is_dir():
+        check_empty(out, resume, overwrite)
+        if not overwrite:
+            _no_other_conversion(plan, out, remove=False)
+
+
 def execute(
     plan: ConversionPlan,
     out: Path,

@@ -309,3 +309,24 @@ def test_reference_at_a_tp_the_model_cannot_run_is_refused_before_the_launch(src
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--tp", "3")
     assert_clean_error(code, err, f"{src / 'config.json'}: the model cannot run at tp 3")
     assert "rank 0:" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("command", [["shard", "OUT", "--tp", "2"], ["export", "OUT", "--format", "bf16"]])
+def test_dry_run_refuses_what_the_run_would(src, sharded, tmp_path, monkeypatch, capsys, command):
+    """--dry-run said yes (exit 0) to an OUT inside SRC, a file, and a non-empty folder the run refuses."""
+    (tmp_path / "afile").write_text("x")
+    for out, said in [
+        (src / "sub", "the output folder is the source folder"),
+        (tmp_path / "afile", "exists and is not a folder"),
+        (sharded, "not empty"),
+    ]:
+        args = [a.replace("OUT", str(out)) for a in command]
+        code, _, err = run_cli(monkeypatch, capsys, args[0], str(src), *args[1:], "--dry-run")
+        assert_clean_error(code, err, said)
+    assert not (src / "sub").exists()
+    resume = [a.replace("OUT", str(sharded)) for a in command]
+    code, _, err = run_cli(monkeypatch, capsys, resume[0], str(src), *resume[1:], "--dry-run", "--resume")
+    if command[0] == "shard":
+        assert code == 0, err
+    else:  # an export into rank files: the other conversion's files are named, as the run names them
+        assert_clean_error(code, err, "holds files of another conversion")
