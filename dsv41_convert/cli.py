@@ -321,6 +321,10 @@ PromptsOpt = Annotated[
 ]
 VerifyTpOpt = Annotated[int | None, typer.Option("--tp", min=1, help="Rank count (default: from the rank files).")]
 DecodeOpt = Annotated[int, typer.Option("--decode-steps", min=0, help="Greedy decode steps after each prompt.")]
+VerifyDecodeOpt = Annotated[
+    int | None,
+    typer.Option("--decode-steps", min=0, help="With --reference SRC: greedy decode steps after each prompt (3)."),
+]
 MaxSeqOpt = Annotated[int | None, typer.Option("--max-seq-len", min=1, help="Runtime max_seq_len (default: auto).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch threads per process (cores / tp).")]
 AtolOpt = Annotated[float | None, typer.Option("--atol", min=0.0, help="Max |ref - conv| logit difference.")]
@@ -359,7 +363,7 @@ def verify_cmd(
     prompts: PromptsOpt = None,
     device: opts.DeviceOpt = "cpu",
     tp: VerifyTpOpt = None,
-    decode_steps: DecodeOpt = 3,
+    decode_steps: VerifyDecodeOpt = None,
     max_seq_len: MaxSeqOpt = None,
     threads: ThreadsOpt = None,
     atol: AtolOpt = None,

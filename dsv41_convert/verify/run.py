@@ -50,7 +50,7 @@ class VerifyOptions:
     prompts: Path | None = None
     device: str = "cpu"
     tp: int | None = None
-    n_decode: int = DEFAULT_DECODE_STEPS
+    n_decode: int | None = None  # None: DEFAULT_DECODE_STEPS (a reference file fixes its own)
     max_seq_len: int | None = None
     overrides: dict[str, float | None] = field(default_factory=dict)
     localize: bool = True
@@ -185,12 +185,18 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
             )
         tokenizer = conv / "tokenizer.json"
         prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
-        src_ref = compute_reference(src, prompts, opts.n_decode, opts.max_seq_len, opts.device, True, say)
+        n_decode = DEFAULT_DECODE_STEPS if opts.n_decode is None else opts.n_decode
+        src_ref = compute_reference(src, prompts, n_decode, opts.max_seq_len, opts.device, True, say)
         ref = src_ref.reference
         ref_name = str(src)
     else:
-        if opts.prompts is not None:
-            raise VerifyInputError("--prompts goes with --reference SRC; a reference-logits file holds its prompts")
+        given = [o for o, v in (("--prompts", opts.prompts), ("--decode-steps", opts.n_decode),
+                                ("--max-seq-len", opts.max_seq_len)) if v is not None]  # fmt: skip
+        if given:
+            raise VerifyInputError(
+                f"{' and '.join(given)} go(es) with --reference SRC; a reference-logits file fixes its prompts, "
+                "decode steps and max_seq_len (reference-logits sets them)"
+            )
         ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
         if opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:

@@ -330,3 +330,11 @@ def test_dry_run_refuses_what_the_run_would(src, sharded, tmp_path, monkeypatch,
         assert code == 0, err
     else:  # an export into rank files: the other conversion's files are named, as the run names them
         assert_clean_error(code, err, "holds files of another conversion")
+
+
+@pytest.mark.parametrize("option", [["--decode-steps", "5"], ["--max-seq-len", "10"]])
+def test_verify_options_a_reference_file_fixes_are_refused_with_it(sharded, tmp_path, monkeypatch, capsys, option):
+    """--decode-steps / --max-seq-len with --reference-logits were ignored without a word (PASS)."""
+    ref = tmp_path / "unused.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference-logits", str(ref), *option)
+    assert_clean_error(code, err, f"{option[0]} go(es) with --reference SRC")
