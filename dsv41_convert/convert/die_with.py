@@ -50,6 +50,19 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server now, if it is not running, telling it (RUN_ENV, for its start
+    only) that it serves this process: with this module first in its preload it then dies with this
+    process, and so does every process it forks that calls die_with_parent."""
+    import multiprocessing.forkserver
+
+    os.environ[RUN_ENV] = str(os.getpid())
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        del os.environ[RUN_ENV]
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` exists (a zombie counts: its parent has not waited for it yet)."""
     try:

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from dsv41_convert.convert.die_with import RUN_ENV, SharedFiles, alive, die_with_parent
+from dsv41_convert.convert.die_with import SharedFiles, alive, die_with_parent, start_fork_server
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
 from dsv41_convert.convert.tp import RANK_FILE
@@ -586,11 +586,7 @@ def _fork_server(ctx) -> Iterator[None]:
     if ctx.get_start_method() != "forkserver":
         yield
         return
-    os.environ[RUN_ENV] = str(os.getpid())
-    try:
-        mp.forkserver.ensure_running()
-    finally:
-        del os.environ[RUN_ENV]
+    start_fork_server()
     try:
         yield
     finally:

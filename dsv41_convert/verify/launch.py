@@ -21,6 +21,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dsv41_convert import errors
+from dsv41_convert.convert import die_with
 from dsv41_convert.errors import ConvertError, VerifyInputError
 
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -73,19 +75,27 @@ def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, thr
 
     # forkserver: one helper process imports torch and the target's module once, and every rank is
     # forked from it; with "spawn" each rank imports torch itself (seconds of CPU each, 8 ranks on 2 cores)
-    multiprocessing.set_forkserver_preload(["torch", __name__, target.__module__])
+    # die_with first: the server, and each rank (_spawned), die with this process, however it ends
+    multiprocessing.set_forkserver_preload([die_with.__name__, "torch", __name__, target.__module__])
+    die_with.start_fork_server()
     with tempfile.TemporaryDirectory(prefix="dsv41-verify-") as tmp:
         # the payload travels as a file: passed as an argument, every tensor in it would become a
         # shared-memory file descriptor, and a forkserver hands a child at most a few hundred
         torch.save(payload, Path(tmp) / "payload.pt")
         port = _free_port()
-        mp.start_processes(
+        ranks = mp.start_processes(
             _spawned,
             args=(tp, port, backend, device, target, tmp, threads or default_threads(tp)),
             nprocs=tp,
-            join=True,
+            join=False,
             start_method=START_METHOD,
         )
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:  # Ctrl-C or a failed rank: none may outlive this process
+            _stop(ranks.processes)
+            raise
         for rank in range(tp):
             err = Path(tmp) / f"rank{rank}.error"
             if err.exists():
@@ -93,6 +103,20 @@ def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, thr
                 cls = getattr(errors, kind, ConvertError)
                 raise cls(message if tp == 1 else f"rank {rank}: {message}")
         return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
+
+
+def _stop(processes: list, grace_s: float = 5.0) -> None:
+    """SIGTERM every rank still running, SIGKILL those alive `grace_s` later. (A SIGINT to this process
+    alone left the ranks running, and the exit then waited for them forever.)"""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: str) -> Any:
@@ -108,6 +132,7 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
 
 def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, tmp: str, threads: int) -> None:
     """Body of a spawned rank: join the group, run target, leave the result or input error in tmp."""
+    die_with.die_with_parent()  # the fork server, which dies with the verify process
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp))
     os.environ.update(LOCAL_RANK=str(rank))

@@ -338,3 +338,41 @@ def test_verify_options_a_reference_file_fixes_are_refused_with_it(sharded, tmp_
     ref = tmp_path / "unused.safetensors"
     code, _, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference-logits", str(ref), *option)
     assert_clean_error(code, err, f"{option[0]} go(es) with --reference SRC")
+
+
+def _session_processes(sid: int) -> list[str]:
+    ps = subprocess.run(["ps", "-o", "pid=,stat=", "-s", str(sid)], capture_output=True, text=True).stdout.split("\n")
+    return [line for line in ps if line.strip() and "Z" not in line.split()[-1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigint-run-alone", "kill-9"])
+def test_verify_interrupted_leaves_no_rank_running(tmp_path, how):
+    """SIGINT to the verify process alone (a supervisor's stop), or kill -9 of it: it exits and no rank or
+    fork server outlives it (each dies with its parent: die_with.py). Before, a SIGINT as the ranks started
+    could leave one rank and the server running, holding the caller's pipes (by hand: 1 of 3 runs signalled
+    4 s after the start); this test's timing did not reproduce that on the old code, so it guards the
+    behaviour rather than replaying the fault."""
+    src, sharded, ref = tmp_path / "src", tmp_path / "mp2", tmp_path / "ref.safetensors"
+    subprocess.run([*CLI, "make-tiny", str(src)], check=True, capture_output=True)  # its real tokenizer
+    subprocess.run([*CLI, "shard", str(src), str(sharded), "--tp", "2"], check=True, capture_output=True)
+    cmd = [*CLI, "reference-logits", str(src), str(ref), "--tp", "2", "--decode-steps", "1", "--threads", "2"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    verify = [*CLI, "verify", str(sharded), "--reference-logits", str(ref), "--threads", "1"]  # then the teacher
+    # output captured, as a supervisor does: every process holding the pipes must end for it to close
+    proc = subprocess.Popen(verify, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    for line in proc.stderr:  # the signal as the ranks start (where the old code lost them)
+        if line.startswith(b"converted:"):
+            break
+    os.kill(proc.pid, signal.SIGINT if how == "sigint-run-alone" else signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("the pipes stayed open: a rank or the fork server outlived verify") from None
+    assert proc.returncode == (130 if how == "sigint-run-alone" else -9), err
+    deadline = time.monotonic() + 10
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _session_processes(proc.pid)
