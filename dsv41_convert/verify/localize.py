@@ -79,6 +79,13 @@ def scope(module: str, n_layers: int) -> tuple[str, ...]:
     return (f"layers.{i}.",)
 
 
+def module_of(name: str, n_layers: int) -> str | None:
+    """The first module, in forward order, whose `scope` holds the weight `name` (layers.1.attn.wkv.scale ->
+    layers.1.attn, layers.3.ffn_norm.weight -> layers.3.ffn); None for a weight of no module's scope."""
+    modules = ["embed", *(f"layers.{i}.{part}" for i in range(n_layers) for part in ("attn", "ffn")), "head", "mtp"]
+    return next((m for m in modules if name.startswith(scope(m, n_layers))), None)
+
+
 @dataclass(frozen=True)
 class TensorDiff:
     name: str

@@ -347,7 +347,7 @@ def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: 
         replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         if replicas:  # the bytes themselves say where
-            loc.module = replicas[0].rsplit(".", 1)[0]
+            loc.module = localize.module_of(replicas[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
         elif taught:
             loc.module = min(taught, key=localize.module_order)

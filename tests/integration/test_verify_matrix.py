@@ -373,7 +373,7 @@ def test_a_replica_damaged_on_one_rank_fails_where_the_teacher_sees_only_noise(m
     result = _verify(d, m.reference("tpN", 2))
     assert result.verdict == "FAIL", result.checks
     assert "replicas: layers.1.ffn_norm.weight: replicated, but ranks [3] differ from rank 0" in result.failures
-    assert result.localization.module == "layers.1.ffn_norm"
+    assert result.localization.module == "layers.1.ffn"  # ffn_norm feeds it
     clean = _verify(m.shard(4), m.reference("tpN", 2))
     assert clean.verdict == "PASS" and not [f for f in clean.failures if f.startswith("replicas")]
 
