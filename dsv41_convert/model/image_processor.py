@@ -105,8 +105,11 @@ def open_image(source: ImageSource) -> PILImage.Image:
     if isinstance(source, Image.Image):
         return source.convert("RGB")
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
-    with Image.open(io.BytesIO(data)) as img:
-        return img.convert("RGB")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.convert("RGB")
+    except Image.UnidentifiedImageError:
+        raise ValueError("not an image PIL can read (PNG, JPEG, WebP, ...)") from None
 
 
 def load_image(source: ImageSource, args: ModelArgs) -> tuple[torch.Tensor, int, int, int, int]:

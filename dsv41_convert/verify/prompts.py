@@ -38,6 +38,7 @@ class Prompt:
     text: str | None = None
     image: str | None = None  # path of an image placed after the text
     decode_ids: tuple[int, ...] | None = None  # tokens the decode steps feed (streamed reference)
+    origin: str = ""  # FILE:LINE of a prompt file's line, for messages
 
 
 def default_prompts(vocab_size: int, count: int = DEFAULT_COUNT, length: int = DEFAULT_LENGTH) -> list[Prompt]:
@@ -110,7 +111,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             ids = tokenizer.encode(text, add_special_tokens=False).ids
             if not ids and image is None:
                 raise VerifyInputError(f"{where}: text tokenizes to no tokens")
-            prompts.append(Prompt(tuple(ids), f"line-{n}", text=text, image=image))
+            prompts.append(Prompt(tuple(ids), f"line-{n}", text=text, image=image, origin=where))
         if decode_ids is not None:
             prompts[-1] = replace(prompts[-1], decode_ids=tuple(decode_ids))
         bad = [t for t in (*prompts[-1].input_ids, *(decode_ids or ())) if not 0 <= t < vocab_size]

@@ -64,7 +64,7 @@ def model_input(prompt: Prompt, args: ModelArgs) -> ModelInput:
     except (ValueError, OSError) as exc:
         from dsv41_convert.errors import VerifyInputError
 
-        raise VerifyInputError(f"{prompt.label}: image {prompt.image}: {exc}") from exc
+        raise VerifyInputError(f"{prompt.origin or prompt.label}: image {prompt.image}: {exc}") from exc
     return ModelInput(torch.tensor(full), torch.tensor(types), images, prompt.image)
 
 

@@ -68,3 +68,14 @@ def test_out_that_is_a_folder_is_refused(src, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--overwrite")
     assert code == 2 and f"error: {out.resolve()}: is a folder" in err
     assert list(out.iterdir()) == []
+
+
+def test_an_image_that_is_no_image_is_named_by_file_and_line(src, tmp_path, monkeypatch, capsys):
+    """It said `line-1: image ...: cannot identify image file <_io.BytesIO object at 0x...>`."""
+    (tmp_path / "notes.txt").write_text("not a picture")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "hello"}\n{"text": "look", "image": "notes.txt"}\n')
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--prompts", str(prompts))
+    assert code == 2 and f"{prompts}:2: image {tmp_path / 'notes.txt'}: not an image PIL can read" in err, err
+    assert "BytesIO" not in err and not out.exists()
