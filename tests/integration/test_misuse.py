@@ -251,7 +251,7 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
 
 def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"), "--json")
-    assert_clean_error(code, err, "manifest.json: not found")
+    assert_clean_error(code, err, "nope: no such folder")
     assert json.loads(out) == {"ok": False, "exit_code": 2, "error": err.removeprefix("error: ")}
     code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"))
     assert code == 2 and out == ""
