@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 from dsv41_convert.convert.die_with import SharedFiles, alive, die_with_parent, start_fork_server
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
-from dsv41_convert.convert.tp import RANK_FILE
 from dsv41_convert.convert.workers import auto_workers
 from dsv41_convert.convert.write import (
     CHUNK_BYTES,
@@ -67,6 +66,7 @@ from dsv41_convert.store.manifest import (
     write_manifest,
 )
 from dsv41_convert.store.manifest_merge import FRAGMENT_GLOB, SIDECARS, forget_stale, import_fragments, write_fragment
+from dsv41_convert.store.rank_names import RANK_FILE
 
 COMMON_FILES = (*SIDECARS, "config.json", "hf_config.json")
 

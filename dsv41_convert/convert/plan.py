@@ -22,9 +22,10 @@ from typing import Any
 from dsv41_convert.config import load_json, load_model_args
 from dsv41_convert.convert.plan_json import run_json, tensor_json
 from dsv41_convert.convert.rules import Op, Split, expert_prefix, has_scale, scale_name
-from dsv41_convert.convert.tp import check_tp, rank_file_name
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
+from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import layout_blocks
 
 INDEX = "model.safetensors.index.json"

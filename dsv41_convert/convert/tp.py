@@ -22,12 +22,12 @@ leaves tp 1, 2, 4, 8.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.config import HF_NAMES, ModelArgs
 from dsv41_convert.errors import PlanError
+from dsv41_convert.store.rank_names import RANK_FILE
 
 BLOCK = 32  # the fp8 weight block (quantization_config.weight_block_size) and the activation quant block
 MAX_LISTED = 12  # tp values listed per requirement
@@ -58,14 +58,6 @@ class TpRequirement:
         else:
             why = f"{self.value} / {tp} = {self.value / tp:g} is not a multiple of {self.unit}"
         return f"{names} = {self.value}: {self.needs}; {why}; works at tp {_listed(self.working_tps())}"
-
-
-RANK_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")  # rank_file_name's names: (rank, tp)
-
-
-def rank_file_name(rank: int, tp: int) -> str:
-    """The file of rank `rank` of a tp-`tp` conversion (upstream convert.py's name)."""
-    return f"model{rank}-mp{tp}.safetensors"
 
 
 def rank_file_tps(folder: Path) -> list[int]:

@@ -30,9 +30,10 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, rank_file_name
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
-from dsv41_convert.convert.tp import RANK_FILE, rank_file_tps
+from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.convert.transform import DTYPES
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
+from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import Header, TensorInfo, pread_exact, read_header
 
 _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")

@@ -15,9 +15,9 @@ from pathlib import Path
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
-from dsv41_convert.convert.tp import RANK_FILE
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.index import bad_shard_names
+from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
 
 MAX_LINES = 25

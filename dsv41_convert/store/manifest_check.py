@@ -16,6 +16,7 @@ from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.manifest import FORMAT, MANIFEST
+from dsv41_convert.store.rank_names import rank_file_name
 
 
 @dataclass
@@ -76,8 +77,6 @@ def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
     """What the manifest should list and does not: a rank file of its own tp (a shard manifest), and any
     .safetensors file in the folder (another conversion's, or one copied in): verify would load or ask about
     it, so a folder holding it is not the conversion the manifest describes."""
-    from dsv41_convert.convert.tp import rank_file_name
-
     files = manifest["files"]
     tp = manifest.get("options", {}).get("tp") if isinstance(manifest.get("options"), dict) else None
     problems = []
