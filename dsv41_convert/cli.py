@@ -754,9 +754,13 @@ def _input_error(message: str) -> None:
     """`error: message` on stderr, and with --json also {"ok": false, "exit_code": 2, "error": message} on
     stdout (a pipeline that reads stdout gets a document either way); exit 2."""
     report.error(message)
+    _json_error(message)
+    sys.exit(2)
+
+
+def _json_error(message: str) -> None:
     if "--json" in sys.argv[1:]:
         report.print_json({"ok": False, "exit_code": 2, "error": message})
-    sys.exit(2)
 
 
 RESUMABLE = {"shard": "--resume", "export": "--resume", "download": "running it again"}
@@ -772,8 +776,8 @@ def interrupted_message(command: list[str]) -> str:
 
 def main() -> None:
     """Entry point: ConvertError -> `error: ...` on stderr and exit 2, and so an OSError (the system refused a
-    path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130; anything else
-    keeps its traceback."""
+    path); a usage error -> Typer's usage message on stderr and exit 2; with --json either also one document
+    on stdout; Ctrl-C -> exit 130; anything else keeps its traceback."""
     click_exceptions = _click_exceptions()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
@@ -789,7 +793,10 @@ def main() -> None:
         sys.exit(130)
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
         exc.show()
-        sys.exit(2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code)
+        code = 2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code
+        if code == 2:
+            _json_error(exc.format_message())
+        sys.exit(code)
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         report.error(interrupted_message(sys.argv[1:2]))
     if isinstance(code, int) and code:

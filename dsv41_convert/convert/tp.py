@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dsv41_convert.config import HF_NAMES, ModelArgs
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.rank_names import RANK_FILE
+from dsv41_convert.store.rank_names import rank_files_in
 
 BLOCK = 32  # the fp8 weight block (quantization_config.weight_block_size) and the activation quant block
 MAX_LISTED = 12  # tp values listed per requirement
@@ -62,7 +62,7 @@ class TpRequirement:
 
 def rank_file_tps(folder: Path) -> list[int]:
     """The tp sizes of the rank files in `folder`, sorted; [] for a folder without any."""
-    return sorted({int(m.group(2)) for p in Path(folder).iterdir() if (m := RANK_FILE.fullmatch(p.name))})
+    return sorted(rank_files_in(folder))
 
 
 def tp_requirements(args: ModelArgs) -> list[TpRequirement]:

@@ -24,16 +24,9 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-DTYPES = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "F4": torch.float4_e2m1fn_x2,
-}
+from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES
+
+DTYPES = SAFETENSORS_DTYPES  # the converter's name for the one table
 KERNEL_MODULE = "dsv41_convert.kernels.quant_ops"  # same four functions, TileLang on CUDA
 
 

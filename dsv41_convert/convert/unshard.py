@@ -2,6 +2,9 @@
 
     names = unshard_names(folder)                       # cheap: headers only
     state = unshard_tensors(folder, ["layers.3.attn.wq_b.weight", ...])
+    with RankFiles(folder) as ranks:                    # many requests: headers read, files opened once
+        layer = unshard_tensors(ranks, names_of_one_layer)
+        damaged = replica_mismatches(ranks)             # replicated tensors compared byte for byte
 
 Each tensor is rebuilt from the bytes the rank files hold, by its rule's split (rules.py), and nothing
 is re-derived from the source, so the result is what a tp-1 run of these files would load:
@@ -19,6 +22,7 @@ naming the tensor and the ranks: for verify that is a faulty conversion, not an 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable
@@ -28,12 +32,11 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
-from dsv41_convert.convert.plan import PAD_BYTE, rank_file_name
+from dsv41_convert.convert.plan import PAD_BYTE
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
-from dsv41_convert.convert.tp import rank_file_tps
-from dsv41_convert.convert.transform import DTYPES
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
-from dsv41_convert.store.rank_names import RANK_FILE
+from dsv41_convert.quant.file_dtypes import tensor_from_bytes
+from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
 from dsv41_convert.store.safetensors_header import Header, TensorInfo, pread_exact, read_header
 
 _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")
@@ -41,89 +44,115 @@ _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")
 
 def rank_tp(folder: Path, tp: int | None = None) -> int:
     """The tp of the rank files in `folder`; with several sets present, `tp` must pick one. VerifyInputError
-    where there are none, or the set is incomplete (verify cannot run the model: an input error, as a
-    truncated file is)."""
-    found = rank_file_tps(folder)
+    where there are none, or the set is incomplete or has a rank too many (verify cannot run the model: an
+    input error, as a truncated file is)."""
+    sets = rank_files_in(folder)
+    found = sorted(sets)
     if not found:
         raise VerifyInputError(f"{folder}: no rank files (model{{r}}-mp{{N}}.safetensors); is it a shard output?")
-    if tp is not None and tp not in found:
+    if tp is not None and tp not in sets:
         raise VerifyInputError(f"{folder}: no model*-mp{tp}.safetensors files (found tp {found})")
     if tp is None and len(found) != 1:
         raise VerifyInputError(f"{folder}: rank files for tp {found}; pass the tp to pick one")
     tp = tp if tp is not None else found[0]
-    missing = [name for r in range(tp) if not (Path(folder) / (name := rank_file_name(r, tp))).is_file()]
+    missing = [rank_file_name(r, tp) for r in range(tp) if r not in sets[tp]]
     if missing:
         raise VerifyInputError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}")
-    stray = sorted(
-        p.name
-        for p in Path(folder).iterdir()
-        if (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) == tp and int(m[1]) >= tp
-    )
+    stray = [rank_file_name(r, tp) for r in sorted(sets[tp]) if r >= tp]
     if stray:
         raise VerifyInputError(f"{folder}: {', '.join(stray)}: no such rank in a tp-{tp} conversion; remove it")
     return tp
 
 
-def rank_headers(folder: Path, tp: int) -> list[Header]:
-    """The rank files' headers, rank by rank (`rank_tp` has checked that every file is there)."""
-    return [read_header(Path(folder) / rank_file_name(r, tp)) for r in range(tp)]
+class RankFiles:
+    """The rank files of one tp-N conversion in `folder`: the set checked (`rank_tp`), every header read and
+    every file opened once, until close() (or the end of a `with`). Reads are pread on the shared descriptors,
+    so several threads may read at once.
+
+        with RankFiles(folder) as ranks:
+            ranks.tp, ranks.headers[r].tensors[name], ranks.read(r, name)
+    """
+
+    def __init__(self, folder: Path, tp: int | None = None):
+        self.folder = Path(folder)
+        self.tp = rank_tp(self.folder, tp)
+        self.headers: list[Header] = [read_header(self.folder / rank_file_name(r, self.tp)) for r in range(self.tp)]
+        self._fds: list[int] = []
+        try:
+            for h in self.headers:
+                self._fds.append(os.open(h.path, os.O_RDONLY))
+        except OSError:
+            self.close()
+            raise
+
+    @functools.cached_property
+    def args(self) -> ModelArgs:
+        return load_model_args(self.folder / "config.json")
+
+    def names(self) -> list[str]:
+        """Every tensor name of the merged tp-1 state dict (the union of the rank files' names), sorted."""
+        return sorted(set().union(*(h.tensors for h in self.headers)))
+
+    def fd(self, rank: int) -> int:
+        """Rank `rank`'s file, open for reading."""
+        return self._fds[rank]
+
+    def raw(self, rank: int, info: TensorInfo) -> bytearray:
+        """The bytes of tensor `info` of rank `rank`'s file."""
+        buf = bytearray(info.nbytes)
+        if buf:
+            pread_exact(self.fd(rank), memoryview(buf), info.begin, self.headers[rank].path)
+        return buf
+
+    def read(self, rank: int, name: str) -> Tensor:
+        """One tensor of rank `rank`'s file in its file dtype.
+
+        -> info.shape  SAFETENSORS_DTYPES[info.dtype] (F4: float4_e2m1fn_x2 [..., last / 2])
+        """
+        info = self.headers[rank].tensors[name]
+        return tensor_from_bytes(self.raw(rank, info), info.dtype, info.shape)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> RankFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def unshard_names(folder: Path, tp: int | None = None) -> list[str]:
     """Every tensor name of the merged tp-1 state dict (the union of the rank files' names), sorted."""
-    tp = rank_tp(folder, tp)
-    return sorted(set().union(*(h.tensors for h in rank_headers(folder, tp))))
+    with RankFiles(folder, tp) as ranks:
+        return ranks.names()
 
 
-def replica_mismatches(folder: Path, tp: int) -> list[str]:
+def replica_mismatches(ranks: RankFiles) -> list[str]:
     """Every replicated tensor (split NONE: norms, gates, the aligner ...) whose bytes or header entry differ
-    between the rank files of `folder`, as 'NAME: replicated, but ranks [r, ...] differ from rank 0'.
-    Reads those tensors only, one at a time (at most two copies in memory: rank 0's and one other's).
+    between the rank files, as 'NAME: replicated, but ranks [r, ...] differ from rank 0'. Reads those tensors
+    only, one at a time (at most two copies in memory: rank 0's and one other's).
 
     Every rank runs its own copy, so a copy damaged on one rank changes that rank's partial sums only a
     little, often within a tolerance; this compares the bytes themselves."""
-    headers = rank_headers(folder, rank_tp(folder, tp))
+    headers = ranks.headers
     found = []
     for name, info in sorted(headers[0].tensors.items()):
         if match_rule(name).split is not Split.NONE:
             continue
-        first = _raw(headers[0], info)
+        first = ranks.raw(0, info)
         differ = [
             r
-            for r in range(1, tp)
+            for r in range(1, ranks.tp)
             if (other := headers[r].tensors.get(name)) is None
             or (other.dtype, other.shape) != (info.dtype, info.shape)
-            or _raw(headers[r], other) != first
+            or ranks.raw(r, other) != first
         ]
         if differ:
             found.append(f"{name}: replicated, but ranks {differ} differ from rank 0")
     return found
-
-
-def _raw(header: Header, info: TensorInfo) -> bytearray:
-    buf = bytearray(info.nbytes)
-    fd = os.open(header.path, os.O_RDONLY)
-    try:
-        if buf:
-            pread_exact(fd, memoryview(buf), info.begin, header.path)
-    finally:
-        os.close(fd)
-    return buf
-
-
-def _read(fd: int, info: TensorInfo, path: str) -> Tensor:
-    """One tensor of a rank file in its file dtype.
-
-    -> info.shape  DTYPES[info.dtype] (F4: float4_e2m1fn_x2 [..., last / 2]; I8 as int8)
-    """
-    buf = bytearray(info.nbytes)
-    if buf:
-        pread_exact(fd, memoryview(buf), info.begin, path)
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    shape = list(info.shape)
-    if info.dtype == "F4":
-        shape[-1] //= 2
-    return raw.view(DTYPES[info.dtype]).reshape(shape)
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -136,30 +165,26 @@ def _cat(parts: list[Tensor], dim: int) -> Tensor:
     return torch.cat([_bytes(p) for p in parts], dim=dim).view(parts[0].dtype)
 
 
-def unshard_tensors(folder: Path, names: Iterable[str] | None = None, tp: int | None = None) -> dict[str, Tensor]:
-    """Merge the rank files of `folder` back to tp-1 tensors (see the module docstring).
+def unshard_tensors(
+    source: Path | RankFiles, names: Iterable[str] | None = None, tp: int | None = None
+) -> dict[str, Tensor]:
+    """Merge the rank files of `source` (a folder, or its RankFiles kept open) back to tp-1 tensors (see the
+    module docstring).
 
     names: tp-1 state-dict names to merge (None: every name, see unshard_names)
     -> name -> tensor in the rank files' dtype (F4 as float4_e2m1fn_x2 [out, in/2])
     Raises ShardConsistencyError naming the tensor and ranks when the rank files disagree.
     """
-    folder = Path(folder)
-    tp = rank_tp(folder, tp)
-    headers = rank_headers(folder, tp)
-    args = load_model_args(folder / "config.json")
-    wanted = unshard_names(folder, tp) if names is None else list(names)
-    fds = [os.open(h.path, os.O_RDONLY) for h in headers]
-    try:
-        out = {}
-        for name in wanted:
-            holders = [r for r in range(tp) if name in headers[r].tensors]
-            if not holders:
-                raise ShardConsistencyError(f"{name}: in none of the {tp} rank files of {folder}")
-            parts = {r: _read(fds[r], headers[r].tensors[name], headers[r].path) for r in holders}
-            out[name] = _merge(name, parts, tp, args)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    if not isinstance(source, RankFiles):
+        with RankFiles(source, tp) as ranks:
+            return unshard_tensors(ranks, names)
+    ranks = source
+    out = {}
+    for name in ranks.names() if names is None else names:
+        holders = [r for r in range(ranks.tp) if name in ranks.headers[r].tensors]
+        if not holders:
+            raise ShardConsistencyError(f"{name}: in none of the {ranks.tp} rank files of {ranks.folder}")
+        out[name] = _merge(name, {r: ranks.read(r, name) for r in holders}, ranks.tp, ranks.args)
     return out
 
 

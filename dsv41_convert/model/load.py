@@ -23,29 +23,13 @@ from torch import nn
 
 from dsv41_convert.errors import PlanError
 from dsv41_convert.model import parallel
+from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
+from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import Header, pread_exact, read_header
-
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "F4": torch.float4_e2m1fn_x2,  # shape in the header is the logical one: last dim = 2 x torch's
-}
-TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def shard_path(folder: Path | str, rank: int, world_size: int) -> Path:
-    return Path(folder) / f"model{rank}-mp{world_size}.safetensors"
+    return Path(folder) / rank_file_name(rank, world_size)
 
 
 def _file_view(p: torch.Tensor) -> tuple[str, tuple[int, ...]]:

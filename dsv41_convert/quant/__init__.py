@@ -11,6 +11,8 @@ MXFP4 -> fp8 lossless expert cast (cast.py; its rule in cast_bytes.py, numpy alo
     fp4_to_fp8
 activation quantizers of the model (act.py, upstream kernel.py semantics):
     act_quant, fp4_act_quant
+safetensors dtype names as torch dtypes (file_dtypes.py, imported by its module path):
+    SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, tensor_from_bytes
 
 Each docstring states the rounding, floors, clamps, shapes and dtypes.
 

@@ -14,17 +14,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from dsv41_convert.convert.rules import Split, match_rule
-from dsv41_convert.convert.transform import DTYPES
-from dsv41_convert.store.safetensors_header import pread_exact, read_header
+from dsv41_convert.convert.unshard import RankFiles
 from dsv41_convert.verify.metrics import relative_error
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)(?:\.(attn|ffn))?$")
@@ -113,29 +110,9 @@ class Localization:
         }
 
 
-def read_rank_files(folder: Path, tp: int) -> list[dict[str, Tensor]]:
+def read_rank_files(ranks: RankFiles) -> list[dict[str, Tensor]]:
     """Every tensor of every rank file, in the file dtype (F4 as float4_e2m1fn_x2 [.., last / 2])."""
-    out = []
-    for rank in range(tp):
-        path = Path(folder) / f"model{rank}-mp{tp}.safetensors"
-        header = read_header(path)
-        tensors = {}
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for name, info in header.tensors.items():
-                buf = bytearray(info.nbytes)
-                if buf:
-                    pread_exact(fd, memoryview(buf), info.begin, str(path))
-                raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-                shape = list(info.shape)
-                if info.dtype == "F4":
-                    shape[-1] //= 2
-                dtype = torch.int8 if info.dtype == "I8" else DTYPES[info.dtype]
-                tensors[name] = raw.view(dtype).reshape(shape)
-        finally:
-            os.close(fd)
-        out.append(tensors)
-    return out
+    return [{name: ranks.read(r, name) for name in h.tensors} for r, h in enumerate(ranks.headers)]
 
 
 def _values(t: Tensor) -> Tensor:

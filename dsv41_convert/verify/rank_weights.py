@@ -8,16 +8,15 @@ on rank files computes what a tp-1 run of exactly those bytes gives.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from dsv41_convert.convert.tp import rank_file_tps
-from dsv41_convert.convert.unshard import rank_headers, rank_tp, unshard_tensors
+from dsv41_convert.convert.unshard import RankFiles, unshard_tensors
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.model.load import SAFETENSORS_DTYPES
+from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES
 from dsv41_convert.store.safetensors_header import Header, pread_exact
 
 
@@ -39,12 +38,11 @@ class RankWeights:
         tp = rank_file_tp(self.folder)
         if tp is None:
             raise VerifyInputError(f"{self.folder}: no model{{r}}-mp{{N}}.safetensors rank files")
-        self.tp = rank_tp(self.folder, tp)  # the whole set, or the missing files named
-        self.headers: list[Header] = rank_headers(self.folder, self.tp)
-        self.fds = [os.open(h.path, os.O_RDONLY) for h in self.headers]
+        self.ranks = RankFiles(self.folder, tp)  # the whole set, or the missing files named
+        self.headers: list[Header] = self.ranks.headers
 
     def __call__(self, names) -> dict[str, Tensor]:
-        return unshard_tensors(self.folder, list(names), self.tp)
+        return unshard_tensors(self.ranks, list(names))
 
     def rows(self, names, rows: Tensor) -> dict[str, Tensor]:
         """Rows `rows` ([n] int64, sorted, unique, < the config's row count) of Engram tables."""
@@ -62,12 +60,10 @@ class RankWeights:
                 r, local = divmod(row, per_rank)
                 info = self.headers[r].tensors[name]
                 at = info.begin + local * row_bytes
-                pread_exact(self.fds[r], view[i * row_bytes : (i + 1) * row_bytes], at, self.headers[r].path)
+                pread_exact(self.ranks.fd(r), view[i * row_bytes : (i + 1) * row_bytes], at, self.headers[r].path)
             raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
             out[name] = raw.view(rows.numel(), row_bytes).view(dtype)
         return out
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        self.ranks.close()

@@ -18,12 +18,9 @@ Memory: the whole merged model in this process (the layer-streamed replay is iss
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from dsv41_convert.config import load_model_args
-from dsv41_convert.convert.unshard import unshard_tensors
+from dsv41_convert.convert.unshard import RankFiles, unshard_tensors
 from dsv41_convert.errors import PlanError, ShardConsistencyError
 from dsv41_convert.verify.launch import default_threads
 from dsv41_convert.verify.metrics import compare, merge
@@ -33,17 +30,14 @@ from dsv41_convert.verify.thresholds import SECTIONS
 from dsv41_convert.verify.verdict import Check, exact_blockers
 
 
-def replay_runs(folder: Path, ref: Reference, device: str) -> list[PromptRun]:
+def replay_runs(ranks: RankFiles, ref: Reference, device: str) -> list[PromptRun]:
     """Every prompt of `ref` through the merged rank files at tp 1 (decode fed the reference's tokens).
 
     Raises ShardConsistencyError (rank files disagree) or PlanError (merged tensors do not fit the model).
     """
-    args = load_model_args(Path(folder) / "config.json").with_runtime(
-        max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0
-    )
-    tokenizer = Path(folder) / "tokenizer.json"
-    model = build_model(args, tokenizer, "cpu")
-    load_state(model, unshard_tensors(folder))
+    args = ranks.args.with_runtime(max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0)
+    model = build_model(args, ranks.folder / "tokenizer.json", "cpu")
+    load_state(model, unshard_tensors(ranks))
     if device != "cpu":
         model = model.to(device)
     capture = any(r.hidden for r in ref.runs)
@@ -55,7 +49,7 @@ def replay_runs(folder: Path, ref: Reference, device: str) -> list[PromptRun]:
 
 
 def replay_check(
-    folder: Path, ref: Reference, device: str, threads: int | None = None
+    ranks: RankFiles, ref: Reference, device: str, threads: int | None = None
 ) -> tuple[Check, list[PromptRun] | None]:
     """Run the replay and compare every section bit for bit.
 
@@ -68,7 +62,7 @@ def replay_check(
     if device == "cpu":
         torch.set_num_threads(threads)
     try:
-        runs = replay_runs(folder, ref, device)
+        runs = replay_runs(ranks, ref, device)
     except (ShardConsistencyError, PlanError) as exc:
         return Check("replay", False, True, [f"replay: {exc}"], "the rank files do not merge back to tp 1"), None
     finally:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dsv41_convert.convert.transform import DTYPES
 from dsv41_convert.quant import E2M1_VALUES, decode_fp8_blocks, decode_mxfp4, infer_block
+from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.quant.fp8 import pad_blocks
 from dsv41_convert.store.safetensors_header import TensorInfo, pread_exact, read_header
 
@@ -58,8 +58,7 @@ def _load(where: tuple[Path, TensorInfo]) -> Tensor:
         pread_exact(fd, memoryview(buf), info.begin, str(path))
     finally:
         os.close(fd)
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return raw.view(torch.int8 if info.dtype == "I8" else DTYPES[info.dtype]).reshape(info.shape)
+    return tensor_from_bytes(buf, info.dtype, info.shape)
 
 
 def _bits(t: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
-from dsv41_convert.convert.unshard import rank_headers, rank_tp, replica_mismatches
+from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile, teacher
@@ -136,10 +136,11 @@ def _check_same_model(src_args: ModelArgs, conv_args: ModelArgs, src: Path, conv
         raise VerifyInputError(f"{conv} was not converted from {src}: config differs in {differ[:8]}")
 
 
-def _config_fits_rank_files(conv: Path, args: ModelArgs, tp: int) -> None:
+def _config_fits_rank_files(ranks: RankFiles, args: ModelArgs) -> None:
     """VerifyInputError when CONVERTED/config.json's vocab_size or dim is not what its rank files hold (an
     edited or swapped config, which was reported as a problem of the reference file)."""
-    embed = rank_headers(conv, tp)[0].tensors.get("embed.weight")
+    conv, tp = ranks.folder, ranks.tp
+    embed = ranks.headers[0].tensors.get("embed.weight")
     if embed is None or len(embed.shape) != 2:
         return  # the model's load reports it, naming the file
     rows, dim = embed.shape
@@ -163,9 +164,14 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     if not (conv / "config.json").is_file():
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
     conv_args = load_model_args(conv / "config.json")
-    tp = rank_tp(conv, opts.tp)
-    check_tp(conv_args, tp, str(conv / "config.json"))
-    _config_fits_rank_files(conv, conv_args, tp)
+    check_tp(conv_args, rank_tp(conv, opts.tp), str(conv / "config.json"))  # before a header is read
+    with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
+        _config_fits_rank_files(ranks, conv_args)
+        return _verify_ranks(opts, ranks, conv_args, say)
+
+
+def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, say: Progress) -> VerifyResult | None:
+    conv, tp = ranks.folder, ranks.tp
     launcher.backend_for(opts.device)
     threads = opts.threads or launcher.default_threads(tp)
     if opts.device == "cpu":
@@ -238,13 +244,13 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     if tp > 1 and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say("replicas: the tensors every rank holds, byte for byte across the rank files")
-        result.failures += [f"replicas: {m}" for m in replica_mismatches(conv, tp)]
+        result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks)]
         seconds["replicas"] = time.perf_counter() - t2
     replay_runs = None
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
         t2 = time.perf_counter()
         say(f"replay: {conv} merged back to tp 1 in memory, run in this process")
-        check, replay_runs = replay_check(conv, ref, opts.device, opts.threads)
+        check, replay_runs = replay_check(ranks, ref, opts.device, opts.threads)
         result.checks.append(check)
         seconds["replay"] = time.perf_counter() - t2
     replayed = any(c.name == "replay" for c in result.checks)
@@ -266,7 +272,7 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     if result.verdict == FAIL and opts.localize:
         say("localizing the mismatch")
         t3 = time.perf_counter()
-        result.localization = _localize(result, ref, out, expected, conv, conv_args, tp, thresholds, replay_runs)
+        result.localization = _localize(result, ref, out, expected, ranks, conv_args, thresholds, replay_runs)
         seconds["localize"] = time.perf_counter() - t3
     return result
 
@@ -328,7 +334,8 @@ def _compare_all(result: VerifyResult, ref: reffile.Reference, out: RankResult, 
             result.failures += [f"twin {key}: {msg}" for msg in judge(result.twin[key], EXACT)]
 
 
-def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: int, th: Thresholds, replay_runs):
+def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs, th: Thresholds, replay_runs):
+    tp = ranks.tp
     loc = localize.Localization()
     if isinstance(out, LoadFailure):
         loc.note = "the shards do not load into the model; see the load error"
@@ -369,7 +376,6 @@ def _localize(result, ref, out, expected, conv: Path, conv_args: ModelArgs, tp: 
     if expected is None:
         loc.note = (loc.note + "; " if loc.note else "") + "tensor diff needs --reference SRC"
         return loc
-    ranks = localize.read_rank_files(conv, tp)
     scope = localize.scope(loc.module, conv_args.n_layers) if loc.module else ()
-    loc.tensors = localize.diff_tensors(ranks, expected, scope)
+    loc.tensors = localize.diff_tensors(localize.read_rank_files(ranks), expected, scope)
     return loc

@@ -61,7 +61,7 @@ def _read(src: Path, rd: Read, fds: dict[str, int], alloc: Callable[[int], Tenso
         raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
     if n:
         pread_exact(fd, memoryview(buf), rd.offset + rd.r0 * row_bytes, str(src / rd.file))
-    dtype = torch.int8 if rd.dtype == "I8" else DTYPES[rd.dtype]
+    dtype = DTYPES[rd.dtype]
     t = raw.view(dtype).reshape(rd.r1 - rd.r0, *shape[1:])
     if rd.c1 >= 0:
         t = t[:, rd.c0 : rd.c1].contiguous()

@@ -2,11 +2,13 @@
 
 An in-process runner (Typer's CliRunner) skips `cli.main`, which is where a usage error becomes exit 2;
 so these run the console script pip installed. Faults planted: an unknown command, a missing argument,
-a bad option value, an unknown option, no arguments at all, and (not a usage error) a ConvertError.
+a bad option value, an unknown option, no arguments at all, and (not a usage error) a ConvertError; each
+usage error also with --json (one document on stdout).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -50,6 +52,19 @@ def test_usage_error_prints_usage_and_exits_2(case):
     assert "--help" in proc.stderr  # the hint at help
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+def test_usage_error_under_json_is_one_document_on_stdout(case):
+    """A pipeline reading stdout of `... --json` gets {"ok": false, "exit_code": 2, "error": ...} for a usage
+    error too (it used to get nothing: the usage text went to stderr only)."""
+    args, message = USAGE_ERRORS[case]
+    proc = run_entry_point(*args, "--json")
+    assert proc.returncode == 2, proc.stderr
+    assert "Usage: dsv41-convert" in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2
+    assert message in doc["error"]
 
 
 def test_no_arguments_shows_help_and_exits_2():

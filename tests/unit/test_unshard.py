@@ -16,7 +16,7 @@ from tiny_ckpt import make_tiny
 
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
-from dsv41_convert.convert.unshard import unshard_names, unshard_tensors
+from dsv41_convert.convert.unshard import RankFiles, replica_mismatches, unshard_names, unshard_tensors
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 
 ENGRAM = "layers.1.engram.embed"  # 75 rows: tp 4 pads 1 row, tp 8 pads 5
@@ -140,3 +140,61 @@ def test_a_rank_past_the_tp_is_refused(shards, tmp_path):
     shutil.copy(bad / "model3-mp4.safetensors", bad / "model4-mp4.safetensors")
     with pytest.raises(VerifyInputError, match=r"model4-mp4\.safetensors: no such rank in a tp-4 conversion"):
         unshard_tensors(bad, ["norm.weight"])
+
+
+def test_a_folder_named_like_a_rank_file_is_missing_not_present(shards, tmp_path):
+    bad = _copy(shards, 2, tmp_path)
+    (bad / "model1-mp2.safetensors").unlink()
+    (bad / "model1-mp2.safetensors").mkdir()
+    with pytest.raises(VerifyInputError, match=r"missing model1-mp2\.safetensors"):
+        RankFiles(bad)
+
+
+def test_replica_mismatches_names_every_damaged_replica_and_rank(shards, tmp_path):
+    """Bytes of replicated tensors compared across ranks: a flipped low bit on one rank, a header dtype change
+    on another, a tensor dropped from a third; split tensors and experts are not compared."""
+    bad = _copy(shards, 4, tmp_path)
+    with RankFiles(bad) as ranks:
+        assert replica_mismatches(ranks) == []
+
+    def flip(t):
+        raw = t["norm.weight"].view(torch.uint8).clone()
+        raw[0] ^= 1
+        t["norm.weight"] = raw.view(t["norm.weight"].dtype)
+
+    _edit(bad, 1, 4, flip)
+    _edit(bad, 2, 4, lambda t: t.__setitem__("layers.0.attn_norm.weight", t["layers.0.attn_norm.weight"].float()))
+    _edit(bad, 3, 4, lambda t: t.pop("layers.1.ffn_norm.weight"))
+    _edit(
+        bad,
+        3,
+        4,
+        lambda t: t.__setitem__("layers.0.attn.wq_b.weight", torch.zeros_like(t["layers.0.attn.wq_b.weight"])),
+    )
+    with RankFiles(bad) as ranks:
+        found = replica_mismatches(ranks)
+    assert found == [
+        "layers.0.attn_norm.weight: replicated, but ranks [2] differ from rank 0",
+        "layers.1.ffn_norm.weight: replicated, but ranks [3] differ from rank 0",
+        "norm.weight: replicated, but ranks [1] differ from rank 0",
+    ]
+
+
+def test_rank_files_read_each_header_once_and_close(shards, monkeypatch):
+    """One RankFiles serves many merges: the headers are read once, the files opened once and closed at the end."""
+    import os
+
+    import dsv41_convert.convert.unshard as unshard
+
+    reads, opened = [], []
+    real_read, real_open = unshard.read_header, os.open
+    monkeypatch.setattr(unshard, "read_header", lambda p: reads.append(p) or real_read(p))
+    monkeypatch.setattr(unshard.os, "open", lambda p, f: opened.append(real_open(p, f)) or opened[-1])
+    with RankFiles(shards[4]) as ranks:
+        for name in ("norm.weight", "layers.0.attn.wq_b.weight", f"{ENGRAM}.weight"):
+            unshard_tensors(ranks, [name])
+        replica_mismatches(ranks)
+    assert len(reads) == 4 and len(opened) == 4
+    for fd in opened:
+        with pytest.raises(OSError):
+            os.fstat(fd)
