@@ -264,8 +264,10 @@ def shard_cmd(
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
-        check_destination(plan, out, resume, overwrite)
-        return report.print_json(summarize(plan)) if as_json else _plan_table(summarize(plan))
+        mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list)}
+        summary = summarize(plan)
+        summary["ranks"] = [r for r in summary["ranks"] if r["rank"] in mine]  # what this run would write
+        return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
@@ -666,8 +668,8 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
 
     Each `shard --ranks` (or torchrun share) run leaves manifest-fragment-mp{N}-r{ranks}.json beside its
     rank files. Copy every rank file, fragment, config.json and tokenizer into one folder, then run this:
-    it checks each rank file's size and sha256 against the fragments and that all come from one plan.
-    Exit 2 naming each missing or mismatching file.
+    it checks each rank file's and side file's (config, tokenizer) size and sha256 against the fragments and
+    that all come from one plan. Exit 2 naming each missing or mismatching file.
 
     Examples:
       dsv41-convert manifest ./mp8
@@ -678,6 +680,11 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
         summary = merge(out, progress=progress)
     _warn_without_tokenizer(out, "so the manifest lists none")
+    if summary.get("side_files_unchecked"):
+        report.warn(
+            f"side files not checked against {', '.join(summary['side_files_unchecked'])}: written by an "
+            "earlier version, they record rank files only"
+        )
     if as_json:
         return report.print_json(summary)
     report.stdout.print(summary["manifest"], highlight=False, soft_wrap=True)
@@ -758,9 +765,10 @@ def _input_error(message: str) -> None:
     sys.exit(2)
 
 
-def _json_error(message: str) -> None:
+def _json_error(message: str, code: int = 2) -> None:
+    """With --json: {"ok": false, "exit_code": code, "error": message} on stdout."""
     if "--json" in sys.argv[1:]:
-        report.print_json({"ok": False, "exit_code": 2, "error": message})
+        report.print_json({"ok": False, "exit_code": code, "error": message})
 
 
 RESUMABLE = {"shard": "--resume", "export": "--resume", "download": "running it again"}
@@ -776,8 +784,8 @@ def interrupted_message(command: list[str]) -> str:
 
 def main() -> None:
     """Entry point: ConvertError -> `error: ...` on stderr and exit 2, and so an OSError (the system refused a
-    path); a usage error -> Typer's usage message on stderr and exit 2; with --json either also one document
-    on stdout; Ctrl-C -> exit 130; anything else keeps its traceback."""
+    path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130; with --json each
+    of these also one document on stdout; anything else keeps its traceback."""
     click_exceptions = _click_exceptions()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
@@ -799,6 +807,7 @@ def main() -> None:
         sys.exit(code)
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         report.error(interrupted_message(sys.argv[1:2]))
+        _json_error(interrupted_message(sys.argv[1:2]), INTERRUPTED)
     if isinstance(code, int) and code:
         sys.exit(code)
 

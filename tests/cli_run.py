@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dsv41_convert.cli import main
 from dsv41_convert.store.manifest import DONE_DIR
+from dsv41_convert.store.source_stamps import PREFIX as STAMPS_PREFIX
 
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -40,6 +41,11 @@ def run_cli_with_file_size_limit(limit_bytes: int, *args: str) -> subprocess.Com
     mid-file, as on a full disk. -> the finished process (text stdout/stderr)"""
     return subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(limit_bytes), *args],
                           capture_output=True, text=True)  # fmt: skip
+
+
+def run_records(out: Path) -> list[str]:
+    """What a run left in OUT/.dsv41-convert besides the source it read (store/source_stamps.py)."""
+    return sorted(p.name for p in (out / DONE_DIR).glob("*") if not p.name.startswith(STAMPS_PREFIX))
 
 
 def done_records(out: Path) -> set[str]:

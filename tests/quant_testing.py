@@ -21,7 +21,7 @@ class CountingQuantizer:
             self.n += 1
             if self.stop is not None and self.n == self.stop:
                 raise KeyboardInterrupt
-            name = args[-1].split(": ")[-1]
+            name = args[-1].split(": ")[-1].split(" (source rows ")[0]  # stream.py names a block's rows
             self.calls[name] = self.calls.get(name, 0) + 1
             return func(*args)
 

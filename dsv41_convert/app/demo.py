@@ -24,6 +24,7 @@ from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress as ByteProgress
 
 Step = Callable[[str], None]
+MARK = ".dsv41-demo"  # in DIR: the demo wrote it; --overwrite replaces nothing else
 
 
 def run_demo(
@@ -57,10 +58,18 @@ def run_demo(
     if folder.exists() and any(folder.iterdir()):
         if not overwrite:
             raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")
-        for p in (src, out):
-            shutil.rmtree(p, ignore_errors=True)
+        if not (folder / MARK).is_file():  # --overwrite replaces what a demo wrote, never a user's src/
+            raise OutputError(
+                f"{folder}: not a folder an earlier demo wrote (no {MARK}); --overwrite replaces only such a "
+                "folder: choose an empty or new one"
+            )
+        for p in folder.glob("mp*"):
+            if p.is_dir() and p.name[2:].isdigit():
+                shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(src, ignore_errors=True)
         (folder / "ref-tp1.safetensors").unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARK).write_text("written by `dsv41-convert demo`: src/, mp*/ and ref-tp1.safetensors are its output\n")
     seconds = {}
     t = time.perf_counter()
     say(f"1/4 make-tiny {src} (seed {seed}, fp8/fp4)")

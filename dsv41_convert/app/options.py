@@ -52,9 +52,9 @@ def parse_workers(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"{value!r}: expected a number >= 1 or auto") from None
+        raise typer.BadParameter(f"{value!r}: expected a number >= 1 or auto") from None
     if n < 1:
-        raise ValueError(f"{value!r}: expected a number >= 1 or auto")
+        raise typer.BadParameter(f"{value!r}: expected a number >= 1 or auto")
     return n
 
 

@@ -7,7 +7,8 @@ until the last of them exits, and a run that takes the lock over waits for them 
 
 A worker dies with its parent: the run (spawned) or the run's fork server (forked, execute._worker_context).
 The fork server imports this module first (a preload): when RUN_ENV names its parent, the server dies with
-that run too, so the kernel takes down the whole tree without a line of our code running after the kill.
+that run too, so the kernel takes down the whole tree without a line of our code running after the kill,
+and a Ctrl-C that reaches a forked process before it sets its own handler ends it quietly (exit 130).
 Imported anywhere else it does nothing.
 """
 
@@ -74,5 +75,13 @@ def alive(pid: int) -> bool:
     return True
 
 
+def _exit_on_interrupt(signum, frame) -> None:
+    raise SystemExit(130)
+
+
 if os.environ.get(RUN_ENV) == str(os.getppid()):  # the fork server of a run, started by that run
     die_with_parent()
+    # what Ctrl-C does in the processes the server forks (it restores this after each fork) until they set
+    # their own (execute._init_worker): exit 130 quietly; a KeyboardInterrupt there printed multiprocessing's
+    # "Process ForkServerProcess-N: Traceback ..." under the run's own message
+    signal.signal(signal.SIGINT, _exit_on_interrupt)

@@ -55,18 +55,21 @@ from dsv41_convert.store.journal import journal_path
 from dsv41_convert.store.lock import hold, is_lock_entry
 from dsv41_convert.store.manifest import (
     DONE_DIR,
+    FRAGMENT_GLOB,
     MANIFEST,
     atomic_write,
     done_path,
     finished,
+    fsync_path,
     read_done,
     remove_stale_temporaries,
     temporary_target,
     write_done,
     write_manifest,
 )
-from dsv41_convert.store.manifest_merge import FRAGMENT_GLOB, SIDECARS, forget_stale, import_fragments, write_fragment
+from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, write_fragment
 from dsv41_convert.store.rank_names import RANK_FILE
+from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
 
 COMMON_FILES = (*SIDECARS, "config.json", "hf_config.json")
 
@@ -106,11 +109,25 @@ def disk_free(path: Path) -> int:
 
 
 def _outside_source(src: Path, out: Path, what: str) -> Path:
-    """Nothing is written into the source: OUT (`what`: "folder" or "file") must not be SRC or inside it.
+    """Nothing is written into the source: OUT (`what`: "folder" or "file") must not be SRC or inside it,
+    by its path or by what it is on disk (a bind mount or a hard link of SRC under another path).
     -> out resolved"""
     src, out = src.resolve(), out.resolve()
     if out.is_relative_to(src):  # SRC itself included
         raise OutputError(f"{out}: the output {what} is the source folder {src} or inside it; choose another OUT")
+    try:
+        source = src.stat()
+    except OSError:
+        return out  # no source on disk: the plan's own checks name it
+    for folder in (out, *out.parents):
+        try:
+            if os.path.samestat(folder.stat(), source):
+                raise OutputError(
+                    f"{out}: the output {what} is the source folder {src} or inside it ({folder} is {src} under "
+                    "another path: a bind mount or link); choose another OUT"
+                )
+        except FileNotFoundError:
+            continue
     return out
 
 
@@ -154,11 +171,13 @@ def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str]
 HF_SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a Hugging Face checkpoint's shard names
 
 
-def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool) -> None:
+def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run: bool = False) -> None:
     """A folder holds one conversion. What OUT holds of another (rank files of another tp, or an export's
     shards and index beside rank files, or rank files and hf_config.json beside an export's shards, and
     their .partial files) is removed with its records where `remove` (--overwrite, the folder held alone),
-    else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files."""
+    else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files.
+    Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed: an OutputError
+    names them. dry_run: the same refusals, nothing removed."""
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
@@ -177,10 +196,36 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool) -> None:
             f"{', ...' if len(others) > 3 else ''}), not of this one ({what}); remove them, or pass "
             "--overwrite (alone) to replace them"
         )
+    ours = {n for n in others if _written_by_us(out, n)}
+    strangers = [n for n in others if n not in ours and (n not in foreign or not ours)]
+    if strangers:  # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files
+        raise OutputError(
+            f"{out.resolve()}: holds {', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''}, which "
+            f"no dsv41-convert run wrote there (no record in {DONE_DIR}/); not removed, even with --overwrite: "
+            "choose another OUT, or remove them yourself"
+        )
+    if dry_run:
+        return
     for name in others:
         file = name.removesuffix(".partial")
         for path in (out / name, done_path(out, file), journal_path(out, file)):
             path.unlink(missing_ok=True)
+
+
+def _forget_done(out: Path, files: list[str]) -> None:
+    """Remove the done records of `files` (durably) before they are written again."""
+    gone = [p for p in (done_path(out, f) for f in files) if p.exists()]
+    for path in gone:
+        path.unlink(missing_ok=True)
+    if gone:
+        fsync_path(gone[0].parent)
+
+
+def _written_by_us(out: Path, name: str) -> bool:
+    """A file in OUT that a run of ours wrote or was writing: a .partial, or a file with a done record or a
+    journal."""
+    file = name.removesuffix(".partial")
+    return name != file or done_path(out, file).exists() or journal_path(out, file).exists()
 
 
 def _common_output(name: str) -> bool:
@@ -202,16 +247,47 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
     return files[me::world] if world > 1 else files
 
 
-def check_destination(plan: ConversionPlan, out: Path, resume: bool, overwrite: bool) -> None:
-    """What `execute` would refuse about OUT before writing, for --dry-run: nothing is locked or written."""
+def check_destination(
+    plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None = None
+) -> list[RankFile]:
+    """What `execute` would refuse before writing, for --dry-run: --ranks, OUT, and under --resume the
+    records of another plan; nothing is locked, hashed or written. -> the rank files this process would write"""
     if resume and overwrite:
         raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
+    mine = select_files(plan, ranks)
     out = Path(out)
     check_output(Path(plan.src), out)
     if out.is_dir():
         check_empty(out, resume, overwrite)
-        if not overwrite:
-            _no_other_conversion(plan, out, remove=False)
+        _no_other_conversion(plan, out, remove=overwrite, dry_run=True)
+        if resume:
+            _check_resumable(out, mine, plan.digest())
+            _check_source_unchanged(out, Path(plan.src), source_stamps(Path(plan.src)))
+    return mine
+
+
+def _check_source_unchanged(out: Path, src: Path, stamps: dict) -> None:
+    """--resume continues from the source as it was: OutputError naming the shards changed since."""
+    changed = changed_since(out, src, stamps)
+    if changed:
+        raise OutputError(
+            f"{src}: {', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''} changed (size or modification "
+            f"time) since a run began writing {out}; what it finished or started may hold the old bytes: "
+            "use --overwrite to write everything again"
+        )
+
+
+def _check_resumable(out: Path, mine: list[RankFile], digest: str) -> None:
+    """--resume continues this plan only: a done record or a partial file of another plan is refused before
+    anything is written."""
+    for f in mine:
+        rec = read_done(out, f.file)
+        if rec is not None and rec.get("plan_digest") != digest:
+            raise OutputError(
+                f"{out / f.file}: finished by a run with other options or another source (plan digest "
+                f"{str(rec.get('plan_digest', '?'))[:12]}, now {digest[:12]}); use --overwrite to replace it"
+            )
+        journal.check_plan(journal_path(out, f.file), out / (f.file + ".partial"), digest)
 
 
 def execute(
@@ -256,6 +332,12 @@ def execute(
         if not share:
             remove_stale_temporaries(out)
         _no_other_conversion(plan, out, overwrite and not share)
+        if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
+            _forget_done(out, names)
+        stamps = source_stamps(src)
+        if resume:
+            _check_source_unchanged(out, src, stamps)
+        record_stamps(out, src, stamps)
         job = {
             "device": device,
             "torch": _needs_torch(mine, device),
@@ -286,21 +368,13 @@ def _execute_held(
         import_fragments(out, digest)  # a folder gathered from several machines
     todo, skipped, intact = [], [], set()
     if resume:
-        for f in mine:
-            rec = read_done(out, f.file)
-            if rec is not None and rec.get("plan_digest") != digest:
-                raise OutputError(
-                    f"{out / f.file}: finished by a run with other options or another source (plan digest "
-                    f"{rec.get('plan_digest', '?')[:12]}, now {digest[:12]}); use --overwrite to replace it"
-                )
+        _check_resumable(out, mine, digest)
         intact = finished(out, [f.file for f in mine], digest, progress)
     for f in mine:
         if f.file in intact:
             skipped.append(f.file)
         else:
             todo.append(f)
-            if resume:  # a partial file of another plan: refuse before writing anything
-                journal.check_plan(journal_path(out, f.file), out / (f.file + ".partial"), digest)
     need = sum(f.nbytes for f in todo)
     free = disk_free(out)
     if need > free:
@@ -314,6 +388,7 @@ def _execute_held(
     t0 = time.monotonic()
     if workers == 0:  # --workers auto
         workers = auto_workers(len(todo), device, computed_share=_computed_bytes(todo) / max(1, need))
+    workers = processes_for(len(todo), workers)
     results = _run(todo, src, out, workers, progress, job, lock_fds)
     seconds = time.monotonic() - t0
     written = sum(r.size - r.kept for r in results)
@@ -544,10 +619,17 @@ def _worker_job(rf, src, out, job) -> FileDone:
     return _job(rf, src, out, job, report)
 
 
+def processes_for(files: int, workers: int) -> int:
+    """How many processes write `files` files with --workers `workers`: 0 with nothing to write, 1 (this
+    process) for one file or one worker, else one worker per file at most."""
+    return min(files, max(1, workers))
+
+
 def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[FileDone]:
+    """`todo` written by `workers` processes (processes_for's count): here for 1, else a pool."""
     if not todo:
         return []
-    if workers <= 1 or len(todo) == 1:
+    if workers <= 1:
         return _run_here(todo, src, out, job, progress)
     ctx = _worker_context(job)
     q = ctx.Queue()
@@ -555,7 +637,7 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
     with (
         _fork_server(ctx),
         ProcessPoolExecutor(
-            min(workers, len(todo)),
+            workers,
             mp_context=ctx,
             initializer=_init_worker,
             initargs=(q, os.getpid(), SharedFiles(lock_fds)),

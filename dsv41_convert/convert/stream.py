@@ -108,17 +108,18 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     flight: deque = deque()
     flat = len(main.shape) < 2  # 1-d tensors travel as [rows, 1]
     try:
-        for inputs in source:
+        for a, inputs in zip(starts, source, strict=False):  # the source yields one block per start, in order
+            where = _block_name(name, main, a, min(rows, a + step))
             if not cuda:
                 if flat:
                     inputs = [x.reshape(-1) for x in inputs]
                 t0 = time.perf_counter()
-                outs = compute(inputs, name)
+                outs = compute(inputs, where)
                 add_seconds(stages, "kernel", time.perf_counter() - t0)
                 yield outs
                 continue
             t0 = time.perf_counter()
-            flight.append(_launch(t, inputs, quantizer, name, flat, reader.ahead, stages))
+            flight.append(_launch(t, inputs, quantizer, where, flat, reader.ahead, stages))
             add_seconds(stages, "launch", time.perf_counter() - t0)
             if len(flight) >= DEPTH:
                 yield _land(flight.popleft(), stages)
@@ -134,6 +135,13 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             feeder.join(0.01)
         while feeder is not None and not q.empty():
             _unused(q.get_nowait(), reader.ahead)
+
+
+def _block_name(name: str, main: Read, a: int, b: int) -> str:
+    """`name` for the messages about one row block [a, b) of main's region: with the block's source rows
+    where it is not the whole tensor (an index in a message counts from the block's first row)."""
+    r0, r1 = main.r0 + a, main.r0 + b
+    return name if (r0, r1) == (0, (main.shape or (1,))[0]) else f"{name} (source rows {r0}..{r1 - 1})"
 
 
 def _numpy_action(t: OutTensor):

@@ -56,9 +56,21 @@ def apply(
     action: str, inputs: list[Tensor], q: SimpleNamespace, name: str, out_dtype: str, block, to_host: bool = True
 ) -> tuple:
     """Run `action` on one row chunk; see the module docstring for shapes. Outputs are on the CPU, or with
-    `to_host` False on the quantizer's device (the caller copies them back: convert/stream.py)."""
+    `to_host` False on the quantizer's device (the caller copies them back: convert/stream.py). The decoding
+    actions raise FormatError naming `name` and the first index of a NaN scale or e4m3 weight byte."""
     if q.device != "cpu":
         inputs = [x.to(q.device) for x in inputs]
+    if action in ("dequant_bf16", "dequant_fp4", "requant_fp4"):
+        # NaN bytes are refused by quant/byte_checks.py's rule on host bytes (zero-copy views on the CPU); on
+        # CUDA a scan on the device comes first (one sync per block, as the kernels' own checks make), and
+        # the bytes come over only when it finds one
+        from dsv41_convert.quant.byte_checks import E4M3_NAN, E8M0_NAN, require_e4m3_not_nan, require_scales_not_nan
+
+        s8 = inputs[1].view(torch.uint8)
+        w8 = inputs[0].view(torch.uint8) if action != "dequant_fp4" else s8[:0]  # e2m1 codes have no NaN
+        if not s8.is_cuda or bool((s8 == E8M0_NAN).any() | ((w8 & E4M3_NAN) == E4M3_NAN).any()):
+            require_scales_not_nan(s8.cpu().numpy(), name)
+            require_e4m3_not_nan(w8.cpu().numpy(), name)
     if action == "cast":
         outs = (inputs[0].to(DTYPES[out_dtype]),)
     elif action == "dequant_bf16":

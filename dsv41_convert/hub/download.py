@@ -31,19 +31,20 @@ from huggingface_hub import HfApi
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.fetch import PARTIAL_DIR, fetch_file, fetch_record
-from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
+from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_files
 from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
+    WHOLE,
     DownloadReport,
     Progress,
     check_repo_id,
-    drop_unwanted,
     listing,
     offline,
     place_of,
     selected,
     storage_of,
+    structure_problems,
     verify_local,
 )
 from dsv41_convert.store.lock import hold
@@ -240,7 +241,7 @@ def _download(
         shutil.rmtree(Path(local_dir) / PARTIAL_DIR, ignore_errors=True)
     paths = [f.path for f in files]
     listed = {f.path for f in record.files}
-    structural = drop_unwanted(check_checkpoint(place.folder, paths), include, exclude)
+    structural = structure_problems(place.folder, paths, record, include, exclude)
     structural = [
         Problem(p.path, "missing", "not in the repo at this revision", p.expected)
         if p.kind == "missing" and p.path not in listed
@@ -254,7 +255,7 @@ def _download(
         place.folder,
         len(files),
         sum(f.size for f in files),
-        "sizes, sha256 / git ids from the Hub, headers, index",
+        f"sizes, sha256 / git ids from the Hub, headers, index, {WHOLE}",
         False,
         fetched=tuple(f.path for f in missing),
         refetched=tuple(refetched),

@@ -1,13 +1,17 @@
 """Is a downloaded checkpoint folder whole? Checks that need no network.
 
-Three layers, each one cheap enough to run on its own:
+Four layers, each one cheap enough to run on its own:
 - the download record (`Record`): every file's size, sha256 (LFS files) and git blob id, as the Hub
   published them at download time, saved beside the files so `--verify-only` works offline;
 - file checks against that record: present, right size, right hash (store/file_digest.py, shared with
   our own manifests' check);
 - checkpoint checks from the files themselves: each safetensors header passes `safetensors_header`'s
   checks (its tensors tile 8 + header + data == the file size), and `model.safetensors.index.json`
-  names exactly the tensors of each shard.
+  names exactly the tensors of each shard;
+- with `whole=True`, that the folder is a whole checkpoint as `shard` reads it (`_check_whole`):
+  config.json, the weights, an index wherever there are several shards, every shard it names and no
+  other `*.safetensors` beside it, no tensor in two files. Without a record, it is how `--verify-only`
+  finds a file that is gone.
 
 Nothing here talks to the Hub or prints; `download.py` does the fetching.
 """
@@ -15,7 +19,9 @@ Nothing here talks to the Hub or prints; `download.py` does the fetching.
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +33,9 @@ from dsv41_convert.store.index import EXPECTED, bad_shard_names, shard_name_prob
 from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+SHARD_OF = re.compile(r"(?P<stem>.+)-(?P<k>\d{5})-of-(?P<n>\d{5})\.safetensors")  # as transformers names shards
+WEIGHTS = f"the weights: one *.safetensors file, or shards with {INDEX_NAME}"
 
 
 @dataclass(frozen=True)
@@ -118,12 +127,13 @@ def _header_names(root: Path, rel: str) -> set[str]:
     return set(read_header(root / rel).tensors)
 
 
-def check_checkpoint(root: Path, paths: Iterable[str]) -> list[Problem]:
+def check_checkpoint(root: Path, paths: Iterable[str], *, whole: bool = False) -> list[Problem]:
     """Headers and index of the safetensors files among `paths` (relative to `root`).
 
     - every `*.safetensors` in `paths` that exists: the header parses and its tensors tile the file;
     - if the index is among `paths`: each shard it names exists, and the tensor names the index gives
-      that shard equal the names in the shard's header.
+      that shard equal the names in the shard's header;
+    - whole=True: also that `root` is a whole checkpoint (`_check_whole`).
     A listed file that does not exist is left to `check_files` (it reports it as missing), except shards
     named by the index, which are reported here.
     """
@@ -139,18 +149,24 @@ def check_checkpoint(root: Path, paths: Iterable[str]) -> list[Problem]:
         except HeaderError as exc:
             names[rel] = None
             problems.append(_header_problem(root, rel, exc))
-    if INDEX_NAME in paths and (root / INDEX_NAME).is_file():
-        problems += _check_index(root, names)
+    has_index = INDEX_NAME in paths and (root / INDEX_NAME).is_file()
+    weight_map = None
+    if has_index:
+        found, weight_map = _check_index(root, names)
+        problems += found
+    if whole:
+        problems += _check_whole(root, paths, names, has_index, weight_map)
     return problems
 
 
-def _check_index(root: Path, names: dict[str, set[str] | None]) -> list[Problem]:
+def _check_index(root: Path, names: dict[str, set[str] | None]) -> tuple[list[Problem], dict | None]:
+    """-> (problems, the weight_map, or None where it is unreadable)"""
     try:
         weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return [Problem(INDEX_NAME, "index", f"unreadable ({exc})", "JSON with a weight_map")]
+        return [Problem(INDEX_NAME, "index", f"unreadable ({exc})", "JSON with a weight_map")], None
     if not isinstance(weight_map, dict):
-        return [Problem(INDEX_NAME, "index", "no weight_map object", "JSON with a weight_map")]
+        return [Problem(INDEX_NAME, "index", "no weight_map object", "JSON with a weight_map")], None
     bad = bad_shard_names(weight_map)
     problems = [Problem(INDEX_NAME, "index", f"shard name {b.found()}", EXPECTED) for b in bad]
     by_shard: dict[str, set[str]] = {}
@@ -172,20 +188,119 @@ def _check_index(root: Path, names: dict[str, set[str] | None]) -> list[Problem]
                 continue
         if have != want:
             extra, lost = sorted(have - want), sorted(want - have)
+            found = _count(len(have)) + (f", {len(extra)} of them not in the index {_few(extra)}" if extra else "")
+            expected = f"the {_count(len(want))} the index puts here" + (
+                f", {len(lost)} of them absent from the file {_few(lost)}" if lost else ""
+            )
+            problems.append(Problem(shard, "index", found, expected))
+    return problems, weight_map
+
+
+def _check_whole(
+    root: Path, paths: list[str], names: dict[str, set[str] | None], has_index: bool, weight_map: dict | None
+) -> list[Problem]:
+    """Is `root` a whole checkpoint, as far as the files themselves can tell? One problem per file, naming it:
+
+    - config.json is missing;
+    - no `*.safetensors` file and no index: no weights;
+    - with the index: a `*.safetensors` file it does not name (extra; a shard it names but that is gone is
+      `_check_index`'s);
+    - without it: several shards (or one whose name says "of n" > 1), each shard the names' k-of-n count
+      that is not there, and a shard of another count;
+    - a tensor in two files (duplicate; `shard` refuses it).
+    The shards are the `*.safetensors` of `paths` at the top of `root`, which is what `shard` reads. What it
+    cannot find: a shard dropped from both the index and the folder, a tensor dropped from both the index
+    and its shard, and any file but config.json and the weights that is gone (the tokenizer).
+    """
+    problems = []
+    if not (root / CONFIG_NAME).is_file():
+        problems.append(Problem(CONFIG_NAME, "missing", "no file", "the model's config.json (plan and shard read it)"))
+    top = sorted(p for p in paths if "/" not in p and p.endswith(".safetensors") and (root / p).is_file())
+    if not top and not has_index:
+        problems.append(Problem("model.safetensors", "missing", "no *.safetensors file", WEIGHTS))
+    if weight_map is not None:
+        named = {shard for shard in weight_map.values() if isinstance(shard, str)}
+        for rel in top:
+            if rel not in named:
+                problems.append(
+                    Problem(
+                        rel,
+                        "extra",
+                        f"a *.safetensors file {INDEX_NAME} does not name{_held(names[rel])}",
+                        f"only the shards the index names: `shard` reads every *.safetensors here; move {rel} out",
+                    )
+                )
+    elif not has_index:
+        problems += _check_shard_names(top)
+        several = [m for m in map(SHARD_OF.fullmatch, top) if m and int(m["n"]) > 1]
+        if len(top) > 1 or several:
             problems.append(
                 Problem(
-                    shard,
-                    "index",
-                    f"{len(extra)} tensors not in the index {_few(extra)}",
-                    f"{len(lost)} tensors the index puts here {_few(lost)}",
+                    INDEX_NAME,
+                    "missing",
+                    f"no file, beside {len(top)} shard(s)",
+                    "the index, which says which shard holds each tensor (only a single-file checkpoint has none)",
                 )
             )
+    return problems + _duplicates(top, names)
+
+
+def _check_shard_names(top: list[str]) -> list[Problem]:
+    """Without an index, the shard names are the count: of `{stem}-{k}-of-{n}.safetensors`, each k of 1..n
+    present, and no shard of another stem or n (the set with the most files is the checkpoint's)."""
+    numbered = {rel: m for rel in top if (m := SHARD_OF.fullmatch(rel))}
+    if not numbered:
+        return []
+    sets = Counter((m["stem"], m["n"]) for m in numbered.values())
+    (stem, n), _ = max(sets.items(), key=lambda kv: (kv[1], kv[0]))
+    problems = []
+    for rel, m in numbered.items():
+        if (m["stem"], m["n"]) != (stem, n) or not 1 <= int(m["k"]) <= int(n):
+            problems.append(
+                Problem(
+                    rel, "extra", f"shard {int(m['k'])} of {int(m['n'])}", f"shards 1 to {int(n)} of {stem}-*-of-{n}"
+                )
+            )
+    for k in range(1, int(n) + 1):
+        rel = f"{stem}-{k:05d}-of-{n}.safetensors"
+        if rel not in numbered:
+            problems.append(
+                Problem(rel, "missing", "no file", f"shard {k} of the {int(n)} the other shards' names count")
+            )
     return problems
+
+
+def _duplicates(top: list[str], names: dict[str, set[str] | None]) -> list[Problem]:
+    """One problem per file holding tensors an earlier file (in name order) already holds."""
+    first: dict[str, str] = {}  # tensor -> the first file holding it
+    clashes: dict[str, dict[str, list[str]]] = {}  # file -> earlier file -> tensors in both
+    for rel in top:
+        for tensor in names.get(rel) or ():
+            other = first.setdefault(tensor, rel)
+            if other != rel:
+                clashes.setdefault(rel, {}).setdefault(other, []).append(tensor)
+    return [
+        Problem(
+            rel,
+            "duplicate",
+            "; ".join(f"{_count(len(ts))} also in {other} {_few(sorted(ts))}" for other, ts in sorted(by.items())),
+            "each tensor in one file (`shard` refuses a tensor held twice); a stray copy?",
+        )
+        for rel, by in clashes.items()
+    ]
 
 
 def _header_problem(root: Path, rel: str, exc: HeaderError) -> Problem:
     found = str(exc).removeprefix(f"{root / rel}: ")
     return Problem(rel, "header", found, "a header whose tensors tile the file exactly (8 + header + data bytes)")
+
+
+def _held(names: set[str] | None) -> str:
+    return "" if names is None else f" ({_count(len(names))})"  # None: its header is broken, said already
+
+
+def _count(n: int) -> str:
+    return f"{n} tensor{'' if n == 1 else 's'}"
 
 
 def _few(names: list[str]) -> str:

@@ -25,6 +25,10 @@ from dsv41_convert.store.lock import LOCK_NAME
 
 RECORD_NAME = ".dsv41-download.json"
 COMMIT = re.compile(r"[0-9a-f]{40}")
+WHOLE = (  # integrity._check_whole, for the report's `checks`
+    "whole checkpoint (config.json; every shard the index names, or without one the k-of-n its names count; "
+    "no other *.safetensors; no tensor in two files)"
+)
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,9 @@ def verify_local(
     progress: Progress | None = None,
 ) -> DownloadReport:
     """Check a downloaded folder without network: against our record when there is one (sizes and hashes),
-    else from the files alone (safetensors headers, sizes implied by them, the index)."""
+    else from the files alone (safetensors headers, sizes implied by them, the index); either way, that the
+    folder is a whole checkpoint (integrity._check_whole: config.json, every shard, no stray *.safetensors
+    beside them, which the record does not list, no tensor in two files)."""
     check_repo_id(repo_id)
     rev = revision or constants.DEFAULT_REVISION
     if local_dir is not None:
@@ -157,7 +163,7 @@ def verify_local(
         include, exclude = record.include, record.exclude
     files = selected(record.files, include, exclude)
     problems = check_files(place.folder, files, workers=workers, progress=progress)
-    problems += drop_unwanted(check_checkpoint(place.folder, [f.path for f in files]), include, exclude)
+    problems += structure_problems(place.folder, [f.path for f in files], record, include, exclude)
     return DownloadReport(
         repo_id,
         record.revision,
@@ -165,7 +171,7 @@ def verify_local(
         place.folder,
         len(files),
         sum(f.size for f in files),
-        "sizes, sha256 / git ids from the download record, headers, index",
+        f"sizes, sha256 / git ids from the download record, headers, index, {WHOLE}",
         True,
         problems=tuple(_dedup(problems)),
     )
@@ -181,7 +187,9 @@ def _verify_without_record(
     progress: Progress | None,
 ) -> DownloadReport:
     """A folder we did not download: the digests huggingface_hub left where it has them (hf_metadata.py),
-    the headers and the index always. Which of the two ran is said in `checks`."""
+    the headers, the index and that the folder is a whole checkpoint always (no list of files says what
+    should be there: the index and the shard names do). Which ran, and what none can see, is said in
+    `checks`."""
     paths = [p for p in _local_paths(folder) if _wanted(p, include, exclude)]
     hub = hub_metadata(folder, paths)
     if revision is not None and COMMIT.fullmatch(revision) and hub.commits - {revision}:
@@ -190,16 +198,20 @@ def _verify_without_record(
             f"not {revision}"
         )
     problems = check_files(folder, hub.files, workers=workers, progress=progress, where=hub.where)
-    problems += drop_unwanted(check_checkpoint(folder, paths), include, exclude)
+    problems += drop_unwanted(check_checkpoint(folder, paths, whole=True), include, exclude)
     nbytes = sum((folder / p).stat().st_size for p in paths)
     if not hub.files:
-        checks = "headers, index and sizes only: no download record, so no hashes"
+        checks = (
+            f"headers, the sizes they imply, index, {WHOLE}: no download record, so no hashes; not checked: "
+            f"the tensor bytes, that the folder is {repo_id}'s, and whether files besides config.json and the weights "
+            "are missing"
+        )
     else:
         unhashed = len(paths) - len(hub.files)
         checks = (
             f"sha256 / git ids of {len(hub.files)} files from {hub.where} (no record of ours, so the repo id "
             f"is not checked){f'; headers only for {unhashed} files it has no digest of' if unhashed else ''}; "
-            "headers, index"
+            f"headers, index, {WHOLE}; not checked: whether files besides config.json and the weights are missing"
         )
     commit = next(iter(hub.commits)) if len(hub.commits) == 1 else None
     return DownloadReport(
@@ -215,6 +227,21 @@ def _local_paths(folder: Path) -> list[str]:
         if path.is_file() and not rel.startswith(".cache/") and rel not in (RECORD_NAME, LOCK_NAME):
             out.append(rel)
     return out
+
+
+def structure_problems(
+    folder: Path, paths: list[str], record: Record, include: Sequence[str], exclude: Sequence[str]
+) -> list[Problem]:
+    """check_checkpoint(whole=True) of `paths` and of the top-level *.safetensors the record does not list
+    (a stray copy `shard` would read), leaving out what include / exclude filtered away."""
+    listed = {f.path for f in record.files}
+    strays = [p for p in _top_safetensors(folder) if p not in listed and _wanted(p, include, exclude)]
+    return drop_unwanted(check_checkpoint(folder, paths + strays, whole=True), include, exclude)
+
+
+def _top_safetensors(folder: Path) -> list[str]:
+    """The *.safetensors files at the top of `folder`: what `shard` reads, whoever put them there."""
+    return sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
 
 
 def _wanted(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:

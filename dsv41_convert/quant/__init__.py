@@ -13,6 +13,9 @@ activation quantizers of the model (act.py, upstream kernel.py semantics):
     act_quant, fp4_act_quant
 safetensors dtype names as torch dtypes (file_dtypes.py, imported by its module path):
     SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, tensor_from_bytes
+NaN bytes of a quantized source, refused by every decoder (byte_checks.py, numpy alone, imported by its
+module path):
+    require_scales_not_nan, require_e4m3_not_nan
 
 Each docstring states the rounding, floors, clamps, shapes and dtypes.
 

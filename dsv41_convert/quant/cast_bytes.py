@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_convert.errors import FormatError
+from dsv41_convert.quant.byte_checks import require_scales_not_nan
 
 FP8_BLOCK = 32  # output block, both dims, as upstream
 MAX_OFFSET_BITS = 6  # largest k with 6 * 2**k <= 448
@@ -115,12 +116,10 @@ def fp4_to_fp8_bytes(packed: np.ndarray, s: np.ndarray, block: int = 32, name: s
     if tuple(s.shape) != want:
         raise ValueError(f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}")
     packed, b_OG = packed.view(np.uint8), s.view(np.uint8)
+    require_scales_not_nan(b_OG, name)
     groups_per_block = FP8_BLOCK // block
-    # the block's largest scale byte (zero padding never wins the max; a NaN, byte 255, always does)
+    # the block's largest scale byte (zero padding never wins the max)
     amax_b = _pad_blocks(b_OG, FP8_BLOCK, groups_per_block).max(axis=(1, 3))
-    if bool((amax_b == 255).any()):
-        first = [int(i) for i in np.argwhere(b_OG == 255)[0]]
-        raise FormatError(f"{name}: scale is NaN (e8m0 byte 255) at {first}; expected a power of two; corrupt shard?")
     s8b = np.maximum(amax_b.astype(np.int16) - MAX_OFFSET_BITS, 0)  # / 2**6, raised to byte 0 (2**-127)
     s8b_OG = np.repeat(np.repeat(s8b, FP8_BLOCK, 0)[:out], groups_per_block, 1)[:, : want[1]]
     k_OG = b_OG.astype(np.int16) - s8b_OG  # log2(fp4 scale / block scale), exact

@@ -1,14 +1,16 @@
 """MXFP4 weights (e2m1 pairs, one e8m0 scale per block) decoded to bfloat16 on bytes, with numpy alone:
 quant/fp4.py's decode_mxfp4 for the case the converter streams (the routed experts of a bf16 export), so
 that a CPU worker computes it without importing torch. Same rule, same bytes: value = e2m1 value *
-f32(scale), one rounding to bfloat16 (exact unless 6 * 2**127 overflows to infinity; a NaN scale, byte
-255, gives 0x7FC0); tests/unit/test_quant_tables.py holds it to decode_mxfp4 bit for bit.
+f32(scale), one rounding to bfloat16 (exact unless 6 * 2**127 overflows to infinity); a NaN scale, byte
+255, is refused (byte_checks.py), though the table maps it to 0x7FC0 as decode_mxfp4 does;
+tests/unit/test_quant_tables.py holds it to decode_mxfp4 bit for bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from dsv41_convert.quant.byte_checks import require_scales_not_nan
 from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
 from dsv41_convert.quant.fp8_bytes import E8M0_F32, float32_to_bf16_bits
 
@@ -28,7 +30,8 @@ _PAIRS: np.ndarray | None = None  # _pair_table(), made at the first decode (256
 
 def decode_mxfp4_bf16(packed: np.ndarray, s: np.ndarray, block: int = 32, name: str = "<tensor>") -> np.ndarray:
     """Multiply each decoded e2m1 value by its block's scale in float32, then round to bfloat16 (one lookup
-    per packed byte in a table of every (scale, packed) byte pair).
+    per packed byte in a table of every (scale, packed) byte pair). Raises FormatError naming `name` and
+    the first index of a NaN scale (byte 255); e2m1 codes have no NaN.
 
     packed: [out, in/2]              uint8 (e2m1 pairs, low nibble first; logical [out, in])
     s: [out, ceil(in/block)]         uint8 (e8m0 bytes); `block` even
@@ -41,6 +44,7 @@ def decode_mxfp4_bf16(packed: np.ndarray, s: np.ndarray, block: int = 32, name: 
         raise ValueError(
             f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)} (block {block}): want {list(want)}"
         )
+    require_scales_not_nan(s, name)
     if _PAIRS is None:
         _PAIRS = _pair_table()
     base = s.astype(np.intp) << 8  # intp indices: numpy's take converts any other kind first (20x slower)

@@ -3,12 +3,14 @@ decode_fp8_blocks for the case the converter streams (upstream's wo_a dequantiza
 weight of a bf16 export), so that a CPU worker computes it without importing torch (3-5 s per process
 on the 16-core H200 host). Same rule, same bytes: value = f32(q) * f32(scale), one rounding to bfloat16
 (nearest-even; every NaN becomes 0x7FC0, as torch writes it); tests/unit/test_quant_tables.py holds
-it to decode_fp8_blocks bit for bit.
+it to decode_fp8_blocks bit for bit. A NaN scale or weight byte is refused, not decoded (byte_checks.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from dsv41_convert.quant.byte_checks import require_e4m3_not_nan, require_scales_not_nan
 
 
 def _e4m3_values() -> np.ndarray:
@@ -40,7 +42,8 @@ def _bf16_table() -> np.ndarray:
 
 def decode_fp8_blocks_bf16(q: np.ndarray, s: np.ndarray, block: tuple[int, int], name: str = "<tensor>") -> np.ndarray:
     """Multiply each e4m3 block by its e8m0 scale in float32, then round to bfloat16 (by one lookup per
-    element in a table of every (scale, weight) byte pair).
+    element in a table of every (scale, weight) byte pair). Raises FormatError naming `name` and the first
+    index of a NaN scale (byte 255) or weight byte (0x7F, 0xFF).
 
     q: [out, in]                        uint8 (e4m3 bytes)
     s: [ceil(out/bo), ceil(in/bi)]      uint8 (e8m0 bytes)
@@ -54,6 +57,8 @@ def decode_fp8_blocks_bf16(q: np.ndarray, s: np.ndarray, block: tuple[int, int],
         raise ValueError(
             f"{name}: scale {list(s.shape)} does not fit weight {list(q.shape)} in {bo}x{bi} blocks: want {list(want)}"
         )
+    require_scales_not_nan(s, name)
+    require_e4m3_not_nan(q, name)
     if _BF16 is None:
         _BF16 = _bf16_table()
     base = s.astype(np.intp) << 8  # intp indices: numpy's take converts any other kind first (20x slower)

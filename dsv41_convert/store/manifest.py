@@ -22,6 +22,7 @@ from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 
 DONE_DIR = ".dsv41-convert"
 MANIFEST = "manifest.json"
+FRAGMENT_GLOB = "manifest-fragment-*.json"  # what a share of the ranks leaves instead (manifest_merge.py)
 FORMAT = "dsv41-convert manifest v1"
 
 
@@ -78,10 +79,16 @@ def write_done(out: Path, file: str, size: int, sha256: str, plan_digest: str) -
 
 
 def read_done(out: Path, file: str) -> dict[str, Any] | None:
+    """`file`'s done record, or None where there is none or it is not one (damaged, edited: the file is then
+    written again, as if unfinished)."""
     try:
-        return json.loads(done_path(out, file).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        rec = json.loads(done_path(out, file).read_bytes())
+    except (FileNotFoundError, ValueError):  # ValueError: not JSON, not UTF-8
         return None
+    fields = {"size": int, "sha256": str, "plan_digest": str}
+    if not isinstance(rec, dict) or not all(type(rec.get(k)) is t for k, t in fields.items()):
+        return None
+    return rec
 
 
 def finished(out: Path, files: list[str], plan_digest: str, progress: Progress | None = None) -> set[str]:

@@ -15,7 +15,7 @@ from typing import Any
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
-from dsv41_convert.store.manifest import FORMAT, MANIFEST
+from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST
 from dsv41_convert.store.rank_names import rank_file_name
 
 
@@ -41,7 +41,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise VerifyInputError(f"{path}: not found; was {folder} written by `dsv41-convert shard`?") from exc
+        raise VerifyInputError(f"{path}: not found; {_without_manifest(Path(folder))}") from exc
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise VerifyInputError(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -55,6 +55,21 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         if not ok or "/" in name or name.startswith("."):
             raise VerifyInputError(f"{path}: entry {name!r} is not a plain file name with size and sha256")
     return data
+
+
+def _without_manifest(folder: Path) -> str:
+    """Why a folder may have no manifest.json: a run stopped half-way, or shares of the ranks not yet merged."""
+    partial = sorted(p.name for p in folder.glob("*.partial"))
+    if partial:
+        return (
+            f"an unfinished conversion ({len(partial)} .partial file(s): {', '.join(partial[:2])}"
+            f"{', ...' if len(partial) > 2 else ''}); continue it with `shard` or `export` and --resume"
+        )
+    if any(folder.glob(FRAGMENT_GLOB)):
+        return "it holds fragments of shares of the ranks: gather every share, then run `dsv41-convert manifest`"
+    if (folder / DONE_DIR).is_dir():
+        return "an unfinished conversion (not every file is done); continue it with `shard` or `export` and --resume"
+    return f"was {folder} written by `dsv41-convert shard` or `export`?"
 
 
 def check_folder(folder: Path, progress: Progress | None = None, threads: int | None = None) -> CheckResult:
@@ -82,7 +97,8 @@ def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
     problems = []
     if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0:
         problems += [
-            f"{name}: a tp-{tp} conversion's rank file, not listed in {MANIFEST}"
+            f"{name}: a tp-{tp} conversion's rank file ({MANIFEST} says tp {tp}), "
+            + ("not listed in it" if (folder / name).exists() else "neither listed in it nor in the folder")
             for r in range(tp)
             if (name := rank_file_name(r, tp)) not in files
         ]

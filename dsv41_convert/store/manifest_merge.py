@@ -4,12 +4,25 @@ A run that leaves some rank files of its plan unwritten (`shard --ranks 0,3`, or
 OUT/manifest-fragment-mp{N}-r{ranks}.json (e.g. manifest-fragment-mp4-r0_3.json, ranks joined by `_`):
 
   {"format": "dsv41-convert manifest fragment v1", "complete": false, "plan_digest": ..., "source": {...},
-   "options": {...}, "rank_files": [every rank file of the plan], "files": {name: {"size", "sha256"}}}
+   "options": {...}, "rank_files": [every rank file of the plan], "files": {name: {"size", "sha256"}},
+   "side_files": {name: {"size", "sha256"}}}
+
+`side_files`: the side files (SIDE_FILES: config.json, hf_config.json, tokenizer files) in the share's OUT
+when it wrote the fragment, which `execute` writes before any rank file. The plan digest does not cover
+them (a share run from another copy of the source may have another tokenizer.json), so they are recorded.
 
 It is not a manifest (other name, other format: `check` refuses it). Once every rank file and fragment is
 gathered in one folder, `merge` checks each rank file's size and sha256 against the fragments, checks that
-all fragments (and done records) come from one plan, writes a done record for each file (so `shard
---resume` there skips it) and writes manifest.json. `import_fragments` lets `shard --resume` do the same.
+all fragments (and done records) come from one plan, checks the side files (below), writes a done record
+for each file (so `shard --resume` there skips it) and writes manifest.json. `import_fragments` lets `shard
+--resume` do the same (it writes the side files again from its own source, so it checks none).
+
+Side files at merge. Caught: one that differs in size or sha256 from the fragments' record, one recorded but
+missing, one that two fragments record differently or that one records and another does not, one in the
+folder that no fragment records. Not caught: anything in a fragment without `side_files` (written before
+this version; the merge names those fragments in `side_files_unchecked`, and when none has the record it
+only requires config.json and hf_config.json), and a share whose own side files were wrong when it wrote
+its fragment (it records what it finds).
 """
 
 from __future__ import annotations
@@ -20,11 +33,12 @@ from typing import Any
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.file_digest import Recorded, mismatches
+from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import hold
 from dsv41_convert.store.manifest import (
     DONE_DIR,
+    FRAGMENT_GLOB,
     MANIFEST,
     atomic_write,
     fsync_path,
@@ -36,9 +50,9 @@ from dsv41_convert.store.manifest import (
 from dsv41_convert.store.manifest_check import read_manifest
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
-FRAGMENT_GLOB = "manifest-fragment-*.json"
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
 REQUIRED_SIDECARS = ("config.json", "hf_config.json")
+SIDE_FILES = (*REQUIRED_SIDECARS, *SIDECARS)
 COPY_IT = "; copy it from the machine that wrote it"
 
 
@@ -47,11 +61,17 @@ def fragment_name(tp: int, ranks: list[int]) -> str:
 
 
 def write_fragment(out: Path, plan, options: dict[str, Any], done: list[str]) -> Path:
-    """The fragment for the rank files in `done` (each has a done record for this plan)."""
+    """The fragment for the rank files in `done` (each has a done record for this plan) and the side files in
+    `out` (the run wrote them before its rank files)."""
     files = {}
     for name in done:
         rec = read_done(out, name)
         files[name] = {"size": rec["size"], "sha256": rec["sha256"]}
+    side_files = {}
+    for name in SIDE_FILES:
+        path = out / name
+        if path.is_file():
+            side_files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     ranks = [f.rank for f in plan.files if f.file in files]
     fragment = {
         "format": FRAGMENT_FORMAT,
@@ -61,6 +81,7 @@ def write_fragment(out: Path, plan, options: dict[str, Any], done: list[str]) ->
         "options": options,
         "rank_files": [f.file for f in plan.files],
         "files": files,
+        "side_files": side_files,
     }
     path = out / fragment_name(plan.tp, ranks)
     atomic_write(path, (json.dumps(fragment, indent=2) + "\n").encode())
@@ -79,10 +100,16 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
             ) from exc
         ok = isinstance(data, dict) and data.get("format") == FRAGMENT_FORMAT
         ok = ok and isinstance(data.get("files"), dict) and isinstance(data.get("rank_files"), list)
+        side = data.get("side_files", {}) if isinstance(data, dict) else None
+        ok = ok and isinstance(side, dict) and all(_is_record(rec) for rec in side.values())
         if not ok:
             raise OutputError(f"{path}: not a {FRAGMENT_FORMAT!r} file")
         frags[path.name] = data
     return frags
+
+
+def _is_record(rec: Any) -> bool:
+    return isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get("sha256"), str)
 
 
 def import_fragments(out: Path, plan_digest: str) -> list[str]:
@@ -179,8 +206,11 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
             continue
         rec, where = records[file]
         listed[file] = (out / file, Recorded(rec["size"], rec["sha256"], where, COPY_IT))
+    side, unchecked = _side_records(out, frags, problems)
+    for file, (rec, where) in side.items():
+        listed[file] = (out / file, Recorded(rec["size"], rec["sha256"], where, COPY_IT))
     problems += [problem for problem in mismatches(listed, progress=progress).values() if problem]
-    missing = [n for n in REQUIRED_SIDECARS if not (out / n).is_file()]
+    missing = [n for n in REQUIRED_SIDECARS if n not in side and not (out / n).is_file()]
     problems += [f"{n}: missing (every `shard` run writes it); copy it from any machine's OUT" for n in missing]
     if problems:
         raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(problems))
@@ -189,9 +219,52 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
         write_done(out, file, rec["size"], rec["sha256"], digest)
     devices = sorted({str(f["options"].get("device")) for f in frags.values()})
     options = first["options"] | {"device": ",".join(devices)}
-    extra = [n for n in SIDECARS if (out / n).is_file()] + list(REQUIRED_SIDECARS)
+    if unchecked == list(frags):  # no record at all: as before side files were recorded
+        extra = [n for n in SIDECARS if (out / n).is_file()] + list(REQUIRED_SIDECARS)
+    else:
+        extra = [n for n in SIDE_FILES if n in side]
     path = write_manifest_from(out, first["source"], options, digest, rank_files, extra)
-    return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags)}
+    return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags),
+            "side_files": sorted(side), "side_files_unchecked": unchecked}  # fmt: skip
+
+
+def _side_records(
+    out: Path, frags: dict[str, dict[str, Any]], problems: list[str]
+) -> tuple[dict[str, tuple[dict[str, Any], str]], list[str]]:
+    """The side files the fragments agree on, to check against the folder; appends to `problems` each one
+    that two fragments record differently, one records and another does not, or that is in `out` with no
+    record. -> ({name: (size/sha256, which fragments record it)}, fragments without side-file records)"""
+    unchecked = [name for name, frag in frags.items() if "side_files" not in frag]
+    recording = {name: frag["side_files"] for name, frag in frags.items() if "side_files" in frag}
+    if not recording:
+        return {}, unchecked
+    side: dict[str, tuple[dict[str, Any], str]] = {}
+    for file in SIDE_FILES:
+        have = [name for name, recs in recording.items() if file in recs]
+        lack = [name for name in recording if name not in have]
+        if not have:
+            if (out / file).is_file():
+                problems.append(
+                    f"{file}: no fragment records it (no share wrote it); remove it, or convert again with it in SRC"
+                )
+            continue
+        if lack:
+            problems.append(f"{file}: {have[0]} records it, {lack[0]} does not: shares from different sources?")
+            continue
+        entries = {name: {k: recording[name][file][k] for k in ("size", "sha256")} for name in have}
+        first, *others = have
+        differ = [name for name in others if entries[name] != entries[first]]
+        if differ:
+            a, b = entries[differ[0]], entries[first]
+            problems.append(
+                f"{file}: {differ[0]} and {first} record different files ({a['size']} bytes, sha256 "
+                f"{a['sha256'][:16]}... against {b['size']} bytes, {b['sha256'][:16]}...): shares from different "
+                "sources? convert them from one"
+            )
+            continue
+        where = first if not others else f"{first} (and {len(others)} more)"
+        side[file] = (entries[first], where)
+    return side, unchecked
 
 
 def _already_merged(out: Path) -> dict[str, Any]:

@@ -371,3 +371,26 @@ def test_verify_only_of_a_folder_huggingface_hub_downloaded_checks_its_hashes(hu
         shutil.rmtree(folder / ".cache")
         blind = dl.verify_local(REPO, local_dir=folder)
         assert "no download record, so no hashes" in blind.checks and blind.ok
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_verify_only_with_huggingface_hub_metadata_still_needs_a_whole_folder(hub, tmp_path, checkpoints, in_cache):
+    """huggingface_hub's digests cover the files still there: a config.json deleted, or a shard copied in
+    under another name, is found by the whole-checkpoint check, and `checks` says what none can see."""
+    from huggingface_hub import snapshot_download
+
+    kw = {"cache_dir": tmp_path / "cache"} if in_cache else {"local_dir": tmp_path / "hf"}
+    folder = Path(snapshot_download(REPO, endpoint=hub.url, **kw))
+    where = {"cache_dir": tmp_path / "cache"} if in_cache else {"local_dir": folder}
+    first = shards(checkpoints[C1])[0]
+    stray = first.replace("-of-00002", "-of-00003")
+    (folder / "config.json").unlink()
+    (folder / stray).write_bytes((folder / first).read_bytes())
+    verdict = dl.verify_local(REPO, **where)
+    assert sorted((p.path, p.kind) for p in verdict.problems) == [
+        ("config.json", "missing"),
+        (stray, "duplicate"),
+        (stray, "extra"),
+    ]
+    assert "whole checkpoint" in verdict.checks
+    assert "not checked: whether files besides config.json and the weights are missing" in verdict.checks

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_run import done_records, run_cli, run_cli_with_file_size_limit, wait_for_a_done_file_and_a_partial
+from cli_run import (
+    done_records,
+    run_cli,
+    run_cli_with_file_size_limit,
+    run_records,
+    wait_for_a_done_file_and_a_partial,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
@@ -174,7 +180,7 @@ def test_disk_full_while_writing(src, tmp_path):
     assert named, err
     assert build_export_plan(src, "bf16").plan.files[int(named[1][6:11]) - 1].nbytes > 400_000
     assert_nothing_finished(out)
-    assert not list((out / ".dsv41-convert").glob("*"))
+    assert not run_records(out)
 
 
 @pytest.mark.slow

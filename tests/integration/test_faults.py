@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_run import done_records, run_cli, run_cli_with_file_size_limit, wait_for_a_done_file_and_a_partial
+import torch
+from cli_run import (
+    done_records,
+    run_cli,
+    run_cli_with_file_size_limit,
+    run_records,
+    wait_for_a_done_file_and_a_partial,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
@@ -143,6 +150,62 @@ def test_nan_where_it_must_quantize(tmp_path, monkeypatch, capsys):
     assert not list(out.glob("*.partial"))
 
 
+def _planted(tmp_path: Path, name: str, at: tuple[int, int], byte: int) -> Path:
+    """A tiny published source whose tensor `name` holds `byte` at `at` -> its folder."""
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    tensors[name].view(torch.uint8)[at] = byte
+    return write_ckpt(tmp_path / "src", tensors, cfg)
+
+
+def _file_of(src: Path, name: str) -> str:
+    return json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+@pytest.mark.parametrize(
+    ("name", "at", "byte", "what"),
+    [
+        ("layers.0.attn.wo_a.scale", (0, 0), 0xFF, "(source rows 0..127): scale is NaN (e8m0 byte 255) at [0, 0]"),
+        ("layers.0.attn.wo_a.weight", (3, 21), 0x7F, "(source rows 0..127): weight is NaN (e4m3 byte 127) at [3, 21]"),
+        (
+            "layers.0.attn.wo_a.weight",
+            (200, 5),
+            0xFF,
+            "(source rows 128..255): weight is NaN (e4m3 byte 255) at [72, 5]",
+        ),
+    ],
+)
+def test_shard_refuses_a_nan_byte_in_wo_a(tmp_path, monkeypatch, capsys, name, at, byte, what):
+    """`shard` decodes wo_a to bf16 (quant/fp8_bytes.py): a NaN scale or e4m3 byte would be written as NaN
+    weights. Rows 0..127 of wo_a [256, 32] are rank 0's, 128..255 rank 1's: that rank's file is never
+    finished, and the message names the block's source rows (the index counts from its first row)."""
+    src = _planted(tmp_path, name, at, byte)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")
+    assert code == 2 and f"{_file_of(src, 'layers.0.attn.wo_a.weight')}: layers.0.attn.wo_a.weight {what}" in err
+    assert "corrupt shard?" in err
+    rank = at[0] // 128
+    assert not (out / f"model{rank}-mp2.safetensors").exists() and not (out / "manifest.json").exists()
+    assert not list(out.glob("*.partial"))
+
+
+@pytest.mark.parametrize(
+    ("weight", "at"), [("layers.1.attn.wq_a.weight", (0, 1)), ("layers.0.ffn.experts.6.w2.weight", (3, 0))]
+)
+def test_bf16_export_refuses_a_nan_scale(tmp_path, monkeypatch, capsys, weight, at):
+    """`export --format bf16` decodes every fp8 weight (quant/fp8_bytes.py) and every fp4 expert
+    (quant/fp4_bytes.py): a NaN scale is refused, and the file it is in is never finished (as
+    tests/integration/test_export_faults.py's assert_nothing_finished)."""
+    src = _planted(tmp_path, weight.removesuffix(".weight") + ".scale", at, 0xFF)
+    bad_file = _file_of(src, weight)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "bf16")
+    assert code == 2 and f"{bad_file}: {weight}: scale is NaN (e8m0 byte 255) at [{at[0]}, {at[1]}]" in err
+    for name in ("manifest.json", "config.json", "model.safetensors.index.json", bad_file):
+        assert not (out / name).exists(), name
+    assert not list(out.glob("*.partial"))
+
+
 def test_out_inside_src_and_nonempty_out(src, tmp_path):
     plan = build_plan(src, 1)
     with pytest.raises(OutputError, match="inside"):
@@ -172,7 +235,7 @@ def test_disk_full_while_writing(src, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "model0-mp1.safetensors: no space left on the device while writing tensor" in err
     assert_nothing_finished(out)
-    assert not list(out.glob("*.partial")) and not list((out / ".dsv41-convert").glob("*"))
+    assert not list(out.glob("*.partial")) and not run_records(out)
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@ equal to a single full run's, and refuses missing ranks, mismatching files and m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.manifest_check import check_folder
+from dsv41_convert.store.manifest_merge import write_fragment
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +174,149 @@ def test_a_resume_with_nothing_left_to_write_keeps_the_manifest(runs, tmp_path):
     before = (out / "manifest.json").read_bytes()
     res = execute(build_plan(runs["src"], 4), out, resume=True)
     assert res["written"] == [] and (out / "manifest.json").read_bytes() == before
+
+
+# --- side files (config.json, hf_config.json, tokenizer files): each fragment records the ones its share wrote
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def other_shares(runs, tmp_path_factory) -> dict[str, Path]:
+    """Ranks 1,2 of the same plan (same index, same digest) written from other copies of the source:
+    `tok` with another tokenizer.json, `no_tc` without tokenizer_config.json; `no_tc_a` ranks 0,3 of it."""
+    root = tmp_path_factory.mktemp("other")
+    tok = shutil.copytree(runs["src"], root / "src_tok")
+    (tok / "tokenizer.json").write_text(json.dumps({"x": 1}))
+    no_tc = shutil.copytree(runs["src"], root / "src_no_tc")
+    (no_tc / "tokenizer_config.json").unlink()
+    shares = {"tok": root / "tok", "no_tc": root / "no_tc", "no_tc_a": root / "no_tc_a"}
+    execute(build_plan(tok, 4), shares["tok"], ranks=[1, 2])
+    execute(build_plan(no_tc, 4), shares["no_tc"], ranks=[1, 2])
+    execute(build_plan(no_tc, 4), shares["no_tc_a"], ranks=[0, 3])
+    assert build_plan(tok, 4).digest() == build_plan(runs["src"], 4).digest()  # the index alone names the plan
+    return shares
+
+
+def _refused(monkeypatch, capsys, g: Path, *names: str) -> str:
+    """`manifest g` exits 2 naming each of `names`, writes no manifest, and `check` then refuses g."""
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and out == "", (code, out, err)
+    for name in names:
+        assert name in err, err
+    assert not (g / "manifest.json").exists()
+    with pytest.raises(VerifyInputError, match=r"manifest\.json: not found"):
+        check_folder(g)
+    return err
+
+
+def test_fragment_records_the_side_files_its_share_wrote(runs):
+    frag = json.loads((runs["a"] / "manifest-fragment-mp4-r0_3.json").read_text())
+    side = ["config.json", "hf_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(frag["side_files"]) == side
+    for name in side:
+        path = runs["a"] / name
+        assert frag["side_files"][name] == {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def test_clean_gather_checks_the_side_files(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["side_files"] == ["config.json", "hf_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert summary["side_files_unchecked"] == []
+    assert check_folder(g).ok
+
+
+@pytest.mark.parametrize(
+    "name, damage, found",
+    [
+        ("config.json", lambda p: p.write_text("garbage\n"), "8 bytes"),
+        ("tokenizer.json", lambda p: p.write_text('{"x":1}\n'), "8 bytes"),
+        ("hf_config.json", lambda p: p.write_bytes(p.read_bytes().replace(b"256", b"257", 1)), "sha256"),
+        ("tokenizer_config.json", lambda p: p.unlink(), "missing"),
+        ("tokenizer.json", lambda p: p.unlink(), "missing"),
+    ],
+)
+def test_a_damaged_side_file_is_an_error(runs, tmp_path, monkeypatch, capsys, name, damage, found):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    damage(g / name)
+    err = _refused(monkeypatch, capsys, g, "manifest-fragment-mp4-r0_3.json")
+    error = err.split("error: ", 1)[1]
+    assert error.startswith(f"{g}: cannot write manifest.json: {name}: {found}"), error
+    others = {"config.json", "hf_config.json", "tokenizer.json", "tokenizer_config.json", "model"} - {name}
+    assert not [o for o in others if f" {o}" in error], error  # only the damaged file is named
+
+
+def test_a_damaged_side_file_is_an_error_through_the_shell(tmp_path):
+    """The reported case, as a user runs it: tp 2, one rank per share, garbage config.json."""
+    exe = str(Path(sys.executable).with_name("dsv41-convert"))
+    src = make_tiny(tmp_path / "src")
+    for r in (0, 1):
+        subprocess.run([exe, "shard", str(src), str(tmp_path / f"s{r}"), "--tp", "2", "--ranks", str(r)], check=True)
+    g = _gather(tmp_path / "g", tmp_path / "s0", tmp_path / "s1")
+    (g / "config.json").write_text("garbage\n")
+    res = subprocess.run([exe, "manifest", str(g)], capture_output=True, text=True)
+    assert res.returncode == 2 and "config.json: 8 bytes" in res.stderr, res.stderr
+    assert not (g / "manifest.json").exists()
+    assert subprocess.run([exe, "check", str(g)], capture_output=True).returncode != 0
+
+
+def test_shares_that_wrote_different_side_files_are_an_error(runs, other_shares, tmp_path, monkeypatch, capsys):
+    # another tokenizer.json beside the same plan: whichever copy came last would go into the manifest
+    both = "manifest-fragment-mp4-r1_2.json and manifest-fragment-mp4-r0_3.json record different files"
+    g = _gather(tmp_path / "g", runs["a"], other_shares["tok"])
+    _refused(monkeypatch, capsys, g, f" tokenizer.json: {both}")
+    # another config.json (a share of another version of this tool, say)
+    b = shutil.copytree(runs["b"], tmp_path / "b")
+    (b / "config.json").write_text((b / "config.json").read_text().replace("256", "257", 1))
+    plan = build_plan(runs["src"], 4)
+    done = ["model1-mp4.safetensors", "model2-mp4.safetensors"]
+    write_fragment(b, plan, {"tp": 4, "expert_dtype": "fp4", "device": "cpu"}, done)
+    g2 = _gather(tmp_path / "g2", runs["a"], b)
+    _refused(monkeypatch, capsys, g2, f" config.json: {both}")
+    # one share wrote tokenizer_config.json, the other did not
+    g3 = _gather(tmp_path / "g3", runs["a"], other_shares["no_tc"])
+    _refused(monkeypatch, capsys, g3, "tokenizer_config.json: manifest-fragment-mp4-r0_3.json records it", "r1_2.json")
+
+
+def test_a_side_file_no_share_wrote_is_an_error(runs, other_shares, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", other_shares["no_tc_a"], other_shares["no_tc"])
+    assert not (g / "tokenizer_config.json").exists()
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
+    assert code == 0 and "tokenizer_config.json" not in json.loads(out)["side_files"], err
+    (g / "manifest.json").unlink()
+    shutil.copy(runs["src"] / "tokenizer_config.json", g)  # copied in by hand
+    _refused(monkeypatch, capsys, g, "tokenizer_config.json: no fragment records it")
+
+
+def _strip_side_files(fragment: Path) -> None:
+    """What `shard --ranks` of an earlier version wrote: no side_files record."""
+    data = json.loads(fragment.read_text())
+    del data["side_files"]
+    fragment.write_text(json.dumps(data))
+
+
+def test_fragments_of_an_earlier_version_merge_with_side_files_unchecked(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    for frag in g.glob("manifest-fragment-*.json"):
+        _strip_side_files(frag)
+    (g / "tokenizer.json").write_text('{"x":1}\n')  # nothing to check it against
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["side_files_unchecked"] == ["manifest-fragment-mp4-r0_3.json", "manifest-fragment-mp4-r1_2.json"]
+    assert summary["side_files"] == []
+    # one old fragment beside a new one: the new one's record still checks every side file
+    g2 = _gather(tmp_path / "g2", runs["a"], runs["b"])
+    _strip_side_files(g2 / "manifest-fragment-mp4-r1_2.json")
+    (g2 / "config.json").write_text("garbage\n")
+    _refused(monkeypatch, capsys, g2, "config.json: 8 bytes, manifest-fragment-mp4-r0_3.json says")
+    (g2 / "config.json").write_bytes((runs["a"] / "config.json").read_bytes())
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g2), "--json")
+    assert code == 0, err
+    assert json.loads(out)["side_files_unchecked"] == ["manifest-fragment-mp4-r1_2.json"]
+    assert check_folder(g2).ok

@@ -234,9 +234,9 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
     and the one each had queued, and the run waited for them."""
     out = tmp_path / "out"
     env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.05"}
-    cmd = [*CLI, "shard", str(src), str(out), "--tp", "8", "--workers", "2", "--buffered-io"]
+    cmd = [*CLI, "shard", str(src), str(out), "--tp", "8", "--workers", "2", "--buffered-io", "--json"]
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint
     )
     deadline = time.monotonic() + 120
     while not [p for p in out.glob("*.partial") if p.stat().st_size > 0] and time.monotonic() < deadline:
@@ -244,9 +244,10 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
     started = {p.name.removesuffix(".partial") for p in out.glob("model*.partial")} | done_records(out)
     os.kill(proc.pid, signal.SIGINT)
     t = time.monotonic()
-    err = proc.communicate(timeout=60)[1]
+    doc, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted; what is on disk is kept" in err and "Traceback" not in err
     assert time.monotonic() - t < 10  # the throttled files take over a minute each
+    assert json.loads(doc) == {"ok": False, "exit_code": 130, "error": err.strip().removeprefix("error: ")}
     time.sleep(1)  # no worker left to write anything
     written = {p.name.removesuffix(".partial") for p in out.glob("model*")}
     assert written <= started and len(started) <= 3, (written, started)

@@ -130,3 +130,30 @@ def test_workers_hold_the_runs_locks(bf16_src, tmp_path, ranks):
     assert len(workers) == 2 and os.getpid() not in workers
     for i in range(len(locks)):
         assert workers <= set().union(*(s[i] for s in seen)), locks[i]
+
+
+_INTERRUPTED_EARLY = """
+import multiprocessing as mp, os, signal, sys, time
+from dsv41_convert.convert.die_with import start_fork_server
+ctx = mp.get_context("forkserver")
+ctx.set_forkserver_preload(["dsv41_convert.convert.die_with"])
+start_fork_server()
+p = ctx.Process(target=time.sleep, args=(60,))
+p.start()
+time.sleep(1.0)
+os.kill(p.pid, signal.SIGINT)
+p.join(20)
+print(p.exitcode)
+"""
+
+
+def test_ctrl_c_before_a_worker_sets_its_handler_ends_it_quietly():
+    """A worker forked by the run's fork server that gets SIGINT before its initializer ran (the run forwards
+    Ctrl-C to every worker at once) printed "Process ForkServerProcess-1: Traceback ... KeyboardInterrupt"
+    under the run's own message; now it exits 130 without a word."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _INTERRUPTED_EARLY], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["130"] and "Traceback" not in res.stderr, (res.stdout, res.stderr)

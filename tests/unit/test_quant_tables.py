@@ -277,8 +277,8 @@ def test_cast_by_quads_is_the_float_cast_of_every_byte_pair_at_every_offset(monk
     ("out", "inp", "block", "at"), [(64, 64, 32, (63, 1)), (33, 80, 16, (32, 4)), (5, 40, 8, (0, 0))]
 )
 def test_cast_finds_a_nan_scale_anywhere(out, inp, block, at):
-    """The NaN check reads the block maxima (byte 255 wins every max): a NaN in a ragged last block or at
-    the first scale is still found, and named by its first position."""
+    """The NaN check (quant/byte_checks.py: one max over the scale bytes, byte 255 wins it): a NaN in a ragged
+    last block or at the first scale is still found, and named by its first position."""
     s = torch.full((out, -(-inp // block)), 127, dtype=torch.uint8)
     s[at] = 255
     s[-1, -1] = 255  # a later one is not the one named
@@ -309,11 +309,20 @@ def test_e4m3_exact_bits_is_torchs_cast_where_exact():
     assert not torch.from_numpy(bits)[~want_exact].any()  # no byte where e4m3 would round
 
 
+@pytest.fixture
+def unchecked(monkeypatch):
+    """The byte tables alone, NaN bytes decoded: the decoders' NaN refusal off (quant/byte_checks.py; its
+    tests are in test_decode_refuses_nan.py)."""
+    for mod in (fp8_bytes, fp4_bytes):
+        monkeypatch.setattr(mod, "require_scales_not_nan", lambda s, name: None)
+    monkeypatch.setattr(fp8_bytes, "require_e4m3_not_nan", lambda q, name: None)
+
+
 def _nan_bf16(bits: torch.Tensor) -> torch.Tensor:
     return (bits.int() & 0x7FFF) > 0x7F80
 
 
-def test_fp8_bytes_table_is_decode_fp8_blocks_for_every_scale_and_weight_byte():
+def test_fp8_bytes_table_is_decode_fp8_blocks_for_every_scale_and_weight_byte(unchecked):
     """quant/fp8_bytes.py's lookup (every e8m0 byte x every e4m3 byte: overflow to inf, bf16 subnormals,
     NaN in either) against decode_fp8_blocks (torch): the same bfloat16 bits; NaN as NaN (torch writes
     0xFFFF in its vectorized loop and 0x7FC0 in its scalar tail; the table 0x7FC0)."""
@@ -334,7 +343,7 @@ FP8_DECODE_SHAPES = [(64, 64, (32, 32)), (100, 70, (32, 32)), (33, 65, (32, 32))
 
 
 @pytest.mark.parametrize(("out", "inp", "block"), FP8_DECODE_SHAPES)
-def test_fp8_bytes_decode_equals_decode_fp8_blocks_on_random_bytes(out, inp, block):
+def test_fp8_bytes_decode_equals_decode_fp8_blocks_on_random_bytes(out, inp, block, unchecked):
     """Random weight and scale bytes (NaN ones included), shapes not divisible by the block: the same bits as
     decode_fp8_blocks wherever it is not NaN, NaN where it is; a scale that does not fit is refused."""
     gen = torch.Generator().manual_seed(out * inp + block[0])
@@ -349,7 +358,7 @@ def test_fp8_bytes_decode_equals_decode_fp8_blocks_on_random_bytes(out, inp, blo
         fp8_bytes.decode_fp8_blocks_bf16(q.numpy(), s[:-1].numpy(), block, "w")
 
 
-def test_fp4_bytes_table_is_decode_mxfp4_for_every_scale_and_packed_byte():
+def test_fp4_bytes_table_is_decode_mxfp4_for_every_scale_and_packed_byte(unchecked):
     """quant/fp4_bytes.py's lookup (every e8m0 byte x every packed byte: 6 * 2**127 overflows to inf, -0,
     a NaN scale) against decode_mxfp4's float path (torch): the same bfloat16 bits, NaN as NaN."""
     packed = ALL_BYTES.repeat(256).view(256 * 16, 16)  # row r: 16 packed bytes (32 codes), scale byte r // 16
@@ -363,7 +372,7 @@ def test_fp4_bytes_table_is_decode_mxfp4_for_every_scale_and_packed_byte():
 
 
 @pytest.mark.parametrize(("out", "inp", "block"), [(64, 64, 32), (100, 96, 16), (33, 60, 4), (7, 30, 32), (5, 34, 2)])
-def test_fp4_bytes_decode_equals_decode_mxfp4_on_random_bytes(out, inp, block):
+def test_fp4_bytes_decode_equals_decode_mxfp4_on_random_bytes(out, inp, block, unchecked):
     gen = torch.Generator().manual_seed(out * inp + block)
     packed = torch.randint(0, 256, (out, inp // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(0, 256, (out, -(-inp // block)), dtype=torch.uint8, generator=gen)

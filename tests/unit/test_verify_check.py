@@ -78,7 +78,12 @@ def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path)
     (folder / "model0-mp4.safetensors").write_bytes(b"b" * 64)
     result = check_folder(folder)
     assert result.problems == [
-        "model1-mp2.safetensors: a tp-2 conversion's rank file, not listed in manifest.json",
+        "model1-mp2.safetensors: a tp-2 conversion's rank file (manifest.json says tp 2), neither listed in it "
+        "nor in the folder",
         "model0-mp4.safetensors: in the folder but not in manifest.json (another conversion's file?)",
     ]
+    (folder / "model1-mp2.safetensors").write_bytes(b"c" * 64)
+    assert check_folder(folder).problems[0] == (
+        "model1-mp2.safetensors: a tp-2 conversion's rank file (manifest.json says tp 2), not listed in it"
+    )
     assert sorted(result.checked) == ["config.json", "model0-mp2.safetensors"]

@@ -1,0 +1,49 @@
+"""The source a run reads from, as it was: the size and modification time of each weight shard, kept in OUT
+so that --resume on the same machine refuses to continue from a source that changed in between (a shard
+fetched again after `download` found it bad, an edited file): the rank files finished or started before
+may hold the old bytes, and their done records cannot tell (they describe the output).
+
+Per machine and source path (`OUT/.dsv41-convert/source-HOST.json`): the times of another machine's copy
+say nothing about this one's, so a folder gathered from several machines compares each record only where
+it was made. The plan digest stays free of them (shares on several machines must agree on it).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from dsv41_convert.store.manifest import DONE_DIR, atomic_write
+
+Stamps = dict[str, list[int]]  # file name -> [size, mtime in ns]
+PREFIX = "source-"  # the records' names in OUT/.dsv41-convert: source-HOST.json
+
+
+def source_stamps(src: Path) -> Stamps:
+    """Size and modification time of every weight shard (*.safetensors) of `src`."""
+    return {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(Path(src).glob("*.safetensors"))}
+
+
+def _record_path(out: Path) -> Path:
+    return Path(out) / DONE_DIR / f"{PREFIX}{socket.gethostname()}.json"
+
+
+def record_stamps(out: Path, src: Path, stamps: Stamps) -> None:
+    """Keep `stamps` of `src` in OUT for this machine."""
+    (Path(out) / DONE_DIR).mkdir(exist_ok=True)
+    doc = {"src": str(Path(src).resolve()), "files": stamps}
+    atomic_write(_record_path(out), json.dumps(doc, indent=1).encode())
+
+
+def changed_since(out: Path, src: Path, stamps: Stamps) -> list[str]:
+    """The shards of `src` whose size or time differ from this machine's record in OUT (added and removed ones
+    included); [] without a record for this source path (a first run, an older version, another copy)."""
+    try:
+        doc = json.loads(_record_path(out).read_bytes())
+    except (FileNotFoundError, ValueError):
+        return []
+    same_source = isinstance(doc, dict) and doc.get("src") == str(Path(src).resolve())
+    if not same_source or not isinstance(before := doc.get("files"), dict):
+        return []
+    return sorted(n for n in set(before) | set(stamps) if before.get(n) != stamps.get(n))

@@ -1,0 +1,175 @@
+"""What `shard`, `check` and `demo` may do to a folder, with the faults an audit planted (each failed before
+the fix): OUT that is SRC under another path, --overwrite over files no run of ours wrote, an --overwrite
+stopped half-way then --resume, --dry-run with what the real run refuses, a damaged done record, the worker
+count reported, and `check` on a folder that is not finished."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from cli_run import run_cli
+from tiny_ckpt import make_tiny
+
+import dsv41_convert.convert.execute as execute_mod
+from dsv41_convert.store.manifest import DONE_DIR
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("safety") / "src", vision=False)
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def shard(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    return run_cli(monkeypatch, capsys, "shard", *args)
+
+
+def test_out_that_is_src_under_a_bind_mount_is_refused_and_src_kept(src, tmp_path, monkeypatch, capsys):
+    copy = tmp_path / "b"
+    shutil.copytree(src, copy)
+    mount = tmp_path / "bm"
+    mount.mkdir()
+    if subprocess.run(["mount", "--bind", str(copy), str(mount)], capture_output=True).returncode:
+        pytest.skip("bind mounts need privileges here")
+    try:
+        before = tree(copy)
+        for out in (mount, mount / "sub"):
+            code, _, err = shard(monkeypatch, capsys, str(copy), str(out), "--tp", "2", "--overwrite")
+            assert code == 2 and "is the source folder" in err and "another path" in err, err
+        assert tree(copy) == before
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_overwrite_never_removes_a_checkpoint_no_run_of_ours_wrote(src, tmp_path, monkeypatch, capsys, dry_run):
+    """OUT holds a downloaded Hugging Face checkpoint: --overwrite used to delete its shards and index."""
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    before = tree(out)
+    extra = ["--dry-run"] if dry_run else []
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite", *extra)
+    assert code == 2 and "which no dsv41-convert run wrote there" in err and "model-000" in err, err
+    assert tree(out) == before
+
+
+def test_overwrite_still_replaces_a_conversion_of_ours(src, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "4")[0] == 0
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in out.glob("model*")) == ["model0-mp2.safetensors", "model1-mp2.safetensors"]
+
+
+def test_an_overwrite_stopped_before_writing_is_continued_by_resume(src, tmp_path, monkeypatch, capsys):
+    """fp4 rank files done, then `--overwrite --expert-dtype fp8` stopped by Ctrl-C: `--resume --expert-dtype
+    fp8` was refused ("finished by a run with other options") by the old files' done records."""
+    out, clean = tmp_path / "out", tmp_path / "clean"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+
+    def stopped(*_args, **_kw):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(execute_mod, "_run", stopped)
+        code, _, _ = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite", "--expert-dtype", "fp8")
+    assert code == 130
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume", "--expert-dtype", "fp8")
+    assert code == 0, err
+    assert shard(monkeypatch, capsys, str(src), str(clean), "--tp", "2", "--expert-dtype", "fp8")[0] == 0
+    for p in clean.glob("model*"):
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def test_dry_run_refuses_what_the_run_refuses(src, tmp_path, monkeypatch, capsys):
+    code, _, err = shard(monkeypatch, capsys, str(src), str(tmp_path / "x"), "--tp", "2", "--ranks", "7", "--dry-run")
+    assert code == 2 and "--ranks [7]: out of range" in err, err
+    out = tmp_path / "o"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+    args = (str(src), str(out), "--tp", "2", "--expert-dtype", "fp8", "--resume")
+    code, _, err = shard(monkeypatch, capsys, *args, "--dry-run")
+    assert code == 2 and "finished by a run with other options" in err, err
+    code, _, err = shard(monkeypatch, capsys, *args)  # the real run refuses the same
+    assert code == 2 and "finished by a run with other options" in err, err
+    args = (str(src), str(tmp_path / "y"), "--tp", "4", "--ranks", "1,3", "--dry-run", "--json")
+    code, doc, err = shard(monkeypatch, capsys, *args)
+    assert code == 0, err
+    assert [r["rank"] for r in json.loads(doc)["ranks"]] == [1, 3]
+
+
+@pytest.mark.parametrize("record", [b"[]", b'{"size": "12"}', b"\xff\xfe not utf-8"])
+def test_a_damaged_done_record_means_the_file_is_written_again(src, tmp_path, monkeypatch, capsys, record):
+    out = tmp_path / "o"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+    want = (out / "model0-mp2.safetensors").read_bytes()
+    (out / DONE_DIR / "model0-mp2.safetensors.done.json").write_bytes(record)
+    code, doc, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume", "--json")
+    assert code == 0, err
+    summary = json.loads(doc)
+    assert summary["written"] == ["model0-mp2.safetensors"] and summary["skipped"] == ["model1-mp2.safetensors"]
+    assert (out / "model0-mp2.safetensors").read_bytes() == want
+
+
+def test_the_workers_reported_are_the_processes_used(src, tmp_path, monkeypatch, capsys):
+    code, doc, _ = shard(monkeypatch, capsys, str(src), str(tmp_path / "a"), "--tp", "2", "--workers", "100", "--json")
+    assert code == 0 and json.loads(doc)["workers"] == 2
+    args = (str(src), str(tmp_path / "b"), "--tp", "2", "--ranks", "0", "--workers", "4", "--json")
+    code, doc, _ = shard(monkeypatch, capsys, *args)
+    assert code == 0 and json.loads(doc)["workers"] == 1
+    code, doc, _ = shard(monkeypatch, capsys, str(src), str(tmp_path / "a"), "--tp", "2", "--resume", "--json")
+    assert code == 0 and json.loads(doc)["workers"] == 0 and json.loads(doc)["written"] == []
+
+
+def test_check_of_an_unfinished_folder_says_how_to_finish_it(src, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "o"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "0")[0] == 0
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(out))
+    assert code == 2 and "manifest.json: not found" in err and "fragments of shares" in err, err
+    (out / "model1-mp2.safetensors.partial").write_bytes(b"x")
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(out))
+    assert code == 2 and "an unfinished conversion (1 .partial file(s)" in err and "--resume" in err, err
+
+
+def test_demo_overwrite_replaces_only_a_folder_a_demo_wrote(tmp_path, monkeypatch, capsys):
+    proj = tmp_path / "proj"
+    (proj / "src" / "mypkg").mkdir(parents=True)
+    (proj / "src" / "mypkg" / "code.py").write_text("print(1)\n")
+    before = tree(proj)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(proj), "--tp", "2")
+    assert code == 2 and "not empty" in err
+    code, doc, err = run_cli(monkeypatch, capsys, "demo", str(proj), "--tp", "2", "--overwrite", "--json")
+    assert code == 2 and "not a folder an earlier demo wrote" in err, err
+    assert json.loads(doc)["exit_code"] == 2
+    assert tree(proj) == before
+
+
+def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
+    """A shard fetched again (or edited) in place, then --resume: the finished rank files were skipped,
+    holding the old bytes, and `check` passed them."""
+    source, out = tmp_path / "src", tmp_path / "o"
+    shutil.copytree(src, source)
+    assert shard(monkeypatch, capsys, str(source), str(out), "--tp", "2")[0] == 0
+    code, doc, _ = shard(monkeypatch, capsys, str(source), str(out), "--tp", "2", "--resume", "--json")
+    assert code == 0 and json.loads(doc)["written"] == []  # unchanged source: nothing to do
+    victim = sorted(source.glob("model-*.safetensors"))[2]
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size - 4)
+        f.write(b"\x11\x22\x33\x44")
+    for extra in ([], ["--dry-run"]):
+        code, _, err = shard(monkeypatch, capsys, str(source), str(out), "--tp", "2", "--resume", *extra)
+        assert code == 2 and f"{victim.name} changed" in err and "--overwrite" in err, err
+    assert shard(monkeypatch, capsys, str(source), str(out), "--tp", "2", "--overwrite")[0] == 0
+    code, doc, err = shard(monkeypatch, capsys, str(source), str(out), "--tp", "2", "--resume", "--json")
+    assert code == 0 and json.loads(doc)["written"] == [], err
+    # another machine's record (a gathered folder) says nothing about this machine's copy
+    for rec in (out / DONE_DIR).glob("source-*.json"):
+        rec.rename(rec.with_name("source-elsewhere.json"))
+    victim.touch()
+    assert shard(monkeypatch, capsys, str(source), str(out), "--tp", "2", "--resume")[0] == 0
