@@ -91,7 +91,7 @@ def make_tiny(
             f"wrote {len(summary['files'])} sparse shards, {summary['n_tensors']} tensors, "
             f"{summary['total_size']:,} bytes apparent, {summary['disk_bytes'] / 2**20:.1f} MiB on disk to {out}"
         )
-        return report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
+        return report.line(summary["out"])
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)} or full (with --sparse)")
     if source_dtype not in ("fp8", "bf16"):
@@ -114,7 +114,7 @@ def make_tiny(
             f"wrote {len(summary['files'])} shards, {summary['n_tensors']} tensors, "
             f"{summary['total_size'] / 2**20:.1f} MiB to {summary['out']}"
         )
-        report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
+        report.line(summary["out"])
 
 
 # --- commands: plan, shard ---
@@ -518,7 +518,7 @@ def reference_logits_cmd(
     if as_json:
         report.print_json(summary)
     else:
-        report.stdout.print(str(out), highlight=False, soft_wrap=True)
+        report.line(str(out))
         report.info(
             f"{summary['prompts']} prompts, {summary['decode_steps']} decode steps, tp {tp} on {device}, "
             f"{summary['bytes']:,} bytes"
@@ -551,7 +551,7 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
     if as_json:
         report.print_json(result.to_json())
     else:
-        report.stdout.print(f"{'ok' if result.ok else 'FAILED'}: {out}", highlight=False)
+        report.line(f"{'ok' if result.ok else 'FAILED'}: {out}")
         report.info(f"{len(result.checked)} files match the manifest, {len(result.problems)} do not")
     if not result.ok:
         raise typer.Exit(1)
@@ -649,7 +649,7 @@ def download_cmd(
     if json_out:
         report.print_json(result.to_json())
     else:
-        report.stdout.print(str(result.folder), highlight=False, soft_wrap=True)
+        report.line(str(result.folder))
     verdict = "all checks passed" if result.ok else f"{len(result.problems)} problems"
     report.info(
         f"{result.files} files, {result.nbytes / 1e9:.2f} GB, commit {result.commit or 'unknown'}; "
@@ -687,7 +687,7 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
         )
     if as_json:
         return report.print_json(summary)
-    report.stdout.print(summary["manifest"], highlight=False, soft_wrap=True)
+    report.line(summary["manifest"])
     if summary.get("already_merged"):
         report.info("already written by the share that finished last (no fragment left); `check` verifies it")
         return
@@ -738,7 +738,7 @@ def export_cmd(
     _report_run(summary, as_json, "shard(s)", summary["manifest"])
     if as_json:
         return
-    report.stdout.print(summary["out"], highlight=False, soft_wrap=True)
+    report.line(summary["out"])
 
 
 # --- end of commands ---

@@ -58,16 +58,29 @@ def write(*pieces: str) -> None:
     sys.stdout.flush()
 
 
+def plain(text: str) -> str:
+    """`text` as rich prints it literally: square brackets in a path or a tensor name are not markup (a
+    folder named `x[bold]y` was printed as `xy`, one with `[/]` in it ended in a MarkupError traceback)."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def line(text: str) -> None:
+    """One result line on stdout (a path, a verdict), printed as it is."""
+    _console("stdout").print(plain(text), highlight=False, soft_wrap=True)
+
+
 def error(message: str) -> None:
-    _console("stderr").print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    _console("stderr").print(f"[bold red]error:[/] {plain(message)}", highlight=False)
 
 
 def warn(message: str) -> None:
-    _console("stderr").print(f"[yellow]warning:[/] {message}", highlight=False)
+    _console("stderr").print(f"[yellow]warning:[/] {plain(message)}", highlight=False)
 
 
 def info(message: str) -> None:
-    _console("stderr").print(message, highlight=False)
+    _console("stderr").print(plain(message), highlight=False)
 
 
 @contextmanager
@@ -96,11 +109,11 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
     )
     tasks: dict[str, TaskID] = {}
     with Progress(*columns, console=_console("stderr"), transient=False) as progress:
-        progress.console.print(title, highlight=False)
+        progress.console.print(plain(title), highlight=False)
 
         def update(label: str, done: int, total: int) -> None:
             if label not in tasks:
-                tasks[label] = progress.add_task(label, total=total)
+                tasks[label] = progress.add_task(plain(label), total=total)
             progress.update(tasks[label], completed=done, total=total)
 
         yield update

@@ -16,7 +16,7 @@ COLUMNS = ("prompt", "vs", "what", "rows", "top1", "KL mean", "KL max", "cos min
 def _row(table: Table, prompt: str, vs: str, section: str, s: Stats, bad: bool) -> None:
     style = "red" if bad else None
     table.add_row(
-        prompt, vs, section, str(s.rows), f"{s.top1:.2f}", f"{s.kl_mean:.2g}", f"{s.kl_max:.2g}",
+        Text(prompt), vs, section, str(s.rows), f"{s.top1:.2f}", f"{s.kl_mean:.2g}", f"{s.kl_max:.2g}",
         f"{s.cos_min:.4f}", f"{s.max_abs:.2g}", style=style,
     )  # fmt: skip
 
@@ -27,7 +27,7 @@ def render(result: VerifyResult) -> Group:
     title = f"verify {result.converted} (tp {result.tp}, {result.device}) vs {result.reference}"
     title += f"  [{result.thresholds.mode}]"
     table = Table(
-        title=title,
+        title=Text(title),  # paths and the mode in brackets, printed as they are (no markup)
         title_justify="left",
         caption="ref: against the reference; twin: against the converter's expected output on the same ranks",
     )

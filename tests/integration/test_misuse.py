@@ -389,3 +389,16 @@ def test_verify_interrupted_leaves_no_rank_running(tmp_path, how):
     while _session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _session_processes(proc.pid)
+
+
+@pytest.mark.parametrize("name", ["x[bold]y", "a[/]b", "[red]"])
+def test_brackets_in_a_path_are_printed_as_they_are(src, tmp_path, monkeypatch, capsys, name):
+    """Messages go through rich: a folder named `x[bold]y` was reported as `xy` (the markup eaten) and one
+    with `[/]` in its name ended in a MarkupError traceback instead of the error."""
+    folder = tmp_path / name
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder / "nope"))
+    assert_clean_error(code, err, f"{folder / 'nope'}: no such folder")
+    out = tmp_path / f"out{name}"
+    code, printed, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")
+    assert code == 0 and f"shard {src} -> {out} (tp 2)" in err, err
+    assert f"manifest: {out / 'manifest.json'}" in err and printed == "", err
