@@ -16,7 +16,7 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
 from dsv41_convert.errors import PlanError
-from dsv41_convert.store.index import bad_shard_names
+from dsv41_convert.store.index import bad_shard_names, held_twice
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
 
@@ -77,14 +77,14 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
         located.update(dict.fromkeys(tensors, file))
     agree = len(located) == sum(len(t) for _, t in headers) and (weight_map is None or located == weight_map)
     sources: dict[str, Source] = {}
-    where: dict[str, str] = {}  # name in file -> file
+    twice = {} if agree else held_twice(headers)
+    again = {(file, name): other for file, by in twice.items() for other, names in by.items() for name in names}
     for file, tensors in headers:
         for name, info in tensors.items():
             if not agree:
-                if name in where:
-                    problems.append(f"{file}: tensor {name} is also in {where[name]} (duplicated)")
+                if (other := again.get((file, name))) is not None:
+                    problems.append(f"{file}: tensor {name} is also in {other} (duplicated)")
                     continue
-                where[name] = file
                 if weight_map is not None and weight_map.get(name) != file:
                     said = weight_map.get(name)
                     problems.append(
@@ -104,7 +104,7 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
             sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None and not agree:
         for name, file in weight_map.items():
-            if name not in where and file in present:
+            if name not in located and file in present:
                 problems.append(f"{file}: tensor {name} is in the index but not in the file (source mid-upload?)")
     _raise(problems, f"{src}: checkpoint files and index disagree")
     return {name: sources[name] for name in sorted(sources)}

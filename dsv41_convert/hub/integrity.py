@@ -29,7 +29,7 @@ from pathlib import Path
 from dsv41_convert.errors import DownloadError, HeaderError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
-from dsv41_convert.store.index import EXPECTED, bad_shard_names, shard_name_problem
+from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
 from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -272,13 +272,6 @@ def _check_shard_names(top: list[str]) -> list[Problem]:
 
 def _duplicates(top: list[str], names: dict[str, set[str] | None]) -> list[Problem]:
     """One problem per file holding tensors an earlier file (in name order) already holds."""
-    first: dict[str, str] = {}  # tensor -> the first file holding it
-    clashes: dict[str, dict[str, list[str]]] = {}  # file -> earlier file -> tensors in both
-    for rel in top:
-        for tensor in names.get(rel) or ():
-            other = first.setdefault(tensor, rel)
-            if other != rel:
-                clashes.setdefault(rel, {}).setdefault(other, []).append(tensor)
     return [
         Problem(
             rel,
@@ -286,7 +279,7 @@ def _duplicates(top: list[str], names: dict[str, set[str] | None]) -> list[Probl
             "; ".join(f"{_count(len(ts))} also in {other} {_few(sorted(ts))}" for other, ts in sorted(by.items())),
             "each tensor in one file (`shard` refuses a tensor held twice); a stray copy?",
         )
-        for rel, by in clashes.items()
+        for rel, by in held_twice((rel, names.get(rel)) for rel in top).items()
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ntpath
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -68,3 +69,20 @@ def bad_shard_names(weight_map: dict) -> list[BadShardName]:
         seen = found.get(key)
         found[key] = BadShardName(key, why, tensor, 1) if seen is None else replace(seen, count=seen.count + 1)
     return list(found.values())
+
+
+def held_twice(files: Iterable[tuple[str, Iterable[str] | None]]) -> dict[str, dict[str, list[str]]]:
+    """Tensors that more than one file holds (each tensor of a checkpoint belongs in one file).
+
+    files: (file, its tensor names; None for an unreadable header), in the order that decides which file
+           holds a tensor first
+    -> file -> the earlier file that holds them first -> those tensors, in the file's order
+    """
+    first: dict[str, str] = {}  # tensor -> the first file holding it
+    twice: dict[str, dict[str, list[str]]] = {}
+    for file, names in files:
+        for name in names or ():
+            other = first.setdefault(name, file)
+            if other != file:
+                twice.setdefault(file, {}).setdefault(other, []).append(name)
+    return twice

@@ -120,3 +120,11 @@ def test_hf_cache_symlinks_still_work(tmp_path):
     execute(build_plan(tmp_path / "src", 2), clean)
     for f in sorted(clean.glob("model*-mp2.safetensors")):
         assert (out / f.name).read_bytes() == f.read_bytes()
+
+
+def test_held_twice_names_each_file_against_the_first_holder():
+    from dsv41_convert.store.index import held_twice
+
+    files = [("a", ["x", "y"]), ("b", ["y", "z"]), ("c", None), ("d", ["x", "y", "w"])]
+    assert held_twice(files) == {"b": {"a": ["y"]}, "d": {"a": ["x", "y"]}}
+    assert held_twice([("a", ["x"]), ("b", ["y"])]) == {}
