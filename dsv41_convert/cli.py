@@ -730,6 +730,7 @@ def export_cmd(
         check_destination(ep.plan, out, resume, overwrite)
         summary = summarize_export(ep)
         return report.print_json(summary) if as_json else _plan_table(summary)
+    _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
         summary = export(
             ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
@@ -799,6 +800,7 @@ def main() -> None:
     except typer.Abort:
         report.error("aborted")
         sys.exit(130)
+
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
         exc.show()
         code = 2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code

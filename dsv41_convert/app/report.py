@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,17 +46,24 @@ def print_json(data: Any, compact: bool = False) -> None:
         text = json.dumps(data, separators=(",", ":"), default=str, check_circular=False)
     else:
         text = json.dumps(data, indent=2, default=str)
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
+    write(text)
+
+
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
 def write(*pieces: str) -> None:
     """A document already rendered (e.g. JSON), given whole or in pieces, on stdout with a final newline, as
-    print_json ends it."""
-    for piece in pieces:
-        sys.stdout.write(piece)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    print_json ends it. A reader that went away (`... --json | head`) ends the command with exit 141, as
+    SIGPIPE ends a shell tool (Click would make it exit 1: "a check failed")."""
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        raise SystemExit(BROKEN_PIPE) from None
 
 
 def plain(text: str) -> str:

@@ -181,6 +181,14 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
+    if remove and not (out / DONE_DIR).is_dir():  # no run of ours was here: what has our names is not ours
+        theirs = sorted(n for n in mine if (out / n).exists())
+        if theirs:
+            raise OutputError(
+                f"{out.resolve()}: holds {', '.join(theirs[:3])}{', ...' if len(theirs) > 3 else ''}, which no "
+                f"dsv41-convert run wrote there (no {DONE_DIR}/); not replaced, even with --overwrite: choose "
+                "another OUT, or remove them yourself"
+            )
     others = sorted(
         p.name
         for p in out.iterdir()

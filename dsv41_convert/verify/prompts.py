@@ -94,7 +94,8 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
         if image is not None and not isinstance(image, str):
             raise VerifyInputError(f"{where}: image must be a path string")
         if image is not None:
-            image = str((path.parent / image) if not Path(image).is_absolute() else Path(image))
+            # absolute: the reference file records it, and verify may run in another folder
+            image = str(((path.parent / image) if not Path(image).is_absolute() else Path(image)).resolve())
         if "input_ids" in obj:
             ids = obj["input_ids"]
             if not isinstance(ids, list) or not ids or not all(_token_id(t) for t in ids):

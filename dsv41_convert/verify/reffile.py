@@ -10,12 +10,14 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
                                               after decode step t. Step t feeds decode_ids[:, t]
     decode_logits   [B, T, V]        float32  (optional) logits after each decode step
     draft_logits    [B, T, K, V]     float32  (optional) DSpark draft logits after each decode step
+    draft_confidence [B, T, K]       float32  (optional) the DSpark confidence head's output beside them
     token_types     [B, S]           int64    (optional) -1 text, 0..3 image span (image prompts)
     hidden.<module> [B, S, ...]      bfloat16 (optional) prefill outputs per module ("embed",
                                               "layers.7.ffn", ...), for localization and teacher forcing
     hidden.layers.<i>.pre_mix  [B, S, hc]         float32  (optional) the collapse weights block i hands on
     hidden.layers.<i>.engram   [B, S, hc, dim]    bfloat16 (optional) Engram layers: the stream after Engram
     hidden.layers.<i>.attn.indexer [B, S, k]      int64    (optional) index sources: the chosen compressed rows
+        (k = the longest prompt's width; a shorter prompt's extra columns are INDEXER_PAD, -2)
         With these, every block can be run alone on the reference's input (verify.teacher); padding rows are 0.
 
 Metadata (`__metadata__`, strings): format = "dsv41-reference-logits/1", max_seq_len, source_format
@@ -63,9 +65,11 @@ LAYOUT = {
     "decode_ids": (torch.int64, 2),
     "decode_logits": (torch.float32, 3),
     "draft_logits": (torch.float32, 4),
+    "draft_confidence": (torch.float32, 3),
     "token_types": (torch.int64, 2),
 }
 HIDDEN_DTYPES = {".pre_mix": torch.float32, ".indexer": torch.int64}  # hidden.<module> by suffix; else bfloat16
+INDEXER_PAD = -2  # columns past a shorter prompt's indexer width (the model writes rows >= 0, or -1: unreachable)
 SHAPES = {  # the shape each optional tensor must have, in the sizes the file's own tensors set
     "lengths": ("B",),
     "logits_all": ("B", "S", "V"),
@@ -73,6 +77,7 @@ SHAPES = {  # the shape each optional tensor must have, in the sizes the file's 
     "decode_ids": ("B", "T+1"),
     "decode_logits": ("B", "T", "V"),
     "draft_logits": ("B", "T", "K", "V"),
+    "draft_confidence": ("B", "T", "K"),
 }
 MAX_PROBLEMS = 40  # lines in one error
 MAX_PER_RULE = 5  # examples per rule (prompt, position), then a count
@@ -122,6 +127,8 @@ def save(ref: Reference, path: Path) -> None:
         out["decode_logits"] = torch.stack([r.decode_logits for r in runs]).float()
         if all(r.draft_logits is not None for r in runs):
             out["draft_logits"] = torch.stack([r.draft_logits for r in runs]).float()
+        if all(r.draft_confidence is not None for r in runs):
+            out["draft_confidence"] = torch.stack([r.draft_confidence for r in runs]).float()
     if any(i.token_types is not None for i in inputs):
         types = torch.full((b, s), -1, dtype=torch.int64)
         for row, inp in enumerate(inputs):
@@ -129,10 +136,13 @@ def save(ref: Reference, path: Path) -> None:
                 types[row, : lengths[row]] = inp.token_types
         out["token_types"] = types
     for key in runs[0].hidden:
-        first = runs[0].hidden[key]
-        h = torch.zeros(b, s, *first.shape[1:], dtype=hidden_dtype(key))
+        # a module's output may be wider for a longer prompt (the indexer keeps min(index_topk, n // ratio)
+        # rows per position): the widest sets the size, the others are padded
+        tail = [max(d) for d in zip(*(run.hidden[key].shape[1:] for run in runs), strict=True)]
+        h = torch.full((b, s, *tail), INDEXER_PAD if key.endswith(".indexer") else 0, dtype=hidden_dtype(key))
         for row, run in enumerate(runs):
-            h[row, : lengths[row]] = run.hidden[key]
+            part = run.hidden[key]
+            h[(row, slice(0, lengths[row]), *(slice(0, d) for d in part.shape[1:]))] = part
         out[f"hidden.{key}"] = h
     meta = {
         "format": FORMAT,
@@ -194,7 +204,8 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
                 decode_ids=t["decode_ids"][row] if "decode_ids" in t else torch.empty(0, dtype=torch.int64),
                 decode_logits=t["decode_logits"][row] if n_dec else torch.empty(0, vocab),
                 draft_logits=t["draft_logits"][row] if "draft_logits" in t else None,
-                hidden={k[7:]: v[row, :n] for k, v in t.items() if k.startswith("hidden.")},
+                draft_confidence=t["draft_confidence"][row] if "draft_confidence" in t else None,
+                hidden={k[7:]: _unpadded(k, v[row, :n]) for k, v in t.items() if k.startswith("hidden.")},
                 last=logits[row],
             )
         )
@@ -295,7 +306,7 @@ def _problems(
     out += _pairing(t, dims, args)
     out += _ids(t, b, s, vocab, dims)
     out += _lengths_fit(t, meta, b, s, dims, default_max_seq_len)
-    for key in ("logits", "logits_all", "decode_logits", "draft_logits"):
+    for key in ("logits", "logits_all", "decode_logits", "draft_logits", "draft_confidence"):
         if key in t and t[key].is_floating_point() and t[key].dim() == LAYOUT[key][1]:
             out += _non_finite(key, t[key])
     out += _token_types(t)
@@ -417,6 +428,14 @@ def _lengths_fit(t, meta, b: int, s: int, dims: _Dims, default_max_seq_len: int)
     return out[:MAX_PER_RULE] + _more(len(out), "prompts too long for max_seq_len")
 
 
+def _unpadded(key: str, h: Tensor) -> Tensor:
+    """One prompt's hidden.<module> rows without the columns save() padded (indexer: INDEXER_PAD)."""
+    if not key.endswith(".indexer") or h.dim() < 2:
+        return h
+    width = int((h != INDEXER_PAD).any(0).sum()) if h.numel() else h.shape[-1]
+    return h[..., :width]
+
+
 def _non_finite(key: str, x: Tensor) -> list[str]:
     """NaN or Inf in a logits tensor, by prompt and position (or decode step, draft token)."""
     bad = ~torch.isfinite(x)
@@ -424,7 +443,8 @@ def _non_finite(key: str, x: Tensor) -> list[str]:
         return []
     rows = bad.any(-1).nonzero().tolist()  # indices without the vocab dim
     names = {"logits": ("prompt",), "logits_all": ("prompt", "position"), "decode_logits": ("prompt", "decode step"),
-             "draft_logits": ("prompt", "decode step", "draft token")}[key]  # fmt: skip
+             "draft_logits": ("prompt", "decode step", "draft token"),
+             "draft_confidence": ("prompt", "decode step")}[key]  # fmt: skip
     out = []
     for idx in rows[:MAX_PER_RULE]:
         where = ", ".join(f"{n} {i}" for n, i in zip(names, idx, strict=True))

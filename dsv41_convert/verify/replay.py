@@ -92,6 +92,10 @@ def _section(ref: PromptRun, got: PromptRun, key: str):
         return compare(ref.logits_all, got.logits_all) if ref.logits_all.shape == got.logits_all.shape else None
     if key == "decode":
         return compare(ref.decode_logits, got.decode_logits) if ref.decode_logits.shape[0] else None
+    if key == "confidence":
+        if ref.draft_confidence is None or got.draft_confidence is None:
+            return None
+        return compare(ref.draft_confidence, got.draft_confidence)
     if ref.draft_logits is None or got.draft_logits is None:
         return None
     return compare(ref.draft_logits, got.draft_logits)

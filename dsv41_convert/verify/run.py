@@ -27,6 +27,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, VerifyInputError
+from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile, teacher
 from dsv41_convert.verify.metrics import Stats, compare, merge
@@ -35,7 +36,16 @@ from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference
 from dsv41_convert.verify.replay import replay_check
 from dsv41_convert.verify.runner import PromptRun
 from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
-from dsv41_convert.verify.verdict import FAIL, INCONCLUSIVE, PASS, Check, advice, decide, exact_blockers
+from dsv41_convert.verify.verdict import (
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    Check,
+    advice,
+    decide,
+    drafts_uncovered,
+    exact_blockers,
+)
 
 Progress = Callable[[str], None]
 # config fields that may differ between the source and the converted folder
@@ -241,6 +251,8 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         result.checks.append(_reference_check(result, blockers, ref))
         if out.twin_runs is not None:
             result.checks.append(_twin_check(result))
+    if src_ref is not None:  # the twin runs with CONVERTED's tokenizer: it cannot see a changed one
+        result.failures += [f"tokenizer: {m}" for m in _copied_files_differ(Path(opts.reference), conv)]
     if tp > 1 and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say("replicas: the tensors every rank holds, byte for byte across the rank files")
@@ -266,15 +278,29 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads))
         seconds["teacher"] = time.perf_counter() - t2
     result.failures += [f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures]
-    result.verdict = decide(result.checks, result.failures, opts.statistical)
+    if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages
+        for c in result.checks:
+            c.covers_drafts = False
+    result.verdict = decide(result.checks, result.failures, opts.statistical, conv_args.n_mtp_layers > 0)
     if result.verdict == INCONCLUSIVE:
-        result.advice = advice(tp, src_ref is not None)
+        result.advice = advice(tp, src_ref is not None, drafts_uncovered(result.checks))
     if result.verdict == FAIL and opts.localize:
         say("localizing the mismatch")
         t3 = time.perf_counter()
         result.localization = _localize(result, ref, out, expected, ranks, conv_args, thresholds, replay_runs)
         seconds["localize"] = time.perf_counter() - t3
     return result
+
+
+def _copied_files_differ(src: Path, conv: Path) -> list[str]:
+    """The files `shard` copies from SRC unchanged (the tokenizer's: Engram hashes its ids) that CONVERTED
+    lacks or holds with other bytes."""
+    found = []
+    for name in SIDECARS:
+        theirs, ours = src / name, conv / name
+        if theirs.is_file() and not (ours.is_file() and ours.read_bytes() == theirs.read_bytes()):
+            found.append(f"{ours} {'differs from' if ours.is_file() else 'is missing, unlike'} {theirs}")
+    return found
 
 
 def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Reference) -> Check:
@@ -301,6 +327,8 @@ def _sections(ref: PromptRun, got: PromptRun, has_all: bool) -> dict[str, Stats]
         out["decode"] = compare(ref.decode_logits, got.decode_logits)
     if ref.draft_logits is not None and got.draft_logits is not None:
         out["draft"] = compare(ref.draft_logits, got.draft_logits)
+    if ref.draft_confidence is not None and got.draft_confidence is not None:
+        out["confidence"] = compare(ref.draft_confidence, got.draft_confidence)
     return out
 
 
@@ -350,10 +378,14 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         exact_pair = out.twin_runs is not None or rtol == 0.0
         if any(ref_hidden):
             loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
-        backbone_failed = any("draft" not in f.split(":")[0] for f in result.failures)
+        backbone_failed = any(not {"draft", "confidence"} & set(f.split(":")[0].split()) for f in result.failures)
         replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
-        if replicas:  # the bytes themselves say where
+        tokenizer = [f.removeprefix("tokenizer: ") for f in result.failures if f.startswith("tokenizer: ")]
+        if tokenizer:  # not a weight: the token ids Engram hashes
+            loc.module = None
+            loc.note = f"{tokenizer[0]}: the tokenizer, not a weight (Engram hashes its token ids)"
+        elif replicas:  # the bytes themselves say where
             loc.module = localize.module_of(replicas[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
         elif taught:

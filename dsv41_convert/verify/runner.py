@@ -43,6 +43,7 @@ class PromptRun:
     decode_ids: Tensor
     decode_logits: Tensor
     draft_logits: Tensor | None
+    draft_confidence: Tensor | None = None  # [T, K] float32: the DSpark confidence head beside the drafts
     hidden: dict[str, Tensor] = field(default_factory=dict)
     last: Tensor | None = None  # [V] float32, when it is stored apart from logits_all (a reference file)
 
@@ -144,7 +145,7 @@ def run_prompt(
     # one row can differ in the last bit from the same row inside a matmul of many; SPEC.md section 6)
     last = model.head(hidden["norm"], full_logits=False)[0].float().cpu()
     has_mtp = len(getattr(model, "mtp", ())) > 0
-    fed, dec_logits, drafts = [], [], []
+    fed, dec_logits, drafts, confidence = [], [], [], []
     nxt = last.argmax() if teacher is None else teacher[0]
     if has_mtp and n_decode:
         model.forward_spec(nxt.view(1).to(device), main_hidden, 0)  # seeds the draft windows
@@ -159,12 +160,14 @@ def run_prompt(
         if has_mtp:
             spec = model.forward_spec(nxt.view(1).to(device), main_hidden, seq + t)
             drafts.append(spec[1][0].float().cpu())
+            confidence.append(spec[2][0].float().cpu())
     vocab = logits_all.shape[-1]
     return PromptRun(
         logits_all=logits_all,
         decode_ids=torch.tensor(fed, dtype=torch.int64),
         decode_logits=torch.stack(dec_logits) if dec_logits else torch.empty(0, vocab),
         draft_logits=torch.stack(drafts) if drafts else None,
+        draft_confidence=torch.stack(confidence) if confidence else None,
         hidden={k: v[0].cpu() for k, v in hidden.items()} if capture_hidden else {},
         last=last,
     )

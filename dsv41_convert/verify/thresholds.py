@@ -23,7 +23,9 @@ Three modes, picked from the reference and the converted folder:
   here too the twin (the converter's quantized tp-1 output, run at the same tp) must agree exactly.
 
 Each mode has one `Bound` per section of the comparison: "last" (last prompt position), "all" (every
-prompt position), "decode" (greedy decode steps), "draft" (DSpark draft logits).
+prompt position), "decode" (greedy decode steps), "draft" (DSpark draft logits), "confidence" (the DSpark
+confidence head's output beside each draft token, [T, K]: compared as rows of K values, judged only bit for
+bit).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from dsv41_convert.verify.metrics import Stats
 
-SECTIONS = ("last", "all", "decode", "draft")
+SECTIONS = ("last", "all", "decode", "draft", "confidence")
 INF = math.inf
 
 
@@ -65,8 +67,10 @@ EXACT = Bound()
 # smaller; tighten with --max-kl / --min-top1 there.
 _LOOSE = Bound(min_top1=0.0, max_kl_mean=1.0, max_kl=3.0, min_cos=-1.0, atol=INF)
 _LOOSE_DRAFT = Bound(min_top1=0.0, max_kl_mean=1.5, max_kl=3.0, min_cos=-1.0, atol=INF)
-REDUCTION = {"last": _LOOSE, "all": _LOOSE, "decode": _LOOSE, "draft": _LOOSE_DRAFT}
-QUANTIZED = {"last": _LOOSE, "all": _LOOSE, "decode": _LOOSE, "draft": _LOOSE_DRAFT}
+# the DSpark confidence head's output: its noise is not measured, so only the exact mode judges it
+_UNJUDGED = Bound(min_top1=0.0, max_kl_mean=INF, max_kl=INF, min_cos=-1.0, atol=INF)
+REDUCTION = {"last": _LOOSE, "all": _LOOSE, "decode": _LOOSE, "draft": _LOOSE_DRAFT, "confidence": _UNJUDGED}
+QUANTIZED = {"last": _LOOSE, "all": _LOOSE, "decode": _LOOSE, "draft": _LOOSE_DRAFT, "confidence": _UNJUDGED}
 # relative L2 error of a module's output above which localization calls it diverged
 HIDDEN_RTOL = {"exact": 0.0, "reduction": 2e-2, "quantized": 0.2}
 

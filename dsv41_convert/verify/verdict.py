@@ -13,7 +13,9 @@ when it compares bit for bit something a correct conversion reproduces bit for b
     teacher     each module run on the reference's input to it, its output within measured reduction
                 noise (verify.teacher): not bit for bit, but measured to fail every fault of the matrix
                 that loads (tests/integration/test_verify_matrix.py) with a margin of 4x or more, so a
-                held teacher check is decisive (`proven`)
+                held teacher check is decisive (`proven`) for what it runs: the backbone's modules on the
+                prompt. It does not run the DSpark draft stages (mtp.*, used only in decode), so on a model
+                that has them a teacher check alone leaves the run INCONCLUSIVE (`covers_drafts`)
 
 Bit equality certifies itself: a comparison that comes out equal is decisive even where it was not
 expected. One that differs where equality was expected (`exact_blockers` is empty) is a FAIL. The
@@ -47,6 +49,7 @@ class Check:
     failures: list[str] = field(default_factory=list)
     note: str = ""  # what was compared, or why it was not exact
     proven: bool = False  # a bounded check measured to fail every planted fault (teacher): holding decides
+    covers_drafts: bool = True  # its outputs include the DSpark drafts (mtp.*); the teacher's do not
 
     @property
     def decisive(self) -> bool:
@@ -60,6 +63,7 @@ class Check:
             "expected_exact": self.expected_exact,
             "decisive": self.decisive,
             "proven": self.proven,
+            "covers_drafts": self.covers_drafts,
             "failures": self.failures,
             "note": self.note,
         }
@@ -93,23 +97,44 @@ def exact_blockers(
     return out
 
 
-def decide(checks: list[Check], statistical_failures: list[str], statistical: bool) -> str:
-    """PASS | FAIL | INCONCLUSIVE from the checks and the statistical bounds (module docstring)."""
+def decide(checks: list[Check], statistical_failures: list[str], statistical: bool, drafts: bool = False) -> str:
+    """PASS | FAIL | INCONCLUSIVE from the checks and the statistical bounds (module docstring). `drafts`:
+    the model has DSpark stages (mtp.*): a decisive check must have compared their drafts too, so a held
+    teacher check alone (the backbone's modules on the prompt), or a reference without decode steps (the
+    stages never ran), leaves the run INCONCLUSIVE."""
     if statistical_failures or any(c.failures for c in checks):
         return FAIL
-    if any(c.decisive for c in checks) or statistical:
+    decisive = [c for c in checks if c.decisive]
+    if statistical or (decisive and (not drafts or any(c.covers_drafts for c in decisive))):
         return PASS
     return INCONCLUSIVE
 
 
-def advice(tp: int, from_source: bool) -> str:
-    """What would make an inconclusive run decisive."""
+def drafts_uncovered(checks: list[Check]) -> bool:
+    """A decisive check held, but none covers the DSpark drafts (the teacher alone decided)."""
+    decisive = [c for c in checks if c.decisive]
+    return bool(decisive) and not any(c.covers_drafts for c in decisive)
+
+
+def advice(tp: int, from_source: bool, drafts_only: bool = False) -> str:
+    """What would make an inconclusive run decisive. drafts_only: the teacher held, the DSpark drafts are
+    what no decisive check covered."""
     ways = [
         f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}`)",
-        "a tp-1 reference computed on this device (the rank files are then replayed at tp 1)",
-        "a `reference-logits` file from this device with its hidden states, at any tp (each module is then "
-        "checked on the reference's input: teacher)",
+        "a tp-1 reference computed on this device (the rank files are then replayed at tp 1, without --no-replay)",
     ]
+    if not drafts_only:
+        ways.append(
+            "a `reference-logits` file from this device with its hidden states, at any tp (each module is then "
+            "checked on the reference's input: teacher)"
+        )
     if not from_source:
         ways.append("the source checkpoint (`--reference SRC`: the twin)")
-    return "for a decisive check use " + "; or ".join(ways) + "; or accept statistical bounds with --statistical"
+    why = (
+        "a decisive check held for the backbone, but none compared the DSpark draft stages (mtp.*): the teacher "
+        "check does not run them, and a reference without decode steps never ran them (compute it with "
+        "--decode-steps 1 or more; the default is 3); "
+        if drafts_only
+        else ""
+    )
+    return why + "for a decisive check use " + "; or ".join(ways) + "; or accept statistical bounds with --statistical"

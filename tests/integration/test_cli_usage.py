@@ -119,3 +119,15 @@ def test_ctrl_c_message_fits_the_command():
     assert interrupted_message(["export"]).endswith("export continues it with --resume")
     assert interrupted_message(["verify"]) == "interrupted; nothing was written"
     assert "--resume" not in interrupted_message(["reference-logits"])
+
+
+def test_a_reader_that_goes_away_is_exit_141_not_a_failed_check(tmp_path):
+    """`plan --json | head -c 10`: Click turned the broken pipe into exit 1 ("a check ran and failed") with no
+    word; a CI step with pipefail then reported a failed check. Now 141, as SIGPIPE ends a shell tool."""
+    subprocess.run([entry_point(), "make-tiny", str(tmp_path / "t")], check=True, capture_output=True)
+    proc = subprocess.Popen([entry_point(), "plan", str(tmp_path / "t"), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout.read(10)
+    proc.stdout.close()  # the reader goes away while most of the document is still to come
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err

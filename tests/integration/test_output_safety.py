@@ -173,3 +173,34 @@ def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monk
         rec.rename(rec.with_name("source-elsewhere.json"))
     victim.touch()
     assert shard(monkeypatch, capsys, str(source), str(out), "--tp", "2", "--resume")[0] == 0
+
+
+@pytest.mark.parametrize("command", ["export", "shard"])
+def test_overwrite_never_replaces_files_with_our_names_that_no_run_of_ours_wrote(
+    src, tmp_path, monkeypatch, capsys, command
+):
+    """`export SRC THEIRS --format bf16 --overwrite` into a downloaded checkpoint whose shard names are the
+    ones export writes (an audit): every shard, the config and the index were replaced without a word. The
+    same for rank files another tool wrote under our names (upstream convert.py's)."""
+    out = tmp_path / "theirs"
+    if command == "export":
+        shutil.copytree(src, out)
+        args = ("export", str(src), str(out), "--format", "bf16", "--overwrite")
+    else:
+        out.mkdir()
+        (out / "model0-mp2.safetensors").write_bytes(b"upstream's rank file")
+        args = ("shard", str(src), str(out), "--tp", "2", "--overwrite")
+    before = tree(out)
+    for extra in ([], ["--dry-run"]):
+        code, _, err = run_cli(monkeypatch, capsys, *args, *extra)
+        assert code == 2 and "which no dsv41-convert run wrote there" in err and "not replaced" in err, err
+        assert tree(out) == before
+
+
+def test_export_of_a_source_without_tokenizer_warns(src, tmp_path, monkeypatch, capsys):
+    """As shard does: the export is complete without it, but verify and inference are not (Engram)."""
+    source = tmp_path / "src"
+    shutil.copytree(src, source)
+    (source / "tokenizer.json").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "o"), "--format", "fp8-fp4")
+    assert code == 0 and "warning:" in err and "no tokenizer.json" in err, err

@@ -256,3 +256,21 @@ def _routed_expert(work: Path, layer: int) -> int:
     ids = load_prompts(work / "prompts.jsonl", None, TINY.vocab_size)[0].input_ids
     model(torch.tensor([ids]), 0)
     return int(torch.bincount(seen["idx"].flatten()).argmax())
+
+
+@pytest.mark.dist
+def test_fault_tokenizer_not_the_sources(work):
+    """The twin runs with CONVERTED's tokenizer.json, so a changed one (Engram hashes its ids) was
+    reproduced bit for bit: an audit's tokenizer with reversed vocab ids passed `--reference SRC` at tp 2.
+    (A missing one is an input error: the model cannot load without it.)"""
+    conv = _faulty(work, "tokenizer")
+    tok = conv / "tokenizer.json"
+    vocab = json.loads(tok.read_text())
+    model = vocab["model"]["vocab"]
+    a, b = sorted(model, key=model.get)[20:22]
+    model[a], model[b] = model[b], model[a]  # two ordinary tokens' ids exchanged
+    tok.write_text(json.dumps(vocab))
+    result = _verify(work, conv)
+    assert result.verdict == "FAIL", (result.failures, result.checks)
+    assert any(f.startswith("tokenizer: ") and "tokenizer.json" in f for f in result.failures), result.failures
+    assert result.localization.module is None and "the tokenizer, not a weight" in result.localization.note

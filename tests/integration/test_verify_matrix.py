@@ -284,9 +284,11 @@ def _without_hidden(path: Path) -> Path:
 
 
 def test_reference_at_another_tp(m):
-    # with hidden states the teacher-forced check decides; without them only statistical bounds apply
+    # with hidden states the teacher-forced check holds for the backbone, but it does not run the DSpark
+    # stages: inconclusive; without them only statistical bounds apply
     result = _verify(m.shard(4), m.reference("tpN", 2))
-    assert result.verdict == "PASS" and result.decisive == ["teacher"], (result.failures, result.checks)
+    assert result.verdict == "INCONCLUSIVE" and result.decisive == ["teacher"], (result.failures, result.checks)
+    assert "none compared the DSpark draft stages" in result.advice and "--reference SRC" in result.advice
     result = _verify(m.shard(4), _without_hidden(m.reference("tpN", 2)))
     assert result.verdict == "INCONCLUSIVE" and "--tp 4" in result.advice
     assert result.checks[0].name == "reference" and not result.checks[0].expected_exact
@@ -301,10 +303,13 @@ def test_cli_exit_codes(m, monkeypatch, capsys):
     assert code == 3 and json.loads(out)["verdict"] == "INCONCLUSIVE"
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--statistical")
     assert code == 0 and "PASS" in out and "statistical bounds only" in out
-    # --no-replay against the tp-1 file with hidden states: the teacher check decides
+    # --no-replay against the tp-1 file with hidden states: the teacher check holds, the DSpark stages are
+    # left to the statistical bounds (exit 3); with the replay the run is decisive
     args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--threads", "1")
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--no-replay")
-    assert code == 0 and "PASS" in out and "teacher within measured noise" in out, out
+    assert code == 3 and "INCONCLUSIVE" in out and "teacher within measured noise" in out, out
+    code, out, _ = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and "PASS" in out, out
 
 
 # --- the teacher-forced per-module check (verify.teacher), the tp-1 replay turned off as for a model too
@@ -320,8 +325,46 @@ TEACHER_FAULTS = [
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_teacher_passes_correct_sets(m, tp):
+    """The teacher holds on every correct set; the DSpark stages it does not run keep the verdict at
+    INCONCLUSIVE (it was PASS, which a fault confined to mtp.* also got: below)."""
     result = _verify(m.shard(tp), m.reference("tp1", tp), replay=False)
-    assert result.verdict == "PASS" and result.decisive == ["teacher"], (result.failures, result.checks)
+    assert result.verdict == "INCONCLUSIVE" and result.decisive == ["teacher"], (result.failures, result.checks)
+    assert not result.failures
+
+
+def test_a_dspark_fault_is_never_a_pass(m):
+    """Every e8m0 block scale of a DSpark stage's wo_b doubled on all ranks: the teacher check (backbone
+    modules on the prompt) and the statistical draft bounds both held, and verify said PASS (decisive);
+    now the teacher alone is inconclusive, and the replay fails it."""
+    d = m.faulty("dspark_scale", 2)
+    for r in range(2):
+
+        def double(t):
+            name = "mtp.0.attn.wo_b.scale"  # wo_b: no norm after it to cancel the factor 2
+            raw = t[name].view(torch.uint8).clone()
+            raw += 1
+            t[name] = raw.view(t[name].dtype)
+
+        _edit(d, r, 2, double)
+    result = _verify(d, m.reference("tp1", 2), replay=False)
+    assert result.verdict != "PASS", (result.failures, result.checks)
+    result = _verify(d, m.reference("tp1", 2))
+    assert result.verdict == "FAIL" and any(f.startswith("replay draft") for f in result.failures), result.failures
+
+
+def test_the_dspark_confidence_head_is_compared(m):
+    """The confidence head's weight negated on every rank: its output was recorded nowhere, so the replay, the
+    same-tp reference and the twin all passed it (an audit); now the reference file holds draft_confidence
+    and every exact check compares it bit for bit."""
+    d = m.faulty("confidence", 2)
+    name = "mtp.2.confidence_head.proj.weight"
+    for r in range(2):
+        _edit(d, r, 2, lambda t: t.__setitem__(name, -t[name]))
+    result = _verify(d, m.reference("tp1", 2))
+    assert result.verdict == "FAIL" and any(f.startswith("replay confidence") for f in result.failures), result.failures
+    result = _verify(d, m.reference("tpN", 2))
+    assert result.verdict == "FAIL" and any(f.startswith("confidence:") for f in result.failures), result.failures
+    assert "confidence" in result.overall and result.overall["confidence"].max_abs > 0
 
 
 @pytest.mark.parametrize(("fault", "tp", "module"), TEACHER_FAULTS, ids=[f"{f}-tp{t}" for f, t, _ in TEACHER_FAULTS])
@@ -374,8 +417,8 @@ def test_a_replica_damaged_on_one_rank_fails_where_the_teacher_sees_only_noise(m
     assert result.verdict == "FAIL", result.checks
     assert "replicas: layers.1.ffn_norm.weight: replicated, but ranks [3] differ from rank 0" in result.failures
     assert result.localization.module == "layers.1.ffn"  # ffn_norm feeds it
-    clean = _verify(m.shard(4), m.reference("tpN", 2))
-    assert clean.verdict == "PASS" and not [f for f in clean.failures if f.startswith("replicas")]
+    clean = _verify(m.shard(4), m.reference("tpN", 2))  # the teacher alone: INCONCLUSIVE (DSpark stages)
+    assert clean.verdict == "INCONCLUSIVE" and not clean.failures
 
 
 def test_across_tp_the_teacher_localizes_not_the_noise(m):

@@ -55,13 +55,15 @@ def damaged(ref: Path, out: Path, change) -> Path:
 
 
 def test_only_ids_logits_logits_all_runs(work, tmp_path):
-    """The documented minimum (plus logits_all): no decode steps, so no teacher tokens; it must run."""
+    """The documented minimum (plus logits_all): no decode steps, so no teacher tokens; it must run, exact,
+    but without decode steps the DSpark stages never ran: INCONCLUSIVE, saying so."""
     conv, ref = work
     keep = ("input_ids", "lengths", "logits", "logits_all")
     minimal = damaged(ref, tmp_path / "min.safetensors", lambda t, m: [t.pop(k) for k in list(t) if k not in keep])
     assert sorted(load_file(str(minimal))) == sorted(keep)
     result = verify(VerifyOptions(conv, reference_logits=minimal, threads=1))
-    assert result.ok, result.failures
+    assert result.verdict == "INCONCLUSIVE" and not result.failures, result.failures
+    assert "reference without decode steps" in result.advice and "--decode-steps" in result.advice
     assert set(result.overall) == {"last", "all"}
     assert all(s.max_abs == 0 for s in result.overall.values())  # tp 1, fp8 source: exact
 
@@ -127,3 +129,26 @@ def test_garbage_header_is_bad_input(work, tmp_path):
     proc = _run_verify(conv, tmp_path / "junk.safetensors")
     assert proc.returncode == 2 and "not a readable safetensors file" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_prompts_of_other_lengths_with_hidden_states(work, tmp_path):
+    """The indexer's hidden state is [n, min(index_topk, n // ratio)]: wider for a longer prompt. save()
+    assumed one width and ended in a RuntimeError after the whole computation (an audit: two prompts of 5
+    and 4 tokens); the narrower prompt is now padded and loads back as it was, and verify runs on it."""
+    conv, _ = work
+    src = conv.parent / "src"
+    prompts = [Prompt(list(range(3, 43)), "forty"), Prompt(list(range(50, 55)), "five")]
+    ref = compute_reference(src, prompts, n_decode=1, capture_hidden=True).reference
+    path = tmp_path / "ref.safetensors"
+    reffile.save(ref, path)
+    back = reffile.load(path, 128)
+    widths = set()
+    for want, got in zip(ref.runs, back.runs, strict=True):
+        assert set(want.hidden) == set(got.hidden)
+        for key, h in want.hidden.items():
+            assert got.hidden[key].shape == h.shape and torch.equal(got.hidden[key], h.to(got.hidden[key].dtype)), key
+            if key.endswith(".indexer"):
+                widths.add(h.shape[-1])
+    assert len(widths) > 1  # the prompts' indexer widths differ: the case that crashed
+    result = verify(VerifyOptions(conv, reference_logits=path, threads=1))
+    assert result.verdict == "PASS", (result.failures, result.checks)

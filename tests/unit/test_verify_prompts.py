@@ -1,6 +1,7 @@
 """verify.prompts: built-in prompts and the JSONL format."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,18 @@ def test_decode_ids_are_kept(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [5, 6], "decode_ids": [9, 8, 7]}) + "\n")
     (prompt,) = load_prompts(tmp_path / "p.jsonl", None, 512)
     assert prompt.input_ids == (5, 6) and prompt.decode_ids == (9, 8, 7)
+
+
+def test_an_image_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """A relative image path was kept relative to the folder reference-logits ran in and resolved again
+    against the folder verify ran in: another image, or none (an audit). It is now the file's absolute path."""
+    tok = build_tokenizer(512)
+    (tmp_path / "pd").mkdir()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "pd" / "p.jsonl").write_text(json.dumps({"text": "describe", "image": "red.png"}) + "\n")
+    monkeypatch.chdir(tmp_path / "pd")
+    prompts = load_prompts(tmp_path / "pd" / "p.jsonl", tmp_path / "tokenizer.json", 512)
+    assert prompts[0].image == str((tmp_path / "pd" / "red.png").resolve())
+    monkeypatch.chdir(tmp_path)
+    prompts = load_prompts(Path("pd/p.jsonl"), tmp_path / "tokenizer.json", 512)
+    assert prompts[0].image == str((tmp_path / "pd" / "red.png").resolve())
