@@ -42,6 +42,7 @@ class StreamResult:
     decode_logits: Tensor  # [J - 1, V]
     draft_logits: Tensor | None  # [J - 1, K, V]
     hidden: dict[str, Tensor] = field(default_factory=dict)  # key -> [S, ...] bfloat16
+    draft_confidence: Tensor | None = None  # [J - 1, K] float32, the confidence head beside the drafts
 
 
 @dataclass

@@ -158,7 +158,7 @@ class _Runner:
         self.layout = None
         self.engram_ids: dict[int, Tensor] = {}
         self.drafts = args.dspark_block_size > 0 and any(len(p.decode_ids) > 1 for p in prompts)
-        self.logits: list[dict[str, list[Tensor]]] = [{"dec": [], "draft": []} for _ in prompts]
+        self.logits: list[dict[str, list[Tensor]]] = [{"dec": [], "draft": [], "conf": []} for _ in prompts]
         if args.engram_layer_ids:
             self._hash(tokenizer)
 
@@ -482,7 +482,9 @@ class _Runner:
             if drafts is not None:
                 from dsv41_convert.model.mtp import draft_outputs
 
-                out["draft"].append(draft_outputs(drafts, step.draft_h, step.draft_id)[1][0].float().cpu())
+                _, logits, confidence = draft_outputs(drafts, step.draft_h, step.draft_id)
+                out["draft"].append(logits[0].float().cpu())
+                out["conf"].append(confidence[0].float().cpu())
 
     def _results(self) -> list[StreamResult]:
         results = []
@@ -495,6 +497,7 @@ class _Runner:
                     decode_logits=torch.stack(out["dec"]) if out["dec"] else torch.empty(0, vocab),
                     draft_logits=torch.stack(out["draft"]) if out["draft"] else None,
                     hidden={k: v[0].cpu() for k, v in self.hidden[p].items()},
+                    draft_confidence=torch.stack(out["conf"]) if out["conf"] else None,
                 )
             )
         return results

@@ -43,9 +43,9 @@ class PromptRun:
     decode_ids: Tensor
     decode_logits: Tensor
     draft_logits: Tensor | None
-    draft_confidence: Tensor | None = None  # [T, K] float32: the DSpark confidence head beside the drafts
     hidden: dict[str, Tensor] = field(default_factory=dict)
     last: Tensor | None = None  # [V] float32, when it is stored apart from logits_all (a reference file)
+    draft_confidence: Tensor | None = None  # [T, K] float32: the DSpark confidence head beside the drafts
 
     @property
     def logits(self) -> Tensor:

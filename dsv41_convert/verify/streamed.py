@@ -80,7 +80,7 @@ def compute_streamed_reference(
     finally:
         weights.close()
     runs = [
-        PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last)
+        PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last, r.draft_confidence)
         for r, d in zip(results, decode, strict=True)
     ]
     source_format = weights.source_format
