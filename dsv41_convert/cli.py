@@ -467,6 +467,14 @@ def reference_logits_cmd(
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
+    fixed = [p.origin or p.label for p in prompt_list if p.decode_ids is not None]
+    if fixed and not stream_layers:  # the whole-model reference decodes greedily: they would be ignored
+        from dsv41_convert.errors import VerifyInputError
+
+        raise VerifyInputError(
+            f"{fixed[0]}: decode_ids go with --stream-layers (the tokens its decode steps feed); without it the "
+            "decode steps feed the model's own greedy choices: drop them, or add --stream-layers"
+        )
     timings = None
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     out.parent.mkdir(parents=True, exist_ok=True)

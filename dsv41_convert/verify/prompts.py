@@ -102,7 +102,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
                 raise VerifyInputError(f"{where}: input_ids must be a non-empty list of integers")
             if image is not None:
                 raise VerifyInputError(f"{where}: image goes with a text prompt, not with input_ids")
-            prompts.append(Prompt(tuple(ids), f"line-{n}"))
+            prompts.append(Prompt(tuple(ids), f"line-{n}", origin=where))
         else:
             text = obj["text"]
             if not isinstance(text, str) or not text:

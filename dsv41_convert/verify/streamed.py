@@ -39,7 +39,8 @@ def fixed_decode_ids(prompt: Prompt, n_decode: int) -> torch.Tensor:
     if prompt.decode_ids is not None:
         if len(prompt.decode_ids) < n_decode + 1:
             raise VerifyInputError(
-                f"{prompt.label}: {len(prompt.decode_ids)} decode_ids, {n_decode} decode steps need {n_decode + 1}"
+                f"{prompt.origin or prompt.label}: {len(prompt.decode_ids)} decode_ids, {n_decode} decode steps "
+                f"need {n_decode + 1} (step t feeds decode_ids[t]; the last one starts the drafts)"
             )
         ids = list(prompt.decode_ids[: n_decode + 1])
     else:

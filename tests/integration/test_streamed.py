@@ -168,6 +168,18 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
     assert torch.equal(ref.runs[0].logits, whole[0].logits)
 
 
+def test_decode_ids_without_stream_layers_are_refused(sources, tmp_path, monkeypatch, capsys):
+    """The whole-model reference decodes greedily: decode_ids were dropped without a word (an audit)."""
+    from cli_run import run_cli
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [5, 6], "decode_ids": [7, 8]}) + "\n")
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out),
+                           "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1")  # fmt: skip
+    assert code == 2 and f"{tmp_path / 'p.jsonl'}:1: decode_ids go with --stream-layers" in err, err
+    assert not out.exists()
+
+
 def _args(src: Path, prompts, n_decode: int = 1):
     from dsv41_convert.config import load_model_args
 
