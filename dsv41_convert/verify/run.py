@@ -381,6 +381,7 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         backbone_failed = any(not {"draft", "confidence"} & set(f.split(":")[0].split()) for f in result.failures)
         replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
+        unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
         tokenizer = [f.removeprefix("tokenizer: ") for f in result.failures if f.startswith("tokenizer: ")]
         if tokenizer:  # not a weight: the token ids Engram hashes
             loc.module = None
@@ -388,6 +389,9 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         elif replicas:  # the bytes themselves say where
             loc.module = localize.module_of(replicas[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
+        elif unmerged:  # the rank files disagree: the merge names the tensor
+            loc.module = localize.module_of(unmerged[0].split(":")[0], conv_args.n_layers)
+            loc.note = f"the rank files do not merge back to tp 1: {unmerged[0]}"
         elif taught:
             loc.module = min(taught, key=localize.module_order)
             loc.note = "the first module the teacher check failed"

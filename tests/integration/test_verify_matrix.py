@@ -352,6 +352,23 @@ def test_a_dspark_fault_is_never_a_pass(m):
     assert result.verdict == "FAIL" and any(f.startswith("replay draft") for f in result.failures), result.failures
 
 
+def test_a_rank_set_that_does_not_merge_is_localized_to_the_tensor(m):
+    """Engram padding rows that are not the fill byte at tp 4: the replay's merge names the tensor, but the
+    localization said "not localized: ... reduction noise" (an audit)."""
+    d = m.faulty("engram_padding_dirty", 4)
+    name = "layers.0.engram.embed.weight"
+
+    def dirty(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw[-1, 0] = 0x38  # 1.0 in the last rank's padding row
+        t[name] = raw.view(t[name].dtype)
+
+    _edit(d, 3, 4, dirty)
+    result = _verify(d, m.reference("tp1", 4))
+    assert result.verdict == "FAIL" and any(f.startswith(f"replay: {name}: padding rows") for f in result.failures)
+    assert result.localization.module is not None and name in result.localization.note, result.localization
+
+
 def test_the_dspark_confidence_head_is_compared(m):
     """The confidence head's weight negated on every rank: its output was recorded nowhere, so the replay, the
     same-tp reference and the twin all passed it (an audit); now the reference file holds draft_confidence
