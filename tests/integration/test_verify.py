@@ -77,7 +77,7 @@ def test_passes_from_fp8_source(work, tp):
     assert result.ok, result.failures
     assert result.thresholds.mode == ("exact" if tp == 1 else "reduction")
     # like with like: the twin agrees bit for bit on every section
-    assert set(result.twin) == {"last", "all", "decode", "draft"}
+    assert set(result.twin) == {"last", "all", "decode", "draft", "confidence"}
     assert all(s.max_abs == 0 and s.kl_max == 0 for s in result.twin.values())
     if tp == 1:
         assert all(s.max_abs == 0 for s in result.overall.values())
