@@ -42,3 +42,8 @@ class ShardConsistencyError(ConvertError):
     """The rank files of one conversion disagree: a replicated tensor differs between ranks, an expert
     is held by the wrong rank, split pieces differ in shape, Engram padding is missing or not the fill.
     verify reports it as a failed check (exit 1); elsewhere it is an input error."""
+
+
+def first_few(names: list[str], shown: int = 3) -> str:
+    """The first `shown` of `names` for a message, "a, b, c, ..." when there are more."""
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")

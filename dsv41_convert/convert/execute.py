@@ -47,7 +47,7 @@ from dsv41_convert.convert.write import (
     write_partial,
     write_rank_file,
 )
-from dsv41_convert.errors import OutputError, PlanError
+from dsv41_convert.errors import OutputError, PlanError, first_few
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
@@ -163,7 +163,7 @@ def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str]
     if found:
         what = "files other than the other ranks' files" if shared else "not empty"
         raise OutputError(
-            f"{out.resolve()}: {what} ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); "
+            f"{out.resolve()}: {what} ({first_few(found)}); "
             "pass --resume to continue a run or --overwrite to replace it"
         )
 
@@ -182,13 +182,7 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
     if remove and not (out / DONE_DIR).is_dir():  # no run of ours was here: what has our names is not ours
-        theirs = sorted(n for n in mine if (out / n).exists())
-        if theirs:
-            raise OutputError(
-                f"{out.resolve()}: holds {', '.join(theirs[:3])}{', ...' if len(theirs) > 3 else ''}, which no "
-                f"dsv41-convert run wrote there (no {DONE_DIR}/); not replaced, even with --overwrite: choose "
-                "another OUT, or remove them yourself"
-            )
+        _refuse_strangers(out, sorted(n for n in mine if (out / n).exists()))
     others = sorted(
         p.name
         for p in out.iterdir()
@@ -200,24 +194,29 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
     if not remove:
         what = f"tp {plan.tp} rank files" if shard_plan else "an export"
         raise OutputError(
-            f"{out.resolve()}: holds files of another conversion ({', '.join(others[:3])}"
-            f"{', ...' if len(others) > 3 else ''}), not of this one ({what}); remove them, or pass "
+            f"{out.resolve()}: holds files of another conversion ({first_few(others)}), not of this one ({what}); "
+            "remove them, or pass "
             "--overwrite (alone) to replace them"
         )
     ours = {n for n in others if _written_by_us(out, n)}
-    strangers = [n for n in others if n not in ours and (n not in foreign or not ours)]
-    if strangers:  # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files
-        raise OutputError(
-            f"{out.resolve()}: holds {', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''}, which "
-            f"no dsv41-convert run wrote there (no record in {DONE_DIR}/); not removed, even with --overwrite: "
-            "choose another OUT, or remove them yourself"
-        )
+    # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files
+    _refuse_strangers(out, [n for n in others if n not in ours and (n not in foreign or not ours)])
     if dry_run:
         return
     for name in others:
         file = name.removesuffix(".partial")
         for path in (out / name, done_path(out, file), journal_path(out, file)):
             path.unlink(missing_ok=True)
+
+
+def _refuse_strangers(out: Path, names: list[str]) -> None:
+    """OutputError naming `names`, files in OUT that no run of ours wrote, if there are any."""
+    if names:
+        raise OutputError(
+            f"{out.resolve()}: holds {first_few(names)}, which no dsv41-convert run wrote there (no record in "
+            f"{DONE_DIR}/); not replaced or removed, even with --overwrite: choose another OUT, or remove them "
+            "yourself"
+        )
 
 
 def _forget_done(out: Path, files: list[str]) -> None:
@@ -279,7 +278,7 @@ def _check_source_unchanged(out: Path, src: Path, stamps: dict) -> None:
     changed = changed_since(out, src, stamps)
     if changed:
         raise OutputError(
-            f"{src}: {', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''} changed (size or modification "
+            f"{src}: {first_few(changed)} changed (size or modification "
             f"time) since a run began writing {out}; what it finished or started may hold the old bytes: "
             "use --overwrite to write everything again"
         )

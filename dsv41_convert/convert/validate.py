@@ -15,7 +15,7 @@ from pathlib import Path
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
-from dsv41_convert.errors import PlanError
+from dsv41_convert.errors import PlanError, first_few
 from dsv41_convert.store.index import bad_shard_names, held_twice
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
@@ -65,7 +65,7 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     rank_files = sorted(n for n in present if RANK_FILE.fullmatch(n))
     if rank_files and weight_map is None:
         raise PlanError(
-            f"{src}: holds rank files ({', '.join(rank_files[:2])}{', ...' if len(rank_files) > 2 else ''}), the "
+            f"{src}: holds rank files ({first_few(rank_files, 2)}), the "
             "output of `shard`, not a Hugging Face checkpoint: plan, shard, export and verify --reference read the "
             "published layout; give it to verify as CONVERTED, or to reference-logits with --stream-layers"
         )

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsv41_convert.errors import DownloadError, HeaderError
+from dsv41_convert.errors import DownloadError, HeaderError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
@@ -297,5 +297,4 @@ def _count(n: int) -> str:
 
 
 def _few(names: list[str]) -> str:
-    shown = ", ".join(names[:3])
-    return f"({shown}{', ...' if len(names) > 3 else ''})" if names else ""
+    return f"({first_few(names)})" if names else ""

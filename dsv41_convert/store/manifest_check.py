@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import VerifyInputError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST
@@ -62,8 +62,8 @@ def _without_manifest(folder: Path) -> str:
     partial = sorted(p.name for p in folder.glob("*.partial"))
     if partial:
         return (
-            f"an unfinished conversion ({len(partial)} .partial file(s): {', '.join(partial[:2])}"
-            f"{', ...' if len(partial) > 2 else ''}); continue it with `shard` or `export` and --resume"
+            f"an unfinished conversion ({len(partial)} .partial file(s): {first_few(partial, 2)}); continue it "
+            "with `shard` or `export` and --resume"
         )
     if any(folder.glob(FRAGMENT_GLOB)):
         return "it holds fragments of shares of the ranks: gather every share, then run `dsv41-convert manifest`"
