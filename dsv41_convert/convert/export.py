@@ -23,13 +23,13 @@ from typing import Any
 from dsv41_convert.config import HF_QUANTIZATION_CONFIG, ModelArgs, load_json
 from dsv41_convert.convert.execute import SIDECARS, Sidecars, execute
 from dsv41_convert.convert.export_rules import EXPERT_DTYPE, SCALE_OPS, check_format, export_action, keeps_scale
-from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, lay_out, read_index, summarize
+from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, file_summary, lay_out, read_index
 from dsv41_convert.convert.rules import Op, scale_name, weight_name
 from dsv41_convert.convert.validate import Source, gather_sources, validate_sources
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.manifest import atomic_write
-from dsv41_convert.store.safetensors_header import nbytes
+from dsv41_convert.store.safetensors_header import nbytes, sort_key
 
 CONFIG = "config.json"
 E4M3, E8M0, BF16, I8 = "F8_E4M3", "F8_E8M0", "BF16", "I8"
@@ -67,17 +67,30 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     sources = gather_sources(src, weight_map)
     validate_sources(sources, args, 1, "fp8" if fmt == "fp8" else "fp4")
     files = sorted({s.file for s in sources.values()})
-    out_name = {f: shard_name(k, len(files)) for k, f in enumerate(files)}
-    per_file: dict[str, list[OutTensor]] = {f: [] for f in files}
+    by_file: dict[str, list[str]] = {f: [] for f in files}
     for canon in sorted(sources):
-        per_file[sources[canon].file] += _outputs(sources, canon, fmt)
-    shards = tuple(lay_out(k, out_name[f], per_file[f]) for k, f in enumerate(files))
+        by_file[sources[canon].file].append(canon)
+    shards = []
+    for k, f in enumerate(files):
+        saved = in_save_file_order([sources[c] for c in by_file[f]])
+        canons = by_file[f] if saved else sorted(by_file[f], key=lambda c: sources[c].offset)
+        tensors = [t for c in canons for t in _outputs(sources, c, fmt)]
+        shards.append(lay_out(k, shard_name(k, len(files)), tensors, sort=saved))
     weight_map_out = {t.name: f.file for f in shards for t in f.tensors}
     total = sum(nbytes(t.dtype, t.shape) for f in shards for t in f.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map_out.items()))}
     config = output_config(hf, fmt)
-    plan = ConversionPlan(str(src.resolve()), 1, EXPERT_DTYPE[fmt], args.dtype, index_sha, config, shards)
+    plan = ConversionPlan(str(src.resolve()), 1, EXPERT_DTYPE[fmt], args.dtype, index_sha, config, tuple(shards))
     return ExportPlan(fmt, plan, config, index)
+
+
+def in_save_file_order(tensors: list[Source]) -> bool:
+    """Whether a source file's tensors lie in save_file's order (dtype, then name), as the published shards
+    but the Engram tables do. Such a file's shard is laid out in that order again (a tensor that changes
+    dtype moves, as save_file would put it); any other file's order is kept, a new scale right after its
+    weight, so an Engram shard keeps the table first (published -> bf16 -> fp8-fp4 gives back its bytes)."""
+    by_offset = sorted(tensors, key=lambda s: s.offset)
+    return by_offset == sorted(tensors, key=lambda s: sort_key(s.name, s.dtype))
 
 
 def output_config(hf: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -172,7 +185,7 @@ def _before(src: Path, out: Path) -> list[str]:
 def _after(ep: ExportPlan, out: Path) -> list[str]:
     """config.json and the index, once every shard is done."""
     atomic_write(out / CONFIG, (json.dumps(ep.config, indent=2, ensure_ascii=False) + "\n").encode())
-    atomic_write(out / INDEX, (json.dumps(ep.index, indent=2) + "\n").encode())
+    atomic_write(out / INDEX, json.dumps(ep.index, indent=2).encode())  # no newline at the end, as published
     return [CONFIG, INDEX]
 
 
@@ -201,4 +214,11 @@ def export(
 
 def summarize_export(ep: ExportPlan) -> dict[str, Any]:
     """Per output shard: file, tensors, bytes, tensors per rule and action (the --dry-run table)."""
-    return {"format": ep.format, **summarize(ep.plan)}
+    plan = ep.plan
+    return {
+        "src": plan.src,
+        "format": ep.format,
+        "source_format": plan.source_format,
+        "total_bytes": plan.total_bytes,
+        "files": [file_summary(f) for f in plan.files],
+    }

@@ -329,8 +329,11 @@ def read_index(src: Path) -> tuple[str, dict[str, str] | None]:
     return hashlib.sha256(index_path.read_bytes()).hexdigest(), weight_map
 
 
-def lay_out(rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun] | None = None) -> RankFile:
-    """A file of `tensors` and `runs`: its header (save_file's order) and each one's byte offsets set."""
+def lay_out(
+    rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun] | None = None, *, sort: bool = True
+) -> RankFile:
+    """A file of `tensors` and `runs`: its header (save_file's order, or theirs with sort=False) and each
+    one's byte offsets set."""
     runs = runs or []
     blocks = [(t.name, t.dtype, ((t.name, t.shape),)) for t in tensors]
     for r in runs:
@@ -339,7 +342,7 @@ def lay_out(rank: int, file: str, tensors: list[OutTensor], runs: list[ExpertRun
     # a run sorts as its prefix (layout_blocks): no other tensor of its dtype may have that prefix
     taken = {(r.prefix, r.dtype) for r in runs}
     assert not any((expert_prefix(t.name), t.dtype) in taken for t in tensors)
-    header, spans = layout_blocks(blocks)
+    header, spans = layout_blocks(blocks, sort=sort)
     parts = [*tensors, *runs]
     for i, b, e in spans:
         parts[i].begin, parts[i].end = b, e
@@ -484,20 +487,22 @@ def _selections(s: Source, split: Split, tp: int, n_experts: tuple[int, int]):
             yield r, _read(s, r0, r1), k - (r1 - r0)
 
 
+def file_summary(f: RankFile) -> dict[str, Any]:
+    """One output file: its name, tensor count, bytes and tensor counts per "rule [action]"."""
+    rules: dict[str, int] = {}
+    for p in f.parts:
+        key, n = f"{p.rule} [{p.action}]", len(p.members) if type(p) is ExpertRun else 1
+        rules[key] = rules.get(key, 0) + n
+    return {"file": f.file, "tensors": f.n_tensors, "bytes": f.nbytes, "rules": rules}
+
+
 def summarize(plan: ConversionPlan) -> dict[str, Any]:
     """Per rank: file, tensor count, bytes, and tensor counts per rule (the `plan` command's table)."""
-    ranks = []
-    for f in plan.files:
-        rules: dict[str, int] = {}
-        for p in f.parts:
-            key, n = f"{p.rule} [{p.action}]", len(p.members) if type(p) is ExpertRun else 1
-            rules[key] = rules.get(key, 0) + n
-        ranks.append({"rank": f.rank, "file": f.file, "tensors": f.n_tensors, "bytes": f.nbytes, "rules": rules})
     return {
         "src": plan.src,
         "tp": plan.tp,
         "expert_dtype": plan.expert_dtype,
         "source_format": plan.source_format,
         "total_bytes": plan.total_bytes,
-        "ranks": ranks,
+        "ranks": [{"rank": f.rank, **file_summary(f)} for f in plan.files],
     }

@@ -5,7 +5,8 @@
 
 The header we write is byte-identical to what `safetensors.torch.save_file(tensors)` writes for the same
 tensors: entries sorted by dtype (descending in safetensors' dtype order) then name, compact JSON with
-keys dtype, shape, data_offsets, no `__metadata__`, padded with spaces to a multiple of 8.
+keys dtype, shape, data_offsets, no `__metadata__`, padded with spaces to a multiple of 8. Asked to keep
+the given order (`sort=False`), it writes the same JSON with the entries and data in that order.
 """
 
 from __future__ import annotations
@@ -220,35 +221,43 @@ def sort_key(name: str, dtype: str) -> tuple[int, str]:
     return (-_RANK[dtype], name)
 
 
-def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+def build_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], *, sort: bool = True
+) -> tuple[bytes, list[tuple[str, int, int]]]:
     """Header bytes (length prefix included) and the layout for tensors (name, dtype, shape).
 
+    sort: save_file's order (dtype, then name); False keeps the entries' order (the published Engram shards).
     -> (header, [(name, begin, end)] in file order, absolute file offsets)
     """
-    header, spans = layout_header(entries)
+    header, spans = layout_header(entries, sort=sort)
     return header, [(entries[i][0], b, e) for i, b, e in spans]
 
 
-def layout_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int, int]]]:
+def layout_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], *, sort: bool = True
+) -> tuple[bytes, list[tuple[int, int, int]]]:
     """As build_header, with each span naming its entry by position: -> (header, [(i, begin, end)])."""
-    return layout_blocks([(name, dtype, ((name, shape),)) for name, dtype, shape in entries])
+    return layout_blocks([(name, dtype, ((name, shape),)) for name, dtype, shape in entries], sort=sort)
 
 
 # A block: (sort name, dtype, members (name, shape) in name order), stored back to back.
 Block = tuple[str, str, Sequence[tuple[str, tuple[int, ...]]]]
 
 
-def layout_blocks(blocks: Sequence[Block]) -> tuple[bytes, list[tuple[int, int, int]]]:
+def layout_blocks(blocks: Sequence[Block], *, sort: bool = True) -> tuple[bytes, list[tuple[int, int, int]]]:
     """Header bytes (length prefix included) for tensors given in blocks, and each block's span.
 
     save_file's order sorts a block as its sort name: right for a one-tensor block (its own name) and for
     several tensors of one dtype whose names all start with the sort name, when no tensor of another block of
     that dtype has such a name (then nothing sorts between them). A plan's routed experts of one layer on one
-    rank are such a block: their ~200 entries are written without a sort key each.
+    rank are such a block: their ~200 entries are written without a sort key each. sort=False: the blocks'
+    own order.
     -> (header, [(i, begin, end)] in file order, absolute file offsets of block i's first and last byte + 1)
     """
-    keys = [(_NEG_RANK[dtype], name) for name, dtype, _ in blocks]  # sort_key, without a call per entry
-    order = sorted(range(len(blocks)), key=keys.__getitem__)
+    order: Sequence[int] = range(len(blocks))
+    if sort:
+        keys = [(_NEG_RANK[dtype], name) for name, dtype, _ in blocks]  # sort_key, without a call per entry
+        order = sorted(order, key=keys.__getitem__)
     # one check for every name: JSON_PLAIN matches a concatenation iff it matches each part
     plain = JSON_PLAIN.fullmatch("".join(name for b in blocks for name, _ in b[2])) is not None
     parts = []

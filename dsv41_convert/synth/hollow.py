@@ -11,7 +11,9 @@ the disk holds ~20 MB (headers, index, tokenizer). Every data byte reads as zero
 every dtype of the file: e4m3 / bf16 / f32 / e2m1 zeros, and e8m0 byte 0 = 2^-127. A model run on it
 gives all-zero logits (finite): every weight is 0, so every projection, norm and expert output is 0.
 
-Tensor order within a file is safetensors' serializer order (dtype, then name), as published.
+Tensor order within a file is safetensors' serializer order (dtype, then name), as published, but in the
+two Engram shards (the module's order, table first: Shard.sorted_header); file sizes, the index and
+tokenizer_config.json are the published ones to the byte.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.safetensors_header import build_header
 from dsv41_convert.synth.tokenizer import fit_compressed_size, tokenizer_config
 from dsv41_convert.synth.write import INDEX, plan_shards, prepare_out, write_text
 
@@ -56,7 +57,7 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
 
     files, weight_map, total = [], {}, 0
     for shard in shards:
-        header, spans = build_header([(t.name, t.dtype, t.shape) for t in shard.tensors])
+        header, spans = shard.header()
         size = spans[-1][2] if spans else len(header)
         tmp = out / (shard.file + ".partial")
         with open(tmp, "wb") as f:
@@ -69,7 +70,7 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
         if progress is not None:
             progress(shard.file, size, size)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
+    write_text(out / INDEX, json.dumps(index, indent=2))  # no newline at the end, as published
     used = sum(p.stat().st_blocks * 512 for p in out.iterdir())
     return {
         "out": str(out),

@@ -141,7 +141,9 @@ def build_tokenizer(vocab_size: int, folded: int = 0) -> Tokenizer:
 
 
 def tokenizer_config(model_max_length: int) -> dict[str, Any]:
-    """tokenizer_config.json, shaped like the published one (pad is id 2, as config.json says)."""
+    """tokenizer_config.json as published: its pad_token is the end-of-sentence text, though config.json's
+    pad_token_id is 2 (the vocabulary's own pad token); with the published model_max_length the bytes of
+    json.dumps(..., indent=2, ensure_ascii=False) are the published file's."""
 
     def added(content: str) -> dict[str, Any]:
         return {
@@ -161,7 +163,7 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
         "eos_token": added(EOS),
         "legacy": True,
         "model_max_length": model_max_length,
-        "pad_token": added(PAD),
+        "pad_token": added(EOS),
         "sp_model_kwargs": {},
         "unk_token": None,
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -7,8 +7,8 @@ spread over `layer_shards` files (default: one per layer, as published):
 
 Each shard is built alone (values drawn, already in the file's dtypes, then saved) and written as `<file>.partial`, then
 renamed, so memory holds one shard at a time and a half-written file never has the final name.
-safetensors orders a header by dtype then name and we add no metadata, so the bytes depend only on
-the arguments.
+Headers are the published ones (Shard.sorted_header: save_file's order, dtype then name, no metadata; an
+Engram shard in the module's order), so the bytes depend only on the arguments.
 """
 
 from __future__ import annotations
@@ -22,27 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
+from dsv41_convert.convert.transform import to_bytes
 from dsv41_convert.errors import OutputError, PlanError
 from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.progress import Progress as ProgressFn
+from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.store.publish import publish
+from dsv41_convert.store.safetensors_header import build_header, nbytes
 from dsv41_convert.synth.presets import Preset, hf_config
 from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
 
 INDEX = "model.safetensors.index.json"
-_DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
-_SAFETENSORS_DTYPE = {
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e8m0fnu: "F8_E8M0",
-    torch.int8: "I8",
-}
 _SMALL = 1 << 28  # bytes; below this, one torch thread (small ops on 2+ threads mostly wait on each other)
 
 
@@ -54,14 +48,19 @@ class Shard:
 
     @property
     def nbytes(self) -> int:
-        return sum(_DTYPE_BYTES[t.dtype] * _numel(t.shape) for t in self.tensors)
+        return sum(nbytes(t.dtype, t.shape) for t in self.tensors)
 
+    @property
+    def sorted_header(self) -> bool:
+        """save_file's order (dtype, then name), as the published shards 1-46 have it; an Engram table's shard
+        keeps the module's order (embed first), which gives the published sizes of shards 47 and 48 (their
+        headers are 32 and 40 bytes longer than save_file's order makes them; any order without metadata that
+        puts the table first gives those sizes, the rest of the published order is not known)."""
+        return not (self.params and self.params[0].group.startswith("engram."))
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    def header(self) -> tuple[bytes, list[tuple[str, int, int]]]:
+        """build_header of this shard's tensors in its order: -> (header bytes, [(name, begin, end)])"""
+        return build_header([(t.name, t.dtype, t.shape) for t in self.tensors], sort=self.sorted_header)
 
 
 def plan_shards(args: ModelArgs, quantized: bool, layer_shards: int | None = None) -> list[Shard]:
@@ -162,10 +161,14 @@ def write_shard(out: Path, shard: Shard, seed: int, quantized: bool, progress: P
     assert set(tensors) == set(planned), sorted(set(tensors) ^ set(planned))
     for name, t in tensors.items():
         want = planned[name]
-        assert (_SAFETENSORS_DTYPE[t.dtype], tuple(t.shape)) == (want.dtype, want.shape), (name, t.dtype, t.shape)
+        assert (TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape)) == (want.dtype, want.shape), (name, t.dtype, t.shape)
         done += t.nbytes
     tmp = out / (shard.file + ".partial")
-    save_file(tensors, str(tmp))
+    header, spans = shard.header()
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for name, _, _ in spans:
+            f.write(to_bytes(tensors[name]))
     publish(tmp, out / shard.file, durable=False)  # random weights, made again in seconds
     if progress:
         progress(shard.file, done, total)
@@ -212,7 +215,7 @@ def write_checkpoint(
 
     weight_map = {t.name: s.file for s in shards for t in s.tensors}
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
+    write_text(out / INDEX, json.dumps(index, indent=2))  # no newline at the end, as published
     return {
         "out": str(out),
         "preset": preset.name,

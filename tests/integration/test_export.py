@@ -180,7 +180,12 @@ def test_cli_export_dry_run_json_and_check(ckpts, tmp_path, monkeypatch, capsys)
                            "--dry-run", "--json")  # fmt: skip
     assert code == 0 and not (tmp_path / "o").exists()
     summary = json.loads(out)
-    assert summary["format"] == "fp8" and summary["total_bytes"] == sum(r["bytes"] for r in summary["ranks"])
+    assert summary["format"] == "fp8" and summary["total_bytes"] == sum(r["bytes"] for r in summary["files"])
+    assert [r["file"] for r in summary["files"]] == sorted(p.name for p in ckpts["pub"].glob("*.safetensors"))
+    assert "tp" not in summary and "ranks" not in summary  # an export has shards, not ranks
+    code, out, _ = run_cli(monkeypatch, capsys, "export", str(ckpts["pub"]), str(tmp_path / "o"), "--format", "fp8",
+                           "--dry-run")  # fmt: skip
+    assert code == 0 and "export --format fp8" in out and "per shard" in out and "tp 1" not in out, out
     code, out, _ = run_cli(monkeypatch, capsys, "export", str(ckpts["pub"]), str(tmp_path / "o"), "--format",
                            "bf16", "--json")  # fmt: skip
     assert code == 0 and json.loads(out)["manifest"]

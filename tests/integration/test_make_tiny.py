@@ -4,6 +4,7 @@ the tokenizer, the fp8 <-> bf16 round trip, determinism and the command line."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -102,6 +103,24 @@ def test_published_shard_grouping(fp8_dir):
         assert all(n.startswith(f"mtp.{k}.") for n in files[9 + k])
     assert all(n.startswith("layers.0.engram.") for n in files[12]) and len(files[12]) == 6
     assert all(n.startswith("layers.1.engram.") for n in files[13]) and len(files[13]) == 6
+
+
+def test_shards_are_save_files_bytes_but_the_engram_tables_in_module_order(fp8_dir):
+    from safetensors.torch import save
+
+    engram = 0
+    for path in sorted(fp8_dir.glob("model-*.safetensors")):
+        names = list(_headers(fp8_dir)[path.name])
+        if ".engram." not in names[0]:
+            assert save(load_file(path)) == path.read_bytes(), path.name
+            continue
+        engram += 1
+        pre = names[0].rsplit(".engram.", 1)[0] + ".engram."
+        parts = ["embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_weight", "k_weight"]
+        assert names == [pre + p for p in parts], path.name  # the table first: the published sizes need it
+        offsets = [_headers(fp8_dir)[path.name][n]["data_offsets"] for n in names]
+        assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(offsets))
+    assert engram == 2
 
 
 def test_names_and_dtypes_follow_the_published_catalog(fp8_dir):

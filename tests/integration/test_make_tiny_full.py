@@ -37,10 +37,14 @@ def test_layout_is_the_published_one(hollow):
         ours = {n: (e.dtype, tuple(e.shape)) for n, e in header.tensors.items()}
         assert ours == {n: (t["dtype"], tuple(t["shape"])) for n, t in info["tensors"].items()}, file
         assert (out / file).stat().st_size - header.data_start == info["data_bytes"], file
+        assert (out / file).stat().st_size == info["file_size"], file  # the published size, header included
     assert summary["n_tensors"] == 96085 and summary["total_size"] == 510_286_023_000
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 510_286_023_000 and len(index["weight_map"]) == 96085
-    assert (out / "config.json").read_bytes() == (REFERENCE / "v41-flash.config.json").read_bytes()
+    with gzip.open(REFERENCE / "v41-flash.model.safetensors.index.RECONSTRUCTED.json.gz") as f:
+        assert (out / "model.safetensors.index.json").read_bytes() == f.read()  # 7,470,294 bytes, as published
+    for name in ("config.json", "tokenizer_config.json"):  # hash-verified copies of the published files
+        assert (out / name).read_bytes() == (REFERENCE / f"v41-flash.{name}").read_bytes(), name
 
 
 def test_holes_read_as_zeros_and_take_no_disk(hollow):

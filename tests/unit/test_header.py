@@ -54,6 +54,24 @@ def test_build_header_is_byte_identical_to_save_file():
     assert spans[-1][2] == len(blob)
 
 
+def test_build_header_keeps_the_given_order_when_asked(tmp_path):
+    sd = _sample()
+    entries = _entries(sd)[::-1]
+    header, spans = build_header(entries, sort=False)
+    assert [name for name, _, _ in spans] == [name for name, _, _ in entries]
+    text = header[8:].decode().rstrip(" ")
+    assert list(json.loads(text)) == [name for name, _, _ in entries]  # the JSON's order too
+    raw = {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in sd.items()}
+    path = tmp_path / "kept.safetensors"
+    path.write_bytes(header + b"".join(raw[n] for n, _, _ in spans))
+    h = read_header(path)  # a valid file: the data tiles the area in the header's order
+    blob = path.read_bytes()
+    assert [n for n in h.tensors] == [n for n, _, _ in entries]
+    assert all(blob[e.begin : e.end] == raw[n] for n, e in h.tensors.items())
+    sorted_header, _ = build_header(entries)
+    assert sorted_header == build_header(_entries(sd))[0] != header  # sorted: the input order does not matter
+
+
 def test_read_header_roundtrip(tmp_path):
     sd = _sample()
     save_file(sd, tmp_path / "a.safetensors")
