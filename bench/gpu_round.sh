@@ -22,8 +22,11 @@ python3 - "$w" <<'PY' 2>&1 | tee -a "$out/steps.txt"
 import sys
 from safetensors.torch import load_file
 a, b = (load_file(f"{sys.argv[1]}/ref_{k}.safetensors") for k in ("whole", "stream"))
+# the whole model decodes greedily, --stream-layers feeds fixed ids: the decode sections differ by design
+# (tests/gpu/test_streamed_cuda.py feeds both the same ids and compares them too)
+fed = {"decode_ids", "decode_logits", "draft_logits", "draft_confidence"}
 same = [k for k in a if k in b and a[k].shape == b[k].shape and a[k].view(-1).view(__import__("torch").uint8).equal(b[k].view(-1).view(__import__("torch").uint8))]
-print("streamed == whole on cuda (bytes):", sorted(same), "differ:", sorted(k for k in a if k in b and k not in same))
+print("streamed == whole on cuda (bytes):", len(same), "sections; differ:", sorted(k for k in a if k in b and k not in same and k not in fed) or "none", "(decode sections not compared)")
 PY
 step med_make $cli make-tiny $w/med --preset medium --no-vision --seed 0
 step med_ref_stream timeout 150 $cli reference-logits $w/med $w/med_stream.safetensors --stream-layers --device cuda --json

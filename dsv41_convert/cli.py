@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import gc
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -30,6 +31,8 @@ app = typer.Typer(
 
 _debug = {"on": False}
 INTERRUPTED = 130
+TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process the signal ended
+_stopped_by: list[str] = []  # set by _sigterm_as_interrupt: what stopped the run, for its last message
 
 
 @app.callback()
@@ -210,24 +213,30 @@ def _memory_table(memory: dict) -> None:
 
 
 def _plan_table(summary: dict) -> None:
-    """Per rank: file, tensors, bytes; then how many tensors each rule and action made (rank 0, then totals)."""
+    """Per output file (a rank's for plan and shard, a shard's for export): file, tensors, bytes; then how many
+    tensors each rule and action made in each."""
     from rich.markup import escape
     from rich.table import Table
 
-    ranks = Table(title=f"{summary['src']}  tp {summary['tp']}  experts {summary['expert_dtype']}")
-    for col in ("rank", "file", "tensors", "bytes"):
-        ranks.add_column(col, justify="right" if col != "file" else "left")
-    for r in summary["ranks"]:
-        ranks.add_row(str(r["rank"]), r["file"], str(r["tensors"]), f"{r['bytes']:,}")
-    ranks.add_row("", "total", str(sum(r["tensors"] for r in summary["ranks"])), f"{summary['total_bytes']:,}")
-    rules = Table(title=escape("tensors per rule [action], per rank"))
+    if "ranks" in summary:
+        rows, unit = [(str(r["rank"]), r) for r in summary["ranks"]], "rank"
+        title = f"{summary['src']}  tp {summary['tp']}  experts {summary['expert_dtype']}"
+    else:
+        rows, unit = [(str(i + 1), r) for i, r in enumerate(summary["files"])], "shard"
+        title = f"{summary['src']}  export --format {summary['format']}"
+    files = Table(title=title)
+    for col in (unit, "file", "tensors", "bytes"):
+        files.add_column(col, justify="right" if col != "file" else "left")
+    for key, r in rows:
+        files.add_row(key, r["file"], str(r["tensors"]), f"{r['bytes']:,}")
+    files.add_row("", "total", str(sum(r["tensors"] for _, r in rows)), f"{summary['total_bytes']:,}")
+    rules = Table(title=escape(f"tensors per rule [action], per {unit}"))
     rules.add_column(escape("rule [action]"), overflow="fold")
-    for r in summary["ranks"]:
-        rules.add_column(str(r["rank"]), justify="right")
-    names = sorted({k for r in summary["ranks"] for k in r["rules"]})
-    for name in names:
-        rules.add_row(escape(name), *(str(r["rules"].get(name, 0)) for r in summary["ranks"]))
-    report.stdout.print(ranks)
+    for key, _ in rows:
+        rules.add_column(key, justify="right")
+    for name in sorted({k for _, r in rows for k in r["rules"]}):
+        rules.add_row(escape(name), *(str(r["rules"].get(name, 0)) for _, r in rows))
+    report.stdout.print(files)
     report.stdout.print(rules)
 
 
@@ -783,19 +792,30 @@ def _json_error(message: str, code: int = 2) -> None:
 RESUMABLE = {"shard": "--resume", "export": "--resume", "download": "running it again"}
 
 
-def interrupted_message(command: list[str]) -> str:
-    """What Ctrl-C left: for a command that writes in steps, how to go on; for the others, nothing written."""
+def interrupted_message(command: list[str], how: str = "interrupted") -> str:
+    """What Ctrl-C (or SIGTERM, `how`) left: for a command that writes in steps, how to go on; for the others,
+    nothing written."""
     name = command[0] if command else ""
     if name in RESUMABLE:
-        return f"interrupted; what is on disk is kept: {name} continues it with {RESUMABLE[name]}"
-    return "interrupted" + ("; nothing was written" if name in ("verify", "plan", "check") else "")
+        return f"{how}; what is on disk is kept: {name} continues it with {RESUMABLE[name]}"
+    return how + ("; nothing was written" if name in ("verify", "plan", "check") else "")
+
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+    """SIGTERM (a scheduler's stop, `timeout`, `kill`): the orderly stop of Ctrl-C (workers stopped, locks and
+    semaphores released, the message and --json document), then exit 143. Killed outright, the run left its
+    fork server's semaphores to multiprocessing's tracker, which warned of them as leaked."""
+    _stopped_by.append("terminated (SIGTERM)")
+    raise KeyboardInterrupt
 
 
 def main() -> None:
     """Entry point: ConvertError -> `error: ...` on stderr and exit 2, and so an OSError (the system refused a
-    path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130; with --json each
-    of these also one document on stdout; anything else keeps its traceback."""
+    path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130, SIGTERM 143; with
+    --json each of these also one document on stdout; anything else keeps its traceback."""
     click_exceptions = _click_exceptions()
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # an ignored SIGTERM stays ignored
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -816,8 +836,9 @@ def main() -> None:
             _json_error(exc.format_message())
         sys.exit(code)
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
-        report.error(interrupted_message(sys.argv[1:2]))
-        _json_error(interrupted_message(sys.argv[1:2]), INTERRUPTED)
+        how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
+        report.error(interrupted_message(sys.argv[1:2], how))
+        _json_error(interrupted_message(sys.argv[1:2], how), code)
     if isinstance(code, int) and code:
         sys.exit(code)
 

@@ -77,6 +77,7 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
         located.update(dict.fromkeys(tensors, file))
     agree = len(located) == sum(len(t) for _, t in headers) and (weight_map is None or located == weight_map)
     sources: dict[str, Source] = {}
+    unknown: list[str] = []  # names the conversion rules do not take, whatever the index says
     twice = {} if agree else held_twice(headers)
     again = {(file, name): other for file, by in twice.items() for other, names in by.items() for name in names}
     for file, tensors in headers:
@@ -94,19 +95,20 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
                     )
             canon = canonical_name(name)
             if canon in sources:
-                problems.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
+                unknown.append(f"{file}: tensor {name} renames to {canon}, which {sources[canon].file} already has")
                 continue
             try:
                 rule, expert = classify(canon)
             except PlanError as exc:
-                problems.append(f"{file}: {exc}")
+                unknown.append(f"{file}: {exc}")
                 continue
             sources[canon] = Source(file, name, info.dtype, info.shape, info.begin, info.end - info.begin, rule, expert)
     if weight_map is not None and not agree:
         for name, file in weight_map.items():
             if name not in located and file in present:
                 problems.append(f"{file}: tensor {name} is in the index but not in the file (source mid-upload?)")
-    _raise(problems, f"{src}: checkpoint files and index disagree")
+    kinds = (("checkpoint files and index disagree", problems), ("tensors no conversion rule takes", unknown))
+    _raise(problems + unknown, f"{src}: " + "; ".join(what for what, found in kinds if found))
     return {name: sources[name] for name in sorted(sources)}
 
 

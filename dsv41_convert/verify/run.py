@@ -34,7 +34,7 @@ from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
 from dsv41_convert.verify.replay import replay_check
-from dsv41_convert.verify.runner import PromptRun
+from dsv41_convert.verify.runner import ModelInput, PromptRun
 from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
 from dsv41_convert.verify.verdict import (
     FAIL,
@@ -96,6 +96,7 @@ class VerifyResult:
     verdict: str = FAIL  # PASS | FAIL | INCONCLUSIVE
     advice: str = ""  # INCONCLUSIVE: what would make the run decisive
     statistical: bool = False  # --statistical: statistical bounds accepted
+    unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
 
     @property
     def ok(self) -> bool:
@@ -114,6 +115,7 @@ class VerifyResult:
             "statistical": self.statistical and not self.decisive,
             "checks": [c.to_json() for c in self.checks],
             "advice": self.advice,
+            "unreached": self.unreached,
             "converted": self.converted,
             "reference": self.reference,
             "tp": self.tp,
@@ -282,6 +284,7 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         for c in result.checks:
             c.covers_drafts = False
     result.verdict = decide(result.checks, result.failures, opts.statistical, conv_args.n_mtp_layers > 0)
+    result.unreached = not_run_by(ref.inputs, conv_args)
     if result.verdict == INCONCLUSIVE:
         result.advice = advice(tp, src_ref is not None, drafts_uncovered(result.checks))
     if result.verdict == FAIL and opts.localize:
@@ -290,6 +293,14 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         result.localization = _localize(result, ref, out, expected, ranks, conv_args, thresholds, replay_runs)
         seconds["localize"] = time.perf_counter() - t3
     return result
+
+
+def not_run_by(inputs: list[ModelInput], args: ModelArgs) -> list[str]:
+    """Parts of the model that none of the prompts runs, so no check can have seen their weights: the vision
+    tower and aligner without an image prompt (verify's default prompts have none)."""
+    if args.vision_enabled and not any(i.image for i in inputs):
+        return ['vision tower and aligner (no prompt has an image; add one: --prompts with "image")']
+    return []
 
 
 def _copied_files_differ(src: Path, conv: Path) -> list[str]:

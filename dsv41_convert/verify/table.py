@@ -62,6 +62,8 @@ def render(result: VerifyResult) -> Group:
         parts.append(Text(f"  {f}", style="red"))
     if result.advice:
         parts.append(Text(f"  {result.advice}", style="yellow"))
+    for part in result.unreached:
+        parts.append(Text(f"  not checked, no prompt runs it: {part}", style="yellow"))
     loc = result.localization
     if loc is not None:
         if loc.module:

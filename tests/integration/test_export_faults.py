@@ -113,6 +113,7 @@ def test_a_lossy_fp4_to_fp8_block_is_an_error_naming_the_tensor(tmp_path, monkey
     out = tmp_path / "out"
     code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", "fp8")
     assert code == 2 and f"{bad_file}: mtp.1.ffn.experts.4.w3.weight: fp4->fp8 cast of block (0, 0) is lossy" in err
+    assert "keep the routed experts in fp4 (shard --expert-dtype fp4, the default; export --format fp8-fp4" in err
     assert_nothing_finished(out, bad_file)
     # the formats that need no cast take the same source
     code, _, _ = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(tmp_path / "b"), "--format", "bf16")

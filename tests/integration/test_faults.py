@@ -123,6 +123,26 @@ def test_tensor_missing_from_index(src, monkeypatch, capsys):
     assert code == 2 and "tensor layers.2.ffn.experts.5.w3.scale is not in the index" in err
 
 
+def test_tensor_no_rule_takes_is_not_called_an_index_problem(src, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    p = _shard_file(src, 2)
+    tensors = load_file(p)
+    tensors["layers.0.attn.mystery.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    save_file(tensors, p)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.0.attn.mystery.weight"] = p.name  # files and index agree
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "out"))
+    assert code == 2 and "tensors no conversion rule takes: 1 problem(s)" in err, err
+    assert f"{p.name}: layers.0.attn.mystery.weight: no rule" in err and "disagree" not in err
+    del index["weight_map"]["layers.0.attn.mystery.weight"]  # and both kinds at once
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(src))
+    assert code == 2 and "files and index disagree; tensors no conversion rule takes: 2 problem(s)" in err, err
+    assert_nothing_finished(tmp_path / "out")
+
+
 def test_scale_that_does_not_match_its_weight(tmp_path, monkeypatch, capsys):
     cfg = tiny_config()
     tensors = source_tensors(cfg)

@@ -260,6 +260,28 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
 
 
+@pytest.mark.slow
+def test_sigterm_stops_the_run_as_ctrl_c_does_and_resume_finishes(src, tmp_path):
+    """`kill` (SIGTERM) of the run: before, it died at once, its workers with it, and multiprocessing's
+    tracker warned of 8 leaked semaphores; now the orderly stop of Ctrl-C, exit 143."""
+    out = tmp_path / "out"
+    env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.05"}
+    cmd = [*CLI, "shard", str(src), str(out), "--tp", "8", "--workers", "2", "--buffered-io", "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not [p for p in out.glob("model*.partial") if p.stat().st_size > 0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.terminate()
+    doc, err = proc.communicate(timeout=60)  # the pipes close: no process of the run holds them any more
+    message = "terminated (SIGTERM); what is on disk is kept: shard continues it with --resume"
+    assert proc.returncode == 143 and err.strip() == f"error: {message}", err
+    assert json.loads(doc) == {"ok": False, "exit_code": 143, "error": message}
+    assert not (out / "manifest.json").exists()
+    res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "8", "--resume"], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+
 def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"), "--json")
     assert_clean_error(code, err, "nope: no such folder")

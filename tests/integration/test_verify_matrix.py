@@ -411,6 +411,7 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     conv = m.shard(2, src=src, tag="vision")
     result = _verify(conv, ref)
     assert result.verdict == "PASS" and result.decisive == ["replay"], (result.failures, result.checks)
+    assert result.unreached == []
     bad = m.root / "vision-bad-mp2"
     shutil.rmtree(bad, ignore_errors=True)
     shutil.copytree(conv, bad)
@@ -418,6 +419,14 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     for rank in range(2):
         _edit(bad, rank, 2, lambda t: t.__setitem__(name, t[name] * 1.5))
     assert _verify(bad, ref).verdict == "FAIL"
+    # the limit, said: without an image prompt the tower never runs, so the same fault passes, and the
+    # result names what no prompt ran
+    text_only = m.root / "ref-vision-text-tp1.safetensors"
+    prompts = default_prompts(TINY.vocab_size, count=1)
+    reffile.save(compute_reference_ranks(src, prompts, 1, 1, None, "cpu", False, 1), text_only)
+    blind = _verify(bad, text_only)
+    assert blind.verdict == "PASS" and len(blind.unreached) == 1 and "vision tower" in blind.unreached[0]
+    assert blind.to_json()["unreached"] == blind.unreached
 
 
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:
