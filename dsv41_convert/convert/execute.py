@@ -265,22 +265,49 @@ def check_destination(
     out = Path(out)
     check_output(Path(plan.src), out)
     if out.is_dir():
-        check_empty(out, resume, overwrite)
-        _no_other_conversion(plan, out, remove=overwrite, dry_run=True)
+        others = _others(plan, mine, ranks)
+        check_empty(out, resume, overwrite, others)
+        _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
         if resume:
             _check_resumable(out, mine, plan.digest())
-            _check_source_unchanged(out, Path(plan.src), source_stamps(Path(plan.src)))
+        if resume or others is not None:
+            src = Path(plan.src)
+            _check_source_unchanged(out, src, source_stamps(src), None if resume else _kept(plan, mine))
     return mine
 
 
-def _check_source_unchanged(out: Path, src: Path, stamps: dict) -> None:
-    """--resume continues from the source as it was: OutputError naming the shards changed since."""
+def _others(plan: ConversionPlan, mine: list[RankFile], ranks: list[int] | None) -> frozenset[str] | None:
+    """A share's view of OUT (--ranks, a torchrun process): the other shares' files and partial files, which
+    it leaves alone; None for a run of every file, which holds OUT alone."""
+    if ranks is None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return frozenset(n for f in _kept(plan, mine) for n in (f, f + ".partial"))
+
+
+def _kept(plan: ConversionPlan, mine: list[RankFile]) -> list[str]:
+    names = {f.file for f in mine}
+    return [f.file for f in plan.files if f.file not in names]
+
+
+def _check_source_unchanged(out: Path, src: Path, stamps: dict, kept: list[str] | None = None) -> None:
+    """--resume continues from the source as it was: OutputError naming the shards changed since. `kept`: a
+    share's check, the other shares' files in OUT; refused only when one of them is finished or started
+    (its bytes may be the old source's, and this run's manifest would count them)."""
     changed = changed_since(out, src, stamps)
-    if changed:
+    if not changed:
+        return
+    if kept is None:
         raise OutputError(
             f"{src}: {first_few(changed)} changed (size or modification "
             f"time) since a run began writing {out}; what it finished or started may hold the old bytes: "
             "use --overwrite to write everything again"
+        )
+    old = [f for f in kept if read_done(out, f) is not None or (out / (f + ".partial")).exists()]
+    if old:
+        raise OutputError(
+            f"{src}: {first_few(changed)} changed (size or modification time) since a run here wrote "
+            f"{first_few(old)}, which may hold the old bytes and would count towards this conversion: convert "
+            "every rank again from this source (shard without --ranks, --overwrite), or restore the source"
         )
 
 
@@ -331,11 +358,11 @@ def execute(
     out.mkdir(parents=True, exist_ok=True)
     # a share of the ranks (--ranks, a torchrun process) holds the folder shared and its own rank files
     # exclusively; a run of every rank holds the folder alone (store/lock.py)
-    share = ranks is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    others = _others(plan, mine, ranks)
+    share = others is not None
     names = [f.file for f in mine]
     with hold(out, shared=share, files=names if share else ()) as lock:
-        others = {n for f in plan.files if f.file not in names for n in (f.file, f.file + ".partial")}
-        check_empty(out, resume, overwrite, frozenset(others) if share else None)
+        check_empty(out, resume, overwrite, others)
         if not share:
             remove_stale_temporaries(out)
         _no_other_conversion(plan, out, overwrite and not share)
@@ -344,6 +371,8 @@ def execute(
         stamps = source_stamps(src)
         if resume:
             _check_source_unchanged(out, src, stamps)
+        elif share:  # the other shares' finished files count towards this run's manifest
+            _check_source_unchanged(out, src, stamps, _kept(plan, mine))
         record_stamps(out, src, stamps)
         job = {
             "device": device,

@@ -17,6 +17,12 @@ all fragments (and done records) come from one plan, checks the side files (belo
 for each file (so `shard --resume` there skips it) and writes manifest.json. `import_fragments` lets `shard
 --resume` do the same (it writes the side files again from its own source, so it checks none).
 
+Also refused at merge: a fragment whose rank_files are not one conversion's output files or whose files are
+not size-and-sha256 records of some of them, a .safetensors file in the folder that is not a rank file of
+the plan, fragments whose sources name different Hub revisions, and (no fragments left) a manifest.json that
+does not describe the folder. Not caught: shares converted from sources of one layout but other bytes (the
+plan digest covers the index and the headers, not the weights).
+
 Side files at merge. Caught: one that differs in size or sha256 from the fragments' record, one recorded but
 missing, one that two fragments record differently or that one records and another does not, one in the
 folder that no fragment records. Not caught: anything in a fragment without `side_files` (written before
@@ -31,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.errors import OutputError
+from dsv41_convert.errors import OutputError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 from dsv41_convert.store.index import INDEX_NAME
@@ -47,7 +53,8 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest_from,
 )
-from dsv41_convert.store.manifest_check import read_manifest
+from dsv41_convert.store.manifest_check import read_manifest, unlisted
+from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
@@ -104,12 +111,35 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
         ok = ok and isinstance(side, dict) and all(_is_record(rec) for rec in side.values())
         if not ok:
             raise OutputError(f"{path}: not a {FRAGMENT_FORMAT!r} file")
+        problem = _bad_entries(data)
+        if problem:
+            raise OutputError(f"{path}: {problem}; copy it again from the machine that wrote it")
         frags[path.name] = data
     return frags
 
 
 def _is_record(rec: Any) -> bool:
-    return isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get("sha256"), str)
+    size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (None, None)
+    return isinstance(size, int) and not isinstance(size, bool) and size >= 0 and isinstance(digest, str)
+
+
+def _bad_entries(frag: dict[str, Any]) -> str:
+    """What is wrong with a fragment's lists ("" when nothing): rank_files must name a conversion's output
+    files, plain .safetensors names in OUT (a shard's: model0-mpN ... model{N-1}-mpN, in rank order), files a
+    size and sha256 for some of them."""
+    names = frag["rank_files"]
+    plain = all(isinstance(n, str) and n.endswith(".safetensors") and Path(n).name == n for n in names)
+    if not names or not plain or len(set(names)) != len(names):
+        return f"rank_files {first_few([str(n) for n in names]) or '[]'} are not the output files of one conversion"
+    if RANK_FILE.fullmatch(names[0]) and names != [rank_file_name(r, len(names)) for r in range(len(names))]:
+        return f"rank_files {first_few(names)} are not the {len(names)} rank files of one tp-{len(names)} conversion"
+    stray = [str(n) for n in frag["files"] if n not in names]
+    if stray:
+        return f"files lists {first_few(stray)}, not among its rank_files"
+    bad = [n for n, rec in frag["files"].items() if not _is_record(rec)]
+    if bad:
+        return f"files[{bad[0]!r}] is not a record of size and sha256"
+    return ""
 
 
 def import_fragments(out: Path, plan_digest: str) -> list[str]:
@@ -184,12 +214,14 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
     problems = []
+    foreign: set[str] = set()  # files that a fragment of another plan lists (said once, above)
     for name, frag in frags.items():
         if frag.get("plan_digest") != digest or frag["rank_files"] != first["rank_files"]:
             problems.append(
                 f"{name}: from another plan (digest {str(frag.get('plan_digest'))[:12]}) than {first_name} "
                 f"(digest {str(digest)[:12]}): other options or another source"
             )
+            foreign.update(frag["files"])
             continue
         for file, rec in frag["files"].items():
             _add(records, problems, file, rec, name)
@@ -202,7 +234,8 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     listed = {}
     for file in first["rank_files"]:
         if file not in records:
-            problems.append(f"{file}: no fragment lists it; gather its rank file and fragment into {out}")
+            if file not in foreign:
+                problems.append(f"{file}: no fragment lists it; gather its rank file and fragment into {out}")
             continue
         rec, where = records[file]
         listed[file] = (out / file, Recorded(rec["size"], rec["sha256"], where, COPY_IT))
@@ -212,6 +245,12 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     problems += [problem for problem in mismatches(listed, progress=progress).values() if problem]
     missing = [n for n in REQUIRED_SIDECARS if n not in side and not (out / n).is_file()]
     problems += [f"{n}: missing (every `shard` run writes it); copy it from any machine's OUT" for n in missing]
+    problems += [
+        f"{p.name}: a .safetensors file that is not a rank file of this conversion; remove it (check would fail)"
+        for p in sorted(out.glob("*.safetensors"))
+        if p.name not in first["rank_files"]
+    ]
+    problems += _other_revisions(frags)
     if problems:
         raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(problems))
     rank_files = {file: records[file][0] for file in first["rank_files"]}
@@ -268,15 +307,48 @@ def _side_records(
 
 
 def _already_merged(out: Path) -> dict[str, Any]:
-    """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge);
-    `check` verifies its files."""
-    rank_files = [f for f in read_manifest(out)["files"] if f.endswith(".safetensors")]
+    """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge), once
+    its files are there with the sizes it lists and no other .safetensors is (`check` hashes them); an
+    OutputError names each that is not (a manifest of another conversion, copied in)."""
+    manifest = read_manifest(out)
+    problems = unlisted(out, manifest)
+    for name, rec in manifest["files"].items():
+        path = out / name
+        if not path.is_file():
+            problems.append(f"{name}: listed in {MANIFEST} but missing")
+        elif path.stat().st_size != rec["size"]:
+            problems.append(f"{name}: {path.stat().st_size} bytes, {MANIFEST} lists {rec['size']}")
+    if problems:
+        raise OutputError(
+            f"{out}: holds a {MANIFEST} and no fragments, but the folder is not the conversion it describes: "
+            + "; ".join(problems[:8])
+            + ("; ..." if len(problems) > 8 else "")
+            + f" (a {MANIFEST} of another conversion? gather the fragments and rank files, remove it, merge again)"
+        )
+    rank_files = [f for f in manifest["files"] if f.endswith(".safetensors")]
     return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],
             "already_merged": True}  # fmt: skip
+
+
+def _other_revisions(frags: dict[str, dict[str, Any]]) -> list[str]:
+    """Shares whose sources name different Hub revisions (the download record's; a copy made otherwise names
+    none, and is not compared): their rank files need not agree even where the plan digests do."""
+    named = {name: rev for name, frag in frags.items() if (rev := (frag.get("source") or {}).get("revision"))}
+    if len(set(named.values())) < 2:
+        return []
+    a, rev_a = next(iter(named.items()))
+    b, rev_b = next((n, r) for n, r in named.items() if r != rev_a)
+    return [f"{b}: converted from Hub revision {rev_b}, {a} from {rev_a}; convert every share from one"]
 
 
 def _add(records, problems, file: str, rec: dict[str, Any], where: str) -> None:
     entry = {"size": rec.get("size"), "sha256": rec.get("sha256")}
     if file in records and records[file][0] != entry:
-        problems.append(f"{file}: {where} and {records[file][1]} record different sizes or sha256")
+        earlier = [w for w in (where, records[file][1]) if w.startswith(DONE_DIR)]
+        hint = (
+            f" ({earlier[0]} is from an earlier merge or run here: if {file} was gathered again, remove that record)"
+            if earlier
+            else ""
+        )
+        problems.append(f"{file}: {where} and {records[file][1]} record different sizes or sha256{hint}")
     records.setdefault(file, (entry, where))

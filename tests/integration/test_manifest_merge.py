@@ -320,3 +320,93 @@ def test_fragments_of_an_earlier_version_merge_with_side_files_unchecked(runs, t
     assert code == 0, err
     assert json.loads(out)["side_files_unchecked"] == ["manifest-fragment-mp4-r1_2.json"]
     assert check_folder(g2).ok
+
+
+def test_mixed_plans_name_the_other_plan_once(runs, tmp_path, monkeypatch, capsys):
+    """The other plan's fragment lists ranks 1 and 2: no "no fragment lists it" line for them beside it."""
+    g = _gather(tmp_path / "g", runs["a"], runs["b_fp8"])
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and "from another plan" in err and "no fragment lists it" not in err, err
+
+
+def _edit_fragment(folder: Path, name: str, fn) -> None:
+    path = folder / name
+    frag = json.loads(path.read_text())
+    fn(frag)
+    path.write_text(json.dumps(frag))
+
+
+@pytest.mark.parametrize(
+    ("edit", "found"),
+    [
+        (lambda f: f["files"]["model1-mp4.safetensors"].pop("sha256"), "is not a record of size and sha256"),
+        (lambda f: f["files"].__setitem__("model1-mp4.safetensors", 5), "is not a record of size and sha256"),
+        (lambda f: f["files"]["model1-mp4.safetensors"].__setitem__("size", "9"), "is not a record of size"),
+        (lambda f: f["rank_files"].pop(), "are not the 3 rank files of one tp-3 conversion"),
+        (lambda f: f["rank_files"].__setitem__(0, "../a/model0-mp4.safetensors"), "are not the output files"),
+        (lambda f: f["files"].__setitem__("other.safetensors", {"size": 1, "sha256": "0"}), "files lists other"),
+    ],
+)
+def test_a_malformed_fragment_is_named_by_merge_and_resume(runs, tmp_path, monkeypatch, capsys, edit, found):
+    """Before: a record without sha256 merged a corrupt rank file (size-only), a record of another type was a
+    traceback (merge and shard --resume), a shortened rank_files wrote a 3-rank manifest, a path in it hashed
+    a file outside OUT."""
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    _edit_fragment(g, "manifest-fragment-mp4-r1_2.json", edit)
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
+    assert code == 2 and "manifest-fragment-mp4-r1_2.json: " in err and found in err, err
+    assert json.loads(out)["exit_code"] == 2 and not (g / "manifest.json").exists()
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(runs["src"]), str(g), "--tp", "4", "--resume")
+    assert code == 2 and found in err, err
+
+
+def test_merge_refuses_a_safetensors_file_that_check_would_refuse(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    shutil.copy(runs["a"] / "model0-mp4.safetensors", g / "model0-mp2.safetensors")
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and "model0-mp2.safetensors: a .safetensors file that is not a rank file" in err, err
+    assert not (g / "manifest.json").exists()
+    (g / "model0-mp2.safetensors").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 0 and check_folder(g).ok, err
+
+
+def test_a_manifest_of_another_conversion_is_not_reported_as_merged(runs, tmp_path, monkeypatch, capsys):
+    """No fragments and a tp-2 run's manifest.json beside tp-4 rank files: before, `manifest` said "already
+    merged" (exit 0) and `check` failed right after."""
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    for frag in g.glob("manifest-fragment-*.json"):
+        frag.unlink()
+    tp2 = tmp_path / "tp2"
+    execute(build_plan(runs["src"], 2), tp2)
+    shutil.copy(tp2 / "manifest.json", g / "manifest.json")
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and "not the conversion it describes" in err and "model0-mp2.safetensors: listed" in err, err
+    assert "model0-mp4.safetensors: in the folder but not in manifest.json" in err
+
+
+def test_shares_from_different_hub_revisions_are_an_error(runs, tmp_path, monkeypatch, capsys):
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    _edit_fragment(g, "manifest-fragment-mp4-r0_3.json", lambda f: f["source"].__setitem__("revision", "a" * 40))
+    _edit_fragment(g, "manifest-fragment-mp4-r1_2.json", lambda f: f["source"].__setitem__("revision", "b" * 40))
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 2 and f"converted from Hub revision {'b' * 40}" in err, err
+
+
+def test_a_share_refuses_a_source_changed_since_another_share_wrote_here(tmp_path, monkeypatch, capsys):
+    """Ranks 0,1 then, after one source shard changed, ranks 2,3 into the same OUT: before, the second share
+    wrote manifest.json over rank files from the old bytes (exit 0, `check` ok), with or without --overwrite."""
+    src = make_tiny(tmp_path / "src")
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "4", "--ranks", "0,1")
+    assert code == 0, err
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(data)
+    for extra in ([], ["--overwrite"], ["--dry-run"]):
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "4", "--ranks", "2,3", *extra)
+        assert code == 2 and f"{shard.name} changed" in err and "model0-mp4.safetensors" in err, (extra, err)
+    assert not (out / "manifest.json").exists() and not (out / "model2-mp4.safetensors").exists()
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "4", "--overwrite")
+    assert code == 0 and check_folder(out).ok, err
