@@ -181,8 +181,10 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
+    strangers = []
     if remove and not (out / DONE_DIR).is_dir():  # no run of ours was here: what has our names is not ours
-        _refuse_strangers(out, sorted(n for n in mine if (out / n).exists()))
+        ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
+        strangers = [n for n in ours_by_name if (out / n).exists()]
     others = sorted(
         p.name
         for p in out.iterdir()
@@ -190,6 +192,7 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
         and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
     )
     if not others:
+        _refuse_strangers(out, sorted(set(strangers)))
         return
     if not remove:
         what = f"tp {plan.tp} rank files" if shard_plan else "an export"
@@ -200,7 +203,8 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
         )
     ours = {n for n in others if _written_by_us(out, n)}
     # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files
-    _refuse_strangers(out, [n for n in others if n not in ours and (n not in foreign or not ours)])
+    strangers += [n for n in others if n not in ours and (n not in foreign or not ours)]
+    _refuse_strangers(out, sorted(set(strangers), key=lambda n: (not HF_SHARD.fullmatch(n), n)))
     if dry_run:
         return
     for name in others:
@@ -595,11 +599,14 @@ _LOCKS: SharedFiles | None = None
 _INTERRUPTED = False  # this worker took Ctrl-C: it writes nothing more
 
 
-def _init_worker(q, run: int, locks: SharedFiles) -> None:
+def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
     global _QUEUE, _LOCKS
     _QUEUE, _LOCKS = q, locks  # the run's locks, held until this process exits
     die_with_parent()  # the run, or its fork server, which dies with the run (die_with.py)
-    if not alive(run):  # the run died before the server's guard took hold
+    # `parent` (the server or the run) died before that took hold: this process was reparented and would
+    # run on, idle, holding the run's lock (seen after a kill -9 of the run, 2 runs in 4; a killed run
+    # is a zombie until reaped, so alive(run) alone passed)
+    if os.getppid() != parent or not alive(run):
         os.kill(os.getpid(), signal.SIGKILL)
     signal.signal(signal.SIGINT, _interrupt_worker)
 
@@ -676,7 +683,7 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
             workers,
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(q, os.getpid(), SharedFiles(lock_fds)),
+            initargs=(q, os.getpid(), _workers_parent(ctx), SharedFiles(lock_fds)),
         ) as pool,
     ):
         pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
@@ -693,6 +700,14 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
             raise
         _drain(q, progress)
     return results
+
+
+def _workers_parent(ctx) -> int:
+    """The process the pool's workers are children of: the fork server (started by _fork_server), or this
+    one (spawn)."""
+    if ctx.get_start_method() == "forkserver":
+        return mp.forkserver._forkserver._forkserver_pid  # CPython's, 3.8 to 3.14
+    return os.getpid()
 
 
 @contextmanager

@@ -64,13 +64,18 @@ def apply(
         # NaN bytes are refused by quant/byte_checks.py's rule on host bytes (zero-copy views on the CPU); on
         # CUDA a scan on the device comes first (one sync per block, as the kernels' own checks make), and
         # the bytes come over only when it finds one
-        from dsv41_convert.quant.byte_checks import E4M3_NAN, E8M0_NAN, require_e4m3_not_nan, require_scales_not_nan
+        from dsv41_convert.quant import byte_checks as bc
 
         s8 = inputs[1].view(torch.uint8)
         w8 = inputs[0].view(torch.uint8) if action != "dequant_fp4" else s8[:0]  # e2m1 codes have no NaN
-        if not s8.is_cuda or bool((s8 == E8M0_NAN).any() | ((w8 & E4M3_NAN) == E4M3_NAN).any()):
-            require_scales_not_nan(s8.cpu().numpy(), name)
-            require_e4m3_not_nan(w8.cpu().numpy(), name)
+        codes, hot = ("e2m1", bc.E2M1_HOT) if action == "dequant_fp4" else ("e4m3", bc.E4M3_HOT)
+        if not s8.is_cuda or bool((s8 >= hot).any() | ((w8 & bc.E4M3_NAN) == bc.E4M3_NAN).any()):
+            s_host = s8.cpu().numpy()
+            bc.require_scales_not_nan(s_host, name)
+            bc.require_e4m3_not_nan(w8.cpu().numpy(), name)
+            w_block = (1, 32) if action == "dequant_fp4" else tuple(block)
+            w_host = inputs[0].view(torch.uint8).cpu().numpy()
+            bc.require_finite_blocks(w_host, s_host, w_block, codes, name, bc.DECODED_INF)
     if action == "cast":
         outs = (inputs[0].to(DTYPES[out_dtype]),)
     elif action == "dequant_bf16":
@@ -90,10 +95,35 @@ def apply(
         outs = q.encode_mxfp4(inputs[0], 32, name)
     elif action == "quant_fp4_fp8":
         packed, s = q.encode_mxfp4(inputs[0], 32, name)
+        _require_finite_encoding((packed, s), *ENCODED["quant_fp4"], name)  # before the cast calls it corrupt
         outs = q.fp4_to_fp8(packed, s, 32, name)
     else:
         raise ValueError(f"{name}: unknown action {action!r}")
+    if action in ENCODED:
+        _require_finite_encoding(outs, *ENCODED[action], name)
     return tuple(o.cpu() for o in outs) if to_host else tuple(outs)
+
+
+# the actions that write quantized weights: what their (weight, scale) outputs hold
+ENCODED = {
+    "quant_fp8": ("e4m3", (32, 32)),
+    "quant_rows_fp8": ("e4m3", (1, 32)),
+    "quant_fp4": ("e2m1", (1, 32)),
+    "requant_fp4": ("e2m1", (1, 32)),
+    "fp4_to_fp8": ("e4m3", (32, 32)),
+    "quant_fp4_fp8": ("e4m3", (32, 32)),
+}
+
+
+def _require_finite_encoding(outs: tuple, codes: str, block: tuple[int, int], name: str) -> None:
+    """FormatError where an encoded block decodes to infinity (a source value near the bfloat16 maximum rounds
+    up to 2**128): one max over the scales (a sync on CUDA), the blocks looked at only above the line."""
+    from dsv41_convert.quant import byte_checks as bc
+
+    w, s = outs[0].view(torch.uint8), outs[1].view(torch.uint8)
+    if s.numel() and int(s.max()) >= (bc.E4M3_HOT if codes == "e4m3" else bc.E2M1_HOT):
+        why = "no finite encoding holds a source value this large; check the source tensor"
+        bc.require_finite_blocks(w.cpu().numpy(), s.cpu().numpy(), block, codes, name, why)
 
 
 def to_bytes(t: Tensor) -> memoryview:

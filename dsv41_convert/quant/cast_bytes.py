@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_convert.errors import FormatError
-from dsv41_convert.quant.byte_checks import require_scales_not_nan
+from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan
 
 FP8_BLOCK = 32  # output block, both dims, as upstream
 MAX_OFFSET_BITS = 6  # largest k with 6 * 2**k <= 448
@@ -117,6 +117,7 @@ def fp4_to_fp8_bytes(packed: np.ndarray, s: np.ndarray, block: int = 32, name: s
         raise ValueError(f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}")
     packed, b_OG = packed.view(np.uint8), s.view(np.uint8)
     require_scales_not_nan(b_OG, name)
+    require_finite_blocks(packed, b_OG, (1, block), "e2m1", name, DECODED_INF)
     groups_per_block = FP8_BLOCK // block
     # the block's largest scale byte (zero padding never wins the max)
     amax_b = _pad_blocks(b_OG, FP8_BLOCK, groups_per_block).max(axis=(1, 3))

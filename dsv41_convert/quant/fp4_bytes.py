@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv41_convert.quant.byte_checks import require_scales_not_nan
+from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan
 from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
 from dsv41_convert.quant.fp8_bytes import E8M0_F32, float32_to_bf16_bits
 
@@ -45,6 +45,7 @@ def decode_mxfp4_bf16(packed: np.ndarray, s: np.ndarray, block: int = 32, name: 
             f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)} (block {block}): want {list(want)}"
         )
     require_scales_not_nan(s, name)
+    require_finite_blocks(packed, s, (1, block), "e2m1", name, DECODED_INF)
     if _PAIRS is None:
         _PAIRS = _pair_table()
     base = s.astype(np.intp) << 8  # intp indices: numpy's take converts any other kind first (20x slower)

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv41_convert.quant.byte_checks import require_e4m3_not_nan, require_scales_not_nan
+from dsv41_convert.quant.byte_checks import (
+    DECODED_INF,
+    require_e4m3_not_nan,
+    require_finite_blocks,
+    require_scales_not_nan,
+)
 
 
 def _e4m3_values() -> np.ndarray:
@@ -59,6 +64,7 @@ def decode_fp8_blocks_bf16(q: np.ndarray, s: np.ndarray, block: tuple[int, int],
         )
     require_scales_not_nan(s, name)
     require_e4m3_not_nan(q, name)
+    require_finite_blocks(q, s, block, "e4m3", name, DECODED_INF)
     if _BF16 is None:
         _BF16 = _bf16_table()
     base = s.astype(np.intp) << 8  # intp indices: numpy's take converts any other kind first (20x slower)

@@ -226,6 +226,41 @@ def test_bf16_export_refuses_a_nan_scale(tmp_path, monkeypatch, capsys, weight, 
     assert not list(out.glob("*.partial"))
 
 
+@pytest.mark.parametrize(
+    ("command", "weight", "at"),
+    [
+        ("shard", "layers.0.attn.wo_a.weight", (0, 0)),
+        ("export", "layers.1.attn.wq_a.weight", (0, 1)),
+        ("export", "layers.0.ffn.experts.6.w2.weight", (3, 0)),
+    ],
+)
+def test_a_scale_that_decodes_to_infinity_is_refused(tmp_path, monkeypatch, capsys, command, weight, at):
+    """e8m0 byte 254 (2**127) times any code of 2 or more is 2**128: infinite in bf16. Before (an audit),
+    `shard` and `export --format bf16` wrote inf weights and exited 0."""
+    src = _planted(tmp_path, weight.removesuffix(".weight") + ".scale", at, 254)
+    out = tmp_path / "out"
+    args = ("shard", str(src), str(out), "--tp", "2") if command == "shard" else ("export", str(src), str(out))
+    code, _, err = run_cli(monkeypatch, capsys, *args, *(["--format", "bf16"] if command == "export" else []))
+    assert code == 2 and f"{_file_of(src, weight)}: {weight}" in err and "decodes to infinity" in err, err
+    assert "x scale 2**127 >= 2**128" in err and "corrupt shard?" in err
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.partial"))
+
+
+@pytest.mark.parametrize("name", ["layers.2.attn.wq_a.weight", "layers.0.ffn.experts.6.w2.weight"])
+def test_a_bf16_value_too_large_to_encode_is_refused(tmp_path, monkeypatch, capsys, name):
+    """3.3e38 (finite in bf16) rounds up to 2**128 in its fp8 or fp4 block: before, export wrote a block that
+    decodes to inf and exited 0, and a bf16 export of that wrote inf."""
+    cfg = tiny_config(quantized=False)
+    tensors = source_tensors(cfg)
+    tensors[name][5, 7] = 3.3e38
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", "fp8-fp4")
+    assert code == 2 and f"{_file_of(tmp_path / 'src', name)}: {name}" in err and "decodes to infinity" in err, err
+    assert "check the source tensor" in err
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.partial"))
+
+
 def test_out_inside_src_and_nonempty_out(src, tmp_path):
     plan = build_plan(src, 1)
     with pytest.raises(OutputError, match="inside"):

@@ -188,6 +188,26 @@ def test_workers_die_with_a_killed_parent(src, clean, tmp_path, monkeypatch, cap
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_every_process_of_a_run_dies_with_it_while_the_run_is_not_yet_reaped(src, tmp_path):
+    """kill -9 of a run as its first file starts, its parent not waiting for it at once (a shell, a
+    scheduler): a worker that started while its fork server was dying was reparented and ran on, idle,
+    holding the run's lock and output pipes (2 of 4 rounds before: the run's zombie passed `alive(run)`)."""
+    for round_ in range(3):
+        out = tmp_path / f"out{round_}"
+        cmd = [*CLI, "shard", str(src), str(out), "--tp", "4", "--workers", "2", "--buffered-io"]
+        run = subprocess.Popen(cmd, env=SLOW, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _wait_for(lambda out=out: [p for p in out.glob("*.partial") if p.stat().st_size], [run], "a file starts")
+        tree = [run.pid]  # the run, its resource tracker, its fork server and the workers forked from it
+        for pid in tree:
+            tree += _children(pid)
+        run.kill()  # and not reaped: a zombie for now
+        time.sleep(2)
+        assert not [p for p in tree[1:] if _alive(p)], (round_, tree)
+        run.communicate(timeout=10)  # no process of the run holds its pipes
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 def test_reference_logits_under_torchrun_holds_the_folder_on_rank_0_only(tmp_path):
     """torchrun's ranks all run the command: rank 0 holds OUT's folder from the start, the others take no

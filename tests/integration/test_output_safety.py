@@ -197,6 +197,23 @@ def test_overwrite_never_replaces_files_with_our_names_that_no_run_of_ours_wrote
         assert tree(out) == before
 
 
+@pytest.mark.parametrize("command", ["export", "shard"])
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "tokenizer.json", "manifest.json"])
+def test_overwrite_never_replaces_side_files_no_run_of_ours_wrote(src, tmp_path, monkeypatch, capsys, command, name):
+    """A folder of someone else's config, index or tokenizer (an audit): --overwrite replaced them without a
+    word, while a stranger's shard beside them was refused."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / name).write_text('{"mine": 1}')
+    args = (
+        ("export", str(src), str(out), "--format", "fp8-fp4") if command == "export" else ("shard", str(src), str(out))
+    )
+    for extra in (["--overwrite"], ["--overwrite", "--dry-run"]):
+        code, _, err = run_cli(monkeypatch, capsys, *args, *extra)
+        assert code == 2 and f"holds {name}, which no dsv41-convert run wrote there" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == '{"mine": 1}'
+
+
 def test_export_of_a_source_without_tokenizer_warns(src, tmp_path, monkeypatch, capsys):
     """As shard does: the export is complete without it, but verify and inference are not (Engram)."""
     source = tmp_path / "src"
