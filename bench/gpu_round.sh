@@ -29,6 +29,6 @@ same = [k for k in a if k in b and a[k].shape == b[k].shape and a[k].view(-1).vi
 print("streamed == whole on cuda (bytes):", len(same), "sections; differ:", sorted(k for k in a if k in b and k not in same and k not in fed) or "none", "(decode sections not compared)")
 PY
 step med_make $cli make-tiny $w/med --preset medium --no-vision --seed 0
-step med_ref_stream timeout 150 $cli reference-logits $w/med $w/med_stream.safetensors --stream-layers --device cuda --json
+step med_ref_stream timeout 200 $cli reference-logits $w/med $w/med_stream.safetensors --stream-layers --device cuda --json
 step med_ref_whole timeout 150 $cli reference-logits $w/med $w/med_whole.safetensors --device cuda --json
 cat "$out/steps.txt"

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from dsv41_convert.errors import FormatError
 from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES
 
 DTYPES = SAFETENSORS_DTYPES  # the converter's name for the one table
@@ -78,6 +79,8 @@ def apply(
             bc.require_finite_blocks(w_host, s_host, w_block, codes, name, bc.DECODED_INF)
     if action == "cast":
         outs = (inputs[0].to(DTYPES[out_dtype]),)
+        if outs[0].is_floating_point() and not bool(torch.isfinite(outs[0]).all()):
+            _require_cast_in_range(inputs[0], outs[0], name)
     elif action == "dequant_bf16":
         outs = (q.decode_fp8_blocks(inputs[0], inputs[1], tuple(block), torch.bfloat16),)
     elif action == "dequant_fp4":
@@ -102,6 +105,18 @@ def apply(
     if action in ENCODED:
         _require_finite_encoding(outs, *ENCODED[action], name)
     return tuple(o.cpu() for o in outs) if to_host else tuple(outs)
+
+
+def _require_cast_in_range(x: Tensor, y: Tensor, name: str) -> None:
+    """FormatError where the cast made infinity of a finite value (an f32 value beyond bf16's range rounds to
+    inf); a NaN or inf that the source holds is copied as it is, as an unchanged tensor's would be."""
+    made = torch.isinf(y) & torch.isfinite(x)
+    if bool(made.any()):
+        first = [int(i) for i in made.nonzero()[0]]
+        raise FormatError(
+            f"{name}: {float(x[tuple(first)]):g} at index {first} is beyond {y.dtype}'s range (the cast makes it "
+            f"inf; {int(made.sum())} such of {x.numel()}); check the source tensor"
+        )
 
 
 # the actions that write quantized weights: what their (weight, scale) outputs hold

@@ -95,3 +95,17 @@ def test_transform_refuses_infinity_in_and_out():
     big[7, 9] = 3.2e38  # below: 240 x 2**120 (fp8) and 4 x 2**126 (fp4) are finite
     for action in ("quant_fp8", "quant_rows_fp8"):
         apply(action, [big], q, "y", "F8_E4M3", None)
+
+
+def test_a_cast_that_makes_infinity_is_refused_and_a_source_inf_is_copied():
+    """An f32 source tensor published as bf16 (a norm weight of a fine-tuned checkpoint saved in f32): before
+    (an audit), 3.3999e38 became inf without a word."""
+    q = quantizer_for("cpu")
+    x = torch.ones(4, 8)
+    x[2, 3] = 3.3999e38
+    with pytest.raises(FormatError, match=r"n: 3\.3999e\+38 at index \[2, 3\] is beyond torch.bfloat16's range"):
+        apply("cast", [x], q, "n", "BF16", None)
+    x[2, 3] = 3.38e38  # rounds to bf16's largest finite value
+    assert bool(torch.isfinite(apply("cast", [x], q, "n", "BF16", None)[0]).all())
+    x[2, 3] = float("inf")  # the source's own inf: copied, as by an unchanged tensor
+    assert bool(torch.isinf(apply("cast", [x], q, "n", "BF16", None)[0][2, 3]))
