@@ -17,7 +17,7 @@ compares, and the other ranks get None.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, reffile, teacher
 from dsv41_convert.verify.metrics import Stats, compare, merge
+from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
 from dsv41_convert.verify.replay import replay_check
@@ -295,9 +296,9 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
     return result
 
 
-def not_run_by(inputs: list[ModelInput], args: ModelArgs) -> list[str]:
-    """Parts of the model that none of the prompts runs, so no check can have seen their weights: the vision
-    tower and aligner without an image prompt (verify's default prompts have none)."""
+def not_run_by(inputs: Sequence[ModelInput | Prompt], args: ModelArgs) -> list[str]:
+    """Parts of the model that none of the prompts (or their model inputs) runs, so no check can have seen
+    their weights: the vision tower and aligner without an image prompt (the default prompts have none)."""
     if args.vision_enabled and not any(i.image for i in inputs):
         return ['vision tower and aligner (no prompt has an image; add one: --prompts with "image")']
     return []

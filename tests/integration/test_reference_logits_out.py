@@ -79,3 +79,23 @@ def test_an_image_that_is_no_image_is_named_by_file_and_line(src, tmp_path, monk
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--prompts", str(prompts))
     assert code == 2 and f"{prompts}:2: image {tmp_path / 'notes.txt'}: not an image PIL can read" in err, err
     assert "BytesIO" not in err and not out.exists()
+
+
+def test_no_image_prompt_for_a_vision_tower_is_warned_before_the_compute(src, tmp_path, monkeypatch, capsys):
+    """The default prompts are text: verify against the file could never check the vision tower (it reports
+    `unreached`); said here too, before the compute, while the prompts can still change."""
+    out = tmp_path / "ref.safetensors"
+    with monkeypatch.context() as m:
+        m.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+        with pytest.raises(AssertionError, match="before the compute"):
+            run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out))
+    err = capsys.readouterr().err
+    assert f"warning: no prompt runs it, so verify against {out} cannot check it: vision tower and aligner" in err
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (90, 40, 200)).save(tmp_path / "a.png")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "look", "image": "a.png"}\n')
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--prompts", str(prompts),
+                           "--decode-steps", "1")  # fmt: skip
+    assert code == 0 and "no prompt runs it" not in err, err
