@@ -373,10 +373,8 @@ def execute(
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _forget_done(out, names)
         stamps = source_stamps(src)
-        if resume:
-            _check_source_unchanged(out, src, stamps)
-        elif share:  # the other shares' finished files count towards this run's manifest
-            _check_source_unchanged(out, src, stamps, _kept(plan, mine))
+        if resume or share:  # a share: the other shares' finished files count towards its manifest
+            _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))
         record_stamps(out, src, stamps)
         job = {
             "device": device,

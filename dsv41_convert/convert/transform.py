@@ -69,8 +69,8 @@ def apply(
 
         s8 = inputs[1].view(torch.uint8)
         w8 = inputs[0].view(torch.uint8) if action != "dequant_fp4" else s8[:0]  # e2m1 codes have no NaN
-        codes, hot = ("e2m1", bc.E2M1_HOT) if action == "dequant_fp4" else ("e4m3", bc.E4M3_HOT)
-        if not s8.is_cuda or bool((s8 >= hot).any() | ((w8 & bc.E4M3_NAN) == bc.E4M3_NAN).any()):
+        codes = "e2m1" if action == "dequant_fp4" else "e4m3"
+        if not s8.is_cuda or bool((s8 >= bc.HOT[codes]).any() | ((w8 & bc.E4M3_NAN) == bc.E4M3_NAN).any()):
             s_host = s8.cpu().numpy()
             bc.require_scales_not_nan(s_host, name)
             bc.require_e4m3_not_nan(w8.cpu().numpy(), name)
@@ -136,7 +136,7 @@ def _require_finite_encoding(outs: tuple, codes: str, block: tuple[int, int], na
     from dsv41_convert.quant import byte_checks as bc
 
     w, s = outs[0].view(torch.uint8), outs[1].view(torch.uint8)
-    if s.numel() and int(s.max()) >= (bc.E4M3_HOT if codes == "e4m3" else bc.E2M1_HOT):
+    if s.numel() and int(s.max()) >= bc.HOT[codes]:
         why = "no finite encoding holds a source value this large; check the source tensor"
         bc.require_finite_blocks(w.cpu().numpy(), s.cpu().numpy(), block, codes, name, why)
 

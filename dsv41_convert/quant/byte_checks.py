@@ -10,7 +10,7 @@ NaN byte is present exactly when a maximum reaches it. Only then is the first in
 
 Infinity the same way (require_finite_blocks): a finite code times a finite scale can still reach 2**128,
 which no float32 or bfloat16 holds (e4m3's 448 times 2**120, e2m1's 6 times 2**126). Only scales from
-E4M3_HOT / E2M1_HOT up can, so one max over the scales clears a tensor; a block above is looked at whole.
+HOT[codes] up can, so one max over the scales clears a tensor; a block above is looked at whole.
 Decoders refuse such a block in their input, encoders in their output (a source value near the bfloat16
 maximum rounds up to 2**128).
 """
@@ -23,11 +23,10 @@ from dsv41_convert.errors import FormatError
 
 E8M0_NAN = 0xFF  # e8m0's only NaN; it has no infinity
 E4M3_NAN = 0x7F  # e4m3 (fn)'s NaN without its sign bit (0x7F and 0xFF); it has no infinity
-# the lowest e8m0 byte at which a code times the scale can reach 2**128: 2**(255 - byte) <= the largest code
-E4M3_HOT = 247  # 448 >= 2**8
-E2M1_HOT = 253  # 6 >= 2**2
+# by codes: the lowest e8m0 byte at which a code times the scale can reach 2**128, 2**(255 - byte) <= the
+# largest code (e4m3: 448 >= 2**8; e2m1: 6 >= 2**2)
+HOT = {"e4m3": 247, "e2m1": 253}
 DECODED_INF = "expected finite weights; corrupt shard?"  # require_finite_blocks's `why` for a decoder
-_E2M1_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6] * 2, dtype=np.float64)  # by code; bit 3 is the sign
 
 
 def require_scales_not_nan(s: np.ndarray, name: str) -> None:
@@ -66,18 +65,22 @@ def require_finite_blocks(
     w: [out, in] uint8 e4m3 bytes (codes "e4m3"), or [out, in / 2] uint8 e2m1 pairs, low nibble first ("e2m1")
     s: [ceil(out / bo), ceil(in / bi)] uint8 (e8m0 bytes); block: (bo, bi) in values
     """
-    hot = E4M3_HOT if codes == "e4m3" else E2M1_HOT
+    hot = HOT[codes]
     if not s.size or int(s.max()) < hot:
         return
+    # the decoders' value tables, imported only here (they import this module); NaN bytes are refused before
+    from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
+    from dsv41_convert.quant.fp8_bytes import E4M3_F32
+
     bo, bi = block
     for b_o, b_i in zip(*np.nonzero(s >= hot), strict=True):
         exp = int(s[b_o, b_i]) - 127
         r0, c0 = int(b_o) * bo, int(b_i) * bi
         if codes == "e4m3":
-            mags = _e4m3_magnitudes(w[r0 : r0 + bo, c0 : c0 + bi])
+            mags = np.abs(E4M3_F32[w[r0 : r0 + bo, c0 : c0 + bi]])
         else:
             pairs = w[r0 : r0 + bo, c0 // 2 : (c0 + bi) // 2]
-            mags = np.stack([_E2M1_MAGNITUDES[pairs & 15], _E2M1_MAGNITUDES[pairs >> 4]], axis=-1)
+            mags = np.abs(np.stack([E2M1_CODE_VALUES[pairs & 15], E2M1_CODE_VALUES[pairs >> 4]], axis=-1))
             mags = mags.reshape(pairs.shape[0], -1)
         over = mags >= 2.0 ** (128 - exp)
         if over.any():
@@ -86,12 +89,6 @@ def require_finite_blocks(
                 f"{name}: block ({int(b_o)}, {int(b_i)}) decodes to infinity at [{r0 + r}, {c0 + c}]: "
                 f"{codes} value {mags[r, c]:g} x scale 2**{exp} >= 2**128, beyond float32 and bfloat16; {why}"
             )
-
-
-def _e4m3_magnitudes(q: np.ndarray) -> np.ndarray:
-    """float64 [...]: |value| of e4m3 (fn) bytes (NaN bytes are refused before)."""
-    exp, mant = (q >> 3).astype(np.int64) & 15, (q & 7).astype(np.float64)
-    return np.where(exp == 0, mant * 2.0**-9, (8 + mant) * np.exp2(exp - 10.0))
 
 
 def _first(hit: np.ndarray) -> list[int]:
