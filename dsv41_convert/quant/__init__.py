@@ -13,9 +13,11 @@ activation quantizers of the model (act.py, upstream kernel.py semantics):
     act_quant, fp4_act_quant
 safetensors dtype names as torch dtypes (file_dtypes.py, imported by its module path):
     SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, tensor_from_bytes
-NaN bytes of a quantized source, refused by every decoder (byte_checks.py, numpy alone, imported by its
-module path):
-    require_scales_not_nan, require_e4m3_not_nan
+NaN bytes of a quantized source, and blocks that decode to infinity, refused by every decoder (byte_checks.py,
+numpy alone, imported by its module path):
+    require_scales_not_nan, require_e4m3_not_nan, require_finite_blocks
+The value of every e4m3, e8m0 and e2m1 code, as tables (code_values.py, numpy alone, imported by its path):
+    E4M3_F32, E8M0_F32, E2M1_CODE_VALUES
 
 Each docstring states the rounding, floors, clamps, shapes and dtypes.
 

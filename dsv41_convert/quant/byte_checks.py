@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_convert.errors import FormatError
+from dsv41_convert.quant.code_values import E2M1_CODE_VALUES, E4M3_F32  # NaN bytes are refused before a lookup
 
 E8M0_NAN = 0xFF  # e8m0's only NaN; it has no infinity
 E4M3_NAN = 0x7F  # e4m3 (fn)'s NaN without its sign bit (0x7F and 0xFF); it has no infinity
@@ -68,10 +69,6 @@ def require_finite_blocks(
     hot = HOT[codes]
     if not s.size or int(s.max()) < hot:
         return
-    # the decoders' value tables, imported only here (they import this module); NaN bytes are refused before
-    from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
-    from dsv41_convert.quant.fp8_bytes import E4M3_F32
-
     bo, bi = block
     for b_o, b_i in zip(*np.nonzero(s >= hot), strict=True):
         exp = int(s[b_o, b_i]) - 127

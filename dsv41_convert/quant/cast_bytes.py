@@ -25,13 +25,11 @@ import numpy as np
 
 from dsv41_convert.errors import FormatError
 from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan
+from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
 
 FP8_BLOCK = 32  # output block, both dims, as upstream
 MAX_OFFSET_BITS = 6  # largest k with 6 * 2**k <= 448
 K_MIN = -11  # offsets below this are clamped to it: they lose every nonzero value either way
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; codes 8..15 are their negatives
-E2M1_CODE_VALUES = np.array(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES))
-"""Value of each 4-bit code 0..15, float64 [16]; code 8 is -0.0."""
 
 
 def e4m3_exact_bits(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
 from dsv41_convert.quant.checks import FLOAT_INPUTS, require_amax_finite, require_dtype
+from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
 from dsv41_convert.quant.e8m0 import pow2_ceil
 
 FP4_MAX = 6.0

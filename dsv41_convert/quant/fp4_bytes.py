@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan
-from dsv41_convert.quant.cast_bytes import E2M1_CODE_VALUES
-from dsv41_convert.quant.fp8_bytes import E8M0_F32, float32_to_bf16_bits
+from dsv41_convert.quant.code_values import E2M1_CODE_VALUES, E8M0_F32
+from dsv41_convert.quant.fp8_bytes import float32_to_bf16_bits
 
 
 def _pair_table() -> np.ndarray:

@@ -16,26 +16,7 @@ from dsv41_convert.quant.byte_checks import (
     require_finite_blocks,
     require_scales_not_nan,
 )
-
-
-def _e4m3_values() -> np.ndarray:
-    """float32 [256]: the value of each e4m3 (fn) byte; 0x7F and 0xFF are NaN, there is no infinity."""
-    b = np.arange(256)
-    exp, mant = (b >> 3) & 15, b & 7
-    mag = np.where(exp == 0, mant * 2.0**-9, (8 + mant) * np.exp2(exp - 10.0))  # (1 + mant/8) * 2**(exp-7)
-    vals = np.where(b >= 128, -mag, mag)
-    vals[(b & 0x7F) == 0x7F] = np.nan
-    return vals.astype(np.float32)
-
-
-def _e8m0_values() -> np.ndarray:
-    """float32 [256]: byte b is 2**(b - 127) (byte 0 a float32 subnormal); byte 255 is NaN."""
-    vals = np.exp2(np.arange(256) - 127.0)
-    vals[255] = np.nan
-    return vals.astype(np.float32)
-
-
-E4M3_F32, E8M0_F32 = _e4m3_values(), _e8m0_values()
+from dsv41_convert.quant.code_values import E4M3_F32, E8M0_F32
 
 
 def _bf16_table() -> np.ndarray:
