@@ -34,7 +34,13 @@ def __getattr__(name: str) -> Console:
 def _console(name: str) -> Console:
     from rich.console import Console
 
-    return Console(stderr=name == "stderr", soft_wrap=True)
+    console = Console(stderr=name == "stderr", soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPE_WIDTH  # a table in a log or a pipe at its own width, not cut to 80 columns
+    return console
+
+
+PIPE_WIDTH = 200  # columns of output that goes to a file or a pipe (rich assumes 80 there)
 
 
 def print_json(data: Any, compact: bool = False) -> None:

@@ -131,3 +131,17 @@ def test_a_reader_that_goes_away_is_exit_141_not_a_failed_check(tmp_path):
     proc.stdout.close()  # the reader goes away while most of the document is still to come
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
+def test_tables_in_a_pipe_keep_their_rows_whole(tmp_path):
+    """`plan --tp 8 > plan.txt` (and verify's table in a CI log): rich assumed 80 columns where stdout is no
+    terminal, so the rule column wrapped mid-pattern and verify's prompt labels were cut to `defaul…`."""
+    subprocess.run([entry_point(), "make-tiny", str(tmp_path / "t")], check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    res = subprocess.run([entry_point(), "plan", str(tmp_path / "t"), "--tp", "8"],
+                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in res.stdout.splitlines() if "[copy]" in line or "[as_fp4]" in line]
+    assert any(r"(layers|mtp)\.\d+\.(attn_norm|ffn_norm)\.weight [copy]" in line for line in rows), res.stdout
+    assert all(line.count("│") == 10 for line in rows)  # one line per rule, 8 rank columns
+    assert "…" not in res.stdout
