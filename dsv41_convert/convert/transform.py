@@ -108,9 +108,13 @@ def apply(
 
 
 def _require_cast_in_range(x: Tensor, y: Tensor, name: str) -> None:
-    """FormatError where the cast made infinity of a finite value (an f32 value beyond bf16's range rounds to
-    inf); a NaN or inf that the source holds is copied as it is, as an unchanged tensor's would be."""
-    made = torch.isinf(y) & torch.isfinite(x)
+    """FormatError where the source holds a NaN or an infinity (refused as in a copied tensor: write._copy), or
+    where the cast made infinity of a finite value (an f32 value beyond bf16's range rounds to inf)."""
+    from dsv41_convert.quant.byte_checks import COPIED_TOO
+    from dsv41_convert.quant.checks import require_finite
+
+    require_finite(x, name, COPIED_TOO)
+    made = torch.isinf(y)
     if bool(made.any()):
         first = [int(i) for i in made.nonzero()[0]]
         raise FormatError(

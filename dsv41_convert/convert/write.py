@@ -47,6 +47,7 @@ from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile,
 from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress, add_seconds
+from dsv41_convert.quant.byte_checks import COPIED_TOO, first_nonfinite, nonfinite_error
 from dsv41_convert.store import journal
 from dsv41_convert.store.direct_write import BLOCK, aligned_buffer
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
@@ -413,7 +414,7 @@ def _discard(sink: Sink, partial: Path, jpath: Path, keep: bool = False) -> None
 def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int = 0) -> None:
     """The tensor's source bytes from byte `skip` on (a resumed file; a whole number of rows), unchanged."""
     rd = t.reads[0]
-    rb = _row_bytes(rd.dtype, rd.shape)
+    rb, bits = _row_bytes(rd.dtype, rd.shape), DTYPE_BITS[rd.dtype]
     rows = rd.r1 - rd.r0
     if rd.c1 < 0:  # one contiguous byte range, through three buffers (see Sink)
         fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb + skip, rows * rb - skip
@@ -423,18 +424,36 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
                 os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
             buf = reader.buffer(sink.queued % BLOCK)[:n]
             pread_exact(fd, buf, pos, reader.paths[rd.file])
+            _require_finite(buf, rd, reader, lambda i, e=(pos - rd.offset) * 8 // bits: _index(rd.shape, e + i))
             sink.write(buf, t.name)
             pos, left = pos + n, left - n
         return
     # columns of whole rows: the rows into a reused buffer, the columns into one of the three (see Sink)
-    step, width = max(1, chunk_bytes // max(rb, 1)), (rd.c1 - rd.c0) * DTYPE_BITS[rd.dtype] // 8
+    cols = rd.c1 - rd.c0
+    step, width = max(1, chunk_bytes // max(rb, 1)), cols * bits // 8
     for a in range(skip // width, rows, step):
         b = min(rows, a + step)
         if (b - a) * width <= chunk_bytes:
             data, _ = reader.rows(rd, a, b, reader.scratch, into=reader.buffer(sink.queued % BLOCK))
         else:  # one row's columns outgrow a chunk: fresh memory (one row's columns may be a view of it)
             data, _ = reader.rows(rd, a, b)
+        r = rd.r0 + a
+        _require_finite(data, rd, reader, lambda i, r=r: [r + i // cols, *_index(rd.shape[1:], rd.c0 + i % cols)])
         sink.write(data, t.name)
+
+
+def _require_finite(data, rd: Read, reader: _Reader, index) -> None:
+    """FormatError naming the source file, the tensor and `index(i)` (its index in the source tensor) of the
+    first NaN or infinity in `data`, elements of `rd` about to be copied unchanged."""
+    hit = first_nonfinite(data, rd.dtype)
+    if hit is not None:
+        name, what = f"{reader.paths[rd.file]}: {rd.name}", f"in {rd.dtype} {list(rd.shape)}"
+        raise nonfinite_error(name, hit[1], index(hit[0]), what, COPIED_TOO)
+
+
+def _index(shape: tuple[int, ...], flat: int) -> list[int]:
+    """The row-major index in `shape` of element `flat`."""
+    return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
 
 
 def _raw(x) -> memoryview:

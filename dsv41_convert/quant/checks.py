@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv41_convert.errors import FormatError
+from dsv41_convert.quant.byte_checks import nonfinite_error
 
 
-def require_finite(w: Tensor, name: str) -> None:
-    """Raise FormatError naming `name` and the first NaN/Inf index; saturating one would hide it.
+def require_finite(w: Tensor, name: str, why: str = "to quantize") -> None:
+    """Raise FormatError naming `name` and the first NaN/Inf index; saturating one would hide it. `why`: what
+    the values are for (the message says "expected finite values {why}").
 
     w: [...]  any float dtype
     """
@@ -17,11 +18,8 @@ def require_finite(w: Tensor, name: str) -> None:
     if not bad.any():
         return
     first = tuple(int(i) for i in bad.nonzero()[0])
-    value = float(w[first])
-    raise FormatError(
-        f"{name}: found {value} at index {list(first)} ({int(bad.sum())} non-finite of {w.numel()}) "
-        f"in {w.dtype} {list(w.shape)}; expected finite values to quantize; check the source tensor"
-    )
+    what = f"({int(bad.sum())} non-finite of {w.numel()}) in {w.dtype} {list(w.shape)}"
+    raise nonfinite_error(name, float(w[first]), list(first), what, why)
 
 
 def require_amax_finite(amax: Tensor, w: Tensor, name: str) -> None:

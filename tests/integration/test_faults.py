@@ -349,3 +349,36 @@ def test_workers_match_single_process(src, tmp_path):
     execute_mod.execute(plan, tmp_path / "b", workers=2)
     for p in (tmp_path / "a").glob("model*"):
         assert (tmp_path / "b" / p.name).read_bytes() == p.read_bytes()
+
+
+HELD = [  # (tensor, index, what is planted: a byte or a value, what the message says it found)
+    ("layers.1.attn.wq_a.weight", (3, 5), 0x7F, "nan at index [3, 5] in F8_E4M3 [32, 64]"),
+    ("layers.1.attn.wq_a.scale", (0, 1), 0xFF, "nan at index [0, 1] in F8_E8M0 [1, 2]"),
+    ("layers.0.attn.wo_b.weight", (2, 200), 0xFF, "nan at index [2, 200] in F8_E4M3 [64, 256]"),  # rank 1's columns
+    ("embed.weight", (200, 3), float("inf"), "inf at index [200, 3] in BF16 [256, 64]"),  # rank 1's rows
+    ("layers.0.attn.attn_sink", (5,), float("-inf"), "-inf at index [5] in F32 [8]"),
+    ("layers.0.hc_attn_fn", (7, 9), float("nan"), "nan at index [7, 9] in F32 [24, 256]"),
+]
+
+
+@pytest.mark.parametrize(("name", "at", "planted", "found"), HELD, ids=[h[0] for h in HELD])
+def test_a_nan_or_inf_the_source_holds_in_a_copied_tensor_is_refused(tmp_path, monkeypatch, capsys, name, at,
+                                                                     planted, found):  # fmt: skip
+    """Tensors copied unchanged (fp8 weights and scales, a dim-1 split's columns, bf16 and f32 tensors):
+    before, a NaN or an infinity the source held reached the rank files, exit 0, as the decoders refuse it."""
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    if isinstance(planted, int):
+        tensors[name].view(torch.uint8)[at] = planted
+    else:
+        tensors[name][at] = planted
+    src = write_ckpt(tmp_path / "src", tensors, cfg)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")
+    assert code == 2 and f"{_file_of(src, name)}: {name}: found {found}; expected finite values in a tensor" in err
+    assert "check the source tensor" in err
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.partial"))
+    if name == "embed.weight":  # export copies it too
+        code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(tmp_path / "exp"), "--format", "fp8")
+        assert code == 2 and f"{_file_of(src, name)}: {name}: found {found}" in err
+        assert not (tmp_path / "exp" / "model.safetensors.index.json").exists()

@@ -97,9 +97,9 @@ def test_transform_refuses_infinity_in_and_out():
         apply(action, [big], q, "y", "F8_E4M3", None)
 
 
-def test_a_cast_that_makes_infinity_is_refused_and_a_source_inf_is_copied():
+def test_a_cast_that_makes_infinity_is_refused_and_so_is_a_source_inf():
     """An f32 source tensor published as bf16 (a norm weight of a fine-tuned checkpoint saved in f32): before
-    (an audit), 3.3999e38 became inf without a word."""
+    (an audit), 3.3999e38 became inf without a word; an inf or NaN the source holds was cast along."""
     q = quantizer_for("cpu")
     x = torch.ones(4, 8)
     x[2, 3] = 3.3999e38
@@ -107,5 +107,7 @@ def test_a_cast_that_makes_infinity_is_refused_and_a_source_inf_is_copied():
         apply("cast", [x], q, "n", "BF16", None)
     x[2, 3] = 3.38e38  # rounds to bf16's largest finite value
     assert bool(torch.isfinite(apply("cast", [x], q, "n", "BF16", None)[0]).all())
-    x[2, 3] = float("inf")  # the source's own inf: copied, as by an unchanged tensor
-    assert bool(torch.isinf(apply("cast", [x], q, "n", "BF16", None)[0][2, 3]))
+    for held in (float("inf"), float("-inf"), float("nan")):
+        x[2, 3] = held
+        with pytest.raises(FormatError, match=rf"n: found {held} at index \[2, 3\] .*written unchanged too"):
+            apply("cast", [x], q, "n", "BF16", None)

@@ -1,0 +1,84 @@
+"""The cost of refusing NaN and infinity in copied tensors, against the sha256 every written byte gets anyway.
+
+    python bench/bench_nonfinite_scan.py SRC [--tp 8] [--chunk-mib 4] [--rounds 3]
+
+For every tensor that `shard SRC --tp N` copies unchanged (write.COPIED), reads its source bytes in the
+writer's chunks (the page cache warmed by a first pass) and times, chunk by chunk in one run,
+quant/byte_checks.first_nonfinite (the scan write._copy makes) against hashlib.sha256 of the same chunk.
+Prints one JSON document: bytes per dtype, seconds of each, and the scan as a fraction of sha256's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.write import COPIED
+from dsv41_convert.quant.byte_checks import first_nonfinite
+from dsv41_convert.store.safetensors_header import DTYPE_BITS
+
+
+def copied_regions(src: Path, tp: int):
+    """(file, dtype, offset, length) of every source region the tp-N shard copies unchanged (whole rows)."""
+    for rf in build_plan(src, tp).rank_files:
+        for t in rf.tensors:
+            if t.action in COPIED:
+                rd = t.reads[0]
+                row = DTYPE_BITS[rd.dtype] * _prod(rd.shape[1:]) // 8 if rd.shape else DTYPE_BITS[rd.dtype] // 8
+                yield rd.file, rd.dtype, rd.offset + rd.r0 * row, (rd.r1 - rd.r0) * row
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("src", type=Path)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    chunk = a.chunk_mib << 20
+    regions = list(copied_regions(a.src, a.tp))
+    fds = {f: os.open(a.src / f, os.O_RDONLY) for f in {r[0] for r in regions}}
+    rounds = []
+    for _ in range(a.rounds + 1):  # the first warms the page cache and is not reported
+        scan, digest, nbytes = defaultdict(float), defaultdict(float), defaultdict(int)
+        for file, dtype, pos, left in regions:
+            while left:
+                n = min(chunk, left)
+                buf = os.pread(fds[file], n, pos)
+                t0 = time.perf_counter()
+                assert first_nonfinite(buf, dtype) is None, (file, pos)
+                t1 = time.perf_counter()
+                hashlib.sha256(buf).digest()
+                t2 = time.perf_counter()
+                scan[dtype] += t1 - t0
+                digest[dtype] += t2 - t1
+                nbytes[dtype] += n
+                pos, left = pos + n, left - n
+        rounds.append({"scan_s": dict(scan), "sha256_s": dict(digest), "bytes": dict(nbytes)})
+    rounds = rounds[1:]
+    total = [(sum(r["scan_s"].values()), sum(r["sha256_s"].values())) for r in rounds]
+    print(json.dumps({
+        "machine": platform.node(), "cpus": os.cpu_count(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "src": str(a.src), "tp": a.tp, "chunk_mib": a.chunk_mib, "bytes_copied": sum(rounds[0]["bytes"].values()),
+        "rounds": rounds,
+        "scan_over_sha256": [round(s / d, 4) for s, d in total],
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
