@@ -21,6 +21,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
+from dsv41_convert.verify import provenance
 from dsv41_convert.verify.launch import launch
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
 from dsv41_convert.verify.reffile import Reference
@@ -98,6 +99,7 @@ def compute_reference(
     weights = "converted" if source_format == "fp8" else "bf16"
     labels = [p.label for p in prompts]
     ref = Reference(inputs, runs, labels, seq, source_format, device, **_recorded(device), weights=weights)
+    ref.provenance = provenance.record(src, args)
     return SourceReference(ref, args, state)
 
 
@@ -149,7 +151,9 @@ def compute_reference_ranks(
     runs, source_format, recorded = out
     weights = "converted" if source_format == "fp8" or as_converted else "bf16"
     labels = [p.label for p in prompts]
-    return Reference(inputs, runs, labels, seq, source_format, device, tp=tp, weights=weights, **recorded)
+    ref = Reference(inputs, runs, labels, seq, source_format, device, tp=tp, weights=weights, **recorded)
+    ref.provenance = provenance.record(src, args)
+    return ref
 
 
 def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:

@@ -21,7 +21,9 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
         With these, every block can be run alone on the reference's input (verify.teacher); padding rows are 0.
 
 Metadata (`__metadata__`, strings): format = "dsv41-reference-logits/1", max_seq_len, source_format
-("fp8" | "bf16"), device, tp, and JSON lists `labels` and `images` (one path or "" per prompt).
+("fp8" | "bf16"), device, tp, JSON lists `labels` and `images` (one path or "" per prompt), and the JSON
+object `provenance` (optional: the model's config, tokenizer digests and what the weights came from,
+verify/provenance.py; verify checks CONVERTED against it).
 Only input_ids and logits are required; verify compares whatever else is present.
 
 What decides bit equality with a converted run (verify.verdict), all optional, absent = not recorded:
@@ -52,6 +54,7 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import sort_metadata
+from dsv41_convert.verify import provenance
 from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
 FORMAT = "dsv41-reference-logits/1"
@@ -98,6 +101,7 @@ class Reference:
     threads: int = 0  # torch threads per rank on the CPU; 0: not recorded
     torch_version: str = ""  # "": not recorded
     weights: str = ""  # "converted" | "bf16" | "": unknown (see the module docstring)
+    provenance: dict | None = None  # what it was computed from (verify/provenance.py); None: not recorded
 
     @property
     def n_decode(self) -> int:
@@ -156,6 +160,8 @@ def save(ref: Reference, path: Path) -> None:
         "labels": json.dumps(ref.labels),
         "images": json.dumps([i.image or "" for i in inputs]),
     }
+    if ref.provenance is not None:
+        meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -222,6 +228,7 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
         threads=int(meta.get("threads", 0)),
         torch_version=meta.get("torch", ""),
         weights=meta.get("weights") or {"fp8": "converted", "bf16": "bf16"}.get(source_format, ""),
+        provenance=json.loads(meta["provenance"]) if "provenance" in meta else None,  # checked by _recorded_fields
     )
 
 
@@ -323,6 +330,11 @@ def _recorded_fields(meta: dict[str, str]) -> list[str]:
             out.append(f"metadata {key} {meta[key]!r}: expected an integer >= {least}")
     if meta.get("weights", "") not in ("", "converted", "bf16"):
         out.append(f"metadata weights {meta['weights']!r}: expected 'converted' or 'bf16'")
+    if "provenance" in meta:
+        try:
+            out += provenance.problems(json.loads(meta["provenance"]))
+        except ValueError:
+            out.append("metadata provenance is not JSON")
     return out
 
 

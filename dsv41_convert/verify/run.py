@@ -29,7 +29,7 @@ from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.verify import launch as launcher
-from dsv41_convert.verify import localize, reffile, teacher
+from dsv41_convert.verify import localize, provenance, reffile, teacher
 from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
@@ -50,7 +50,6 @@ from dsv41_convert.verify.verdict import (
 
 Progress = Callable[[str], None]
 # config fields that may differ between the source and the converted folder
-FORMAT_FIELDS = ("dtype", "expert_dtype")
 
 
 @dataclass
@@ -143,10 +142,9 @@ class VerifyResult:
 
 
 def _check_same_model(src_args: ModelArgs, conv_args: ModelArgs, src: Path, conv: Path) -> None:
-    a, b = src_args.to_inference_dict(), conv_args.to_inference_dict()
-    differ = sorted(k for k in a if k not in FORMAT_FIELDS and a[k] != b.get(k))
+    differ = provenance.config_differences(src_args.to_inference_dict(), conv_args.to_inference_dict())
     if differ:
-        raise VerifyInputError(f"{conv} was not converted from {src}: config differs in {differ[:8]}")
+        raise VerifyInputError(f"{conv} was not converted from {src}: config differs in {', '.join(differ[:8])}")
 
 
 def _config_fits_rank_files(ranks: RankFiles, args: ModelArgs) -> None:
@@ -192,6 +190,7 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     src_ref: SourceReference | None = None
+    side_files_differ: list[str] = []  # tokenizer files of CONVERTED unlike those the reference ran with
     if opts.reference is not None:
         src = Path(opts.reference)
         src_args = load_model_args(src / "config.json")
@@ -218,6 +217,8 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
             )
         ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
+        if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused
+            side_files_differ = provenance.check_converted(ref.provenance, conv, conv_args, tp, Path(ref_name))
         if opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
             threads = ref.threads  # the reference's sums, in the reference's order
             if tp == 1:
@@ -255,7 +256,8 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         if out.twin_runs is not None:
             result.checks.append(_twin_check(result))
     if src_ref is not None:  # the twin runs with CONVERTED's tokenizer: it cannot see a changed one
-        result.failures += [f"tokenizer: {m}" for m in _copied_files_differ(Path(opts.reference), conv)]
+        side_files_differ = _copied_files_differ(Path(opts.reference), conv)
+    result.failures += [f"tokenizer: {m}" for m in side_files_differ]
     if tp > 1 and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say("replicas: the tensors every rank holds, byte for byte across the rank files")

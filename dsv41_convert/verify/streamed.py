@@ -26,6 +26,7 @@ from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
 from dsv41_convert.progress import Progress
+from dsv41_convert.verify import provenance
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
@@ -90,4 +91,5 @@ def compute_streamed_reference(
     ref = Reference(
         inputs, runs, [p.label for p in prompts], seq, source_format, device, weights=weights_kind, **recorded
     )
+    ref.provenance = provenance.record(src, args)
     return ref, timings

@@ -47,7 +47,10 @@ def render(result: VerifyResult) -> Group:
                 _row(table, "overall", vs, key, overall[key], bad)
     parts: list = [table]
     style = {"PASS": "bold green", "FAIL": "bold red"}.get(result.verdict, "bold yellow")
-    if result.decisive:
+    if result.verdict == "FAIL":  # a decisive check may hold beside a failure of another kind (tokenizer, replicas)
+        held = f"; held: {', '.join(result.decisive)}, but the failures below decide" if result.decisive else ""
+        how = f"{len(result.failures)} failure(s){held}"
+    elif result.decisive:
         held = [c for c in result.checks if c.decisive]
         how = "decisive: " + ", ".join(c.name + (" bit for bit" if c.exact else " within measured noise") for c in held)
     elif result.verdict == "PASS":

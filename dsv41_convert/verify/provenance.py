@@ -1,0 +1,143 @@
+"""What a reference-logits file records of the folder it was computed from, and what `verify` checks of it.
+
+Recorded (reffile metadata `provenance`, a JSON object; files written before it have none):
+
+    model       the model's inference config (ModelArgs.to_inference_dict) the reference ran
+    tokenizer   {file name: sha256} of the tokenizer files beside it (Engram hashes the token ids)
+    made_from   "source", or for a folder of converted rank files (`reference-logits MP --stream-layers`)
+                {"folder", "tp", "files": {rank file: {"size", "dev", "ino", "sha256": its manifest's or ""}}}
+
+Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
+    - CONVERTED/config.json describes the same model, but for the format fields (FORMAT_FIELDS): a changed
+      swiglu_limit the prompts never reach, or a changed norm_eps blamed on a weight, was a PASS or a
+      misleading FAIL before;
+    - CONVERTED's tokenizer files are the recorded bytes (a failure of the run, as with --reference SRC);
+    - the file was not computed from CONVERTED's own rank files (the same files, or files its manifest
+      gives the same sha256): such a reference is their own tp-1 replay, so it passes any fault in them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from dsv41_convert.config import ModelArgs
+from dsv41_convert.convert.tp import rank_file_tps
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.store.manifest import MANIFEST
+from dsv41_convert.store.manifest_merge import SIDECARS
+from dsv41_convert.store.rank_names import rank_file_name
+
+FORMAT_FIELDS = ("dtype", "expert_dtype")  # what a conversion may change of the model's config
+
+
+def record(folder: Path, args: ModelArgs) -> dict[str, Any]:
+    """The provenance of a reference computed from `folder` (a source checkpoint, or converted rank files)
+    running the model `args` (its config.json's)."""
+    folder = Path(folder)
+    made_from: Any = "source"
+    tps = rank_file_tps(folder)
+    if len(tps) == 1:
+        rank_tp = tps[0]
+        made_from = {"folder": str(folder.resolve()), "tp": rank_tp, "files": _rank_files(folder, rank_tp)}
+    return {"model": args.to_inference_dict(), "tokenizer": _tokenizer_digests(folder), "made_from": made_from}
+
+
+def problems(prov: Any) -> list[str]:
+    """What is wrong with a recorded provenance's shape (reffile's validation), [] when nothing."""
+    if not isinstance(prov, dict):
+        return [f"metadata provenance must be a JSON object, found {type(prov).__name__}"]
+    out = []
+    if "model" in prov and not isinstance(prov["model"], dict):
+        out.append("metadata provenance.model must be an object (the inference config)")
+    tok = prov.get("tokenizer", {})
+    if not (isinstance(tok, dict) and all(isinstance(v, str) for v in tok.values())):
+        out.append("metadata provenance.tokenizer must map file names to sha256 strings")
+    made = prov.get("made_from", "source")
+    files = made.get("files") if isinstance(made, dict) else None
+    if made != "source" and not (isinstance(files, dict) and all(isinstance(f, dict) for f in files.values())):
+        out.append('metadata provenance.made_from must be "source" or an object with `files`')
+    return out
+
+
+def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: int, file: Path) -> list[str]:
+    """Raise VerifyInputError where CONVERTED cannot be judged by the reference in `file` (another model's
+    config, or the reference replays CONVERTED's own rank files); -> the tokenizer files that differ."""
+    recorded = prov.get("model")
+    if recorded is not None:
+        differ = config_differences(recorded, conv_args.to_inference_dict())
+        if differ:
+            raise VerifyInputError(
+                f"{conv / 'config.json'}: not the model {file} was computed with ({', '.join(differ[:8])}); a "
+                "changed config changes what the same weights compute: verify against a reference of this model"
+            )
+    made = prov.get("made_from", "source")
+    if isinstance(made, dict) and _same_rank_files(made, conv, tp):
+        raise VerifyInputError(
+            f"{file} was computed from the rank files in {conv} themselves (reference-logits {made.get('folder')} "
+            "--stream-layers): it is their own tp-1 replay, so any fault in them passes; compute the reference "
+            "from the source checkpoint"
+        )
+    found = []
+    for name, digest in sorted(prov.get("tokenizer", {}).items()):
+        ours = conv / name
+        if not ours.is_file():
+            found.append(f"{ours} is missing; {file} was computed with a {name} (sha256 {digest[:12]}...)")
+        elif _sha256(ours) != digest:
+            found.append(f"{ours} differs from the {name} {file} was computed with (sha256 {digest[:12]}...)")
+    return found
+
+
+def config_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """`field theirs -> ours` for each inference config field (ModelArgs.to_inference_dict) that differs, but
+    for the format fields a conversion changes; [] when the two describe one model."""
+    theirs, ours = json.loads(json.dumps(theirs)), json.loads(json.dumps(ours))  # tuples as lists, as recorded
+    differ = sorted(k for k in theirs.keys() | ours.keys() if k not in FORMAT_FIELDS and theirs.get(k) != ours.get(k))
+    return [f"{k} {theirs.get(k)!r} -> {ours.get(k)!r}" for k in differ]
+
+
+def _same_rank_files(made: dict[str, Any], conv: Path, tp: int) -> bool:
+    """Whether the recorded rank files are CONVERTED's: the same files (device and inode), or the same bytes
+    by CONVERTED's manifest (a copy of the folder)."""
+    files = made.get("files", {})
+    if made.get("tp") != tp or set(files) != {rank_file_name(r, tp) for r in range(tp)}:
+        return False
+    ours = _rank_files(conv, tp)
+    if all((ours[n]["dev"], ours[n]["ino"]) == (rec.get("dev"), rec.get("ino")) for n, rec in files.items()):
+        return True
+    return all(ours[n]["sha256"] and ours[n]["sha256"] == rec.get("sha256") for n, rec in files.items())
+
+
+def _rank_files(folder: Path, tp: int) -> dict[str, dict[str, Any]]:
+    """Each rank file's size, device and inode, and its sha256 as `folder`'s manifest.json records it ("" without
+    one; the bytes are not hashed here)."""
+    listed: dict[str, Any] = {}
+    try:
+        listed = json.loads((folder / MANIFEST).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        pass
+    out = {}
+    for r in range(tp):
+        name = rank_file_name(r, tp)
+        st = os.stat(folder / name)
+        entry = listed.get(name) if isinstance(listed, dict) else None
+        sha = entry.get("sha256", "") if isinstance(entry, dict) and entry.get("size") == st.st_size else ""
+        out[name] = {
+            "size": st.st_size,
+            "dev": st.st_dev,
+            "ino": st.st_ino,
+            "sha256": sha if isinstance(sha, str) else "",
+        }
+    return out
+
+
+def _tokenizer_digests(folder: Path) -> dict[str, str]:
+    return {name: _sha256(folder / name) for name in SIDECARS if (folder / name).is_file()}
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

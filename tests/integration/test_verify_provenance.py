@@ -1,0 +1,139 @@
+"""`verify --reference-logits FILE` checks CONVERTED against what FILE records it was computed from
+(verify/provenance.py). Faults planted, each a PASS (exit 0) before (an audit):
+- CONVERTED/config.json edited (swiglu_limit, which the tiny prompts never reach; norm_eps);
+- CONVERTED's tokenizer.json with two vocabulary entries swapped, tokenizer_config.json removed;
+- FILE computed from CONVERTED's own rank files (`reference-logits MP --stream-layers`) after one rank's
+  head was overwritten with another's: its own tp-1 replay, so it passed the fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from dsv41_convert.config import load_model_args
+from dsv41_convert.convert.execute import execute
+from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.store.safetensors_header import read_header
+from dsv41_convert.synth.presets import TINY
+from dsv41_convert.synth.write import write_checkpoint
+from dsv41_convert.verify import reffile
+from dsv41_convert.verify.prompts import Prompt
+from dsv41_convert.verify.reference import compute_reference
+from dsv41_convert.verify.run import VerifyOptions, verify
+from dsv41_convert.verify.streamed import compute_streamed_reference
+
+pytestmark = pytest.mark.slow  # runs the tiny model for the references and some verifies
+
+PROMPTS = [Prompt([5, 9, 13, 17, 21, 25], "six")]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> dict[str, Path]:
+    """A tiny source, its tp-1 and tp-2 conversions and a tp-1 reference file of the source."""
+    root = tmp_path_factory.mktemp("provenance")
+    src = root / "src"
+    write_checkpoint(src, TINY, seed=0, vision=False)
+    for tp in (1, 2):
+        execute(build_plan(src, tp), root / f"mp{tp}")
+    ref = compute_reference(src, PROMPTS, n_decode=1, capture_hidden=False).reference
+    reffile.save(ref, root / "ref.safetensors")
+    return {"src": src, "mp1": root / "mp1", "mp2": root / "mp2", "ref": root / "ref.safetensors"}
+
+
+def _recorded(ref: Path) -> dict:
+    with safe_open(str(ref), "pt") as f:
+        return json.loads(f.metadata()["provenance"])
+
+
+def _verify(conv: Path, ref: Path):
+    return verify(VerifyOptions(conv, reference_logits=ref, threads=1))
+
+
+def test_a_reference_records_its_model_tokenizer_and_source(work):
+    prov = _recorded(work["ref"])
+    model = json.loads(json.dumps(load_model_args(work["src"] / "config.json").to_inference_dict()))
+    assert prov["model"] == model and prov["made_from"] == "source"
+    digest = hashlib.sha256((work["src"] / "tokenizer.json").read_bytes()).hexdigest()
+    assert prov["tokenizer"]["tokenizer.json"] == digest and "tokenizer_config.json" in prov["tokenizer"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("swiglu_limit", 1000.0), ("norm_eps", 1e-6)])
+def test_a_changed_config_is_refused_naming_config_json_and_the_field(work, tmp_path, field, value):
+    conv = shutil.copytree(work["mp2"], tmp_path / "mp2")
+    cfg = json.loads((conv / "config.json").read_text())
+    before = cfg[field]
+    cfg[field] = value
+    (conv / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(VerifyInputError) as err:
+        _verify(conv, work["ref"])
+    msg = str(err.value)
+    assert (
+        f"{conv / 'config.json'}: not the model {work['ref']} was computed with ({field} {before!r} -> {value!r})"
+        in msg
+    )
+
+
+def test_a_changed_tokenizer_fails_naming_the_file(work, tmp_path):
+    conv = shutil.copytree(work["mp1"], tmp_path / "mp1")
+    tok = json.loads((conv / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[300:302]  # ids the prompt does not hold
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (conv / "tokenizer.json").write_text(json.dumps(tok))
+    (conv / "tokenizer_config.json").unlink()
+    result = _verify(conv, work["ref"])
+    assert result.verdict == "FAIL", (result.failures, result.checks)
+    assert f"tokenizer: {conv / 'tokenizer.json'} differs from the tokenizer.json {work['ref']}" in "\n".join(
+        result.failures
+    )
+    assert any(f"tokenizer: {conv / 'tokenizer_config.json'} is missing" in f for f in result.failures)
+    assert all(s.max_abs == 0 for s in result.overall.values())  # the logits alone could not have told
+
+
+def _overwrite_rank_tensor(folder: Path, name: str, from_rank: int, to_rank: int, tp: int) -> None:
+    """Rank `to_rank`'s `name` bytes replaced in place by rank `from_rank`'s (the manifest left as it was)."""
+    src_h = read_header(folder / f"model{from_rank}-mp{tp}.safetensors")
+    dst_h = read_header(folder / f"model{to_rank}-mp{tp}.safetensors")
+    a, b = src_h.tensors[name], dst_h.tensors[name]
+    data = (folder / f"model{from_rank}-mp{tp}.safetensors").read_bytes()[a.begin : a.begin + a.nbytes]
+    with open(folder / f"model{to_rank}-mp{tp}.safetensors", "r+b") as f:
+        f.seek(b.begin)
+        f.write(data)
+
+
+def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
+    conv = shutil.copytree(work["mp2"], tmp_path / "mp2")
+    _overwrite_rank_tensor(conv, "head.weight", 0, 1, 2)
+    assert _verify(conv, work["ref"]).verdict == "FAIL"  # the source's reference sees it
+    own = tmp_path / "refs" / "own.safetensors"
+    reffile.save(compute_streamed_reference(conv, PROMPTS, 1)[0], own)
+    made = _recorded(own)["made_from"]
+    assert made["tp"] == 2 and sorted(made["files"]) == ["model0-mp2.safetensors", "model1-mp2.safetensors"]
+    with pytest.raises(VerifyInputError, match=r"computed from the rank files in .* themselves"):
+        _verify(conv, own)
+    copy = shutil.copytree(conv, tmp_path / "copy")  # other files, the same bytes by its manifest
+    with pytest.raises(VerifyInputError, match="own tp-1 replay"):
+        _verify(copy, own)
+    assert _verify(work["mp1"], own).verdict == "FAIL"  # another conversion: judged against it, not refused
+
+
+def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(work["ref"]))
+    with safe_open(str(work["ref"]), "pt") as f:
+        meta = f.metadata()
+    for bad, said in (("[1]", "must be a JSON object"), ("{", "is not JSON"),
+                      ('{"tokenizer": {"tokenizer.json": 5}}', "provenance.tokenizer must map"),
+                      ('{"made_from": {"files": [1]}}', "provenance.made_from must be")):  # fmt: skip
+        meta["provenance"] = bad
+        save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+        problems = reffile.validate_reference_file(tmp_path / "bad.safetensors")
+        assert any(said in p for p in problems), (bad, problems)
