@@ -176,23 +176,21 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
     shards and index beside rank files, or rank files and hf_config.json beside an export's shards, and
     their .partial files) is removed with its records where `remove` (--overwrite, the folder held alone),
     else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files.
-    Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed: an OutputError
-    names them. dry_run: the same refusals, nothing removed."""
+    Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed or written over,
+    by --overwrite or --resume: an OutputError names them. dry_run: the same refusals, nothing removed."""
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
-    strangers = []
-    if remove and not (out / DONE_DIR).is_dir():  # no run of ours was here: what has our names is not ours
-        ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
-        strangers = [n for n in ours_by_name if (out / n).exists()]
     others = sorted(
         p.name
         for p in out.iterdir()
         if (n := p.name.removesuffix(".partial")) not in mine
         and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
     )
+    if not (out / DONE_DIR).is_dir():  # no run of ours was here: what has our names is not ours
+        ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
+        _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
     if not others:
-        _refuse_strangers(out, sorted(set(strangers)))
         return
     if not remove:
         what = f"tp {plan.tp} rank files" if shard_plan else "an export"
@@ -203,7 +201,7 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
         )
     ours = {n for n in others if _written_by_us(out, n)}
     # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files
-    strangers += [n for n in others if n not in ours and (n not in foreign or not ours)]
+    strangers = [n for n in others if n not in ours and (n not in foreign or not ours)]
     _refuse_strangers(out, sorted(set(strangers), key=lambda n: (not HF_SHARD.fullmatch(n), n)))
     if dry_run:
         return

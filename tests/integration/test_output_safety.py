@@ -191,8 +191,9 @@ def test_overwrite_never_replaces_files_with_our_names_that_no_run_of_ours_wrote
         (out / "model0-mp2.safetensors").write_bytes(b"upstream's rank file")
         args = ("shard", str(src), str(out), "--tp", "2", "--overwrite")
     before = tree(out)
-    for extra in ([], ["--dry-run"]):
-        code, _, err = run_cli(monkeypatch, capsys, *args, *extra)
+    resume = [a for a in args if a != "--overwrite"] + ["--resume"]  # an audit: --resume replaced them all
+    for command_line in ([*args], [*args, "--dry-run"], resume, [*resume, "--dry-run"]):
+        code, _, err = run_cli(monkeypatch, capsys, *command_line)
         assert code == 2 and "which no dsv41-convert run wrote there" in err and "not replaced" in err, err
         assert tree(out) == before
 
@@ -208,7 +209,7 @@ def test_overwrite_never_replaces_side_files_no_run_of_ours_wrote(src, tmp_path,
     args = (
         ("export", str(src), str(out), "--format", "fp8-fp4") if command == "export" else ("shard", str(src), str(out))
     )
-    for extra in (["--overwrite"], ["--overwrite", "--dry-run"]):
+    for extra in (["--overwrite"], ["--overwrite", "--dry-run"], ["--resume"], ["--resume", "--dry-run"]):
         code, _, err = run_cli(monkeypatch, capsys, *args, *extra)
         assert code == 2 and f"holds {name}, which no dsv41-convert run wrote there" in err, err
     assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == '{"mine": 1}'
