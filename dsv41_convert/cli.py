@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 
+from dsv41_convert import interrupts
 from dsv41_convert.app import options as opts
 from dsv41_convert.app import report
 from dsv41_convert.errors import ConvertError
@@ -811,7 +812,13 @@ def _sigterm_as_interrupt(signum, frame) -> None:
     semaphores released, the message and --json document), then exit 143. Killed outright, the run left its
     fork server's semaphores to multiprocessing's tracker, which warned of them as leaked."""
     _stopped_by.append("terminated (SIGTERM)")
-    raise KeyboardInterrupt
+    interrupts.interrupt()
+
+
+def _sigint_as_interrupt(signum, frame) -> None:
+    """Ctrl-C: KeyboardInterrupt as Python raises it, but postponed while a file's writer threads run
+    (interrupts.py: raised inside a queue operation, it hung the cleanup)."""
+    interrupts.interrupt()
 
 
 def main() -> None:
@@ -821,6 +828,8 @@ def main() -> None:
     click_exceptions = _click_exceptions()
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # an ignored SIGTERM stays ignored
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
+        signal.signal(signal.SIGINT, _sigint_as_interrupt)
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+from dsv41_convert import interrupts
 from dsv41_convert.convert.die_with import SharedFiles, alive, die_with_parent, start_fork_server
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
@@ -615,7 +616,7 @@ def _interrupt_worker(signum, frame) -> None:
     global _INTERRUPTED
     if not _INTERRUPTED:
         _INTERRUPTED = True
-        raise KeyboardInterrupt
+        interrupts.interrupt()  # at once, or while a file is written at its next chunk (interrupts.py)
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41_convert import interrupts
 from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
 from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.errors import OutputError
@@ -220,26 +221,27 @@ def write_partial(
     reader = _Reader(src, chunk_bytes)
     sink = Sink(partial, rf.file, rf.nbytes, progress, start, direct=direct_io)
     try:
-        if journal_bytes:
-            sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
-            sink.journal_bytes = journal_bytes
-        warm = reader.ahead = _prefetch(rf, src, start, quantizer.device, chunk_bytes, sink.stages)
-        try:
-            _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start, warm)
-        finally:
-            if warm is not None:
-                warm.close()
-                if warm.ring is not None:
-                    from dsv41_convert.convert import ring, stream
+        with interrupts.deferred():  # the writer's threads share queues with this one (interrupts.py)
+            if journal_bytes:
+                sink.journal = JournalWriter(jpath, journal.restart_lines(head, start), sink.fd)
+                sink.journal_bytes = journal_bytes
+            warm = reader.ahead = _prefetch(rf, src, start, quantizer.device, chunk_bytes, sink.stages)
+            try:
+                _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start, warm)
+            finally:
+                if warm is not None:
+                    warm.close()
+                    if warm.ring is not None:
+                        from dsv41_convert.convert import ring, stream
 
-                    ring.give_back(warm.ring, stream.pinned)
-            if quantizer.device == "cuda":
-                from dsv41_convert.convert import stream
+                        ring.give_back(warm.ring, stream.pinned)
+                if quantizer.device == "cuda":
+                    from dsv41_convert.convert import stream
 
-                stream.drop_cached_pinned()
-        sink.finish()
-        if sink.journal is not None:
-            sink.journal.close()
+                    stream.drop_cached_pinned()
+            sink.finish()
+            if sink.journal is not None:
+                sink.journal.close()
         os.close(sink.fd)
         sink.fd = -1
         if stats is not None:

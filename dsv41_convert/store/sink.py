@@ -35,6 +35,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from dsv41_convert import interrupts
 from dsv41_convert.progress import Progress, add_seconds
 from dsv41_convert.store.direct_write import DirectAppender
 from dsv41_convert.store.hasher import Hasher
@@ -107,6 +108,7 @@ class Sink:
         self.index, self.t_begin, self.chunk, self.mark_ok = index, begin, chunk, True
 
     def write(self, data, tensor: str = "<header>") -> None:
+        interrupts.check()  # before the queue is touched (interrupts.py)
         if self.error is not None:
             raise self.error
         view = memoryview(data).cast("B")
@@ -118,6 +120,7 @@ class Sink:
         """The next bytes of a group's later part, written ahead at their final offset (after those queued
         for `aside` before): hashed into aside.sha and pwritten in this thread, so neither stalls the
         caller; a checkpoint queued after them records them. Not counted in `queued` (file order)."""
+        interrupts.check()
         if self.error is not None:
             raise self.error
         view = memoryview(data).cast("B")
@@ -132,6 +135,7 @@ class Sink:
 
     def read_back(self, pos: int, n: int, tensor: str) -> None:
         """Bytes [pos, pos + n), written ahead, are next in the file: hash them, skip over them."""
+        interrupts.check()
         if self.error is not None:
             raise self.error
         assert pos == self.queued, (pos, self.queued)
