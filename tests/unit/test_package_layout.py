@@ -13,6 +13,7 @@ LAYERS = [
     "errors",
     "config",
     "progress",
+    "interrupts",
     "quant",
     "kernels",
     "store",
