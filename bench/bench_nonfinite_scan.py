@@ -28,7 +28,7 @@ from dsv41_convert.store.safetensors_header import DTYPE_BITS
 
 def copied_regions(src: Path, tp: int):
     """(file, dtype, offset, length) of every source region the tp-N shard copies unchanged (whole rows)."""
-    for rf in build_plan(src, tp).rank_files:
+    for rf in build_plan(src, tp).files:
         for t in rf.tensors:
             if t.action in COPIED:
                 rd = t.reads[0]

@@ -33,16 +33,17 @@ E4M3_NAN = 0x7F  # e4m3 (fn)'s NaN without its sign bit (0x7F and 0xFF); it has 
 # largest code (e4m3: 448 >= 2**8; e2m1: 6 >= 2**2)
 HOT = {"e4m3": 247, "e2m1": 253}
 DECODED_INF = "expected finite weights; corrupt shard?"  # require_finite_blocks's `why` for a decoder
-# safetensors dtype -> (its bits as, the bits without the sign, the least non-finite of those, infinity's or
-# None where the format has none); dtypes not here hold no NaN (F4, I8 holding e2m1 pairs, integers)
+# safetensors dtype -> (its bits as, whether it has a sign bit (the top one), the least non-finite of the
+# other bits, infinity's or None where the format has none); dtypes not here hold no NaN (F4, I8 holding
+# e2m1 pairs, integers)
 NONFINITE_BITS = {
-    "F8_E4M3": (np.uint8, 0x7F, 0x7F, None),
-    "F8_E5M2": (np.uint8, 0x7F, 0x7C, 0x7C),
-    "F8_E8M0": (np.uint8, 0xFF, 0xFF, None),
-    "BF16": (np.uint16, 0x7FFF, 0x7F80, 0x7F80),
-    "F16": (np.uint16, 0x7FFF, 0x7C00, 0x7C00),
-    "F32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000, 0x7F80_0000),
-    "F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000, 0x7FF0_0000_0000_0000),
+    "F8_E4M3": (np.uint8, True, 0x7F, None),
+    "F8_E5M2": (np.uint8, True, 0x7C, 0x7C),
+    "F8_E8M0": (np.uint8, False, 0xFF, None),
+    "BF16": (np.uint16, True, 0x7F80, 0x7F80),
+    "F16": (np.uint16, True, 0x7C00, 0x7C00),
+    "F32": (np.uint32, True, 0x7F80_0000, 0x7F80_0000),
+    "F64": (np.uint64, True, 0x7FF0_0000_0000_0000, 0x7FF0_0000_0000_0000),
 }
 
 
@@ -107,21 +108,25 @@ def require_finite_blocks(
 def first_nonfinite(data, dtype: str) -> tuple[int, float] | None:
     """(index, value: nan, inf or -inf) of the first non-finite element of `data`, the raw bytes of whole
     `dtype` elements (a safetensors dtype name); None where all are finite or the dtype has none.
-    About 10 GB/s for 16-bit elements on the 2-core dev box, 30 for bytes: sha256 of the same bytes is ~1."""
+
+    Two maxima, no temporary: a negative non-finite value has the largest unsigned bits (sign and the top
+    exponent), a positive one the largest signed bits. Its cost against sha256 of the same bytes, in one
+    run: docs/BENCHMARKS.md, "session 23"."""
     bits = NONFINITE_BITS.get(dtype)
     if bits is None:
         return None
-    kind, magnitude, least, inf = bits
+    kind, signed, least, inf = bits
     x = np.frombuffer(data, dtype=kind, count=len(data) // np.dtype(kind).itemsize)
     if not x.size:
         return None
-    mag = x if magnitude == np.iinfo(kind).max else x & kind(magnitude)
-    if int(mag.max()) < least:
+    sign = 1 << (8 * x.itemsize - 1) if signed else 0
+    if int(x.max()) < sign | least and not (signed and int(x.view(f"i{x.itemsize}").max()) >= least):
         return None
+    mag = x & kind(sign - 1) if signed else x
     i = int((mag >= least).argmax())
     if int(mag[i]) != inf:
         return i, float("nan")
-    return i, float("-inf") if int(x[i]) != int(mag[i]) else float("inf")
+    return i, float("-inf") if int(x[i]) & sign else float("inf")
 
 
 COPIED_TOO = "in a tensor written unchanged too (copied or cast)"  # nonfinite_error's `why` for the writers
