@@ -419,7 +419,7 @@ def _execute_held(
             f"{out}: {need / 1e9:.2f} GB to write but only {free / 1e9:.2f} GB free on that device; "
             "free space or choose another OUT"
         )
-    if todo:
+    if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
         forget_stale(out, digest)
     extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.monotonic()

@@ -222,3 +222,25 @@ def test_export_of_a_source_without_tokenizer_warns(src, tmp_path, monkeypatch, 
     (source / "tokenizer.json").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "o"), "--format", "fp8-fp4")
     assert code == 0 and "warning:" in err and "no tokenizer.json" in err, err
+
+
+def test_a_finished_export_resumed_leaves_no_manifest_without_its_config(src, tmp_path, monkeypatch, capsys):
+    """`export --resume` of a finished folder writes no shard, but removes config.json and the index until its
+    end: killed in between (here: the step that writes them fails), it left a manifest.json listing files
+    that were gone, and `check` failed on them (an audit). Now the manifest goes first, as for any change."""
+    from dsv41_convert.convert import export as export_mod
+
+    out = tmp_path / "out"
+    assert run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8")[0] == 0
+
+    def killed(ep, out):
+        raise OSError(5, "killed here")
+
+    monkeypatch.setattr(export_mod, "_after", killed)
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8", "--resume")
+    assert code == 2 and "killed here" in err, err
+    assert not (out / "config.json").exists() and not (out / "manifest.json").exists()
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] != 0  # unfinished, and says so
+    monkeypatch.undo()
+    assert run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8", "--resume")[0] == 0
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
