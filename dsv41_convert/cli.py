@@ -306,6 +306,8 @@ def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None
     line of counts and the files continued from an earlier run."""
     for holder in summary["took_over"]:
         report.info(f"took over the lock of a run that ended without releasing it: {holder}")
+    for path in summary.get("set_aside", []):
+        report.warn(f"moved {path} there from OUT: an earlier run's tokenizer file, which this source lacks")
     if as_json:
         report.print_json(summary)
         return

@@ -421,6 +421,7 @@ def _execute_held(
         )
     if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
         forget_stale(out, digest)
+    set_aside = _set_aside_tokenizer_files(src, out)
     extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
     t0 = time.monotonic()
     if workers == 0:  # --workers auto
@@ -450,6 +451,7 @@ def _execute_held(
         "gb_per_s": round(written / seconds / 1e9, 3) if seconds > 0 else None,
         "manifest": manifest,
         "fragment": fragment,
+        "set_aside": set_aside,  # tokenizer files of an earlier run that SRC lacks, moved out of the way
         "timeline": _timeline(results, t0),
     }
 
@@ -478,14 +480,42 @@ def is_done_record(out: Path, file: str, digest: str) -> bool:
 
 def _write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
     """tokenizer files, the inference config.json and the HF config as hf_config.json."""
-    names = []
-    for name in SIDECARS:
-        if (src / name).exists():
-            atomic_write(out / name, (src / name).read_bytes())
-            names.append(name)
+    names = copy_tokenizer_files(src, out)
     atomic_write(out / "config.json", (json.dumps(plan.inference_config, indent=2) + "\n").encode())
     atomic_write(out / "hf_config.json", (src / "config.json").read_bytes())
     return [*names, "config.json", "hf_config.json"]
+
+
+def copy_tokenizer_files(src: Path, out: Path) -> list[str]:
+    """SRC's tokenizer files (SIDECARS) into OUT, as they are. -> the names copied"""
+    names = [name for name in SIDECARS if (src / name).exists()]
+    for name in names:
+        atomic_write(out / name, (src / name).read_bytes())
+    return names
+
+
+SET_ASIDE = "set-aside"  # under DONE_DIR: tokenizer files of an earlier run that this run's SRC lacks
+
+
+def _set_aside_tokenizer_files(src: Path, out: Path) -> list[str]:
+    """Tokenizer files in OUT that SRC lacks (an earlier conversion's, or put there by hand) moved to
+    OUT/DONE_DIR/SET_ASIDE/: left in place, OUT looked complete with another model's tokenizer, which the
+    manifest did not list and `check` passed (an audit); deleted, a hand-placed one would be lost.
+    -> the paths they were moved to"""
+    moved = []
+    for name in SIDECARS:
+        if (out / name).is_file() and not (src / name).exists():
+            folder = out / DONE_DIR / SET_ASIDE
+            folder.mkdir(parents=True, exist_ok=True)
+            target = folder / name
+            n = 1
+            while target.exists():
+                target, n = folder / f"{name}.{n}", n + 1
+            os.replace(out / name, target)
+            moved.append(str(target))
+    if moved:
+        fsync_path(out)
+    return moved
 
 
 def longest_first(files: list[RankFile]) -> list[RankFile]:

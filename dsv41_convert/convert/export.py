@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import HF_QUANTIZATION_CONFIG, ModelArgs, load_json
-from dsv41_convert.convert.execute import SIDECARS, Sidecars, execute
+from dsv41_convert.convert.execute import Sidecars, copy_tokenizer_files, execute
 from dsv41_convert.convert.export_rules import EXPERT_DTYPE, SCALE_OPS, check_format, export_action, keeps_scale
 from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, file_summary, lay_out, read_index
 from dsv41_convert.convert.rules import Op, scale_name, weight_name
@@ -174,12 +174,7 @@ def _before(src: Path, out: Path) -> list[str]:
     """The tokenizer files; a config.json or index of an earlier run goes until this one is done."""
     for name in (CONFIG, INDEX):
         (out / name).unlink(missing_ok=True)
-    names = []
-    for name in SIDECARS:
-        if (src / name).exists():
-            atomic_write(out / name, (src / name).read_bytes())
-            names.append(name)
-    return names
+    return copy_tokenizer_files(src, out)
 
 
 def _after(ep: ExportPlan, out: Path) -> list[str]:

@@ -244,3 +244,26 @@ def test_a_finished_export_resumed_leaves_no_manifest_without_its_config(src, tm
     monkeypatch.undo()
     assert run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "fp8", "--resume")[0] == 0
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("command", ["export", "shard"])
+def test_an_earlier_runs_tokenizer_is_set_aside_when_the_new_source_has_none(src, tmp_path, monkeypatch, capsys,
+                                                                             command):  # fmt: skip
+    """`--overwrite` with a source without tokenizer files into a folder an earlier run wrote them to: they
+    stayed, unlisted by the manifest and passed by `check`, beside the warning that OUT would have none
+    (an audit). Now they are moved to .dsv41-convert/set-aside/ (a hand-placed one is not lost), saying so."""
+    out = tmp_path / "out"
+    fmt = ("--format", "fp8") if command == "export" else ("--tp", "2")
+    assert run_cli(monkeypatch, capsys, command, str(src), str(out), *fmt)[0] == 0
+    before = {name: (out / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json")}
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    for name in before:
+        (bare / name).unlink()
+    code, _, err = run_cli(monkeypatch, capsys, command, str(bare), str(out), *fmt, "--overwrite")
+    assert code == 0, err
+    aside = out / ".dsv41-convert" / "set-aside"
+    for name, data in before.items():
+        assert not (out / name).exists() and (aside / name).read_bytes() == data
+        assert f"moved {aside / name} there from OUT" in err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
