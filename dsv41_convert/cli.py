@@ -748,7 +748,7 @@ def export_cmd(
       dsv41-convert export ./finetuned-bf16 ./finetuned-fp8-fp4 --format fp8-fp4 --resume
     """
     from dsv41_convert.convert.execute import check_destination
-    from dsv41_convert.convert.export import build_export_plan, export, summarize_export
+    from dsv41_convert.convert.export import build_export_plan, export, not_carried, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
     if dry_run:
@@ -756,6 +756,12 @@ def export_cmd(
         summary = summarize_export(ep)
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")
+    others = not_carried(Path(ep.plan.src))
+    if others:
+        report.warn(
+            f"{ep.plan.src}: not carried into {out}: {', '.join(others)} (export writes the weights, config.json, "
+            "the index and the tokenizer files); copy them if the weight set needs them"
+        )
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
         summary = export(
             ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,

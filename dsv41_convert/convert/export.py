@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import HF_QUANTIZATION_CONFIG, ModelArgs, load_json
-from dsv41_convert.convert.execute import Sidecars, copy_tokenizer_files, execute
+from dsv41_convert.convert.execute import SIDECARS, Sidecars, copy_tokenizer_files, execute
 from dsv41_convert.convert.export_rules import EXPERT_DTYPE, SCALE_OPS, check_format, export_action, keeps_scale
 from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, file_summary, lay_out, read_index
 from dsv41_convert.convert.rules import Op, scale_name, weight_name
@@ -177,6 +177,17 @@ def _before(src: Path, out: Path) -> list[str]:
     return copy_tokenizer_files(src, out)
 
 
+def not_carried(src: Path) -> list[str]:
+    """SRC's top-level files that an export does not write (it writes the weights, config.json, the index and
+    the tokenizer files): generation_config.json, a chat template, a model card; hidden files left out."""
+    written = {CONFIG, INDEX, *SIDECARS}
+    return sorted(
+        p.name
+        for p in Path(src).iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix != ".safetensors" and p.name not in written
+    )
+
+
 def _after(ep: ExportPlan, out: Path) -> list[str]:
     """config.json and the index, once every shard is done."""
     atomic_write(out / CONFIG, (json.dumps(ep.config, indent=2, ensure_ascii=False) + "\n").encode())
@@ -204,7 +215,7 @@ def export(
         ep.plan, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
         sidecars=sidecars, **engine_kw,
     )  # fmt: skip
-    return {"format": ep.format, **summary}
+    return {"format": ep.format, **summary, "not_carried": not_carried(Path(ep.plan.src))}
 
 
 def summarize_export(ep: ExportPlan) -> dict[str, Any]:

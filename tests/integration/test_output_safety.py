@@ -267,3 +267,20 @@ def test_an_earlier_runs_tokenizer_is_set_aside_when_the_new_source_has_none(src
         assert not (out / name).exists() and (aside / name).read_bytes() == data
         assert f"moved {aside / name} there from OUT" in err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+def test_export_names_the_source_files_it_does_not_carry(src, tmp_path, monkeypatch, capsys):
+    """generation_config.json and a chat template beside the weights (a fine-tuned checkpoint): export
+    dropped them without a word (an audit); it writes only weights, config, index and tokenizer files."""
+    source = tmp_path / "src"
+    shutil.copytree(src, source)
+    code, out, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "a"), "--format", "fp8")
+    assert code == 0 and "not carried" not in err
+    (source / "generation_config.json").write_text('{"temperature": 0.6}')
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    code, out, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "b"), "--format", "fp8",
+                             "--json")  # fmt: skip
+    assert (
+        code == 0 and f"{source}: not carried into {tmp_path / 'b'}: chat_template.jinja, generation_config.json" in err
+    )
+    assert json.loads(out)["not_carried"] == ["chat_template.jinja", "generation_config.json"]
