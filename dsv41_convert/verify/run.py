@@ -104,7 +104,13 @@ class VerifyResult:
 
     @property
     def decisive(self) -> list[str]:
-        """The checks that held bit for bit (empty: a PASS rests on statistical bounds only)."""
+        """The checks the verdict rests on that held (empty for a FAIL, and where a PASS rests on statistical
+        bounds only): a check may hold beside a failure of another kind (tokenizer, replicas)."""
+        return [] if self.verdict == FAIL else self.held
+
+    @property
+    def held(self) -> list[str]:
+        """The decisive checks that held, whatever the verdict."""
         return [c.name for c in self.checks if c.decisive]
 
     def to_json(self) -> dict:
@@ -112,6 +118,7 @@ class VerifyResult:
             "ok": self.ok,
             "verdict": self.verdict,
             "decisive": self.decisive,
+            "held": self.held,
             "statistical": self.statistical and not self.decisive,
             "checks": [c.to_json() for c in self.checks],
             "advice": self.advice,
@@ -257,7 +264,7 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
             result.checks.append(_twin_check(result))
     if src_ref is not None:  # the twin runs with CONVERTED's tokenizer: it cannot see a changed one
         side_files_differ = _copied_files_differ(Path(opts.reference), conv)
-    result.failures += [f"tokenizer: {m}" for m in side_files_differ]
+    result.failures += side_files_differ
     if tp > 1 and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say("replicas: the tensors every rank holds, byte for byte across the rank files")
@@ -307,13 +314,17 @@ def not_run_by(inputs: Sequence[ModelInput | Prompt], args: ModelArgs) -> list[s
 
 
 def _copied_files_differ(src: Path, conv: Path) -> list[str]:
-    """The files `shard` copies from SRC unchanged (the tokenizer's: Engram hashes its ids) that CONVERTED
-    lacks or holds with other bytes."""
+    """The files `shard` copies from SRC unchanged that CONVERTED lacks or holds with other bytes, each as a
+    failure: the tokenizer's (Engram hashes its ids), and SRC's config.json as hf_config.json where CONVERTED
+    has one (the bundled model reads neither; upstream convert.py writes no hf_config.json)."""
     found = []
     for name in SIDECARS:
         theirs, ours = src / name, conv / name
         if theirs.is_file() and not (ours.is_file() and ours.read_bytes() == theirs.read_bytes()):
-            found.append(f"{ours} {'differs from' if ours.is_file() else 'is missing, unlike'} {theirs}")
+            found.append(f"tokenizer: {ours} {'differs from' if ours.is_file() else 'is missing, unlike'} {theirs}")
+    theirs, ours = src / "config.json", conv / "hf_config.json"
+    if ours.is_file() and ours.read_bytes() != theirs.read_bytes():
+        found.append(f"hf config: {ours} differs from {theirs}, which shard copies there unchanged")
     return found
 
 
@@ -397,9 +408,12 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
         tokenizer = [f.removeprefix("tokenizer: ") for f in result.failures if f.startswith("tokenizer: ")]
+        hf_config = [f.removeprefix("hf config: ") for f in result.failures if f.startswith("hf config: ")]
         if tokenizer:  # not a weight: the token ids Engram hashes
             loc.module = None
             loc.note = f"{tokenizer[0]}: the tokenizer, not a weight (Engram hashes its token ids)"
+        elif hf_config and loc.module is None:
+            loc.note = f"{hf_config[0]}: a side file, not a weight (the bundled model reads config.json)"
         elif replicas:  # the bytes themselves say where
             loc.module = localize.module_of(replicas[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"

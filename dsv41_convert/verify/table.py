@@ -48,7 +48,7 @@ def render(result: VerifyResult) -> Group:
     parts: list = [table]
     style = {"PASS": "bold green", "FAIL": "bold red"}.get(result.verdict, "bold yellow")
     if result.verdict == "FAIL":  # a decisive check may hold beside a failure of another kind (tokenizer, replicas)
-        held = f"; held: {', '.join(result.decisive)}, but the failures below decide" if result.decisive else ""
+        held = f"; held: {', '.join(result.held)}, but the failures below decide" if result.held else ""
         how = f"{len(result.failures)} failure(s){held}"
     elif result.decisive:
         held = [c for c in result.checks if c.decisive]

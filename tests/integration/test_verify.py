@@ -274,3 +274,20 @@ def test_fault_tokenizer_not_the_sources(work):
     assert result.verdict == "FAIL", (result.failures, result.checks)
     assert any(f.startswith("tokenizer: ") and "tokenizer.json" in f for f in result.failures), result.failures
     assert result.localization.module is None and "the tokenizer, not a weight" in result.localization.note
+    doc = result.to_json()
+    assert doc["verdict"] == "FAIL" and doc["decisive"] == [] and "twin" in doc["held"]  # was decisive: [twin]
+
+
+@pytest.mark.dist
+def test_fault_hf_config_not_the_sources(work):
+    """hf_config.json (SRC's config.json, which shard copies unchanged and the bundled model never reads): an
+    audit's routed_scaling_factor changed in it passed `--reference SRC` bit for bit."""
+    conv = _faulty(work, "hf-config")
+    cfg = json.loads((conv / "hf_config.json").read_text())
+    cfg["text_config"]["routed_scaling_factor"] = 1.0
+    (conv / "hf_config.json").write_text(json.dumps(cfg))
+    result = _verify(work, conv)
+    assert result.verdict == "FAIL", (result.failures, result.checks)
+    assert f"hf config: {conv / 'hf_config.json'} differs from" in "\n".join(result.failures)
+    assert all(s.max_abs == 0 for s in result.twin.values())  # the logits could not tell
+    assert "a side file, not a weight" in result.localization.note
