@@ -3,7 +3,8 @@ merged back to tp 1 by `convert.unshard.unshard_tensors` (only the named tensors
 rows read straight from the rank that holds them (rank r holds rows [r * k, (r + 1) * k), k = ceil(rows / N)).
 
 This is the tp-1 replay of a converted set at real scale: `reference-logits OUT_FOLDER ... --stream-layers`
-on rank files computes what a tp-1 run of exactly those bytes gives.
+on rank files computes what a tp-1 run of exactly those bytes gives. Rank files whose replicated tensors
+differ are refused first (convert.unshard.replica_mismatches: those tensors' bytes are read once).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.convert.tp import rank_file_tps
-from dsv41_convert.convert.unshard import RankFiles, unshard_tensors
+from dsv41_convert.convert.unshard import RankFiles, replica_mismatches, unshard_tensors
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES
 from dsv41_convert.store.safetensors_header import Header, pread_exact
@@ -40,6 +41,13 @@ class RankWeights:
             raise VerifyInputError(f"{self.folder}: no model{{r}}-mp{{N}}.safetensors rank files")
         self.ranks = RankFiles(self.folder, tp)  # the whole set, or the missing files named
         self.headers: list[Header] = self.ranks.headers
+        # every replicated tensor, not only those of the units a run reaches (the vision tower without an
+        # image prompt was never merged, so ranks that disagreed on it gave a reference: an audit)
+        differ = replica_mismatches(self.ranks)
+        if differ:
+            self.ranks.close()
+            shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")
+            raise VerifyInputError(f"{self.folder}: the rank files are not one conversion ({shown})")
 
     def __call__(self, names) -> dict[str, Tensor]:
         return unshard_tensors(self.ranks, list(names))

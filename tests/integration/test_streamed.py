@@ -308,3 +308,28 @@ def test_read_ahead_bookkeeping_on_the_cpu(sources, monkeypatch):
         for key in ("logits_all", "last", "decode_logits", "draft_logits"):
             assert torch.equal(getattr(a, key).view(torch.int32), getattr(b, key).view(torch.int32)), key
     assert all(t.transfer_s > 0 for t in timings)  # the stub's 1 ms per copy, settled at the end
+
+
+def test_rank_files_that_disagree_on_a_replicated_tensor_are_refused(sources, tmp_path):
+    """A vision weight changed on rank 1 only, streamed with text prompts (the tower never runs): its units
+    were never merged, so `reference-logits MP --stream-layers` wrote a reference from rank files that are
+    not one conversion (an audit); verify fails the same files on its replicas check."""
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.store.safetensors_header import read_header
+    from dsv41_convert.verify.rank_weights import RankWeights
+
+    mp2 = tmp_path / "mp2"
+    execute(build_plan(sources["fp8"], 2), mp2)
+    RankWeights(mp2).ranks.close()  # one conversion: accepted
+    rank1 = mp2 / "model1-mp2.safetensors"
+    name = next(n for n in sorted(read_header(rank1).tensors) if n.startswith("vision.") and n.endswith(".weight"))
+    info = read_header(rank1).tensors[name]
+    with open(rank1, "r+b") as f:
+        f.seek(info.begin)
+        byte = f.read(1)[0]
+        f.seek(info.begin)
+        f.write(bytes([byte ^ 0x01]))
+    with pytest.raises(VerifyInputError, match=rf"not one conversion \({name}: replicated, but ranks \[1\] differ"):
+        RankWeights(mp2)
