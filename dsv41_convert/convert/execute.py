@@ -68,6 +68,7 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest,
 )
+from dsv41_convert.store.manifest import FORMAT as MANIFEST_FORMAT
 from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, write_fragment
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
@@ -188,7 +189,7 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
         if (n := p.name.removesuffix(".partial")) not in mine
         and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
     )
-    if not (out / DONE_DIR).is_dir():  # no run of ours was here: what has our names is not ours
+    if not _a_run_of_ours_was_here(out):  # what has our names is not ours
         ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
         _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
     if not others:
@@ -210,6 +211,17 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
         file = name.removesuffix(".partial")
         for path in (out / name, done_path(out, file), journal_path(out, file)):
             path.unlink(missing_ok=True)
+
+
+def _a_run_of_ours_was_here(out: Path) -> bool:
+    """OUT holds our records: the run folder, a share's fragment (a folder gathered from several machines
+    holds only the visible files), or a manifest.json in our format."""
+    if (out / DONE_DIR).is_dir() or any(out.glob(FRAGMENT_GLOB)):
+        return True
+    try:
+        return json.loads((out / MANIFEST).read_text()).get("format") == MANIFEST_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _refuse_strangers(out: Path, names: list[str]) -> None:
