@@ -65,7 +65,8 @@ def problems(prov: Any) -> list[str]:
 
 def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: int, file: Path) -> list[str]:
     """Raise VerifyInputError where CONVERTED cannot be judged by the reference in `file` (another model's
-    config, or the reference replays CONVERTED's own rank files); -> the tokenizer files that differ."""
+    config, or the reference replays CONVERTED's own rank files); -> the tokenizer files that differ, as the
+    run's failures (`tokenizer: ...`)."""
     recorded = prov.get("model")
     if recorded is not None:
         differ = config_differences(recorded, conv_args.to_inference_dict())
@@ -85,9 +86,11 @@ def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: 
     for name, digest in sorted(prov.get("tokenizer", {}).items()):
         ours = conv / name
         if not ours.is_file():
-            found.append(f"{ours} is missing; {file} was computed with a {name} (sha256 {digest[:12]}...)")
+            found.append(f"tokenizer: {ours} is missing; {file} was computed with a {name} (sha256 {digest[:12]}...)")
         elif _sha256(ours) != digest:
-            found.append(f"{ours} differs from the {name} {file} was computed with (sha256 {digest[:12]}...)")
+            found.append(
+                f"tokenizer: {ours} differs from the {name} {file} was computed with (sha256 {digest[:12]}...)"
+            )
     return found
 
 
