@@ -767,6 +767,7 @@ def export_cmd(
             ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
             direct_io=direct_io,
         )  # fmt: skip
+    summary["not_carried"] = others  # the warning's files, for pipelines
     _report_run(summary, as_json, "shard(s)", summary["manifest"])
     if as_json:
         return

@@ -215,7 +215,7 @@ def export(
         ep.plan, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
         sidecars=sidecars, **engine_kw,
     )  # fmt: skip
-    return {"format": ep.format, **summary, "not_carried": not_carried(Path(ep.plan.src))}
+    return {"format": ep.format, **summary}
 
 
 def summarize_export(ep: ExportPlan) -> dict[str, Any]:

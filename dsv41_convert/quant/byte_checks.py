@@ -16,8 +16,8 @@ maximum rounds up to 2**128).
 
 What the source holds itself (first_nonfinite): a NaN or an infinity in a tensor copied or cast unchanged
 (bf16 norms and embeddings, f32 gate biases, fp8 weights and scales kept as they are) would reach the
-converted model as it is; the writers refuse it as the decoders do. One max over the bits with the sign
-cleared: every dtype's non-finite values lie at the top of that range.
+converted model as it is; the writers refuse it as the decoders do. Two maxima, over the bits as unsigned
+and as signed integers: a dtype's non-finite values are the top of either range.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
@@ -87,7 +87,7 @@ def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: 
         ours = conv / name
         if not ours.is_file():
             found.append(f"tokenizer: {ours} is missing; {file} was computed with a {name} (sha256 {digest[:12]}...)")
-        elif _sha256(ours) != digest:
+        elif sha256_file(ours) != digest:
             found.append(
                 f"tokenizer: {ours} differs from the {name} {file} was computed with (sha256 {digest[:12]}...)"
             )
@@ -138,9 +138,4 @@ def _rank_files(folder: Path, tp: int) -> dict[str, dict[str, Any]]:
 
 
 def _tokenizer_digests(folder: Path) -> dict[str, str]:
-    return {name: _sha256(folder / name) for name in SIDECARS if (folder / name).is_file()}
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return {name: sha256_file(folder / name) for name in SIDECARS if (folder / name).is_file()}

@@ -49,7 +49,6 @@ from dsv41_convert.verify.verdict import (
 )
 
 Progress = Callable[[str], None]
-# config fields that may differ between the source and the converted folder
 
 
 @dataclass
