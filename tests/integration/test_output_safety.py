@@ -284,3 +284,15 @@ def test_export_names_the_source_files_it_does_not_carry(src, tmp_path, monkeypa
         code == 0 and f"{source}: not carried into {tmp_path / 'b'}: chat_template.jinja, generation_config.json" in err
     )
     assert json.loads(out)["not_carried"] == ["chat_template.jinja", "generation_config.json"]
+
+
+def test_a_folder_copied_without_its_records_is_still_ours_by_its_manifest(src, tmp_path, monkeypatch, capsys):
+    """A finished tp-2 folder copied to another machine with its visible files only (no .dsv41-convert/):
+    its manifest.json, in our format, says a run of ours wrote it, so `shard --resume` goes on there rather
+    than calling its files a stranger's (a manifest in another format still does: the tests above)."""
+    out = tmp_path / "out"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")[0] == 0
+    shutil.rmtree(out / ".dsv41-convert")
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
+    assert code == 0 and "no dsv41-convert run wrote there" not in err, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
