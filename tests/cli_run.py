@@ -53,6 +53,18 @@ def done_records(out: Path) -> set[str]:
     return {p.name.removesuffix(".done.json") for p in (out / DONE_DIR).glob("*.done.json")}
 
 
+def partial_sizes(out: Path, pattern: str = "*.partial") -> list[int]:
+    """The sizes of the partial files in `out` matching `pattern`; one renamed into place between the listing
+    and its stat (its writer finishing it) is passed over."""
+    sizes = []
+    for p in out.glob(pattern) if out.exists() else []:
+        try:
+            sizes.append(p.stat().st_size)
+        except FileNotFoundError:
+            pass
+    return sizes
+
+
 def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, timeout: float = 120) -> None:
     """Poll a running conversion into `out` until one file is done (its done record) and a partial file
     holds more than `partial_bytes`: the moment to kill it (raises AssertionError after `timeout` s). A
@@ -61,12 +73,7 @@ def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, t
     end: partial_bytes=-1 takes any partial file."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sizes = []
-        for p in out.glob("*.partial") if out.exists() else []:
-            try:
-                sizes.append(p.stat().st_size)
-            except FileNotFoundError:
-                pass
+        sizes = partial_sizes(out)
         if done_records(out) and sizes and max(sizes) > partial_bytes:
             return
         time.sleep(0.02)

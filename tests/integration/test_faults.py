@@ -300,8 +300,10 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path, io, partial_bytes):
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     subprocess.run([*CLI, "shard", str(src), str(clean), "--tp", "4", "--json"], check=True, capture_output=True)
     env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.01"}
-    proc = subprocess.Popen([*CLI, "shard", str(src), str(killed), "--tp", "4", "--json", io], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    # two workers for four files: the second pair starts once the first is done, so the kill lands mid-file
+    # (with four, all finished within the moment between seeing one done and the kill: seen once in CI's setting)
+    cmd = [*CLI, "shard", str(src), str(killed), "--tp", "4", "--json", io, "--workers", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_a_done_file_and_a_partial(killed, partial_bytes)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import done_records, run_cli
-from partials import a_file_started
+from cli_run import done_records, partial_sizes, run_cli
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.store.manifest import DONE_DIR
@@ -240,7 +239,7 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint
     )
     deadline = time.monotonic() + 120
-    while not a_file_started(out) and time.monotonic() < deadline:
+    while not any(partial_sizes(out)) and time.monotonic() < deadline:
         time.sleep(0.02)
     started = {p.name.removesuffix(".partial") for p in out.glob("model*.partial")} | done_records(out)
     os.kill(proc.pid, signal.SIGINT)
@@ -270,7 +269,7 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_and_resume_finishes(src, tmp_path)
     cmd = [*CLI, "shard", str(src), str(out), "--tp", "8", "--workers", "2", "--buffered-io", "--json"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not a_file_started(out, "model*.partial") and time.monotonic() < deadline:
+    while not any(partial_sizes(out, "model*.partial")) and time.monotonic() < deadline:
         time.sleep(0.02)
     proc.terminate()
     doc, err = proc.communicate(timeout=60)  # the pipes close: no process of the run holds them any more

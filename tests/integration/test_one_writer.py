@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import run_cli
+from cli_run import partial_sizes, run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from partials import a_file_started
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.convert.execute import execute
@@ -198,7 +197,7 @@ def test_every_process_of_a_run_dies_with_it_while_the_run_is_not_yet_reaped(src
         out = tmp_path / f"out{round_}"
         cmd = [*CLI, "shard", str(src), str(out), "--tp", "4", "--workers", "2", "--buffered-io"]
         run = subprocess.Popen(cmd, env=SLOW, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _wait_for(lambda out=out: a_file_started(out), [run], "a file starts")
+        _wait_for(lambda out=out: any(partial_sizes(out)), [run], "a file starts")
         tree = [run.pid]  # the run, its resource tracker, its fork server and the workers forked from it
         for pid in tree:
             tree += _children(pid)
