@@ -839,6 +839,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
+    interrupts.quiet_when_dropped()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)

@@ -9,37 +9,57 @@ So the signal handlers of the CLI and of its worker processes call `interrupt()`
 as Python would, except inside `deferred()` (write.write_partial while its threads run), where it is
 postponed to the next `check()`. The writers call `check()` before each queue operation of theirs (every
 chunk of every tensor), so a run still stops within one chunk's write.
+
+An interrupt stays: every later `check()` raises again. A KeyboardInterrupt raised while the interpreter
+runs a weakref callback or a __del__ is printed ("Exception ignored in ...") and dropped, and the process
+runs on (seen on CI: a worker's SIGINT raised inside importlib's module-lock callback); the next check
+stops it all the same. Nothing in a process that took one is meant to write again.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_state = {"depth": 0, "pending": False}
+_state = {"depth": 0, "interrupted": False}
 
 
 def interrupt() -> None:
     """For a signal handler: raise KeyboardInterrupt now, or at the next check() while deferred."""
-    if _state["depth"]:
-        _state["pending"] = True
-        return
-    raise KeyboardInterrupt
+    _state["interrupted"] = True
+    if not _state["depth"]:
+        raise KeyboardInterrupt
 
 
 def check() -> None:
-    """Raise the KeyboardInterrupt a signal postponed, if one did."""
-    if _state["pending"]:
-        _state["pending"] = False
+    """Raise KeyboardInterrupt if this process was interrupted (postponed, or raised where it was dropped)."""
+    if _state["interrupted"]:
         raise KeyboardInterrupt
 
 
 @contextmanager
 def deferred() -> Iterator[None]:
-    """Interrupts inside wait for a check(); one still pending at the end is raised there."""
+    """Interrupts inside wait for a check(); one not yet raised by the end is raised there."""
     _state["depth"] += 1
     try:
         yield
     finally:
         _state["depth"] -= 1
     check()
+
+
+def quiet_when_dropped() -> None:
+    """Install a sys.unraisablehook that says nothing of a KeyboardInterrupt of interrupt()'s that Python
+    dropped (it printed "Exception ignored in: ... KeyboardInterrupt" under the run's own message): the next
+    check() raises it again. Anything else it drops is printed as before."""
+    printed = sys.unraisablehook
+    if getattr(printed, "quiet_when_dropped", False):  # installed already (the CLI run again in one process)
+        return
+
+    def hook(unraisable) -> None:
+        if not (unraisable.exc_type is KeyboardInterrupt and _state["interrupted"]):
+            printed(unraisable)
+
+    hook.quiet_when_dropped = True
+    sys.unraisablehook = hook

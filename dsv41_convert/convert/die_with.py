@@ -76,12 +76,12 @@ def alive(pid: int) -> bool:
 
 
 def _exit_on_interrupt(signum, frame) -> None:
-    raise SystemExit(130)
+    os._exit(130)  # a SystemExit raised inside a weakref callback (an import's) was printed and dropped
 
 
 if os.environ.get(RUN_ENV) == str(os.getppid()):  # the fork server of a run, started by that run
     die_with_parent()
     # what Ctrl-C does in the processes the server forks (it restores this after each fork) until they set
-    # their own (execute._init_worker): exit 130 quietly; a KeyboardInterrupt there printed multiprocessing's
-    # "Process ForkServerProcess-N: Traceback ..." under the run's own message
+    # their own (execute._init_worker): exit 130 at once and quietly, nothing begun; a KeyboardInterrupt
+    # there printed multiprocessing's "Process ForkServerProcess-N: Traceback ..." under the run's message
     signal.signal(signal.SIGINT, _exit_on_interrupt)

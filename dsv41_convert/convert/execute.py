@@ -635,7 +635,7 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[
 
 _QUEUE: Any = None
 _LOCKS: SharedFiles | None = None
-_INTERRUPTED = False  # this worker took Ctrl-C: it writes nothing more
+_INTERRUPTED = False  # this worker took Ctrl-C: a second one is ignored
 
 
 def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
@@ -648,6 +648,7 @@ def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
     if os.getppid() != parent or not alive(run):
         os.kill(os.getpid(), signal.SIGKILL)
     signal.signal(signal.SIGINT, _interrupt_worker)
+    interrupts.quiet_when_dropped()
 
 
 def _interrupt_worker(signum, frame) -> None:
@@ -688,8 +689,7 @@ def _worker_context(job: dict[str, Any]) -> Any:
 
 
 def _worker_job(rf, src, out, job) -> FileDone:
-    if _INTERRUPTED:
-        raise KeyboardInterrupt
+    interrupts.check()  # this worker took Ctrl-C: it begins no file after it
     last = [0.0]
 
     def report(label: str, done: int, total: int) -> None:
@@ -728,6 +728,7 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
         pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
         try:
             while pending:
+                interrupts.check()  # a Ctrl-C whose KeyboardInterrupt was dropped (interrupts.py)
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 _drain(q, progress)
                 for fut in done:

@@ -157,3 +157,28 @@ def test_ctrl_c_before_a_worker_sets_its_handler_ends_it_quietly():
     res = subprocess.run([sys.executable, "-c", _INTERRUPTED_EARLY], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["130"] and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+
+
+_INTERRUPTED_IN_A_CALLBACK = """
+import os, signal, time, weakref
+from dsv41_convert.convert import die_with
+signal.signal(signal.SIGINT, die_with._exit_on_interrupt)  # a forked worker's, before its initializer
+class ModuleLock: pass
+lock = ModuleLock()
+def callback(ref):  # importlib's module-lock callback, where CI's worker took the run's SIGINT
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+ref = weakref.ref(lock, callback)
+del lock
+print("ran on")
+"""
+
+
+def test_ctrl_c_inside_a_weakref_callback_before_a_worker_sets_its_handler_ends_it_quietly():
+    """Raised there, the SystemExit the handler used was printed ("Exception ignored in: <function
+    _get_module_lock.<locals>.cb ...") under the run's message and dropped, and the worker ran on (CI)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _INTERRUPTED_IN_A_CALLBACK], capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (130, "", "")
