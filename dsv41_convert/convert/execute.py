@@ -68,7 +68,7 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest,
 )
-from dsv41_convert.store.manifest import FORMAT as MANIFEST_FORMAT
+from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, write_fragment
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
@@ -216,12 +216,7 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
 def _a_run_of_ours_was_here(out: Path) -> bool:
     """OUT holds our records: the run folder, a share's fragment (a folder gathered from several machines
     holds only the visible files), or a manifest.json in our format."""
-    if (out / DONE_DIR).is_dir() or any(out.glob(FRAGMENT_GLOB)):
-        return True
-    try:
-        return json.loads((out / MANIFEST).read_text()).get("format") == MANIFEST_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return (out / DONE_DIR).is_dir() or any(out.glob(FRAGMENT_GLOB)) or our_manifest(out) is not None
 
 
 def _refuse_strangers(out: Path, names: list[str]) -> None:

@@ -57,6 +57,16 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return data
 
 
+def our_manifest(folder: Path) -> dict[str, Any] | None:
+    """OUT/manifest.json as read_manifest reads it, or None where there is none, or it is not one of ours or
+    not well formed: for a question it may not answer (did a run of ours write here? what sha256 does it
+    record?), never for a check."""
+    try:
+        return read_manifest(folder)
+    except VerifyInputError:
+        return None
+
+
 def _without_manifest(folder: Path) -> str:
     """Why a folder may have no manifest.json: a run stopped half-way, or shares of the ranks not yet merged."""
     partial = sorted(p.name for p in folder.glob("*.partial"))

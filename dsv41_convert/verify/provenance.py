@@ -27,7 +27,7 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.file_digest import sha256_file
-from dsv41_convert.store.manifest import MANIFEST
+from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
 
@@ -117,23 +117,14 @@ def _same_rank_files(made: dict[str, Any], conv: Path, tp: int) -> bool:
 def _rank_files(folder: Path, tp: int) -> dict[str, dict[str, Any]]:
     """Each rank file's size, device and inode, and its sha256 as `folder`'s manifest.json records it ("" without
     one; the bytes are not hashed here)."""
-    listed: dict[str, Any] = {}
-    try:
-        listed = json.loads((folder / MANIFEST).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        pass
+    listed = (our_manifest(folder) or {"files": {}})["files"]
     out = {}
     for r in range(tp):
         name = rank_file_name(r, tp)
         st = os.stat(folder / name)
-        entry = listed.get(name) if isinstance(listed, dict) else None
-        sha = entry.get("sha256", "") if isinstance(entry, dict) and entry.get("size") == st.st_size else ""
-        out[name] = {
-            "size": st.st_size,
-            "dev": st.st_dev,
-            "ino": st.st_ino,
-            "sha256": sha if isinstance(sha, str) else "",
-        }
+        entry = listed.get(name, {})
+        sha = entry["sha256"] if entry.get("size") == st.st_size else ""
+        out[name] = {"size": st.st_size, "dev": st.st_dev, "ino": st.st_ino, "sha256": sha}
     return out
 
 

@@ -12,7 +12,7 @@ from cli_run import run_cli
 
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.manifest import FORMAT
-from dsv41_convert.store.manifest_check import check_folder
+from dsv41_convert.store.manifest_check import check_folder, our_manifest
 
 
 def _folder(tmp_path, files: dict[str, bytes]):
@@ -87,3 +87,24 @@ def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path)
         "model1-mp2.safetensors: a tp-2 conversion's rank file (manifest.json says tp 2), not listed in it"
     )
     assert sorted(result.checked) == ["config.json", "model0-mp2.safetensors"]
+
+
+def test_our_manifest_answers_only_for_a_well_formed_one_of_ours(tmp_path):
+    """The one reader behind "did a run of ours write here?" (shard/export's stranger check) and "what sha256
+    does CONVERTED record?" (verify's provenance): None wherever read_manifest would refuse."""
+    folder = _folder(tmp_path, {"model0-mp1.safetensors": b"abc"})
+    assert our_manifest(folder) == json.loads((folder / "manifest.json").read_text())
+    broken = [
+        {"format": "other/1", "files": {"model0-mp1.safetensors": {"size": 3, "sha256": "00"}}},
+        {"format": FORMAT, "files": {"model0-mp1.safetensors": {"size": "3", "sha256": "00"}}},
+        {"format": FORMAT, "files": {"../model0-mp1.safetensors": {"size": 3, "sha256": "00"}}},
+        {"format": FORMAT, "files": []},
+        ["not", "an", "object"],
+    ]
+    for doc in broken:
+        (folder / "manifest.json").write_text(json.dumps(doc))
+        assert our_manifest(folder) is None, doc
+    (folder / "manifest.json").write_text('{"format": ')
+    assert our_manifest(folder) is None
+    (folder / "manifest.json").unlink()
+    assert our_manifest(folder) is None and our_manifest(tmp_path / "absent") is None
