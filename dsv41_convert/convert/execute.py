@@ -374,7 +374,7 @@ def execute(
     with hold(out, shared=share, files=names if share else ()) as lock:
         check_empty(out, resume, overwrite, others)
         if not share:
-            remove_stale_temporaries(out)
+            remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
         _no_other_conversion(plan, out, overwrite and not share)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _forget_done(out, names)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,16 @@ def temporary_target(name: str) -> str | None:
     return found.group(1) if found else None
 
 
-def remove_stale_temporaries(folder: Path) -> list[str]:
-    """Delete atomic_write's temporaries in `folder` and its record folder, left by a run that died while
-    writing a small file (a rank file's own NAME.partial is resume state: kept). Only for a writer that
-    holds the folder alone (store/lock.py), so none is another writer's. -> the names deleted"""
+def remove_stale_temporaries(folder: Path, ours: Callable[[str], bool]) -> list[str]:
+    """Delete atomic_write's temporaries left by a run that died while writing a small file: in the record
+    folder all of them, in `folder` those whose target `ours` names (anything else of that shape is a
+    user's: `thesis.2024.partial`). A rank file's own NAME.partial is resume state: kept. Only for a writer
+    that holds the folder alone (store/lock.py), so none is another writer's. -> the names deleted"""
     gone = []
-    for where in (Path(folder), Path(folder) / DONE_DIR):
+    for where, mine in ((Path(folder), ours), (Path(folder) / DONE_DIR, lambda name: True)):
         for path in where.iterdir() if where.is_dir() else ():
-            if temporary_target(path.name) is not None and path.is_file():
+            target = temporary_target(path.name)
+            if target is not None and mine(target) and path.is_file():
                 path.unlink()
                 gone.append(path.name)
     return gone

@@ -186,10 +186,27 @@ def test_resume_removes_the_temporaries_of_a_run_killed_while_writing_a_small_fi
     for path in stale:
         path.write_text("half")
     kept = out / "model1-mp2.safetensors.partial"  # a rank file's partial is resume state, not a temporary
+    users = out / "thesis.2024.partial"  # a name of that shape whose target no run of ours writes
+    users.write_text("a year of work")
     res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "2", "--resume", "--json"], capture_output=True)
     assert res.returncode == 0, res.stderr
     assert not any(p.exists() for p in stale) and not kept.exists()
+    assert users.read_text() == "a year of work"
     assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("how", [["shard", "--tp", "2", "--overwrite"], ["export", "--format", "bf16", "--resume"]])
+def test_a_users_file_named_like_a_temporary_is_never_removed(src, tmp_path, how):
+    """`remove_stale_temporaries` removed every NAME.DIGITS.partial of OUT; a run that holds OUT alone now
+    removes only those of the small files it writes itself (tokenizer, configs, index, manifest)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    users = [out / "thesis.2024.partial", out / "video.1.partial"]
+    for path in users:
+        path.write_text("mine")
+    res = subprocess.run([*CLI, how[0], str(src), str(out), *how[1:]], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert all(p.read_text() == "mine" for p in users)
 
 
 def test_a_source_without_a_tokenizer_is_said_and_verify_names_what_is_missing(src, tmp_path, monkeypatch, capsys):
