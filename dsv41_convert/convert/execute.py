@@ -134,10 +134,36 @@ def _outside_source(src: Path, out: Path, what: str) -> Path:
 
 
 def check_output(src: Path, out: Path) -> None:
-    """OUT must not be SRC or inside it, and must be a folder if it exists."""
+    """OUT must not be SRC or inside it, must hold none of SRC's files under another name, and must be a
+    folder if it exists."""
     out = _outside_source(src, out, "folder")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
+    if out.is_dir():
+        _no_source_file_among(src, list(out.iterdir()))
+
+
+def _no_source_file_among(src: Path, outputs: list[Path]) -> None:
+    """None of `outputs` is what one of SRC's symbolic links leads to: written or removed (a new file renamed
+    over it), it would change the source. (A hard link keeps the old bytes under SRC's name.)"""
+    source = {}
+    for path in src.iterdir() if src.is_dir() else ():
+        try:
+            st = path.stat() if path.is_symlink() else None
+        except OSError:
+            continue
+        if st is not None:
+            source[(st.st_dev, st.st_ino)] = path
+    for path in outputs:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in source:
+            raise OutputError(
+                f"{source[(st.st_dev, st.st_ino)]}: is the file {path} (a link), which this run would write "
+                "or remove; choose another OUT, or give SRC a copy of its own"
+            )
 
 
 def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
@@ -146,6 +172,7 @@ def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
     out = _outside_source(src, out, "file")
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give the path of the file to write")
+    _no_source_file_among(src, [out])
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: exists; pass --overwrite to replace it")
 

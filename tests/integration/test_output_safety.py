@@ -296,3 +296,28 @@ def test_a_folder_copied_without_its_records_is_still_ours_by_its_manifest(src, 
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
     assert code == 0 and "no dsv41-convert run wrote there" not in err, err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("command", [["export", "--format", "fp8-fp4"], ["shard", "--tp", "2"]])
+def test_a_source_whose_shards_link_into_out_is_refused_and_kept(src, tmp_path, monkeypatch, capsys, command):
+    """SRC's shards are symbolic links to an export's shards in OUT (a folder of links, to save the copy):
+    `export SRC OUT --overwrite` wrote new shards over them and `shard` removed them as another conversion's,
+    exit 0, the source gone. Hard links keep their bytes (a new file is renamed over OUT's name): allowed."""
+    out, linked = tmp_path / "out", tmp_path / "linked"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "bf16")
+    assert code == 0, err
+    linked.mkdir()
+    for path in out.iterdir():
+        if path.is_file():
+            (linked / path.name).symlink_to(path) if path.suffix == ".safetensors" else shutil.copy(path, linked)
+    before = tree(out)
+    code, _, err = run_cli(monkeypatch, capsys, command[0], str(linked), str(out), *command[1:], "--overwrite")
+    assert code == 2 and f"{linked}/model-0" in err and "(a link), which this run would write or remove" in err, err
+    assert tree(out) == before
+    hard = tmp_path / "hard"
+    hard.mkdir()
+    for path in linked.iterdir():
+        (hard / path.name).hardlink_to(path.resolve())
+    code, _, err = run_cli(monkeypatch, capsys, command[0], str(hard), str(out), *command[1:], "--overwrite")
+    assert code == 0, err
+    assert tree(hard) == {name: data for name, data in before.items() if "/" not in name and name in tree(hard)}
