@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.errors import ConfigError
+from dsv41_convert.errors import NOT_JSON, ConfigError
 
 # text_config key -> ModelArgs field
 HF_TO_ARGS: dict[str, str] = {
@@ -298,7 +298,7 @@ class ModelArgs:
                 raise ConfigError(f"{source}: text_config.rope_scaling.{hf_key} is missing")
             kwargs[arg] = rope[hf_key]
 
-        vision = data.get("vision_config")
+        vision = _object_or_none(data, "vision_config", source)
         if vision is None:
             kwargs.update(_NO_VISION)
         else:
@@ -311,14 +311,15 @@ class ModelArgs:
             raise ConfigError(f"{source}: image_token_id is missing")
         kwargs["image_token_id"] = data["image_token_id"]
 
-        quant = data.get("quantization_config")
+        quant = _object_or_none(data, "quantization_config", source)
         if quant is None:
             kwargs["dtype"], kwargs["expert_dtype"] = "bf16", None
         else:
             unknown = sorted(set(quant) - set(HF_QUANT_KEYS))
             if unknown:
                 raise ConfigError(f"{source}: quantization_config has unknown keys {unknown}")
-            if quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size", [])) != [32, 32]:
+            block = quant.get("weight_block_size")
+            if quant.get("quant_method") != "fp8" or not isinstance(block, list | tuple) or list(block) != [32, 32]:
                 raise ConfigError(
                     f"{source}: quantization_config must be fp8 with weight_block_size [32, 32], "
                     f"found {quant.get('quant_method')!r} {quant.get('weight_block_size')!r}"
@@ -374,6 +375,14 @@ _NO_VISION: dict[str, Any] = {
     "vision_min_pixels": 0,
     "vision_max_wh_ratio": None,
 }
+
+
+def _object_or_none(data: dict[str, Any], key: str, source: str) -> dict[str, Any] | None:
+    """data[key] where it is a JSON object, None where it is absent or null; a ConfigError otherwise."""
+    value = data.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key} must be a JSON object, found {value!r}")
+    return value
 
 
 def _check_keys(data: dict[str, Any], fixed: dict[str, Any], mapped: dict[str, str], where: str) -> None:
@@ -442,24 +451,25 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
 
 
 def load_json(path: Path) -> dict[str, Any]:
-    """Read a JSON file, naming it in the error."""
+    """Read a JSON object from a file, naming it in the error."""
     try:
-        return json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: not found") from exc
     except NotADirectoryError as exc:  # the folder it should be in is a file
         folder = Path(path).parent
         raise ConfigError(f"{folder}: not a folder (a checkpoint is a folder with {Path(path).name})") from exc
-    except json.JSONDecodeError as exc:
+    except NOT_JSON as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a JSON object expected, found a {type(data).__name__}")
+    return data
 
 
 def load_model_args(path: Path) -> ModelArgs:
     """ModelArgs from either config file: the nested HF config.json (has `text_config`) or the
     inference config (flat ModelArgs names)."""
     data = load_json(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a JSON object expected, found a {type(data).__name__}")
     if {"text_config", "architectures", "model_type"} & set(data):  # the nested Hugging Face config
         return ModelArgs.from_hf_dict(data, str(path))
     return ModelArgs.from_inference_dict(data, str(path))

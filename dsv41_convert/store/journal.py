@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.errors import OutputError
+from dsv41_convert.errors import NOT_JSON, OutputError
 from dsv41_convert.store.manifest import fsync_path
 
 FORMAT = "dsv41-convert journal v1"
@@ -139,7 +139,7 @@ def check_plan(path: Path, partial: Path, plan_digest: str) -> None:
     try:
         with open(path, "rb") as f:
             found = json.loads(f.readline())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, *NOT_JSON):
         return  # no usable journal: the file starts again
     if isinstance(found, dict) and found.get("plan_digest") not in (None, plan_digest):
         raise _other_plan(partial, found.get("plan_digest"), plan_digest)
@@ -162,7 +162,7 @@ def load(path: Path, partial: Path, head: dict[str, Any]) -> tuple[ResumePoint |
         return None, "no partial file"
     try:
         found = json.loads(lines[0])
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except NOT_JSON:
         return None, "unreadable journal header"
     if not isinstance(found, dict):
         return None, "unreadable journal header"

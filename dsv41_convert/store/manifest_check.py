@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.errors import VerifyInputError, first_few
+from dsv41_convert.errors import NOT_JSON, VerifyInputError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST
@@ -42,7 +42,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise VerifyInputError(f"{path}: not found; {_without_manifest(Path(folder))}") from exc
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, *NOT_JSON) as exc:
         raise VerifyInputError(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__

@@ -37,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.errors import OutputError, first_few
+from dsv41_convert.errors import NOT_JSON, OutputError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 from dsv41_convert.store.index import INDEX_NAME
@@ -101,7 +101,7 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(Path(out).glob(FRAGMENT_GLOB)):
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (OSError, *NOT_JSON) as exc:
             raise OutputError(
                 f"{path}: not readable JSON ({exc}); copy it again from the machine that wrote it"
             ) from exc

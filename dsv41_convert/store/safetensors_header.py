@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41_convert.errors import HeaderError
+from dsv41_convert.errors import NOT_JSON, HeaderError
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers too
 
@@ -99,7 +99,7 @@ def read_header(path: Path | str) -> Header:
         raise HeaderError(f"{path}: cannot read ({exc.strerror})") from exc
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except NOT_JSON as exc:
         raise HeaderError(f"{path}: header is not valid JSON ({exc}); corrupt file?") from exc
     if not isinstance(data, dict):
         raise HeaderError(f"{path}: header is a JSON {type(data).__name__}, expected an object")
@@ -173,10 +173,13 @@ def _entry(path: str, name: str, spec: object, start: int) -> TensorInfo:
         raise HeaderError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative ints")
     if not (_naturals(offs) and len(offs) == 2):
         raise HeaderError(f"{path}: tensor {name}: data_offsets {offs!r} is not [begin, end]")
-    if offs[1] < offs[0] or offs[1] - offs[0] != nbytes(dtype, shape):
+    try:
+        size = nbytes(dtype, shape)
+    except HeaderError as exc:
+        raise HeaderError(f"{path}: tensor {name}: {exc}") from None
+    if offs[1] < offs[0] or offs[1] - offs[0] != size:
         raise HeaderError(
-            f"{path}: tensor {name}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
-            f"{dtype} {shape} needs {nbytes(dtype, shape)}"
+            f"{path}: tensor {name}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, {dtype} {shape} needs {size}"
         )
     return TensorInfo(name, dtype, tuple(shape), start + offs[0], start + offs[1])
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import NOT_JSON, VerifyInputError
 
 DEFAULT_LENGTH = 40
 DEFAULT_COUNT = 3
@@ -74,7 +74,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
         where = f"{path}:{n}"
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as exc:
+        except NOT_JSON as exc:
             raise VerifyInputError(f"{where}: not a JSON object ({exc})") from exc
         if not isinstance(obj, dict):
             raise VerifyInputError(f"{where}: expected a JSON object, found {type(obj).__name__}")

@@ -51,7 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import NOT_JSON, VerifyInputError
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import sort_metadata
 from dsv41_convert.verify import provenance
@@ -488,7 +488,7 @@ def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[
             continue
         try:
             value = json.loads(meta[key])
-        except json.JSONDecodeError:
+        except NOT_JSON:
             out.append(f"metadata {key} is not JSON")
             continue
         if not isinstance(value, list) or len(value) != b or not all(isinstance(v, str) for v in value):

@@ -80,15 +80,53 @@ def test_a_file_given_as_the_source_folder(src, tmp_path, monkeypatch, capsys, c
         (lambda c: c["text_config"].update(rms_norm_eps=True) or c, "text_config.rms_norm_eps = True (bool)"),
         (lambda c: c["text_config"].update(compress_ratios=4) or c, "text_config.compress_ratios = 4 (int)"),
         (lambda c: [1, 2], "a JSON object expected, found a list"),
-        (lambda c: {k: v for k, v in c.items() if k != "text_config"}, "no text_config object"),
+        (lambda c: None, "a JSON object expected, found a NoneType"),
+        (lambda c: {k: v for k, v in c.items() if k != "text_config"}, "no text_config"),
+        (lambda c: c.update(quantization_config=[]) or c, "quantization_config must be a JSON object, found []"),
+        (lambda c: c.update(quantization_config=7) or c, "quantization_config must be a JSON object, found 7"),
+        (lambda c: c.update(vision_config=1) or c, "vision_config must be a JSON object, found 1"),
+        (
+            lambda c: c["quantization_config"].update(weight_block_size=32) or c,
+            "weight_block_size [32, 32], found 'fp8' 32",
+        ),
     ],
 )
 def test_config_values_of_the_wrong_kind(src, tmp_path, monkeypatch, capsys, edit, message):
+    """Each a clean error naming config.json; the objects of the wrong kind and a None config were
+    tracebacks (AttributeError, TypeError) from plan, shard and export."""
     bad = copy_of(src, tmp_path / "bad")
     edit_config(bad, edit)
-    for command in (["plan", str(bad), "--tp", "2"], ["shard", str(bad), str(tmp_path / "out"), "--tp", "2"]):
+    for command in (
+        ["plan", str(bad), "--tp", "2"],
+        ["shard", str(bad), str(tmp_path / "out"), "--tp", "2"],
+        ["export", str(bad), str(tmp_path / "out"), "--format", "bf16"],
+    ):
         code, _, err = run_cli(monkeypatch, capsys, *command)
         assert_clean_error(code, err, f"{bad / 'config.json'}: ", message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("config.json", b"\xff", "not valid JSON"),
+        ("model.safetensors.index.json", b"\xff", "not valid JSON"),
+        ("config.json", b"[" * 5000 + b"]" * 5000, "not valid JSON"),
+        ("model.safetensors.index.json", b"[]", "a JSON object expected, found a list"),
+    ],
+)
+def test_json_files_that_are_no_json_object(src, tmp_path, monkeypatch, capsys, name, text, message):
+    """Bytes that are not UTF-8, nesting past Python's recursion limit, an index that is a list: tracebacks
+    (UnicodeDecodeError, RecursionError, AttributeError) before."""
+    bad = copy_of(src, tmp_path / "bad")
+    (bad / name).write_bytes(text)
+    for command in (
+        ["plan", str(bad), "--tp", "2"],
+        ["shard", str(bad), str(tmp_path / "out"), "--tp", "2"],
+        ["export", str(bad), str(tmp_path / "out"), "--format", "bf16"],
+    ):
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        assert_clean_error(code, err, f"{bad / name}: ", message)
     assert not (tmp_path / "out").exists()
 
 

@@ -93,6 +93,14 @@ def _write(path, header: dict | bytes, data: bytes = b"", length: int | None = N
     ("header", "data", "length", "match"),
     [
         (b"{not json", b"", None, "not valid JSON"),
+        (b"[" * 1500 + b"]" * 1500, b"", None, "not valid JSON"),  # a RecursionError, a traceback before
+        (b'{"t": "\xff"}', b"", None, "not valid JSON"),
+        (
+            {"t": {"dtype": "F4", "shape": [1023], "data_offsets": [0, 512]}},
+            b"\0" * 512,
+            None,
+            r"tensor t: F4 \[1023\] is not a whole number of bytes",
+        ),
         (
             {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
             b"\0" * 4,
