@@ -52,7 +52,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise VerifyInputError(f"{path}: no `files` object listing the output files")
     for name, rec in files.items():
         ok = isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get("sha256"), str)
-        if not ok or "/" in name or name.startswith("."):
+        if not ok or not name or "/" in name or name.startswith("."):
             raise VerifyInputError(f"{path}: entry {name!r} is not a plain file name with size and sha256")
     return data
 
@@ -106,15 +106,25 @@ def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
     tp = manifest.get("options", {}).get("tp") if isinstance(manifest.get("options"), dict) else None
     problems = []
     if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0:
-        problems += [
-            f"{name}: a tp-{tp} conversion's rank file ({MANIFEST} says tp {tp}), "
-            + ("not listed in it" if (folder / name).exists() else "neither listed in it nor in the folder")
-            for r in range(tp)
-            if (name := rank_file_name(r, tp)) not in files
-        ]
+        problems += _missing_ranks(folder, files, tp)
     problems += [
         f"{p.name}: in the folder but not in {MANIFEST} (another conversion's file?)"
         for p in sorted(folder.glob("*.safetensors"))
         if p.name not in files and not any(x.startswith(f"{p.name}:") for x in problems)
     ]
     return problems
+
+
+def _missing_ranks(folder: Path, files: dict[str, Any], tp: int, each: int = 16) -> list[str]:
+    """A line for each rank file of a tp-`tp` conversion that `files` does not list; past `each` of them, one
+    line (a manifest saying tp 1000000000 is not a billion lines, nor a billion steps)."""
+    listed = sum(rank_file_name(r, tp) in files for r in range(min(tp, len(files))))
+    if tp - listed > each:
+        first = [name for r in range(min(tp, len(files) + 3)) if (name := rank_file_name(r, tp)) not in files][:3]
+        return [f"{MANIFEST} says tp {tp} but lists {listed} of its rank files ({', '.join(first)}, ... missing)"]
+    return [
+        f"{name}: a tp-{tp} conversion's rank file ({MANIFEST} says tp {tp}), "
+        + ("not listed in it" if (folder / name).exists() else "neither listed in it nor in the folder")
+        for r in range(tp)
+        if (name := rank_file_name(r, tp)) not in files
+    ]

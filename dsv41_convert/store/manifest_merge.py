@@ -95,6 +95,10 @@ def write_fragment(out: Path, plan, options: dict[str, Any], done: list[str]) ->
     return path
 
 
+# what a merge reads besides the lists, and the JSON kind of each
+_FRAGMENT_FIELDS = {"plan_digest": (str, "a string"), "source": (dict, "an object"), "options": (dict, "an object")}
+
+
 def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
     """{fragment file name: fragment} for every fragment in `out`; OutputError names an unreadable one."""
     frags = {}
@@ -111,6 +115,13 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
         ok = ok and isinstance(side, dict) and all(_is_record(rec) for rec in side.values())
         if not ok:
             raise OutputError(f"{path}: not a {FRAGMENT_FORMAT!r} file")
+        wrong = [
+            f"{key} is not {what}"
+            for key, (kind, what) in _FRAGMENT_FIELDS.items()
+            if not isinstance(data.get(key), kind)
+        ]
+        if wrong:
+            raise OutputError(f"{path}: {'; '.join(wrong)}; copy it again from the machine that wrote it")
         problem = _bad_entries(data)
         if problem:
             raise OutputError(f"{path}: {problem}; copy it again from the machine that wrote it")

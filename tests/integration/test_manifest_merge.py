@@ -345,6 +345,9 @@ def _edit_fragment(folder: Path, name: str, fn) -> None:
         (lambda f: f["rank_files"].pop(), "are not the 3 rank files of one tp-3 conversion"),
         (lambda f: f["rank_files"].__setitem__(0, "../a/model0-mp4.safetensors"), "are not the output files"),
         (lambda f: f["files"].__setitem__("other.safetensors", {"size": 1, "sha256": "0"}), "files lists other"),
+        (lambda f: f.pop("options"), "options is not an object"),
+        (lambda f: f.__setitem__("source", "x"), "source is not an object"),
+        (lambda f: f.__setitem__("plan_digest", 7), "plan_digest is not a string"),
     ],
 )
 def test_a_malformed_fragment_is_named_by_merge_and_resume(runs, tmp_path, monkeypatch, capsys, edit, found):
@@ -356,6 +359,7 @@ def test_a_malformed_fragment_is_named_by_merge_and_resume(runs, tmp_path, monke
     code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
     assert code == 2 and "manifest-fragment-mp4-r1_2.json: " in err and found in err, err
     assert json.loads(out)["exit_code"] == 2 and not (g / "manifest.json").exists()
+    assert not (g / ".dsv41-convert").exists()  # no done record written before the refusal (options: after)
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(runs["src"]), str(g), "--tp", "4", "--resume")
     assert code == 2 and found in err, err
 

@@ -89,6 +89,21 @@ def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path)
     assert sorted(result.checked) == ["config.json", "model0-mp2.safetensors"]
 
 
+def test_a_manifest_of_a_huge_tp_is_one_line_at_once(tmp_path):
+    """options.tp = 10**9 in a damaged manifest: `check` looped over a billion ranks (killed after 20 s)."""
+    folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, "model1-mp2.safetensors": b"b" * 64})
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 10**9}}))
+    problems = check_folder(folder).problems
+    assert problems[0] == (
+        "manifest.json says tp 1000000000 but lists 0 of its rank files (model0-mp1000000000.safetensors, "
+        "model1-mp1000000000.safetensors, model2-mp1000000000.safetensors, ... missing)"
+    )
+    assert len(problems) == 1
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 16}}))  # 16 missing: each named
+    assert len(check_folder(folder).problems) == 16
+
+
 def test_our_manifest_answers_only_for_a_well_formed_one_of_ours(tmp_path):
     """The one reader behind "did a run of ours write here?" (shard/export's stranger check) and "what sha256
     does CONVERTED record?" (verify's provenance): None wherever read_manifest would refuse."""
@@ -99,6 +114,7 @@ def test_our_manifest_answers_only_for_a_well_formed_one_of_ours(tmp_path):
         {"format": FORMAT, "files": {"model0-mp1.safetensors": {"size": "3", "sha256": "00"}}},
         {"format": FORMAT, "files": {"../model0-mp1.safetensors": {"size": 3, "sha256": "00"}}},
         {"format": FORMAT, "files": []},
+        {"format": FORMAT, "files": {"": {"size": 3, "sha256": "00"}}},
         ["not", "an", "object"],
     ]
     for doc in broken:
