@@ -41,7 +41,7 @@ from dsv41_convert.errors import NOT_JSON, OutputError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 from dsv41_convert.store.index import INDEX_NAME
-from dsv41_convert.store.lock import hold
+from dsv41_convert.store.lock import LOCK_NAME, hold
 from dsv41_convert.store.manifest import (
     DONE_DIR,
     FRAGMENT_GLOB,
@@ -199,7 +199,9 @@ def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
     out = Path(out)
     if not out.is_dir():
         raise OutputError(f"{out}: no such folder; gather the rank files and fragments of every machine in it")
-    if (out / INDEX_NAME).is_file():  # a source checkpoint gets no lock file (one being written does: in use)
+    # a source checkpoint, or any folder no run of ours ever held, gets no lock file (one being written does:
+    # in use, said by the lock)
+    if (out / INDEX_NAME).is_file() or not ((out / LOCK_NAME).exists() or (out / DONE_DIR).exists()):
         _nothing_to_merge(out)
     with hold(out):
         return _merge(out, progress)

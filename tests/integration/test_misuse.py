@@ -345,14 +345,19 @@ def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path
     assert code == 2 and out == ""
 
 
-def test_manifest_of_a_source_folder_writes_nothing_there(src, monkeypatch, capsys):
+@pytest.mark.parametrize("index", [True, False])
+def test_manifest_of_a_source_folder_writes_nothing_there(src, tmp_path, monkeypatch, capsys, index):
     """`manifest SRC` on a Hugging Face checkpoint (nothing to merge) says what the folder is and leaves it
-    as it was: no lock file, no done-records folder."""
-    before = sorted(p.relative_to(src) for p in src.rglob("*")), src.stat().st_mtime_ns
+    as it was: no lock file, no done-records folder. Without an index (one model.safetensors, or any folder
+    no run of ours held) it made and removed its lock file there, moving the folder's mtime."""
+    folder = src if index else copy_of(src, tmp_path / "no_index")
+    if not index:
+        (folder / "model.safetensors.index.json").unlink()
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*")), folder.stat().st_mtime_ns
     time.sleep(0.01)  # a file made and removed would move the folder's mtime
-    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(src))
-    assert_clean_error(code, err, "no manifest-fragment-*.json files (a Hugging Face checkpoint")
-    assert (sorted(p.relative_to(src) for p in src.rglob("*")), src.stat().st_mtime_ns) == before
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(folder))
+    assert_clean_error(code, err, "no manifest-fragment-*.json files")
+    assert (sorted(p.relative_to(folder) for p in folder.rglob("*")), folder.stat().st_mtime_ns) == before
 
 
 def test_verify_against_a_source_with_fp8_experts_is_refused_before_the_reference(
