@@ -35,6 +35,8 @@ def shard_name_problem(name: object) -> str | None:
         return "is a path with folders, not a file name beside the index"
     if "\0" in name:
         return "holds a NUL byte"
+    if not name.endswith(".safetensors"):
+        return "is not a .safetensors file"
     return None
 
 

@@ -41,6 +41,8 @@ SHARD = "model-00002-of-00003.safetensors"
         ("", "not a file name"),
         (7, "not a file name"),
         ("x\0.safetensors", "NUL"),
+        ("tokenizer.json", "not a .safetensors file"),  # there, and "missing ... download it" was said of it
+        ("model-00001-of-00003.bin", "not a .safetensors file"),
     ],
 )
 def test_names_that_leave_the_folder_are_refused(name, why):
