@@ -414,3 +414,22 @@ def test_a_share_refuses_a_source_changed_since_another_share_wrote_here(tmp_pat
     assert not (out / "manifest.json").exists() and not (out / "model2-mp4.safetensors").exists()
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "4", "--overwrite")
     assert code == 0 and check_folder(out).ok, err
+
+
+def test_a_rank_file_gathered_again_names_the_earlier_merges_record(runs, tmp_path, monkeypatch, capsys):
+    """A folder merged once, then a share gathered again whose fragment records other bytes for a rank file:
+    the record the first merge left in .dsv41-convert/ disagrees, and the message says which one to remove."""
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 0, err
+    _edit_fragment(
+        g, "manifest-fragment-mp4-r1_2.json", lambda f: f["files"]["model1-mp4.safetensors"].update(sha256="0" * 64)
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    record = ".dsv41-convert/model1-mp4.safetensors.done.json"
+    assert (
+        code == 2 and f"model1-mp4.safetensors: {record} and manifest-fragment-mp4-r1_2.json record different" in err
+    ), err
+    assert (
+        f"({record} is from an earlier merge or run here: if model1-mp4.safetensors was gathered again, remove" in err
+    )
