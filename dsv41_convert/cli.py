@@ -804,7 +804,11 @@ def _json_error(message: str, code: int = 2) -> None:
         report.print_json({"ok": False, "exit_code": code, "error": message})
 
 
-RESUMABLE = {"shard": "--resume", "export": "--resume", "download": "running it again"}
+RESUMABLE = {
+    "shard": "continues it with --resume",
+    "export": "continues it with --resume",
+    "download": "run again continues it (mid-file into --local-dir; in the HF cache unfinished files start over)",
+}
 
 
 def interrupted_message(command: list[str], how: str = "interrupted") -> str:
@@ -812,7 +816,7 @@ def interrupted_message(command: list[str], how: str = "interrupted") -> str:
     nothing written."""
     name = command[0] if command else ""
     if name in RESUMABLE:
-        return f"{how}; what is on disk is kept: {name} continues it with {RESUMABLE[name]}"
+        return f"{how}; what is on disk is kept: {name} {RESUMABLE[name]}"
     return how + ("; nothing was written" if name in ("verify", "plan", "check") else "")
 
 

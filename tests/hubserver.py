@@ -9,8 +9,9 @@ It serves the endpoints huggingface_hub 2.x calls for a model repo:
     GET  /{repo}/resolve/{rev}/{path}                       the bytes, with Range support (206)
 
 Files ending in .safetensors are served as LFS files (ETag = sha256), the others as plain git blobs
-(ETag = git blob sha1). Faults are injected per test: a dropped connection mid-file, a file missing on
-the server, a private repo (401 without the right token), a gated repo (403). Every request is logged.
+(ETag = git blob sha1). Faults are injected per test: a dropped connection mid-file, a slow file, a file
+missing on the server, metadata that misstates a file (size, sha256), a private repo (401 without the right
+token), a gated repo (403). Every request is logged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -39,6 +41,8 @@ class Repo:
     token: str | None = None  # private: requests must carry "Bearer {token}"
     gated: bool = False  # file downloads answer 403 GatedRepo
     hidden: set[str] = field(default_factory=set)  # listed in the metadata, 404 on resolve
+    announced: dict[str, dict[str, object]] = field(default_factory=dict)  # path -> {"size"/"sha256": what
+    # the metadata says instead of the truth}; the file itself is served as it is
 
     def commit_of(self, rev: str) -> str | None:
         if rev in self.commits:
@@ -62,6 +66,8 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.log: list[Logged] = []
         self.drop_after: dict[str, int] = {}  # repo path -> bytes sent before the next GET is cut off (once)
+        self.bytes_per_s: dict[str, float] = {}  # repo path -> how fast its GETs send (64-byte pieces)
+        self.sent: dict[str, int] = {}  # repo path -> bytes of its last slow GET sent so far
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
@@ -95,18 +101,19 @@ class FakeHub:
             return [e for e in self.log if e.method == "GET" and e.path.endswith("/" + path_suffix)]
 
 
-def _file_entry(path: str, data: bytes, *, tree: bool) -> dict:
-    """One file as /api/models/... describes it: model_info siblings (tree=False) or tree entries (tree=True)."""
+def _file_entry(path: str, data: bytes, *, tree: bool, announced: dict | None = None) -> dict:
+    """One file as /api/models/... describes it: model_info siblings (tree=False) or tree entries (tree=True);
+    `announced` replaces its true size and sha256."""
     oid = git_blob_sha1(data)
-    entry: dict = {"size": len(data)}
+    said = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} | (announced or {})
+    entry: dict = {"size": said["size"]}
     if tree:
         entry |= {"type": "file", "path": path, "oid": oid}
     else:
         entry |= {"rfilename": path, "blobId": oid}
     if is_lfs(path):
-        sha = hashlib.sha256(data).hexdigest()
         key = "oid" if tree else "sha256"
-        entry["lfs"] = {key: sha, "size": len(data), "pointerSize": 134}
+        entry["lfs"] = {key: said["sha256"], "size": said["size"], "pointerSize": 134}
     return entry
 
 
@@ -191,7 +198,10 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             files = repo.commits[commit]
             if kind == "revision":
                 blobs = query.get("blobs", ["false"])[0].lower() == "true"
-                siblings = [_file_entry(p, d, tree=False) if blobs else {"rfilename": p} for p, d in files.items()]
+                siblings = [
+                    _file_entry(p, d, tree=False, announced=repo.announced.get(p)) if blobs else {"rfilename": p}
+                    for p, d in files.items()
+                ]
                 return self._json(
                     {
                         "id": repo_id,
@@ -203,13 +213,23 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 )
             if kind == "tree":
                 prefix = "/".join(rest[2:])
-                entries = [_file_entry(p, d, tree=True) for p, d in files.items() if p.startswith(prefix)]
+                entries = [
+                    _file_entry(p, d, tree=True, announced=repo.announced.get(p))
+                    for p, d in files.items()
+                    if p.startswith(prefix)
+                ]
                 return self._json(entries)
             if kind == "paths-info":
                 length = int(self.headers.get("Content-Length", "0"))
                 form = parse_qs(self.rfile.read(length).decode())
                 wanted = set(form.get("paths", []))
-                return self._json([_file_entry(p, d, tree=True) for p, d in files.items() if p in wanted])
+                return self._json(
+                    [
+                        _file_entry(p, d, tree=True, announced=repo.announced.get(p))
+                        for p, d in files.items()
+                        if p in wanted
+                    ]
+                )
             self._error(404, "", f"unknown api {kind}")
 
         def _resolve(self, repo_id: str, rev: str, path: str) -> None:
@@ -237,6 +257,9 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
                 data, status = data[start:end], 206
             cut = hub.drop_after.pop(path, None) if self.command == "GET" else None
+            rate = hub.bytes_per_s.get(path) if self.command == "GET" else None
+            if rate is not None:
+                return self._send_slowly(path, status, data, headers, rate)
             if cut is None:
                 return self._send(status, data, headers)
             # send the headers and part of the body, then drop the connection, as a network fault would
@@ -251,7 +274,46 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
             self.connection.shutdown(2)
 
+        def _send_slowly(self, path: str, status: int, data: bytes, headers: dict[str, str], rate: float) -> None:
+            """The body of `path` in 64-byte pieces at `rate` bytes/s, until sent or the client goes away;
+            hub.sent[path] counts them."""
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            sent = 0
+            try:
+                for start in range(0, len(data), 64):
+                    self.wfile.write(data[start : start + 64])
+                    self.wfile.flush()
+                    sent = hub.sent[path] = min(start + 64, len(data))
+                    time.sleep(64 / rate)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            hub.record(Logged("GET", urlsplit(self.path).path, self.headers.get("Range"), status, sent))
+
     return Handler
+
+
+def point_huggingface_hub_at(hub: FakeHub, home: Path, monkeypatch) -> None:
+    """Send huggingface_hub to `hub`, with its cache and token under `home`, no token and no hf-xet.
+    huggingface_hub reads HF_ENDPOINT and HF_HOME once, at import: its `constants` are patched too."""
+    import huggingface_hub.constants as hf_constants
+
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(
+        hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
 
 
 def tiny_checkpoint(seed: int) -> dict[str, bytes]:

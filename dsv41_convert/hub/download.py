@@ -2,15 +2,21 @@
 
 Built on huggingface_hub (2.x): files go through hf-xet where the repo and the installed packages allow
 it, else over HTTP, where a dropped connection resumes by Range; into --local-dir, the received bytes
-also survive the process (`hub_fetch._fetch_resumable`), so a killed run continues mid-file.
-Around it we add what a 510 GB download needs:
+also survive the process (`hub_fetch._fetch_resumable`), so a killed run continues mid-file. In the HF
+cache they do not: huggingface_hub 2.x writes each file to a temporary of its own process, so a killed
+run fetches its unfinished files again from byte 0. Around it we add what a 510 GB download needs:
 
 - one metadata call (`model_info(files_metadata=True)`) pins the commit and gives every file's size,
   LFS sha256 and git blob id; it is saved as a record beside the files, so the folder can be checked
   later without network (`verify_local`);
-- a free-space check before the first byte;
-- after the transfer every file is hashed against the record, safetensors headers and the index are
-  cross-checked, and only the files found wrong are deleted and fetched again;
+- a free-space check before the first byte (bytes already in partial files count as there), and a file
+  over 50 GB refused up front when hf-xet is not there to fetch it;
+- every fetched file is hashed against the record by its worker, files already there after the
+  transfers; safetensors headers and the index are cross-checked, and only the files found wrong are
+  deleted and fetched again. One still wrong after `repair_rounds` re-fetches is deleted and reported
+  (exit 1 in the CLI): no file with wrong bytes keeps a shard's name;
+- Ctrl-C stops the transfers at their next chunk (at most GRACE_S later the run leaves them), keeping
+  partial files for the next run;
 - Hub and network failures become `DownloadError`s that say what to do (HF_TOKEN, revision, file).
 
 Files go to `local_dir` when given, else into the HF cache (HF_HOME / HF_HUB_CACHE), whose snapshot
@@ -22,21 +28,30 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from pathlib import Path
 
 from huggingface_hub import HfApi
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub.fetch import PARTIAL_DIR, fetch_file, fetch_record
+from dsv41_convert.hub.fetch import (
+    PARTIAL_DIR,
+    fetch_file,
+    fetch_record,
+    partial_bytes,
+    remove_file,
+    xet_refusal,
+)
 from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_files
 from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
     WHOLE,
     DownloadReport,
+    Place,
     Progress,
     check_repo_id,
     listing,
@@ -49,6 +64,7 @@ from dsv41_convert.hub.local import (
 )
 from dsv41_convert.store.lock import hold
 
+GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
 REPO_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?")
 
 __all__ = ["RECORD_NAME", "DownloadReport", "download", "parse_repo_ref", "resolve_source", "verify_local"]
@@ -122,10 +138,11 @@ def download(
 ) -> DownloadReport:
     """Download `repo_id` at `revision` (default main), verify every file, re-fetch what is wrong.
 
-    Files whose hash is still wrong after `repair_rounds` re-fetches raise DownloadError (the Hub keeps
-    serving bad bytes). Problems the Hub's own files have (an index that names a shard the repo lacks,
-    or other tensors than the shard holds) come back in `report.problems`. A `local_dir` is held alone
-    from the first byte written to the end (store/lock.py): a second download into it fails at once.
+    A file still wrong after `repair_rounds` re-fetches (the Hub keeps serving bad bytes) is deleted and
+    comes back in `report.problems`, as do problems the Hub's own files have (an index that names a shard
+    the repo lacks, or other tensors than the shard holds). A file over 50 GB without hf-xet to fetch it is
+    a DownloadError before the first byte. A `local_dir` is held alone from the first byte written to the
+    end (store/lock.py): a second download into it fails at once.
     """
     if offline():
         report = verify_local(
@@ -171,17 +188,8 @@ def _download(
 ) -> DownloadReport:
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
-    place = place_of(repo_id, record.commit, local_dir, cache_dir)
-    previous = Record.load(place.record)
-    if previous is not None and previous.repo_id != repo_id:
-        raise DownloadError(f"{place.folder}: already holds {previous.repo_id}; pick another --local-dir for {repo_id}")
     record = dataclasses.replace(record, include=tuple(include), exclude=tuple(exclude))
-    record.save(place.record)  # first, so an interrupted download can still be checked offline
-    if local_dir is None and not COMMIT.fullmatch(record.revision):
-        # as snapshot_download does: remember what the branch or tag pointed to, for offline use
-        ref = storage_of(repo_id, cache_dir) / "refs" / record.revision
-        ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(record.commit)
+    place = _save_record(record, local_dir, cache_dir)
     files = selected(record.files, include, exclude)
     if not files:
         raise DownloadError(
@@ -189,11 +197,11 @@ def _download(
             f"--exclude {list(exclude)} (the revision has {len(record.files)} files)"
         )
 
-    def fetch(batch: list[RemoteFile], force: bool) -> None:
-        _fetch_all(
+    def fetch(batch: list[RemoteFile], force: bool) -> list[Problem]:
+        return _fetch_all(
             batch,
             max_workers,
-            lambda f: fetch_file(
+            lambda f, stop: fetch_file(
                 repo_id,
                 f,
                 record.commit,
@@ -205,49 +213,24 @@ def _download(
                 retries=retries,
                 backoff_s=backoff_s,
                 progress=progress,
+                stop=stop,
             ),
         )
 
-    # a wrong-sized leftover would be trusted by huggingface_hub's own "already there" check: drop it
-    missing, refetched = [], []
-    for f in files:
-        path = place.folder / f.path
-        if path.exists() and path.stat().st_size != f.size:
-            _remove(path)
-            refetched.append(f.path)
-        if not path.exists():
-            missing.append(f)
-    _check_space(place.folder, sum(f.size for f in missing), repo_id)
-    fetch(files, force=False)
-
-    problems = check_files(place.folder, files, workers=max_workers, progress=progress)
-    for _ in range(repair_rounds):
-        if not problems:
-            break
-        bad = [f for f in files if f.path in {p.path for p in problems}]
-        for f in bad:
-            _remove(place.folder / f.path)
-        refetched += [f.path for f in bad if f.path not in refetched]
-        missing += [f for f in bad if f not in missing]
-        fetch(bad, force=True)
-        problems = check_files(place.folder, bad, workers=max_workers, progress=progress)
-    if problems:
-        raise DownloadError(
-            f"{repo_id}@{record.commit}: still wrong after {repair_rounds} re-fetches: "
-            f"{listing(problems)}; the Hub may be serving a bad copy, retry later"
-        )
-
-    if local_dir is not None:  # all files are whole: what is left in the partial folder is stale
+    missing, refetched = _to_fetch(place.folder, files)
+    refusal = xet_refusal(repo_id, record.revision, missing)
+    if refusal is not None:
+        raise refusal
+    held = sum(partial_bytes(Path(local_dir), f) for f in missing) if local_dir is not None else 0
+    _check_space(place.folder, sum(f.size for f in missing), held, repo_id)
+    present = [f for f in files if f not in missing]
+    problems = fetch(missing, False) + check_files(place.folder, present, workers=max_workers, progress=progress)
+    problems, again = _repair(problems, files, place.folder, fetch, repair_rounds)
+    refetched += [f.path for f in again if f.path not in refetched]
+    missing += [f for f in again if f not in missing]
+    if local_dir is not None and not problems:  # all files are whole: what is left in the partial folder is stale
         shutil.rmtree(Path(local_dir) / PARTIAL_DIR, ignore_errors=True)
-    paths = [f.path for f in files]
-    listed = {f.path for f in record.files}
-    structural = structure_problems(place.folder, paths, record, include, exclude)
-    structural = [
-        Problem(p.path, "missing", "not in the repo at this revision", p.expected)
-        if p.kind == "missing" and p.path not in listed
-        else p
-        for p in structural
-    ]
+    problems = _given_up(problems, repair_rounds) + _structure(place.folder, files, record, problems)
     return DownloadReport(
         repo_id,
         record.revision,
@@ -259,38 +242,151 @@ def _download(
         False,
         fetched=tuple(f.path for f in missing),
         refetched=tuple(refetched),
-        problems=tuple(structural),
+        problems=tuple(problems),
     )
 
 
-def _fetch_all(files: list[RemoteFile], workers: int, one: Callable[[RemoteFile], None]) -> None:
-    """Run `one` over `files` on `workers` threads; the first failure cancels what has not started."""
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(one, f) for f in files]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [fut.exception() for fut in futures if fut.done() and not fut.cancelled() and fut.exception()]
-        if failed:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise failed[0]
+def _save_record(record: Record, local_dir: Path | None, cache_dir: Path | None) -> Place:
+    """Where `record`'s files go; its record saved there first, so an interrupted download can still be checked
+    offline. DownloadError if the folder holds another repo."""
+    place = place_of(record.repo_id, record.commit, local_dir, cache_dir)
+    previous = Record.load(place.record)
+    if previous is not None and previous.repo_id != record.repo_id:
+        raise DownloadError(
+            f"{place.folder}: already holds {previous.repo_id}; pick another --local-dir for {record.repo_id}"
+        )
+    record.save(place.record)
+    if local_dir is None and not COMMIT.fullmatch(record.revision):
+        # as snapshot_download does: remember what the branch or tag pointed to, for offline use
+        ref = storage_of(record.repo_id, cache_dir) / "refs" / record.revision
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(record.commit)
+    return place
 
 
-def _remove(path: Path) -> None:
-    """Delete a file; in the HF cache also the blob its snapshot link points to."""
-    if path.is_symlink():
-        target = path.resolve()
-        path.unlink()
-        target.unlink(missing_ok=True)
-    else:
-        path.unlink(missing_ok=True)
+def _repair(
+    problems: list[Problem],
+    files: list[RemoteFile],
+    folder: Path,
+    fetch: Callable[[list[RemoteFile], bool], list[Problem]],
+    rounds: int,
+) -> tuple[list[Problem], list[RemoteFile]]:
+    """Delete each file with a problem and fetch it again, up to `rounds` times. -> (the problems left, whose
+    files are deleted too: no wrong file keeps its name for plan or shard to take, every file re-fetched)."""
+    again: list[RemoteFile] = []
+    for _ in range(rounds):
+        if not problems:
+            break
+        bad = [f for f in files if f.path in {p.path for p in problems}]
+        for f in bad:
+            remove_file(folder / f.path)
+        again += [f for f in bad if f not in again]
+        problems = fetch(bad, True)
+    for p in problems:  # one fetched is gone already; one that was there and no round fetched again is not
+        remove_file(folder / p.path)
+    return problems, again
 
 
-def _check_space(folder: Path, need: int, repo_id: str) -> None:
+def _structure(folder: Path, files: list[RemoteFile], record: Record, deleted: list[Problem]) -> list[Problem]:
+    """structure_problems of the selection, saying which missing shards the revision lacks; a file deleted as
+    wrong is reported by its problem, not again as missing."""
+    gone = {p.path for p in deleted}
+    listed = {f.path for f in record.files}
+    found = structure_problems(folder, [f.path for f in files], record, record.include, record.exclude)
+    return [
+        Problem(p.path, "missing", "not in the repo at this revision", p.expected)
+        if p.kind == "missing" and p.path not in listed
+        else p
+        for p in found
+        if p.path not in gone
+    ]
+
+
+def _to_fetch(folder: Path, files: list[RemoteFile]) -> tuple[list[RemoteFile], list[str]]:
+    """-> (the files not in `folder`, the paths of those deleted for a wrong size). huggingface_hub's own
+    "already there" check would trust a wrong-sized leftover: it is deleted and fetched again."""
+    missing, wrong_size = [], []
+    for f in files:
+        path = folder / f.path
+        if path.exists() and path.stat().st_size != f.size:
+            remove_file(path)
+            wrong_size.append(f.path)
+        if not path.exists():
+            missing.append(f)
+    return missing, wrong_size
+
+
+def _given_up(problems: list[Problem], rounds: int) -> list[Problem]:
+    """The problems of files still wrong after `rounds` re-fetches, saying that they were deleted."""
+    note = f"after {rounds} re-fetches, so deleted (the Hub may be serving a bad copy: rerun later)"
+    return [dataclasses.replace(p, found=f"{p.found} {note}") for p in problems]
+
+
+def _fetch_all(
+    files: list[RemoteFile], workers: int, one: Callable[[RemoteFile, threading.Event], Problem | None]
+) -> list[Problem]:
+    """Run `one(file, stop)` over `files` on `workers` threads; -> the problems it returned, in file order.
+
+    The first exception stops files from starting and is raised once those in flight end. An interrupt
+    (KeyboardInterrupt here, from Ctrl-C or the CLI's SIGTERM handler) sets `stop`, which ends each transfer
+    at its next chunk (hub_fetch.Stopped), waits at most GRACE_S for them and is raised. A thread still
+    blocked in a read then is left behind: the threads are daemons, so the process exits without it, and
+    what it wrote is a prefix of its file in a partial file (or huggingface_hub's temporary), which the
+    next run continues (or discards). Once `stop` is set no transfer completes, so no file gets its name.
+    """
+    todo = list(reversed(files))
+    found: dict[str, Problem] = {}
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def work() -> None:
+        while not failed and not stop.is_set():
+            try:
+                f = todo.pop()
+            except IndexError:
+                return
+            try:
+                problem = one(f, stop)
+            except BaseException as exc:  # for the main thread to raise
+                failed.append(exc)
+                return
+            if problem is not None:
+                found[f.path] = problem
+
+    count = min(max(1, workers), len(files))
+    threads = [threading.Thread(target=work, name=f"fetch-{i}", daemon=True) for i in range(count)]
+    try:
+        for t in threads:
+            t.start()
+        _wait(threads)
+    except BaseException:
+        stop.set()
+        _wait(threads, GRACE_S)
+        raise
+    if failed:
+        raise failed[0]
+    return [found[f.path] for f in files if f.path in found]
+
+
+def _wait(threads: list[threading.Thread], timeout: float | None = None) -> None:
+    """Return once every thread has ended, or after `timeout` s. Polls is_alive(), since on Python 3.11 a
+    Thread.join() that Ctrl-C interrupts marks its thread ended while it still runs (bpo-45274's cleanup
+    releases the lock the running thread holds), and a later join() returns at once."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(t.is_alive() for t in threads) and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.05)
+
+
+def _check_space(folder: Path, need: int, held: int, repo_id: str) -> None:
+    """DownloadError unless `folder`'s disk has room for `need` bytes less the `held` bytes partial files
+    there already hold."""
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    if need > free:
+    if need - held > free:
+        have = f" ({held / 1e9:.2f} GB of them already in partial files)" if held else ""
         raise DownloadError(
-            f"{repo_id}: {need / 1e9:.2f} GB to download into {folder}, but only {free / 1e9:.2f} GB free there; "
-            "free space or pick --local-dir on a larger disk"
+            f"{repo_id}: {need / 1e9:.2f} GB to download into {folder}{have}, but only {free / 1e9:.2f} GB free "
+            f"there, {(need - held - free) / 1e9:.2f} GB short; free space or pick --local-dir on a larger disk"
         )

@@ -1,20 +1,23 @@
-"""The Hub calls behind `download`: one metadata call, one file fetch, bounded retries, and the
-translation of Hub and network failures into `DownloadError`s that say what to do next.
+"""The Hub calls behind `download`: one metadata call, one file fetch and its check, bounded retries, and
+the translation of Hub and network failures into `DownloadError`s that say what to do next.
 
 huggingface_hub already resumes a dropped HTTP transfer by Range (a few times, while bytes keep
 coming); the retries here cover what it gives up on (refused connections, a Hub that stays down).
+A fetch stops at the next chunk once its `stop` event is set (`Stopped`): Ctrl-C must not wait for a
+10 GB file to finish.
 """
 
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from huggingface_hub import HfApi, get_token, hf_hub_download, hf_hub_url
+from huggingface_hub import HfApi, constants, get_token, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -23,13 +26,14 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.file_download import get_hf_file_metadata, http_get
+from huggingface_hub.file_download import HfFileMetadata, get_hf_file_metadata, http_get
 from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils._runtime import is_xet_available  # same test hf_hub_download makes
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub.integrity import Record, RemoteFile
+from dsv41_convert.hub.integrity import Problem, Record, RemoteFile
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.file_digest import Recorded, difference
 
 try:  # huggingface_hub 2.x ships its own httpx fork; 1.x used httpx
     from httpx2 import NetworkError, RemoteProtocolError, TimeoutException, TransportError
@@ -61,6 +65,28 @@ def fetch_record(api: HfApi, repo_id: str, revision: str | None, *, retries: int
     return Record(repo_id, rev, str(info.sha), tuple(sorted(files, key=lambda f: f.path)))
 
 
+_OVER_HTTP_LIMIT = (
+    f"over the {constants.MAX_HTTP_DOWNLOAD_SIZE / 1e9:.0f} GB huggingface_hub fetches over plain HTTP: "
+    "only hf-xet fetches a file that large"
+)
+
+
+class Stopped(Exception):
+    """Raised inside a fetch whose `stop` event is set (the run was interrupted), at a chunk boundary: it
+    unwinds the transfer, and a partial file keeps the bytes written so far."""
+
+
+def xet_refusal(repo_id: str, revision: str, files: list[RemoteFile]) -> DownloadError | None:
+    """Without hf-xet, huggingface_hub refuses any file over MAX_HTTP_DOWNLOAD_SIZE (50 GB): the error naming
+    those of `files`, or None if hf-xet is usable or none is that large. Known before the first byte."""
+    big = [f for f in files if f.size > constants.MAX_HTTP_DOWNLOAD_SIZE]
+    if not big or is_xet_available():
+        return None
+    why = "HF_HUB_DISABLE_XET is set: unset it" if constants.HF_HUB_DISABLE_XET else "install it (pip install hf_xet)"
+    sizes = ", ".join(f"{f.path} ({f.size / 1e9:.1f} GB)" for f in big)
+    return DownloadError(f"{repo_id}@{revision}: {sizes}: {_OVER_HTTP_LIMIT}; {why}, then rerun")
+
+
 def fetch_file(
     repo_id: str,
     file: RemoteFile,
@@ -74,23 +100,29 @@ def fetch_file(
     retries: int,
     backoff_s: float,
     progress: Progress | None,
-) -> None:
-    """Download one file of the pinned commit.
+    stop: threading.Event,
+) -> Problem | None:
+    """Download one file of the pinned commit and check it against `file` (size, then sha256 or git blob id).
 
-    Into `local_dir`, a file already there is left alone (the caller hashes it), and a file served over
-    plain HTTP goes through `_fetch_resumable`, so a run killed mid-file continues where it stopped.
-    Everything else (the HF cache, files hf-xet can fetch) goes through `hf_hub_download`.
+    -> None when the file is at its final name and checks out; else what differs, and nothing is left at
+    its final name. Into `local_dir`, a file served over plain HTTP goes through `_fetch_resumable`: it is
+    checked before it gets its name, and a run killed mid-file continues where it stopped. Everything else
+    (the HF cache, files hf-xet fetches) goes through `hf_hub_download`, which names the file itself: it is
+    checked right after, and deleted if wrong. Once `stop` is set, raises Stopped at the next chunk.
     """
+    url = hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint)
 
-    def attempt() -> None:
-        if local_dir is not None:
-            if not force and (Path(local_dir) / file.path).is_file():
-                return
-            if _fetch_resumable(
-                repo_id, file, commit, Path(local_dir), endpoint=endpoint, token=token, progress=progress
-            ):
-                return
-        hf_hub_download(
+    def attempt() -> Problem | None:
+        meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+        by_xet = meta.xet_file_data is not None and is_xet_available()
+        if not by_xet and file.size > constants.MAX_HTTP_DOWNLOAD_SIZE:
+            raise DownloadError(
+                f"{repo_id}@{commit}: {file.path} ({file.size / 1e9:.1f} GB): {_OVER_HTTP_LIMIT}, and the Hub "
+                "does not serve it through hf-xet; retry later, or ask the repo's owner"
+            )
+        if local_dir is not None and not by_xet:
+            return _fetch_resumable(file, url, meta, Path(local_dir), token=token, progress=progress, stop=stop)
+        path = hf_hub_download(
             repo_id,
             file.path,
             revision=commit,
@@ -99,10 +131,14 @@ def fetch_file(
             endpoint=endpoint,
             token=token,
             force_download=force,
-            tqdm_class=_bar_class(file.path, progress),
+            tqdm_class=_bar_class(file.path, progress, stop),
         )
+        problem = _check(Path(path), file, stop)
+        if problem is not None:
+            remove_file(Path(path))
+        return problem
 
-    with_retries(
+    return with_retries(
         attempt,
         retries=retries,
         backoff_s=backoff_s,
@@ -110,6 +146,27 @@ def fetch_file(
             exc, repo_id=repo_id, revision=commit, path=file.path, endpoint=endpoint, folder=local_dir or cache_dir
         ),
     )
+
+
+def remove_file(path: Path) -> None:
+    """Delete a file; in the HF cache also the blob its snapshot link points to."""
+    if path.is_symlink():
+        target = path.resolve()
+        path.unlink()
+        target.unlink(missing_ok=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _check(path: Path, file: RemoteFile, stop: threading.Event) -> Problem | None:
+    """What differs between the file at `path` and `file` (size, then digest), or None; Stopped between
+    chunks once `stop` is set."""
+
+    def on_bytes(done: int) -> None:
+        if stop.is_set():
+            raise Stopped
+
+    return difference(path, file.path, Recorded(file.size, file.sha256, "Hub", git_sha1=file.git_sha1), on_bytes)
 
 
 PARTIAL_DIR = Path(".cache") / "dsv41-partial"
@@ -122,26 +179,30 @@ def partial_path(local_dir: Path, file: RemoteFile) -> Path:
     return local_dir / PARTIAL_DIR / f"{file.path}.{tag}.partial"
 
 
+def partial_bytes(local_dir: Path, file: RemoteFile) -> int:
+    """Bytes of `file` a partial file already holds (0 if none, or if it is longer than the file: not a prefix)."""
+    path = partial_path(local_dir, file)
+    held = path.stat().st_size if path.is_file() else 0
+    return held if held <= file.size else 0
+
+
 def _fetch_resumable(
-    repo_id: str,
     file: RemoteFile,
-    commit: str,
+    url: str,
+    meta: HfFileMetadata,
     local_dir: Path,
     *,
-    endpoint: str,
     token: str | None,
     progress: Progress | None,
-) -> bool:
-    """HTTP download into a partial file that outlives the process; False if hf-xet should fetch it instead.
+    stop: threading.Event,
+) -> Problem | None:
+    """HTTP download into a partial file that outlives the process, renamed into place once it checks out.
 
     huggingface_hub (2.4) writes each download to a temporary file of its own process and deletes it on
     failure, so a killed run restarts every unfinished file from byte 0. Here the bytes go to
     `partial_path(...)` and the next run asks only for the rest (Range), which matters on a 10 GB shard.
+    A whole partial file that fails its check is deleted (never continued) and its problem returned.
     """
-    url = hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint)
-    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
-    if meta.xet_file_data is not None and is_xet_available():
-        return False
     headers = build_hf_headers(token=token)
     source = url
     if meta.xet_file_data is None and meta.location != url:
@@ -162,12 +223,16 @@ def _fetch_resumable(
             headers=headers,
             expected_size=file.size,
             displayed_filename=file.path,
-            tqdm_class=_bar_class(file.path, progress),
+            tqdm_class=_bar_class(file.path, progress, stop),
         )
+    problem = _check(partial, file, stop)
+    if problem is not None:
+        partial.unlink()
+        return problem
     dest = local_dir / file.path
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial.replace(dest)
-    return True
+    return None
 
 
 def with_retries(
@@ -304,8 +369,10 @@ def _http_error(
     return DownloadError(f"{where}: the Hub answered {code}: {message or e}")
 
 
-def _bar_class(label: str, progress: Progress | None) -> type:
-    """A tqdm stand-in for huggingface_hub that forwards (label, done, total) bytes to `progress`."""
+def _bar_class(label: str, progress: Progress | None, stop: threading.Event | None = None) -> type:
+    """A tqdm stand-in for huggingface_hub that forwards (label, done, total) bytes to `progress`, and raises
+    Stopped once `stop` is set: http_get updates its bar before it writes each chunk, so a stopped transfer
+    ends at a chunk boundary (its temporary or partial file a prefix of the file) and never completes."""
 
     class _Bar:
         def __init__(self, *args: Any, total: int | None = None, initial: int = 0, **kwargs: Any) -> None:
@@ -318,6 +385,8 @@ def _bar_class(label: str, progress: Progress | None) -> type:
                 progress(label, self.n, self.total)
 
         def update(self, n: float | None = 1) -> None:
+            if stop is not None and stop.is_set():
+                raise Stopped
             self.n += int(n or 0)
             self._emit()
 

@@ -1,7 +1,9 @@
 """`download` against a fake Hub on 127.0.0.1: full fetch, resume, repair, 404, revision pins, auth, offline.
 
 huggingface_hub reads HF_ENDPOINT and HF_HOME once, at import; the fixture therefore patches its
-`constants` module as well as the environment, and the library calls get the endpoint and cache explicitly.
+`constants` module as well as the environment (hubserver.point_huggingface_hub_at), and the library calls
+get the endpoint and cache explicitly. Interrupts, free space, files over 50 GB and files the Hub keeps
+serving wrong: test_download_faults.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import huggingface_hub.constants as hf_constants
 import pytest
-from hubserver import FakeHub, published_checkpoint, tiny_checkpoint
+from hubserver import FakeHub, point_huggingface_hub_at, published_checkpoint, tiny_checkpoint
 from huggingface_hub import HfApi
 from typer.testing import CliRunner
 
@@ -34,20 +36,9 @@ def checkpoints():
 
 @pytest.fixture
 def hub(checkpoints, tmp_path, monkeypatch):
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     with FakeHub() as server:
         server.add_repo(REPO, {C0: dict(checkpoints[C0]), C1: dict(checkpoints[C1])}, {"main": C1, "v0": C0})
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
-        template = server.url + "/{repo_id}/resolve/{revision}/{filename}"
-        monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+        point_huggingface_hub_at(server, tmp_path / "hf-home", monkeypatch)
         yield server
 
 

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import struct
+import threading
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from safetensors.torch import save
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.download import parse_repo_ref
-from dsv41_convert.hub.fetch import _bar_class, hub_error, with_retries
+from dsv41_convert.hub.fetch import Stopped, _bar_class, hub_error, with_retries
 from dsv41_convert.hub.integrity import (
     INDEX_NAME,
     Record,
@@ -179,3 +180,14 @@ def test_progress_bar_stand_in_forwards_bytes():
     with bar:
         bar.update(6)
     assert seen == [("f.safetensors", 4, 10), ("f.safetensors", 10, 10)]
+
+
+def test_progress_bar_stand_in_stops_a_transfer_once_told():
+    """http_get updates its bar before it writes each chunk: a set `stop` ends the transfer there."""
+    stop = threading.Event()
+    bar = _bar_class("f.safetensors", None, stop)(total=10)
+    bar.update(4)
+    stop.set()
+    with pytest.raises(Stopped):
+        bar.update(6)
+    assert bar.n == 4
