@@ -3,8 +3,9 @@
 The real config.json (dsv41_convert/data/v41-flash.config.json, hash-verified against the published
 file), the published shard grouping (48 files: vision + aligner, embed + image_*, layers 0..39, head +
 norm, mtp 0..2, the two Engram tables) with every tensor of the published catalogue (96,085, real names,
-dtypes, shapes), an index, and a tokenizer.json of the real vocab size (129,280 ids) whose Engram token
-map has the config's engram_compressed_vocab_size (99,092) ids, so the Engram hashing runs on it.
+dtypes, shapes), an index, and a tokenizer.json of the real vocab size (129,280 ids) with every special
+token at the id config.json names (image 129264, DSpark noise 128799) and whose Engram token map has the
+config's engram_compressed_vocab_size (99,092) ids, so the Engram hashing runs on it.
 
 Each shard is a safetensors header followed by a hole: `stat` reports 510,286,023,000 bytes of data,
 the disk holds ~20 MB (headers, index, tokenizer). Every data byte reads as zero, which is valid in
@@ -12,8 +13,10 @@ every dtype of the file: e4m3 / bf16 / f32 / e2m1 zeros, and e8m0 byte 0 = 2^-12
 gives all-zero logits (finite): every weight is 0, so every projection, norm and expert output is 0.
 
 Tensor order within a file is safetensors' serializer order (dtype, then name), as published, but in the
-two Engram shards (the module's order, table first: Shard.sorted_header); file sizes, the index and
-tokenizer_config.json are the published ones to the byte.
+two Engram shards (the module's order, table first: Shard.sorted_header); file sizes, config.json and
+tokenizer_config.json are the published ones to the byte. The index has the published mapping, total_size
+and byte length, but not the published bytes: the published key order is not known (reference README),
+ours is sorted (sha256 733ec7b8..., published 74b0686a...).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.progress import Progress
-from dsv41_convert.synth.tokenizer import fit_compressed_size, tokenizer_config
+from dsv41_convert.synth.tokenizer import fit_compressed_size, special_token_ids, tokenizer_config
 from dsv41_convert.synth.write import INDEX, plan_shards, prepare_out, write_text
 
 REAL_CONFIG = "v41-flash.config.json"
@@ -35,6 +40,14 @@ REAL_CONFIG = "v41-flash.config.json"
 def real_config() -> dict[str, Any]:
     """The published V4.1-Flash config.json (nested HF form)."""
     return json.loads(resources.files("dsv41_convert").joinpath("data", REAL_CONFIG).read_text(encoding="utf-8"))
+
+
+def hollow_tokenizer(config: dict[str, Any]) -> Tokenizer:
+    """The tokenizer of the full-size layout: the config's vocab size, every special token at the id the config
+    names (image 129264, DSpark noise 128799), an Engram token map of engram_compressed_vocab_size ids."""
+    text = config["text_config"]
+    specials = special_token_ids(config)
+    return fit_compressed_size(text["vocab_size"], text["engram_compressed_vocab_size"], specials)
 
 
 def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | None = None) -> dict[str, Any]:
@@ -49,7 +62,7 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
     shards = plan_shards(args, quantized=True)
     prepare_out(out, overwrite)
     text = config["text_config"]
-    tok = fit_compressed_size(text["vocab_size"], text["engram_compressed_vocab_size"])
+    tok = hollow_tokenizer(config)
     write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     write_text(out / "tokenizer.json", tok.to_str(pretty=False))
     model_max = text["max_position_embeddings"]
@@ -70,7 +83,7 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
         if progress is not None:
             progress(shard.file, size, size)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text(out / INDEX, json.dumps(index, indent=2))  # no newline at the end, as published
+    write_text(out / INDEX, json.dumps(index, indent=2))  # keys sorted; no newline at the end, as published
     used = sum(p.stat().st_blocks * 512 for p in out.iterdir())
     return {
         "out": str(out),

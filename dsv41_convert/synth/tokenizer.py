@@ -1,13 +1,16 @@
 """A small, real tokenizer.json for synthetic checkpoints.
 
 The tokenizer is a byte-level BPE (any text tokenizes and decodes back) with exactly `vocab_size`
-ids:
+ids. The five special tokens sit at the ids config.json names for them (`special_token_ids`); the
+ordinary tokens fill the other ids in order:
 
-    0, 1, 2              bos, eos, pad (special)
-    3 .. 258             the 256 byte symbols
-    259 .. vocab-3       merges: first learned from a built-in word list, then filler merges
-                         (an existing token + one lowercase letter) until the vocab is full
-    vocab-2, vocab-1     image token, DSpark noise token (special)
+    the 256 byte symbols
+    merges: first learned from a built-in word list, then filler merges (an existing token + one
+    lowercase letter) until the vocab is full
+
+With the default ids (bos, eos, pad = 0, 1, 2; image, DSpark noise = vocab-2, vocab-1, as the tiny and
+medium presets have them) the bytes are ids 3..258. The published config puts image at 129264 and
+noise at 128799, inside the ordinary range.
 
 Vocab and merges are built here, in a fixed order, so the file is identical for identical
 arguments (no trainer, no hash-map order).
@@ -19,13 +22,26 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 IMAGE, NOISE = "<｜deepseek_image｜>", "<｜dspark_noise｜>"
-N_HEAD_SPECIALS, N_TAIL_SPECIALS = 3, 2
+SPECIALS = (BOS, EOS, PAD, IMAGE, NOISE)
+
+# config.json key -> special token; ("text_config", key) for a key of the nested text config.
+# pad_token_id is the vocab's PAD though the published tokenizer_config.json pads with EOS's text
+# (see tokenizer_config); engram_pad_token_id is the same id.
+CONFIG_TOKEN_IDS: dict[tuple[str, ...], str] = {
+    ("bos_token_id",): BOS,
+    ("eos_token_id",): EOS,
+    ("pad_token_id",): PAD,
+    ("image_token_id",): IMAGE,
+    ("text_config", "engram_pad_token_id"): PAD,
+    ("text_config", "dspark_noise_token_id"): NOISE,
+}
 
 # text the merges are learned from: common English words, digits and code-ish fragments
 _CORPUS = """
@@ -92,25 +108,52 @@ def _learned_merges(alphabet: list[str], budget: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_tokenizer(vocab_size: int, folded: int = 0) -> Tokenizer:
+def default_special_ids(vocab_size: int) -> dict[str, int]:
+    """The special-token ids of the tiny and medium presets: bos, eos, pad first, image and noise last."""
+    return {BOS: 0, EOS: 1, PAD: 2, IMAGE: vocab_size - 2, NOISE: vocab_size - 1}
+
+
+def special_token_ids(config: Mapping[str, Any]) -> dict[str, int]:
+    """token text -> id of every special token a nested config.json names (CONFIG_TOKEN_IDS).
+
+    Raises ValueError when a key is missing or two keys give one token different ids."""
+    ids: dict[str, int] = {}
+    for keys, token in CONFIG_TOKEN_IDS.items():
+        node: Any = config
+        for key in keys:
+            if not isinstance(node, Mapping) or key not in node:
+                raise ValueError(f"config.json has no {'.'.join(keys)}: it names the id of {token}")
+            node = node[key]
+        if ids.setdefault(token, node) != node:
+            raise ValueError(f"config.json: {'.'.join(keys)} = {node}, but {token} is already id {ids[token]}")
+    return ids
+
+
+def build_tokenizer(vocab_size: int, folded: int = 0, specials: Mapping[str, int] | None = None) -> Tokenizer:
     """A byte-level BPE tokenizer with exactly `vocab_size` ids (layout in the module docstring).
 
-    folded: the last `folded` filler merges add an upper-case twin of an earlier filler token (token +
-    letter.upper()), which the Engram token map folds onto that token: the knob that sets the
-    compressed vocab size (see fit_compressed_size)."""
-    n_merges = vocab_size - N_HEAD_SPECIALS - 256 - N_TAIL_SPECIALS
+    folded:   the last `folded` filler merges add an upper-case twin of an earlier filler token (token +
+              letter.upper()), which the Engram token map folds onto that token: the knob that sets the
+              compressed vocab size (see fit_compressed_size).
+    specials: token text -> id for each of SPECIALS (special_token_ids of a config.json); None gives
+              default_special_ids(vocab_size)."""
+    specials = dict(default_special_ids(vocab_size) if specials is None else specials)
+    if set(specials) != set(SPECIALS):
+        raise ValueError(f"special tokens {sorted(specials)}: want exactly {sorted(SPECIALS)}")
+    bad = {t: i for t, i in specials.items() if not 0 <= i < vocab_size}
+    if bad or len(set(specials.values())) != len(specials):
+        raise ValueError(f"special token ids {specials}: want {len(specials)} distinct ids in 0..{vocab_size - 1}")
+    n_merges = vocab_size - len(SPECIALS) - 256
     if n_merges < 0:
-        raise ValueError(f"vocab_size {vocab_size} < {N_HEAD_SPECIALS + 256 + N_TAIL_SPECIALS} (specials + bytes)")
+        raise ValueError(f"vocab_size {vocab_size} < {len(SPECIALS) + 256} (specials + bytes)")
     alphabet = byte_symbols()
-    vocab: dict[str, int] = {BOS: 0, EOS: 1, PAD: 2}
-    for sym in alphabet:
-        vocab[sym] = len(vocab)
+    ordinary: dict[str, None] = dict.fromkeys(alphabet)  # insertion-ordered set; ids are given at the end
     merges: list[tuple[str, str]] = []
     for a, b in _learned_merges(alphabet, n_merges):
-        if a + b not in vocab:
-            vocab[a + b] = len(vocab)
+        if a + b not in ordinary:
+            ordinary[a + b] = None
             merges.append((a, b))
-    tokens = list(vocab)[N_HEAD_SPECIALS:]
+    tokens = list(ordinary)
     filled: list[tuple[str, str]] = []
     plain = n_merges - folded
     i = 0
@@ -120,23 +163,24 @@ def build_tokenizer(vocab_size: int, folded: int = 0) -> Tokenizer:
         for c in _FILL_LETTERS:
             if len(merges) == plain:
                 break
-            if base + c not in vocab:
-                vocab[base + c] = len(vocab)
+            if base + c not in ordinary:
+                ordinary[base + c] = None
                 tokens.append(base + c)
                 merges.append((base, c))
                 filled.append((base, c))
     twins = iter(filled)
     while len(merges) < n_merges:
         base, c = next(twins)
-        if base + c.upper() not in vocab:
-            vocab[base + c.upper()] = len(vocab)
+        if base + c.upper() not in ordinary:
+            ordinary[base + c.upper()] = None
             merges.append((base, c.upper()))
-    vocab[IMAGE] = vocab_size - 2
-    vocab[NOISE] = vocab_size - 1
+    taken = set(specials.values())
+    free = (k for k in range(vocab_size) if k not in taken)
+    vocab = dict(zip(ordinary, free, strict=True)) | specials
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, PAD, IMAGE, NOISE)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     return tok
 
 
@@ -170,14 +214,14 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
     }
 
 
-def fit_compressed_size(vocab_size: int, compressed_size: int) -> Tokenizer:
-    """A build_tokenizer(vocab_size, folded) whose Engram token map has exactly `compressed_size` ids
-    (a real config's engram_compressed_vocab_size); raises ValueError when no fold count gets there."""
+def fit_compressed_size(vocab_size: int, compressed_size: int, specials: Mapping[str, int] | None = None) -> Tokenizer:
+    """A build_tokenizer(vocab_size, folded, specials) whose Engram token map has exactly `compressed_size`
+    ids (a real config's engram_compressed_vocab_size); raises ValueError when no fold count gets there."""
     from dsv41_convert.model.engram_hash import compressed_token_map
 
     folded = 0
     for _ in range(8):
-        tok = build_tokenizer(vocab_size, folded)
+        tok = build_tokenizer(vocab_size, folded, specials)
         _, size = compressed_token_map(tok)
         if size == compressed_size:
             return tok

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
@@ -33,7 +34,7 @@ from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import build_header, nbytes
 from dsv41_convert.synth.presets import Preset, hf_config
-from dsv41_convert.synth.tokenizer import build_tokenizer, tokenizer_config
+from dsv41_convert.synth.tokenizer import build_tokenizer, special_token_ids, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
 
 INDEX = "model.safetensors.index.json"
@@ -175,6 +176,15 @@ def write_shard(out: Path, shard: Shard, seed: int, quantized: bool, progress: P
     return (out / shard.file).stat().st_size
 
 
+def preset_files(preset: Preset, *, quantized: bool = True, vision: bool = True) -> tuple[dict[str, Any], Tokenizer]:
+    """config.json of a preset and its tokenizer, which puts every special token at the id config.json names
+    and whose Engram token-map size is the config's engram_compressed_vocab_size."""
+    config = hf_config(preset, compressed_vocab_size=0, quantized=quantized, vision=vision)  # size set below
+    tok = build_tokenizer(preset.vocab_size, specials=special_token_ids(config))
+    _, config["text_config"]["engram_compressed_vocab_size"] = compressed_token_map(tok)
+    return config, tok
+
+
 def write_checkpoint(
     out: Path,
     preset: Preset,
@@ -194,9 +204,8 @@ def write_checkpoint(
     Returns a summary: files with sizes, tensor count, total_size, the config.
     """
     out = Path(out)
-    tok = build_tokenizer(preset.vocab_size)
-    _, compressed = compressed_token_map(tok)
-    config = hf_config(preset, compressed_vocab_size=compressed, quantized=quantized, vision=vision)
+    config, tok = preset_files(preset, quantized=quantized, vision=vision)
+    compressed = config["text_config"]["engram_compressed_vocab_size"]
     args = ModelArgs.from_hf_dict(config, f"preset {preset.name}")
     shards = plan_shards(args, quantized, layer_shards)  # every check before the first byte is touched
     prepare_out(out, overwrite)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from reference_data import TOKENIZER_CONFIG
 from tokenizers import Tokenizer
 
 from dsv41_convert.model.engram_hash import compressed_token_map
+from dsv41_convert.synth.hollow import hollow_tokenizer, real_config
 from dsv41_convert.synth.presets import PRESETS
 from dsv41_convert.synth.tokenizer import (
     BOS,
@@ -17,8 +22,10 @@ from dsv41_convert.synth.tokenizer import (
     NOISE,
     PAD,
     build_tokenizer,
+    special_token_ids,
     tokenizer_config,
 )
+from dsv41_convert.synth.write import preset_files
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +115,85 @@ def test_tokenizer_config_is_shaped_as_published():
     # the published file pads with the end-of-sentence text (config.json's pad_token_id 2 is the vocab's PAD)
     assert (cfg["bos_token"]["content"], cfg["eos_token"]["content"], cfg["pad_token"]["content"]) == (BOS, EOS, EOS)
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and cfg["model_max_length"] == 1024
+
+
+def _token_ids(node: Any, path: str = "") -> Iterator[tuple[str, int]]:
+    """(dotted key, id) of every *_token_id anywhere in a nested config.json."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _token_ids(value, f"{path}{key}.")
+        elif key.endswith("_token_id"):
+            yield f"{path}{key}", value
+
+
+def _expected_tokens() -> dict[str, str]:
+    """config.json key -> the token it must name: bos/eos as the published tokenizer_config.json spells them;
+    the pad ids are the vocab's PAD (id 2 in the published vocab and SPEC's engram_pad_id; the published
+    tokenizer_config pads with the EOS text instead); image and noise as synth.tokenizer names them."""
+    published = json.loads(TOKENIZER_CONFIG.read_text(encoding="utf-8"))
+    return {
+        "bos_token_id": published["bos_token"]["content"],
+        "eos_token_id": published["eos_token"]["content"],
+        "pad_token_id": PAD,
+        "image_token_id": "<｜deepseek_image｜>",
+        "text_config.engram_pad_token_id": PAD,
+        "text_config.dspark_noise_token_id": "<｜dspark_noise｜>",
+    }
+
+
+def _files(preset: str) -> tuple[dict[str, Any], Tokenizer]:
+    if preset == "full":  # what make-tiny --preset full --sparse writes
+        config = real_config()
+        return config, hollow_tokenizer(config)
+    return preset_files(PRESETS[preset])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "medium", "full"])
+def test_every_config_token_id_names_its_token(preset):
+    """The hollow copy put image and noise at vocab-2 / vocab-1 while its config says 129264 / 128799."""
+    config, tok = _files(preset)
+    expected = _expected_tokens()
+    found = dict(_token_ids(config))
+    assert set(found) == set(expected), "a *_token_id this test does not know: add what it must decode to"
+    if preset == "full":
+        assert (found["image_token_id"], found["text_config.dspark_noise_token_id"]) == (129264, 128799)
+    for key, token_id in found.items():
+        assert tok.id_to_token(token_id) == expected[key], key
+        assert tok.decode([token_id], skip_special_tokens=False) == expected[key], key
+        assert tok.encode(expected[key]).ids == [token_id], key
+
+
+def test_specials_inside_the_vocab_keep_it_whole():
+    """Specials at ids among the ordinary tokens: every id used once, text still round-trips."""
+    specials = {BOS: 0, EOS: 1, PAD: 2, IMAGE: 300, NOISE: 257}
+    tok = build_tokenizer(512, specials=specials)
+    assert sorted(tok.get_vocab(with_added_tokens=True).values()) == list(range(512))
+    assert {t: tok.token_to_id(t) for t in specials} == specials
+    text = "Hello World, the model has 128 experts!"
+    assert tok.decode(tok.encode(text).ids) == text
+    assert tok.encode(f"a{IMAGE}b{NOISE}").ids[1::2] == [300, 257]
+
+
+@pytest.mark.parametrize(
+    ("specials", "match"),
+    [
+        ({BOS: 0, EOS: 1, PAD: 2, IMAGE: 7}, r"want exactly"),
+        ({BOS: 0, EOS: 1, PAD: 2, IMAGE: 7, NOISE: 7}, r"distinct"),
+        ({BOS: 0, EOS: 1, PAD: 2, IMAGE: 7, NOISE: 512}, r"0\.\.511"),
+    ],
+)
+def test_bad_special_ids_are_refused(specials, match):
+    with pytest.raises(ValueError, match=match):
+        build_tokenizer(512, specials=specials)
+
+
+def test_special_ids_come_from_the_config():
+    config = real_config()
+    assert special_token_ids(config) == {BOS: 0, EOS: 1, PAD: 2, IMAGE: 129264, NOISE: 128799}
+    config["text_config"]["engram_pad_token_id"] = 5
+    with pytest.raises(ValueError, match=r"engram_pad_token_id = 5"):
+        special_token_ids(config)
+    config = real_config()
+    del config["image_token_id"]
+    with pytest.raises(ValueError, match=r"no image_token_id"):
+        special_token_ids(config)
