@@ -587,7 +587,7 @@ def demo_cmd(
     folder: DemoDirArg = Path("dsv41-demo"),
     tp: opts.TpOpt = 8,
     seed: opts.SeedOpt = 0,
-    overwrite: opts.OverwriteOpt = False,
+    overwrite: opts.DemoOverwriteOpt = False,
     threads: ThreadsOpt = None,
     as_json: opts.JsonOpt = False,
 ) -> None:

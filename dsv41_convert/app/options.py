@@ -20,6 +20,12 @@ OutArg = Annotated[Path, typer.Argument(help="Output folder.")]
 TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Number of tensor-parallel ranks.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Allow writing into a non-empty output folder.")]
+DemoOverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite", help="Replace DIR if an earlier demo wrote it (DIR/.dsv41-demo); nothing else is removed."
+    ),
+]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Plan and validate, write nothing.")]
 DirectIoOpt = Annotated[
     bool,
