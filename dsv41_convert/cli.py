@@ -275,8 +275,7 @@ def shard_cmd(
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list)}
-        summary = summarize(plan)
-        summary["ranks"] = [r for r in summary["ranks"] if r["rank"] in mine]  # what this run would write
+        summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:

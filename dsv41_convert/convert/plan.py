@@ -496,13 +496,15 @@ def file_summary(f: RankFile) -> dict[str, Any]:
     return {"file": f.file, "tensors": f.n_tensors, "bytes": f.nbytes, "rules": rules}
 
 
-def summarize(plan: ConversionPlan) -> dict[str, Any]:
-    """Per rank: file, tensor count, bytes, and tensor counts per rule (the `plan` command's table)."""
+def summarize(plan: ConversionPlan, ranks: set[int] | None = None) -> dict[str, Any]:
+    """Per rank (of `ranks`, else all): file, tensor count, bytes, and tensor counts per rule (the `plan`
+    command's table), and the bytes of those ranks."""
+    files = [f for f in plan.files if ranks is None or f.rank in ranks]
     return {
         "src": plan.src,
         "tp": plan.tp,
         "expert_dtype": plan.expert_dtype,
         "source_format": plan.source_format,
-        "total_bytes": plan.total_bytes,
-        "ranks": [{"rank": f.rank, **file_summary(f)} for f in plan.files],
+        "total_bytes": sum(f.nbytes for f in files),
+        "ranks": [{"rank": f.rank, **file_summary(f)} for f in files],
     }

@@ -101,7 +101,9 @@ def test_dry_run_refuses_what_the_run_refuses(src, tmp_path, monkeypatch, capsys
     args = (str(src), str(tmp_path / "y"), "--tp", "4", "--ranks", "1,3", "--dry-run", "--json")
     code, doc, err = shard(monkeypatch, capsys, *args)
     assert code == 0, err
-    assert [r["rank"] for r in json.loads(doc)["ranks"]] == [1, 3]
+    summary = json.loads(doc)
+    assert [r["rank"] for r in summary["ranks"]] == [1, 3]
+    assert summary["total_bytes"] == sum(r["bytes"] for r in summary["ranks"])  # it was all four ranks'
 
 
 @pytest.mark.parametrize("record", [b"[]", b'{"size": "12"}', b"\xff\xfe not utf-8"])
