@@ -95,6 +95,7 @@ class VerifyResult:
     verdict: str = FAIL  # PASS | FAIL | INCONCLUSIVE
     advice: str = ""  # INCONCLUSIVE: what would make the run decisive
     statistical: bool = False  # --statistical: statistical bounds accepted
+    drafts_statistical: bool = False  # a PASS whose DSpark drafts only statistical bounds judged (--statistical)
     unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
 
     @property
@@ -118,7 +119,8 @@ class VerifyResult:
             "verdict": self.verdict,
             "decisive": self.decisive,
             "held": self.held,
-            "statistical": self.statistical and not self.decisive,
+            "statistical": self.statistical and (not self.decisive or self.drafts_statistical),
+            "drafts_statistical": self.drafts_statistical,
             "checks": [c.to_json() for c in self.checks],
             "advice": self.advice,
             "unreached": self.unreached,
@@ -292,7 +294,9 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
     if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages
         for c in result.checks:
             c.covers_drafts = False
-    result.verdict = decide(result.checks, result.failures, opts.statistical, conv_args.n_mtp_layers > 0)
+    drafts = conv_args.n_mtp_layers > 0
+    result.verdict = decide(result.checks, result.failures, opts.statistical, drafts)
+    result.drafts_statistical = result.verdict == PASS and drafts and drafts_uncovered(result.checks)
     result.unreached = not_run_by(ref.inputs, conv_args)
     if result.verdict == INCONCLUSIVE:
         result.advice = advice(tp, src_ref is not None, drafts_uncovered(result.checks))

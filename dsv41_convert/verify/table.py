@@ -53,6 +53,8 @@ def render(result: VerifyResult) -> Group:
     elif result.decisive:
         held = [c for c in result.checks if c.decisive]
         how = "decisive: " + ", ".join(c.name + (" bit for bit" if c.exact else " within measured noise") for c in held)
+        if result.drafts_statistical:
+            how += "; the DSpark drafts on statistical bounds only (--statistical)"
     elif result.verdict == "PASS":
         how = "statistical bounds only (--statistical)"
     else:

@@ -308,6 +308,13 @@ def test_cli_exit_codes(m, monkeypatch, capsys):
     args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--threads", "1")
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--no-replay")
     assert code == 3 and "INCONCLUSIVE" in out and "teacher within measured noise" in out, out
+    # accepted with --statistical, the report says the drafts passed on statistical bounds alone (it said
+    # only "decisive: teacher", and --json "statistical": false)
+    code, out, _ = run_cli(monkeypatch, capsys, *args, "--no-replay", "--statistical")
+    assert code == 0 and "decisive: teacher within measured noise; the DSpark drafts on statistical bounds" in out
+    code, out, _ = run_cli(monkeypatch, capsys, *args, "--no-replay", "--statistical", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["decisive"] == ["teacher"] and doc["statistical"] and doc["drafts_statistical"]
     code, out, _ = run_cli(monkeypatch, capsys, *args)
     assert code == 0 and "PASS" in out, out
 
