@@ -486,11 +486,10 @@ def reference_logits_cmd(
             f"{fixed[0]}: decode_ids go with --stream-layers (the tokens its decode steps feed); without it the "
             "decode steps feed the model's own greedy choices: drop them, or add --stream-layers"
         )
-    if not as_json:
-        from dsv41_convert.verify.run import not_run_by
+    from dsv41_convert.verify.run import not_run_by
 
-        for part in not_run_by(prompt_list, args):  # said before the compute, while the prompts can change
-            report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
+    for part in not_run_by(prompt_list, args):  # said before the compute, while the prompts can change (stderr)
+        report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
     timings = None
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     out.parent.mkdir(parents=True, exist_ok=True)

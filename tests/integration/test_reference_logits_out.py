@@ -85,12 +85,13 @@ def test_no_image_prompt_for_a_vision_tower_is_warned_before_the_compute(src, tm
     """The default prompts are text: verify against the file could never check the vision tower (it reports
     `unreached`); said here too, before the compute, while the prompts can still change."""
     out = tmp_path / "ref.safetensors"
-    with monkeypatch.context() as m:
-        m.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
-        with pytest.raises(AssertionError, match="before the compute"):
-            run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out))
-    err = capsys.readouterr().err
-    assert f"warning: no prompt runs it, so verify against {out} cannot check it: vision tower and aligner" in err
+    for json_flag in ([], ["--json"]):  # with --json too: on stderr, beside the document (it said nothing)
+        with monkeypatch.context() as m:
+            m.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+            with pytest.raises(AssertionError, match="before the compute"):
+                run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), *json_flag)
+        err = capsys.readouterr().err
+        assert f"warning: no prompt runs it, so verify against {out} cannot check it: vision tower and aligner" in err
     from PIL import Image
 
     Image.new("RGB", (64, 48), (90, 40, 200)).save(tmp_path / "a.png")
