@@ -861,6 +861,12 @@ def main() -> None:
         if code == 2:
             _json_error(exc.format_message())
         sys.exit(code)
+    except Exception:
+        # after a signal, what fails is its doing: a module half-imported when the KeyboardInterrupt landed
+        # (reference-logits at 0.5 s: numpy without `multiply`)
+        if _debug["on"] or not interrupts.interrupted():
+            raise
+        code = INTERRUPTED
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
         report.error(interrupted_message(sys.argv[1:2], how))

@@ -32,6 +32,11 @@ def interrupt() -> None:
         raise KeyboardInterrupt
 
 
+def interrupted() -> bool:
+    """Whether a signal reached interrupt() in this process."""
+    return _state["interrupted"]
+
+
 def check() -> None:
     """Raise KeyboardInterrupt if this process was interrupted (postponed, or raised where it was dropped)."""
     if _state["interrupted"]:

@@ -121,6 +121,30 @@ def test_ctrl_c_message_fits_the_command():
     assert "--resume" not in interrupted_message(["reference-logits"])
 
 
+def test_an_error_after_a_signal_ends_the_run_as_interrupted(tmp_path, monkeypatch, capsys):
+    """A SIGINT at 0.5 s into reference-logits, landing inside numpy's import, ended in exit 1 with a traceback
+    (`AttributeError: module 'numpy' has no attribute 'multiply'`; an audit, 2 tries in 5) and no --json
+    document. After a signal, what fails is the signal's doing: exit 130 and its message."""
+    from cli_run import run_cli
+    from tiny_ckpt import make_tiny
+
+    from dsv41_convert import interrupts
+
+    src = make_tiny(tmp_path / "src", vision=False)
+
+    def half_imported(*args, **kwargs):
+        raise AttributeError("module 'numpy' has no attribute 'multiply'")
+
+    monkeypatch.setattr("dsv41_convert.convert.plan.build_plan", half_imported)
+    monkeypatch.setitem(interrupts._state, "interrupted", True)  # a signal came
+    code, out, err = run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2", "--json")
+    assert code == 130 and err == "error: interrupted; nothing was written", err
+    assert json.loads(out) == {"ok": False, "exit_code": 130, "error": "interrupted; nothing was written"}
+    monkeypatch.setitem(interrupts._state, "interrupted", False)  # no signal: the error is a bug, its traceback kept
+    with pytest.raises(AttributeError):
+        run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2")
+
+
 def test_a_reader_that_goes_away_is_exit_141_not_a_failed_check(tmp_path):
     """`plan --json | head -c 10`: Click turned the broken pipe into exit 1 ("a check ran and failed") with no
     word; a CI step with pipefail then reported a failed check. Now 141, as SIGPIPE ends a shell tool."""
