@@ -96,14 +96,7 @@ def test_config_values_of_the_wrong_kind(src, tmp_path, monkeypatch, capsys, edi
     tracebacks (AttributeError, TypeError) from plan, shard and export."""
     bad = copy_of(src, tmp_path / "bad")
     edit_config(bad, edit)
-    for command in (
-        ["plan", str(bad), "--tp", "2"],
-        ["shard", str(bad), str(tmp_path / "out"), "--tp", "2"],
-        ["export", str(bad), str(tmp_path / "out"), "--format", "bf16"],
-    ):
-        code, _, err = run_cli(monkeypatch, capsys, *command)
-        assert_clean_error(code, err, f"{bad / 'config.json'}: ", message)
-    assert not (tmp_path / "out").exists()
+    _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / 'config.json'}: ", message)
 
 
 @pytest.mark.parametrize(
@@ -120,14 +113,16 @@ def test_json_files_that_are_no_json_object(src, tmp_path, monkeypatch, capsys, 
     (UnicodeDecodeError, RecursionError, AttributeError) before."""
     bad = copy_of(src, tmp_path / "bad")
     (bad / name).write_bytes(text)
-    for command in (
-        ["plan", str(bad), "--tp", "2"],
-        ["shard", str(bad), str(tmp_path / "out"), "--tp", "2"],
-        ["export", str(bad), str(tmp_path / "out"), "--format", "bf16"],
-    ):
+    _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / name}: ", message)
+
+
+def _every_reader_refuses(bad: Path, out: Path, monkeypatch, capsys, *needles: str) -> None:
+    """plan, shard and export of the source `bad` each a clean error with `needles`; nothing made at `out`."""
+    for command in (["plan", str(bad), "--tp", "2"], ["shard", str(bad), str(out), "--tp", "2"],
+                    ["export", str(bad), str(out), "--format", "bf16"]):  # fmt: skip
         code, _, err = run_cli(monkeypatch, capsys, *command)
-        assert_clean_error(code, err, f"{bad / name}: ", message)
-    assert not (tmp_path / "out").exists()
+        assert_clean_error(code, err, *needles)
+    assert not out.exists()
 
 
 def test_an_output_the_system_refuses_is_an_error_not_a_traceback(src, tmp_path, monkeypatch, capsys):
