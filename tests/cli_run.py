@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,14 @@ from pathlib import Path
 from dsv41_convert.cli import main
 from dsv41_convert.store.manifest import DONE_DIR
 from dsv41_convert.store.source_stamps import PREFIX as STAMPS_PREFIX
+
+
+def default_sigint() -> None:
+    """In the child before exec: SIGINT unblocked and at its default, as a shell starts a command. A child
+    of the test process inherits an ignored or blocked SIGINT from it, and in the whole suite (not in one
+    file alone) the runs these tests interrupt ignored the signal and ran to the end."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:

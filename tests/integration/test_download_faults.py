@@ -15,7 +15,7 @@ import time
 
 import huggingface_hub.constants as hf_constants
 import pytest
-from cli_run import run_cli
+from cli_run import default_sigint, run_cli
 from hubserver import FakeHub, point_huggingface_hub_at, tiny_checkpoint
 from huggingface_hub import HfApi
 
@@ -89,6 +89,7 @@ def test_a_signal_stops_the_transfers_in_flight_at_once_and_the_rerun_resumes(hu
     proc = subprocess.Popen(
         [sys.executable, "-c", _CLI_SMALL_CHUNKS, "download", REPO, *where, "--json"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=default_sigint,
     )  # fmt: skip
     try:
         _sent(hub, FIRST, 512)
@@ -138,6 +139,9 @@ def test_an_interrupt_leaves_a_transfer_stuck_in_a_read_after_the_grace():
             raise hub_fetch.Stopped
         return None
 
+    # as in a shell: the whole suite leaves this process's SIGINT blocked or taken by an earlier test
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -145,6 +149,8 @@ def test_an_interrupt_leaves_a_transfer_stuck_in_a_read_after_the_grace():
         took = time.monotonic() - start
     finally:
         stuck.set()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, handler)
     assert saw_stop.is_set() and dl.GRACE_S - 0.1 < took < dl.GRACE_S + 0.5
 
 

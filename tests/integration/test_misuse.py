@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_run import done_records, partial_sizes, run_cli
+from cli_run import default_sigint, done_records, partial_sizes, run_cli
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.store.manifest import DONE_DIR
@@ -43,14 +43,6 @@ def edit_config(folder: Path, edit) -> None:
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     path.write_text(json.dumps(edit(cfg)))
-
-
-def _default_sigint() -> None:
-    """In the child before exec: SIGINT unblocked and at its default, as a shell starts a command. A child
-    of the test process inherits an ignored or blocked SIGINT from it, and in the whole suite (not in this
-    file alone) the runs these tests interrupt ignored the signal and ran to the end."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def assert_clean_error(code: int, err: str, *needles: str) -> None:
@@ -286,7 +278,7 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
     env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.05"}
     cmd = [*CLI, "shard", str(src), str(out), "--tp", "8", "--workers", "2", "--buffered-io", "--json"]
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
     )
     deadline = time.monotonic() + 120
     while not any(partial_sizes(out)) and time.monotonic() < deadline:
@@ -449,7 +441,7 @@ def test_verify_interrupted_leaves_no_rank_running(tmp_path, how):
     verify = [*CLI, "verify", str(sharded), "--reference-logits", str(ref), "--threads", "1"]  # then the teacher
     # output captured, as a supervisor does: every process holding the pipes must end for it to close
     proc = subprocess.Popen(
-        verify, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_default_sigint
+        verify, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=default_sigint
     )
     for line in proc.stderr:  # the signal as the ranks start (where the old code lost them)
         if line.startswith(b"converted:"):
