@@ -16,7 +16,7 @@ from dsv41_convert.errors import NOT_JSON, VerifyInputError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST
-from dsv41_convert.store.rank_names import rank_file_name
+from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 
 @dataclass
@@ -118,7 +118,7 @@ def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
 def _missing_ranks(folder: Path, files: dict[str, Any], tp: int, each: int = 16) -> list[str]:
     """A line for each rank file of a tp-`tp` conversion that `files` does not list; past `each` of them, one
     line (a manifest saying tp 1000000000 is not a billion lines, nor a billion steps)."""
-    listed = sum(rank_file_name(r, tp) in files for r in range(min(tp, len(files))))
+    listed = sum(1 for name in files if (m := RANK_FILE.fullmatch(name)) and int(m[2]) == tp and int(m[1]) < tp)
     if tp - listed > each:
         first = [name for r in range(min(tp, len(files) + 3)) if (name := rank_file_name(r, tp)) not in files][:3]
         return [f"{MANIFEST} says tp {tp} but lists {listed} of its rank files ({', '.join(first)}, ... missing)"]

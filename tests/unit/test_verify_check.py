@@ -102,6 +102,14 @@ def test_a_manifest_of_a_huge_tp_is_one_line_at_once(tmp_path):
     assert len(problems) == 1
     (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 16}}))  # 16 missing: each named
     assert len(check_folder(folder).problems) == 16
+    (tmp_path / "late").mkdir()
+    late = _folder(tmp_path / "late", {f"model{r}-mp40.safetensors": b"x" for r in range(20, 40)})
+    manifest = json.loads((late / "manifest.json").read_text())
+    (late / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 40}}))  # ranks 20..39 listed
+    assert check_folder(late).problems == [
+        "manifest.json says tp 40 but lists 20 of its rank files (model0-mp40.safetensors, "
+        "model1-mp40.safetensors, model2-mp40.safetensors, ... missing)"
+    ]
 
 
 def test_our_manifest_answers_only_for_a_well_formed_one_of_ours(tmp_path):
