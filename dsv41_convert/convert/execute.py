@@ -657,7 +657,6 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[
 
 _QUEUE: Any = None
 _LOCKS: SharedFiles | None = None
-_INTERRUPTED = False  # this worker took Ctrl-C: a second one is ignored
 
 
 def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
@@ -678,9 +677,7 @@ def _interrupt_worker(signum, frame) -> None:
     the file being written stops and keeps its partial for --resume (write.py), and the files the pool has
     already queued to this worker are refused (_worker_job), so that no file is written after Ctrl-C. A
     second Ctrl-C is ignored: it would interrupt the first one's cleanup."""
-    global _INTERRUPTED
-    if not _INTERRUPTED:
-        _INTERRUPTED = True
+    if not interrupts.interrupted():
         interrupts.interrupt()  # at once, or while a file is written at its next chunk (interrupts.py)
 
 
