@@ -598,6 +598,7 @@ def demo_cmd(
     """
     from dsv41_convert.app.demo import run_demo
     from dsv41_convert.verify.table import render
+    from dsv41_convert.verify.verdict import EXIT_CODES
 
     with report.byte_progress("demo", quiet=True) as progress:
         result, seconds = run_demo(
@@ -608,8 +609,7 @@ def demo_cmd(
     else:
         report.stdout.print(render(result))
         report.info(", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()) + f"; total {sum(seconds.values()):.1f} s")
-    if not result.ok:
-        raise typer.Exit(1)
+    raise typer.Exit(EXIT_CODES[result.verdict])
 
 
 # --- commands: download ---
@@ -799,7 +799,7 @@ def _input_error(message: str) -> None:
 def _json_error(message: str, code: int = 2) -> None:
     """With --json: {"ok": false, "exit_code": code, "error": message} on stdout."""
     if "--json" in sys.argv[1:]:
-        report.print_json({"ok": False, "exit_code": code, "error": message})
+        report.print_json({"ok": False, "exit_code": code, "error": message}, after_a_signal=True)
 
 
 RESUMABLE = {
@@ -823,13 +823,13 @@ def _sigterm_as_interrupt(signum, frame) -> None:
     semaphores released, the message and --json document), then exit 143. Killed outright, the run left its
     fork server's semaphores to multiprocessing's tracker, which warned of them as leaked."""
     _stopped_by.append("terminated (SIGTERM)")
-    interrupts.interrupt()
+    interrupts.interrupt(frame)
 
 
 def _sigint_as_interrupt(signum, frame) -> None:
     """Ctrl-C: KeyboardInterrupt as Python raises it, but postponed while a file's writer threads run
     (interrupts.py: raised inside a queue operation, it hung the cleanup)."""
-    interrupts.interrupt()
+    interrupts.interrupt(frame)
 
 
 def main() -> None:
@@ -850,7 +850,7 @@ def main() -> None:
             raise
         _input_error(str(exc) if isinstance(exc, ConvertError) else os_error_message(exc))
     except typer.Exit as exc:
-        sys.exit(exc.exit_code)
+        code = exc.exit_code
     except typer.Abort:
         report.error("aborted")
         sys.exit(130)
@@ -867,6 +867,8 @@ def main() -> None:
         if _debug["on"] or not interrupts.interrupted():
             raise
         code = INTERRUPTED
+    if interrupts.interrupted() and not _debug["on"]:
+        code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
         report.error(interrupted_message(sys.argv[1:2], how))

@@ -10,6 +10,11 @@ as Python would, except inside `deferred()` (write.write_partial while its threa
 postponed to the next `check()`. The writers call `check()` before each queue operation of theirs (every
 chunk of every tensor), so a run still stops within one chunk's write.
 
+A signal that lands while a module is imported (torch's first import takes about a second) is postponed
+too, to the next check: a KeyboardInterrupt inside an extension module's import aborted the process
+(pybind11's "terminate called after throwing ... KeyboardInterrupt", exit 134), or was swallowed by the
+import and the run went on to the end and exited 0.
+
 An interrupt stays: every later `check()` raises again. A KeyboardInterrupt raised while the interpreter
 runs a weakref callback or a __del__ is printed ("Exception ignored in ...") and dropped, and the process
 runs on (seen on CI: a worker's SIGINT raised inside importlib's module-lock callback); the next check
@@ -21,15 +26,26 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 _state = {"depth": 0, "interrupted": False}
 
 
-def interrupt() -> None:
-    """For a signal handler: raise KeyboardInterrupt now, or at the next check() while deferred."""
+def interrupt(frame: FrameType | None = None) -> None:
+    """For a signal handler (`frame`: the one it interrupted): raise KeyboardInterrupt now, or at the next
+    check() while deferred or while `frame` imports a module."""
     _state["interrupted"] = True
-    if not _state["depth"]:
+    if not _state["depth"] and not importing(frame):
         raise KeyboardInterrupt
+
+
+def importing(frame: FrameType | None) -> bool:
+    """Whether `frame` or a frame that called it is importlib's: a module is being imported."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def interrupted() -> bool:

@@ -34,6 +34,33 @@ def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return code, out, " ".join(err.split())
 
 
+_SIGNAL_IN_AN_IMPORT = """
+import os, signal, sys
+from dsv41_convert import cli
+
+MODULE = sys.argv[1]
+
+class SignalDuringTheImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except KeyboardInterrupt:  # swallowed by the import (as a KeyboardInterrupt in importlib's
+                pass  # module-lock callback is dropped)
+
+sys.meta_path.insert(0, SignalDuringTheImport())
+sys.argv = ["dsv41-convert", *sys.argv[2:]]
+cli.main()
+"""
+
+
+def run_cli_with_a_signal_in_an_import(module: str, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in a child process that sends itself SIGTERM when `module` is first imported, inside that
+    import, which swallows any KeyboardInterrupt raised there."""
+    return subprocess.run([sys.executable, "-c", _SIGNAL_IN_AN_IMPORT, module, *args], capture_output=True, text=True)
+
+
 _FILE_SIZE_LIMITED = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

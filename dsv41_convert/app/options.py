@@ -69,8 +69,8 @@ WorkersOpt = Annotated[
     typer.Option(
         "--workers",
         parser=parse_workers,
-        help="Local worker processes (one rank file each), or auto: a quarter of the cores but at least 4 "
-        "(half but at least 2 where most bytes are computed), within memory and the number of rank files "
+        help="Local worker processes (one output file each), or auto: a quarter of the cores but at least 4 "
+        "(half but at least 2 where most bytes are computed), within memory and the number of output files "
         "(1 with --device cuda).",
     ),
 ]
@@ -88,7 +88,7 @@ ResumeOpt = Annotated[
     bool,
     typer.Option(
         "--resume",
-        help="Continue a run: skip finished rank files whose size and sha256 match their record; "
+        help="Continue a run: skip finished output files whose size and sha256 match their record; "
         "continue unfinished ones from their last verified checkpoint.",
     ),
 ]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from dsv41_convert import interrupts
 from dsv41_convert.progress import Progress as ProgressFn
 
 if TYPE_CHECKING:
@@ -43,25 +44,29 @@ def _console(name: str) -> Console:
 PIPE_WIDTH = 200  # columns of output that goes to a file or a pipe (rich assumes 80 there)
 
 
-def print_json(data: Any, compact: bool = False) -> None:
+def print_json(data: Any, compact: bool = False, after_a_signal: bool = False) -> None:
     """One JSON document on stdout, for pipelines. `compact`: no indentation, for large documents (the
     indenting encoder is pure Python, ~10x slower than the compact one), and no check for cycles, which
     costs a third of the encoding of a plan's 400k containers (JSON data has none: one would recurse
-    until RecursionError instead of a ValueError)."""
+    until RecursionError instead of a ValueError). `after_a_signal`: as `write`'s."""
     if compact:
         text = json.dumps(data, separators=(",", ":"), default=str, check_circular=False)
     else:
         text = json.dumps(data, indent=2, default=str)
-    write(text)
+    write(text, after_a_signal=after_a_signal)
 
 
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
-def write(*pieces: str) -> None:
+def write(*pieces: str, after_a_signal: bool = False) -> None:
     """A document already rendered (e.g. JSON), given whole or in pieces, on stdout with a final newline, as
     print_json ends it. A reader that went away (`... --json | head`) ends the command with exit 141, as
-    SIGPIPE ends a shell tool (Click would make it exit 1: "a check failed")."""
+    SIGPIPE ends a shell tool (Click would make it exit 1: "a check failed"). A process that took Ctrl-C or
+    SIGTERM raises KeyboardInterrupt instead (interrupts.py): its one document is the one that says so,
+    written `after_a_signal`."""
+    if not after_a_signal:
+        interrupts.check()
     try:
         for piece in pieces:
             sys.stdout.write(piece)

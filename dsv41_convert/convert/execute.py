@@ -678,7 +678,7 @@ def _interrupt_worker(signum, frame) -> None:
     already queued to this worker are refused (_worker_job), so that no file is written after Ctrl-C. A
     second Ctrl-C is ignored: it would interrupt the first one's cleanup."""
     if not interrupts.interrupted():
-        interrupts.interrupt()  # at once, or while a file is written at its next chunk (interrupts.py)
+        interrupts.interrupt(frame)  # at once, or while a file is written at its next chunk (interrupts.py)
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.model.block import Block, make_identity_pre_mix
@@ -278,6 +279,7 @@ class _Runner:
                             steps[s].runtime = steps[s - 1].runtime
                 label = f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'}): units"
                 for u, name in enumerate(units):
+                    interrupts.check()  # Ctrl-C or SIGTERM postponed by an import (interrupts.py)
                     if self.progress is not None:
                         self.progress(label, u, len(units))
                     if name != "vision" or s == 0:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from dsv41_convert import interrupts
 from dsv41_convert.model.attention import Attention
 from dsv41_convert.model.block import Block, make_identity_pre_mix
 from dsv41_convert.model.head import ParallelHead, sample
@@ -138,6 +139,7 @@ class Transformer(nn.Module):
             h, pre_mix = to_streams(h, self.hc_mult)
             main_hiddens = []
             for i, layer in enumerate(self.layers):
+                interrupts.check()  # Ctrl-C or SIGTERM postponed by an import (interrupts.py)
                 h, pre_mix, target = block_step(layer, h, start_pos, pre_mix, image_mask, engram_mask, hashes)
                 if i in self.target_layer_ids:
                     main_hiddens.append(target)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dsv41_convert import interrupts
 from dsv41_convert.store.manifest import fsync_path
 
 
@@ -26,7 +27,11 @@ def new_file_mode() -> int:
 
 def publish(tmp: Path, path: Path, durable: bool = True) -> None:
     """`tmp` (written and closed) -> `path`: the mode of a new file, fsync (unless not `durable`: data made
-    again in seconds, as make-tiny's), rename."""
+    again in seconds, as make-tiny's), rename. A process that took Ctrl-C or SIGTERM (interrupts.py) puts no
+    file in place: `tmp` is removed and KeyboardInterrupt raised."""
+    if interrupts.interrupted():
+        tmp.unlink(missing_ok=True)
+        interrupts.check()
     os.chmod(tmp, new_file_mode())
     if durable:
         fsync_path(tmp)

@@ -145,6 +145,19 @@ def test_an_error_after_a_signal_ends_the_run_as_interrupted(tmp_path, monkeypat
         run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2")
 
 
+def test_a_signal_swallowed_by_an_import_still_ends_the_run_as_terminated(tmp_path):
+    """`plan` makes no check of its own along the way: a SIGTERM swallowed inside an import let it finish
+    and exit 0 as if no signal had come. Now its end says what stopped it: exit 143, and the --json document."""
+    from cli_run import run_cli_with_a_signal_in_an_import
+    from tiny_ckpt import make_tiny
+
+    src = make_tiny(tmp_path / "src", vision=False)
+    run = run_cli_with_a_signal_in_an_import("dsv41_convert.convert.plan", "plan", str(src), "--tp", "2", "--json")
+    assert run.returncode == 143, run.stderr
+    said = "terminated (SIGTERM); nothing was written"
+    assert json.loads(run.stdout) == {"ok": False, "exit_code": 143, "error": said}  # one document, not plan's too
+
+
 def test_a_reader_that_goes_away_is_exit_141_not_a_failed_check(tmp_path):
     """`plan --json | head -c 10`: Click turned the broken pipe into exit 1 ("a check ran and failed") with no
     word; a CI step with pipefail then reported a failed check. Now 141, as SIGPIPE ends a shell tool."""

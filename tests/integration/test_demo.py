@@ -83,3 +83,20 @@ def test_demo(tmp_path):
     assert report["ok"] and report["tp"] == 8
     assert report["verdict"] == "PASS" and report["decisive"] == ["replay"]
     assert set(report["stage_seconds"]) == {"make-tiny", "shard", "reference", "verify"}
+
+
+@pytest.mark.parametrize(("verdict", "code"), [("PASS", 0), ("FAIL", 1), ("INCONCLUSIVE", 3)])
+def test_demo_exits_as_verify_does(verdict, code, tmp_path, monkeypatch, capsys):
+    """demo's exit code is verify's for the same verdict (README: 3 inconclusive); it was 1 for INCONCLUSIVE."""
+    from cli_run import run_cli
+
+    class Result:
+        def __init__(self, verdict: str) -> None:
+            self.verdict = verdict
+
+        def to_json(self) -> dict:
+            return {"verdict": self.verdict}
+
+    monkeypatch.setattr("dsv41_convert.app.demo.run_demo", lambda *a, **k: (Result(verdict), {"verify": 1.0}))
+    got, out, _ = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "demo"), "--json")
+    assert got == code and json.loads(out)["verdict"] == verdict

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_run import run_cli
+from cli_run import run_cli, run_cli_with_a_signal_in_an_import
 
 from dsv41_convert.verify import reffile
 
@@ -100,3 +100,14 @@ def test_no_image_prompt_for_a_vision_tower_is_warned_before_the_compute(src, tm
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--prompts", str(prompts),
                            "--decode-steps", "1")  # fmt: skip
     assert code == 0 and "no prompt runs it" not in err, err
+
+
+def test_sigterm_during_an_import_stops_the_run_and_writes_nothing(src, tmp_path):
+    """Before: a SIGTERM in the first second (torch's import) could be swallowed, and the run computed,
+    wrote OUT and exited 0 (4 of 40 tries on the dev box), or aborted (exit 134)."""
+    out = tmp_path / "ref.safetensors"
+    args = ("reference-logits", str(src), str(out), "--decode-steps", "1")
+    run = run_cli_with_a_signal_in_an_import("dsv41_convert.verify.reference", *args)
+    assert run.returncode == 143, run.stderr
+    assert "terminated (SIGTERM)" in run.stderr and "Traceback" not in run.stderr
+    assert list(tmp_path.iterdir()) == []

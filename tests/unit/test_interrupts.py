@@ -110,3 +110,41 @@ def test_a_real_signal_mid_write_stops_the_sink_before_its_queue_and_it_finishes
             os.close(sink.fd)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_during_an_import_is_raised_at_the_next_check_not_inside_it(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside an import (torch's takes about a second) aborted the process where
+    an extension module's init had called back into Python (exit 134, "terminate called after throwing
+    ... KeyboardInterrupt"), or was swallowed and the run went on. Now the import completes and the next
+    check raises."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGUSR1)\nafter_the_signal = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: interrupts.interrupt(frame))
+    try:
+        import slow_module  # the import the signal lands in
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        sys.modules.pop("slow_module", None)
+    assert slow_module.after_the_signal and interrupts.interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.check()
+
+
+def test_importing_names_importlib_frames_only():
+    assert not interrupts.importing(sys._getframe()) and not interrupts.importing(None)
+    seen = []
+
+    class Finder:
+        def find_spec(self, name, path=None, target=None):
+            seen.append(interrupts.importing(sys._getframe()))
+
+    sys.meta_path.insert(0, Finder())
+    try:
+        import dsv41_convert_no_such_module  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        sys.meta_path.pop(0)
+    assert seen == [True]
