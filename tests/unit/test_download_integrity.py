@@ -15,7 +15,8 @@ from safetensors.torch import save
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.download import parse_repo_ref
-from dsv41_convert.hub.fetch import Stopped, _bar_class, hub_error, with_retries
+from dsv41_convert.hub.fetch import Stopped, _bar_class
+from dsv41_convert.hub.hub_errors import hub_error, with_retries
 from dsv41_convert.hub.integrity import (
     INDEX_NAME,
     Record,
