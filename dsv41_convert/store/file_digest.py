@@ -14,6 +14,7 @@ Digests: sha256 (our manifests, and the Hub's LFS files) or, where a record has 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -134,19 +135,37 @@ def differences(
     files: Mapping[str, tuple[Path, Recorded]], threads: int | None = None, progress: Progress | None = None
 ) -> dict[str, Problem | None]:
     """difference() of every file, `threads` at a time (None: hash_threads). -> name -> Problem or None,
-    in the order of `files`. progress(name, bytes hashed, size) as each file's chunks go by, from 0; an
-    OSError while reading is raised (the files already started are finished first)."""
+    in the order of `files`. progress(name, bytes hashed, size) as each file's chunks go by, from 0. An
+    OSError while reading, or Ctrl-C / SIGTERM in the calling thread, is raised once the other threads have
+    stopped at their next chunk (before: each finished its whole file, tens of seconds for a 10 GB shard,
+    and then every file still queued)."""
     threads = hash_threads(len(files)) if threads is None else max(1, threads)
+    stop = threading.Event()
 
     def one(name: str) -> Problem | None:
         path, rec = files[name]
-        if progress is None:
-            return difference(path, name, rec)
-        progress(name, 0, rec.size)
-        return difference(path, name, rec, on_bytes=lambda done: progress(name, done, rec.size))
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="digest") as pool:
+        def on_bytes(done: int) -> None:
+            if stop.is_set():
+                raise _Abandoned
+            if progress is not None:
+                progress(name, done, rec.size)
+
+        on_bytes(0)
+        return difference(path, name, rec, on_bytes=on_bytes)
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="digest")
+    try:
         return dict(zip(files, pool.map(one, files), strict=True))
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Abandoned(Exception):
+    """Ends a hashing thread of differences() whose caller has stopped waiting for it."""
 
 
 def mismatches(

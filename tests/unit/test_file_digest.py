@@ -127,3 +127,30 @@ def test_hash_threads_bounded_by_files_cores_and_cap(monkeypatch):
     assert [file_digest.hash_threads(n) for n in (0, 1, 3, 8, 64)] == [1, 1, 3, 8, file_digest.MAX_THREADS]
     monkeypatch.setattr(file_digest, "usable_cores", lambda: 2)
     assert file_digest.hash_threads(64) == 2
+
+
+@pytest.mark.parametrize("stopped_by", ["KeyboardInterrupt", "OSError"])
+def test_a_stop_ends_every_hashing_thread_at_its_next_chunk(tmp_path, stopped_by):
+    """Ctrl-C (or one file's read error) while big files are hashed: the other threads used to finish
+    their whole files (a 10 GB shard: tens of seconds), then every file still queued; now each stops at its
+    next chunk and no queued file is begun."""
+    files = {}
+    for i in range(4):
+        path = tmp_path / f"f{i}"
+        with open(path, "wb") as f:
+            f.truncate(64 * file_digest.CHUNK)  # sparse: reads as zeros, fast
+        files[path.name] = (path, Recorded(path.stat().st_size, "0" * 64, "test"))
+    seen: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def progress(name: str, done: int, size: int) -> None:
+        with lock:
+            seen[name] = seen.get(name, 0) + 1
+        if name == "f0" and done == 3 * file_digest.CHUNK:  # raised in f0's thread, re-raised in the caller's
+            raise KeyboardInterrupt if stopped_by == "KeyboardInterrupt" else OSError(5, "Input/output error")
+
+    error = KeyboardInterrupt if stopped_by == "KeyboardInterrupt" else OSError
+    with pytest.raises(error):
+        differences(files, threads=2, progress=progress)
+    assert seen["f0"] == 4 and all(n < 40 for n in seen.values()), seen  # old: f1, f2, f3 to their ends (65)
+    assert "f3" not in seen, seen  # queued behind the stop: never begun (f2 may take f0's thread before it)
