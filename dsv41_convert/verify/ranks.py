@@ -44,6 +44,7 @@ class RankResult:
     runs: list[PromptRun]  # the converted files
     twin_runs: list[PromptRun] | None  # the twin, same ranks, same order of everything
     compile_seconds: float = 0.0  # kernel warm-up before the first forward pass (CUDA)
+    twin_weights: list[str] | None = None  # every rank's tensors whose bytes are not the twin's (with a twin)
 
 
 def run_converted(job: RankJob) -> RankResult | LoadFailure:
@@ -62,13 +63,40 @@ def run_converted(job: RankJob) -> RankResult | LoadFailure:
         torch.distributed.all_gather_object(errors, error)
     if any(errors):
         return LoadFailure([(r, e) for r, e in enumerate(errors) if e])
-    twin_runs, compile_seconds = None, [0.0]
+    twin_runs, twin_weights, compile_seconds = None, None, [0.0]
     if job.twin is not None:
-        load_state(model, rank_state(model, job.twin, parallel.rank(), parallel.world_size()))
+        want = rank_state(model, job.twin, parallel.rank(), parallel.world_size())
+        load_state(model, want)
         twin_runs = _run_all(model, job, args, compile_seconds)
         load_shards(model, folder)  # loaded cleanly above, so it loads again
+        twin_weights = _gathered(differing_weights(model, want))
     runs = _run_all(model, job, args, compile_seconds)
-    return RankResult(runs, twin_runs, compile_seconds[0])
+    return RankResult(runs, twin_runs, compile_seconds[0], twin_weights)
+
+
+def differing_weights(model, want: dict[str, torch.Tensor]) -> list[str]:
+    """The model's tensors (as loaded from this rank's file) whose bytes differ from `want` (this rank's cut
+    of the converter's expected output, in file dtypes: bf16 is widened as the load widens it, exactly),
+    one line each naming the rank. Every weight, whether a prompt reaches it or not."""
+    from dsv41_convert.model.load import expected_tensors
+
+    out = []
+    for name, (p, _owner) in expected_tensors(model).items():
+        w = want[name] if want[name].dtype == p.dtype else want[name].to(p.dtype)
+        got, exp = p.detach().contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
+        if not torch.equal(got, exp):
+            n = int((got != exp).sum())
+            out.append(f"{name} on rank {parallel.rank()}: {n} of {got.numel()} bytes differ")
+    return out
+
+
+def _gathered(lines: list[str]) -> list[str]:
+    """Every rank's `lines`, in rank order (this rank's alone without a process group)."""
+    if not parallel.is_distributed():
+        return lines
+    every: list[list[str] | None] = [None] * parallel.world_size()
+    torch.distributed.all_gather_object(every, lines)
+    return [line for part in every for line in part or ()]
 
 
 def _try_load(model, folder: Path) -> str:

@@ -262,6 +262,7 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         _compare_all(result, ref, out, thresholds)
         result.checks.append(_reference_check(result, blockers, ref))
         if out.twin_runs is not None:
+            result.failures += [f"twin weights: {line}" for line in out.twin_weights or ()]
             result.checks.append(_twin_check(result))
     if src_ref is not None:  # the twin runs with CONVERTED's tokenizer: it cannot see a changed one
         side_files_differ = _copied_files_differ(Path(opts.reference), conv)
@@ -342,9 +343,10 @@ def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Ref
 
 
 def _twin_check(result: VerifyResult) -> Check:
-    exact = all(s.max_abs == 0 for s in result.twin.values())
     fails = [f for f in result.failures if f.startswith("twin ")]
-    return Check("twin", exact, True, fails, "the converter's expected tp-1 output cut into the same ranks")
+    exact = all(s.max_abs == 0 for s in result.twin.values()) and not any(f.startswith("twin weights") for f in fails)
+    what = "the converter's expected tp-1 output cut into the same ranks: its logits, and every weight's bytes"
+    return Check("twin", exact, True, fails, what)
 
 
 def _sections(ref: PromptRun, got: PromptRun, has_all: bool) -> dict[str, Stats]:
@@ -410,6 +412,7 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
+        weights = [f.removeprefix("twin weights: ") for f in result.failures if f.startswith("twin weights: ")]
         tokenizer = [f.removeprefix("tokenizer: ") for f in result.failures if f.startswith("tokenizer: ")]
         hf_config = [f.removeprefix("hf config: ") for f in result.failures if f.startswith("hf config: ")]
         if tokenizer:  # not a weight: the token ids Engram hashes
@@ -420,6 +423,9 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         elif replicas:  # the bytes themselves say where
             loc.module = localize.module_of(replicas[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
+        elif weights and loc.module is None:  # no prompt's output differs: the bytes say where
+            loc.module = localize.module_of(weights[0].split()[0], conv_args.n_layers)
+            loc.note = f"{weights[0]}, against the converter's expected output; no prompt's output differs"
         elif unmerged:  # the rank files disagree: the merge names the tensor
             loc.module = localize.module_of(unmerged[0].split(":")[0], conv_args.n_layers)
             loc.note = f"the rank files do not merge back to tp 1: {unmerged[0]}"

@@ -91,6 +91,7 @@ class Matrix:
                 "expert": int(torch.bincount(seen["idx"].flatten()).argmax()),
                 "engram_row": int(rows[len(rows) // 2]),
                 "engram_rows": args.engram_num_embeddings[0],
+                "unhashed_row": min(set(range(args.engram_num_embeddings[0])) - set(rows.tolist())),
             }
         return self._probe
 
@@ -434,6 +435,29 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     blind = _verify(bad, text_only)
     assert blind.verdict == "PASS" and len(blind.unreached) == 1 and "vision tower" in blind.unreached[0]
     assert blind.to_json()["unreached"] == blind.unreached
+
+
+def test_the_twin_compares_every_weight_also_where_no_prompt_reaches(m):
+    """A check sees only the weights its prompts run: an Engram row no n-gram of the prompt hashes to, bumped
+    on its rank, passes the replay against the tp-1 file (the documented limit). With --reference SRC the
+    twin also compares every weight's bytes with the converter's expected output on every rank, so the same
+    fault fails, named with its rank; before, the twin passed it too."""
+    p = m.probe()
+    k = -(-p["engram_rows"] // 2)
+    row = p["unhashed_row"]
+    d = m.faulty("engram_unhashed_row", 2)
+    _edit(d, row // k, 2, _bump_byte("layers.0.engram.embed.weight", (row % k, 0), by=8))
+    replayed = _verify(d, m.reference("tp1", 2))
+    assert replayed.verdict == "PASS" and replayed.decisive == ["replay"], replayed.failures
+    twin = verify(VerifyOptions(d, reference=m.src, prompts=m.prompts_file, n_decode=1, threads=1))
+    assert twin.verdict == "FAIL", twin.checks
+    said = f"twin weights: layers.0.engram.embed.weight on rank {row // k}: 1 of "
+    assert any(f.startswith(said) for f in twin.failures), twin.failures
+    assert [t.name for t in twin.localization.tensors] == ["layers.0.engram.embed.weight"]
+    assert twin.localization.note.startswith("layers.0.engram.embed.weight on rank")
+    assert "no prompt's output differs" in twin.localization.note
+    clean = verify(VerifyOptions(m.shard(2), reference=m.src, prompts=m.prompts_file, n_decode=1, threads=1))
+    assert clean.verdict == "PASS" and "twin" in clean.decisive, clean.failures
 
 
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:
