@@ -744,8 +744,11 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
             initargs=(q, os.getpid(), _workers_parent(ctx), SharedFiles(lock_fds)),
         ) as pool,
     ):
-        pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
         try:
+            # a KeyboardInterrupt inside submit, between a worker's start and the pool's record of it, left a
+            # worker the shutdown never ended, and the fork server's stop waited for it forever (an audit)
+            with interrupts.deferred():
+                pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
             while pending:
                 interrupts.check()  # a Ctrl-C whose KeyboardInterrupt was dropped (interrupts.py)
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
