@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from dsv41_convert import interrupts
 from dsv41_convert.progress import Progress as ProgressFn
@@ -36,6 +36,9 @@ def _console(name: str) -> Console:
     from rich.console import Console
 
     console = Console(stderr=name == "stderr", soft_wrap=True)
+    # rich's own ends the run with exit 1 ("a check ran and failed"), and points stdout at /dev/null even
+    # when stderr's reader went away (`cmd 2>&1 | head`)
+    console.on_broken_pipe = functools.partial(reader_gone, console.file)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = PIPE_WIDTH  # a table in a log or a pipe at its own width, not cut to 80 columns
     return console
@@ -73,8 +76,14 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
         sys.stdout.write("\n")
         sys.stdout.flush()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
-        raise SystemExit(BROKEN_PIPE) from None
+        reader_gone(sys.stdout)
+
+
+def reader_gone(stream: IO[str]) -> NoReturn:
+    """The reader of `stream` went away: end the command with exit 141, as SIGPIPE ends a shell tool, the
+    stream pointed at /dev/null so that nothing more fails to flush at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    raise SystemExit(BROKEN_PIPE) from None
 
 
 def plain(text: str) -> str:

@@ -6,7 +6,8 @@ key sets, dtypes and shapes must agree. torch's `load_state_dict` would silently
 ignored); here any dtype difference is an error, except one exact widening that upstream's
 deployable format relies on: a bf16 tensor in the file for the float32 `weight` of a layer (the
 head, the ratio>1 compressor, the MTP heads, the vision norms: upstream keeps them fp32 in the
-model and bf16 on disk). Bare fp32 parameters (hc_*, attn_sink, gate biases) are F32 on disk.
+model and bf16 on disk; such a weight stored as F32 is refused, `stored_dtype`). Bare fp32 parameters
+(hc_*, attn_sink, gate biases) are F32 on disk.
 
 Header parsing and byte-range reads are `dsv41_convert.store.safetensors_header`'s (no mmap of the whole
 file, which fails for files larger than memory); data goes straight into the parameters, in file order.
@@ -54,10 +55,13 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Modul
     return out
 
 
-def _widening_ok(file_dtype: str, p: torch.Tensor, name: str) -> bool:
-    """bf16 on disk, fp32 in the model: allowed for a layer's `weight` (Linear, head, norm), never
-    for the bare fp32 parameters the checkpoint itself stores in F32 (hc_*, attn_sink, gate biases)."""
-    return file_dtype == "BF16" and p.dtype == torch.float32 and name.rpartition(".")[2] == "weight"
+def stored_dtype(p: torch.Tensor, name: str) -> torch.dtype:
+    """The dtype a checkpoint stores the model's tensor `name` in: the parameter's, except a layer's fp32
+    `weight` (Linear, head, norm), stored as bf16 and widened on load (exactly). The bare fp32 parameters
+    (hc_*, attn_sink, gate biases) are stored in F32; no published tensor named `weight` is, so an F32 one
+    is refused: it loads to the same values, but it is not what any conversion writes (an audit's head
+    stored as F32 on every rank passed every verify mode)."""
+    return torch.bfloat16 if p.dtype == torch.float32 and name.rpartition(".")[2] == "weight" else p.dtype
 
 
 def check_header(model: nn.Module, header: Header) -> None:
@@ -66,7 +70,8 @@ def check_header(model: nn.Module, header: Header) -> None:
     tensors, path = header.tensors, header.path
     problems = []
     for name in sorted(set(expected) - set(tensors)):
-        dtype, shape = _file_view(expected[name][0])
+        _, shape = _file_view(expected[name][0])
+        dtype = TORCH_TO_SAFETENSORS[stored_dtype(expected[name][0], name)]
         problems.append(f"{name}: missing from the shard (model wants {dtype} {list(shape)})")
     for name in sorted(set(tensors) - set(expected)):
         e = tensors[name]
@@ -74,8 +79,9 @@ def check_header(model: nn.Module, header: Header) -> None:
     for name in sorted(set(tensors) & set(expected)):
         p = expected[name][0]
         e = tensors[name]
-        want_dtype, want_shape = _file_view(p)
-        if e.dtype != want_dtype and not _widening_ok(e.dtype, p, name):
+        _, want_shape = _file_view(p)
+        want_dtype = TORCH_TO_SAFETENSORS[stored_dtype(p, name)]
+        if e.dtype != want_dtype:
             problems.append(f"{name}: found {e.dtype} {list(e.shape)}, model wants {want_dtype} {list(want_shape)}")
         elif e.shape != want_shape:
             problems.append(f"{name}: found shape {list(e.shape)}, model wants {list(want_shape)} ({want_dtype})")
@@ -141,10 +147,9 @@ def _checked(
     problems += [f"{prefix}{n}: not in the model" for n in sorted(set(local) - set(expected))]
     for name in sorted(set(local) & set(expected)):
         p, t = expected[name][0], local[name]
-        widen = t.dtype == torch.bfloat16 and p.dtype == torch.float32
-        shape = shapes.get(name, p.shape)
-        if (t.dtype != p.dtype and not widen) or t.shape != shape:
-            problems.append(f"{prefix}{name}: {t.dtype} {list(t.shape)}, model wants {p.dtype} {list(shape)}")
+        shape, dtype = shapes.get(name, p.shape), stored_dtype(p, name)
+        if t.dtype != dtype or t.shape != shape:
+            problems.append(f"{prefix}{name}: {t.dtype} {list(t.shape)}, model wants {dtype} {list(shape)}")
     if problems:
         raise PlanError(f"{what} do not fit the model:\n  " + "\n  ".join(problems[:20]))
     return {name: (p, local[name]) for name, (p, _owner) in expected.items()}

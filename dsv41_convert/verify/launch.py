@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv41_convert import errors
+from dsv41_convert import errors, interrupts
 from dsv41_convert.convert import die_with
 from dsv41_convert.errors import ConvertError, VerifyInputError
 
@@ -55,6 +55,7 @@ def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, thr
 
     threads: torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
     """
+    interrupts.check()  # a Ctrl-C or SIGTERM postponed by an import stops the run before its ranks start
     backend = backend_for(device)
     if device == "cuda" and not torch.cuda.is_available():
         raise VerifyInputError("--device cuda: no CUDA device is available")

@@ -311,9 +311,14 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
 
 def not_run_by(inputs: Sequence[ModelInput | Prompt], args: ModelArgs) -> list[str]:
     """Parts of the model that none of the prompts (or their model inputs) runs, so no check can have seen
-    their weights: the vision tower and aligner without an image prompt (the default prompts have none)."""
+    their weights: without an image prompt (the default prompts have none), the vision tower and aligner and
+    what only image tokens use: the image_start / image_end / image_newline embeddings and every MoE gate's
+    bias_vl."""
     if args.vision_enabled and not any(i.image for i in inputs):
-        return ['vision tower and aligner (no prompt has an image; add one: --prompts with "image")']
+        return [
+            "vision tower and aligner, the image_start/image_end/image_newline embeddings and every MoE gate's "
+            'bias_vl (image tokens only; no prompt has an image; add one: --prompts with "image")'
+        ]
     return []
 
 

@@ -170,6 +170,25 @@ def test_a_reader_that_goes_away_is_exit_141_not_a_failed_check(tmp_path):
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_reader_that_goes_away_from_a_table_or_the_progress_is_exit_141_too(tmp_path, closed):
+    """`plan SRC | true` (the table on stdout) and `make-tiny OUT 2>&1 >/dev/null | true` (the progress on
+    stderr): rich's own handler ended them with exit 1, "a check ran and failed" (an audit); now 141."""
+    out = tmp_path / "t"
+    if closed == "stdout":
+        subprocess.run([entry_point(), "make-tiny", str(out)], check=True, capture_output=True)
+        cmd = [entry_point(), "plan", str(out), "--tp", "2"]
+    else:
+        cmd = [entry_point(), "make-tiny", str(out)]
+    r, w = os.pipe()
+    os.close(r)  # a reader that is gone before the first byte
+    other = subprocess.DEVNULL
+    with os.fdopen(w, "wb") as gone:
+        streams = {"stdout": gone, "stderr": other} if closed == "stdout" else {"stdout": other, "stderr": gone}
+        code = subprocess.run(cmd, timeout=120, **streams).returncode
+    assert code == 141
+
+
 def test_tables_in_a_pipe_keep_their_rows_whole(tmp_path):
     """`plan --tp 8 > plan.txt` (and verify's table in a CI log): rich assumed 80 columns where stdout is no
     terminal, so the rule column wrapped mid-pattern and verify's prompt labels were cut to `defaul…`."""

@@ -3,6 +3,7 @@ difference (key, dtype, shape) is an error naming the tensor; then the bytes loa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,24 @@ def test_int8_expert_bytes_are_refused(tmp_path, state):
 def test_fp32_parameter_stored_bf16_is_refused(tmp_path, state):
     sd = dict(state, **{"layers.0.hc_attn_fn": state["layers.0.hc_attn_fn"].bfloat16()})
     _expect(tmp_path, sd, r"layers\.0\.hc_attn_fn: found BF16 \[24, 256\], model wants F32")
+
+
+def test_a_widened_weight_stored_as_f32_is_refused(tmp_path, state):
+    """head.weight is bf16 in every checkpoint (fp32 in the model): stored as F32 it loads to the same values,
+    so before, every verify mode passed such rank files (an audit); it is not what any conversion writes."""
+    assert state["head.weight"].dtype == torch.bfloat16
+    sd = dict(state, **{"head.weight": state["head.weight"].float()})
+    shape = list(state["head.weight"].shape)
+    _expect(tmp_path, sd, re.escape(f"head.weight: found F32 {shape}, model wants BF16"))
+
+
+def test_in_memory_weights_follow_the_same_dtype_rule(state):
+    from dsv41_convert.model.load import load_tensors
+
+    model = Transformer(ARGS)
+    load_tensors(model, state, "weights")  # the file dtypes: fine
+    with pytest.raises(PlanError, match=r"head\.weight: torch\.float32 .*model wants torch\.bfloat16"):
+        load_tensors(model, dict(state, **{"head.weight": state["head.weight"].float()}), "weights")
 
 
 def test_wrong_shape(tmp_path, state):

@@ -43,3 +43,17 @@ def test_bad_device():
 
     with pytest.raises(VerifyInputError, match="--device 'tpu'"):
         launch(no_group, None, 1, "tpu")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_signal_postponed_by_an_import_stops_the_run_before_any_rank_starts(tp, monkeypatch):
+    """A SIGTERM during the command's imports is postponed to the next check (interrupts.py); the first
+    check was in the model's layer loop, after the fork server and every rank had started: verify stopped
+    6-14 s after the signal (an audit)."""
+    from dsv41_convert import interrupts
+    from dsv41_convert.verify import launch as launch_module
+
+    monkeypatch.setitem(interrupts._state, "interrupted", True)
+    monkeypatch.setattr(launch_module.die_with, "start_fork_server", lambda: pytest.fail("a rank was started"))
+    with pytest.raises(KeyboardInterrupt):
+        launch_module.launch(lambda payload: pytest.fail("the target ran"), None, tp, "cpu")
