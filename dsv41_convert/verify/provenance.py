@@ -6,6 +6,7 @@ Recorded (reffile metadata `provenance`, a JSON object; files written before it 
     tokenizer   {file name: sha256} of the tokenizer files beside it (Engram hashes the token ids)
     made_from   "source", or for a folder of converted rank files (`reference-logits MP --stream-layers`)
                 {"folder", "tp", "files": {rank file: {"size", "dev", "ino", "sha256": its manifest's or ""}}}
+    weights     where it ran converted weights: the sha256 of each of their tensors (weight_digests.py)
 
 Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
     - CONVERTED/config.json describes the same model, but for the format fields (FORMAT_FIELDS): a changed
@@ -30,20 +31,23 @@ from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
+from dsv41_convert.verify import weight_digests
 
 FORMAT_FIELDS = ("dtype", "expert_dtype")  # what a conversion may change of the model's config
 
 
-def record(folder: Path, args: ModelArgs) -> dict[str, Any]:
+def record(folder: Path, args: ModelArgs, weights: dict[str, Any] | None = None) -> dict[str, Any]:
     """The provenance of a reference computed from `folder` (a source checkpoint, or converted rank files)
-    running the model `args` (its config.json's)."""
+    running the model `args` (its config.json's); `weights`: the digests of the converted weights it ran
+    (weight_digests.record), where it ran such weights."""
     folder = Path(folder)
     made_from: Any = "source"
     tps = rank_file_tps(folder)
     if len(tps) == 1:
         rank_tp = tps[0]
         made_from = {"folder": str(folder.resolve()), "tp": rank_tp, "files": _rank_files(folder, rank_tp)}
-    return {"model": args.to_inference_dict(), "tokenizer": _tokenizer_digests(folder), "made_from": made_from}
+    out = {"model": args.to_inference_dict(), "tokenizer": _tokenizer_digests(folder), "made_from": made_from}
+    return out if weights is None else out | {"weights": weights}
 
 
 def problems(prov: Any) -> list[str]:
@@ -60,6 +64,8 @@ def problems(prov: Any) -> list[str]:
     files = made.get("files") if isinstance(made, dict) else None
     if made != "source" and not (isinstance(files, dict) and all(isinstance(f, dict) for f in files.values())):
         out.append('metadata provenance.made_from must be "source" or an object with `files`')
+    if "weights" in prov:
+        out += weight_digests.problems(prov["weights"])
     return out
 
 

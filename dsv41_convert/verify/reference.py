@@ -21,7 +21,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
-from dsv41_convert.verify import provenance
+from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.launch import launch
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
 from dsv41_convert.verify.reffile import Reference
@@ -99,7 +99,8 @@ def compute_reference(
     weights = "converted" if source_format == "fp8" else "bf16"
     labels = [p.label for p in prompts]
     ref = Reference(inputs, runs, labels, seq, source_format, device, **_recorded(device), weights=weights)
-    ref.provenance = provenance.record(src, args)
+    ran = [weight_digests.digests(state)] if weights == "converted" else None
+    ref.provenance = provenance.record(src, args, ran and weight_digests.record(ran, source_experts(src)))
     return SourceReference(ref, args, state)
 
 
@@ -148,16 +149,18 @@ def compute_reference_ranks(
     out = launch(reference_rank, job, tp, device, threads)
     if out is None:
         return None
-    runs, source_format, recorded = out
+    runs, source_format, recorded, digests = out
     weights = "converted" if source_format == "fp8" or as_converted else "bf16"
     labels = [p.label for p in prompts]
     ref = Reference(inputs, runs, labels, seq, source_format, device, tp=tp, weights=weights, **recorded)
-    ref.provenance = provenance.record(src, args)
+    ref.provenance = provenance.record(src, args, digests)
     return ref
 
 
-def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
-    """The body of one reference rank: this rank's file of the tp-N plan, in memory, then every prompt."""
+def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, dict | None]:
+    """The body of one reference rank: this rank's file of the tp-N plan, in memory, then every prompt.
+    -> (runs, source format, what decides bit equality, the weights' digests of every rank (converted
+    weights only: weight_digests.record))"""
     from dsv41_convert.config import ModelArgs
     from dsv41_convert.convert.plan import build_plan
 
@@ -169,9 +172,12 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
     args = args.with_runtime(max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0)
     tokenizer = src / "tokenizer.json"
     model = build_model(args, tokenizer, "cpu")
-    error = ""
+    error, mine = "", None
     try:
-        load_state(model, plan_state(plan, parallel.rank(), skip_quant=unquantized))
+        state = plan_state(plan, parallel.rank(), skip_quant=unquantized)
+        load_state(model, state)
+        mine = None if unquantized else weight_digests.digests(state)  # the converted weights: recorded
+        del state
     except ConvertError as exc:
         error = str(exc)
     # every rank stops together before the first collective of a forward pass (verify.launch)
@@ -181,6 +187,11 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
         torch.distributed.all_gather_object(errors, error)
     if any(errors):
         raise PlanError("\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    every = [mine]
+    if parallel.is_distributed():
+        every = [None] * parallel.world_size()
+        torch.distributed.all_gather_object(every, mine)
+    weights = None if mine is None else weight_digests.record(every, source_experts(src))
     if job.device != "cpu":
         from dsv41_convert.model.warm import warm_up_kernels
 
@@ -190,4 +201,4 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict]:
     for inp in job.inputs:
         inp = attach_images(inp, args)
         runs.append(run_prompt(model, inp, job.n_decode, None, True, job.device))
-    return runs, plan.source_format, _recorded(job.device)
+    return runs, plan.source_format, _recorded(job.device), weights

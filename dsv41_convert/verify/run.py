@@ -26,10 +26,12 @@ import torch
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
-from dsv41_convert.errors import ConfigError, VerifyInputError
+from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError
+from dsv41_convert.store.manifest import MANIFEST
+from dsv41_convert.store.manifest_check import check_folder
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.verify import launch as launcher
-from dsv41_convert.verify import localize, provenance, reffile, teacher
+from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
 from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
@@ -97,6 +99,9 @@ class VerifyResult:
     statistical: bool = False  # --statistical: statistical bounds accepted
     drafts_statistical: bool = False  # a PASS whose DSpark drafts only statistical bounds judged (--statistical)
     unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
+    manifest: str = "absent"  # CONVERTED's files against its manifest.json: "held", "differs" or "absent"
+    weights: str = "not recorded"  # its tensors against FILE's digests: held, differs, not recorded, not compared
+    weights_note: str = ""  # what was compared, or why not
 
     @property
     def ok(self) -> bool:
@@ -124,6 +129,9 @@ class VerifyResult:
             "checks": [c.to_json() for c in self.checks],
             "advice": self.advice,
             "unreached": self.unreached,
+            "manifest": self.manifest,
+            "weights": self.weights,
+            "weights_note": self.weights_note,
             "converted": self.converted,
             "reference": self.reference,
             "tp": self.tp,
@@ -272,6 +280,19 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
         say("replicas: the tensors every rank holds, byte for byte across the rank files")
         result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks)]
         seconds["replicas"] = time.perf_counter() - t2
+    if (conv / MANIFEST).is_file():
+        t2 = time.perf_counter()
+        say(f"manifest: every file's size and sha256 against {conv / MANIFEST}")
+        problems = check_folder(conv).problems
+        result.manifest = "differs" if problems else "held"
+        result.failures += [f"manifest: {m}" for m in problems]
+        seconds["manifest"] = time.perf_counter() - t2
+    recorded = (ref.provenance or {}).get("weights") if src_ref is None else None
+    if recorded is not None and not isinstance(out, LoadFailure):
+        t2 = time.perf_counter()
+        say(f"weights: every tensor of {conv} against the sha256 {ref_name} records of the weights it ran")
+        _weights_check(result, recorded, ranks, conv_args)
+        seconds["weights"] = time.perf_counter() - t2
     replay_runs = None
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
         t2 = time.perf_counter()
@@ -345,6 +366,21 @@ def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Ref
         fails = [] if exact else [f for f in result.failures if not f.startswith(("twin ", "load:"))]
         return Check("reference", exact, True, fails, what + ": bit equality expected")
     return Check("reference", exact, False, [], what + "; not bit-exact: " + "; ".join(blockers))
+
+
+def _weights_check(result: VerifyResult, recorded: dict, ranks: RankFiles, conv_args: ModelArgs) -> None:
+    """CONVERTED's tensors against the reference file's digests (weight_digests.py): every weight, whether a
+    prompt reaches it or not."""
+    try:
+        found, note = weight_digests.compare(recorded, ranks, conv_args.expert_dtype or "fp4")
+    except (ShardConsistencyError, PlanError) as exc:  # the replay says why they do not merge
+        found, note = None, f"not compared: the rank files do not merge back to tp 1 ({exc})"
+    result.weights_note = note
+    if found is None:
+        result.weights = "not compared"
+        return
+    result.weights = "differs" if found else "held"
+    result.failures += [f"weights: {f}" for f in found]
 
 
 def _twin_check(result: VerifyResult) -> Check:

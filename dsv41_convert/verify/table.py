@@ -67,8 +67,17 @@ def render(result: VerifyResult) -> Group:
         parts.append(Text(f"  {f}", style="red"))
     if result.advice:
         parts.append(Text(f"  {result.advice}", style="yellow"))
+    compared = result.weights == "held" or any(c.name == "twin" and not c.failures for c in result.checks)
     for part in result.unreached:
-        parts.append(Text(f"  not checked, no prompt runs it: {part}", style="yellow"))
+        if compared:  # its weights' bytes were compared; what they compute was not
+            parts.append(Text(f"  no prompt runs it (its weights compared byte for byte): {part}", style="dim"))
+        else:
+            parts.append(Text(f"  not checked, no prompt runs it: {part}", style="yellow"))
+    if result.weights != "not recorded":
+        style = "red" if result.weights == "differs" else "dim"
+        parts.append(Text(f"  weights: {result.weights} ({result.weights_note})", style=style))
+    if result.manifest == "absent":
+        parts.append(Text("  no manifest.json: the files were not checked against a record of them", style="dim"))
     loc = result.localization
     if loc is not None:
         if loc.module:

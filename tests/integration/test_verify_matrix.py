@@ -284,6 +284,18 @@ def _without_hidden(path: Path) -> Path:
     return out
 
 
+def _without_weight_digests(path: Path) -> Path:
+    """A copy of a reference file whose provenance records no weight digests (as one written before them)."""
+    out = path.with_name(path.stem + "-undigested.safetensors")
+    if not out.exists():
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        prov = json.loads(meta["provenance"])
+        del prov["weights"]
+        save_file(load_file(str(path)), str(out), meta | {"provenance": json.dumps(prov, sort_keys=True)})
+    return out
+
+
 def test_reference_at_another_tp(m):
     # with hidden states the teacher-forced check holds for the backbone, but it does not run the DSpark
     # stages: inconclusive; without them only statistical bounds apply
@@ -427,28 +439,55 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     for rank in range(2):
         _edit(bad, rank, 2, lambda t: t.__setitem__(name, t[name] * 1.5))
     assert _verify(bad, ref).verdict == "FAIL"
-    # the limit, said: without an image prompt the tower never runs, so the same fault passes, and the
-    # result names what no prompt ran
+    # the limit, said: without an image prompt the tower never runs, so the same fault passes where no
+    # manifest records the files (edited after their manifest, they fail its check), and the result names
+    # what no prompt ran
     text_only = m.root / "ref-vision-text-tp1.safetensors"
     prompts = default_prompts(TINY.vocab_size, count=1)
     reffile.save(compute_reference_ranks(src, prompts, 1, 1, None, "cpu", False, 1), text_only)
-    blind = _verify(bad, text_only)
+    recorded = _verify(bad, text_only)
+    assert recorded.verdict == "FAIL" and recorded.manifest == "differs", recorded.failures
+    (bad / "manifest.json").unlink()
+    digested = _verify(bad, text_only)  # the file records the sha256 of every weight its run had
+    assert digested.verdict == "FAIL" and digested.weights == "differs", digested.failures
+    assert any(f.startswith(f"weights: {name}: sha256 ") for f in digested.failures), digested.failures
+    blind = _verify(bad, _without_weight_digests(text_only))
     assert blind.verdict == "PASS" and len(blind.unreached) == 1 and "vision tower" in blind.unreached[0]
-    assert blind.to_json()["unreached"] == blind.unreached
+    assert blind.to_json()["unreached"] == blind.unreached and blind.manifest == "absent"
+    assert blind.weights == "not recorded"
 
 
 def test_the_twin_compares_every_weight_also_where_no_prompt_reaches(m):
-    """A check sees only the weights its prompts run: an Engram row no n-gram of the prompt hashes to, bumped
-    on its rank, passes the replay against the tp-1 file (the documented limit). With --reference SRC the
-    twin also compares every weight's bytes with the converter's expected output on every rank, so the same
-    fault fails, named with its rank; before, the twin passed it too."""
+    """A check of logits sees only the weights its prompts run: an Engram row no n-gram of the prompt hashes
+    to, bumped on its rank after the conversion, fails the manifest check (its rank file's sha256); without
+    a manifest (upstream convert.py writes none) it fails the weights check against the sha256 that
+    reference-logits records of the weights it ran (tp-1 file: the merged rank files; tp-N file: each rank
+    file), and against a file without them (older, or another implementation's) it passes the replay (the
+    documented limit). With --reference SRC the twin also compares every weight's bytes with the converter's
+    expected output on every rank, so the same fault fails, named with its rank; before, it passed all four."""
     p = m.probe()
     k = -(-p["engram_rows"] // 2)
     row = p["unhashed_row"]
     d = m.faulty("engram_unhashed_row", 2)
     _edit(d, row // k, 2, _bump_byte("layers.0.engram.embed.weight", (row % k, 0), by=8))
-    replayed = _verify(d, m.reference("tp1", 2))
+    recorded = _verify(d, m.reference("tp1", 2))
+    assert recorded.verdict == "FAIL" and recorded.manifest == "differs", recorded.failures
+    said = f"manifest: model{row // k}-mp2.safetensors: sha256 "
+    assert any(f.startswith(said) for f in recorded.failures), recorded.failures
+    (d / "manifest.json").unlink()
+    for kind, tp in (("tp1", 2), ("tpN", 2)):  # the weights' sha256 that reference-logits records
+        digested = _verify(d, m.reference(kind, tp))
+        assert digested.verdict == "FAIL" and digested.weights == "differs", digested.failures
+        where = "" if kind == "tp1" else f" on rank {row // k}"
+        said = f"weights: layers.0.engram.embed.weight{where}: sha256 "
+        assert (
+            [f for f in digested.failures if f.startswith("weights: ")]
+            == [f for f in digested.failures if f.startswith(said)]
+            != []
+        ), digested.failures
+    replayed = _verify(d, _without_weight_digests(m.reference("tp1", 2)))
     assert replayed.verdict == "PASS" and replayed.decisive == ["replay"], replayed.failures
+    assert replayed.manifest == "absent" and replayed.weights == "not recorded"
     twin = verify(VerifyOptions(d, reference=m.src, prompts=m.prompts_file, n_decode=1, threads=1))
     assert twin.verdict == "FAIL", twin.checks
     said = f"twin weights: layers.0.engram.embed.weight on rank {row // k}: 1 of "
@@ -457,7 +496,7 @@ def test_the_twin_compares_every_weight_also_where_no_prompt_reaches(m):
     assert twin.localization.note.startswith("layers.0.engram.embed.weight on rank")
     assert "no prompt's output differs" in twin.localization.note
     clean = verify(VerifyOptions(m.shard(2), reference=m.src, prompts=m.prompts_file, n_decode=1, threads=1))
-    assert clean.verdict == "PASS" and "twin" in clean.decisive, clean.failures
+    assert clean.verdict == "PASS" and "twin" in clean.decisive and clean.manifest == "held", clean.failures
 
 
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:

@@ -1,0 +1,90 @@
+"""The sha256 of every weight a reference ran, recorded in its file, and CONVERTED's rank files against them.
+
+A reference of converted weights (`reference-logits SRC --tp N` of an fp8 source, or --as-converted) runs
+the rank files `shard SRC --tp N` writes, computed in memory. Their tensors' sha256 go into the file's
+provenance (`weights`, one {name: sha256} per rank), so that `verify --reference-logits FILE` compares
+every weight of CONVERTED with them, whether a prompt reaches it or not: the rank files themselves at the
+same tp, their merge back to tp 1 (convert.unshard, as the replay runs it) against a tp-1 record. Without
+SRC at hand this is the only check of a weight no prompt reaches (an expert no prompt routes to, an Engram
+row no n-gram hashes to); a logits check cannot see it.
+
+    weights = {"tp": N, "expert_dtype": "fp4" | "fp8", "ranks": [{name: sha256 hex}, ... N of them]}
+
+A conversion with another expert dtype than the record's (`shard --expert-dtype fp8` against a reference of
+fp4 experts) has other expert bytes by design: its routed experts are not compared, and the check says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dsv41_convert.convert.unshard import RankFiles, unshard_tensors
+
+ROUTED = ".experts."  # the routed experts' tensors (`ffn.experts.E.`), not the shared expert's
+
+
+def tensor_sha256(t: Tensor) -> str:
+    """sha256 of a tensor's bytes, in its dtype (fp4 pairs and e8m0 scales as their raw bytes)."""
+    raw = t.detach().contiguous().view(torch.uint8).reshape(-1)
+    return hashlib.sha256(memoryview(raw.numpy())).hexdigest()
+
+
+def digests(state: dict[str, Tensor]) -> dict[str, str]:
+    """{name: tensor_sha256} of one rank's weights (file dtypes)."""
+    return {name: tensor_sha256(t) for name, t in sorted(state.items())}
+
+
+def record(ranks: list[dict[str, str]], expert_dtype: str) -> dict[str, Any]:
+    """The provenance entry `weights` for one digests() per rank."""
+    return {"tp": len(ranks), "expert_dtype": expert_dtype, "ranks": ranks}
+
+
+def problems(weights: Any) -> list[str]:
+    """What is wrong with a recorded `weights` entry's shape (reffile's validation), [] when nothing."""
+    ok = (
+        isinstance(weights, dict)
+        and isinstance(weights.get("tp"), int)
+        and weights.get("expert_dtype") in ("fp4", "fp8")
+        and isinstance(weights.get("ranks"), list)
+        and len(weights["ranks"]) == weights["tp"]
+        and all(isinstance(r, dict) and all(isinstance(v, str) for v in r.values()) for r in weights["ranks"])
+    )
+    return [] if ok else ['metadata provenance.weights must be {"tp", "expert_dtype", "ranks": [{name: sha256}]}']
+
+
+def compare(weights: dict[str, Any], ranks: RankFiles, expert_dtype: str) -> tuple[list[str] | None, str]:
+    """CONVERTED's rank files against a recorded `weights`. -> (failures, or None where they cannot be
+    compared: another tp than the record's and the record not tp 1; a note saying what was compared)."""
+    skip_experts = expert_dtype != weights["expert_dtype"]
+    if weights["tp"] == ranks.tp:
+        found = [_digests_of_rank(ranks, r, skip_experts) for r in range(ranks.tp)]
+        what = f"each rank file against the reference's tp-{ranks.tp} record"
+    elif weights["tp"] == 1:
+        merged = unshard_tensors(ranks)
+        found = [digests({n: t for n, t in merged.items() if not (skip_experts and ROUTED in n)})]
+        what = "the rank files merged to tp 1 against the reference's tp-1 record"
+    else:
+        return None, f"not compared: the reference records tp-{weights['tp']} rank files, these are tp {ranks.tp}"
+    failures = []
+    for r, (want, got) in enumerate(zip(weights["ranks"], found, strict=True)):
+        want = {n: d for n, d in want.items() if not (skip_experts and ROUTED in n)}
+        where = f" on rank {r}" if weights["tp"] > 1 else ""
+        failures += [f"{n}{where}: not in the rank files" for n in sorted(want.keys() - got.keys())]
+        failures += [f"{n}{where}: not in the reference's record" for n in sorted(got.keys() - want.keys())]
+        failures += [
+            f"{n}{where}: sha256 {got[n][:12]}..., the reference's weights {want[n][:12]}..."
+            for n in sorted(want.keys() & got.keys())
+            if want[n] != got[n]
+        ]
+    if skip_experts:
+        what += f"; routed experts not compared ({expert_dtype} here, {weights['expert_dtype']} in the reference)"
+    return failures, what
+
+
+def _digests_of_rank(ranks: RankFiles, rank: int, skip_experts: bool) -> dict[str, str]:
+    names = [n for n in ranks.headers[rank].tensors if not (skip_experts and ROUTED in n)]
+    return {n: tensor_sha256(ranks.read(rank, n)) for n in sorted(names)}
