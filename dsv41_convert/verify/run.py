@@ -291,7 +291,7 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
     if recorded is not None and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say(f"weights: every tensor of {conv} against the sha256 {ref_name} records of the weights it ran")
-        _weights_check(result, recorded, ranks, conv_args)
+        _weights_check(result, recorded, ranks)
         seconds["weights"] = time.perf_counter() - t2
     replay_runs = None
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
@@ -368,11 +368,11 @@ def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Ref
     return Check("reference", exact, False, [], what + "; not bit-exact: " + "; ".join(blockers))
 
 
-def _weights_check(result: VerifyResult, recorded: dict, ranks: RankFiles, conv_args: ModelArgs) -> None:
+def _weights_check(result: VerifyResult, recorded: dict, ranks: RankFiles) -> None:
     """CONVERTED's tensors against the reference file's digests (weight_digests.py): every weight, whether a
     prompt reaches it or not."""
     try:
-        found, note = weight_digests.compare(recorded, ranks, conv_args.expert_dtype or "fp4")
+        found, note = weight_digests.compare(recorded, ranks)
     except (ShardConsistencyError, PlanError) as exc:  # the replay says why they do not merge
         found, note = None, f"not compared: the rank files do not merge back to tp 1 ({exc})"
     result.weights_note = note
@@ -453,7 +453,7 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
-        weights = [f.removeprefix("twin weights: ") for f in result.failures if f.startswith("twin weights: ")]
+        weights = [f.split("weights: ", 1)[1] for f in result.failures if f.startswith(("twin weights: ", "weights: "))]
         tokenizer = [f.removeprefix("tokenizer: ") for f in result.failures if f.startswith("tokenizer: ")]
         hf_config = [f.removeprefix("hf config: ") for f in result.failures if f.startswith("hf config: ")]
         if tokenizer:  # not a weight: the token ids Engram hashes
@@ -464,9 +464,9 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         elif replicas:  # the bytes themselves say where
             loc.module = localize.module_of(replicas[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
-        elif weights and loc.module is None:  # no prompt's output differs: the bytes say where
+        elif weights and (loc.module is None or not exact_pair):  # the bytes say where; no output (or noise) did
             loc.module = localize.module_of(weights[0].split()[0], conv_args.n_layers)
-            loc.note = f"{weights[0]}, against the converter's expected output; no prompt's output differs"
+            loc.note = f"{weights[0]}" + ("; no prompt's output differs" if exact_pair else "")
         elif unmerged:  # the rank files disagree: the merge names the tensor
             loc.module = localize.module_of(unmerged[0].split(":")[0], conv_args.n_layers)
             loc.note = f"the rank files do not merge back to tp 1: {unmerged[0]}"

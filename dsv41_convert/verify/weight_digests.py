@@ -56,10 +56,11 @@ def problems(weights: Any) -> list[str]:
     return [] if ok else ['metadata provenance.weights must be {"tp", "expert_dtype", "ranks": [{name: sha256}]}']
 
 
-def compare(weights: dict[str, Any], ranks: RankFiles, expert_dtype: str) -> tuple[list[str] | None, str]:
+def compare(weights: dict[str, Any], ranks: RankFiles) -> tuple[list[str] | None, str]:
     """CONVERTED's rank files against a recorded `weights`. -> (failures, or None where they cannot be
     compared: another tp than the record's and the record not tp 1; a note saying what was compared)."""
-    skip_experts = expert_dtype != weights["expert_dtype"]
+    expert_dtype = experts_stored_as(ranks)
+    skip_experts = expert_dtype not in (None, weights["expert_dtype"])
     if weights["tp"] == ranks.tp:
         found = [_digests_of_rank(ranks, r, skip_experts) for r in range(ranks.tp)]
         what = f"each rank file against the reference's tp-{ranks.tp} record"
@@ -83,6 +84,16 @@ def compare(weights: dict[str, Any], ranks: RankFiles, expert_dtype: str) -> tup
     if skip_experts:
         what += f"; routed experts not compared ({expert_dtype} here, {weights['expert_dtype']} in the reference)"
     return failures, what
+
+
+def experts_stored_as(ranks: RankFiles) -> str | None:
+    """ "fp8" or "fp4": how the rank files store the routed experts (the model reads it from the dtype, as
+    the config does not say it), None without any."""
+    for header in ranks.headers:
+        for name, info in header.tensors.items():
+            if ROUTED in name and name.endswith(".weight"):
+                return "fp8" if info.dtype == "F8_E4M3" else "fp4"
+    return None
 
 
 def _digests_of_rank(ranks: RankFiles, rank: int, skip_experts: bool) -> dict[str, str]:

@@ -40,9 +40,9 @@ def test_a_correct_conversion_matches_both_records(conversion):
     folder, records = conversion
     with RankFiles(folder) as ranks:
         for tp, how in ((2, "each rank file"), (1, "merged to tp 1")):
-            found, note = weight_digests.compare(records[tp], ranks, "fp4")
+            found, note = weight_digests.compare(records[tp], ranks)
             assert found == [] and how in note, (tp, found)
-        assert weight_digests.compare(weight_digests.record([{}] * 4, "fp4"), ranks, "fp4")[0] is None
+        assert weight_digests.compare(weight_digests.record([{}] * 4, "fp4"), ranks)[0] is None
 
 
 @pytest.mark.parametrize("name", ["layers.0.ffn.experts.1.w1.weight", "layers.0.attn.wq_b.scale", "embed.weight"])
@@ -57,12 +57,12 @@ def test_one_changed_bit_is_named_against_either_record(conversion, tmp_path, na
         rank = next(r for r in range(2) if name in ranks.headers[r].tensors)
     _changed(bad, rank, name)
     with RankFiles(bad) as ranks:
-        same_tp, _ = weight_digests.compare(records[2], ranks, "fp4")
-        merged, _ = weight_digests.compare(records[1], ranks, "fp4")
-        skipped, note = weight_digests.compare(records[2], ranks, "fp8")
+        same_tp, _ = weight_digests.compare(records[2], ranks)
+        merged, _ = weight_digests.compare(records[1], ranks)
+        skipped, note = weight_digests.compare(records[2] | {"expert_dtype": "fp8"}, ranks)
     assert len(same_tp) == 1 and same_tp[0].startswith(f"{name} on rank {rank}: sha256 "), same_tp
     assert len(merged) == 1 and merged[0].startswith(f"{name}: sha256 "), merged
-    if ".experts." in name:  # another expert dtype than the record's: its experts are not compared, and said so
+    if ".experts." in name:  # another expert dtype in the record: the experts are not compared, and said so
         assert skipped == [] and "routed experts not compared" in note
     else:
         assert skipped == same_tp
