@@ -73,3 +73,19 @@ def test_a_malformed_record_is_named():
     for bad in ([], {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]}, {"tp": 1, "expert_dtype": "x", "ranks": [{}]},
                 {"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": 1}]}):  # fmt: skip
         assert weight_digests.problems(bad) and "provenance.weights" in weight_digests.problems(bad)[0]
+
+
+def test_the_merge_to_tp_1_holds_one_tensor_at_a_time(conversion, monkeypatch):
+    """verify --no-replay exists for a model too large to merge in one process: the weights check against a
+    tp-1 record must not merge it whole either (the first version did)."""
+    folder, records = conversion
+    real, asked = weight_digests.unshard_tensors, []
+
+    def one_at_a_time(ranks, names=None, tp=None):
+        asked.append(None if names is None else len(names))
+        return real(ranks, names)
+
+    monkeypatch.setattr(weight_digests, "unshard_tensors", one_at_a_time)
+    with RankFiles(folder) as ranks:
+        assert weight_digests.compare(records[1], ranks)[0] == []
+    assert asked and set(asked) == {1}
