@@ -11,8 +11,9 @@ byte, split halves exchanged between ranks, an fp4 nibble of a routed expert, an
 tensor of another layer), and every disagreement between rank files (a replicated tensor differing
 between ranks, an expert on the wrong rank, a missing padding row) even where no prompt touches it.
 Cannot catch: a wrong value no prompt reaches (an expert no prompt routes to, an Engram row no
-n-gram hashes to), or a fault in the tp-N distributed run itself that the merge undoes (the tp-N
-run is still compared with the reference's statistical bounds).
+n-gram hashes to; verify's weights check compares those bytes where the reference file records their
+sha256, weight_digests.py), or a fault in the tp-N distributed run itself that the merge undoes (the
+tp-N run is still compared with the reference's statistical bounds).
 Memory: the whole merged model in this process (the layer-streamed replay is issue 17's).
 """
 
