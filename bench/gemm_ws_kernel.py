@@ -65,7 +65,7 @@ def ws_gemm(
     tile: (rows, columns) of C per CTA, rows / 64 consumer warpgroups; nreg: setmaxnreg of (producers,
     consumers).
     """
-    m = T.symbolic("M")
+    m = T.dynamic("M")
     bm, bn = tile
     subs = K_TILE // K_BLOCK
     kb = k // K_BLOCK

@@ -183,7 +183,7 @@ def block_gemm_kernel(
     place of five integer ops; the same values).
     """
     bm, bn, threads = tile
-    m = T.symbolic("M")
+    m = T.dynamic("M")
     kb = k // k_block
     kt = k_tile if k_tile % k_block == 0 and k % k_tile == 0 else k_block
     subs = kt // k_block  # K blocks per stage

@@ -28,7 +28,7 @@ def fp4_dequant_kernel(c: int, group: int, out_dtype: str, unroll: int = 4, vec:
     vec: packed bytes per thread and slot (at most; all under one scale). 4 bytes make one 16-byte bf16
     store per slot, so a warp's stores cover 512 contiguous bytes (wider vectors leave gaps per store).
     """
-    r = T.symbolic("R")
+    r = T.dynamic("R")
     half = c // 2
     while half % vec or (group // 2) % vec:
         vec //= 2

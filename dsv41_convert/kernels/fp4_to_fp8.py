@@ -39,7 +39,7 @@ def fp4_to_fp8_kernel(in_features: int, block_rows: int = 1, row_threads: int = 
     block_rows: 32-row blocks per CTA; row_threads: threads side by side along a row (16, 32 or 64: 256,
     512 or 1024 columns per CTA). The defaults were the fastest on an H200 (docs/BENCHMARKS.md).
     """
-    o = T.symbolic("O")
+    o = T.dynamic("O")
     i_dim = in_features
     ib = i_dim // BLOCK
     half = BLOCK // 2  # columns per thread: half a block row (8 packed bytes in, 16 e4m3 bytes out)

@@ -47,7 +47,7 @@ def fp8_dequant_kernel(
     vec: e4m3 values per thread and slot (at most). 8 make one 16-byte bf16 store per slot, so a warp's
     stores cover 512 contiguous bytes (16 would leave gaps in every store instruction).
     """
-    o = T.symbolic("O")
+    o = T.dynamic("O")
     i_dim = in_features
     while i_dim % vec or bi % vec:
         vec //= 2

@@ -50,7 +50,7 @@ def fp8_quant_kernel(in_features: int, bo: int, bi: int, in_dtype: str, pow2: bo
 
     threads: per CTA; a 128x128 block is shared by all of them (fewer values per thread with more).
     """
-    o = T.symbolic("O")
+    o = T.dynamic("O")
     i_dim = in_features
     vec = 16 // (4 if in_dtype == F32 else 2)
     while i_dim % vec or bi % vec:

@@ -21,7 +21,7 @@ THREADS = 128
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def hc_split_sinkhorn_kernel(hc: int, sinkhorn_iters: int, eps: float):
     """[n, (2+hc)*hc] float32 mixes -> pre [n, hc], post [n, hc], comb [n, hc, hc]."""
-    n = T.symbolic("n")
+    n = T.dynamic("n")
     mix = (2 + hc) * hc
 
     @T.prim_func

@@ -67,7 +67,7 @@ def row_quant_kernel(
     floor, factor = FORMATS[(codes, scale)]
     pow2 = scale in ("e8m0", "pow2")
     fp4 = codes == "e2m1"
-    r = T.symbolic("R")
+    r = T.dynamic("R")
     elem_bytes = 4 if in_dtype == F32 else 2
     piece = vector_width(c, group, elem_bytes)  # values per 16-byte (or narrower) load
     assert not fp4 or piece >= 2, "e2m1 rows must have an even length"

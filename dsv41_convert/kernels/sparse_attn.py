@@ -34,9 +34,9 @@ THREADS = 128
 def sparse_attn_kernel(h: int, d: int, topk: int):
     """q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] f32, idx [b, m, topk] int32, scale (f32 scalar)
     -> [b, m, h, d] bf16. The softmax scale is a run-time argument: one compiled kernel serves every scale."""
-    b = T.symbolic("b")
-    m = T.symbolic("m")
-    n = T.symbolic("n")
+    b = T.dynamic("b")
+    m = T.dynamic("m")
+    n = T.dynamic("n")
     steps = -(-topk // BLOCK)
 
     @T.prim_func
