@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import RankFiles, unshard_tensors
-
-ROUTED = ".experts."  # the routed experts' tensors (`ffn.experts.E.`), not the shared expert's
 
 
 def tensor_sha256(t: Tensor) -> str:
@@ -65,14 +64,14 @@ def compare(weights: dict[str, Any], ranks: RankFiles) -> tuple[list[str] | None
         found = [_digests_of_rank(ranks, r, skip_experts) for r in range(ranks.tp)]
         what = f"each rank file against the reference's tp-{ranks.tp} record"
     elif weights["tp"] == 1:  # one tensor merged at a time: the whole merged model never in memory
-        names = [n for n in ranks.names() if not (skip_experts and ROUTED in n)]
+        names = [n for n in ranks.names() if not (skip_experts and _routed(n))]
         found = [{n: tensor_sha256(unshard_tensors(ranks, [n])[n]) for n in names}]
         what = "the rank files merged to tp 1, one tensor at a time, against the reference's tp-1 record"
     else:
         return None, f"not compared: the reference records tp-{weights['tp']} rank files, these are tp {ranks.tp}"
     failures = []
     for r, (want, got) in enumerate(zip(weights["ranks"], found, strict=True)):
-        want = {n: d for n, d in want.items() if not (skip_experts and ROUTED in n)}
+        want = {n: d for n, d in want.items() if not (skip_experts and _routed(n))}
         where = f" on rank {r}" if weights["tp"] > 1 else ""
         failures += [f"{n}{where}: not in the rank files" for n in sorted(want.keys() - got.keys())]
         failures += [f"{n}{where}: not in the reference's record" for n in sorted(got.keys() - want.keys())]
@@ -91,11 +90,18 @@ def experts_stored_as(ranks: RankFiles) -> str | None:
     the config does not say it), None without any."""
     for header in ranks.headers:
         for name, info in header.tensors.items():
-            if ROUTED in name and name.endswith(".weight"):
+            if name.endswith(".weight") and _routed(name):
                 return "fp8" if info.dtype == "F8_E4M3" else "fp4"
     return None
 
 
+def _routed(name: str) -> bool:
+    """A routed expert's tensor (the rule table's EXPERT split), not the shared expert's."""
+    return match_rule(name).split is Split.EXPERT
+
+
 def _digests_of_rank(ranks: RankFiles, rank: int, skip_experts: bool) -> dict[str, str]:
-    names = [n for n in ranks.headers[rank].tensors if not (skip_experts and ROUTED in n)]
-    return {n: tensor_sha256(ranks.read(rank, n)) for n in sorted(names)}
+    """{name: sha256} of one rank file's tensors, hashed as they lie in the file (tensor_sha256's bytes)."""
+    tensors = ranks.headers[rank].tensors
+    names = sorted(n for n in tensors if not (skip_experts and _routed(n)))
+    return {n: hashlib.sha256(ranks.raw(rank, tensors[n])).hexdigest() for n in names}
