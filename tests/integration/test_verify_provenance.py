@@ -132,7 +132,10 @@ def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path)
         meta = f.metadata()
     for bad, said in (("[1]", "must be a JSON object"), ("{", "is not JSON"),
                       ('{"tokenizer": {"tokenizer.json": 5}}', "provenance.tokenizer must map"),
-                      ('{"made_from": {"files": [1]}}', "provenance.made_from must be")):  # fmt: skip
+                      ('{"made_from": {"files": [1]}}', "provenance.made_from must be"),
+                      ('{"weights": {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]}}', "provenance.weights must be"),
+                      ('{"weights": {"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": 1}]}}',
+                       "provenance.weights must be")):  # fmt: skip
         meta["provenance"] = bad
         save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
         problems = reffile.validate_reference_file(tmp_path / "bad.safetensors")
