@@ -265,6 +265,17 @@ def _forget_done(out: Path, files: list[str]) -> None:
         fsync_path(gone[0].parent)
 
 
+def _remove_replaced(out: Path, files: list[str]) -> None:
+    """Remove the files an --overwrite replaces before any is written again: a run that then fails left the
+    replaced run's rank files beside its own, a whole set of two conversions that a loader without our
+    records (upstream generate.py) took for one (an audit). Their space is free for the new files too."""
+    gone = [p for p in (out / f for f in files) if p.is_file()]
+    for path in gone:
+        path.unlink()
+    if gone:
+        fsync_path(out)
+
+
 def _written_by_us(out: Path, name: str) -> bool:
     """A file in OUT that a run of ours wrote or was writing: a .partial, or a file with a done record or a
     journal."""
@@ -405,6 +416,7 @@ def execute(
         _no_other_conversion(plan, out, overwrite and not share)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _forget_done(out, names)
+            _remove_replaced(out, names)
         stamps = source_stamps(src)
         if resume or share:  # a share: the other shares' finished files count towards its manifest
             _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))

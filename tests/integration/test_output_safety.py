@@ -323,3 +323,27 @@ def test_a_source_whose_shards_link_into_out_is_refused_and_kept(src, tmp_path, 
     code, _, err = run_cli(monkeypatch, capsys, command[0], str(hard), str(out), *command[1:], "--overwrite")
     assert code == 0, err
     assert tree(hard) == {name: data for name, data in before.items() if "/" not in name and name in tree(hard)}
+
+
+def test_a_failed_overwrite_leaves_no_rank_file_of_the_replaced_run(tmp_path, monkeypatch, capsys):
+    """shard OUT from source A, then `--overwrite` from source B that fails on a NaN in rank 1's expert: the
+    folder held B's rank 0 beside A's rank 1, a whole tp-2 set of two models that upstream's generate.py
+    (which reads no manifest) loads as one (an audit). The replaced files now go first; --resume of B then
+    finishes B's set."""
+    import torch
+    from tiny_ckpt import source_tensors, tiny_config, write_ckpt
+
+    a = make_tiny(tmp_path / "a", vision=False, seed=1)
+    cfg = tiny_config(vision=False)
+    tensors = source_tensors(cfg, 0)
+    tensors["layers.2.ffn.experts.6.w1.scale"].view(torch.uint8)[0, 0] = 0xFF  # rank 1's at tp 2 (8 experts)
+    b = write_ckpt(tmp_path / "b", tensors, cfg)
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(a), str(out), "--tp", "2", "--workers", "1")[0] == 0
+    old = {p.name: p.read_bytes() for p in out.glob("model*-mp2.safetensors")}
+    code, _, err = shard(monkeypatch, capsys, str(b), str(out), "--tp", "2", "--overwrite", "--workers", "1")
+    assert code == 2 and "layers.2.ffn.experts.6.w1.scale: found nan" in err, err
+    left = {p.name: p.read_bytes() for p in out.glob("model*-mp2.safetensors")}
+    assert "model1-mp2.safetensors" not in left  # the failed rank: neither A's nor a partial under its name
+    assert all(left[n] != old[n] for n in left), sorted(left)
+    assert not (out / "manifest.json").exists()
