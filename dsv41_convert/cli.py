@@ -447,6 +447,15 @@ def reference_logits_cmd(
             "decode_ids, else the prompt's own tokens repeated), not greedy.",
         ),
     ] = False,
+    weight_digests: Annotated[
+        bool,
+        typer.Option(
+            "--weight-digests/--no-weight-digests",
+            help="Record the sha256 of every converted weight the reference runs (an fp8 source, or "
+            "--as-converted), so that verify compares every weight of CONVERTED, also those no prompt reaches. "
+            "With --stream-layers this reads the whole source once more.",
+        ),
+    ] = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
@@ -508,11 +517,12 @@ def reference_logits_cmd(
             with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
                 say = None if as_json else report.info
                 ref, timings = compute_streamed_reference(
-                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say
+                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say, weight_digests
                 )
         else:
             ref = compute_reference_ranks(
-                src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info
+                src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info,
+                weight_digests,
             )  # fmt: skip
         if ref is None:  # a torchrun rank other than 0
             return
@@ -531,6 +541,8 @@ def reference_logits_cmd(
         "threads": ref.threads,
         "bytes": out.stat().st_size,
     }
+    recorded = (ref.provenance or {}).get("weights")
+    summary["weight_digests"] = sum(map(len, recorded["ranks"])) if recorded else 0  # tensors, over every rank
     if torch.device(device).type == "cuda" and tp == 1:  # this process ran the model
         summary["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
     if timings is not None:

@@ -23,12 +23,15 @@ naming the tensor and the ranks: for verify that is a faulty conversion, not an 
 from __future__ import annotations
 
 import functools
+import hashlib
+import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
@@ -37,7 +40,7 @@ from dsv41_convert.convert.rules import Split, expert_index, match_rule
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
-from dsv41_convert.store.safetensors_header import Header, TensorInfo, pread_exact, read_header
+from dsv41_convert.store.safetensors_header import DTYPE_BITS, Header, TensorInfo, pread_exact, read_header
 
 _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")
 
@@ -133,36 +136,23 @@ def unshard_names(folder: Path, tp: int | None = None) -> list[str]:
 def replica_mismatches(ranks: RankFiles) -> list[str]:
     """Every replicated tensor (split NONE: norms, gates, the aligner ...) whose bytes or header entry differ
     between the rank files, as 'NAME: replicated, but ranks [r, ...] differ from rank 0'. Reads those tensors
-    only, one at a time (at most two copies in memory: rank 0's and one other's).
+    only, MERGE_BLOCK bytes of two copies at a time.
 
     Every rank runs its own copy, so a copy damaged on one rank changes that rank's partial sums only a
     little, often within a tolerance; this compares the bytes themselves."""
-    headers = ranks.headers
     found = []
-    for name, info in sorted(headers[0].tensors.items()):
-        if match_rule(name).split is not Split.NONE:
-            continue
-        first = ranks.raw(0, info)
-        differ = [
-            r
-            for r in range(1, ranks.tp)
-            if (other := headers[r].tensors.get(name)) is None
-            or (other.dtype, other.shape) != (info.dtype, info.shape)
-            or ranks.raw(r, other) != first
-        ]
-        if differ:
-            found.append(f"{name}: replicated, but ranks {differ} differ from rank 0")
+    for name in sorted(ranks.headers[0].tensors):
+        if match_rule(name).split is Split.NONE:
+            copies = {r: h.tensors.get(name) for r, h in enumerate(ranks.headers)}
+            try:
+                for _ in _replica_blocks(ranks, name, copies, MERGE_BLOCK):
+                    pass
+            except ShardConsistencyError as exc:
+                found.append(str(exc))
     return found
 
 
-def _bytes(t: Tensor) -> Tensor:
-    """The same memory as uint8 with the same leading dims (1-byte dtypes) or as is (wider dtypes)."""
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-
-
-def _cat(parts: list[Tensor], dim: int) -> Tensor:
-    """torch.cat for every dtype (fp8 / fp4 concatenated as their bytes)."""
-    return torch.cat([_bytes(p) for p in parts], dim=dim).view(parts[0].dtype)
+MERGE_BLOCK = 64 << 20  # bytes of merged rows a merge reads at a time, beyond the result it builds
 
 
 def unshard_tensors(
@@ -181,58 +171,192 @@ def unshard_tensors(
     ranks = source
     out = {}
     for name in ranks.names() if names is None else names:
-        holders = [r for r in range(ranks.tp) if name in ranks.headers[r].tensors]
-        if not holders:
-            raise ShardConsistencyError(f"{name}: in none of the {ranks.tp} rank files of {ranks.folder}")
-        out[name] = _merge(name, {r: ranks.read(r, name) for r in holders}, ranks.tp, ranks.args)
+        merge = merge_of(ranks, name)
+        buf = bytearray(merge.nbytes)
+        at = 0
+        for block in merged_blocks(ranks, merge):
+            buf[at : at + len(block)] = block
+            at += len(block)
+        out[name] = tensor_from_bytes(buf, merge.dtype, merge.shape)
     return out
 
 
-def _merge(name: str, parts: dict[int, Tensor], tp: int, args: ModelArgs) -> Tensor:
+def merged_sha256(ranks: RankFiles, name: str, between: Callable[[], None] | None = None) -> str:
+    """sha256 of tensor `name` merged to tp 1 (the bytes unshard_tensors gives), read MERGE_BLOCK at a time:
+    the merged tensor is never whole in memory (an Engram table of the real model is 98 GB). between():
+    called before each block (store.threads' keep_going)."""
+    return _sha256(merged_blocks(ranks, merge_of(ranks, name)), between)
+
+
+def piece_sha256(ranks: RankFiles, rank: int, info: TensorInfo, between: Callable[[], None] | None = None) -> str:
+    """sha256 of tensor `info` as rank `rank`'s file holds it, read MERGE_BLOCK at a time."""
+    return _sha256(_piece_blocks(ranks, rank, info, MERGE_BLOCK, info.nbytes), between)
+
+
+def _sha256(blocks: Iterable[memoryview], between: Callable[[], None] | None) -> str:
+    h = hashlib.sha256()
+    for block in blocks:
+        if between is not None:
+            between()
+        h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Merge:
+    """How one tp-1 tensor is rebuilt from the rank files, as their headers say (checked by merge_of)."""
+
+    name: str
+    split: Split
+    holders: tuple[int, ...]  # the ranks holding a piece, in rank order
+    dtype: str  # the header's dtype name
+    shape: tuple[int, ...]  # the merged tensor's (header, logical) shape
+    rows: int  # merged rows kept: past them, a ROWS_PADDED table's padding
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
+
+
+def merge_of(ranks: RankFiles, name: str) -> Merge:
+    """The Merge of `name`, every disagreement the headers show raised (ShardConsistencyError): a piece
+    missing, an expert on another rank than its owner, pieces of a split that differ in shape or dtype, an
+    Engram table's rows per rank not ceil(rows / N). The bytes of replicas and padding are checked as
+    merged_blocks reads them."""
+    holders = tuple(r for r in range(ranks.tp) if name in ranks.headers[r].tensors)
+    if not holders:
+        raise ShardConsistencyError(f"{name}: in none of the {ranks.tp} rank files of {ranks.folder}")
     split = match_rule(name).split
-    ranks = sorted(parts)
-    if split is not Split.EXPERT and len(ranks) != tp:
-        missing = sorted(set(range(tp)) - set(ranks))
+    if split is not Split.EXPERT and len(holders) != ranks.tp:
+        missing = sorted(set(range(ranks.tp)) - set(holders))
         raise ShardConsistencyError(f"{name}: missing from rank files {missing} (every rank must hold a piece)")
-    if split is Split.NONE:
-        first = _bytes(parts[0])
-        differ = [r for r in ranks[1:] if parts[r].shape != parts[0].shape or not torch.equal(_bytes(parts[r]), first)]
-        if differ:
-            raise ShardConsistencyError(f"{name}: replicated, but ranks {differ} differ from rank 0")
-        return parts[0]
+    info = ranks.headers[holders[0]].tensors[name]
+    shape = info.shape
     if split is Split.EXPERT:
-        return _expert(name, parts, tp, args)
-    shapes = {r: tuple(parts[r].shape) for r in ranks}
-    if len(set(shapes.values())) != 1:
-        found = ", ".join(f"rank {r}: {list(s)}" for r, s in shapes.items())
-        raise ShardConsistencyError(f"{name}: rank pieces differ in shape ({found}); a {split} split has equal pieces")
-    whole = _cat([parts[r] for r in ranks], 1 if split is Split.DIM1 else 0)
+        _check_owner(name, holders, ranks.tp, ranks.args)
+    elif split is not Split.NONE:  # replicas that differ in shape are named with those that differ in bytes
+        pieces = {r: ranks.headers[r].tensors[name] for r in holders}
+        if len({p.shape for p in pieces.values()}) != 1:
+            found = ", ".join(f"rank {r}: {list(p.shape)}" for r, p in pieces.items())
+            raise ShardConsistencyError(
+                f"{name}: rank pieces differ in shape ({found}); a {split} split has equal pieces"
+            )
+        if len({p.dtype for p in pieces.values()}) != 1:
+            found = ", ".join(f"rank {r}: {p.dtype}" for r, p in pieces.items())
+            raise ShardConsistencyError(f"{name}: rank pieces differ in dtype ({found})")
+        if split is Split.DIM1:
+            shape = (shape[0], shape[1] * ranks.tp, *shape[2:])
+        else:
+            shape = (shape[0] * ranks.tp, *shape[1:])
+    rows = shape[0] if shape else 1
     if split is Split.ROWS_PADDED:
-        whole = _drop_padding(name, whole, tp, args)
-    return whole
+        rows = _table_rows(name, info.shape[0], ranks.tp, ranks.args)
+        shape = (rows, *shape[1:])
+    return Merge(name, split, holders, info.dtype, tuple(shape), rows)
 
 
-def _expert(name: str, parts: dict[int, Tensor], tp: int, args: ModelArgs) -> Tensor:
+def merged_blocks(ranks: RankFiles, merge: Merge, block: int | None = None) -> Iterator[memoryview]:
+    """The bytes of `merge`'s tp-1 tensor in order, about `block` bytes (whole rows) at a time. Each view is
+    valid until the next one is asked for. Raises ShardConsistencyError where replicas differ in bytes or
+    an Engram table's padding is not the converter's fill. block None: MERGE_BLOCK."""
+    block = block or MERGE_BLOCK
+    infos = {r: ranks.headers[r].tensors[merge.name] for r in merge.holders}
+    if merge.split is Split.DIM1:
+        yield from _interleaved(ranks, merge, infos, block)
+        return
+    if merge.split is Split.ROWS_PADDED:
+        _check_padding(ranks, merge, infos)
+    if merge.split is Split.NONE:
+        yield from _replica_blocks(ranks, merge.name, infos, block)
+        return
+    left = merge.nbytes  # a ROWS_PADDED table stops before its padding
+    for r in merge.holders:
+        for view in _piece_blocks(ranks, r, infos[r], block, min(left, infos[r].nbytes)):
+            left -= len(view)
+            yield view
+
+
+def _row_bytes(info: TensorInfo) -> int:
+    return info.nbytes // info.shape[0] if info.shape and info.shape[0] else max(info.nbytes, 1)
+
+
+def _piece_blocks(ranks: RankFiles, rank: int, info: TensorInfo, block: int, length: int) -> Iterator[memoryview]:
+    """The first `length` bytes of tensor `info` of rank `rank`'s file, whole rows of about `block` bytes at
+    a time, read into one buffer reused from view to view."""
+    step = max(1, block // _row_bytes(info)) * _row_bytes(info)
+    buf = memoryview(bytearray(min(step, length)))
+    path = ranks.headers[rank].path
+    for at in range(0, length, step):
+        view = buf[: min(step, length - at)]
+        pread_exact(ranks.fd(rank), view, info.begin + at, path)
+        yield view
+
+
+def _replica_blocks(
+    ranks: RankFiles, name: str, copies: dict[int, TensorInfo | None], block: int
+) -> Iterator[memoryview]:
+    """Rank 0's copy of replicated tensor `name`; every other rank's copy (None: it has none) compared with it
+    block by block, a rank that differs named once all blocks are read."""
+    first = copies[0]
+    differ = {r for r, i in copies.items() if i is None or (i.dtype, i.shape) != (first.dtype, first.shape)}
+    at, buf = 0, memoryview(bytearray(0))
+    for view in _piece_blocks(ranks, 0, first, block, first.nbytes):
+        buf = buf if len(buf) >= len(view) else memoryview(bytearray(len(view)))
+        other = buf[: len(view)]
+        for r, info in copies.items():
+            if r and r not in differ:  # one differing block names a rank; the rest of its copy is not read
+                pread_exact(ranks.fd(r), other, info.begin + at, ranks.headers[r].path)
+                if other != view:
+                    differ.add(r)
+        at += len(view)
+        yield view
+    if differ:
+        raise ShardConsistencyError(f"{name}: replicated, but ranks {sorted(differ)} differ from rank 0")
+
+
+def _interleaved(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo], block: int) -> Iterator[memoryview]:
+    """A DIM1 split's merged rows: each rank's piece of row i, in rank order, then row i + 1."""
+    piece = _row_bytes(infos[0])
+    rows_per_block = max(1, block // (piece * ranks.tp))
+    out = np.empty((min(rows_per_block, merge.rows), piece * ranks.tp), dtype=np.uint8)
+    part = np.empty((out.shape[0], piece), dtype=np.uint8)
+    for r0 in range(0, merge.rows, rows_per_block):
+        n = min(rows_per_block, merge.rows - r0)
+        for r in merge.holders:
+            pread_exact(ranks.fd(r), memoryview(part[:n]).cast("B"), infos[r].begin + r0 * piece, ranks.headers[r].path)
+            out[:n, r * piece : (r + 1) * piece] = part[:n]
+        yield memoryview(out[:n]).cast("B")
+
+
+def _check_owner(name: str, holders: tuple[int, ...], tp: int, args: ModelArgs) -> None:
     is_mtp, e = expert_index(name)
     per_rank = (args.dspark_n_routed_experts if is_mtp else args.n_routed_experts) // tp
     owner = e // per_rank
-    if list(parts) != [owner]:
-        raise ShardConsistencyError(f"{name}: held by ranks {sorted(parts)}, expected rank {owner} alone")
-    return parts[owner]
+    if holders != (owner,):
+        raise ShardConsistencyError(f"{name}: held by ranks {list(holders)}, expected rank {owner} alone")
 
 
-def _drop_padding(name: str, whole: Tensor, tp: int, args: ModelArgs) -> Tensor:
-    """The config's rows of an Engram table; the padding after them must be the converter's fill."""
+def _table_rows(name: str, per_rank: int, tp: int, args: ModelArgs) -> int:
+    """The config's rows of Engram table `name`; each rank must hold ceil(rows / tp) of them (the last padded)."""
     m = _ENGRAM.fullmatch(name)
     rows = args.engram_num_embeddings[args.engram_layer_ids.index(int(m.group(1)))]
     k = -(-rows // tp)
-    if whole.shape[0] != k * tp:
+    if per_rank != k:
         raise ShardConsistencyError(
-            f"{name}: {whole.shape[0] // tp} rows per rank, expected ceil({rows}/{tp}) = {k} (the last rank padded)"
+            f"{name}: {per_rank} rows per rank, expected ceil({rows}/{tp}) = {k} (the last rank padded)"
         )
-    pad = whole[rows:]
-    fill = PAD_BYTE["F8_E8M0" if whole.dtype == torch.float8_e8m0fnu else "F8_E4M3"]
-    if pad.numel() and not bool((_bytes(pad) == fill).all()):
-        where = f"padding rows {rows}..{k * tp - 1} (ranks {rows // k}..{tp - 1})"
-        raise ShardConsistencyError(f"{name}: {where} are not the fill byte {fill}")
-    return whole[:rows]
+    return rows
+
+
+def _check_padding(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo]) -> None:
+    """The padding rows after an Engram table's config rows (on the last ranks) must be the converter's fill."""
+    k = infos[0].shape[0]
+    row = _row_bytes(infos[0])
+    fill = PAD_BYTE["F8_E8M0" if merge.dtype == "F8_E8M0" else "F8_E4M3"]
+    for r in range(merge.rows // k, ranks.tp):
+        first = max(merge.rows - r * k, 0)  # this rank's first padding row
+        pad = memoryview(bytearray((k - first) * row))
+        pread_exact(ranks.fd(r), pad, infos[r].begin + first * row, ranks.headers[r].path)
+        if any(b != fill for b in pad):
+            where = f"padding rows {merge.rows}..{k * ranks.tp - 1} (ranks {merge.rows // k}..{ranks.tp - 1})"
+            raise ShardConsistencyError(f"{merge.name}: {where} are not the fill byte {fill}")

@@ -14,14 +14,13 @@ Digests: sha256 (our manifests, and the Hub's LFS files) or, where a record has 
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.machine import usable_cores
+from dsv41_convert.store.threads import map_stoppable
 
 CHUNK = 16 << 20
 MAX_THREADS = 8  # 128 MiB of buffers; 16 were no faster on the H200 host, cached or cold (docs/BENCHMARKS.md)
@@ -140,32 +139,19 @@ def differences(
     stopped at their next chunk (before: each finished its whole file, tens of seconds for a 10 GB shard,
     and then every file still queued)."""
     threads = hash_threads(len(files)) if threads is None else max(1, threads)
-    stop = threading.Event()
 
-    def one(name: str) -> Problem | None:
+    def one(name: str, keep_going: Callable[[], None]) -> Problem | None:
         path, rec = files[name]
 
         def on_bytes(done: int) -> None:
-            if stop.is_set():
-                raise _Abandoned
+            keep_going()
             if progress is not None:
                 progress(name, done, rec.size)
 
         on_bytes(0)
         return difference(path, name, rec, on_bytes=on_bytes)
 
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="digest")
-    try:
-        return dict(zip(files, pool.map(one, files), strict=True))
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Abandoned(Exception):
-    """Ends a hashing thread of differences() whose caller has stopped waiting for it."""
+    return dict(zip(files, map_stoppable(one, list(files), threads, "digest"), strict=True))
 
 
 def mismatches(

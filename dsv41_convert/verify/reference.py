@@ -117,6 +117,7 @@ class RankReferenceJob:
     max_seq_len: int
     device: str
     as_converted: bool  # a bf16 source: run the converter's quantized output, not the bf16 model
+    record_weights: bool = True  # converted weights: their sha256 into the file (weight_digests.py)
 
 
 def compute_reference_ranks(
@@ -129,6 +130,7 @@ def compute_reference_ranks(
     as_converted: bool = False,
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
+    record_weights: bool = True,
 ) -> Reference | None:
     """The reference on `tp` ranks, one process each, launched as verify launches the converted files:
     each rank computes its own rank file of `shard SRC --tp tp` in memory, reading only its slices of the
@@ -137,6 +139,7 @@ def compute_reference_ranks(
 
     as_converted: for a bf16 source, run the converter's quantized output (the values every conversion
                   holds, so verify can be exact) instead of the unquantized bf16 model
+    record_weights: record the sha256 of every converted weight of every rank (weight_digests.py)
     """
     say = progress or (lambda _msg: None)
     src = Path(src)
@@ -145,7 +148,7 @@ def compute_reference_ranks(
     inputs = [model_input(p, args) for p in prompts]
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
-    job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted)
+    job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads)
     if out is None:
         return None
@@ -176,7 +179,7 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, d
     try:
         state = plan_state(plan, parallel.rank(), skip_quant=unquantized)
         load_state(model, state)
-        mine = None if unquantized else weight_digests.digests(state)  # the converted weights: recorded
+        mine = None if unquantized or not job.record_weights else weight_digests.digests(state)
         del state
     except ConvertError as exc:
         error = str(exc)

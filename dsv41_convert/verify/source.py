@@ -36,6 +36,7 @@ from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_exact
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
+ROW_LOCAL = (*BYTE_COPIES, "quant_rows_fp8")  # an output row from its source row alone: SourceWeights.rows
 
 
 def _read(src: Path, rd: Read, fds: dict[str, int], alloc: Callable[[int], Tensor] | None = None) -> Tensor:
@@ -175,7 +176,7 @@ class SourceWeights:
             if name in out:
                 continue
             t = self._planned(name)
-            if t.action not in (*BYTE_COPIES, "quant_rows_fp8"):
+            if t.action not in ROW_LOCAL:
                 raise PlanError(f"{name}: action {t.action} is not row-local; read it whole")
             parts: dict[str, list[Tensor]] = {}
             for r0, r1 in runs:

@@ -26,13 +26,13 @@ from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
 from dsv41_convert.progress import Progress
-from dsv41_convert.verify import provenance
+from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import ModelInput, PromptRun, model_input
-from dsv41_convert.verify.source import SourceWeights
+from dsv41_convert.verify.source import SourceWeights, source_experts
 
 
 def fixed_decode_ids(prompt: Prompt, n_decode: int) -> torch.Tensor:
@@ -59,9 +59,13 @@ def compute_streamed_reference(
     capture_hidden: bool = True,
     progress: Progress | None = None,
     say: Callable[[str], None] | None = None,
+    record_weights: bool = True,
 ) -> tuple[Reference, list[UnitTiming]]:
     """Run the source weights unit by unit over `prompts` at tp 1 (fixed decode tokens, drafts).
 
+    record_weights: for a published (fp8) source, also record the sha256 of every tp-1 weight in the file's
+                    provenance (weight_digests.of_source: one more read of the whole source), so that verify
+                    compares the weights no prompt reaches
     -> (the reference, as compute_reference's; per unit the seconds spent reading, transferring, computing)
     """
     src = Path(src)
@@ -77,8 +81,12 @@ def compute_streamed_reference(
     say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
     weights = RankWeights(src) if rank_file_tp(src) is not None else SourceWeights(src)
     tokenizer = src / "tokenizer.json"
+    digests = None
     try:
         results, timings = run_streamed(args, weights, streamed, tokenizer, capture_hidden, device, progress)
+        if record_weights and isinstance(weights, SourceWeights) and weights.source_format == "fp8":
+            say(f"weights: the sha256 of every tensor of {src} as the reference ran it")
+            digests = weight_digests.record([weight_digests.of_source(weights, progress)], source_experts(src))
     finally:
         weights.close()
     runs = [
@@ -91,5 +99,5 @@ def compute_streamed_reference(
     ref = Reference(
         inputs, runs, [p.label for p in prompts], seq, source_format, device, weights=weights_kind, **recorded
     )
-    ref.provenance = provenance.record(src, args)
+    ref.provenance = provenance.record(src, args, digests)
     return ref, timings

@@ -17,13 +17,22 @@ fp4 experts) has other expert bytes by design: its routed experts are not compar
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from dsv41_convert.convert.rules import Split, match_rule
-from dsv41_convert.convert.unshard import RankFiles, unshard_tensors
+from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, merged_sha256, piece_sha256
+from dsv41_convert.progress import Progress
+from dsv41_convert.store.file_digest import hash_threads
+from dsv41_convert.store.threads import map_stoppable
+from dsv41_convert.verify.source import ROW_LOCAL
+
+if TYPE_CHECKING:
+    from dsv41_convert.convert.plan import OutTensor
+    from dsv41_convert.verify.source import SourceWeights
 
 
 def tensor_sha256(t: Tensor) -> str:
@@ -35,6 +44,41 @@ def tensor_sha256(t: Tensor) -> str:
 def digests(state: dict[str, Tensor]) -> dict[str, str]:
     """{name: tensor_sha256} of one rank's weights (file dtypes)."""
     return {name: tensor_sha256(t) for name, t in sorted(state.items())}
+
+
+def of_source(weights: SourceWeights, progress: Progress | None = None) -> dict[str, str]:
+    """digests() of the tp-1 weights `weights` gives (reference_state's, as `shard SRC --tp 1` writes them),
+    without holding them: a tensor at a time, several at once, row-local ones (copies, the Engram tables)
+    MERGE_BLOCK bytes of rows at a time. What `reference-logits --stream-layers` records: one more read of
+    the whole source, for the weights no prompt reaches. progress("weights sha256", bytes, total)."""
+    outputs: dict[str, list[OutTensor]] = {}
+    for t in weights.plan.files[0].tensors:
+        outputs.setdefault(t.group or t.name, []).append(t)
+    total = sum(t.end - t.begin for ts in outputs.values() for t in ts)
+    done = [0]
+
+    def one(group: list[OutTensor], keep_going: Callable[[], None]) -> dict[str, str]:
+        names = [t.name for t in group]
+        hashes = {n: hashlib.sha256() for n in names}
+        lead = group[0]
+        rows = lead.shape[0] if lead.shape else 1
+        step = rows if lead.action not in ROW_LOCAL else max(1, MERGE_BLOCK * rows // max(lead.end - lead.begin, 1))
+        step = min(step, rows)
+        for r0 in range(0, rows, step):
+            keep_going()
+            part = weights(names) if step == rows else weights.rows(names, torch.arange(r0, min(r0 + step, rows)))
+            for n in names:
+                hashes[n].update(memoryview(part[n].contiguous().view(torch.uint8).reshape(-1).numpy()))
+        if progress is not None:
+            done[0] += sum(t.end - t.begin for t in group)
+            progress("weights sha256", done[0], total)
+        return {n: h.hexdigest() for n, h in hashes.items()}
+
+    found: dict[str, str] = {}
+    groups = list(outputs.values())
+    for part in map_stoppable(one, groups, hash_threads(len(groups)), "weights"):
+        found.update(part)
+    return dict(sorted(found.items()))
 
 
 def record(ranks: list[dict[str, str]], expert_dtype: str) -> dict[str, Any]:
@@ -63,10 +107,10 @@ def compare(weights: dict[str, Any], ranks: RankFiles) -> tuple[list[str] | None
     if weights["tp"] == ranks.tp:
         found = [_digests_of_rank(ranks, r, skip_experts) for r in range(ranks.tp)]
         what = f"each rank file against the reference's tp-{ranks.tp} record"
-    elif weights["tp"] == 1:  # one tensor merged at a time: the whole merged model never in memory
+    elif weights["tp"] == 1:  # merged a block at a time: no merged tensor is ever whole in memory
         names = [n for n in ranks.names() if not (skip_experts and _routed(n))]
-        found = [{n: tensor_sha256(unshard_tensors(ranks, [n])[n]) for n in names}]
-        what = "the rank files merged to tp 1, one tensor at a time, against the reference's tp-1 record"
+        found = [_hashed(names, lambda n, keep_going: merged_sha256(ranks, n, keep_going))]
+        what = "the rank files merged to tp 1, a block at a time, against the reference's tp-1 record"
     else:
         return None, f"not compared: the reference records tp-{weights['tp']} rank files, these are tp {ranks.tp}"
     failures = []
@@ -104,4 +148,9 @@ def _digests_of_rank(ranks: RankFiles, rank: int, skip_experts: bool) -> dict[st
     """{name: sha256} of one rank file's tensors, hashed as they lie in the file (tensor_sha256's bytes)."""
     tensors = ranks.headers[rank].tensors
     names = sorted(n for n in tensors if not (skip_experts and _routed(n)))
-    return {n: hashlib.sha256(ranks.raw(rank, tensors[n])).hexdigest() for n in names}
+    return _hashed(names, lambda n, keep_going: piece_sha256(ranks, rank, tensors[n], keep_going))
+
+
+def _hashed(names: list[str], sha256_of: Callable[[str, Callable[[], None]], str]) -> dict[str, str]:
+    """{name: sha256_of(name, keep_going)}, several tensors at once (store.threads)."""
+    return dict(zip(names, map_stoppable(sha256_of, names, hash_threads(len(names)), "weights"), strict=True))

@@ -161,11 +161,23 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
     summary = json.loads(stdout)
     assert summary["units"][0]["unit"] == "embed" and summary["bytes_read"] > 0
     ref = reffile.load(out, 128)
+    # every tp-1 weight's sha256, the unread experts' too (verify compares them: test_verify_matrix.py)
+    assert (
+        summary["weight_digests"]
+        == len(ref.provenance["weights"]["ranks"][0])
+        == len(SourceWeights(sources["fp8"]).by_name)
+    )
     assert ref.runs[0].decode_ids.tolist() == [11, 12]
     prompts = load_prompts(tmp_path / "p.jsonl", None, TINY.vocab_size)
     whole = whole_model_runs(sources["fp8"], prompts, 1, [torch.tensor([11, 12])])
     assert torch.equal(ref.runs[0].decode_logits, whole[0].decode_logits)
     assert torch.equal(ref.runs[0].logits, whole[0].logits)
+    bare = tmp_path / "bare.safetensors"
+    code, stdout, _ = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(bare),
+                              "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1",
+                              "--no-weight-digests", "--json")  # fmt: skip
+    assert code == 0 and json.loads(stdout)["weight_digests"] == 0
+    assert "weights" not in reffile.load(bare, 128).provenance
 
 
 def test_decode_ids_without_stream_layers_are_refused(sources, tmp_path, monkeypatch, capsys):

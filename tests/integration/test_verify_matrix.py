@@ -499,6 +499,41 @@ def test_the_twin_compares_every_weight_also_where_no_prompt_reaches(m):
     assert clean.verdict == "PASS" and "twin" in clean.decisive and clean.manifest == "held", clean.failures
 
 
+def test_a_streamed_reference_records_every_weight_so_an_unreached_fault_fails(m):
+    """reference-logits --stream-layers, the only reference the real model has, recorded no weight digests: the
+    Engram row no prompt hashes to (the test above), bumped after the conversion and the manifest removed,
+    passed it (the tp-1 replay never reads that row). It now records the sha256 of every tp-1 weight (one
+    more read of the source), the same digests the whole-model tp-1 reference records, and the fault fails
+    by weights, named; the clean conversion passes; --no-weight-digests (record_weights=False) records none."""
+    from dsv41_convert.verify.streamed import compute_streamed_reference
+
+    prompts = load_prompts(m.prompts_file, None, TINY.vocab_size)
+    torch.set_num_threads(1)
+    ref, _ = compute_streamed_reference(m.src, prompts, 1)
+    streamed = m.root / "ref-streamed.safetensors"
+    reffile.save(ref, streamed)
+    whole = reffile.load(m.reference("tp1", 2), TINY.vocab_size)
+    assert ref.provenance["weights"] == whole.provenance["weights"]
+    p = m.probe()
+    k = -(-p["engram_rows"] // 2)
+    row = p["unhashed_row"]
+    d = m.faulty("engram_unhashed_row_streamed", 2)
+    _edit(d, row // k, 2, _bump_byte("layers.0.engram.embed.weight", (row % k, 0), by=8))
+    (d / "manifest.json").unlink()
+    result = _verify(d, streamed)
+    assert result.verdict == "FAIL" and result.weights == "differs", result.failures
+    assert (
+        [f for f in result.failures if f.startswith("weights: ")]
+        == [f for f in result.failures if f.startswith("weights: layers.0.engram.embed.weight: sha256 ")]
+        != []
+    )
+    assert _verify(d, _without_weight_digests(streamed)).verdict == "PASS"  # what it was before
+    clean = _verify(m.shard(2), streamed)
+    assert clean.verdict == "PASS" and clean.weights == "held", clean.failures
+    bare, _ = compute_streamed_reference(m.src, prompts, 1, record_weights=False)
+    assert "weights" not in bare.provenance
+
+
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:
     _edit(d, tp - 1, tp, _bump_byte("layers.1.ffn_norm.weight", (2,)))  # the low byte of a bf16: its last mantissa bits
 

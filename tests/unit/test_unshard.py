@@ -198,3 +198,57 @@ def test_rank_files_read_each_header_once_and_close(shards, monkeypatch):
     for fd in opened:
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_merge_in_small_blocks_is_the_same_bytes(shards, tp, monkeypatch):
+    """Blocks of 777 bytes cut rows of every split (dim-1 pieces interleaved row by row, a padded table
+    stopped before its padding) at other places than the tensors' ends: the merge and its sha256 unchanged."""
+    import hashlib
+
+    import dsv41_convert.convert.unshard as unshard
+
+    want = load_file(str(shards[1] / "model0-mp1.safetensors"))
+    monkeypatch.setattr(unshard, "MERGE_BLOCK", 777)
+    got = unshard_tensors(shards[tp])
+    with RankFiles(shards[tp]) as ranks:
+        for name, w in want.items():
+            assert torch.equal(_bytes(got[name]), _bytes(w)), name
+            assert unshard.merged_sha256(ranks, name) == hashlib.sha256(_bytes(w).numpy()).hexdigest(), name
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_replica_differing_in_any_block_is_named(shards, tmp_path, monkeypatch, where):
+    import dsv41_convert.convert.unshard as unshard
+
+    bad = _copy(shards, 4, tmp_path)
+    name = "layers.0.attn.wkv.weight"
+
+    def flip(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw.view(-1)[0 if where == "first" else -1] ^= 1
+        t[name] = raw.view(t[name].dtype)
+
+    _edit(bad, 3, 4, flip)
+    monkeypatch.setattr(unshard, "MERGE_BLOCK", 256)
+    with RankFiles(bad) as ranks:
+        assert ranks.headers[3].tensors[name].nbytes > 4 * 256  # several blocks
+        with pytest.raises(ShardConsistencyError, match=rf"{name}: replicated, but ranks \[3\] differ"):
+            unshard.merged_sha256(ranks, name)
+        assert replica_mismatches(ranks) == [f"{name}: replicated, but ranks [3] differ from rank 0"]
+
+
+def test_split_pieces_of_different_dtype(shards, tmp_path):
+    bad = _copy(shards, 2, tmp_path)
+    name = "layers.0.attn_norm.weight"  # replicated: named by the replica check
+    split = "layers.0.attn.wo_a.weight"  # bf16, a split
+
+    def widen(t):
+        t[split] = t[split].float()
+
+    _edit(bad, 1, 2, widen)
+    with pytest.raises(
+        ShardConsistencyError, match=rf"{split}: rank pieces differ in dtype \(rank 0: BF16, rank 1: F32\)"
+    ):
+        unshard_tensors(bad, [split])
+    unshard_tensors(bad, [name])

@@ -75,17 +75,50 @@ def test_a_malformed_record_is_named():
         assert weight_digests.problems(bad) and "provenance.weights" in weight_digests.problems(bad)[0]
 
 
-def test_the_merge_to_tp_1_holds_one_tensor_at_a_time(conversion, monkeypatch):
-    """verify --no-replay exists for a model too large to merge in one process: the weights check against a
-    tp-1 record must not merge it whole either (the first version did)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_weights_check_reads_a_block_at_a_time(conversion, monkeypatch, tp):
+    """verify of the real model (an Engram table is 98 GB merged, 12 GB per rank at tp 8) must not hold a
+    tensor whole: the first version merged each tensor, the next read each rank's piece whole. Every read of
+    the check is one block, and its verdict is unchanged."""
+    from dsv41_convert.convert import unshard
+
     folder, records = conversion
-    real, asked = weight_digests.unshard_tensors, []
-
-    def one_at_a_time(ranks, names=None, tp=None):
-        asked.append(None if names is None else len(names))
-        return real(ranks, names)
-
-    monkeypatch.setattr(weight_digests, "unshard_tensors", one_at_a_time)
+    block = 2048
+    monkeypatch.setattr(unshard, "MERGE_BLOCK", block)
+    sizes = []
+    real = unshard.pread_exact
+    monkeypatch.setattr(
+        unshard, "pread_exact", lambda fd, buf, at, path: sizes.append(len(buf)) or real(fd, buf, at, path)
+    )
     with RankFiles(folder) as ranks:
-        assert weight_digests.compare(records[1], ranks)[0] == []
-    assert asked and set(asked) == {1}
+        assert weight_digests.compare(records[tp], ranks)[0] == []
+        widest_row = max(
+            i.nbytes // max(i.shape[0], 1) if i.shape else i.nbytes for h in ranks.headers for i in h.tensors.values()
+        )
+        largest = max(i.nbytes for h in ranks.headers for i in h.tensors.values())
+    assert widest_row <= block < largest // 8  # the fixture has tensors many blocks long
+    assert sizes and max(sizes) <= block
+
+
+@pytest.mark.parametrize("block", [None, 300])
+def test_the_streamed_source_digests_are_the_tp1_record(conversion, monkeypatch, block):
+    """weight_digests.of_source (reference-logits --stream-layers) gives the whole-model tp-1 record's digests,
+    also with the Engram tables and other copies hashed a few rows at a time (block: bytes of rows)."""
+    from dsv41_convert.verify.source import SourceWeights
+
+    folder, records = conversion
+    if block:
+        monkeypatch.setattr(weight_digests, "MERGE_BLOCK", block)
+    weights = SourceWeights(folder.parent / "src")
+    row_reads = []
+    real_rows = weights.rows
+    monkeypatch.setattr(weights, "rows", lambda names, rows: row_reads.append(names[0]) or real_rows(names, rows))
+    seen = []
+    try:
+        got = weight_digests.of_source(weights, lambda label, done, total: seen.append((done, total)))
+    finally:
+        weights.close()
+    assert got == records[1]["ranks"][0]
+    assert seen and seen[-1][0] == seen[-1][1] == max(t for _, t in seen)  # bytes, to the whole
+    engram_blocks = row_reads.count("layers.1.engram.embed.weight")
+    assert (engram_blocks > 4) if block else (engram_blocks == 0)  # small tables: one whole read each

@@ -1,0 +1,83 @@
+"""The weights record's cost: the sha256 of every tp-1 weight of a source (what `reference-logits --stream-layers`
+records, weight_digests.of_source) and, given converted rank files, the check verify makes against it (their
+merge to tp 1, a block at a time, weight_digests.compare).
+
+    python bench/bench_weight_digests.py SRC [--converted MP_FOLDER] [--json OUT]
+
+Prints one JSON document: bytes hashed, wall and CPU seconds, peak RSS of this process, threads, the machine.
+The source may be `make-tiny --preset full --sparse` (510 GB apparent, holes read as zeros: the hashing and
+the process's memory at real shapes, not the disk's speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from dsv41_convert.convert.unshard import RankFiles
+from dsv41_convert.store.file_digest import hash_threads
+from dsv41_convert.verify import weight_digests
+from dsv41_convert.verify.source import SourceWeights, source_experts
+
+
+def timed(fn):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _say_every(step: float):
+    """A progress callback that prints to stderr each `step` bytes."""
+    last = [0.0]
+
+    def progress(label: str, done: int, total: int) -> None:
+        if done - last[0] >= step or done == total:
+            last[0] = done
+            print(f"{label}: {done / 1e9:.1f} of {total / 1e9:.1f} GB", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("src", type=Path)
+    ap.add_argument("--converted", type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    doc = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "cores": os.cpu_count(),
+        "threads": hash_threads(1 << 20),
+    }
+    weights = SourceWeights(a.src)
+    total = sum(t.end - t.begin for t in weights.plan.files[0].tensors)
+    try:
+        digests, wall, cpu = timed(lambda: weight_digests.of_source(weights, _say_every(50e9)))
+    finally:
+        weights.close()
+    doc["of_source"] = {"tensors": len(digests), "bytes": total, "wall_s": wall, "cpu_s": cpu,
+                        "gb_per_s": total / wall / 1e9}  # fmt: skip
+    if a.converted:
+        record = weight_digests.record([digests], source_experts(a.src))
+        with RankFiles(a.converted) as ranks:
+            size = sum(h.file_size for h in ranks.headers)
+            (found, note), wall, cpu = timed(lambda: weight_digests.compare(record, ranks))
+        doc["compare"] = {"tp": ranks.tp, "rank_file_bytes": size, "failures": len(found), "wall_s": wall,
+                          "cpu_s": cpu, "gb_per_s": size / wall / 1e9, "note": note}  # fmt: skip
+    doc["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if a.json:
+        a.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
