@@ -69,7 +69,7 @@ from dsv41_convert.store.manifest import (
     write_manifest,
 )
 from dsv41_convert.store.manifest_check import our_manifest
-from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, write_fragment
+from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, read_fragments, write_fragment
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
 
@@ -316,6 +316,8 @@ def check_destination(
         others = _others(plan, mine, ranks)
         check_empty(out, resume, overwrite, others)
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
+        if others is not None and not overwrite:
+            _same_plan_as_the_other_shares(out, plan, mine)
         if resume:
             _check_resumable(out, mine, plan.digest())
         if resume or others is not None:
@@ -338,24 +340,47 @@ def _kept(plan: ConversionPlan, mine: list[RankFile]) -> list[str]:
 
 
 def _check_source_unchanged(out: Path, src: Path, stamps: dict, kept: list[str] | None = None) -> None:
-    """--resume continues from the source as it was: OutputError naming the shards changed since. `kept`: a
-    share's check, the other shares' files in OUT; refused only when one of them is finished or started
-    (its bytes may be the old source's, and this run's manifest would count them)."""
-    changed = changed_since(out, src, stamps)
+    """--resume continues from the source as it was: OutputError naming the shards changed since, or that
+    differ from those of another folder a run here began from. `kept`: a share's check, the other shares'
+    files in OUT; refused only when one of them is finished or started (its bytes may be the old source's,
+    and this run's manifest would count them)."""
+    changed, elsewhere = changed_since(out, src, stamps)
     if not changed:
         return
+    if elsewhere is None:
+        what = f"{src}: {first_few(changed)} changed (size or modification time) since a run began writing {out}"
+    else:
+        what = (
+            f"{src}: a run here began from {elsewhere}, and {first_few(changed)} differ from its files (size or "
+            "modification time; a copy keeps them with cp -a or touch -r)"
+        )
     if kept is None:
         raise OutputError(
-            f"{src}: {first_few(changed)} changed (size or modification "
-            f"time) since a run began writing {out}; what it finished or started may hold the old bytes: "
-            "use --overwrite to write everything again"
+            f"{what}; what it finished or started may hold the old bytes: use --overwrite to write everything again"
         )
     old = [f for f in kept if read_done(out, f) is not None or (out / (f + ".partial")).exists()]
     if old:
         raise OutputError(
-            f"{src}: {first_few(changed)} changed (size or modification time) since a run here wrote "
-            f"{first_few(old)}, which may hold the old bytes and would count towards this conversion: convert "
+            f"{what}; {first_few(old)} may hold the old bytes and would count towards this conversion: convert "
             "every rank again from this source (shard without --ranks, --overwrite), or restore the source"
+        )
+
+
+def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[RankFile]) -> None:
+    """A share (--ranks, a torchrun process) writes beside the other shares of one plan: a fragment or done
+    record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
+    that share's fragment and replaced its config.json, exit 0 (an audit)."""
+    digest = plan.digest()
+    other = sorted(name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != digest)
+    other += [
+        f"{DONE_DIR}/{f}.done.json"
+        for f in _kept(plan, mine)
+        if (rec := read_done(out, f)) is not None and rec.get("plan_digest") != digest
+    ]
+    if other:
+        raise OutputError(
+            f"{out}: holds a share of another plan ({first_few(other)}: other options or another source layout); "
+            "run this share with the options the others had, or convert every rank again (--overwrite, no --ranks)"
         )
 
 
@@ -414,6 +439,8 @@ def execute(
         if not share:
             remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
         _no_other_conversion(plan, out, overwrite and not share)
+        if share and not overwrite:
+            _same_plan_as_the_other_shares(out, plan, mine)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _forget_done(out, names)
             _remove_replaced(out, names)

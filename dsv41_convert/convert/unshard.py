@@ -23,7 +23,6 @@ naming the tensor and the ranks: for verify that is a faulty conversion, not an 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 import re
@@ -39,6 +38,7 @@ from dsv41_convert.convert.plan import PAD_BYTE
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
+from dsv41_convert.store.file_digest import sha256_of_blocks
 from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, Header, TensorInfo, pread_exact, read_header
 
@@ -185,21 +185,12 @@ def merged_sha256(ranks: RankFiles, name: str, between: Callable[[], None] | Non
     """sha256 of tensor `name` merged to tp 1 (the bytes unshard_tensors gives), read MERGE_BLOCK at a time:
     the merged tensor is never whole in memory (an Engram table of the real model is 98 GB). between():
     called before each block (store.threads' keep_going)."""
-    return _sha256(merged_blocks(ranks, merge_of(ranks, name)), between)
+    return sha256_of_blocks(merged_blocks(ranks, merge_of(ranks, name)), between)
 
 
 def piece_sha256(ranks: RankFiles, rank: int, info: TensorInfo, between: Callable[[], None] | None = None) -> str:
     """sha256 of tensor `info` as rank `rank`'s file holds it, read MERGE_BLOCK at a time."""
-    return _sha256(_piece_blocks(ranks, rank, info, MERGE_BLOCK, info.nbytes), between)
-
-
-def _sha256(blocks: Iterable[memoryview], between: Callable[[], None] | None) -> str:
-    h = hashlib.sha256()
-    for block in blocks:
-        if between is not None:
-            between()
-        h.update(block)
-    return h.hexdigest()
+    return sha256_of_blocks(_piece_blocks(ranks, rank, info, MERGE_BLOCK, info.nbytes), between)
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,8 @@ def _raise_lossy(name: str, packed, b_OG, s8b, k_OG, o: int, i: int, block: int)
         f"{name}: fp4->fp8 cast of block ({bo}, {bi}) is lossy at [{o}, {i}]: value {float(E2M1_CODE_VALUES[code])} "
         f"x offset 2**{int(k_OG[o, i // block])} is not exact in e4m3 (fp4 scale {_e8m0(b_OG[o, i // block])}, "
         f"block scale {_e8m0(s8b[bo, bi])}); the block's scales spread too far for fp8: keep the routed experts in fp4 "
-        "(shard --expert-dtype fp4, the default; export --format fp8-fp4 or bf16)"
+        "(shard --expert-dtype fp4, the default; export --format fp8-fp4 or bf16), or from a bf16 source, export "
+        "--format fp8 (experts quantized to fp8 directly) and shard that"
     )
 
 

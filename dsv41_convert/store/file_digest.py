@@ -14,7 +14,7 @@ Digests: sha256 (our manifests, and the Hub's LFS files) or, where a record has 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,16 @@ def hash_file(path: Path, hashes: list, chunk: int = CHUNK, on_bytes: Callable[[
             done += n
             if on_bytes is not None:
                 on_bytes(done)
+
+
+def sha256_of_blocks(blocks: Iterable[memoryview], between: Callable[[], None] | None = None) -> str:
+    """sha256 hex of the bytes of `blocks` in order; between() before each block (store.threads' keep_going)."""
+    h = hashlib.sha256()
+    for block in blocks:
+        if between is not None:
+            between()
+        h.update(block)
+    return h.hexdigest()
 
 
 def hex_digest(

@@ -1,7 +1,8 @@
 """The source a run reads from, as it was: the size and modification time of each weight shard, kept in OUT
 so that --resume on the same machine refuses to continue from a source that changed in between (a shard
-fetched again after `download` found it bad, an edited file): the rank files finished or started before
-may hold the old bytes, and their done records cannot tell (they describe the output).
+fetched again after `download` found it bad, an edited file) or from another folder of the same layout (a
+second fine-tune): the rank files finished or started before may hold the old bytes, and their done
+records cannot tell (they describe the output).
 
 Per machine and source path (`OUT/.dsv41-convert/source-HOST.json`): the times of another machine's copy
 say nothing about this one's, so a folder gathered from several machines compares each record only where
@@ -36,14 +37,18 @@ def record_stamps(out: Path, src: Path, stamps: Stamps) -> None:
     atomic_write(_record_path(out), json.dumps(doc, indent=1).encode())
 
 
-def changed_since(out: Path, src: Path, stamps: Stamps) -> list[str]:
+def changed_since(out: Path, src: Path, stamps: Stamps) -> tuple[list[str], str | None]:
     """The shards of `src` whose size or time differ from this machine's record in OUT (added and removed ones
-    included); [] without a record for this source path (a first run, an older version, another copy)."""
+    included), and the source folder that record was made from where it is not `src` (else None). ([], None)
+    without a record (a first run, an older version). A record of another folder counts too: two folders of
+    one layout (two fine-tunes of the model) have the same plan, and only the files' stamps tell them
+    apart; a folder moved, or copied keeping the times (cp -a), matches its record."""
     try:
         doc = json.loads(_record_path(out).read_bytes())
     except (FileNotFoundError, ValueError):
-        return []
-    same_source = isinstance(doc, dict) and doc.get("src") == str(Path(src).resolve())
-    if not same_source or not isinstance(before := doc.get("files"), dict):
-        return []
-    return sorted(n for n in set(before) | set(stamps) if before.get(n) != stamps.get(n))
+        return [], None
+    if not isinstance(doc, dict) or not isinstance(before := doc.get("files"), dict):
+        return [], None
+    changed = sorted(n for n in set(before) | set(stamps) if before.get(n) != stamps.get(n))
+    elsewhere = None if doc.get("src") == str(Path(src).resolve()) else str(doc.get("src"))
+    return changed, elsewhere

@@ -19,8 +19,9 @@ layer-streamed model (model/streamed.py, `reference-logits --stream-layers`).
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,7 +37,6 @@ from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_exact
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
-ROW_LOCAL = (*BYTE_COPIES, "quant_rows_fp8")  # an output row from its source row alone: SourceWeights.rows
 
 
 def _read(src: Path, rd: Read, fds: dict[str, int], alloc: Callable[[int], Tensor] | None = None) -> Tensor:
@@ -176,7 +176,7 @@ class SourceWeights:
             if name in out:
                 continue
             t = self._planned(name)
-            if t.action not in ROW_LOCAL:
+            if t.action not in (*BYTE_COPIES, "quant_rows_fp8"):
                 raise PlanError(f"{name}: action {t.action} is not row-local; read it whole")
             parts: dict[str, list[Tensor]] = {}
             for r0, r1 in runs:
@@ -189,10 +189,33 @@ class SourceWeights:
     def _compute(self, t: OutTensor, inputs: list[Tensor]) -> dict[str, Tensor]:
         return _compute(t, inputs, self.skip_quant, self.q)
 
+    def copied_blocks(self, t: OutTensor, block: int) -> Iterator[memoryview]:
+        """The bytes of output `t`, a whole source tensor copied unchanged (BYTE_COPIES), read straight from
+        the source about `block` bytes (whole rows) at a time into one buffer reused from view to view."""
+        if not whole_row_copy(t):
+            raise PlanError(f"{t.name}: action {t.action} is not a copy of whole rows")
+        (rd,) = t.reads
+        row = DTYPE_BITS[rd.dtype] * math.prod(rd.shape[1:]) // 8 if rd.shape else DTYPE_BITS[rd.dtype] // 8
+        begin, end = rd.offset + rd.r0 * row, rd.offset + rd.r1 * row
+        step = max(1, block // max(row, 1)) * max(row, 1)
+        buf = memoryview(bytearray(min(step, end - begin)))
+        for at in range(begin, end, step):
+            view = buf[: min(step, end - at)]
+            pread_exact(self.fds[rd.file], view, at, str(self.src / rd.file))
+            yield view
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def whole_row_copy(t: OutTensor) -> bool:
+    """Output `t` is a run of whole rows of one source tensor, unchanged (SourceWeights.copied_blocks)."""
+    if t.action not in BYTE_COPIES or len(t.reads) != 1:
+        return False
+    rd = t.reads[0]
+    return rd.c1 < 0 or (rd.c0 == 0 and len(rd.shape) > 1 and rd.c1 == rd.shape[1])
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:

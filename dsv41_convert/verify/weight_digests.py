@@ -26,9 +26,9 @@ from torch import Tensor
 from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, merged_sha256, piece_sha256
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.file_digest import hash_threads
+from dsv41_convert.store.file_digest import hash_threads, sha256_of_blocks
 from dsv41_convert.store.threads import map_stoppable
-from dsv41_convert.verify.source import ROW_LOCAL
+from dsv41_convert.verify.source import whole_row_copy
 
 if TYPE_CHECKING:
     from dsv41_convert.convert.plan import OutTensor
@@ -47,10 +47,11 @@ def digests(state: dict[str, Tensor]) -> dict[str, str]:
 
 
 def of_source(weights: SourceWeights, progress: Progress | None = None) -> dict[str, str]:
-    """digests() of the tp-1 weights `weights` gives (reference_state's, as `shard SRC --tp 1` writes them),
-    without holding them: a tensor at a time, several at once, row-local ones (copies, the Engram tables)
-    MERGE_BLOCK bytes of rows at a time. What `reference-logits --stream-layers` records: one more read of
-    the whole source, for the weights no prompt reaches. progress("weights sha256", bytes, total)."""
+    """digests() of the tp-1 weights of a published (fp8) source that `weights` gives (reference_state's, as
+    `shard SRC --tp 1` writes them), without holding them: several tensors at once, a copied one (experts,
+    the Engram tables, embeddings: nearly all the bytes) hashed from its source bytes MERGE_BLOCK at a time,
+    a computed one (wo_a's dequantization) whole. What `reference-logits --stream-layers` records: one more
+    read of the whole source, for the weights no prompt reaches. progress("weights sha256", bytes, total)."""
     outputs: dict[str, list[OutTensor]] = {}
     for t in weights.plan.files[0].tensors:
         outputs.setdefault(t.group or t.name, []).append(t)
@@ -58,21 +59,15 @@ def of_source(weights: SourceWeights, progress: Progress | None = None) -> dict[
     done = [0]
 
     def one(group: list[OutTensor], keep_going: Callable[[], None]) -> dict[str, str]:
-        names = [t.name for t in group]
-        hashes = {n: hashlib.sha256() for n in names}
-        lead = group[0]
-        rows = lead.shape[0] if lead.shape else 1
-        step = rows if lead.action not in ROW_LOCAL else max(1, MERGE_BLOCK * rows // max(lead.end - lead.begin, 1))
-        step = min(step, rows)
-        for r0 in range(0, rows, step):
+        if len(group) == 1 and whole_row_copy(group[0]):
+            found = {group[0].name: sha256_of_blocks(weights.copied_blocks(group[0], MERGE_BLOCK), keep_going)}
+        else:
             keep_going()
-            part = weights(names) if step == rows else weights.rows(names, torch.arange(r0, min(r0 + step, rows)))
-            for n in names:
-                hashes[n].update(memoryview(part[n].contiguous().view(torch.uint8).reshape(-1).numpy()))
+            found = {n: tensor_sha256(t) for n, t in weights([t.name for t in group]).items()}
         if progress is not None:
             done[0] += sum(t.end - t.begin for t in group)
             progress("weights sha256", done[0], total)
-        return {n: h.hexdigest() for n, h in hashes.items()}
+        return found
 
     found: dict[str, str] = {}
     groups = list(outputs.values())

@@ -433,3 +433,26 @@ def test_a_rank_file_gathered_again_names_the_earlier_merges_record(runs, tmp_pa
     assert (
         f"({record} is from an earlier merge or run here: if model1-mp4.safetensors was gathered again, remove" in err
     )
+
+
+def test_a_share_with_other_options_is_refused_and_the_first_share_kept(tmp_path, monkeypatch, capsys):
+    """Rank 0 with the default options, then rank 1 with --expert-dtype fp8 into the same OUT: exit 0, rank 0's
+    fragment removed and its config.json replaced by the fp8 one, and `manifest` could not say what went
+    missing (an audit). Refused now, the first share's files untouched; --overwrite of every rank still
+    replaces the lot."""
+    src = make_tiny(tmp_path / "src")
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--ranks", "0")
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert "manifest-fragment-mp2-r0.json" in before
+    for extra in ([], ["--dry-run"], ["--resume"]):
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--ranks", "1",
+                               "--expert-dtype", "fp8", *extra)  # fmt: skip
+        assert code == 2 and "holds a share of another plan (manifest-fragment-mp2-r0.json" in err, (extra, err)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before, extra
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--ranks", "1")
+    assert code == 0 and check_folder(out).ok, err  # the same options: the two shares make the manifest
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--expert-dtype", "fp8",
+                           "--overwrite")  # fmt: skip
+    assert code == 0 and check_folder(out).ok, err

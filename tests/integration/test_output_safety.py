@@ -347,3 +347,28 @@ def test_a_failed_overwrite_leaves_no_rank_file_of_the_replaced_run(tmp_path, mo
     assert "model1-mp2.safetensors" not in left  # the failed rank: neither A's nor a partial under its name
     assert all(left[n] != old[n] for n in left), sorted(left)
     assert not (out / "manifest.json").exists()
+
+
+def test_resume_from_another_folder_of_the_same_layout_is_refused(tmp_path, monkeypatch, capsys):
+    """OUT converted from A, then `--resume` from B, another checkpoint of the same layout (a second fine-tune):
+    exit 0, "skipped 2", A's rank files under a manifest that names B, and `check` passed (an audit). The
+    shards' stamps now tell the folders apart; a copy of A that keeps its files' times (cp -a) still resumes."""
+    a = make_tiny(tmp_path / "a", vision=False, seed=1)
+    b = make_tiny(tmp_path / "b", vision=False, seed=2)
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(a), str(out), "--tp", "2")[0] == 0
+    before = tree(out)
+    for extra in ([], ["--dry-run"]):
+        code, _, err = shard(monkeypatch, capsys, str(b), str(out), "--tp", "2", "--resume", *extra)
+        assert code == 2 and f"a run here began from {a.resolve()}" in err and "differ from its files" in err, err
+    assert tree(out) == before
+    # two shares of one OUT from the two folders: rank 1 from B beside rank 0 from A
+    mixed = tmp_path / "mixed"
+    assert shard(monkeypatch, capsys, str(a), str(mixed), "--tp", "2", "--ranks", "0")[0] == 0
+    code, _, err = shard(monkeypatch, capsys, str(b), str(mixed), "--tp", "2", "--ranks", "1")
+    assert code == 2 and "model0-mp2.safetensors may hold the old bytes" in err, err
+    assert not (mixed / "model1-mp2.safetensors").exists()
+    moved = tmp_path / "a-copy"
+    subprocess.run(["cp", "-a", str(a), str(moved)], check=True)
+    code, doc, err = shard(monkeypatch, capsys, str(moved), str(out), "--tp", "2", "--resume", "--json")
+    assert code == 0 and json.loads(doc)["written"] == [], err
