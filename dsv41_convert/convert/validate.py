@@ -16,11 +16,33 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
 from dsv41_convert.errors import PlanError, first_few
-from dsv41_convert.store.index import bad_shard_names, held_twice
+from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
+from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
 
+READ_WHOLE = ("config.json", INDEX_NAME, *SIDECARS)  # besides the shards
+
 MAX_LINES = 25
+
+
+def require_regular_files(src: Path) -> None:
+    """PlanError naming each file of SRC a conversion reads whole (config.json, the index, the shards, the
+    tokenizer files) that is a FIFO, a socket or a device: reading one blocked `plan` and `shard` until they
+    were killed (an audit). Folders and broken links in those names are named where they are read."""
+    src = Path(src)
+    if not src.is_dir():
+        return
+    special = [
+        p.name
+        for p in sorted(src.iterdir())
+        if (p.name.endswith(".safetensors") or p.name in READ_WHOLE) and p.exists() and not (p.is_file() or p.is_dir())
+    ]
+    if special:
+        raise PlanError(
+            f"{src}: {first_few(special)}: not a regular file (a FIFO, a socket or a device); a checkpoint's "
+            "files are read whole: put the file itself there, or remove it"
+        )
 
 
 @dataclass(slots=True)  # not frozen: 96k of them in the real checkpoint, built twice as fast; never mutated

@@ -384,3 +384,23 @@ def test_a_nan_or_inf_the_source_holds_in_a_copied_tensor_is_refused(tmp_path, m
         code, _, err = run_cli(monkeypatch, capsys, "export", str(src), str(tmp_path / "exp"), "--format", "fp8")
         assert code == 2 and f"{_file_of(src, name)}: {name}: found {found}" in err
         assert not (tmp_path / "exp" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "shard", "export"])
+@pytest.mark.parametrize("victim", ["tokenizer.json", "shard"])
+def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, command, victim):
+    """A FIFO named as a shard or tokenizer.json: `plan` and `shard` blocked on it until killed (an audit)."""
+    import os
+    import subprocess
+    import sys
+
+    src = write_ckpt(tmp_path / "src", source_tensors(tiny_config()), tiny_config())
+    name = victim if victim == "tokenizer.json" else sorted(p.name for p in src.glob("model-*.safetensors"))[0]
+    (src / name).unlink(missing_ok=True)
+    os.mkfifo(src / name)
+    args = {"plan": ["--tp", "2"], "shard": [str(tmp_path / "out"), "--tp", "2"],
+            "export": [str(tmp_path / "out"), "--format", "bf16"]}[command]  # fmt: skip
+    cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", command, str(src), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and f"{name}: not a regular file (a FIFO" in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
