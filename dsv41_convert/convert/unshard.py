@@ -290,13 +290,13 @@ def _replica_blocks(
     block by block, a rank that differs named once all blocks are read."""
     first = copies[0]
     differ = {r for r, i in copies.items() if i is None or (i.dtype, i.shape) != (first.dtype, first.shape)}
-    at, buf = 0, memoryview(bytearray(0))
+    at, other = 0, bytearray(0)
     for view in _piece_blocks(ranks, 0, first, block, first.nbytes):
-        buf = buf if len(buf) >= len(view) else memoryview(bytearray(len(view)))
-        other = buf[: len(view)]
+        if len(other) != len(view):  # a bytearray of the view's length compares by memcmp (a memoryview: bytewise)
+            other = bytearray(len(view))
         for r, info in copies.items():
             if r and r not in differ:  # one differing block names a rank; the rest of its copy is not read
-                pread_exact(ranks.fd(r), other, info.begin + at, ranks.headers[r].path)
+                pread_exact(ranks.fd(r), memoryview(other), info.begin + at, ranks.headers[r].path)
                 if other != view:
                     differ.add(r)
         at += len(view)
