@@ -312,6 +312,7 @@ def check_destination(
     mine = select_files(plan, ranks)
     out = Path(out)
     check_output(Path(plan.src), out)
+    _require_writable(out)
     if out.is_dir():
         others = _others(plan, mine, ranks)
         check_empty(out, resume, overwrite, others)
@@ -363,6 +364,26 @@ def _check_source_unchanged(out: Path, src: Path, stamps: dict, kept: list[str] 
         raise OutputError(
             f"{what}; {first_few(old)} may hold the old bytes and would count towards this conversion: convert "
             "every rank again from this source (shard without --ranks, --overwrite), or restore the source"
+        )
+
+
+def _require_writable(out: Path) -> None:
+    """For --dry-run: OutputError where the run could not create OUT or its lock file (a read-only file
+    system, no permission): the dry run said 0 where the run then failed (an audit)."""
+    here = out
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise OutputError(f"{out}: cannot write into {here} (a read-only file system, or no permission)")
+
+
+def _require_space(out: Path, need: int) -> None:
+    """OutputError unless OUT's device has `need` bytes free."""
+    free = disk_free(out)
+    if need > free:
+        raise OutputError(
+            f"{out}: {need / 1e9:.2f} GB to write but only {free / 1e9:.2f} GB free on that device; "
+            "free space or choose another OUT"
         )
 
 
@@ -444,6 +465,8 @@ def execute(
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _forget_done(out, names)
             _remove_replaced(out, names)
+        if not resume:  # refused before the first record: a plain run again is not refused as "not empty"
+            _require_space(out, sum(f.nbytes for f in mine))
         stamps = source_stamps(src)
         if resume or share:  # a share: the other shares' finished files count towards its manifest
             _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))
@@ -486,12 +509,7 @@ def _execute_held(
         else:
             todo.append(f)
     need = sum(f.nbytes for f in todo)
-    free = disk_free(out)
-    if need > free:
-        raise OutputError(
-            f"{out}: {need / 1e9:.2f} GB to write but only {free / 1e9:.2f} GB free on that device; "
-            "free space or choose another OUT"
-        )
+    _require_space(out, need)
     if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
         forget_stale(out, digest)
     set_aside = _set_aside_tokenizer_files(src, out)

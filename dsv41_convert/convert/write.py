@@ -250,7 +250,9 @@ def write_partial(
     except OSError as exc:
         _discard(sink, partial, jpath)
         if exc.errno in _NO_SPACE:
-            raise _no_space(final, f"while writing tensor {sink.tensor} ({sink.done} of {rf.nbytes} bytes)") from exc
+            late = "; it refused them at the flush" if sink.done >= rf.nbytes else ""  # read as finished before
+            where = f"while writing tensor {sink.tensor} ({sink.done} of {rf.nbytes} bytes handed to the disk{late})"
+            raise _no_space(final, where) from exc
         raise
     except KeyboardInterrupt:  # keep what is on disk for --resume
         _discard(sink, partial, jpath, keep=True)

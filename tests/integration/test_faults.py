@@ -279,6 +279,8 @@ def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
     with pytest.raises(OutputError, match=r"GB to write but only 0\.00 GB free"):
         execute_mod.execute(plan, tmp_path / "out")
     assert_nothing_finished(tmp_path / "out")
+    # refused before any record (an audit: the source record left made the next plain run "not empty")
+    execute_mod.check_empty(tmp_path / "out", resume=False, overwrite=False)
 
 
 @pytest.mark.slow
@@ -289,6 +291,7 @@ def test_disk_full_while_writing(src, tmp_path):
     err = " ".join(res.stderr.split())
     assert res.returncode == 2, res.stderr
     assert "model0-mp1.safetensors: no space left on the device while writing tensor" in err
+    assert "bytes handed to the disk" in err  # not "(N of N bytes)", which read as finished
     assert_nothing_finished(out)
     assert not list(out.glob("*.partial")) and not run_records(out)
 

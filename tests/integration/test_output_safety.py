@@ -372,3 +372,19 @@ def test_resume_from_another_folder_of_the_same_layout_is_refused(tmp_path, monk
     subprocess.run(["cp", "-a", str(a), str(moved)], check=True)
     code, doc, err = shard(monkeypatch, capsys, str(moved), str(out), "--tp", "2", "--resume", "--json")
     assert code == 0 and json.loads(doc)["written"] == [], err
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_dry_run_refuses_a_read_only_out_as_the_run_does(src, tmp_path, monkeypatch, capsys, command):
+    """`--dry-run` into a read-only file system said 0 where the run fails on its lock file (an audit)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("mounts need privileges here")
+    try:
+        args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+        for extra in (["--dry-run"], []):
+            code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(ro / "out"), *args, *extra)
+            assert code == 2 and str(ro) in err, (extra, err)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
