@@ -23,6 +23,7 @@ naming the tensor and the ranks: for verify that is a faulty conversion, not an 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import re
@@ -193,6 +194,47 @@ def piece_sha256(ranks: RankFiles, rank: int, info: TensorInfo, between: Callabl
     return sha256_of_blocks(_piece_blocks(ranks, rank, info, MERGE_BLOCK, info.nbytes), between)
 
 
+def cut_sha256(ranks: RankFiles, name: str, tp: int, between: Callable[[], None] | None = None) -> list[str | None]:
+    """sha256 of the piece of tensor `name` that each rank file of a tp-`tp` conversion would hold, cut from
+    these rank files' merge (the inverse of the merge, by the same rule: equal row or column pieces, an
+    Engram table's ceil(rows / tp) rows per rank with the last padded by the converter's fill, an expert on
+    its owner, a replica on every rank), one merged block at a time. -> per rank, None where it holds none.
+    So rank files of any tp compare with digests recorded at another (verify's weights check)."""
+    merge = merge_of(ranks, name)
+    if merge.split is Split.NONE:
+        return [merged_sha256(ranks, name, between)] * tp
+    if merge.split is Split.EXPERT:
+        owner = _owner(name, tp, ranks.args)
+        return [merged_sha256(ranks, name, between) if r == owner else None for r in range(tp)]
+    hashes = [hashlib.sha256() for _ in range(tp)]
+    row = merge.nbytes // max(merge.rows, 1)
+    if merge.split is Split.DIM1:
+        piece = row // tp
+        for view in merged_blocks(ranks, merge):
+            if between is not None:
+                between()
+            rows = np.frombuffer(view, dtype=np.uint8).reshape(-1, row)
+            for r, h in enumerate(hashes):
+                h.update(np.ascontiguousarray(rows[:, r * piece : (r + 1) * piece]))
+        return [h.hexdigest() for h in hashes]
+    k = -(-merge.rows // tp)  # DIM0: rows / tp exactly (merge_of's pieces are equal)
+    at = 0  # merged rows hashed so far
+    for view in merged_blocks(ranks, merge):
+        if between is not None:
+            between()
+        n = len(view) // row
+        for r in range(at // k, (at + n - 1) // k + 1) if n else ():
+            lo, hi = max(r * k, at), min((r + 1) * k, at + n)
+            hashes[r].update(view[(lo - at) * row : (hi - at) * row])
+        at += n
+    if merge.split is Split.ROWS_PADDED:  # the last ranks' padding rows, as shard writes them
+        fill = PAD_BYTE["F8_E8M0" if merge.dtype == "F8_E8M0" else "F8_E4M3"]
+        for r in range(merge.rows // k, tp):
+            pad = (r + 1) * k - max(merge.rows, r * k)
+            hashes[r].update(bytes([fill]) * (pad * row))
+    return [h.hexdigest() for h in hashes]
+
+
 @dataclass(frozen=True)
 class Merge:
     """How one tp-1 tensor is rebuilt from the rank files, as their headers say (checked by merge_of)."""
@@ -319,10 +361,14 @@ def _interleaved(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo], b
         yield memoryview(out[:n]).cast("B")
 
 
-def _check_owner(name: str, holders: tuple[int, ...], tp: int, args: ModelArgs) -> None:
+def _owner(name: str, tp: int, args: ModelArgs) -> int:
+    """The rank of a tp-`tp` conversion that holds routed expert tensor `name`."""
     is_mtp, e = expert_index(name)
-    per_rank = (args.dspark_n_routed_experts if is_mtp else args.n_routed_experts) // tp
-    owner = e // per_rank
+    return e // ((args.dspark_n_routed_experts if is_mtp else args.n_routed_experts) // tp)
+
+
+def _check_owner(name: str, holders: tuple[int, ...], tp: int, args: ModelArgs) -> None:
+    owner = _owner(name, tp, args)
     if holders != (owner,):
         raise ShardConsistencyError(f"{name}: held by ranks {list(holders)}, expected rank {owner} alone")
 

@@ -4,7 +4,7 @@ A reference of converted weights (`reference-logits SRC --tp N` of an fp8 source
 the rank files `shard SRC --tp N` writes, computed in memory. Their tensors' sha256 go into the file's
 provenance (`weights`, one {name: sha256} per rank), so that `verify --reference-logits FILE` compares
 every weight of CONVERTED with them, whether a prompt reaches it or not: the rank files themselves at the
-same tp, their merge back to tp 1 (convert.unshard, as the replay runs it) against a tp-1 record. Without
+same tp; at another, their merge (convert.unshard, as the replay runs it) cut into the record's ranks. Without
 SRC at hand this is the only check of a weight no prompt reaches (an expert no prompt routes to, an Engram
 row no n-gram hashes to); a logits check cannot see it.
 
@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from dsv41_convert.convert.rules import Split, match_rule
-from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, merged_sha256, piece_sha256
+from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, cut_sha256, piece_sha256
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import hash_threads, sha256_of_blocks
 from dsv41_convert.store.threads import map_stoppable
 from dsv41_convert.verify.source import whole_row_copy
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from dsv41_convert.convert.plan import OutTensor
@@ -95,19 +97,25 @@ def problems(weights: Any) -> list[str]:
 
 
 def compare(weights: dict[str, Any], ranks: RankFiles) -> tuple[list[str] | None, str]:
-    """CONVERTED's rank files against a recorded `weights`. -> (failures, or None where they cannot be
-    compared: another tp than the record's and the record not tp 1; a note saying what was compared)."""
+    """CONVERTED's rank files against a recorded `weights`: at the record's tp the files as they are, at
+    another the pieces a tp-N conversion would hold, cut from their merge (unshard.cut_sha256).
+    -> (failures, a note saying what was compared). Raises ShardConsistencyError where they do not merge."""
     expert_dtype = experts_stored_as(ranks)
     skip_experts = expert_dtype not in (None, weights["expert_dtype"])
     if weights["tp"] == ranks.tp:
         found = [_digests_of_rank(ranks, r, skip_experts) for r in range(ranks.tp)]
         what = f"each rank file against the reference's tp-{ranks.tp} record"
-    elif weights["tp"] == 1:  # merged a block at a time: no merged tensor is ever whole in memory
+    else:  # cut from the merge a block at a time: no merged tensor is ever whole in memory
+        tp = weights["tp"]
         names = [n for n in ranks.names() if not (skip_experts and _routed(n))]
-        found = [_hashed(names, lambda n, keep_going: merged_sha256(ranks, n, keep_going))]
-        what = "the rank files merged to tp 1, a block at a time, against the reference's tp-1 record"
-    else:
-        return None, f"not compared: the reference records tp-{weights['tp']} rank files, these are tp {ranks.tp}"
+        cuts = _hashed(names, lambda n, keep_going: cut_sha256(ranks, n, tp, keep_going))
+        found = [{n: cut[r] for n, cut in cuts.items() if cut[r] is not None} for r in range(tp)]
+        what = (
+            f"the tp-{ranks.tp} rank files merged to tp 1, a block at a time, against the reference's tp-1 record"
+            if tp == 1
+            else f"the tp-{ranks.tp} rank files cut to tp {tp} from their merge, a block at a time, against the "
+            f"reference's tp-{tp} record"
+        )
     failures = []
     for r, (want, got) in enumerate(zip(weights["ranks"], found, strict=True)):
         want = {n: d for n, d in want.items() if not (skip_experts and _routed(n))}
@@ -146,6 +154,6 @@ def _digests_of_rank(ranks: RankFiles, rank: int, skip_experts: bool) -> dict[st
     return _hashed(names, lambda n, keep_going: piece_sha256(ranks, rank, tensors[n], keep_going))
 
 
-def _hashed(names: list[str], sha256_of: Callable[[str, Callable[[], None]], str]) -> dict[str, str]:
+def _hashed(names: list[str], sha256_of: Callable[[str, Callable[[], None]], T]) -> dict[str, T]:
     """{name: sha256_of(name, keep_going)}, several tensors at once (store.threads)."""
     return dict(zip(names, map_stoppable(sha256_of, names, hash_threads(len(names)), "weights"), strict=True))

@@ -252,3 +252,23 @@ def test_split_pieces_of_different_dtype(shards, tmp_path):
     ):
         unshard_tensors(bad, [split])
     unshard_tensors(bad, [name])
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_cut_to_any_tp_is_that_conversion_byte_for_byte(shards, m, monkeypatch):
+    """cut_sha256 of tp-M rank files to tp N: each rank's piece hashes as the tp-N conversion's own (the
+    converter's output computed in memory), for every tensor and every (M, N), in blocks of 777 bytes."""
+    import hashlib
+
+    import dsv41_convert.convert.unshard as unshard
+    from dsv41_convert.verify.source import plan_state
+
+    src = shards[1].parent / "src"
+    monkeypatch.setattr(unshard, "MERGE_BLOCK", 777)
+    with RankFiles(shards[m]) as ranks:
+        for n in (1, 2, 4, 8):
+            want = [plan_state(build_plan(src, n), r) for r in range(n)]
+            for name in ranks.names():
+                got = unshard.cut_sha256(ranks, name, n)
+                expected = [hashlib.sha256(_bytes(w[name]).numpy()).hexdigest() if name in w else None for w in want]
+                assert got == expected, (m, n, name)

@@ -16,12 +16,12 @@ from dsv41_convert.verify.source import plan_state
 
 @pytest.fixture(scope="module")
 def conversion(tmp_path_factory):
-    """A tiny source, its tp-2 rank files, and the records of its tp-1 and tp-2 conversions in memory."""
+    """A tiny source, its tp-2 rank files, and the records of its tp-1, 2, 4 and 8 conversions in memory."""
     root = tmp_path_factory.mktemp("digests")
     src = make_tiny(root / "src", vision=False)
     execute(build_plan(src, 2, "fp4"), root / "mp2")
     records = {}
-    for tp in (1, 2):
+    for tp in (1, 2, 4, 8):
         plan = build_plan(src, tp, "fp4")
         records[tp] = weight_digests.record([weight_digests.digests(plan_state(plan, r)) for r in range(tp)], "fp4")
     return root / "mp2", records
@@ -36,13 +36,18 @@ def _changed(folder, rank: int, name: str):
     save_file(tensors, str(path))
 
 
-def test_a_correct_conversion_matches_both_records(conversion):
+def test_a_correct_conversion_matches_the_record_of_every_tp(conversion):
+    """tp-2 rank files against records made at tp 1, 2, 4 and 8: at another tp than the record's they were "not
+    compared" unless the record was tp 1; now cut into the record's ranks from their merge (Engram padding,
+    experts on their owners, dim-1 pieces), every tensor equal."""
     folder, records = conversion
+    how = {1: "merged to tp 1", 2: "each rank file", 4: "cut to tp 4", 8: "cut to tp 8"}
     with RankFiles(folder) as ranks:
-        for tp, how in ((2, "each rank file"), (1, "merged to tp 1")):
+        for tp, said in how.items():
             found, note = weight_digests.compare(records[tp], ranks)
-            assert found == [] and how in note, (tp, found)
-        assert weight_digests.compare(weight_digests.record([{}] * 4, "fp4"), ranks)[0] is None
+            assert found == [] and said in note, (tp, found)
+        found, _ = weight_digests.compare(weight_digests.record([{}] * 4, "fp4"), ranks)
+        assert found and all("not in the reference's record" in f for f in found)
 
 
 @pytest.mark.parametrize("name", ["layers.0.ffn.experts.1.w1.weight", "layers.0.attn.wq_b.scale", "embed.weight"])
@@ -59,9 +64,13 @@ def test_one_changed_bit_is_named_against_either_record(conversion, tmp_path, na
     with RankFiles(bad) as ranks:
         same_tp, _ = weight_digests.compare(records[2], ranks)
         merged, _ = weight_digests.compare(records[1], ranks)
+        cut, _ = weight_digests.compare(records[8], ranks)
         skipped, note = weight_digests.compare(records[2] | {"expert_dtype": "fp8"}, ranks)
     assert len(same_tp) == 1 and same_tp[0].startswith(f"{name} on rank {rank}: sha256 "), same_tp
     assert len(merged) == 1 and merged[0].startswith(f"{name}: sha256 "), merged
+    # the first byte's tp-8 piece: rank 0's (a row split), or the expert's owner
+    owner = next(r for r in range(8) if name in records[8]["ranks"][r])
+    assert len(cut) == 1 and cut[0].startswith(f"{name} on rank {owner}: sha256 "), cut
     if ".experts." in name:  # another expert dtype in the record: the experts are not compared, and said so
         assert skipped == [] and "routed experts not compared" in note
     else:
