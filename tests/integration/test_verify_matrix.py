@@ -534,6 +534,27 @@ def test_a_streamed_reference_records_every_weight_so_an_unreached_fault_fails(m
     assert "weights" not in bare.provenance
 
 
+def test_the_weights_check_compares_rank_files_of_another_tp_than_the_records(m):
+    """tp-4 rank files against a tp-2 reference file: the weights check said "not compared" (only a tp-1 record
+    was compared across tp), so an Engram row no prompt hashes to, bumped with no manifest in the folder, was
+    judged by the teacher alone, which never reads it. Now the tp-4 files are cut into the record's two ranks
+    from their merge: the fault fails, named with the tp-2 rank that holds the row."""
+    p = m.probe()
+    row, rows = p["unhashed_row"], p["engram_rows"]
+    k4, k2 = -(-rows // 4), -(-rows // 2)
+    d = m.faulty("engram_unhashed_row", 4)
+    _edit(d, row // k4, 4, _bump_byte("layers.0.engram.embed.weight", (row % k4, 0), by=8))
+    (d / "manifest.json").unlink()
+    result = _verify(d, m.reference("tpN", 2))
+    assert result.verdict == "FAIL" and result.weights == "differs", result.failures
+    said = f"weights: layers.0.engram.embed.weight on rank {row // k2}: sha256 "
+    weights = [f for f in result.failures if f.startswith("weights: ")]
+    assert weights and all(f.startswith(said) for f in weights), weights
+    assert "cut to tp 2" in result.weights_note
+    clean = _verify(m.shard(4), m.reference("tpN", 2))
+    assert clean.weights == "held" and not clean.failures, clean.failures
+
+
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:
     _edit(d, tp - 1, tp, _bump_byte("layers.1.ffn_norm.weight", (2,)))  # the low byte of a bf16: its last mantissa bits
 
