@@ -416,7 +416,7 @@ def verify_cmd(
         converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
         not no_localize, threads, statistical, replay=not no_replay,
     )  # fmt: skip
-    result = verify(opts, progress=None if as_json else report.info)
+    result = verify(opts, progress=None if as_json else report.info, shown=None if as_json else report.byte_progress)
     if result is None:  # a torchrun rank other than 0
         return
     if as_json:

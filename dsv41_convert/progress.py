@@ -1,6 +1,7 @@
 """What long-running library functions report while they work (library code never prints): progress
 callbacks, and seconds per stage."""
 
+import threading
 from collections.abc import Callable
 
 Progress = Callable[[str, int, int], None]
@@ -10,3 +11,20 @@ Progress = Callable[[str, int, int], None]
 def add_seconds(stages: dict[str, float], stage: str, seconds: float) -> None:
     """Count `seconds` towards `stage` (stage -> seconds summed over chunks and threads; `--json`'s stages)."""
     stages[stage] = stages.get(stage, 0.0) + seconds
+
+
+class Tally:
+    """Bytes done of `total` under `label`, counted from several threads; progress(label, done, total) after
+    each add (nothing without a progress)."""
+
+    def __init__(self, progress: Progress | None, label: str, total: int):
+        self.progress, self.label, self.total = progress, label, total
+        self.done = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self.progress is None:
+            return
+        with self._lock:
+            self.done += n
+            self.progress(self.label, self.done, self.total)

@@ -16,8 +16,10 @@ compares, and the other ranks get None.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError
+from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder
 from dsv41_convert.store.manifest_merge import SIDECARS
@@ -51,6 +54,7 @@ from dsv41_convert.verify.verdict import (
 )
 
 Progress = Callable[[str], None]
+Shown = AbstractContextManager["ByteProgress | None"]  # a byte progress display while it is entered
 
 
 @dataclass
@@ -179,10 +183,15 @@ def _config_fits_rank_files(ranks: RankFiles, args: ModelArgs) -> None:
         )
 
 
-def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResult | None:
+def verify(
+    opts: VerifyOptions, progress: Progress | None = None, shown: Callable[[str], Shown] | None = None
+) -> VerifyResult | None:
     """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError for
-    unusable inputs (exit 2); a mismatch, including a shard that does not load, is a failed result."""
+    unusable inputs (exit 2); a mismatch, including a shard that does not load, is a failed result.
+    shown(title): a context giving a byte progress (progress.Progress) for the manifest and weights checks,
+    which read every rank file (app/report.byte_progress)."""
     say = progress or (lambda _msg: None)
+    shown = shown or (lambda _title: contextlib.nullcontext(None))
     conv = Path(opts.converted)
     if (opts.reference is None) == (opts.reference_logits is None):
         raise VerifyInputError("give exactly one of --reference SRC and --reference-logits FILE")
@@ -194,10 +203,12 @@ def verify(opts: VerifyOptions, progress: Progress | None = None) -> VerifyResul
     check_tp(conv_args, rank_tp(conv, opts.tp), str(conv / "config.json"))  # before a header is read
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
         _config_fits_rank_files(ranks, conv_args)
-        return _verify_ranks(opts, ranks, conv_args, say)
+        return _verify_ranks(opts, ranks, conv_args, say, shown)
 
 
-def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, say: Progress) -> VerifyResult | None:
+def _verify_ranks(
+    opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, say: Progress, shown: Callable[[str], Shown]
+) -> VerifyResult | None:
     conv, tp = ranks.folder, ranks.tp
     launcher.backend_for(opts.device)
     threads = opts.threads or launcher.default_threads(tp)
@@ -283,7 +294,8 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
     if (conv / MANIFEST).is_file():
         t2 = time.perf_counter()
         say(f"manifest: every file's size and sha256 against {conv / MANIFEST}")
-        problems = check_folder(conv).problems
+        with shown(f"manifest: {conv}") as bytes_done:
+            problems = check_folder(conv, progress=bytes_done).problems
         result.manifest = "differs" if problems else "held"
         result.failures += [f"manifest: {m}" for m in problems]
         seconds["manifest"] = time.perf_counter() - t2
@@ -291,7 +303,8 @@ def _verify_ranks(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, s
     if recorded is not None and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say(f"weights: every tensor of {conv} against the sha256 {ref_name} records of the weights it ran")
-        _weights_check(result, recorded, ranks)
+        with shown(f"weights: {conv}") as bytes_done:
+            _weights_check(result, recorded, ranks, bytes_done)
         seconds["weights"] = time.perf_counter() - t2
     replay_runs = None
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
@@ -368,11 +381,13 @@ def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Ref
     return Check("reference", exact, False, [], what + "; not bit-exact: " + "; ".join(blockers))
 
 
-def _weights_check(result: VerifyResult, recorded: dict, ranks: RankFiles) -> None:
+def _weights_check(
+    result: VerifyResult, recorded: dict, ranks: RankFiles, bytes_done: ByteProgress | None = None
+) -> None:
     """CONVERTED's tensors against the reference file's digests (weight_digests.py): every weight, whether a
     prompt reaches it or not."""
     try:
-        found, note = weight_digests.compare(recorded, ranks)
+        found, note = weight_digests.compare(recorded, ranks, bytes_done)
     except (ShardConsistencyError, PlanError) as exc:  # the replay says why they do not merge
         found, note = None, f"not compared: the rank files do not merge back to tp 1 ({exc})"
     result.weights_note = note

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, cut_sha256, piece_sha256
-from dsv41_convert.progress import Progress
+from dsv41_convert.progress import Progress, Tally
 from dsv41_convert.store.file_digest import hash_threads, sha256_of_blocks
 from dsv41_convert.store.threads import map_stoppable
 from dsv41_convert.verify.source import whole_row_copy
@@ -57,8 +57,7 @@ def of_source(weights: SourceWeights, progress: Progress | None = None) -> dict[
     outputs: dict[str, list[OutTensor]] = {}
     for t in weights.plan.files[0].tensors:
         outputs.setdefault(t.group or t.name, []).append(t)
-    total = sum(t.end - t.begin for ts in outputs.values() for t in ts)
-    done = [0]
+    tally = Tally(progress, "weights sha256", sum(t.end - t.begin for ts in outputs.values() for t in ts))
 
     def one(group: list[OutTensor], keep_going: Callable[[], None]) -> dict[str, str]:
         if len(group) == 1 and whole_row_copy(group[0]):
@@ -66,9 +65,7 @@ def of_source(weights: SourceWeights, progress: Progress | None = None) -> dict[
         else:
             keep_going()
             found = {n: tensor_sha256(t) for n, t in weights([t.name for t in group]).items()}
-        if progress is not None:
-            done[0] += sum(t.end - t.begin for t in group)
-            progress("weights sha256", done[0], total)
+        tally.add(sum(t.end - t.begin for t in group))
         return found
 
     found: dict[str, str] = {}
@@ -96,20 +93,39 @@ def problems(weights: Any) -> list[str]:
     return [] if ok else ['metadata provenance.weights must be {"tp", "expert_dtype", "ranks": [{name: sha256}]}']
 
 
-def compare(weights: dict[str, Any], ranks: RankFiles) -> tuple[list[str] | None, str]:
+def compare(weights: dict[str, Any], ranks: RankFiles, progress: Progress | None = None) -> tuple[list[str], str]:
     """CONVERTED's rank files against a recorded `weights`: at the record's tp the files as they are, at
     another the pieces a tp-N conversion would hold, cut from their merge (unshard.cut_sha256).
-    -> (failures, a note saying what was compared). Raises ShardConsistencyError where they do not merge."""
+    -> (failures, a note saying what was compared). Raises ShardConsistencyError where they do not merge.
+    progress("weights sha256", bytes of the rank files read, their total) as tensors are done."""
     expert_dtype = experts_stored_as(ranks)
     skip_experts = expert_dtype not in (None, weights["expert_dtype"])
-    if weights["tp"] == ranks.tp:
-        found = [_digests_of_rank(ranks, r, skip_experts) for r in range(ranks.tp)]
+    names = [n for n in ranks.names() if not (skip_experts and _routed(n))]
+    held = {n: [r for r, h in enumerate(ranks.headers) if n in h.tensors] for n in names}
+    tally = Tally(progress, "weights sha256", sum(ranks.headers[r].tensors[n].nbytes for n in names for r in held[n]))
+    if weights["tp"] == ranks.tp:  # every piece as it lies in its file
+        pieces = [(r, n) for n in names for r in held[n]]
+
+        def piece(item: tuple[int, str], keep_going: Callable[[], None]) -> str:
+            info = ranks.headers[item[0]].tensors[item[1]]
+            digest = piece_sha256(ranks, item[0], info, keep_going)
+            tally.add(info.nbytes)
+            return digest
+
+        found = [{} for _ in range(ranks.tp)]
+        for (r, n), digest in zip(pieces, _each(piece, pieces), strict=True):
+            found[r][n] = digest
         what = f"each rank file against the reference's tp-{ranks.tp} record"
     else:  # cut from the merge a block at a time: no merged tensor is ever whole in memory
         tp = weights["tp"]
-        names = [n for n in ranks.names() if not (skip_experts and _routed(n))]
-        cuts = _hashed(names, lambda n, keep_going: cut_sha256(ranks, n, tp, keep_going))
-        found = [{n: cut[r] for n, cut in cuts.items() if cut[r] is not None} for r in range(tp)]
+
+        def cut(name: str, keep_going: Callable[[], None]) -> list[str | None]:
+            digests = cut_sha256(ranks, name, tp, keep_going)
+            tally.add(sum(ranks.headers[r].tensors[name].nbytes for r in held[name]))
+            return digests
+
+        cuts = dict(zip(names, _each(cut, names), strict=True))
+        found = [{n: c[r] for n, c in cuts.items() if c[r] is not None} for r in range(tp)]
         what = (
             f"the tp-{ranks.tp} rank files merged to tp 1, a block at a time, against the reference's tp-1 record"
             if tp == 1
@@ -147,13 +163,6 @@ def _routed(name: str) -> bool:
     return match_rule(name).split is Split.EXPERT
 
 
-def _digests_of_rank(ranks: RankFiles, rank: int, skip_experts: bool) -> dict[str, str]:
-    """{name: sha256} of one rank file's tensors, hashed as they lie in the file (tensor_sha256's bytes)."""
-    tensors = ranks.headers[rank].tensors
-    names = sorted(n for n in tensors if not (skip_experts and _routed(n)))
-    return _hashed(names, lambda n, keep_going: piece_sha256(ranks, rank, tensors[n], keep_going))
-
-
-def _hashed(names: list[str], sha256_of: Callable[[str, Callable[[], None]], T]) -> dict[str, T]:
-    """{name: sha256_of(name, keep_going)}, several tensors at once (store.threads)."""
-    return dict(zip(names, map_stoppable(sha256_of, names, hash_threads(len(names)), "weights"), strict=True))
+def _each(fn: Callable[[Any, Callable[[], None]], T], items: list) -> list[T]:
+    """[fn(item, keep_going) for item in items], several at once (store.threads)."""
+    return map_stoppable(fn, items, hash_threads(len(items)), "weights")

@@ -555,6 +555,17 @@ def test_the_weights_check_compares_rank_files_of_another_tp_than_the_records(m)
     assert clean.weights == "held" and not clean.failures, clean.failures
 
 
+def test_cli_shows_progress_while_it_hashes_the_rank_files(m, monkeypatch, capsys):
+    """The manifest and weights checks read every rank file (minutes at real scale) and showed no progress."""
+    from cli_run import run_cli
+
+    args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--threads", "1")
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and "weights sha256" in err and "model0-mp2.safetensors" in err, err
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--json")
+    assert code == 0 and "weights sha256" not in err and json.loads(out)["weights"] == "held"
+
+
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:
     _edit(d, tp - 1, tp, _bump_byte("layers.1.ffn_norm.weight", (2,)))  # the low byte of a bf16: its last mantissa bits
 
