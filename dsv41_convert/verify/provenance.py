@@ -65,7 +65,7 @@ def problems(prov: Any) -> list[str]:
     if made != "source" and not (isinstance(files, dict) and all(isinstance(f, dict) for f in files.values())):
         out.append('metadata provenance.made_from must be "source" or an object with `files`')
     if "weights" in prov:
-        out += weight_digests.problems(prov["weights"])
+        out += weight_digests.problems(prov["weights"], prov.get("model"))
     return out
 
 

@@ -300,6 +300,13 @@ def _verify_ranks(
         result.failures += [f"manifest: {m}" for m in problems]
         seconds["manifest"] = time.perf_counter() - t2
     recorded = (ref.provenance or {}).get("weights") if src_ref is None else None
+    if src_ref is None and recorded is None:
+        result.weights_note = (
+            f"{ref_name} records no weight digests (written with --no-weight-digests, before 2026-12-04, of a "
+            "bf16 source without --as-converted, or by another tool): weights no prompt reaches are not compared"
+        )
+    elif recorded is not None and isinstance(out, LoadFailure):
+        result.weights, result.weights_note = "not compared", "the rank files do not load"
     if recorded is not None and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
         say(f"weights: every tensor of {conv} against the sha256 {ref_name} records of the weights it ran")
@@ -388,8 +395,10 @@ def _weights_check(
     prompt reaches it or not."""
     try:
         found, note = weight_digests.compare(recorded, ranks, bytes_done)
-    except (ShardConsistencyError, PlanError) as exc:  # the replay says why they do not merge
-        found, note = None, f"not compared: the rank files do not merge back to tp 1 ({exc})"
+    except ShardConsistencyError as exc:  # rank files that disagree are a faulty conversion, replay or not
+        found, note = [str(exc)], "the rank files do not merge into one model"
+    except PlanError as exc:
+        found, note = None, f"not compared: {exc}"
     result.weights_note = note
     if found is None:
         result.weights = "not compared"

@@ -17,20 +17,25 @@ fp4 experts) has other expert bytes by design: its routed experts are not compar
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.rules import Split, match_rule
+from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, cut_sha256, piece_sha256
+from dsv41_convert.errors import ConfigError, PlanError
 from dsv41_convert.progress import Progress, Tally
 from dsv41_convert.store.file_digest import hash_threads, sha256_of_blocks
 from dsv41_convert.store.threads import map_stoppable
 from dsv41_convert.verify.source import whole_row_copy
 
 T = TypeVar("T")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 if TYPE_CHECKING:
     from dsv41_convert.convert.plan import OutTensor
@@ -80,17 +85,37 @@ def record(ranks: list[dict[str, str]], expert_dtype: str) -> dict[str, Any]:
     return {"tp": len(ranks), "expert_dtype": expert_dtype, "ranks": ranks}
 
 
-def problems(weights: Any) -> list[str]:
-    """What is wrong with a recorded `weights` entry's shape (reffile's validation), [] when nothing."""
-    ok = (
-        isinstance(weights, dict)
-        and isinstance(weights.get("tp"), int)
-        and weights.get("expert_dtype") in ("fp4", "fp8")
-        and isinstance(weights.get("ranks"), list)
-        and len(weights["ranks"]) == weights["tp"]
-        and all(isinstance(r, dict) and all(isinstance(v, str) for v in r.values()) for r in weights["ranks"])
-    )
-    return [] if ok else ['metadata provenance.weights must be {"tp", "expert_dtype", "ranks": [{name: sha256}]}']
+def problems(weights: Any, model: Any = None) -> list[str]:
+    """What is wrong with a recorded `weights` entry (reffile's validation), [] when nothing. `model`: the
+    file's provenance.model (the inference config), which the record must fit: its expert dtype, and a tp
+    the model runs at. A record that breaks them was edited or damaged: verify refused nothing and blamed
+    CONVERTED (a tp of 0 crashed it; an expert dtype edited to fp8 switched the experts' comparison off)."""
+    shape = ['metadata provenance.weights must be {"tp", "expert_dtype", "ranks": [{name: sha256}]}']
+    if not isinstance(weights, dict):
+        return shape
+    tp, ranks = weights.get("tp"), weights.get("ranks")
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and isinstance(ranks, list)):
+        return shape
+    if weights.get("expert_dtype") not in ("fp4", "fp8") or len(ranks) != tp:
+        return shape
+    if not all(
+        isinstance(r, dict) and all(isinstance(v, str) and _SHA256.fullmatch(v) for v in r.values()) for r in ranks
+    ):
+        return ["metadata provenance.weights: every digest must be 64 lowercase hex digits (sha256)"]
+    if not isinstance(model, dict):
+        return []
+    out = []
+    ran = "fp8" if model.get("expert_dtype") == "fp8" else "fp4"
+    if weights["expert_dtype"] != ran:
+        out.append(
+            f"metadata provenance.weights.expert_dtype {weights['expert_dtype']!r}, but the model it ran "
+            f"(provenance.model.expert_dtype) stores its experts as {ran}"
+        )
+    try:
+        check_tp(ModelArgs.from_inference_dict(model), tp, "metadata provenance.weights")
+    except (ConfigError, PlanError, TypeError, ValueError) as exc:
+        out.append(f"metadata provenance.weights.tp {tp}: {str(exc).splitlines()[0]}")
+    return out
 
 
 def compare(weights: dict[str, Any], ranks: RankFiles, progress: Progress | None = None) -> tuple[list[str], str]:
@@ -133,9 +158,10 @@ def compare(weights: dict[str, Any], ranks: RankFiles, progress: Progress | None
             f"reference's tp-{tp} record"
         )
     failures = []
+    ours = weights["tp"] == ranks.tp  # at another tp the rank is the record's, not a file of CONVERTED's
     for r, (want, got) in enumerate(zip(weights["ranks"], found, strict=True)):
         want = {n: d for n, d in want.items() if not (skip_experts and _routed(n))}
-        where = f" on rank {r}" if weights["tp"] > 1 else ""
+        where = "" if weights["tp"] == 1 else f" on rank {r}" if ours else f" in tp-{weights['tp']} rank {r}"
         failures += [f"{n}{where}: not in the rank files" for n in sorted(want.keys() - got.keys())]
         failures += [f"{n}{where}: not in the reference's record" for n in sorted(got.keys() - want.keys())]
         failures += [

@@ -538,7 +538,7 @@ def test_the_weights_check_compares_rank_files_of_another_tp_than_the_records(m)
     """tp-4 rank files against a tp-2 reference file: the weights check said "not compared" (only a tp-1 record
     was compared across tp), so an Engram row no prompt hashes to, bumped with no manifest in the folder, was
     judged by the teacher alone, which never reads it. Now the tp-4 files are cut into the record's two ranks
-    from their merge: the fault fails, named with the tp-2 rank that holds the row."""
+    from their merge: the fault fails, named with the record's rank that holds the row ("in tp-2 rank R")."""
     p = m.probe()
     row, rows = p["unhashed_row"], p["engram_rows"]
     k4, k2 = -(-rows // 4), -(-rows // 2)
@@ -547,7 +547,7 @@ def test_the_weights_check_compares_rank_files_of_another_tp_than_the_records(m)
     (d / "manifest.json").unlink()
     result = _verify(d, m.reference("tpN", 2))
     assert result.verdict == "FAIL" and result.weights == "differs", result.failures
-    said = f"weights: layers.0.engram.embed.weight on rank {row // k2}: sha256 "
+    said = f"weights: layers.0.engram.embed.weight in tp-2 rank {row // k2}: sha256 "  # the record's rank, not ours
     weights = [f for f in result.failures if f.startswith("weights: ")]
     assert weights and all(f.startswith(said) for f in weights), weights
     assert "cut to tp 2" in result.weights_note
@@ -564,6 +564,24 @@ def test_cli_shows_progress_while_it_hashes_the_rank_files(m, monkeypatch, capsy
     assert code == 0 and "weights sha256" in err and "model0-mp2.safetensors" in err, err
     code, out, err = run_cli(monkeypatch, capsys, *args, "--json")
     assert code == 0 and "weights sha256" not in err and json.loads(out)["weights"] == "held"
+
+
+def test_rank_files_that_do_not_merge_fail_the_weights_check(m):
+    """A padding byte of the last tp-4 rank's Engram table not the converter's fill, against a tp-2 file: the
+    weights check turned the merge's refusal into "not compared" and left it to a replay that does not run
+    across tp, so the teacher (which never reads padding) made it INCONCLUSIVE, and --statistical PASS (an
+    audit). Rank files that do not merge are a faulty conversion: FAIL, naming the tensor."""
+    rows = m.probe()["engram_rows"]
+    k = -(-rows // 4)
+    assert 4 * k > rows  # the last rank holds padding rows
+    d = m.faulty("engram_padding_not_fill", 4)
+    _edit(d, 3, 4, _bump_byte("layers.0.engram.embed.weight", (rows - 3 * k, 0)))
+    (d / "manifest.json").unlink()
+    for extra in ({}, {"statistical": True}):
+        result = _verify(d, m.reference("tpN", 2), **extra)
+        assert result.verdict == "FAIL" and result.weights == "differs", (extra, result.failures)
+        said = "weights: layers.0.engram.embed.weight: padding rows"
+        assert any(f.startswith(said) for f in result.failures), result.failures
 
 
 def replica_low_bit_on_one_rank(m: Matrix, d: Path, tp: int) -> None:

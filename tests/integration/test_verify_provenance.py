@@ -135,8 +135,34 @@ def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path)
                       ('{"made_from": {"files": [1]}}', "provenance.made_from must be"),
                       ('{"weights": {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]}}', "provenance.weights must be"),
                       ('{"weights": {"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": 1}]}}',
-                       "provenance.weights must be")):  # fmt: skip
+                       "provenance.weights: every digest must be")):  # fmt: skip
         meta["provenance"] = bad
         save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
         problems = reffile.validate_reference_file(tmp_path / "bad.safetensors")
         assert any(said in p for p in problems), (bad, problems)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda w: w.update(tp=0, ranks=[]), 'provenance.weights must be {"tp"'),
+        (lambda w: w.update(expert_dtype="fp8"), "provenance.weights.expert_dtype 'fp8', but the model it ran"),
+        (lambda w: w["ranks"][0].update({"norm.weight": "zz"}), "every digest must be 64 lowercase hex digits"),
+    ],
+)
+def test_an_edited_weights_record_is_an_input_error(work, tmp_path, monkeypatch, capsys, edit, said):
+    """A weights record that does not fit the file's model: tp 0 crashed verify (ZeroDivisionError, exit 1, no
+    JSON), an expert dtype edited to fp8 switched the experts' comparison off (a faulty expert passed), a
+    digest "zz" failed CONVERTED (an audit). Each is the file's problem: exit 2, one JSON document."""
+    from cli_run import run_cli
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(work["ref"]), "pt") as f:
+        meta = f.metadata()
+    prov = json.loads(meta["provenance"])
+    edit(prov["weights"])
+    bad = tmp_path / "edited.safetensors"
+    save_file(load_file(str(work["ref"])), str(bad), metadata=meta | {"provenance": json.dumps(prov)})
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(work["mp2"]), "--reference-logits", str(bad), "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["exit_code"] == 2 and said in doc["error"] and str(bad) in doc["error"], (out, err)

@@ -70,18 +70,40 @@ def test_one_changed_bit_is_named_against_either_record(conversion, tmp_path, na
     assert len(merged) == 1 and merged[0].startswith(f"{name}: sha256 "), merged
     # the first byte's tp-8 piece: rank 0's (a row split), or the expert's owner
     owner = next(r for r in range(8) if name in records[8]["ranks"][r])
-    assert len(cut) == 1 and cut[0].startswith(f"{name} on rank {owner}: sha256 "), cut
+    assert len(cut) == 1 and cut[0].startswith(f"{name} in tp-8 rank {owner}: sha256 "), cut
     if ".experts." in name:  # another expert dtype in the record: the experts are not compared, and said so
         assert skipped == [] and "routed experts not compared" in note
     else:
         assert skipped == same_tp
 
 
-def test_a_malformed_record_is_named():
-    assert weight_digests.problems(weight_digests.record([{"a": "00"}], "fp4")) == []
-    for bad in ([], {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]}, {"tp": 1, "expert_dtype": "x", "ranks": [{}]},
-                {"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": 1}]}):  # fmt: skip
-        assert weight_digests.problems(bad) and "provenance.weights" in weight_digests.problems(bad)[0]
+def test_a_malformed_record_is_named(conversion):
+    """An edited or damaged record is refused with the file (exit 2), not blamed on CONVERTED: a tp of 0 crashed
+    verify (ZeroDivisionError, exit 1, no JSON), a digest "zz" and an impossible tp 3 failed CONVERTED, and an
+    expert dtype edited to fp8 switched the experts' comparison off, so a faulty expert passed (an audit)."""
+    import json
+
+    folder, records = conversion
+    model = json.loads((folder / "config.json").read_text())  # the inference config a reference records
+    good = records[2]
+    assert weight_digests.problems(good, model) == [] and weight_digests.problems(good) == []
+    digest = "0" * 64
+    shape = 'metadata provenance.weights must be {"tp", "expert_dtype", "ranks": [{name: sha256}]}'
+    for bad in (
+        [],
+        {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]},
+        {"tp": 1, "expert_dtype": "x", "ranks": [{}]},
+        {"tp": 0, "expert_dtype": "fp4", "ranks": []},
+        {"tp": True, "expert_dtype": "fp4", "ranks": [{}]},
+    ):
+        assert weight_digests.problems(bad) == [shape], bad
+    for digest_bad in (1, "zz", "A" * 64):
+        found = weight_digests.problems({"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": digest_bad}]})
+        assert found and "64 lowercase hex digits" in found[0], digest_bad
+    found = weight_digests.problems(good | {"expert_dtype": "fp8"}, model)
+    assert found and "expert_dtype 'fp8', but the model it ran" in found[0] and "as fp4" in found[0]
+    found = weight_digests.problems({"tp": 3, "expert_dtype": "fp4", "ranks": [{"a": digest}] * 3}, model)
+    assert found and found[0].startswith("metadata provenance.weights.tp 3: ") and "cannot run at tp 3" in found[0]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
