@@ -509,7 +509,8 @@ def _execute_held(
         else:
             todo.append(f)
     need = sum(f.nbytes for f in todo)
-    _require_space(out, need)
+    if resume:  # a run from the start checked every file's bytes in `execute`, before its first record
+        _require_space(out, need)
     if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
         forget_stale(out, digest)
     set_aside = _set_aside_tokenizer_files(src, out)

@@ -41,7 +41,14 @@ from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.store.file_digest import sha256_of_blocks
 from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
-from dsv41_convert.store.safetensors_header import DTYPE_BITS, Header, TensorInfo, pread_exact, read_header
+from dsv41_convert.store.safetensors_header import (
+    DTYPE_BITS,
+    Header,
+    TensorInfo,
+    pread_blocks,
+    pread_exact,
+    read_header,
+)
 
 _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")
 
@@ -201,11 +208,10 @@ def cut_sha256(ranks: RankFiles, name: str, tp: int, between: Callable[[], None]
     its owner, a replica on every rank), one merged block at a time. -> per rank, None where it holds none.
     So rank files of any tp compare with digests recorded at another (verify's weights check)."""
     merge = merge_of(ranks, name)
-    if merge.split is Split.NONE:
-        return [merged_sha256(ranks, name, between)] * tp
-    if merge.split is Split.EXPERT:
-        owner = _owner(name, tp, ranks.args)
-        return [merged_sha256(ranks, name, between) if r == owner else None for r in range(tp)]
+    if merge.split in (Split.NONE, Split.EXPERT):  # whole on every rank, or on its owner alone
+        whole = sha256_of_blocks(merged_blocks(ranks, merge), between)
+        owner = _owner(name, tp, ranks.args) if merge.split is Split.EXPERT else None
+        return [whole if owner in (None, r) else None for r in range(tp)]
     hashes = [hashlib.sha256() for _ in range(tp)]
     row = merge.nbytes // max(merge.rows, 1)
     if merge.split is Split.DIM1:
@@ -228,10 +234,9 @@ def cut_sha256(ranks: RankFiles, name: str, tp: int, between: Callable[[], None]
             hashes[r].update(view[(lo - at) * row : (hi - at) * row])
         at += n
     if merge.split is Split.ROWS_PADDED:  # the last ranks' padding rows, as shard writes them
-        fill = PAD_BYTE["F8_E8M0" if merge.dtype == "F8_E8M0" else "F8_E4M3"]
         for r in range(merge.rows // k, tp):
             pad = (r + 1) * k - max(merge.rows, r * k)
-            hashes[r].update(bytes([fill]) * (pad * row))
+            hashes[r].update(bytes([_fill(merge)]) * (pad * row))
     return [h.hexdigest() for h in hashes]
 
 
@@ -315,14 +320,8 @@ def _row_bytes(info: TensorInfo) -> int:
 
 def _piece_blocks(ranks: RankFiles, rank: int, info: TensorInfo, block: int, length: int) -> Iterator[memoryview]:
     """The first `length` bytes of tensor `info` of rank `rank`'s file, whole rows of about `block` bytes at
-    a time, read into one buffer reused from view to view."""
-    step = max(1, block // _row_bytes(info)) * _row_bytes(info)
-    buf = memoryview(bytearray(min(step, length)))
-    path = ranks.headers[rank].path
-    for at in range(0, length, step):
-        view = buf[: min(step, length - at)]
-        pread_exact(ranks.fd(rank), view, info.begin + at, path)
-        yield view
+    a time (pread_blocks)."""
+    return pread_blocks(ranks.fd(rank), info.begin, length, _row_bytes(info), block, ranks.headers[rank].path)
 
 
 def _replica_blocks(
@@ -389,11 +388,16 @@ def _check_padding(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo])
     """The padding rows after an Engram table's config rows (on the last ranks) must be the converter's fill."""
     k = infos[0].shape[0]
     row = _row_bytes(infos[0])
-    fill = PAD_BYTE["F8_E8M0" if merge.dtype == "F8_E8M0" else "F8_E4M3"]
+    fill = _fill(merge)
     for r in range(merge.rows // k, ranks.tp):
         first = max(merge.rows - r * k, 0)  # this rank's first padding row
-        pad = memoryview(bytearray((k - first) * row))
-        pread_exact(ranks.fd(r), pad, infos[r].begin + first * row, ranks.headers[r].path)
-        if any(b != fill for b in pad):
+        pad = bytearray((k - first) * row)
+        pread_exact(ranks.fd(r), memoryview(pad), infos[r].begin + first * row, ranks.headers[r].path)
+        if pad != bytes([fill]) * len(pad):
             where = f"padding rows {merge.rows}..{k * ranks.tp - 1} (ranks {merge.rows // k}..{ranks.tp - 1})"
             raise ShardConsistencyError(f"{merge.name}: {where} are not the fill byte {fill}")
+
+
+def _fill(merge: Merge) -> int:
+    """The byte shard writes in an Engram table's padding rows (weight 0.0, scale 1.0)."""
+    return PAD_BYTE["F8_E8M0" if merge.dtype == "F8_E8M0" else "F8_E4M3"]

@@ -17,7 +17,7 @@ import operator
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,6 +192,18 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "?") -> None:
         if got == 0:
             raise HeaderError(f"{path}: unexpected end of file at byte {offset + done}; truncated while reading?")
         done += got
+
+
+def pread_blocks(fd: int, begin: int, length: int, row: int, block: int, path: str = "?") -> Iterator[memoryview]:
+    """`length` bytes of `fd` from `begin`, whole `row`-byte rows of about `block` bytes at a time, read into one
+    buffer reused from view to view (each view is valid until the next is asked for)."""
+    row = max(row, 1)
+    step = max(1, block // row) * row
+    buf = memoryview(bytearray(min(step, length)))
+    for at in range(0, length, step):
+        view = buf[: min(step, length - at)]
+        pread_exact(fd, view, begin + at, path)
+        yield view
 
 
 def sort_metadata(path: Path | str) -> None:

@@ -33,7 +33,7 @@ from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_exact
+from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_blocks, pread_exact
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
@@ -195,14 +195,9 @@ class SourceWeights:
         if not whole_row_copy(t):
             raise PlanError(f"{t.name}: action {t.action} is not a copy of whole rows")
         (rd,) = t.reads
-        row = DTYPE_BITS[rd.dtype] * math.prod(rd.shape[1:]) // 8 if rd.shape else DTYPE_BITS[rd.dtype] // 8
-        begin, end = rd.offset + rd.r0 * row, rd.offset + rd.r1 * row
-        step = max(1, block // max(row, 1)) * max(row, 1)
-        buf = memoryview(bytearray(min(step, end - begin)))
-        for at in range(begin, end, step):
-            view = buf[: min(step, end - at)]
-            pread_exact(self.fds[rd.file], view, at, str(self.src / rd.file))
-            yield view
+        row = DTYPE_BITS[rd.dtype] * math.prod(rd.shape[1:]) // 8
+        begin, length = rd.offset + rd.r0 * row, (rd.r1 - rd.r0) * row
+        yield from pread_blocks(self.fds[rd.file], begin, length, row, block, str(self.src / rd.file))
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -74,8 +74,7 @@ def of_source(weights: SourceWeights, progress: Progress | None = None) -> dict[
         return found
 
     found: dict[str, str] = {}
-    groups = list(outputs.values())
-    for part in map_stoppable(one, groups, hash_threads(len(groups)), "weights"):
+    for part in _each(one, list(outputs.values())):
         found.update(part)
     return dict(sorted(found.items()))
 

@@ -112,15 +112,17 @@ def test_the_weights_check_reads_a_block_at_a_time(conversion, monkeypatch, tp):
     tensor whole: the first version merged each tensor, the next read each rank's piece whole. Every read of
     the check is one block, and its verdict is unchanged."""
     from dsv41_convert.convert import unshard
+    from dsv41_convert.store import safetensors_header
 
     folder, records = conversion
     block = 2048
     monkeypatch.setattr(unshard, "MERGE_BLOCK", block)
     sizes = []
-    real = unshard.pread_exact
-    monkeypatch.setattr(
-        unshard, "pread_exact", lambda fd, buf, at, path: sizes.append(len(buf)) or real(fd, buf, at, path)
-    )
+    real = safetensors_header.pread_exact
+    for module in (unshard, safetensors_header):  # every read of the check: merges, pieces (pread_blocks)
+        monkeypatch.setattr(
+            module, "pread_exact", lambda fd, buf, at, path: sizes.append(len(buf)) or real(fd, buf, at, path)
+        )
     with RankFiles(folder) as ranks:
         assert weight_digests.compare(records[tp], ranks)[0] == []
         widest_row = max(
