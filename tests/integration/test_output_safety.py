@@ -388,3 +388,14 @@ def test_dry_run_refuses_a_read_only_out_as_the_run_does(src, tmp_path, monkeypa
             assert code == 2 and str(ro) in err, (extra, err)
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_dry_run_refuses_an_out_it_may_not_write(src, tmp_path, monkeypatch, capsys):
+    """The same refusal without mount privileges (CI): the nearest existing folder of OUT is not writable."""
+    real = execute_mod.os.access
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    monkeypatch.setattr(execute_mod.os, "access", lambda p, mode: False if p == parent else real(p, mode))
+    code, _, err = shard(monkeypatch, capsys, str(src), str(parent / "new" / "out"), "--tp", "2", "--dry-run")
+    assert code == 2 and f"cannot write into {parent}" in err, err
+    assert not (parent / "new").exists()
