@@ -269,9 +269,9 @@ def shard_cmd(
     from dsv41_convert.errors import PlanError
 
     try:
-        rank_list = [int(r) for r in ranks.split(",")] if ranks is not None else None
+        rank_list = [opts.ascii_int(r) for r in ranks.split(",")] if ranks is not None else None
     except ValueError as exc:
-        raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers like 0,3") from exc
+        raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers in the digits 0-9, like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list)}
@@ -332,14 +332,26 @@ ReferenceLogitsOpt = Annotated[
 PromptsOpt = Annotated[
     Path | None, typer.Option("--prompts", help='JSONL: {"input_ids": [...]} or {"text": "..."}, optional "image".')
 ]
-VerifyTpOpt = Annotated[int | None, typer.Option("--tp", min=1, help="Rank count (default: from the rank files).")]
-DecodeOpt = Annotated[int, typer.Option("--decode-steps", min=0, help="Greedy decode steps after each prompt.")]
+VerifyTpOpt = Annotated[
+    int | None, typer.Option("--tp", parser=opts.whole_number(1), help="Rank count (default: from the rank files).")
+]
+DecodeOpt = Annotated[
+    int, typer.Option("--decode-steps", parser=opts.whole_number(0), help="Greedy decode steps after each prompt.")
+]
 VerifyDecodeOpt = Annotated[
     int | None,
-    typer.Option("--decode-steps", min=0, help="With --reference SRC: greedy decode steps after each prompt (3)."),
+    typer.Option(
+        "--decode-steps",
+        parser=opts.whole_number(0),
+        help="With --reference SRC: greedy decode steps after each prompt (3).",
+    ),
 ]
-MaxSeqOpt = Annotated[int | None, typer.Option("--max-seq-len", min=1, help="Runtime max_seq_len (default: auto).")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="torch threads per process (cores / tp).")]
+MaxSeqOpt = Annotated[
+    int | None, typer.Option("--max-seq-len", parser=opts.whole_number(1), help="Runtime max_seq_len (default: auto).")
+]
+ThreadsOpt = Annotated[
+    int | None, typer.Option("--threads", parser=opts.whole_number(1), help="torch threads per process (cores / tp).")
+]
 AtolOpt = Annotated[float | None, typer.Option("--atol", min=0.0, help="Max |ref - conv| logit difference.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", min=0.0, help="Max per-row KL(ref || conv), nats.")]
 MaxKlMeanOpt = Annotated[float | None, typer.Option("--max-kl-mean", min=0.0, help="Max mean KL(ref || conv).")]
@@ -360,7 +372,9 @@ NoReplayOpt = Annotated[
         "with hidden states the teacher-forced check decides.",
     ),
 ]
-RefTpOpt = Annotated[int, typer.Option("--tp", min=1, help="Ranks to compute the reference on (one process each).")]
+RefTpOpt = Annotated[
+    int, typer.Option("--tp", parser=opts.whole_number(1), help="Ranks to compute the reference on (one process each).")
+]
 AsConvertedOpt = Annotated[
     bool,
     typer.Option("--as-converted", help="bf16 source: run the converter's quantized output, so verify can be exact."),
@@ -634,7 +648,12 @@ LocalDirOpt = Annotated[Path | None, typer.Option("--local-dir", help="Put the f
 IncludeOpt = Annotated[list[str] | None, typer.Option("--include", help="Only files matching this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str] | None, typer.Option("--exclude", help="Skip files matching this glob; repeatable.")]
 WorkersOpt = Annotated[
-    int, typer.Option("--max-workers", min=1, help="Files fetched at once (and hashed: one per core, 8 at most).")
+    int,
+    typer.Option(
+        "--max-workers",
+        parser=opts.whole_number(1),
+        help="Files fetched at once (and hashed: one per core, 8 at most).",
+    ),
 ]
 VerifyOnlyOpt = Annotated[
     bool,

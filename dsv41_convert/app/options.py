@@ -1,9 +1,39 @@
 """Typer option and argument aliases shared by the commands, so each is spelled once."""
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+
+def ascii_int(text: str) -> int:
+    """int() of digits 0-9 with an optional minus sign; int() alone also takes "1_0" (10), "٤" (4) and " 3 ".
+
+    Raises ValueError otherwise.
+    """
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise ValueError(f"{text!r}: expected an integer written in the digits 0-9")
+    return int(text)
+
+
+def whole_number(least: int | None = None, other: str = "") -> Callable[[str], int]:
+    """The parser of an int option: ascii_int, at least `least`; typer's own takes what int() takes.
+    `other` names what else the option takes, for the error ("or auto")."""
+    wanted = "an integer" if least is None else f"a number >= {least}"
+
+    def parse(value: str) -> int:
+        try:
+            n = ascii_int(str(value))
+        except ValueError:
+            n = None
+        if n is None or (least is not None and n < least):
+            raise typer.BadParameter(f"{value!r}: expected {wanted} in the digits 0-9{other}") from None
+        return n
+
+    return parse
+
 
 SrcArg = Annotated[
     Path,
@@ -17,7 +47,7 @@ LocalSrcArg = Annotated[
     ),
 ]
 OutArg = Annotated[Path, typer.Argument(help="Output folder.")]
-TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Number of tensor-parallel ranks.")]
+TpOpt = Annotated[int, typer.Option("--tp", parser=whole_number(1), help="Number of tensor-parallel ranks.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Allow writing into a non-empty output folder.")]
 DemoOverwriteOpt = Annotated[
@@ -36,7 +66,7 @@ DirectIoOpt = Annotated[
         "Falls back to buffered writes where the file system refuses O_DIRECT.",
     ),
 ]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+SeedOpt = Annotated[int, typer.Option("--seed", parser=whole_number(), help="Random seed.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 ExpertDtypeOpt = Annotated[str, typer.Option("--expert-dtype", help="Routed experts as fp4 (as published) or fp8.")]
 SourceDtypeOpt = Annotated[
@@ -44,7 +74,8 @@ SourceDtypeOpt = Annotated[
 ]
 VisionOpt = Annotated[bool, typer.Option("--vision/--no-vision", help="Include the vision tower and aligner.")]
 LayerShardsOpt = Annotated[
-    int | None, typer.Option("--shards", min=1, help="Files for the backbone layers (default: one per layer).")
+    int | None,
+    typer.Option("--shards", parser=whole_number(1), help="Files for the backbone layers (default: one per layer)."),
 ]
 PresetOpt = Annotated[
     str, typer.Option("--preset", help="tiny (a few MB), medium (real hidden sizes, GBs) or full (with --sparse).")
@@ -52,16 +83,9 @@ PresetOpt = Annotated[
 
 
 def parse_workers(value: str) -> int:
-    """--workers N (N >= 1) or auto, which becomes 0: execute() picks from cores, memory and rank files."""
-    if str(value) == "auto":
-        return 0
-    try:
-        n = int(value)
-    except ValueError:
-        raise typer.BadParameter(f"{value!r}: expected a number >= 1 or auto") from None
-    if n < 1:
-        raise typer.BadParameter(f"{value!r}: expected a number >= 1 or auto")
-    return n
+    """--workers N (N >= 1, in the digits 0-9) or auto, which becomes 0: execute() picks from cores, memory and
+    rank files."""
+    return 0 if str(value) == "auto" else whole_number(1, " or auto")(value)
 
 
 WorkersOpt = Annotated[

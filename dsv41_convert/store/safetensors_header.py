@@ -110,7 +110,12 @@ def read_header(path: Path | str) -> Header:
     pos = start
     for t in entries:
         if t.begin != pos:
-            what = "overlaps the previous tensor" if t.begin < pos else f"leaves a gap of {t.begin - pos} bytes"
+            if t.begin < pos:
+                what = "overlaps the previous tensor"
+            elif t.begin >= size:
+                what = f"is past the end of the {size}-byte file (a gap of {t.begin - pos} bytes before it); truncated?"
+            else:
+                what = f"leaves a gap of {t.begin - pos} bytes"
             raise HeaderError(f"{path}: tensor {t.name} starts at data offset {t.begin - start}, which {what}")
         pos = t.end
     if pos != size:

@@ -168,6 +168,18 @@ def test_conflicting_or_empty_options(src, sharded, tmp_path, monkeypatch, capsy
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.parametrize("value", ["٠", "1_0", " 1", "+1", "0x1"])
+@pytest.mark.parametrize("option", ["--ranks", "--tp", "--workers"])
+def test_numbers_are_written_in_ascii_digits(src, tmp_path, monkeypatch, capsys, option, value):
+    """int() takes "٠" (Arabic-Indic zero) as 0 and "1_0" as 10: `--ranks ٠` converted rank 0 and `--tp 1_0`
+    a tp of 10. A number option now takes the digits 0-9 alone, and the run writes nothing."""
+    args = {"--ranks": ["--tp", "2", "--ranks", value], "--tp": ["--tp", value], "--workers": ["--workers", value]}
+    out = tmp_path / "o"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *args[option])
+    assert code == 2 and repr(value) in err and "digits 0-9" in err, err
+    assert not out.exists()
+
+
 def test_rank_files_of_another_tp_are_refused_on_resume_and_replaced_on_overwrite(src, sharded, tmp_path):
     out = copy_of(sharded, tmp_path / "out")
     res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "4", "--resume"], capture_output=True, text=True)

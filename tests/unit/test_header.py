@@ -109,6 +109,15 @@ def _write(path, header: dict | bytes, data: bytes = b"", length: int | None = N
         ),
         ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, None, "needs 8"),
         ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, None, "gap of 4 bytes"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+            },
+            b"\0" * 4,
+            None,
+            r"tensor b starts at data offset 8, which is past the end of the \d+-byte file .*truncated",
+        ),
         ({"t": {"dtype": "XX", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unknown dtype"),
         ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8, None, "4 bytes after"),
         (b"{}", b"", 10**9, "exceeds"),

@@ -82,7 +82,7 @@ def test_bad_workers_is_a_usage_error(tmp_path, value):
     )
     assert res.returncode == 2, res.stderr
     assert "Invalid value for '--workers'" in res.stderr and "Traceback" not in res.stderr
-    assert "expected a number >= 1 or auto" in res.stderr and "Value error" not in res.stderr
+    assert "expected a number >= 1 in the digits 0-9 or auto" in res.stderr and "Value error" not in res.stderr
     assert not (tmp_path / "o").exists()
 
 
