@@ -662,6 +662,14 @@ VerifyOnlyOpt = Annotated[
     ),
 ]
 
+DownloadOverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Let --local-dir's files that are not this revision's (another revision's, your own) be replaced.",
+    ),
+]
+
 
 @app.command("download")
 def download_cmd(
@@ -672,6 +680,7 @@ def download_cmd(
     exclude: ExcludeOpt = None,
     max_workers: WorkersOpt = 8,
     verify_only: VerifyOnlyOpt = False,
+    overwrite: DownloadOverwriteOpt = False,
     json_out: opts.JsonOpt = False,
 ) -> None:
     """Download a checkpoint from the Hugging Face Hub and check every file (size, sha256, headers, index).
@@ -696,8 +705,9 @@ def download_cmd(
             )
         else:
             result = dl.download(
-                repo_id, revision=revision, local_dir=local_dir, max_workers=max_workers, progress=progress, **patterns
-            )
+                repo_id, revision=revision, local_dir=local_dir, max_workers=max_workers, progress=progress,
+                overwrite=overwrite, **patterns,
+            )  # fmt: skip
     for problem in result.problems:
         report.error(str(problem))
     if json_out:

@@ -68,6 +68,7 @@ class FakeHub:
         self.drop_after: dict[str, int] = {}  # repo path -> bytes sent before the next GET is cut off (once)
         self.bytes_per_s: dict[str, float] = {}  # repo path -> how fast its GETs send (64-byte pieces)
         self.sent: dict[str, int] = {}  # repo path -> bytes of its last slow GET sent so far
+        self.api_body: bytes | None = None  # when set, every /api/ answer: 200 with this body (a proxy's page)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
@@ -188,6 +189,8 @@ def _make_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self._error(404, "", f"no route for {url.path}")
 
         def _api(self, repo_id: str, rest: list[str], query: dict[str, list[str]]) -> None:
+            if hub.api_body is not None:
+                return self._send(200, hub.api_body, {"Content-Type": "text/html"})
             repo = self._repo(repo_id, files=False)
             if repo is None:
                 return

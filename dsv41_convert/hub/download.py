@@ -1,10 +1,14 @@
 """Fetch a checkpoint from the Hugging Face Hub, check every byte, re-fetch only what is wrong.
 
 Built on huggingface_hub (2.x): files go through hf-xet where the repo and the installed packages allow
-it, else over HTTP, where a dropped connection resumes by Range; into --local-dir, the received bytes
-also survive the process (`hub_fetch._fetch_resumable`), so a killed run continues mid-file. In the HF
-cache they do not: huggingface_hub 2.x writes each file to a temporary of its own process, so a killed
-run fetches its unfinished files again from byte 0. Around it we add what a 510 GB download needs:
+it, else over HTTP, where a dropped connection resumes by Range; into --local-dir, the bytes an HTTP
+transfer received also survive the process (`hub_fetch._fetch_resumable`), so a killed run continues
+mid-file. In the HF cache, and for files hf-xet fetches, they do not: huggingface_hub 2.x writes each file
+to a temporary of its own process, so a killed run fetches those files again from byte 0. Around it we add
+what a 510 GB download needs:
+
+- a --local-dir is ours to write only where it holds nothing else: files at the revision's paths that are
+  not its bytes (the user's, another revision's) are refused before the first byte unless `overwrite`;
 
 - one metadata call (`model_info(files_metadata=True)`) pins the commit and gives every file's size,
   LFS sha256 and git blob id; it is saved as a record beside the files, so the folder can be checked
@@ -25,13 +29,13 @@ folder is returned. HF_HUB_OFFLINE=1 turns `download` into a check of what is al
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 
 from huggingface_hub import HfApi
@@ -42,6 +46,7 @@ from dsv41_convert.hub.fetch import (
     fetch_file,
     fetch_record,
     partial_bytes,
+    partial_path,
     remove_file,
     xet_refusal,
 )
@@ -113,7 +118,10 @@ def resolve_source(
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc
     if not report.ok:
-        raise DownloadError(f"{ref[0]}: the downloaded checkpoint does not check out: {listing(report.problems)}")
+        offline_note = "; HF_HUB_OFFLINE is set: unset it to fetch what is missing or wrong" if report.offline else ""
+        raise DownloadError(
+            f"{ref[0]}: the downloaded checkpoint does not check out: {listing(report.problems)}{offline_note}"
+        )
     return report.folder
 
 
@@ -135,6 +143,7 @@ def download(
     backoff_s: float = 2.0,
     repair_rounds: int = 2,
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> DownloadReport:
     """Download `repo_id` at `revision` (default main), verify every file, re-fetch what is wrong.
 
@@ -142,7 +151,9 @@ def download(
     comes back in `report.problems`, as do problems the Hub's own files have (an index that names a shard
     the repo lacks, or other tensors than the shard holds). A file over 50 GB without hf-xet to fetch it is
     a DownloadError before the first byte. A `local_dir` is held alone from the first byte written to the
-    end (store/lock.py): a second download into it fails at once.
+    end (store/lock.py): a second download into it fails at once. Files there that this download did not
+    put there (another revision's, the user's own) are replaced only with `overwrite`: DownloadError before
+    the first byte otherwise.
     """
     if offline():
         report = verify_local(
@@ -155,19 +166,14 @@ def download(
             workers=max_workers,
             progress=progress,
         )
-        if not report.ok:
-            raise DownloadError(
-                f"{repo_id}: HF_HUB_OFFLINE is set and the local copy in {report.folder} is not "
-                f"whole: {listing(report.problems)}; unset HF_HUB_OFFLINE to fetch the rest"
-            )
-        return report
+        return report  # with its problems, as --verify-only: a check that fails, not an error
     check_repo_id(repo_id)
     if local_dir is not None:
         Path(local_dir).mkdir(parents=True, exist_ok=True)
-    with hold(Path(local_dir)) if local_dir is not None else nullcontext():
+    with hold(Path(local_dir)) if local_dir is not None else contextlib.nullcontext():
         return _download(
             repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
-            backoff_s, repair_rounds, progress,
+            backoff_s, repair_rounds, progress, overwrite,
         )  # fmt: skip
 
 
@@ -185,17 +191,26 @@ def _download(
     backoff_s: float,
     repair_rounds: int,
     progress: Progress | None,
+    overwrite: bool,
 ) -> DownloadReport:
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
-    record = dataclasses.replace(record, include=tuple(include), exclude=tuple(exclude))
-    place = _save_record(record, local_dir, cache_dir)
     files = selected(record.files, include, exclude)
     if not files:
         raise DownloadError(
             f"{repo_id}@{record.revision}: no file matches --include {list(include)} "
             f"--exclude {list(exclude)} (the revision has {len(record.files)} files)"
         )
+    place = place_of(record.repo_id, record.commit, local_dir, cache_dir)
+    previous = _previous_record(place, record)
+    checked: set[str] = set()
+    if local_dir is not None:
+        _remove_stale_temporaries(Path(local_dir))
+        if previous is None or previous.commit != record.commit:
+            checked = _claim(place.folder, previous, record, files, overwrite, max_workers, progress)
+    ours = previous is not None and previous.commit == record.commit
+    record = widened(record, previous if ours else None, files)
+    _save_record(record, place, local_dir, cache_dir)
 
     def fetch(batch: list[RemoteFile], force: bool) -> list[Problem]:
         return _fetch_all(
@@ -222,15 +237,16 @@ def _download(
     if refusal is not None:
         raise refusal
     held = sum(partial_bytes(Path(local_dir), f) for f in missing) if local_dir is not None else 0
-    _check_space(place.folder, sum(f.size for f in missing), held, repo_id)
-    present = [f for f in files if f not in missing]
+    need = sum(f.size for f in missing if local_dir is not None or not _blob_held(place, f))
+    _check_space(place.folder, need, held, repo_id)
+    present = [f for f in files if f not in missing and f.path not in checked]
     problems = fetch(missing, False) + check_files(place.folder, present, workers=max_workers, progress=progress)
     problems, again = _repair(problems, files, place.folder, fetch, repair_rounds)
     refetched += [f.path for f in again if f.path not in refetched]
     missing += [f for f in again if f not in missing]
-    if local_dir is not None and not problems:  # all files are whole: what is left in the partial folder is stale
-        shutil.rmtree(Path(local_dir) / PARTIAL_DIR, ignore_errors=True)
-    problems = _given_up(problems, repair_rounds) + _structure(place.folder, files, record, problems)
+    if local_dir is not None:
+        _remove_stale_partials(Path(local_dir), record, [f for f in files if f.path not in {p.path for p in problems}])
+    problems = _given_up(problems, repair_rounds) + _structure(place.folder, record, problems)
     return DownloadReport(
         repo_id,
         record.revision,
@@ -246,22 +262,104 @@ def _download(
     )
 
 
-def _save_record(record: Record, local_dir: Path | None, cache_dir: Path | None) -> Place:
-    """Where `record`'s files go; its record saved there first, so an interrupted download can still be checked
-    offline. DownloadError if the folder holds another repo."""
-    place = place_of(record.repo_id, record.commit, local_dir, cache_dir)
+def _previous_record(place: Place, record: Record) -> Record | None:
+    """The record already where `record`'s files go; DownloadError if it is another repo's."""
     previous = Record.load(place.record)
     if previous is not None and previous.repo_id != record.repo_id:
         raise DownloadError(
             f"{place.folder}: already holds {previous.repo_id}; pick another --local-dir for {record.repo_id}"
         )
+    return previous
+
+
+def _claim(
+    folder: Path,
+    previous: Record | None,
+    record: Record,
+    files: list[RemoteFile],
+    overwrite: bool,
+    workers: int,
+    progress: Progress | None,
+) -> set[str]:
+    """A --local-dir that holds no download of `record`'s commit: its files at the paths of `files` are not
+    ours to replace (the user's own, another revision's) unless `overwrite`; with it, the files the previous
+    revision's record lists and this revision lacks are removed too (a stale shard would be read with the
+    new ones). -> the paths of `files` already there and found right (hashed here, not again)."""
+    where = f"{record.repo_id}@{record.revision} (commit {record.commit[:12]})"
+    if previous is not None and not overwrite:
+        raise DownloadError(
+            f"{folder}: holds revision {previous.revision} (commit {previous.commit[:12]}) of {previous.repo_id}, "
+            f"not {where}; --overwrite replaces its files with this revision's, or pick another --local-dir"
+        )
+    present = [f for f in files if (folder / f.path).exists() or (folder / f.path).is_symlink()]
+    if overwrite:
+        gone = {f.path for f in previous.files} - {f.path for f in record.files} if previous is not None else set()
+        for path in sorted(gone):
+            remove_file(folder / path)
+        return set()
+    differ = check_files(folder, present, workers=workers, progress=progress)
+    if differ:
+        raise DownloadError(
+            f"{folder}: holds {len(differ)} file(s) that are not {where}'s: {listing(differ)}; "
+            "--overwrite replaces them with the Hub's, or pick another --local-dir"
+        )
+    return {f.path for f in present}
+
+
+def widened(record: Record, previous: Record | None, files: list[RemoteFile]) -> Record:
+    """`record` with the selection it keeps for --verify-only: this run's `files` and those of the earlier
+    runs into the folder at the same commit (`previous`), so a narrower run (--include config.json) never
+    narrows what the folder is checked for. The whole revision is kept as no globs, else as the paths."""
+    paths = {f.path for f in files}
+    if previous is not None:
+        paths |= {f.path for f in selected(previous.files, previous.include, previous.exclude)}
+    if paths >= {f.path for f in record.files}:
+        return dataclasses.replace(record, include=(), exclude=())
+    return dataclasses.replace(record, include=tuple(glob_escape(p) for p in sorted(paths)), exclude=())
+
+
+def glob_escape(path: str) -> str:
+    """`path` as an fnmatch pattern that matches it alone."""
+    return re.sub(r"([*?\[])", r"[\1]", path)
+
+
+def _save_record(record: Record, place: Place, local_dir: Path | None, cache_dir: Path | None) -> None:
+    """Save `record` where its files go, before any file moves, so an interrupted download can still be
+    checked offline."""
     record.save(place.record)
     if local_dir is None and not COMMIT.fullmatch(record.revision):
-        # as snapshot_download does: remember what the branch or tag pointed to, for offline use
+        # the HF cache, as snapshot_download does: remember what the branch or tag pointed to, for offline use
         ref = storage_of(record.repo_id, cache_dir) / "refs" / record.revision
         ref.parent.mkdir(parents=True, exist_ok=True)
         ref.write_text(record.commit)
-    return place
+
+
+def _blob_held(place: Place, file: RemoteFile) -> bool:
+    """In the HF cache: whether `file`'s blob is already there (another revision's snapshot links it), so
+    fetching it moves no bytes."""
+    blob = place.folder.parent.parent / "blobs" / str(file.sha256 or file.git_sha1)
+    return blob.is_file() and blob.stat().st_size == file.size
+
+
+def _remove_stale_temporaries(local_dir: Path) -> None:
+    """huggingface_hub's temporaries in a --local-dir (`.cache/huggingface/download/*.incomplete`, of files
+    hf-xet fetches) that a killed run left: no run but this one writes there now (the folder is locked),
+    and huggingface_hub never continues them."""
+    for path in (local_dir / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
+        path.unlink(missing_ok=True)
+
+
+def _remove_stale_partials(local_dir: Path, record: Record, done: list[RemoteFile]) -> None:
+    """Partial files nobody will continue: those of files now whole (`done`), and those of no file of
+    `record` (another revision's). Those of files outside this run's selection stay for their run."""
+    keep = {partial_path(local_dir, f) for f in record.files} - {partial_path(local_dir, f) for f in done}
+    root = local_dir / PARTIAL_DIR
+    for path in root.rglob("*.partial"):
+        if path not in keep:
+            path.unlink(missing_ok=True)
+    for folder in [*sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True), root]:
+        with contextlib.suppress(OSError):  # not empty, or gone
+            folder.rmdir()
 
 
 def _repair(
@@ -287,12 +385,14 @@ def _repair(
     return problems, again
 
 
-def _structure(folder: Path, files: list[RemoteFile], record: Record, deleted: list[Problem]) -> list[Problem]:
-    """structure_problems of the selection, saying which missing shards the revision lacks; a file deleted as
-    wrong is reported by its problem, not again as missing."""
+def _structure(folder: Path, record: Record, deleted: list[Problem]) -> list[Problem]:
+    """structure_problems of the record's selection (this run's and the earlier runs' at its commit: a run
+    of config.json alone into a whole download is still a whole checkpoint), saying which missing shards the
+    revision lacks; a file deleted as wrong is reported by its problem, not again as missing."""
     gone = {p.path for p in deleted}
     listed = {f.path for f in record.files}
-    found = structure_problems(folder, [f.path for f in files], record, record.include, record.exclude)
+    paths = [f.path for f in selected(record.files, record.include, record.exclude)]
+    found = structure_problems(folder, paths, record, record.include, record.exclude)
     return [
         Problem(p.path, "missing", "not in the repo at this revision", p.expected)
         if p.kind == "missing" and p.path not in listed
@@ -332,7 +432,9 @@ def _fetch_all(
     at its next chunk (hub_fetch.Stopped), waits at most GRACE_S for them and is raised. A thread still
     blocked in a read then is left behind: the threads are daemons, so the process exits without it, and
     what it wrote is a prefix of its file in a partial file (or huggingface_hub's temporary), which the
-    next run continues (or discards). Once `stop` is set no transfer completes, so no file gets its name.
+    next run continues (or discards). Once `stop` is set no transfer completes; a file huggingface_hub had
+    already named (the HF cache, hf-xet) and that was still being hashed keeps its name unchecked, for the
+    next run to check.
     """
     todo = list(reversed(files))
     found: dict[str, Problem] = {}

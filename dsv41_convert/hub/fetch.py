@@ -128,13 +128,24 @@ def fetch_file(
 
 
 def remove_file(path: Path) -> None:
-    """Delete a file; in the HF cache also the blob its snapshot link points to."""
+    """Delete a file; for an HF-cache snapshot link (`STORAGE/snapshots/COMMIT/...` -> `STORAGE/blobs/ID`)
+    also the blob it points to. Any other link is removed alone: what it points to is not ours (a
+    --local-dir of links into the HF cache or shared storage)."""
     if path.is_symlink():
         target = path.resolve()
         path.unlink()
-        target.unlink(missing_ok=True)
+        if _is_snapshot_link_target(path, target):
+            target.unlink(missing_ok=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def _is_snapshot_link_target(link: Path, target: Path) -> bool:
+    """Whether `link` lies in the snapshots of the HF-cache storage whose blobs hold `target`."""
+    storage = target.parent.parent
+    return target.parent.name == "blobs" and any(
+        p.name == "snapshots" and p.parent.resolve() == storage for p in link.absolute().parents
+    )
 
 
 def _check(path: Path, file: RemoteFile, stop: threading.Event) -> Problem | None:

@@ -4,6 +4,8 @@ ones worth another try (a network fault, 429, 5xx)."""
 from __future__ import annotations
 
 import errno
+import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,7 @@ _FLAKY = (NetworkError, TimeoutException, RemoteProtocolError, ConnectionError, 
 
 T = TypeVar("T")
 _TOKENS_URL = "https://huggingface.co/settings/tokens"
+_SIZES = re.compile(r"should be of size (?P<want>\d+) but has size (?P<got>\d+)")
 
 
 def with_retries(
@@ -110,7 +113,19 @@ def hub_error(
             )
     for e in _chain(exc):
         if isinstance(e, OSError) and "Consistency check failed" in str(e):
+            sizes = _SIZES.search(str(e))
+            if sizes and int(sizes["got"]) > int(sizes["want"]):
+                return DownloadError(
+                    f"{where}: the server sent {sizes['got']} bytes where the Hub announced {sizes['want']}; "
+                    "rerun (a proxy or mirror serving another file?)"
+                )
             return DownloadError(f"{where}: the transfer ended short of the size the Hub announced; rerun")
+    for e in _chain(exc):
+        if isinstance(e, json.JSONDecodeError):
+            return DownloadError(
+                f"{where}: {endpoint} answered with something that is not the Hub's JSON ({e.msg}, at character "
+                f"{e.pos}); check HF_ENDPOINT and any proxy in between, then rerun"
+            )
         if isinstance(e, OSError) and e.errno is not None:
             return DownloadError(f"{where}: {e.strerror} ({e.filename or folder}); check the target folder")
     return None

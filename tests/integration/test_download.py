@@ -206,8 +206,11 @@ def test_offline_download_checks_local_copy_without_network(hub, tmp_path, monke
     report = fetch(hub, tmp_path)
     assert report.ok and report.offline and len(hub.log) == n
     (tmp_path / "local" / "config.json").unlink()
-    with pytest.raises(DownloadError, match=r"HF_HUB_OFFLINE.*config.json: missing"):
-        fetch(hub, tmp_path)
+    report = fetch(hub, tmp_path)  # a check that fails, as --verify-only's (exit 1 with the report), no error
+    assert report.offline and [(p.path, p.kind) for p in report.problems] == [("config.json", "missing")]
+    assert len(hub.log) == n
+    with pytest.raises(DownloadError, match=r"config.json: missing.*HF_HUB_OFFLINE is set: unset it"):
+        dl.resolve_source(REPO, local_dir=tmp_path / "local", endpoint=hub.url)
 
 
 def test_verify_without_record_checks_headers_and_says_so(hub, tmp_path, checkpoints):
