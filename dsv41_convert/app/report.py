@@ -123,17 +123,17 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
         Progress,
         TaskID,
         TextColumn,
-        TimeRemainingColumn,
     )
 
-    from dsv41_convert.app.speed_column import MeanSpeedColumn
+    from dsv41_convert.app.speed_column import MeanSpeedColumn, StallAwareTimeRemaining, Stalls
 
+    stalls = Stalls()
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        MeanSpeedColumn(),
-        TimeRemainingColumn(),
+        MeanSpeedColumn(stalls),
+        StallAwareTimeRemaining(stalls),
     )
     tasks: dict[str, TaskID] = {}
     with Progress(*columns, console=_console("stderr"), transient=False) as progress:

@@ -4,23 +4,67 @@ rich's own column keeps, once a bar is done, the speed of its last few updates. 
 (a worker's chunks reach the display queued behind each other), so a bar that finishes in a burst showed
 the burst's rate: a 6 MiB rank file "written at 78 GB/s". This column shows rich's recent-window rate while
 a bar runs and the bar's mean once it is done, and no rate at all for a bar done in under MIN_SECONDS.
+
+rich's rate is kept from the last updates until the next one: a transfer stalled in a read showed its
+last rate and ETA for as long as it stalled. A bar without new bytes for STALL_SECONDS says "stalled" in
+both columns instead.
 """
 
 from __future__ import annotations
 
 from rich import filesize
-from rich.progress import ProgressColumn, Task
+from rich.progress import ProgressColumn, Task, TaskID, TimeRemainingColumn
 from rich.text import Text
 
 MIN_SECONDS = 0.5  # a bar finished sooner has no rate worth showing: its first report came after its start
+STALL_SECONDS = 5.0  # a running bar without new bytes this long is called stalled
+
+
+class Stalls:
+    """How long each running bar has gone without new bytes, as seen by the columns that render it (rich
+    renders every column at each refresh, with the time of its own clock)."""
+
+    def __init__(self) -> None:
+        self._since: dict[TaskID, tuple[float, float]] = {}  # task -> (bytes done, first seen at that count)
+
+    def seconds(self, task: Task) -> float | None:
+        """Seconds `task` has been stalled, or None while bytes come or STALL_SECONDS have not passed."""
+        now = task.get_time()
+        done, since = self._since.get(task.id, (None, now))
+        if done != task.completed:
+            self._since[task.id] = (task.completed, now)
+            return None
+        waited = now - since
+        return waited if task.finished_time is None and waited >= STALL_SECONDS else None
 
 
 class MeanSpeedColumn(ProgressColumn):
-    """Bytes per second (decimal units): recent while running, the whole bar's mean once finished."""
+    """Bytes per second (decimal units): recent while running, the whole bar's mean once finished;
+    "stalled N s" for a running bar without new bytes for STALL_SECONDS."""
+
+    def __init__(self, stalls: Stalls | None = None) -> None:
+        super().__init__()
+        self.stalls = stalls or Stalls()
 
     def render(self, task: Task) -> Text:
+        stalled = self.stalls.seconds(task)
+        if stalled is not None:
+            return Text(f"stalled {stalled:.0f} s", style="progress.remaining")
         speed = bar_speed(task)
         return Text("" if speed is None else f"{filesize.decimal(int(speed))}/s", style="progress.data.speed")
+
+
+class StallAwareTimeRemaining(TimeRemainingColumn):
+    """rich's time remaining, and "-:--:--" for a bar stalled (its rate says nothing of what is left)."""
+
+    def __init__(self, stalls: Stalls) -> None:
+        super().__init__()
+        self.stalls = stalls
+
+    def render(self, task: Task) -> Text:
+        if self.stalls.seconds(task) is not None:
+            return Text("-:--:--", style="progress.remaining")
+        return super().render(task)
 
 
 def bar_speed(task: Task) -> float | None:

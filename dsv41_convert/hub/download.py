@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import re
 import shutil
 import threading
@@ -39,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from huggingface_hub import HfApi
+from huggingface_hub._local_folder import get_local_download_paths
+from huggingface_hub.utils import WeakFileLock
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.fetch import (
@@ -50,7 +53,7 @@ from dsv41_convert.hub.fetch import (
     remove_file,
     xet_refusal,
 )
-from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_files
+from dsv41_convert.hub.integrity import EVERY_FILE, Problem, Record, RemoteFile, Selection, check_files, wanted
 from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
@@ -112,17 +115,22 @@ def resolve_source(
     where = {"revision": ref[1], "local_dir": local_dir, "token": token, "endpoint": endpoint, "cache_dir": cache_dir}
     try:
         if check_config is not None:
-            first = download(ref[0], include=["config.json"], progress=progress, **where)
+            first = _checked_out(ref[0], download(ref[0], include=["config.json"], progress=progress, **where))
             check_config(first.folder / "config.json")
         report = download(ref[0], progress=progress, **where)
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc
+    return _checked_out(ref[0], report).folder
+
+
+def _checked_out(repo_id: str, report: DownloadReport) -> DownloadReport:
+    """`report`, or a DownloadError listing its problems."""
     if not report.ok:
         offline_note = "; HF_HUB_OFFLINE is set: unset it to fetch what is missing or wrong" if report.offline else ""
         raise DownloadError(
-            f"{ref[0]}: the downloaded checkpoint does not check out: {listing(report.problems)}{offline_note}"
+            f"{repo_id}: the downloaded checkpoint does not check out: {listing(report.problems)}{offline_note}"
         )
-    return report.folder
+    return report
 
 
 # --- download ---
@@ -195,7 +203,8 @@ def _download(
 ) -> DownloadReport:
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
-    files = selected(record.files, include, exclude)
+    asked = Selection(tuple(include), tuple(exclude))
+    files = selected(record.files, asked)
     if not files:
         raise DownloadError(
             f"{repo_id}@{record.revision}: no file matches --include {list(include)} "
@@ -203,13 +212,15 @@ def _download(
         )
     place = place_of(record.repo_id, record.commit, local_dir, cache_dir)
     previous = _previous_record(place, record)
+    ours = previous if previous is not None and previous.commit == record.commit else None
     checked: set[str] = set()
     if local_dir is not None:
-        _remove_stale_temporaries(Path(local_dir))
-        if previous is None or previous.commit != record.commit:
-            checked = _claim(place.folder, previous, record, files, overwrite, max_workers, progress)
-    ours = previous is not None and previous.commit == record.commit
-    record = widened(record, previous if ours else None, files)
+        fetched_before = {f.path for f in ours.selected()} if ours is not None else set()
+        other = previous if ours is None else None
+        unclaimed = [f for f in files if f.path not in fetched_before]
+        checked = _claim(place.folder, other, record, unclaimed, overwrite, max_workers, progress)
+        _remove_stale_temporaries(Path(local_dir), files)
+    record = dataclasses.replace(record, selections=_union(record, ours.selections if ours else (), asked))
     _save_record(record, place, local_dir, cache_dir)
 
     def fetch(batch: list[RemoteFile], force: bool) -> list[Problem]:
@@ -274,29 +285,31 @@ def _previous_record(place: Place, record: Record) -> Record | None:
 
 def _claim(
     folder: Path,
-    previous: Record | None,
+    other: Record | None,
     record: Record,
     files: list[RemoteFile],
     overwrite: bool,
     workers: int,
     progress: Progress | None,
 ) -> set[str]:
-    """A --local-dir that holds no download of `record`'s commit: its files at the paths of `files` are not
-    ours to replace (the user's own, another revision's) unless `overwrite`; with it, the files the previous
-    revision's record lists and this revision lacks are removed too (a stale shard would be read with the
-    new ones). -> the paths of `files` already there and found right (hashed here, not again)."""
+    """The files of `files` a --local-dir already holds are not ours to replace (the user's own, another
+    revision's: no earlier run at this commit fetched them) unless `overwrite`, nor is a folder that holds
+    `other` commit's download. With `overwrite`, the files `other`'s runs fetched that this run does not ask
+    for are removed (a shard of the old revision would be read beside the new ones).
+    -> the paths of `files` already there and found right (hashed here, not again)."""
     where = f"{record.repo_id}@{record.revision} (commit {record.commit[:12]})"
-    if previous is not None and not overwrite:
+    if other is not None and not overwrite:
         raise DownloadError(
-            f"{folder}: holds revision {previous.revision} (commit {previous.commit[:12]}) of {previous.repo_id}, "
+            f"{folder}: holds revision {other.revision} (commit {other.commit[:12]}) of {other.repo_id}, "
             f"not {where}; --overwrite replaces its files with this revision's, or pick another --local-dir"
         )
-    present = [f for f in files if (folder / f.path).exists() or (folder / f.path).is_symlink()]
     if overwrite:
-        gone = {f.path for f in previous.files} - {f.path for f in record.files} if previous is not None else set()
-        for path in sorted(gone):
-            remove_file(folder / path)
+        asked = {f.path for f in files}
+        for f in other.selected() if other is not None else ():
+            if f.path not in asked:
+                remove_file(folder / f.path)
         return set()
+    present = [f for f in files if (folder / f.path).exists() or (folder / f.path).is_symlink()]
     differ = check_files(folder, present, workers=workers, progress=progress)
     if differ:
         raise DownloadError(
@@ -306,21 +319,15 @@ def _claim(
     return {f.path for f in present}
 
 
-def widened(record: Record, previous: Record | None, files: list[RemoteFile]) -> Record:
-    """`record` with the selection it keeps for --verify-only: this run's `files` and those of the earlier
-    runs into the folder at the same commit (`previous`), so a narrower run (--include config.json) never
-    narrows what the folder is checked for. The whole revision is kept as no globs, else as the paths."""
-    paths = {f.path for f in files}
-    if previous is not None:
-        paths |= {f.path for f in selected(previous.files, previous.include, previous.exclude)}
-    if paths >= {f.path for f in record.files}:
-        return dataclasses.replace(record, include=(), exclude=())
-    return dataclasses.replace(record, include=tuple(glob_escape(p) for p in sorted(paths)), exclude=())
-
-
-def glob_escape(path: str) -> str:
-    """`path` as an fnmatch pattern that matches it alone."""
-    return re.sub(r"([*?\[])", r"[\1]", path)
+def _union(record: Record, before: tuple[Selection, ...], asked: Selection) -> tuple[Selection, ...]:
+    """What the record keeps for --verify-only: this run's selection and the earlier runs' at its commit
+    (`before`), so a narrower run (--include config.json) never narrows what the folder is checked for.
+    Once they ask for every file of the revision together, the folder is checked as the whole revision
+    (then any stray *.safetensors is one)."""
+    selections = (*before, asked) if asked not in before else before
+    if all(wanted(f.path, selections) for f in record.files):
+        return (EVERY_FILE,)
+    return selections
 
 
 def _save_record(record: Record, place: Place, local_dir: Path | None, cache_dir: Path | None) -> None:
@@ -341,12 +348,24 @@ def _blob_held(place: Place, file: RemoteFile) -> bool:
     return blob.is_file() and blob.stat().st_size == file.size
 
 
-def _remove_stale_temporaries(local_dir: Path) -> None:
-    """huggingface_hub's temporaries in a --local-dir (`.cache/huggingface/download/*.incomplete`, of files
-    hf-xet fetches) that a killed run left: no run but this one writes there now (the folder is locked),
-    and huggingface_hub never continues them."""
-    for path in (local_dir / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
-        path.unlink(missing_ok=True)
+def _remove_stale_temporaries(local_dir: Path, files: list[RemoteFile]) -> None:
+    """huggingface_hub's temporaries of `files` in a --local-dir (`.cache/huggingface/download/...incomplete`,
+    of files hf-xet fetches) that a killed run left: huggingface_hub never continues them. Those of a file
+    whose huggingface_hub lock another process holds (an `hf download` into the same folder) stay."""
+    if not (local_dir / ".cache" / "huggingface" / "download").is_dir():
+        return
+    for f in files:
+        paths = get_local_download_paths(local_dir, f.path)
+        stem = paths.incomplete_path("E").name.removesuffix(".E.incomplete")
+        found = list(paths.metadata_path.parent.glob(f"{glob.escape(stem)}.*.incomplete"))
+        if not found:
+            continue
+        try:
+            with WeakFileLock(paths.lock_path, timeout=0.1):
+                for path in found:
+                    path.unlink(missing_ok=True)
+        except TimeoutError:  # filelock.Timeout: a download of the file runs now
+            continue
 
 
 def _remove_stale_partials(local_dir: Path, record: Record, done: list[RemoteFile]) -> None:
@@ -391,8 +410,8 @@ def _structure(folder: Path, record: Record, deleted: list[Problem]) -> list[Pro
     revision lacks; a file deleted as wrong is reported by its problem, not again as missing."""
     gone = {p.path for p in deleted}
     listed = {f.path for f in record.files}
-    paths = [f.path for f in selected(record.files, record.include, record.exclude)]
-    found = structure_problems(folder, paths, record, record.include, record.exclude)
+    paths = [f.path for f in record.selected()]
+    found = structure_problems(folder, paths, record, record.selections)
     return [
         Problem(p.path, "missing", "not in the repo at this revision", p.expected)
         if p.kind == "missing" and p.path not in listed

@@ -22,6 +22,7 @@ from huggingface_hub.utils._runtime import is_xet_available  # same test hf_hub_
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.hub_errors import hub_error, with_retries
 from dsv41_convert.hub.integrity import Problem, Record, RemoteFile
+from dsv41_convert.hub.local import COMMIT
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, difference
 
@@ -29,12 +30,17 @@ from dsv41_convert.store.file_digest import Recorded, difference
 def fetch_record(api: HfApi, repo_id: str, revision: str | None, *, retries: int, backoff_s: float) -> Record:
     """Resolve `revision` to a commit and list every file with size, LFS sha256 and git blob id."""
     rev = revision or "main"
-    info = with_retries(
-        lambda: api.model_info(repo_id, revision=revision, files_metadata=True),
-        retries=retries,
-        backoff_s=backoff_s,
-        on_error=lambda exc: hub_error(exc, repo_id=repo_id, revision=rev, endpoint=api.endpoint),
-    )
+    try:
+        info = with_retries(
+            lambda: api.model_info(repo_id, revision=revision, files_metadata=True),
+            retries=retries,
+            backoff_s=backoff_s,
+            on_error=lambda exc: hub_error(exc, repo_id=repo_id, revision=rev, endpoint=api.endpoint),
+        )
+    except (KeyError, TypeError, AttributeError) as exc:  # ModelInfo of JSON that is not the Hub's
+        raise _not_the_hub(repo_id, rev, api.endpoint, f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(info.sha, str) or not COMMIT.fullmatch(info.sha):
+        raise _not_the_hub(repo_id, rev, api.endpoint, f"commit {info.sha!r}")
     files = []
     for s in info.siblings or ():
         if s.size is None and s.lfs is None:
@@ -42,6 +48,13 @@ def fetch_record(api: HfApi, repo_id: str, revision: str | None, *, retries: int
         size = s.lfs.size if s.lfs is not None else s.size
         files.append(RemoteFile(s.rfilename, int(size), s.lfs.sha256 if s.lfs is not None else None, s.blob_id))
     return Record(repo_id, rev, str(info.sha), tuple(sorted(files, key=lambda f: f.path)))
+
+
+def _not_the_hub(repo_id: str, revision: str, endpoint: str, what: str) -> DownloadError:
+    return DownloadError(
+        f"{repo_id}@{revision}: {endpoint} answered the model-info call with JSON that is not the Hub's ({what}); "
+        "check HF_ENDPOINT and any proxy in between, then rerun"
+    )
 
 
 _OVER_HTTP_LIMIT = (

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from huggingface_hub.utils import filter_repo_objects
+
 from dsv41_convert.errors import DownloadError, HeaderError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
@@ -49,6 +51,31 @@ class RemoteFile:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """The files one download run asked for: --include and --exclude globs (none: every file)."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def wants(self, path: str) -> bool:
+        return bool(
+            list(
+                filter_repo_objects(
+                    [path], allow_patterns=list(self.include) or None, ignore_patterns=list(self.exclude) or None
+                )
+            )
+        )
+
+
+EVERY_FILE = Selection()
+
+
+def wanted(path: str, selections: Iterable[Selection]) -> bool:
+    """Whether any of `selections` asks for `path`."""
+    return any(s.wants(path) for s in selections)
+
+
+@dataclass(frozen=True)
 class Record:
     """What the Hub said about a revision when we downloaded it; saved as JSON beside the files."""
 
@@ -56,36 +83,47 @@ class Record:
     revision: str  # as asked: a branch, tag or commit
     commit: str  # what it resolved to
     files: tuple[RemoteFile, ...]  # every file of the revision
-    include: tuple[str, ...] = ()  # the selection downloaded (globs); verify checks the same by default
-    exclude: tuple[str, ...] = ()
+    # what the runs at this commit into the folder asked for; verify checks the files any of them wants
+    selections: tuple[Selection, ...] = (EVERY_FILE,)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"format": 1, **asdict(self), "files": [asdict(f) for f in self.files]}
+        data = {
+            "format": 2,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "selections": [asdict(s) for s in self.selections],
+            "files": [asdict(f) for f in self.files],
+        }
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
         tmp.replace(path)
 
     @staticmethod
     def load(path: Path) -> Record | None:
-        """The record at `path`, or None if there is none. A record we cannot read is an error, not None."""
+        """The record at `path`, or None if there is none. A record we cannot read is an error, not None.
+        One of format 1 (a single selection as "include" / "exclude") reads as that selection."""
         if not path.is_file():
             return None
         try:
             data = json.loads(path.read_text())
             files = tuple(RemoteFile(**f) for f in data["files"])
-            return Record(
-                data["repo_id"],
-                data["revision"],
-                data["commit"],
-                files,
-                tuple(data.get("include", ())),
-                tuple(data.get("exclude", ())),
-            )
+            if "selections" in data:
+                selections = tuple(Selection(tuple(s["include"]), tuple(s["exclude"])) for s in data["selections"])
+            else:
+                selections = (Selection(tuple(data.get("include", ())), tuple(data.get("exclude", ()))),)
+            if not selections or not all(isinstance(g, str) for s in selections for g in s.include + s.exclude):
+                raise ValueError("no selection, or a glob that is not a string")
+            return Record(data["repo_id"], data["revision"], data["commit"], files, selections)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DownloadError(
                 f"{path}: unreadable download record ({exc}); download again, or delete it to check headers only"
             ) from exc
+
+    def selected(self) -> list[RemoteFile]:
+        """The files of the revision any of the record's selections asks for."""
+        return [f for f in self.files if wanted(f.path, self.selections)]
 
 
 def check_files(

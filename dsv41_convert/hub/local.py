@@ -15,11 +15,19 @@ from pathlib import Path
 
 from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.hf_metadata import hub_metadata
-from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, check_checkpoint, check_files
+from dsv41_convert.hub.integrity import (
+    Problem,
+    Record,
+    RemoteFile,
+    Selection,
+    check_checkpoint,
+    check_files,
+    wanted,
+)
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.lock import LOCK_NAME
 
@@ -108,12 +116,8 @@ def offline() -> bool:
     return env or constants.HF_HUB_OFFLINE
 
 
-def selected(files: Sequence[RemoteFile], include: Sequence[str], exclude: Sequence[str]) -> list[RemoteFile]:
-    return list(
-        filter_repo_objects(
-            files, allow_patterns=list(include) or None, ignore_patterns=list(exclude) or None, key=lambda f: f.path
-        )
-    )
+def selected(files: Sequence[RemoteFile], selection: Selection) -> list[RemoteFile]:
+    return [f for f in files if selection.wants(f.path)]
 
 
 # --- offline check ---
@@ -157,13 +161,13 @@ def verify_local(
             f"{place.folder}: holds revision {record.revision} (commit {record.commit}), not {revision}; "
             "download that revision into another folder"
         )
+    asked = Selection(tuple(include), tuple(exclude))
     if record is None:
-        return _verify_without_record(repo_id, revision, place.folder, include, exclude, workers, progress)
-    if not include and not exclude:  # by default, check what was downloaded
-        include, exclude = record.include, record.exclude
-    files = selected(record.files, include, exclude)
+        return _verify_without_record(repo_id, revision, place.folder, asked, workers, progress)
+    selections = (asked,) if include or exclude else record.selections  # by default, what was downloaded
+    files = [f for f in record.files if wanted(f.path, selections)]
     problems = check_files(place.folder, files, workers=workers, progress=progress)
-    problems += structure_problems(place.folder, [f.path for f in files], record, include, exclude)
+    problems += structure_problems(place.folder, [f.path for f in files], record, selections)
     return DownloadReport(
         repo_id,
         record.revision,
@@ -181,8 +185,7 @@ def _verify_without_record(
     repo_id: str,
     revision: str | None,
     folder: Path,
-    include: Sequence[str],
-    exclude: Sequence[str],
+    asked: Selection,
     workers: int,
     progress: Progress | None,
 ) -> DownloadReport:
@@ -190,7 +193,7 @@ def _verify_without_record(
     the headers, the index and that the folder is a whole checkpoint always (no list of files says what
     should be there: the index and the shard names do). Which ran, and what none can see, is said in
     `checks`."""
-    paths = [p for p in _local_paths(folder) if _wanted(p, include, exclude)]
+    paths = [p for p in _local_paths(folder) if asked.wants(p)]
     hub = hub_metadata(folder, paths)
     if revision is not None and COMMIT.fullmatch(revision) and hub.commits - {revision}:
         raise DownloadError(
@@ -198,7 +201,7 @@ def _verify_without_record(
             f"not {revision}"
         )
     problems = check_files(folder, hub.files, workers=workers, progress=progress, where=hub.where)
-    problems += drop_unwanted(check_checkpoint(folder, paths, whole=True), include, exclude)
+    problems += drop_unwanted(check_checkpoint(folder, paths, whole=True), (asked,))
     nbytes = sum((folder / p).stat().st_size for p in paths)
     if not hub.files:
         checks = (
@@ -230,13 +233,13 @@ def _local_paths(folder: Path) -> list[str]:
 
 
 def structure_problems(
-    folder: Path, paths: list[str], record: Record, include: Sequence[str], exclude: Sequence[str]
+    folder: Path, paths: list[str], record: Record, selections: Sequence[Selection]
 ) -> list[Problem]:
     """check_checkpoint(whole=True) of `paths` and of the top-level *.safetensors the record does not list
-    (a stray copy `shard` would read), leaving out what include / exclude filtered away."""
+    (a stray copy `shard` would read), leaving out what `selections` filtered away."""
     listed = {f.path for f in record.files}
-    strays = [p for p in _top_safetensors(folder) if p not in listed and _wanted(p, include, exclude)]
-    return drop_unwanted(check_checkpoint(folder, paths + strays, whole=True), include, exclude)
+    strays = [p for p in _top_safetensors(folder) if p not in listed and wanted(p, selections)]
+    return drop_unwanted(check_checkpoint(folder, paths + strays, whole=True), selections)
 
 
 def _top_safetensors(folder: Path) -> list[str]:
@@ -244,15 +247,9 @@ def _top_safetensors(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
 
 
-def _wanted(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
-    return bool(
-        list(filter_repo_objects([path], allow_patterns=list(include) or None, ignore_patterns=list(exclude) or None))
-    )
-
-
-def drop_unwanted(problems: list[Problem], include: Sequence[str], exclude: Sequence[str]) -> list[Problem]:
+def drop_unwanted(problems: list[Problem], selections: Sequence[Selection]) -> list[Problem]:
     """A shard the index names but the user filtered out is not missing."""
-    return [p for p in problems if p.kind != "missing" or _wanted(p.path, include, exclude)]
+    return [p for p in problems if p.kind != "missing" or wanted(p.path, selections)]
 
 
 def _dedup(problems: list[Problem]) -> list[Problem]:

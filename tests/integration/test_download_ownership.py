@@ -5,11 +5,14 @@ temporaries are kept. Each test plants the situation an audit found mishandled (
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import huggingface_hub.constants as hf_constants
 import pytest
 from cli_run import run_cli
 from hubserver import FakeHub, point_huggingface_hub_at, tiny_checkpoint
+from huggingface_hub._local_folder import get_local_download_paths
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub import download as dl
@@ -137,15 +140,42 @@ def test_a_run_of_other_files_keeps_the_partial_files_for_their_run(hub, tmp_pat
     assert not (local / hub_fetch.PARTIAL_DIR).exists()
 
 
+def _temporary(local, path: str, etag: str = "e" * 64):
+    """Where huggingface_hub 2.x puts a process's temporary of `path` in a --local-dir."""
+    paths = get_local_download_paths(local, path)
+    incomplete = paths.incomplete_path(etag)
+    return incomplete.with_name(f"{incomplete.stem}.1234abcd.incomplete"), paths.lock_path
+
+
+_HOLD_LOCK = (
+    "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+    "print('held', flush=True); time.sleep(60)"
+)
+
+
 def test_stale_huggingface_hub_temporaries_in_the_local_dir_are_removed(hub, tmp_path):
-    """hf-xet fetches into huggingface_hub's own temporary (`.cache/huggingface/download/*.incomplete`), which a
-    killed run left for good. The next run into the folder (which it holds alone) removes them."""
+    """hf-xet fetches into huggingface_hub's own temporary (`.cache/huggingface/download/...incomplete`), which
+    a killed run left for good. The next run into the folder removes those of its files, except one whose
+    huggingface_hub lock another process holds (an `hf download` into the same folder), and nothing of a
+    run refused before the first byte."""
     local = tmp_path / "v41"
-    temporary = local / ".cache" / "huggingface" / "download" / f"abc.{'0' * 64}.1234abcd.incomplete"
-    temporary.parent.mkdir(parents=True)
-    temporary.write_bytes(b"\0" * 4096)
-    assert fetch(hub, local_dir=local).ok
-    assert not temporary.exists()
+    stale, _ = _temporary(local, SHARD1)
+    busy, lock = _temporary(local, SHARD2)
+    for path in (stale, busy):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\0" * 4096)
+    (local / "config.json").write_bytes(b"{}")  # not main's: the run is refused
+    with pytest.raises(DownloadError, match=r"config\.json"):
+        fetch(hub, local_dir=local)
+    assert stale.exists() and busy.exists()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert fetch(hub, local_dir=local, overwrite=True).ok
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not stale.exists() and busy.exists()
 
 
 def test_blobs_another_revision_holds_need_no_free_space(hub, tmp_path, monkeypatch):
@@ -179,3 +209,60 @@ def test_a_server_sending_more_bytes_than_announced_is_said_so(hub, tmp_path, mo
     hub.repos[REPO].announced[SHARD1] = {"size": len(FILES1[SHARD1]) - 100}
     with pytest.raises(DownloadError, match=r"sent \d+ bytes where the Hub announced \d+"):
         fetch(hub, local_dir=tmp_path / "v41")
+
+
+@pytest.mark.parametrize("body", [b'{"error": "proxy"}', b"[]", b'{"id": "acme/tiny", "siblings": []}'])
+def test_json_that_is_not_the_hubs_is_an_error_naming_the_endpoint(hub, tmp_path, monkeypatch, capsys, body):
+    """JSON without the model-info fields ended in a KeyError or TypeError traceback (or a commit "None")."""
+    hub.api_body = body
+    code, out, err = run_cli(monkeypatch, capsys, "download", REPO, "--local-dir", str(tmp_path / "v41"), "--json")
+    assert code == 2 and "JSON that is not the Hub's" in json.loads(out)["error"] and "Traceback" not in err
+
+
+def test_a_narrow_run_leaves_the_other_files_to_be_claimed(hub, tmp_path):
+    """The ownership check ran only in a folder with no record of the commit: after `--include
+    config.json`, a whole run replaced the user's own tokenizer.json. Files no earlier run at the commit
+    fetched are checked as in a new folder."""
+    local = tmp_path / "proj"
+    local.mkdir()
+    (local / "tokenizer.json").write_bytes(b'{"mine": 1}')
+    assert fetch(hub, local_dir=local, include=["config.json"]).ok
+    with pytest.raises(DownloadError, match=r"holds 1 file\(s\) that are not acme/tiny@main.*tokenizer.json"):
+        fetch(hub, local_dir=local)
+    assert (local / "tokenizer.json").read_bytes() == b'{"mine": 1}'
+
+
+def test_a_stray_shard_is_found_under_a_partial_selection(hub, tmp_path):
+    """Keeping the runs' selections as globs (not the paths they matched): a *.safetensors beside a download
+    of `--exclude '*.md'` is a stray `shard` would read, and is reported."""
+    local = tmp_path / "v41"
+    assert fetch(hub, local_dir=local, exclude=["*.md"]).ok
+    (local / "model-extra.safetensors").write_bytes((local / SHARD2).read_bytes())
+    problems = dl.verify_local(REPO, local_dir=local).problems
+    assert any(p.path == "model-extra.safetensors" for p in problems), problems
+
+
+def test_overwrite_with_another_revision_leaves_none_of_the_old_ones_files(hub, tmp_path):
+    """--overwrite to v0 with `--include config.json` kept main's shards beside v0's config.json and
+    --verify-only passed the mix. The files the old revision's runs fetched that this run does not ask for
+    are removed; a file of the user's at a path no run fetched stays."""
+    local = tmp_path / "v41"
+    assert fetch(hub, local_dir=local, exclude=["notes.md"]).ok
+    (local / "notes.md").write_bytes(b"my notes")  # a path main has; no run fetched it
+    report = fetch(hub, local_dir=local, revision="v0", include=["config.json"], overwrite=True)
+    assert report.ok and (local / "config.json").read_bytes() == FILES0["config.json"]
+    assert not list(local.glob("*.safetensors")) and not (local / "model.safetensors.index.json").exists()
+    assert (local / "notes.md").read_bytes() == b"my notes"
+
+
+def test_offline_source_without_its_config_is_named(hub, tmp_path, monkeypatch):
+    """resolve_source (plan owner/name) offline on a cached copy without config.json read the missing file
+    (a bare FileNotFoundError) once download returned the failing report instead of raising."""
+    cache = tmp_path / "hf-home" / "hub"
+    report = fetch(hub, cache_dir=cache)
+    (report.folder / "config.json").unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    seen = []
+    with pytest.raises(DownloadError, match=r"config.json: missing.*HF_HUB_OFFLINE is set"):
+        dl.resolve_source(REPO, cache_dir=cache, check_config=seen.append)
+    assert not seen

@@ -21,6 +21,7 @@ from dsv41_convert.hub.integrity import (
     INDEX_NAME,
     Record,
     RemoteFile,
+    Selection,
     check_checkpoint,
     check_files,
 )
@@ -79,9 +80,15 @@ def test_check_files_progress_counts_all_files_up_to_total(tmp_path, workers):
 
 def test_record_round_trip(tmp_path):
     files = (RemoteFile("x", 1, None, "b" * 40), RemoteFile("y", 2, "c" * 64, None))
-    record = Record("o/n", "main", "a" * 40, files, ("*.json",), ("tok*",))
+    selections = (Selection(("*.json",), ("tok*",)), Selection(("y",), ()))
+    record = Record("o/n", "main", "a" * 40, files, selections)
     record.save(tmp_path / "r.json")
     assert Record.load(tmp_path / "r.json") == record
+    assert [f.path for f in record.selected()] == ["y"]
+    old = json.loads((tmp_path / "r.json").read_text())  # format 1: one selection as include / exclude
+    del old["selections"]
+    (tmp_path / "old.json").write_text(json.dumps(old | {"format": 1, "include": ["x*"], "exclude": []}))
+    assert Record.load(tmp_path / "old.json").selections == (Selection(("x*",), ()),)
     assert Record.load(tmp_path / "none.json") is None
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(DownloadError, match=r"bad.json: unreadable download record"):

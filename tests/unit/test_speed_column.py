@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from rich.progress import Progress, TransferSpeedColumn
 
-from dsv41_convert.app.speed_column import MIN_SECONDS, MeanSpeedColumn, bar_speed
+from dsv41_convert.app.speed_column import (
+    MIN_SECONDS,
+    STALL_SECONDS,
+    MeanSpeedColumn,
+    StallAwareTimeRemaining,
+    Stalls,
+    bar_speed,
+)
 
 MB = 10**6
 
@@ -53,3 +60,26 @@ def test_a_bar_done_too_soon_shows_no_rate():
     assert task.finished_time is not None and task.finished_time < MIN_SECONDS
     assert bar_speed(task) is None
     assert MeanSpeedColumn().render(task).plain == ""
+
+
+def test_a_bar_without_new_bytes_says_stalled_not_its_last_rate():
+    """A transfer stalled in a read showed "619.5 MB/s 0:00:01" for as long as it stalled (rich keeps the
+    rate of the last updates until the next). After STALL_SECONDS without bytes both columns say so; the
+    rate comes back with the next bytes."""
+    clock = Clock()
+    progress = Progress(get_time=clock, disable=True)
+    task_id = progress.add_task("model-00001-of-00048.safetensors", total=100 * MB)
+    stalls = Stalls()
+    speed, eta = MeanSpeedColumn(stalls), StallAwareTimeRemaining(stalls)
+    start = clock.now
+    for at, done in [(0.0, 0), (1.0, 10 * MB), (2.0, 30 * MB)]:
+        clock.now = start + at
+        progress.update(task_id, completed=done)
+        task = progress.tasks[task_id]
+        assert "stalled" not in speed.render(task).plain
+    clock.now = start + 2.0 + STALL_SECONDS - 0.1
+    assert speed.render(task).plain == "20.0 MB/s" and eta.render(task).plain != "-:--:--"
+    clock.now = start + 2.0 + STALL_SECONDS + 3
+    assert speed.render(task).plain == f"stalled {STALL_SECONDS + 3:.0f} s" and eta.render(task).plain == "-:--:--"
+    progress.update(task_id, completed=31 * MB)
+    assert speed.render(progress.tasks[task_id]).plain.endswith("MB/s")
