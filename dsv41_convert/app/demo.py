@@ -3,7 +3,8 @@
     make-tiny          DIR/src (published fp8/fp4 layout, no vision)
     shard              DIR/src -> DIR/mp8 at tp 8
     reference-logits   DIR/src -> DIR/ref-tp1.safetensors: the reference at tp 1, computed once
-    verify             DIR/mp8 against that file: 8 ranks (gloo), then the decisive check, the rank
+    verify             DIR/mp8 against that file: 8 ranks (gloo), then the decisive checks: every
+                       tensor against the digests of the weights the reference ran, and the rank
                        files merged back to tp 1 and replayed bit for bit against the reference
 
 The demo keeps the run short: one built-in prompt of 24 tokens (longer than the tiny preset's

@@ -143,20 +143,26 @@ def unshard_names(folder: Path, tp: int | None = None) -> list[str]:
 
 def replica_mismatches(ranks: RankFiles) -> list[str]:
     """Every replicated tensor (split NONE: norms, gates, the aligner ...) whose bytes or header entry differ
-    between the rank files, as 'NAME: replicated, but ranks [r, ...] differ from rank 0'. Reads those tensors
-    only, MERGE_BLOCK bytes of two copies at a time.
+    between the rank files, as "NAME: replicated, but rank r's copy differs from the other N ranks'" (or the
+    groups of ranks holding each copy). Reads those tensors only, MERGE_BLOCK bytes of two copies at a time.
 
     Every rank runs its own copy, so a copy damaged on one rank changes that rank's partial sums only a
-    little, often within a tolerance; this compares the bytes themselves."""
+    little, often within a tolerance; this compares the bytes themselves. Also every Engram table's padding
+    rows (the last ranks'), which no prompt reads and only the tp-1 replay's merge checked: not the
+    converter's fill, they are a rank set no conversion writes."""
     found = []
     for name in sorted(ranks.headers[0].tensors):
-        if match_rule(name).split is Split.NONE:
-            copies = {r: h.tensors.get(name) for r, h in enumerate(ranks.headers)}
-            try:
+        split = match_rule(name).split
+        try:
+            if split is Split.NONE:
+                copies = {r: h.tensors.get(name) for r, h in enumerate(ranks.headers)}
                 for _ in _replica_blocks(ranks, name, copies, MERGE_BLOCK):
                     pass
-            except ShardConsistencyError as exc:
-                found.append(str(exc))
+            elif split is Split.ROWS_PADDED:
+                merge = merge_of(ranks, name)
+                _check_padding(ranks, merge, {r: ranks.headers[r].tensors[name] for r in merge.holders})
+        except ShardConsistencyError as exc:
+            found.append(str(exc))
     return found
 
 
@@ -343,7 +349,25 @@ def _replica_blocks(
         at += len(view)
         yield view
     if differ:
-        raise ShardConsistencyError(f"{name}: replicated, but ranks {sorted(differ)} differ from rank 0")
+        raise ShardConsistencyError(_replica_disagreement(ranks, name, copies))
+
+
+def _replica_disagreement(ranks: RankFiles, name: str, copies: dict[int, TensorInfo | None]) -> str:
+    """Which ranks hold which copy of replicated tensor `name` (read again, whole: only on a failure), saying
+    which rank is the odd one where one copy is the others' majority. Comparing with rank 0 alone blamed
+    every other rank for a copy damaged on rank 0."""
+    groups: dict[tuple, list[int]] = {}
+    for r, info in copies.items():
+        key = ("none",) if info is None else (info.dtype, tuple(info.shape), piece_sha256(ranks, r, info))
+        groups.setdefault(key, []).append(r)
+    held = sorted(groups.values(), key=len, reverse=True)
+    if len(held) == 2 and len(held[1]) == 1 and len(held[0]) > 1:
+        return f"{name}: replicated, but rank {held[1][0]}'s copy differs from the other {len(held[0])} ranks'"
+    if len(copies) == 2:
+        return f"{name}: replicated, but ranks 0 and 1 hold different copies (two copies cannot say which is wrong)"
+    return f"{name}: replicated, but the ranks hold {len(held)} different copies: " + " / ".join(
+        f"ranks {g}" for g in sorted(held)
+    )
 
 
 def _interleaved(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo], block: int) -> Iterator[memoryview]:

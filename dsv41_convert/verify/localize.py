@@ -24,7 +24,7 @@ from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import RankFiles
 from dsv41_convert.verify.metrics import relative_error
 
-_LAYER_KEY = re.compile(r"layers\.(\d+)(?:\.(attn|ffn))?$")
+_LAYER_KEY = re.compile(r"layers\.(\d+)(?:\.(engram|attn|ffn))?$")
 
 
 def module_order(key: str) -> tuple[int, int]:
@@ -33,7 +33,7 @@ def module_order(key: str) -> tuple[int, int]:
         return (-1, 0)
     m = _LAYER_KEY.match(key)
     if m:
-        return (int(m.group(1)), {"attn": 0, "ffn": 1, None: 2}[m.group(2)])
+        return (int(m.group(1)), {"engram": 0, "attn": 1, "ffn": 2, None: 3}[m.group(2)])
     return (1 << 30, 0)  # "norm"
 
 
@@ -43,7 +43,7 @@ def first_divergence(
     """-> (first module whose worst relative error over prompts exceeds rtol, or None;
     [(module, worst relative error)] in forward order)"""
     common = set().union(*ref_hidden) & set().union(*conv_hidden)
-    # the module outputs; the teacher-forcing inputs (pre_mix, engram, indexer: reffile) are verify.teacher's
+    # the module outputs (Engram's too: the stream after it); pre_mix and the indexer's choice are teacher inputs
     keys = sorted((k for k in common if k in ("embed", "norm") or _LAYER_KEY.match(k)), key=module_order)
     errors = []
     first = None
@@ -68,9 +68,10 @@ def scope(module: str, n_layers: int) -> tuple[str, ...]:
     if not m:
         return ()
     i, part = int(m.group(1)), m.group(2)
+    if part == "engram":
+        return (f"layers.{i}.engram.",)
     if part == "attn":
-        return (f"layers.{i}.attn.", f"layers.{i}.attn_norm.", f"layers.{i}.hc_attn", f"layers.{i}.engram.",
-                f"layers.{i - 1}.hc_ffn")  # fmt: skip
+        return (f"layers.{i}.attn.", f"layers.{i}.attn_norm.", f"layers.{i}.hc_attn", f"layers.{i - 1}.hc_ffn")
     if part == "ffn":
         return (f"layers.{i}.ffn.", f"layers.{i}.ffn_norm.", f"layers.{i}.hc_")
     return (f"layers.{i}.",)
@@ -79,7 +80,8 @@ def scope(module: str, n_layers: int) -> tuple[str, ...]:
 def module_of(name: str, n_layers: int) -> str | None:
     """The first module, in forward order, whose `scope` holds the weight `name` (layers.1.attn.wkv.scale ->
     layers.1.attn, layers.3.ffn_norm.weight -> layers.3.ffn); None for a weight of no module's scope."""
-    modules = ["embed", *(f"layers.{i}.{part}" for i in range(n_layers) for part in ("attn", "ffn")), "head", "mtp"]
+    parts = ("engram", "attn", "ffn")
+    modules = ["embed", *(f"layers.{i}.{part}" for i in range(n_layers) for part in parts), "head", "mtp"]
     return next((m for m in modules if name.startswith(scope(m, n_layers))), None)
 
 

@@ -31,14 +31,22 @@ from dsv41_convert.verify.thresholds import SECTIONS
 from dsv41_convert.verify.verdict import Check, exact_blockers
 
 
+class NotLoaded(PlanError):
+    """The rank files merged, but the merged tensors do not fit the model (a dtype or shape relabelled)."""
+
+
 def replay_runs(ranks: RankFiles, ref: Reference, device: str) -> list[PromptRun]:
     """Every prompt of `ref` through the merged rank files at tp 1 (decode fed the reference's tokens).
 
-    Raises ShardConsistencyError (rank files disagree) or PlanError (merged tensors do not fit the model).
+    Raises ShardConsistencyError (rank files disagree) or NotLoaded (the merged tensors do not fit the model).
     """
     args = ranks.args.with_runtime(max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0)
     model = build_model(args, ranks.folder / "tokenizer.json", "cpu")
-    load_state(model, unshard_tensors(ranks))
+    merged = unshard_tensors(ranks)
+    try:
+        load_state(model, merged, "the rank files merged to tp 1")
+    except PlanError as exc:
+        raise NotLoaded(str(exc)) from exc
     if device != "cpu":
         model = model.to(device)
     capture = any(r.hidden for r in ref.runs)
@@ -65,7 +73,12 @@ def replay_check(
     try:
         runs = replay_runs(ranks, ref, device)
     except (ShardConsistencyError, PlanError) as exc:
-        return Check("replay", False, True, [f"replay: {exc}"], "the rank files do not merge back to tp 1"), None
+        why = (
+            "the merged rank files do not load into the model"
+            if isinstance(exc, NotLoaded)
+            else "the rank files do not merge back to tp 1"
+        )
+        return Check("replay", False, True, [f"replay: {exc}"], why), None
     finally:
         torch.set_num_threads(before)
     blockers = exact_blockers(1, ref.device, ref.threads, ref.torch_version, ref.weights, 1, device, threads)

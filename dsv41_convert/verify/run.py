@@ -288,7 +288,7 @@ def _verify_ranks(
     result.failures += side_files_differ
     if tp > 1 and not isinstance(out, LoadFailure):
         t2 = time.perf_counter()
-        say("replicas: the tensors every rank holds, byte for byte across the rank files")
+        say("replicas: the tensors every rank holds, byte for byte across the rank files; Engram padding rows")
         result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks)]
         seconds["replicas"] = time.perf_counter() - t2
     if (conv / MANIFEST).is_file():
@@ -335,7 +335,7 @@ def _verify_ranks(
     result.failures += [f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures]
     if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages
         for c in result.checks:
-            c.covers_drafts = False
+            c.covers_drafts = c.name == "weights"  # it compared the stages' bytes, run or not
     drafts = conv_args.n_mtp_layers > 0
     result.verdict = decide(result.checks, result.failures, opts.statistical, drafts)
     result.drafts_statistical = result.verdict == PASS and drafts and drafts_uncovered(result.checks)
@@ -404,7 +404,10 @@ def _weights_check(
         result.weights = "not compared"
         return
     result.weights = "differs" if found else "held"
-    result.failures += [f"weights: {f}" for f in found]
+    failures = [f"weights: {f}" for f in found]
+    result.failures += failures
+    every = weight_digests.compares_every_weight(recorded, ranks)
+    result.checks.append(Check("weights", every and not found, every, failures, note))
 
 
 def _twin_check(result: VerifyResult) -> Check:
@@ -474,6 +477,7 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         if any(ref_hidden):
             loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
         backbone_failed = any(not {"draft", "confidence"} & set(f.split(":")[0].split()) for f in result.failures)
+        section_failed = any(f.split(":")[0].removeprefix("twin ") in SECTIONS for f in result.failures)
         replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
@@ -490,7 +494,8 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
             loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
         elif weights and (loc.module is None or not exact_pair):  # the bytes say where; no output (or noise) did
             loc.module = localize.module_of(weights[0].split()[0], conv_args.n_layers)
-            loc.note = f"{weights[0]}" + ("; no prompt's output differs" if exact_pair else "")
+            outputs = "the logits differ, no hidden state does" if section_failed else "no prompt's output differs"
+            loc.note = f"{weights[0]}" + (f"; {outputs}" if exact_pair else "")
         elif unmerged:  # the rank files disagree: the merge names the tensor
             loc.module = localize.module_of(unmerged[0].split(":")[0], conv_args.n_layers)
             loc.note = f"the rank files do not merge back to tp 1: {unmerged[0]}"

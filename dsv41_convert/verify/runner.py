@@ -102,13 +102,13 @@ def build_model(args: ModelArgs, tokenizer_json: Path | None, device: str) -> nn
 
 
 @torch.no_grad()
-def load_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+def load_state(model: nn.Module, state: dict[str, Tensor], what: str = "reference weights") -> None:
     """Copy an in-memory state dict into `model`, as strictly as load_shards reads a file: the key sets
     must be equal, shapes equal, and dtypes equal except bf16 -> float32 (the model's fp32 Linear and
-    head weights are bf16 in the rank files). Raises PlanError naming the tensors."""
+    head weights are bf16 in the rank files). Raises PlanError naming the tensors and `what` they are."""
     from dsv41_convert.model.load import load_tensors
 
-    load_tensors(model, state, "reference weights")
+    load_tensors(model, state, what)
 
 
 def positions_needed(prompt_length: int, n_decode: int) -> int:

@@ -51,17 +51,16 @@ def render(result: VerifyResult) -> Group:
         held = f"; held: {', '.join(result.held)}, but the failures below decide" if result.held else ""
         how = f"{len(result.failures)} failure(s){held}"
     elif result.decisive:
-        held = [c for c in result.checks if c.decisive]
-        how = "decisive: " + ", ".join(c.name + (" bit for bit" if c.exact else " within measured noise") for c in held)
+        how = "decisive: " + ", ".join(f"{name} bit for bit" for name in result.decisive)
         if result.drafts_statistical:
             how += "; the DSpark drafts on statistical bounds only (--statistical)"
     elif result.verdict == "PASS":
-        how = "statistical bounds only (--statistical)"
+        how = "statistical bounds only (--statistical)" + _bounded_held(result)
     else:
-        how = "no decisive check held"
+        how = "no decisive check held" + _bounded_held(result)
     parts.append(Text.assemble(Text(result.verdict, style=style), f"  mode {result.thresholds.mode}; {how}"))
     for c in result.checks:
-        mark = "exact" if c.exact else ("differs" if c.expected_exact else "held" if c.decisive else "not exact")
+        mark = "exact" if c.exact else "differs" if c.failures or c.expected_exact else "held, not bit for bit"
         parts.append(Text(f"  check {c.name}: {mark} ({c.note})", style="dim" if not c.failures else "red"))
     for f in result.failures:
         parts.append(Text(f"  {f}", style="red"))
@@ -73,8 +72,8 @@ def render(result: VerifyResult) -> Group:
             parts.append(Text(f"  no prompt runs it (its weights compared byte for byte): {part}", style="dim"))
         else:
             parts.append(Text(f"  not checked, no prompt runs it: {part}", style="yellow"))
-    if result.weights != "not recorded":
-        style = "red" if result.weights == "differs" else "dim"
+    if result.weights_note:
+        style = {"differs": "red", "held": "dim"}.get(result.weights, "yellow")
         parts.append(Text(f"  weights: {result.weights} ({result.weights_note})", style=style))
     if result.manifest == "absent":
         parts.append(Text("  no manifest.json: the files were not checked against a record of them", style="dim"))
@@ -90,3 +89,10 @@ def render(result: VerifyResult) -> Group:
         if loc.note:
             parts.append(Text(f"  note: {loc.note}", style="dim"))
     return Group(*parts)
+
+
+def _bounded_held(result: VerifyResult) -> str:
+    """ "; the teacher check held within its bound ..." where it did: evidence, not proof (verify.verdict)."""
+    if any(c.name == "teacher" and not c.failures and not c.exact for c in result.checks):
+        return "; the teacher check held within its measured noise bound, which is evidence, not proof"
+    return ""

@@ -10,12 +10,16 @@ when it compares bit for bit something a correct conversion reproduces bit for b
                 tp-1 reference run the same way
     twin        the converted ranks against the converter's expected output cut into the same ranks
                 (verify --reference SRC)
-    teacher     each module run on the reference's input to it, its output within measured reduction
-                noise (verify.teacher): not bit for bit, but measured to fail every fault of the matrix
-                that loads (tests/integration/test_verify_matrix.py) with a margin of 4x or more, so a
-                held teacher check is decisive (`proven`) for what it runs: the backbone's modules on the
-                prompt. It does not run the DSpark draft stages (mtp.*, used only in decode), so on a model
-                that has them a teacher check alone leaves the run INCONCLUSIVE (`covers_drafts`)
+    weights     every tensor of the rank files byte for byte against the sha256 the reference file
+                records of the weights it ran (verify.weight_digests), at the record's tp or cut to it: the
+                converted model then computes what the reference computed, reached by a prompt or not,
+                the DSpark stages included; not decisive where it skips the routed experts (stored in
+                another dtype than the reference's)
+
+A teacher check (verify.teacher: each module on the reference's input, within measured reduction noise)
+is not decisive unless every module came out bit for bit equal: its bound is measured, not proven, and
+an audit (2026-12-04) found a doubled fp4 scale of a routed expert that a 12-token prompt reached held at
+1.6 ulps against the bound of 2, while the replay failed it. Breaking its bound is a FAIL.
 
 Bit equality certifies itself: a comparison that comes out equal is decisive even where it was not
 expected. One that differs where equality was expected (`exact_blockers` is empty) is a FAIL. The
@@ -48,13 +52,12 @@ class Check:
     expected_exact: bool  # bit equality was expected (see exact_blockers)
     failures: list[str] = field(default_factory=list)
     note: str = ""  # what was compared, or why it was not exact
-    proven: bool = False  # a bounded check measured to fail every planted fault (teacher): holding decides
-    covers_drafts: bool = True  # its outputs include the DSpark drafts (mtp.*); the teacher's do not
+    covers_drafts: bool = True  # it compared the DSpark drafts (mtp.*) or their weights; the teacher does not
 
     @property
     def decisive(self) -> bool:
-        """A check whose holding proves the conversion reproduces the reference."""
-        return (self.exact or self.proven) and not self.failures
+        """A check whose holding proves the conversion reproduces the reference: bit for bit equal."""
+        return self.exact and not self.failures
 
     def to_json(self) -> dict:
         return {
@@ -62,7 +65,6 @@ class Check:
             "exact": self.exact,
             "expected_exact": self.expected_exact,
             "decisive": self.decisive,
-            "proven": self.proven,
             "covers_drafts": self.covers_drafts,
             "failures": self.failures,
             "note": self.note,
@@ -125,15 +127,15 @@ def advice(tp: int, from_source: bool, drafts_only: bool = False) -> str:
     ]
     if not drafts_only:
         ways.append(
-            "a `reference-logits` file from this device with its hidden states, at any tp (each module is then "
-            "checked on the reference's input: teacher)"
+            "a `reference-logits` file of the converted weights, at any tp, that records their digests (every file "
+            "it writes since 2026-12-04, unless --no-weight-digests: each tensor is then compared byte for byte)"
         )
     if not from_source:
         ways.append("the source checkpoint (`--reference SRC`: the twin)")
     why = (
         "a decisive check held for the backbone, but none compared the DSpark draft stages (mtp.*): the teacher "
         "check does not run them, and a reference without decode steps never ran them (compute it with "
-        "--decode-steps 1 or more; the default is 3); "
+        "--decode-steps 1 or more; the default is 3, or record weight digests); "
         if drafts_only
         else ""
     )

@@ -81,7 +81,7 @@ def test_demo(tmp_path):
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["ok"] and report["tp"] == 8
-    assert report["verdict"] == "PASS" and report["decisive"] == ["replay"]
+    assert report["verdict"] == "PASS" and report["decisive"] == ["weights", "replay"]
     assert set(report["stage_seconds"]) == {"make-tiny", "shard", "reference", "verify"}
 
 

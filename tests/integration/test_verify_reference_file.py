@@ -56,10 +56,23 @@ def damaged(ref: Path, out: Path, change) -> Path:
 
 def test_only_ids_logits_logits_all_runs(work, tmp_path):
     """The documented minimum (plus logits_all): no decode steps, so no teacher tokens; it must run, exact,
-    but without decode steps the DSpark stages never ran: INCONCLUSIVE, saying so."""
+    but without decode steps the DSpark stages never ran: INCONCLUSIVE, saying so, unless the file records
+    the digests of the weights it ran (the stages' bytes compared: PASS)."""
     conv, ref = work
     keep = ("input_ids", "lengths", "logits", "logits_all")
-    minimal = damaged(ref, tmp_path / "min.safetensors", lambda t, m: [t.pop(k) for k in list(t) if k not in keep])
+
+    def strip(t, m, digests: bool):
+        for k in [k for k in t if k not in keep]:
+            t.pop(k)
+        if not digests:
+            prov = json.loads(m["provenance"])
+            del prov["weights"]
+            m["provenance"] = json.dumps(prov, sort_keys=True)
+
+    digested = damaged(ref, tmp_path / "min-digests.safetensors", lambda t, m: strip(t, m, True))
+    result = verify(VerifyOptions(conv, reference_logits=digested, threads=1))
+    assert result.verdict == "PASS" and result.decisive == ["reference", "weights"], result.failures
+    minimal = damaged(ref, tmp_path / "min.safetensors", lambda t, m: strip(t, m, False))
     assert sorted(load_file(str(minimal))) == sorted(keep)
     result = verify(VerifyOptions(conv, reference_logits=minimal, threads=1))
     assert result.verdict == "INCONCLUSIVE" and not result.failures, result.failures

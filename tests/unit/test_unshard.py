@@ -79,9 +79,40 @@ def test_replicated_tensor_differs(shards, tmp_path):
         t[name] = raw.view(torch.float8_e8m0fnu)
 
     _edit(bad, 2, 4, bump)
-    with pytest.raises(ShardConsistencyError, match=rf"{name}: replicated, but ranks \[2\] differ"):
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: replicated, but rank 2's copy differs"):
         unshard_tensors(bad, [name])
     unshard_tensors(bad, ["layers.0.attn.wkv.weight"])  # other tensors still merge
+
+
+def _bump(name: str):
+    def bump(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw.view(-1)[0] += 1
+        t[name] = raw.view(t[name].dtype)
+
+    return bump
+
+
+def test_the_odd_replica_is_named_also_on_rank_0(shards, tmp_path):
+    """A copy damaged on rank 0 was reported as "ranks [1, 2, 3] differ from rank 0", blaming the three right
+    ones (an audit). The copies are grouped: the one rank against the others is named; two ranks cannot
+    say which is wrong; three copies among four ranks are listed."""
+    name = "layers.1.ffn_norm.weight"
+    bad = _copy(shards, 4, tmp_path)
+    _edit(bad, 0, 4, _bump(name))
+    with RankFiles(bad) as ranks:
+        assert replica_mismatches(ranks) == [f"{name}: replicated, but rank 0's copy differs from the other 3 ranks'"]
+    _edit(bad, 1, 4, lambda t: t.__setitem__(name, t[name] * 2))
+    with RankFiles(bad) as ranks:
+        assert replica_mismatches(ranks) == [
+            f"{name}: replicated, but the ranks hold 3 different copies: ranks [0] / ranks [1] / ranks [2, 3]"
+        ]
+    two = _copy(shards, 2, tmp_path)
+    _edit(two, 0, 2, _bump(name))
+    with RankFiles(two) as ranks:
+        assert replica_mismatches(ranks) == [
+            f"{name}: replicated, but ranks 0 and 1 hold different copies (two copies cannot say which is wrong)"
+        ]
 
 
 def test_expert_on_the_wrong_rank(shards, tmp_path):
@@ -174,9 +205,9 @@ def test_replica_mismatches_names_every_damaged_replica_and_rank(shards, tmp_pat
     with RankFiles(bad) as ranks:
         found = replica_mismatches(ranks)
     assert found == [
-        "layers.0.attn_norm.weight: replicated, but ranks [2] differ from rank 0",
-        "layers.1.ffn_norm.weight: replicated, but ranks [3] differ from rank 0",
-        "norm.weight: replicated, but ranks [1] differ from rank 0",
+        "layers.0.attn_norm.weight: replicated, but rank 2's copy differs from the other 3 ranks'",
+        "layers.1.ffn_norm.weight: replicated, but rank 3's copy differs from the other 3 ranks'",
+        "norm.weight: replicated, but rank 1's copy differs from the other 3 ranks'",
     ]
 
 
@@ -233,9 +264,9 @@ def test_a_replica_differing_in_any_block_is_named(shards, tmp_path, monkeypatch
     monkeypatch.setattr(unshard, "MERGE_BLOCK", 256)
     with RankFiles(bad) as ranks:
         assert ranks.headers[3].tensors[name].nbytes > 4 * 256  # several blocks
-        with pytest.raises(ShardConsistencyError, match=rf"{name}: replicated, but ranks \[3\] differ"):
+        with pytest.raises(ShardConsistencyError, match=rf"{name}: replicated, but rank 3's copy differs"):
             unshard.merged_sha256(ranks, name)
-        assert replica_mismatches(ranks) == [f"{name}: replicated, but ranks [3] differ from rank 0"]
+        assert replica_mismatches(ranks) == [f"{name}: replicated, but rank 3's copy differs from the other 3 ranks'"]
 
 
 def test_split_pieces_of_different_dtype(shards, tmp_path):
@@ -272,3 +303,20 @@ def test_cut_to_any_tp_is_that_conversion_byte_for_byte(shards, m, monkeypatch):
                 got = unshard.cut_sha256(ranks, name, n)
                 expected = [hashlib.sha256(_bytes(w[name]).numpy()).hexdigest() if name in w else None for w in want]
                 assert got == expected, (m, n, name)
+
+
+def test_replica_mismatches_also_reads_the_engram_padding(shards, tmp_path):
+    """A padding row of an Engram table bumped on the last rank: only the tp-1 replay's merge saw it, so
+    verify against a same-tp file without digests passed it (an audit). The replicas check reads the padding
+    rows (a few rows per table) at every tp."""
+    name = f"{ENGRAM}.weight"
+    bad = _copy(shards, 4, tmp_path)
+
+    def dirty(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw[-1, 0] = 0x38
+        t[name] = raw.view(t[name].dtype)
+
+    _edit(bad, 3, 4, dirty)
+    with RankFiles(bad) as ranks:
+        assert replica_mismatches(ranks) == [f"{name}: padding rows 75..75 (ranks 3..3) are not the fill byte 0"]
