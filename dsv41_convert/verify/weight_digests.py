@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -164,13 +165,20 @@ def compare(weights: dict[str, Any], ranks: RankFiles, progress: Progress | None
         failures += [f"{n}{where}: not in the rank files" for n in sorted(want.keys() - got.keys())]
         failures += [f"{n}{where}: not in the reference's record" for n in sorted(got.keys() - want.keys())]
         failures += [
-            f"{n}{where}: sha256 {got[n][:12]}..., the reference's weights {want[n][:12]}..."
+            f"{n}{where}{'' if ours else _only_holder(ranks, held.get(n, []))}: sha256 {got[n][:12]}..., "
+            f"the reference's weights {want[n][:12]}..."
             for n in sorted(want.keys() & got.keys())
             if want[n] != got[n]
         ]
     if skip_experts:
         what += f"; routed experts not compared ({expert_dtype} here, {weights['expert_dtype']} in the reference)"
     return failures, what
+
+
+def _only_holder(ranks: RankFiles, holders: list[int]) -> str:
+    """ " (in model3-mp8.safetensors)" where one rank file holds the tensor (a routed expert), so a difference
+    found in the merge is that file's; "" where several hold pieces of it."""
+    return f" (in {Path(ranks.headers[holders[0]].path).name})" if len(holders) == 1 and ranks.tp > 1 else ""
 
 
 def compares_every_weight(weights: dict[str, Any], ranks: RankFiles) -> bool:
