@@ -368,8 +368,8 @@ NoReplayOpt = Annotated[
     bool,
     typer.Option(
         "--no-replay",
-        help="Do not merge the rank files back to tp 1 (it holds the whole model here); "
-        "with hidden states the teacher-forced check decides.",
+        help="Do not merge the rank files back to tp 1 (it holds the whole model here); the weights check "
+        "decides where the reference file records weight digests.",
     ),
 ]
 RefTpOpt = Annotated[
@@ -409,10 +409,12 @@ def verify_cmd(
     from `reference-logits`. Compared per prompt and overall: last-position and all-position logits,
     greedy decode steps, DSpark drafts. PASS needs a decisive check, bit for bit: a reference file
     computed at this tp and device; a tp-1 reference file (the rank files are also merged back to tp 1
-    and replayed here); or a source (its converted output, the "twin", runs on the same ranks). Else a
-    reference file with hidden states from this device (any tp) runs each module on the reference's
-    input to it, within measured noise ("teacher"). Where only statistical bounds apply the verdict is
-    INCONCLUSIVE (exit 3), unless --statistical. On failure, names the first diverging module and (with
+    and replayed here); a reference file that records the digests of the weights it ran (any tp: every
+    tensor compared byte for byte, "weights"); or a source (its converted output, the "twin", runs on the
+    same ranks). A reference file with hidden states from this device also runs each module on the
+    reference's input to it, within measured noise ("teacher": its failures fail the run, its holding is
+    evidence only). Where only statistical bounds apply the verdict is INCONCLUSIVE (exit 3), unless
+    --statistical. On failure, names the first diverging module and (with
     a source) the tensors that differ. Under torchrun, joins its process group.
     Exit 0 PASS, 1 FAIL (mismatch), 2 input error, 3 INCONCLUSIVE.
 

@@ -5,7 +5,8 @@ Recorded (reffile metadata `provenance`, a JSON object; files written before it 
     model       the model's inference config (ModelArgs.to_inference_dict) the reference ran
     tokenizer   {file name: sha256} of the tokenizer files beside it (Engram hashes the token ids)
     made_from   "source", or for a folder of converted rank files (`reference-logits MP --stream-layers`)
-                {"folder", "tp", "files": {rank file: {"size", "dev", "ino", "sha256": its manifest's or ""}}}
+                {"folder", "tp", "files": {rank file: {"size", "dev", "ino", "sha256": its manifest's or "",
+                "sampled": store.file_digest.sampled_sha256}}}
     weights     where it ran converted weights: the sha256 of each of their tensors (weight_digests.py)
 
 Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
@@ -13,8 +14,9 @@ Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
       swiglu_limit the prompts never reach, or a changed norm_eps blamed on a weight, was a PASS or a
       misleading FAIL before;
     - CONVERTED's tokenizer files are the recorded bytes (a failure of the run, as with --reference SRC);
-    - the file was not computed from CONVERTED's own rank files (the same files, or files its manifest
-      gives the same sha256): such a reference is their own tp-1 replay, so it passes any fault in them.
+    - the file was not computed from CONVERTED's own rank files (the same files, files its manifest gives the
+      same sha256, or files with the same size and sampled blocks: a copy): such a reference is their own
+      tp-1 replay, so it passes any fault in them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.store.file_digest import sha256_file
+from dsv41_convert.store.file_digest import sampled_sha256, sha256_file
 from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
@@ -109,20 +111,26 @@ def config_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str
 
 
 def _same_rank_files(made: dict[str, Any], conv: Path, tp: int) -> bool:
-    """Whether the recorded rank files are CONVERTED's: the same files (device and inode), or the same bytes
-    by CONVERTED's manifest (a copy of the folder)."""
+    """Whether the recorded rank files are CONVERTED's: the same files (device and inode), the same bytes by
+    CONVERTED's manifest, or the same size and sampled blocks (a copy of the folder, with or without its
+    manifest: `cp -r` keeps none of the first; an audit's reference of a copy was not refused)."""
     files = made.get("files", {})
     if made.get("tp") != tp or set(files) != {rank_file_name(r, tp) for r in range(tp)}:
         return False
-    ours = _rank_files(conv, tp)
+    ours = _rank_files(conv, tp, sampled=False)
     if all((ours[n]["dev"], ours[n]["ino"]) == (rec.get("dev"), rec.get("ino")) for n, rec in files.items()):
         return True
-    return all(ours[n]["sha256"] and ours[n]["sha256"] == rec.get("sha256") for n, rec in files.items())
+    if all(ours[n]["sha256"] and ours[n]["sha256"] == rec.get("sha256") for n, rec in files.items()):
+        return True
+    return all(
+        ours[n]["size"] == rec.get("size") and rec.get("sampled") == sampled_sha256(conv / n)
+        for n, rec in files.items()
+    )
 
 
-def _rank_files(folder: Path, tp: int) -> dict[str, dict[str, Any]]:
-    """Each rank file's size, device and inode, and its sha256 as `folder`'s manifest.json records it ("" without
-    one; the bytes are not hashed here)."""
+def _rank_files(folder: Path, tp: int, sampled: bool = True) -> dict[str, dict[str, Any]]:
+    """Each rank file's size, device and inode, its sha256 as `folder`'s manifest.json records it ("" without
+    one; the bytes are not hashed here) and, with `sampled`, its sampled_sha256."""
     listed = (our_manifest(folder) or {"files": {}})["files"]
     out = {}
     for r in range(tp):
@@ -131,6 +139,8 @@ def _rank_files(folder: Path, tp: int) -> dict[str, dict[str, Any]]:
         entry = listed.get(name, {})
         sha = entry["sha256"] if entry.get("size") == st.st_size else ""
         out[name] = {"size": st.st_size, "dev": st.st_dev, "ino": st.st_ino, "sha256": sha}
+        if sampled:
+            out[name]["sampled"] = sampled_sha256(folder / name)
     return out
 
 

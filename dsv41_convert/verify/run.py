@@ -104,7 +104,9 @@ class VerifyResult:
     drafts_statistical: bool = False  # a PASS whose DSpark drafts only statistical bounds judged (--statistical)
     unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
     manifest: str = "absent"  # CONVERTED's files against its manifest.json: "held", "differs" or "absent"
-    weights: str = "not recorded"  # its tensors against FILE's digests: held, differs, not recorded, not compared
+    # its tensors against FILE's digests: held, partial (held, the routed experts skipped: another expert dtype),
+    # differs, not recorded, not compared
+    weights: str = "not recorded"
     weights_note: str = ""  # what was compared, or why not
 
     @property
@@ -128,7 +130,7 @@ class VerifyResult:
             "verdict": self.verdict,
             "decisive": self.decisive,
             "held": self.held,
-            "statistical": self.statistical and (not self.decisive or self.drafts_statistical),
+            "statistical": self.verdict == PASS and self.statistical and (not self.decisive or self.drafts_statistical),
             "drafts_statistical": self.drafts_statistical,
             "checks": [c.to_json() for c in self.checks],
             "advice": self.advice,
@@ -301,9 +303,14 @@ def _verify_ranks(
         seconds["manifest"] = time.perf_counter() - t2
     recorded = (ref.provenance or {}).get("weights") if src_ref is None else None
     if src_ref is None and recorded is None:
+        why = (
+            "computed from rank files (reference-logits --stream-layers of a converted folder records none)"
+            if isinstance((ref.provenance or {}).get("made_from"), dict)
+            else "written with --no-weight-digests, before 2026-12-04, of a bf16 source without --as-converted, "
+            "or by another tool"
+        )
         result.weights_note = (
-            f"{ref_name} records no weight digests (written with --no-weight-digests, before 2026-12-04, of a "
-            "bf16 source without --as-converted, or by another tool): weights no prompt reaches are not compared"
+            f"{ref_name} records no weight digests ({why}): weights no prompt reaches are not compared"
         )
     elif recorded is not None and isinstance(out, LoadFailure):
         result.weights, result.weights_note = "not compared", "the rank files do not load"
@@ -335,13 +342,14 @@ def _verify_ranks(
     result.failures += [f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures]
     if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages
         for c in result.checks:
-            c.covers_drafts = c.name == "weights"  # it compared the stages' bytes, run or not
+            c.covers_drafts = c.name in ("weights", "twin")  # they compared the stages' bytes, run or not
     drafts = conv_args.n_mtp_layers > 0
     result.verdict = decide(result.checks, result.failures, opts.statistical, drafts)
     result.drafts_statistical = result.verdict == PASS and drafts and drafts_uncovered(result.checks)
     result.unreached = not_run_by(ref.inputs, conv_args)
     if result.verdict == INCONCLUSIVE:
-        result.advice = advice(tp, src_ref is not None, drafts_uncovered(result.checks))
+        skipped = weight_digests.experts_stored_as(ranks) if result.weights == "partial" else ""
+        result.advice = advice(tp, src_ref is not None, drafts_uncovered(result.checks), skipped or "")
     if result.verdict == FAIL and opts.localize:
         say("localizing the mismatch")
         t3 = time.perf_counter()
@@ -403,10 +411,10 @@ def _weights_check(
     if found is None:
         result.weights = "not compared"
         return
-    result.weights = "differs" if found else "held"
+    every = weight_digests.compares_every_weight(recorded, ranks)
+    result.weights = "differs" if found else "held" if every else "partial"
     failures = [f"weights: {f}" for f in found]
     result.failures += failures
-    every = weight_digests.compares_every_weight(recorded, ranks)
     result.checks.append(Check("weights", every and not found, every, failures, note))
 
 
@@ -477,8 +485,8 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         if any(ref_hidden):
             loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
         backbone_failed = any(not {"draft", "confidence"} & set(f.split(":")[0].split()) for f in result.failures)
-        section_failed = any(f.split(":")[0].removeprefix("twin ") in SECTIONS for f in result.failures)
-        replicas = [f.removeprefix("replicas: ").split(":")[0] for f in result.failures if f.startswith("replicas: ")]
+        failed_sections = {f.split(":")[0].split()[-1] for f in result.failures} & set(SECTIONS)  # any run's
+        replicas = [f.removeprefix("replicas: ") for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
         weights = [f.split("weights: ", 1)[1] for f in result.failures if f.startswith(("twin weights: ", "weights: "))]
@@ -489,12 +497,18 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
             loc.note = f"{tokenizer[0]}: the tokenizer, not a weight (Engram hashes its token ids)"
         elif hf_config and loc.module is None:
             loc.note = f"{hf_config[0]}: a side file, not a weight (the bundled model reads config.json)"
-        elif replicas:  # the bytes themselves say where
-            loc.module = localize.module_of(replicas[0], conv_args.n_layers)
-            loc.note = f"{replicas[0]} differs between the rank files (the replicas check)"
+        elif replicas:  # the bytes themselves say where: a copy that differs, or padding that is not the fill
+            loc.module = localize.module_of(replicas[0].split(":")[0], conv_args.n_layers)
+            loc.note = f"{replicas[0]} (the replicas check: bytes the rank files must agree on)"
         elif weights and (loc.module is None or not exact_pair):  # the bytes say where; no output (or noise) did
             loc.module = localize.module_of(weights[0].split()[0], conv_args.n_layers)
-            outputs = "the logits differ, no hidden state does" if section_failed else "no prompt's output differs"
+            outputs = (
+                "no prompt's output differs"
+                if not failed_sections
+                else "the DSpark drafts differ, no hidden state does"
+                if failed_sections <= {"draft", "confidence"}
+                else "the logits differ, no hidden state does"
+            )
             loc.note = f"{weights[0]}" + (f"; {outputs}" if exact_pair else "")
         elif unmerged:  # the rank files disagree: the merge names the tensor
             loc.module = localize.module_of(unmerged[0].split(":")[0], conv_args.n_layers)

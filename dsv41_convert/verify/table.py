@@ -50,12 +50,14 @@ def render(result: VerifyResult) -> Group:
     if result.verdict == "FAIL":  # a decisive check may hold beside a failure of another kind (tokenizer, replicas)
         held = f"; held: {', '.join(result.held)}, but the failures below decide" if result.held else ""
         how = f"{len(result.failures)} failure(s){held}"
-    elif result.decisive:
+    elif result.verdict == "PASS" and result.decisive:
         how = "decisive: " + ", ".join(f"{name} bit for bit" for name in result.decisive)
         if result.drafts_statistical:
             how += "; the DSpark drafts on statistical bounds only (--statistical)"
     elif result.verdict == "PASS":
         how = "statistical bounds only (--statistical)" + _bounded_held(result)
+    elif result.held:  # INCONCLUSIVE: bit for bit, but the DSpark stages were compared by nothing
+        how = f"held bit for bit: {', '.join(result.held)}, but no check compared the DSpark drafts"
     else:
         how = "no decisive check held" + _bounded_held(result)
     parts.append(Text.assemble(Text(result.verdict, style=style), f"  mode {result.thresholds.mode}; {how}"))
@@ -66,14 +68,14 @@ def render(result: VerifyResult) -> Group:
         parts.append(Text(f"  {f}", style="red"))
     if result.advice:
         parts.append(Text(f"  {result.advice}", style="yellow"))
-    compared = result.weights == "held" or any(c.name == "twin" and not c.failures for c in result.checks)
+    compared = result.weights in ("held", "differs") or any(c.name == "twin" for c in result.checks)
     for part in result.unreached:
         if compared:  # its weights' bytes were compared; what they compute was not
             parts.append(Text(f"  no prompt runs it (its weights compared byte for byte): {part}", style="dim"))
         else:
             parts.append(Text(f"  not checked, no prompt runs it: {part}", style="yellow"))
     if result.weights_note:
-        style = {"differs": "red", "held": "dim"}.get(result.weights, "yellow")
+        style = {"differs": "red", "held": "dim"}.get(result.weights, "yellow")  # partial, not recorded: yellow
         parts.append(Text(f"  weights: {result.weights} ({result.weights_note})", style=style))
     if result.manifest == "absent":
         parts.append(Text("  no manifest.json: the files were not checked against a record of them", style="dim"))

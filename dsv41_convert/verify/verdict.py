@@ -47,7 +47,7 @@ EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
 class Check:
     """One comparison and what it found."""
 
-    name: str  # reference | replay | twin | teacher
+    name: str  # reference | replay | twin | weights | teacher
     exact: bool  # every compared value equal bit for bit
     expected_exact: bool  # bit equality was expected (see exact_blockers)
     failures: list[str] = field(default_factory=list)
@@ -113,19 +113,26 @@ def decide(checks: list[Check], statistical_failures: list[str], statistical: bo
 
 
 def drafts_uncovered(checks: list[Check]) -> bool:
-    """A decisive check held, but none covers the DSpark drafts (the teacher alone decided)."""
+    """A decisive check held, but none covers the DSpark drafts (a reference without decode steps, or a
+    teacher check whose modules all came out bit for bit)."""
     decisive = [c for c in checks if c.decisive]
     return bool(decisive) and not any(c.covers_drafts for c in decisive)
 
 
-def advice(tp: int, from_source: bool, drafts_only: bool = False) -> str:
-    """What would make an inconclusive run decisive. drafts_only: the teacher held, the DSpark drafts are
-    what no decisive check covered."""
+def advice(tp: int, from_source: bool, drafts_only: bool = False, experts_skipped: str = "") -> str:
+    """What would make an inconclusive run decisive. drafts_only: a decisive check held, the DSpark drafts
+    are what none covered. experts_skipped: the reference's digests were compared but for the routed experts,
+    stored in another dtype here (that dtype, e.g. "fp8")."""
     ways = [
         f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}`)",
         "a tp-1 reference computed on this device (the rank files are then replayed at tp 1, without --no-replay)",
     ]
-    if not drafts_only:
+    if experts_skipped:
+        ways.append(
+            f"a `reference-logits` file of a conversion with {experts_skipped} experts (this file's digests were "
+            f"compared for every tensor but the routed experts, stored as {experts_skipped} here)"
+        )
+    elif not drafts_only:
         ways.append(
             "a `reference-logits` file of the converted weights, at any tp, that records their digests (every file "
             "it writes since 2026-12-04, unless --no-weight-digests: each tensor is then compared byte for byte)"
@@ -133,9 +140,9 @@ def advice(tp: int, from_source: bool, drafts_only: bool = False) -> str:
     if not from_source:
         ways.append("the source checkpoint (`--reference SRC`: the twin)")
     why = (
-        "a decisive check held for the backbone, but none compared the DSpark draft stages (mtp.*): the teacher "
-        "check does not run them, and a reference without decode steps never ran them (compute it with "
-        "--decode-steps 1 or more; the default is 3, or record weight digests); "
+        "a decisive check held for the backbone, but none compared the DSpark draft stages (mtp.*): a reference "
+        "without decode steps never ran them (compute it with --decode-steps 1 or more, the default is 3; or with "
+        "its weight digests, which compare their bytes); "
         if drafts_only
         else ""
     )

@@ -673,3 +673,29 @@ def test_an_engram_fault_is_localized_to_the_engram_module(m):
     engram_row(m, d, 2)
     result = _verify(d, m.reference("tp1", 2))
     assert result.verdict == "FAIL" and result.localization.module == "layers.0.engram", result.localization
+
+
+def test_a_head_fault_the_replay_shows_is_named_with_the_logits(m):
+    """The low byte of head.weight bumped on rank 0, against the tp-1 file: the replay's logits differ (no
+    hidden state does), and the note said "no prompt's output differs" on the replay path too (a review).
+    With --statistical the FAIL is not reported as statistical."""
+    d = m.faulty("head_low_byte", 2)
+    _edit(d, 0, 2, _bump_byte("head.weight", (0, 0)))
+    (d / "manifest.json").unlink()
+    result = _verify(d, m.reference("tp1", 2), statistical=True)
+    assert result.verdict == "FAIL" and any(f.startswith("replay last") for f in result.failures), result.failures
+    assert "the logits differ, no hidden state does" in result.localization.note, result.localization
+    assert result.to_json()["statistical"] is False
+
+
+def test_experts_of_another_dtype_are_said_to_be_skipped(m):
+    """fp8 experts against a file of fp4 experts: the weights check compares every tensor but the routed
+    experts; it said "held" (dim) as if it had compared everything (a review). Now "partial"; against a file
+    of another tp the run is INCONCLUSIVE and the advice names a reference of fp8 experts, not the digests the
+    file already has."""
+    result = _verify(m.shard(2, expert_dtype="fp8"), m.reference("tp1", 2))
+    assert result.verdict == "PASS" and result.weights == "partial" and "weights" not in result.decisive
+    assert "routed experts not compared" in result.weights_note
+    other = _verify(m.shard(4, expert_dtype="fp8"), m.reference("tpN", 2))
+    assert other.verdict == "INCONCLUSIVE" and other.weights == "partial", other.checks
+    assert "a conversion with fp8 experts" in other.advice and "records their digests" not in other.advice

@@ -121,6 +121,16 @@ def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
     copy = shutil.copytree(conv, tmp_path / "copy")  # other files, the same bytes by its manifest
     with pytest.raises(VerifyInputError, match="own tp-1 replay"):
         _verify(copy, own)
+    # a reference of a copy without a manifest (cp -r of a folder upstream convert.py wrote): other inodes,
+    # no recorded sha256; it passed the faulty files as their own replay (an audit). Their size and sampled
+    # blocks say it is a copy
+    bare = shutil.copytree(conv, tmp_path / "bare")
+    (bare / "manifest.json").unlink()
+    (conv / "manifest.json").unlink()
+    of_bare = tmp_path / "refs" / "of-bare.safetensors"
+    reffile.save(compute_streamed_reference(bare, PROMPTS, 1)[0], of_bare)
+    with pytest.raises(VerifyInputError, match="own tp-1 replay"):
+        _verify(conv, of_bare)
     assert _verify(work["mp1"], own).verdict == "FAIL"  # another conversion: judged against it, not refused
 
 

@@ -154,3 +154,20 @@ def test_a_stop_ends_every_hashing_thread_at_its_next_chunk(tmp_path, stopped_by
         differences(files, threads=2, progress=progress)
     assert seen["f0"] == 4 and all(n < 40 for n in seen.values()), seen  # old: f1, f2, f3 to their ends (65)
     assert "f3" not in seen, seen  # queued behind the stop: never begun (f2 may take f0's thread before it)
+
+
+def test_sampled_sha256_tells_a_copy_from_another_file_of_its_size(tmp_path):
+    """provenance's copy check: a copy gives the same digest; a byte changed inside a sampled block, or a
+    file of another size, another; a file smaller than the samples is hashed whole."""
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 40 << 20, dtype=np.uint8).tobytes())
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "copy").write_bytes(data)
+    assert file_digest.sampled_sha256(tmp_path / "a") == file_digest.sampled_sha256(tmp_path / "copy")
+    data[-1] ^= 1  # the last block is sampled
+    (tmp_path / "b").write_bytes(data)
+    assert file_digest.sampled_sha256(tmp_path / "b") != file_digest.sampled_sha256(tmp_path / "a")
+    (tmp_path / "short").write_bytes(data[:-1])
+    assert file_digest.sampled_sha256(tmp_path / "short") != file_digest.sampled_sha256(tmp_path / "a")
+    (tmp_path / "small").write_bytes(b"abc")
+    whole = hashlib.sha256((3).to_bytes(8, "little") + b"abc").hexdigest()
+    assert file_digest.sampled_sha256(tmp_path / "small") == whole
