@@ -176,13 +176,20 @@ def download(
         )
         return report  # with its problems, as --verify-only: a check that fails, not an error
     check_repo_id(repo_id)
+    created = local_dir is not None and not Path(local_dir).exists()
     if local_dir is not None:
         Path(local_dir).mkdir(parents=True, exist_ok=True)
-    with hold(Path(local_dir)) if local_dir is not None else contextlib.nullcontext():
-        return _download(
-            repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
-            backoff_s, repair_rounds, progress, overwrite,
-        )  # fmt: skip
+    try:
+        with hold(Path(local_dir)) if local_dir is not None else contextlib.nullcontext():
+            return _download(
+                repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
+                backoff_s, repair_rounds, progress, overwrite,
+            )  # fmt: skip
+    except BaseException:
+        if created:  # a run refused before its first byte (no such repo, no file matches) leaves no folder
+            with contextlib.suppress(OSError):  # not empty: it wrote something
+                Path(local_dir).rmdir()
+        raise
 
 
 def _download(

@@ -266,3 +266,14 @@ def test_offline_source_without_its_config_is_named(hub, tmp_path, monkeypatch):
     with pytest.raises(DownloadError, match=r"config.json: missing.*HF_HUB_OFFLINE is set"):
         dl.resolve_source(REPO, cache_dir=cache, check_config=seen.append)
     assert not seen
+
+
+@pytest.mark.parametrize("what", [{"repo": "acme/none"}, {"include": ["typo*"]}])
+def test_a_run_refused_before_its_first_byte_leaves_no_folder(hub, tmp_path, what):
+    """An unknown repo, or no file matching --include, left an empty --local-dir behind (an audit)."""
+    local = tmp_path / "new" / "v41"
+    with pytest.raises(DownloadError):
+        dl.download(
+            what.get("repo", REPO), local_dir=local, include=what.get("include", ()), endpoint=hub.url, retries=0
+        )
+    assert not local.exists()
