@@ -318,7 +318,7 @@ def _verify_ranks(
         t2 = time.perf_counter()
         say(f"weights: every tensor of {conv} against the sha256 {ref_name} records of the weights it ran")
         with shown(f"weights: {conv}") as bytes_done:
-            _weights_check(result, recorded, ranks, bytes_done)
+            _weights_check(result, recorded, ranks, ref_name, bytes_done)
         seconds["weights"] = time.perf_counter() - t2
     replay_runs = None
     if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
@@ -397,10 +397,11 @@ def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Ref
 
 
 def _weights_check(
-    result: VerifyResult, recorded: dict, ranks: RankFiles, bytes_done: ByteProgress | None = None
+    result: VerifyResult, recorded: dict, ranks: RankFiles, file: str, bytes_done: ByteProgress | None = None
 ) -> None:
     """CONVERTED's tensors against the reference file's digests (weight_digests.py): every weight, whether a
-    prompt reaches it or not."""
+    prompt reaches it or not. Runs after the rank files loaded into the model (strictly: its tensors, no
+    others), so a name the record lacks or adds is the `file`'s error (VerifyInputError), not CONVERTED's."""
     try:
         found, note = weight_digests.compare(recorded, ranks, bytes_done)
     except ShardConsistencyError as exc:  # rank files that disagree are a faulty conversion, replay or not
@@ -411,6 +412,14 @@ def _weights_check(
     if found is None:
         result.weights = "not compared"
         return
+    listed = [f for f in found if f.endswith(("not in the rank files", "not in the reference's record"))]
+    if listed:  # the rank files loaded into the model strictly: they hold its tensors, so the record is wrong
+        raise VerifyInputError(
+            f"{file}: its weights record (metadata provenance.weights) does not list the tensors of the model it "
+            f"ran, whose rank files here load into it: {'; '.join(listed[:4])}"
+            + (f"; and {len(listed) - 4} more" if len(listed) > 4 else "")
+            + "; recompute the reference (an edited or damaged file)"
+        )
     every = weight_digests.compares_every_weight(recorded, ranks)
     result.weights = "differs" if found else "held" if every else "partial"
     failures = [f"weights: {f}" for f in found]

@@ -158,6 +158,10 @@ def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path)
         (lambda w: w.update(tp=0, ranks=[]), 'provenance.weights must be {"tp"'),
         (lambda w: w.update(expert_dtype="fp8"), "provenance.weights.expert_dtype 'fp8', but the model it ran"),
         (lambda w: w["ranks"][0].update({"norm.weight": "zz"}), "every digest must be 64 lowercase hex digits"),
+        # names dropped or added: "not in the reference's record" failed CONVERTED (exit 1), whose rank files
+        # load into the model strictly (its tensors, no others); the record is what is wrong
+        (lambda w: w["ranks"][0].pop("norm.weight"), "norm.weight: not in the reference's record"),
+        (lambda w: w["ranks"][0].update({"layers.0.extra": "0" * 64}), "layers.0.extra: not in the rank files"),
     ],
 )
 def test_an_edited_weights_record_is_an_input_error(work, tmp_path, monkeypatch, capsys, edit, said):
