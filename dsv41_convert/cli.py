@@ -544,6 +544,15 @@ def reference_logits_cmd(
             return
         if as_converted and ref.source_format == "fp8":
             report.info("--as-converted changes nothing here: an fp8 source holds the converted values already")
+        non_finite = reffile.non_finite_outputs(ref)
+        if non_finite:  # verify refuses such a file: say it here, where the source can still be named
+            from dsv41_convert.errors import VerifyInputError
+
+            raise VerifyInputError(
+                f"{src}: the model computed non-finite outputs ({'; '.join(non_finite[:3])}): a NaN or Inf weight in "
+                f"the source, or an overflow on these prompts (`shard` names a non-finite source tensor); "
+                f"nothing written to {out}"
+            )
         reffile.save(ref, out)
     summary = {
         "out": str(out),

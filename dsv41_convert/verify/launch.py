@@ -45,8 +45,12 @@ def torchrun_world() -> int | None:
 
 
 def backend_for(device: str) -> str:
+    """The process-group backend of `device`; VerifyInputError for another device, or cuda without one (the
+    streamed reference, which launches no ranks, met it as a RuntimeError deep in its first stream)."""
     if device not in ("cpu", "cuda"):
         raise VerifyInputError(f"--device {device!r}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise VerifyInputError("--device cuda: no CUDA device is available")
     return "nccl" if device == "cuda" else "gloo"
 
 
@@ -57,8 +61,6 @@ def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, thr
     """
     interrupts.check()  # a Ctrl-C or SIGTERM postponed by an import stops the run before its ranks start
     backend = backend_for(device)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise VerifyInputError("--device cuda: no CUDA device is available")
     world = torchrun_world()
     if world is not None:
         if world != tp:

@@ -66,6 +66,8 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise VerifyInputError(f"{path}: cannot read the prompt file ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise VerifyInputError(f"{path}: not UTF-8 text at byte {exc.start}; the prompt file is JSON lines") from exc
     tokenizer = None
     prompts = []
     for n, line in enumerate(lines, 1):
@@ -127,7 +129,8 @@ def _tokenizer(path: Path | None, where: str):
     from tokenizers import Tokenizer
 
     if path is None or not Path(path).is_file():
-        raise VerifyInputError(f"{where}: a text prompt needs tokenizer.json beside the weights; not found at {path}")
+        missing = "the source has none" if path is None else f"not found at {path}"
+        raise VerifyInputError(f"{where}: a text prompt needs tokenizer.json beside the weights; {missing}")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception subclasses for a bad file

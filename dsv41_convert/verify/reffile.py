@@ -21,7 +21,9 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
         With these, every block can be run alone on the reference's input (verify.teacher); padding rows are 0.
 
 Metadata (`__metadata__`, strings): format = "dsv41-reference-logits/1", max_seq_len, source_format
-("fp8" | "bf16"), device, tp, JSON lists `labels` and `images` (one path or "" per prompt), and the JSON
+("fp8" | "bf16"), device, tp, JSON lists `labels`, `images` (one path or "" per prompt) and `image_sha256`
+(the sha256 of each image when the reference ran, or ""; verify refuses a file whose image changed since:
+the path alone made a changed image FAIL the conversion), and the JSON
 object `provenance` (optional: the model's config, tokenizer digests and what the weights came from,
 verify/provenance.py; verify checks CONVERTED against it).
 Only input_ids and logits are required; verify compares whatever else is present.
@@ -51,7 +53,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.errors import NOT_JSON, VerifyInputError
+from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
+from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import sort_metadata
 from dsv41_convert.verify import provenance
@@ -159,13 +162,18 @@ def save(ref: Reference, path: Path) -> None:
         "weights": ref.weights,
         "labels": json.dumps(ref.labels),
         "images": json.dumps([i.image or "" for i in inputs]),
+        "image_sha256": json.dumps([sha256_file(Path(i.image)) if i.image else "" for i in inputs]),
     }
     if ref.provenance is not None:
         meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata=meta)
+    try:
+        save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata=meta)
+    except SafetensorError as exc:  # safetensors' own error for ENOSPC / EFBIG, not an OSError
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{path}: cannot write the reference file ({exc}); nothing written") from exc
     sort_metadata(tmp)  # the same run, the same file
     publish(tmp, path)
 
@@ -448,6 +456,20 @@ def _unpadded(key: str, h: Tensor) -> Tensor:
     return h[..., :width]
 
 
+def non_finite_outputs(ref: Reference) -> list[str]:
+    """What `ref`'s runs computed that is NaN or Inf (logits, decode, drafts, confidence), a line per prompt and
+    section: a file holding it is refused by verify (validate_reference_file), so reference-logits does not
+    write it."""
+    out = []
+    for label, r in zip(ref.labels, ref.runs, strict=True):
+        parts = {"logits": r.logits, "logits_all": r.logits_all, "decode_logits": r.decode_logits,
+                 "draft_logits": r.draft_logits, "draft_confidence": r.draft_confidence}  # fmt: skip
+        for key, x in parts.items():
+            if x is not None and x.numel() and not bool(torch.isfinite(x).all()):
+                out.append(f"prompt {label}: {key}: {int((~torch.isfinite(x)).sum())} of {x.numel()} values NaN/Inf")
+    return out
+
+
 def _non_finite(key: str, x: Tensor) -> list[str]:
     """NaN or Inf in a logits tensor, by prompt and position (or decode step, draft token)."""
     bad = ~torch.isfinite(x)
@@ -483,7 +505,7 @@ def _token_types(t: dict[str, Tensor]) -> list[str]:
 def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[str]:
     out = []
     lists = {}
-    for key in ("labels", "images"):
+    for key in ("labels", "images", "image_sha256"):
         if key not in meta:
             continue
         try:
@@ -495,9 +517,15 @@ def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[
             out.append(f"metadata {key} must be a list of {b} strings (B = {b}, rows of input_ids)")
             continue
         lists[key] = value
+    digests = lists.get("image_sha256", [""] * b)
     for row, image in enumerate(lists.get("images", [])):
         if image and not Path(image).is_file():
             out.append(f"metadata images[{row}] = {image!r}: no such file (prompt {row} is an image prompt)")
+        elif image and digests[row] and sha256_file(Path(image)) != digests[row]:
+            out.append(
+                f"metadata images[{row}] = {image!r}: not the image this file was computed with (sha256 "
+                f"{digests[row][:12]}...): restore it, or compute the reference again"
+            )
         if image and "token_types" not in t:
             out.append(f"metadata images[{row}] = {image!r}, but there is no token_types tensor for its image span")
     return out

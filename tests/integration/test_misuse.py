@@ -547,3 +547,69 @@ def test_sigterm_of_an_export_with_workers_never_hangs_it(src, tmp_path):
             proc.communicate()
             pytest.fail(f"round {round_}: the run hung after SIGTERM")
         assert proc.returncode in (143, 0), (round_, proc.returncode, err)  # 0: it had finished first
+
+
+@pytest.fixture(scope="module")
+def model_src(tmp_path_factory) -> Path:
+    """A tiny source with a working tokenizer (the model runs on it: reference-logits)."""
+    from dsv41_convert.synth.presets import TINY
+    from dsv41_convert.synth.write import write_checkpoint
+
+    root = tmp_path_factory.mktemp("model-src") / "src"
+    write_checkpoint(root, TINY, seed=0, quantized=True, vision=False)
+    return root
+
+
+def _nan_in(src: Path, to: Path, name: str) -> Path:
+    """A copy of `src` whose float32 tensor `name` starts with a NaN."""
+    from dsv41_convert.store.safetensors_header import read_header
+
+    folder = copy_of(src, to)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    info = read_header(folder / index[name]).tensors[name]
+    with open(folder / index[name], "r+b") as f:
+        f.seek(info.begin)
+        f.write(b"\x00\x00\xc0\x7f")
+    return folder
+
+
+@pytest.mark.parametrize("extra", [[], ["--stream-layers"]])
+def test_reference_logits_refuses_to_write_non_finite_outputs(model_src, tmp_path, monkeypatch, capsys, extra):
+    """A NaN weight in the source gave an all-NaN reference file and exit 0; verify then refused the file, naming
+    no source tensor (an audit). Now exit 2 naming the source, nothing written."""
+    bad = _nan_in(model_src, tmp_path / "nan", "layers.2.hc_attn_scale")
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bad), str(out), "--decode-steps", "1", *extra)
+    assert_clean_error(code, err, f"{bad}: the model computed non-finite outputs", "nothing written")
+    assert not out.exists() and not list(tmp_path.glob("ref.safetensors*"))
+
+
+def test_reference_logits_on_a_full_disk_is_an_error_naming_the_file(model_src, tmp_path):
+    """safetensors raises its own SafetensorError for ENOSPC / EFBIG: a traceback, exit 1, no JSON (an audit)."""
+    from cli_run import run_cli_with_file_size_limit
+
+    out = tmp_path / "ref.safetensors"
+    args = ("reference-logits", str(model_src), str(out), "--decode-steps", "1", "--json")
+    res = run_cli_with_file_size_limit(256 << 10, *args)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 2 and str(out) in doc["error"] and "nothing written" in doc["error"], res.stderr
+    assert "Traceback" not in res.stderr and not list(tmp_path.glob("ref.safetensors*"))
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named(src, tmp_path, monkeypatch, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"text": "caf\xe9"}\n')
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--prompts", str(prompts))
+    assert_clean_error(code, err, f"{prompts}: not UTF-8 text at byte 13")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_streamed_reference_on_cuda_without_cuda_is_an_input_error(src, tmp_path, monkeypatch, capsys):
+    """The streamed path launches no ranks, so launch()'s CUDA check never ran: a RuntimeError traceback."""
+    out = tmp_path / "ref.safetensors"
+    args = ("reference-logits", str(src), str(out), "--stream-layers", "--device", "cuda")
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert_clean_error(code, err, "--device cuda: no CUDA device is available")
+    assert not out.exists()

@@ -23,6 +23,7 @@ from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.unshard import unshard_tensors
+from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify import reffile
@@ -443,6 +444,13 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     result = _verify(conv, ref)
     assert result.verdict == "PASS" and result.decisive == ["weights", "replay"], (result.failures, result.checks)
     assert result.unreached == []
+    # the file records the image's sha256: another image at its path (rewritten, another machine) made this
+    # correct conversion FAIL ("top1 0.000 < 1", an audit); now the file is refused, naming the image
+    kept = (m.root / "img.png").read_bytes()
+    img.rotate(180).save(m.root / "img.png")
+    with pytest.raises(VerifyInputError, match=r"img\.png': not the image this file was computed with"):
+        _verify(conv, ref)
+    (m.root / "img.png").write_bytes(kept)
     bad = m.root / "vision-bad-mp2"
     shutil.rmtree(bad, ignore_errors=True)
     shutil.copytree(conv, bad)
