@@ -516,6 +516,14 @@ def reference_logits_cmd(
     for part in not_run_by(prompt_list, args):  # said before the compute, while the prompts can change (stderr)
         report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
     timings = None
+    if stream_layers and (tp != 1 or as_converted):
+        from dsv41_convert.errors import VerifyInputError
+
+        raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
+    if not stream_layers:  # a tp the model cannot run: refused before OUT's folders are made
+        from dsv41_convert.convert.tp import check_tp
+
+        check_tp(args, tp, str(src / "config.json"))
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start (rank 0 of a torchrun launch, else this one),
@@ -526,10 +534,6 @@ def reference_logits_cmd(
         if stream_layers:
             from dsv41_convert.verify.streamed import compute_streamed_reference
 
-            if tp != 1 or as_converted:
-                from dsv41_convert.errors import VerifyInputError
-
-                raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
             with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
                 say = None if as_json else report.info
                 ref, timings = compute_streamed_reference(

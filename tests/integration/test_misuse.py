@@ -397,10 +397,10 @@ def test_reference_at_a_tp_the_model_cannot_run_is_refused_before_the_launch(src
         raise AssertionError("refused before the ranks start")
 
     monkeypatch.setattr("dsv41_convert.verify.reference.launch", no_launch)
-    out = tmp_path / "r.safetensors"
+    out = tmp_path / "new" / "deep" / "r.safetensors"
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--tp", "3")
     assert_clean_error(code, err, f"{src / 'config.json'}: the model cannot run at tp 3")
-    assert "rank 0:" not in err and not out.exists()
+    assert "rank 0:" not in err and not (tmp_path / "new").exists()  # no folders made for it (an audit)
 
 
 @pytest.mark.parametrize("command", [["shard", "OUT", "--tp", "2"], ["export", "OUT", "--format", "bf16"]])
