@@ -613,3 +613,11 @@ def test_streamed_reference_on_cuda_without_cuda_is_an_input_error(src, tmp_path
     code, _, err = run_cli(monkeypatch, capsys, *args)
     assert_clean_error(code, err, "--device cuda: no CUDA device is available")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra", [["--tp", "2"], ["--as-converted"]])
+def test_streamed_reference_with_tp_options_is_refused_before_anything(src, tmp_path, monkeypatch, capsys, extra):
+    out = tmp_path / "new" / "r.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--stream-layers", *extra)
+    assert_clean_error(code, err, "--stream-layers computes the tp-1 reference: no --tp or --as-converted")
+    assert not (tmp_path / "new").exists()
