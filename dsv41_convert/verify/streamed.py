@@ -74,6 +74,13 @@ def compute_streamed_reference(
     say = say or (lambda _msg: None)
     args = load_model_args(src / "config.json")
     inputs: list[ModelInput] = [model_input(p, args) for p in prompts]
+    ratio = max(args.compress_ratios[: args.n_layers], default=0)
+    for p, inp in zip(prompts, inputs, strict=True):
+        if inp.input_ids.numel() < ratio:  # the streamed model refuses it too, without naming the line
+            raise VerifyInputError(
+                f"{p.origin or p.label}: a {inp.input_ids.numel()}-token prompt: streaming needs {ratio} tokens "
+                "(the largest compress ratio)"
+            )
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]

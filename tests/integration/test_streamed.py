@@ -239,8 +239,12 @@ def test_a_prompt_shorter_than_a_compress_group_is_refused(sources):
     from dsv41_convert.errors import VerifyInputError
     from dsv41_convert.verify.prompts import Prompt
 
-    with pytest.raises(VerifyInputError, match=r"a 1-token prompt: streaming needs 2"):
+    with pytest.raises(VerifyInputError, match=r"^short: a 1-token prompt: streaming needs 2"):
         compute_streamed_reference(sources["fp8"], [Prompt((5,), "short")], 1)
+    # from a prompt file the line is named (it was not: an audit)
+    line = Prompt((5,), "line-3", origin="prompts.jsonl:3")
+    with pytest.raises(VerifyInputError, match=r"^prompts.jsonl:3: a 1-token prompt: streaming needs 2 tokens"):
+        compute_streamed_reference(sources["fp8"], [Prompt((5, 6, 7), "ok"), line], 1)
 
 
 def test_cli_stream_layers_refuses_tp(sources, tmp_path, monkeypatch, capsys):
