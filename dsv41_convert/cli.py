@@ -548,7 +548,8 @@ def reference_logits_cmd(
             return
         if as_converted and ref.source_format == "fp8":
             report.info("--as-converted changes nothing here: an fp8 source holds the converted values already")
-        non_finite = reffile.non_finite_outputs(ref)
+        tensors = reffile.file_tensors(ref)
+        non_finite = reffile.non_finite(tensors)
         if non_finite:  # verify refuses such a file: say it here, where the source can still be named
             from dsv41_convert.errors import VerifyInputError
 
@@ -557,7 +558,7 @@ def reference_logits_cmd(
                 f"the source, or an overflow on these prompts (`shard` names a non-finite source tensor); "
                 f"nothing written to {out}"
             )
-        reffile.save(ref, out)
+        reffile.save(ref, out, tensors)
     summary = {
         "out": str(out),
         "prompts": len(ref.runs),

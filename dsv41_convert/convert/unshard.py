@@ -160,7 +160,7 @@ def replica_mismatches(ranks: RankFiles) -> list[str]:
                     pass
             elif split is Split.ROWS_PADDED:
                 merge = merge_of(ranks, name)
-                _check_padding(ranks, merge, {r: ranks.headers[r].tensors[name] for r in merge.holders})
+                _check_padding(ranks, merge)
         except ShardConsistencyError as exc:
             found.append(str(exc))
     return found
@@ -309,7 +309,7 @@ def merged_blocks(ranks: RankFiles, merge: Merge, block: int | None = None) -> I
         yield from _interleaved(ranks, merge, infos, block)
         return
     if merge.split is Split.ROWS_PADDED:
-        _check_padding(ranks, merge, infos)
+        _check_padding(ranks, merge)
     if merge.split is Split.NONE:
         yield from _replica_blocks(ranks, merge.name, infos, block)
         return
@@ -408,8 +408,9 @@ def _table_rows(name: str, per_rank: int, tp: int, args: ModelArgs) -> int:
     return rows
 
 
-def _check_padding(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo]) -> None:
+def _check_padding(ranks: RankFiles, merge: Merge) -> None:
     """The padding rows after an Engram table's config rows (on the last ranks) must be the converter's fill."""
+    infos = {r: ranks.headers[r].tensors[merge.name] for r in merge.holders}
     k = infos[0].shape[0]
     row = _row_bytes(infos[0])
     fill = _fill(merge)

@@ -53,7 +53,16 @@ from dsv41_convert.hub.fetch import (
     remove_file,
     xet_refusal,
 )
-from dsv41_convert.hub.integrity import EVERY_FILE, Problem, Record, RemoteFile, Selection, check_files, wanted
+from dsv41_convert.hub.integrity import (
+    EVERY_FILE,
+    Problem,
+    Record,
+    RemoteFile,
+    Selection,
+    check_files,
+    selected,
+    wanted,
+)
 from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
@@ -65,7 +74,6 @@ from dsv41_convert.hub.local import (
     listing,
     offline,
     place_of,
-    selected,
     storage_of,
     structure_problems,
     verify_local,
@@ -211,7 +219,7 @@ def _download(
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
     asked = Selection(tuple(include), tuple(exclude))
-    files = selected(record.files, asked)
+    files = selected(record.files, (asked,))
     if not files:
         raise DownloadError(
             f"{repo_id}@{record.revision}: no file matches --include {list(include)} "

@@ -75,6 +75,11 @@ def wanted(path: str, selections: Iterable[Selection]) -> bool:
     return any(s.wants(path) for s in selections)
 
 
+def selected(files: Iterable[RemoteFile], selections: tuple[Selection, ...]) -> list[RemoteFile]:
+    """The files any of `selections` asks for, in their order."""
+    return [f for f in files if wanted(f.path, selections)]
+
+
 @dataclass(frozen=True)
 class Record:
     """What the Hub said about a revision when we downloaded it; saved as JSON beside the files."""
@@ -123,7 +128,7 @@ class Record:
 
     def selected(self) -> list[RemoteFile]:
         """The files of the revision any of the record's selections asks for."""
-        return [f for f in self.files if wanted(f.path, self.selections)]
+        return selected(self.files, self.selections)
 
 
 def check_files(

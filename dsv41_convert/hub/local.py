@@ -22,10 +22,10 @@ from dsv41_convert.hub.hf_metadata import hub_metadata
 from dsv41_convert.hub.integrity import (
     Problem,
     Record,
-    RemoteFile,
     Selection,
     check_checkpoint,
     check_files,
+    selected,
     wanted,
 )
 from dsv41_convert.progress import Progress
@@ -116,10 +116,6 @@ def offline() -> bool:
     return env or constants.HF_HUB_OFFLINE
 
 
-def selected(files: Sequence[RemoteFile], selection: Selection) -> list[RemoteFile]:
-    return [f for f in files if selection.wants(f.path)]
-
-
 # --- offline check ---
 
 
@@ -165,7 +161,7 @@ def verify_local(
     if record is None:
         return _verify_without_record(repo_id, revision, place.folder, asked, workers, progress)
     selections = (asked,) if include or exclude else record.selections  # by default, what was downloaded
-    files = [f for f in record.files if wanted(f.path, selections)]
+    files = selected(record.files, selections)
     problems = check_files(place.folder, files, workers=workers, progress=progress)
     problems += structure_problems(place.folder, [f.path for f in files], record, selections)
     return DownloadReport(

@@ -111,8 +111,41 @@ class Reference:
         return max((r.decode_logits.shape[0] for r in self.runs), default=0)
 
 
-def save(ref: Reference, path: Path) -> None:
-    """Write `ref` in the format above (hidden states included when the runs captured them)."""
+def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -> None:
+    """Write `ref` in the format above (hidden states included when the runs captured them); `tensors`: its
+    file_tensors where the caller built them already."""
+    tensors = file_tensors(ref) if tensors is None else tensors
+    inputs = ref.inputs
+    meta = {
+        "format": FORMAT,
+        "max_seq_len": str(ref.max_seq_len),
+        "source_format": ref.source_format,
+        "device": ref.device,
+        "tp": str(ref.tp),
+        "threads": str(ref.threads),
+        "torch": ref.torch_version,
+        "weights": ref.weights,
+        "labels": json.dumps(ref.labels),
+        "images": json.dumps([i.image or "" for i in inputs]),
+        "image_sha256": json.dumps([sha256_file(Path(i.image)) if i.image else "" for i in inputs]),
+    }
+    if ref.provenance is not None:
+        meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    except SafetensorError as exc:  # safetensors' own error for ENOSPC / EFBIG, not an OSError
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{path}: cannot write the reference file ({exc}); nothing written") from exc
+    sort_metadata(tmp)  # the same run, the same file
+    publish(tmp, path)
+
+
+def file_tensors(ref: Reference) -> dict[str, Tensor]:
+    """The tensors of `ref`'s file (the format above): the prompts padded to the longest, per-prompt runs
+    stacked."""
     runs, inputs = ref.runs, ref.inputs
     b, s = len(runs), max(len(i.input_ids) for i in inputs)
     vocab = runs[0].logits_all.shape[-1]
@@ -151,31 +184,7 @@ def save(ref: Reference, path: Path) -> None:
             part = run.hidden[key]
             h[(row, slice(0, lengths[row]), *(slice(0, d) for d in part.shape[1:]))] = part
         out[f"hidden.{key}"] = h
-    meta = {
-        "format": FORMAT,
-        "max_seq_len": str(ref.max_seq_len),
-        "source_format": ref.source_format,
-        "device": ref.device,
-        "tp": str(ref.tp),
-        "threads": str(ref.threads),
-        "torch": ref.torch_version,
-        "weights": ref.weights,
-        "labels": json.dumps(ref.labels),
-        "images": json.dumps([i.image or "" for i in inputs]),
-        "image_sha256": json.dumps([sha256_file(Path(i.image)) if i.image else "" for i in inputs]),
-    }
-    if ref.provenance is not None:
-        meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata=meta)
-    except SafetensorError as exc:  # safetensors' own error for ENOSPC / EFBIG, not an OSError
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"{path}: cannot write the reference file ({exc}); nothing written") from exc
-    sort_metadata(tmp)  # the same run, the same file
-    publish(tmp, path)
+    return out
 
 
 def hidden_dtype(module: str) -> torch.dtype:
@@ -321,9 +330,7 @@ def _problems(
     out += _pairing(t, dims, args)
     out += _ids(t, b, s, vocab, dims)
     out += _lengths_fit(t, meta, b, s, dims, default_max_seq_len)
-    for key in ("logits", "logits_all", "decode_logits", "draft_logits", "draft_confidence"):
-        if key in t and t[key].is_floating_point() and t[key].dim() == LAYOUT[key][1]:
-            out += _non_finite(key, t[key])
+    out += non_finite(t)
     out += _token_types(t)
     out += _metadata_lists(meta, t, b)
     out += _recorded_fields(meta)
@@ -456,17 +463,14 @@ def _unpadded(key: str, h: Tensor) -> Tensor:
     return h[..., :width]
 
 
-def non_finite_outputs(ref: Reference) -> list[str]:
-    """What `ref`'s runs computed that is NaN or Inf (logits, decode, drafts, confidence), a line per prompt and
-    section: a file holding it is refused by verify (validate_reference_file), so reference-logits does not
-    write it."""
+def non_finite(t: dict[str, Tensor]) -> list[str]:
+    """NaN or Inf in a reference file's logits, decode, draft and confidence tensors (file_tensors, or a loaded
+    file), by prompt and position: verify refuses such a file (validate_reference_file), and reference-logits
+    does not write it."""
     out = []
-    for label, r in zip(ref.labels, ref.runs, strict=True):
-        parts = {"logits": r.logits, "logits_all": r.logits_all, "decode_logits": r.decode_logits,
-                 "draft_logits": r.draft_logits, "draft_confidence": r.draft_confidence}  # fmt: skip
-        for key, x in parts.items():
-            if x is not None and x.numel() and not bool(torch.isfinite(x).all()):
-                out.append(f"prompt {label}: {key}: {int((~torch.isfinite(x)).sum())} of {x.numel()} values NaN/Inf")
+    for key in ("logits", "logits_all", "decode_logits", "draft_logits", "draft_confidence"):
+        if key in t and t[key].is_floating_point() and t[key].dim() == LAYOUT[key][1]:
+            out += _non_finite(key, t[key])
     return out
 
 

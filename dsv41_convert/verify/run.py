@@ -412,7 +412,7 @@ def _weights_check(
     if found is None:
         result.weights = "not compared"
         return
-    listed = [f for f in found if f.endswith(("not in the rank files", "not in the reference's record"))]
+    listed = [f for f in found if f.endswith((weight_digests.NOT_HELD, weight_digests.NOT_RECORDED))]
     if listed:  # the rank files loaded into the model strictly: they hold its tensors, so the record is wrong
         raise VerifyInputError(
             f"{file}: its weights record (metadata provenance.weights) does not list the tensors of the model it "

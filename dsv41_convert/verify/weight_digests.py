@@ -37,6 +37,7 @@ from dsv41_convert.verify.source import whole_row_copy
 
 T = TypeVar("T")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+NOT_HELD, NOT_RECORDED = "not in the rank files", "not in the reference's record"  # compare's name failures
 
 if TYPE_CHECKING:
     from dsv41_convert.convert.plan import OutTensor
@@ -162,8 +163,8 @@ def compare(weights: dict[str, Any], ranks: RankFiles, progress: Progress | None
     for r, (want, got) in enumerate(zip(weights["ranks"], found, strict=True)):
         want = {n: d for n, d in want.items() if not (skip_experts and _routed(n))}
         where = "" if weights["tp"] == 1 else f" on rank {r}" if ours else f" in tp-{weights['tp']} rank {r}"
-        failures += [f"{n}{where}: not in the rank files" for n in sorted(want.keys() - got.keys())]
-        failures += [f"{n}{where}: not in the reference's record" for n in sorted(got.keys() - want.keys())]
+        failures += [f"{n}{where}: {NOT_HELD}" for n in sorted(want.keys() - got.keys())]
+        failures += [f"{n}{where}: {NOT_RECORDED}" for n in sorted(got.keys() - want.keys())]
         failures += [
             f"{n}{where}{'' if ours else _only_holder(ranks, held.get(n, []))}: sha256 {got[n][:12]}..., "
             f"the reference's weights {want[n][:12]}..."
