@@ -16,13 +16,22 @@ from dsv41_convert.store.manifest import fsync_path
 
 def new_file_mode() -> int:
     """0o666 less the process's umask: the mode open() gives a new file."""
+    return 0o666 & ~_umask()
+
+
+def new_folder_mode() -> int:
+    """0o777 less the process's umask: the mode mkdir() gives a new folder (tempfile.mkdtemp's is 0o700)."""
+    return 0o777 & ~_umask()
+
+
+def _umask() -> int:
     try:
         with open("/proc/self/status") as status:  # Linux: read without changing it (no race with threads)
-            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
     except (OSError, StopIteration):
         umask = os.umask(0)
         os.umask(umask)
-    return 0o666 & ~umask
+        return umask
 
 
 def publish(tmp: Path, path: Path, durable: bool = True) -> None:

@@ -22,7 +22,6 @@ ours is sorted (sha256 733ec7b8..., published 74b0686a...).
 from __future__ import annotations
 
 import json
-import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,11 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
+from dsv41_convert.synth.staged import INDEX, staged
 from dsv41_convert.synth.tokenizer import fit_compressed_size, special_token_ids, tokenizer_config
-from dsv41_convert.synth.write import INDEX, plan_shards, prepare_out, write_text
+from dsv41_convert.synth.write import plan_shards, write_text
 
 REAL_CONFIG = "v41-flash.config.json"
 
@@ -50,6 +51,19 @@ def hollow_tokenizer(config: dict[str, Any]) -> Tokenizer:
     return fit_compressed_size(text["vocab_size"], text["engram_compressed_vocab_size"], specials)
 
 
+def _check_sparse(path: Path, out: Path) -> None:
+    """OutputError where the filesystem stored a shard's hole as data: the full layout would fill ~510 GB."""
+    st = path.stat()
+    if st.st_size > 2 * SPARSE_SLACK and st.st_blocks * 512 > st.st_size // 2:
+        raise OutputError(
+            f"{out}: its filesystem does not keep files sparse ({path.name}: {st.st_blocks * 512:,} bytes on disk "
+            f"for {st.st_size:,}); the full layout would take ~510 GB there: pick a folder on ext4, xfs, btrfs or tmpfs"
+        )
+
+
+SPARSE_SLACK = 1 << 20  # a shard's header and the filesystem's first blocks
+
+
 def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | None = None) -> dict[str, Any]:
     """Write the full-size layout as sparse files into `out` (see the module docstring).
 
@@ -60,31 +74,31 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
     config = real_config()
     args = ModelArgs.from_hf_dict(config, REAL_CONFIG)
     shards = plan_shards(args, quantized=True)
-    prepare_out(out, overwrite)
     text = config["text_config"]
     tok = hollow_tokenizer(config)
-    write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    write_text(out / "tokenizer.json", tok.to_str(pretty=False))
-    model_max = text["max_position_embeddings"]
-    write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max), indent=2, ensure_ascii=False))
-
     files, weight_map, total = [], {}, 0
-    for shard in shards:
-        header, spans = shard.header()
-        size = spans[-1][2] if spans else len(header)
-        tmp = out / (shard.file + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.truncate(size)  # the data: a hole that reads as zeros
-        os.replace(tmp, out / shard.file)
-        files.append({"file": shard.file, "bytes": size, "tensors": len(shard.tensors)})
-        weight_map.update({t.name: shard.file for t in shard.tensors})
-        total += size - len(header)
-        if progress is not None:
-            progress(shard.file, size, size)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text(out / INDEX, json.dumps(index, indent=2))  # keys sorted; no newline at the end, as published
-    used = sum(p.stat().st_blocks * 512 for p in out.iterdir())
+    with staged(out, overwrite) as stage:
+        write_text(stage / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        write_text(stage / "tokenizer.json", tok.to_str(pretty=False))
+        model_max = text["max_position_embeddings"]
+        tok_config = tokenizer_config(model_max)
+        write_text(stage / "tokenizer_config.json", json.dumps(tok_config, indent=2, ensure_ascii=False))
+        for shard in shards:
+            header, spans = shard.header()
+            size = spans[-1][2] if spans else len(header)
+            path = stage / shard.file
+            with open(path, "wb") as f:
+                f.write(header)
+                f.truncate(size)  # the data: a hole that reads as zeros
+            _check_sparse(path, out)
+            files.append({"file": shard.file, "bytes": size, "tensors": len(shard.tensors)})
+            weight_map.update({t.name: shard.file for t in shard.tensors})
+            total += size - len(header)
+            if progress is not None:
+                progress(shard.file, size, size)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        write_text(stage / INDEX, json.dumps(index, indent=2))  # keys sorted; no newline at the end, as published
+        used = sum(p.stat().st_blocks * 512 for p in stage.iterdir())
     return {
         "out": str(out),
         "preset": "full",

@@ -5,8 +5,8 @@ spread over `layer_shards` files (default: one per layer, as published):
 
     vision + aligner | embed + image_* | layers (without Engram) x K | head + norm | mtp.k each | layers.i.engram each
 
-Each shard is built alone (values drawn, already in the file's dtypes, then saved) and written as `<file>.partial`, then
-renamed, so memory holds one shard at a time and a half-written file never has the final name.
+Each shard is built alone (values drawn, already in the file's dtypes, then saved), so memory holds one shard at a
+time; the whole checkpoint is written into a hidden folder beside OUT and renamed to OUT at the end (synth/staged.py).
 Headers are the published ones (Shard.sorted_header: save_file's order, dtype then name, no metadata; an
 Engram shard in the module's order), so the bytes depend only on the arguments.
 """
@@ -27,17 +27,17 @@ from tokenizers import Tokenizer
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.convert.transform import to_bytes
-from dsv41_convert.errors import OutputError, PlanError
+from dsv41_convert.errors import PlanError
 from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.progress import Progress as ProgressFn
 from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import build_header, nbytes
 from dsv41_convert.synth.presets import Preset, hf_config
+from dsv41_convert.synth.staged import INDEX, staged
 from dsv41_convert.synth.tokenizer import build_tokenizer, special_token_ids, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
 
-INDEX = "model.safetensors.index.json"
 _SMALL = 1 << 28  # bytes; below this, one torch thread (small ops on 2+ threads mostly wait on each other)
 
 
@@ -98,31 +98,6 @@ def plan_shards(args: ModelArgs, quantized: bool, layer_shards: int | None = Non
         )
         for i, params in enumerate(files)
     ]
-
-
-def _is_ours(name: str) -> bool:
-    return (
-        name in ("config.json", "tokenizer.json", "tokenizer_config.json", INDEX)
-        or (name.startswith("model-") and ".safetensors" in name)
-        or name.endswith(".partial")
-    )
-
-
-def prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder; give a folder path")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
-        foreign = sorted(p.name for p in out.iterdir() if not _is_ours(p.name))
-        if foreign:
-            raise OutputError(
-                f"{out}: holds files a checkpoint does not ({foreign[:5]}); --overwrite only replaces "
-                "checkpoint files, so pick an empty folder"
-            )
-        for p in out.iterdir():
-            p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def write_text(path: Path, text: str) -> None:
@@ -208,23 +183,21 @@ def write_checkpoint(
     compressed = config["text_config"]["engram_compressed_vocab_size"]
     args = ModelArgs.from_hf_dict(config, f"preset {preset.name}")
     shards = plan_shards(args, quantized, layer_shards)  # every check before the first byte is touched
-    prepare_out(out, overwrite)
-
-    write_text(out / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    write_text(out / "tokenizer.json", tok.to_str(pretty=True))
-    model_max = config["text_config"]["max_position_embeddings"]
-    write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max), indent=2, ensure_ascii=False))
-
     total_bytes = sum(s.nbytes for s in shards)
     files = []
-    with _torch_threads(1 if total_bytes < _SMALL else None):
-        for shard in shards:
-            size = write_shard(out, shard, seed, quantized, progress)
-            files.append({"file": shard.file, "bytes": size, "tensors": len(shard.tensors)})
-
-    weight_map = {t.name: s.file for s in shards for t in s.tensors}
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    write_text(out / INDEX, json.dumps(index, indent=2))  # no newline at the end, as published
+    with staged(out, overwrite) as stage:
+        write_text(stage / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        write_text(stage / "tokenizer.json", tok.to_str(pretty=True))
+        model_max = config["text_config"]["max_position_embeddings"]
+        tok_config = tokenizer_config(model_max)
+        write_text(stage / "tokenizer_config.json", json.dumps(tok_config, indent=2, ensure_ascii=False))
+        with _torch_threads(1 if total_bytes < _SMALL else None):
+            for shard in shards:
+                size = write_shard(stage, shard, seed, quantized, progress)
+                files.append({"file": shard.file, "bytes": size, "tensors": len(shard.tensors)})
+        weight_map = {t.name: s.file for s in shards for t in s.tensors}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        write_text(stage / INDEX, json.dumps(index, indent=2))  # no newline at the end, as published
     return {
         "out": str(out),
         "preset": preset.name,

@@ -3,11 +3,14 @@ the tokenizer, the fp8 <-> bf16 round trip, determinism and the command line."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
 import math
 import re
+import shutil
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -27,6 +30,7 @@ from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.quant import encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_int8
 from dsv41_convert.synth.presets import TINY, hf_config
+from dsv41_convert.synth.staged import INDEX
 from dsv41_convert.synth.weights import decode_file_tensors
 from dsv41_convert.synth.write import write_checkpoint
 
@@ -271,3 +275,80 @@ def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
     assert (tmp_path / "x").exists()
+
+
+def _listing(folder):
+    return {p.name: p.read_bytes() if p.is_file() else None for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda out: (out / "zz.partial").mkdir(),  # a folder with a name the old check took for ours
+        lambda out: (out / "model-notes.safetensors.txt").write_text("mine"),  # "model-" ... ".safetensors" in it
+        lambda out: (out / "tokenizer.json.bak").write_text("mine"),
+        lambda out: (out / "model-00099-of-00099.safetensors.sha256").write_text("mine"),
+        lambda out: (out / "config.json").unlink() or (out / "config.json").symlink_to(out / "tokenizer.json"),
+    ],
+)
+def test_overwrite_touches_nothing_of_a_folder_with_foreign_entries(fp8_dir, tmp_path, plant):
+    """--overwrite judged entries by a loose name test and deleted them one by one: a folder named zz.partial
+    made it fail half-way through a checkpoint it had partly deleted; a user's model-notes.safetensors.txt
+    was deleted (an audit). Every entry must now be a regular file of a name make-tiny writes, checked before
+    anything is touched."""
+    out = tmp_path / "out"
+    shutil.copytree(fp8_dir, out, symlinks=True)
+    plant(out)
+    before = _listing(out)
+    with pytest.raises(OutputError, match="holds what make-tiny does not write"):
+        write_checkpoint(out, TINY, seed=1, overwrite=True)
+    assert _listing(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_failed_write_leaves_out_as_it_was(fp8_dir, tmp_path, monkeypatch):
+    """A full disk in the middle of the shards left config, tokenizer files and some shards (with --overwrite
+    after deleting the old checkpoint), and an error naming no file (an audit): the checkpoint is staged beside
+    OUT, removed on failure, OUT untouched, and the error names OUT."""
+    from dsv41_convert.synth import write as synth_write
+
+    real, written = synth_write.write_shard, []
+
+    def full_disk(out, shard, *args, **kw):
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(shard.file)
+        return real(out, shard, *args, **kw)
+
+    monkeypatch.setattr(synth_write, "write_shard", full_disk)
+    old = tmp_path / "old"
+    shutil.copytree(fp8_dir, old)
+    before = _listing(old)
+    for out, overwrite in ((tmp_path / "new", False), (old, True)):
+        written.clear()
+        with pytest.raises(OutputError, match=rf"{out}: No space left on device while writing the checkpoint"):
+            write_checkpoint(out, TINY, seed=1, overwrite=overwrite)
+    assert _listing(old) == before and sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+def test_overwrite_replaces_the_folder_whole(fp8_dir, tmp_path):
+    """With --overwrite the new checkpoint takes OUT's place at once: the old files are gone, nothing is left
+    beside OUT, and OUT has the mode of a folder mkdir makes."""
+    out = tmp_path / "out"
+    shutil.copytree(fp8_dir, out)
+    summary = write_checkpoint(out, TINY, seed=1, layer_shards=2, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "tokenizer.json", "tokenizer_config.json", INDEX, *(f["file"] for f in summary["files"])]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(fp8_dir.stat().st_mode)
+
+
+def test_a_link_to_nowhere_is_named_as_such(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OutputError, match=r"dangling: a link to .*nowhere, which does not exist"):
+        write_checkpoint(tmp_path / "dangling", TINY)
+    linked = tmp_path / "linked"
+    (tmp_path / "target").mkdir()
+    linked.symlink_to(tmp_path / "target")
+    write_checkpoint(linked, TINY, vision=False, layer_shards=1)  # a link to a folder: written there
+    assert linked.is_symlink() and (tmp_path / "target" / INDEX).is_file()

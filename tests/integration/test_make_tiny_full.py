@@ -93,3 +93,19 @@ def test_refused_combinations(tmp_path, monkeypatch, capsys, extra, match):
     code, _, err = run_cli(monkeypatch, capsys, "make-tiny", str(tmp_path / "x"), *extra)
     assert code == 2 and re.search(match, err), err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_filesystem_without_holes_is_refused_at_the_first_shard(tmp_path):
+    """On a filesystem that stores holes as data the full layout would try to fill ~510 GB: the first shard
+    whose blocks on disk are more than half its size stops the run, naming the filesystem's trouble."""
+    from dsv41_convert.errors import OutputError
+    from dsv41_convert.synth.hollow import SPARSE_SLACK, _check_sparse
+
+    hollow = tmp_path / "hollow.safetensors"
+    with open(hollow, "wb") as f:
+        f.truncate(4 * SPARSE_SLACK)
+    _check_sparse(hollow, tmp_path)  # a hole: passes
+    dense = tmp_path / "dense.safetensors"
+    dense.write_bytes(b"\1" * (4 * SPARSE_SLACK))
+    with pytest.raises(OutputError, match=r"does not keep files sparse \(dense\.safetensors: 4,194,304 bytes on disk"):
+        _check_sparse(dense, tmp_path)
