@@ -2,7 +2,10 @@
 records, weight_digests.of_source) and, given converted rank files, the check verify makes against it (their
 merge to tp 1, a block at a time, weight_digests.compare).
 
-    python bench/bench_weight_digests.py SRC [--converted MP_FOLDER] [--json OUT]
+    python bench/bench_weight_digests.py SRC [--converted MP_FOLDER] [--experts-as] [--json OUT]
+
+`--experts-as`: of_source again, also digesting each routed expert as fp8 (the record's `experts_as`, in the
+same read), and the record of it compared with MP_FOLDER (which then holds fp8 experts).
 
 Prints one JSON document: bytes hashed, wall and CPU seconds, peak RSS of this process, threads, the machine.
 The source may be `make-tiny --preset full --sparse` (510 GB apparent, holes read as zeros: the hashing and
@@ -49,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("src", type=Path)
     ap.add_argument("--converted", type=Path)
+    ap.add_argument("--experts-as", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     doc = {
@@ -58,15 +62,23 @@ def main() -> None:
         "threads": hash_threads(1 << 20),
     }
     weights = SourceWeights(a.src)
+    weights_as = SourceWeights(a.src, "fp8") if a.experts_as else None
     total = sum(t.end - t.begin for t in weights.plan.files[0].tensors)
     try:
-        digests, wall, cpu = timed(lambda: weight_digests.of_source(weights, _say_every(50e9)))
+        (digests, _), wall, cpu = timed(lambda: weight_digests.of_source(weights, _say_every(50e9)))
+        doc["of_source"] = {"tensors": len(digests), "bytes": total, "wall_s": wall, "cpu_s": cpu,
+                            "gb_per_s": total / wall / 1e9}  # fmt: skip
+        as_fp8 = None
+        if weights_as is not None:
+            (_, as_fp8), wall, cpu = timed(lambda: weight_digests.of_source(weights, _say_every(50e9), weights_as))
+            doc["of_source_experts_as"] = {"expert_tensors": len(as_fp8), "wall_s": wall, "cpu_s": cpu,
+                                           "gb_per_s": total / wall / 1e9}  # fmt: skip
     finally:
         weights.close()
-    doc["of_source"] = {"tensors": len(digests), "bytes": total, "wall_s": wall, "cpu_s": cpu,
-                        "gb_per_s": total / wall / 1e9}  # fmt: skip
+        if weights_as is not None:
+            weights_as.close()
     if a.converted:
-        record = weight_digests.record([digests], source_experts(a.src))
+        record = weight_digests.record([digests], source_experts(a.src), as_fp8)
         with RankFiles(a.converted) as ranks:
             size = sum(h.file_size for h in ranks.headers)
             (found, note), wall, cpu = timed(lambda: weight_digests.compare(record, ranks))

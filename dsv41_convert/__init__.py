@@ -3,6 +3,7 @@
 The package, bottom to top (imports point downward only):
     errors.py, config.py, progress.py   what every layer shares: error types, ModelArgs, the progress callback
     interrupts.py   Ctrl-C and SIGTERM postponed while a file's writer threads run
+    torchrun.py     the enclosing torchrun launch, from its environment
     quant/     number formats (pure torch)
     kernels/   TileLang kernels beside their torch references
     store/     safetensors headers, the hashing writer, journals, manifests, folder locks

@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import os
 import signal
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from dsv41_convert import interrupts
+from dsv41_convert import interrupts, torchrun
 from dsv41_convert.app import options as opts
 from dsv41_convert.app import report
 from dsv41_convert.errors import ConvertError
@@ -432,7 +431,8 @@ def verify_cmd(
         converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
         not no_localize, threads, statistical, replay=not no_replay,
     )  # fmt: skip
-    result = verify(opts, progress=None if as_json else report.info, shown=None if as_json else report.byte_progress)
+    speaks = not as_json and torchrun.shared_rank() in (None, 0)  # one process of a torchrun launch speaks
+    result = verify(opts, progress=report.info if speaks else None, shown=report.byte_progress if speaks else None)
     if result is None:  # a torchrun rank other than 0
         return
     if as_json:
@@ -472,6 +472,15 @@ def reference_logits_cmd(
             "With --stream-layers this reads the whole source once more.",
         ),
     ] = True,
+    fp8_expert_digests: Annotated[
+        bool,
+        typer.Option(
+            "--fp8-expert-digests/--no-fp8-expert-digests",
+            help="With the weight digests of fp4 routed experts, also record each expert as `shard "
+            "--expert-dtype fp8` writes it (the set for Hopper serving), so that verify compares an fp8-expert "
+            "set's every expert too. Costs the cast of every expert (~5 CPU s per GB of fp4 experts).",
+        ),
+    ] = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
@@ -493,7 +502,7 @@ def reference_logits_cmd(
     from dsv41_convert.convert.execute import check_output_file
     from dsv41_convert.store.lock import hold
     from dsv41_convert.verify import reffile
-    from dsv41_convert.verify.launch import backend_for, default_threads, torchrun_world
+    from dsv41_convert.verify.launch import backend_for, default_threads
     from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
 
     backend_for(device)
@@ -513,7 +522,9 @@ def reference_logits_cmd(
         )
     from dsv41_convert.verify.run import not_run_by
 
-    for part in not_run_by(prompt_list, args):  # said before the compute, while the prompts can change (stderr)
+    # the process that saves (rank 0 of a torchrun launch, else this one) speaks for the run
+    writes = torchrun.shared_rank() in (None, 0)
+    for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
         report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
     timings = None
     if stream_layers and (tp != 1 or as_converted):
@@ -526,9 +537,8 @@ def reference_logits_cmd(
         check_tp(args, tp, str(src / "config.json"))
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     out.parent.mkdir(parents=True, exist_ok=True)
-    # the process that saves holds OUT's folder from the start (rank 0 of a torchrun launch, else this one),
-    # so a second writer is refused before minutes of compute, and torchrun's ranks do not contend
-    writes = torchrun_world() is None or os.environ.get("RANK") == "0"
+    # the process that saves holds OUT's folder from the start, so a second writer is refused before minutes
+    # of compute, and torchrun's ranks do not contend
     with hold(out.parent) if writes else contextlib.nullcontext():
         check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
         if stream_layers:
@@ -537,13 +547,15 @@ def reference_logits_cmd(
             with report.byte_progress(f"reference-logits {src} --stream-layers", quiet=as_json) as progress:
                 say = None if as_json else report.info
                 ref, timings = compute_streamed_reference(
-                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say, weight_digests
-                )
+                    src, prompt_list, decode_steps, max_seq_len, device, True, progress, say, weight_digests,
+                    fp8_expert_digests,
+                )  # fmt: skip
         else:
-            ref = compute_reference_ranks(
-                src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads, report.info,
-                weight_digests,
-            )  # fmt: skip
+            with report.byte_progress(f"reference-logits {src}", quiet=as_json or not writes) as progress:
+                ref = compute_reference_ranks(
+                    src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads,
+                    report.info if writes else None, weight_digests, progress, fp8_expert_digests,
+                )  # fmt: skip
         if ref is None:  # a torchrun rank other than 0
             return
         if as_converted and ref.source_format == "fp8":
@@ -573,6 +585,8 @@ def reference_logits_cmd(
     }
     recorded = (ref.provenance or {}).get("weights")
     summary["weight_digests"] = sum(map(len, recorded["ranks"])) if recorded else 0  # tensors, over every rank
+    experts_as = (recorded or {}).get("experts_as")  # the routed experts' tensors as the other expert dtype
+    summary["weight_digests_experts_as"] = {experts_as["expert_dtype"]: len(experts_as["sha256"])} if experts_as else {}
     if torch.device(device).type == "cuda" and tp == 1:  # this process ran the model
         summary["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
     if timings is not None:

@@ -361,6 +361,24 @@ class ModelArgs:
             raise ConfigError(f"{source}: expert_dtype {self.expert_dtype!r}, expected 'fp4', 'fp8' or none")
         if self.head_dim % self.o_groups or (self.n_heads * self.head_dim) % self.o_groups:
             raise ConfigError(f"{source}: n_heads * head_dim must divide into o_groups={self.o_groups}")
+        if not 0 < self.rope_head_dim <= self.head_dim or self.rope_head_dim % 2:
+            raise ConfigError(
+                f"{source}: qk_rope_head_dim {self.rope_head_dim} must be even and within head_dim {self.head_dim}"
+            )
+        for layer in range(self.n_all_layers):
+            routed, activated = self.moe_config(layer)
+            if not 0 < activated <= routed:
+                what = "dspark_num_experts_per_tok" if layer >= self.n_layers else "num_experts_per_tok"
+                raise ConfigError(f"{source}: {what} {activated} must be between 1 and the {routed} routed experts")
+        for key, layers in (
+            ("engram_layer_ids", self.engram_layer_ids),
+            ("dspark_target_layer_ids", self.dspark_target_layer_ids),
+        ):
+            outside = [i for i in layers if not 0 <= i < self.n_layers]
+            if outside:
+                raise ConfigError(
+                    f"{source}: {key} {list(layers)}: {outside} not a backbone layer (0..{self.n_layers - 1})"
+                )
 
 
 _NO_VISION: dict[str, Any] = {

@@ -5,7 +5,21 @@ import threading
 from collections.abc import Callable
 
 Progress = Callable[[str, int, int], None]
-"""progress(label, done, total): `label` names a unit of work (an output file); done/total in bytes."""
+"""progress(label, done, total): `label` names a unit of work (an output file); done/total in bytes, or in
+whole items for a label made by `counting`."""
+
+_COUNTS = "\x1f"  # between a label and the noun of what it counts; never in a file name or tensor name
+
+
+def counting(label: str, noun: str) -> str:
+    """`label` for a bar that counts whole `noun`s (the streamed model's units, prompts), not bytes."""
+    return f"{label}{_COUNTS}{noun}"
+
+
+def counted(label: str) -> tuple[str, str | None]:
+    """-> (the label as shown, the noun it counts or None for bytes): `counting` undone."""
+    shown, _, noun = label.partition(_COUNTS)
+    return shown, noun or None
 
 
 def add_seconds(stages: dict[str, float], stage: str, seconds: float) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from dsv41_convert import interrupts
+from dsv41_convert import interrupts, torchrun
 from dsv41_convert.progress import Progress as ProgressFn
 
 if TYPE_CHECKING:
@@ -51,8 +51,14 @@ def print_json(data: Any, compact: bool = False, after_a_signal: bool = False) -
     """One JSON document on stdout, for pipelines. `compact`: no indentation, for large documents (the
     indenting encoder is pure Python, ~10x slower than the compact one), and no check for cycles, which
     costs a third of the encoding of a plan's 400k containers (JSON data has none: one would recurse
-    until RecursionError instead of a ValueError). `after_a_signal`: as `write`'s."""
-    if compact:
+    until RecursionError instead of a ValueError). `after_a_signal`: as `write`'s.
+
+    Under a torchrun launch of several processes, which share one stdout, each process's document is one
+    line (JSON Lines) written at once, its `rank` first: indented documents of two ranks interleaved."""
+    rank = torchrun.shared_rank()
+    if rank is not None:
+        data = {"rank": rank} | data if isinstance(data, dict) else {"rank": rank, "result": data}
+    if compact or rank is not None:
         text = json.dumps(data, separators=(",", ":"), default=str, check_circular=False)
     else:
         text = json.dumps(data, indent=2, default=str)
@@ -71,9 +77,13 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     if not after_a_signal:
         interrupts.check()
     try:
-        for piece in pieces:
-            sys.stdout.write(piece)
-        sys.stdout.write("\n")
+        if torchrun.shared_rank() is not None:  # one write: not cut between another rank's lines
+            sys.stdout.flush()
+            sys.stdout.buffer.write(("".join(pieces) + "\n").encode())
+        else:
+            for piece in pieces:
+                sys.stdout.write(piece)
+            sys.stdout.write("\n")
         sys.stdout.flush()
     except BrokenPipeError:
         reader_gone(sys.stdout)
@@ -100,11 +110,17 @@ def line(text: str) -> None:
 
 
 def error(message: str) -> None:
-    _console("stderr").print(f"[bold red]error:[/] {plain(message)}", highlight=False)
+    _console("stderr").print(f"[bold red]error:[/] {plain(_by_rank(message))}", highlight=False)
 
 
 def warn(message: str) -> None:
-    _console("stderr").print(f"[yellow]warning:[/] {plain(message)}", highlight=False)
+    _console("stderr").print(f"[yellow]warning:[/] {plain(_by_rank(message))}", highlight=False)
+
+
+def _by_rank(message: str) -> str:
+    """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
+    rank = torchrun.shared_rank()
+    return message if rank is None else f"rank {rank}: {message}"
 
 
 def info(message: str) -> None:
@@ -113,25 +129,21 @@ def info(message: str) -> None:
 
 @contextmanager
 def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
-    """A rich progress display with one bar per label, bytes, speed (app/speed_column.py) and ETA, on stderr."""
+    """A rich progress display with one bar per label, bytes (or items: progress.counting), speed
+    (app/speed_column.py) and ETA, on stderr."""
     if quiet:
         yield lambda label, done, total: None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-    )
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-    from dsv41_convert.app.speed_column import MeanSpeedColumn, StallAwareTimeRemaining, Stalls
+    from dsv41_convert.app.speed_column import AmountColumn, MeanSpeedColumn, StallAwareTimeRemaining, Stalls
+    from dsv41_convert.progress import counted
 
     stalls = Stalls()
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        DownloadColumn(binary_units=True),
+        AmountColumn(),
         MeanSpeedColumn(stalls),
         StallAwareTimeRemaining(stalls),
     )
@@ -141,7 +153,8 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
 
         def update(label: str, done: int, total: int) -> None:
             if label not in tasks:
-                tasks[label] = progress.add_task(plain(label), total=total)
+                shown, noun = counted(label)
+                tasks[label] = progress.add_task(plain(shown), total=total, noun=noun)
             progress.update(tasks[label], completed=done, total=total)
 
         yield update

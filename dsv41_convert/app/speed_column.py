@@ -1,4 +1,6 @@
-"""The speed column of the byte progress bars (app/report.py), imported with rich when a bar is shown.
+"""The amount and speed columns of the progress bars (app/report.py), imported with rich when a bar is shown.
+
+A bar counts bytes, or whole items where its task has a `noun` field (progress.counting: "5/11 units").
 
 rich's own column keeps, once a bar is done, the speed of its last few updates. Workers report in bursts
 (a worker's chunks reach the display queued behind each other), so a bar that finishes in a burst showed
@@ -13,7 +15,7 @@ both columns instead.
 from __future__ import annotations
 
 from rich import filesize
-from rich.progress import ProgressColumn, Task, TaskID, TimeRemainingColumn
+from rich.progress import DownloadColumn, ProgressColumn, Task, TaskID, TimeRemainingColumn
 from rich.text import Text
 
 MIN_SECONDS = 0.5  # a bar finished sooner has no rate worth showing: its first report came after its start
@@ -38,8 +40,22 @@ class Stalls:
         return waited if task.finished_time is None and waited >= STALL_SECONDS else None
 
 
+class AmountColumn(DownloadColumn):
+    """Bytes done of the total (binary units), or for a counting bar items done of the total."""
+
+    def __init__(self) -> None:
+        super().__init__(binary_units=True)
+
+    def render(self, task: Task) -> Text:
+        noun = task.fields.get("noun")
+        if noun is None:
+            return super().render(task)
+        total = "?" if task.total is None else f"{int(task.total)}"
+        return Text(f"{int(task.completed)}/{total} {noun}", style="progress.download")
+
+
 class MeanSpeedColumn(ProgressColumn):
-    """Bytes per second (decimal units): recent while running, the whole bar's mean once finished;
+    """Bytes per second (decimal units), or items per second: recent while running, the whole bar's mean once finished;
     "stalled N s" for a running bar without new bytes for STALL_SECONDS."""
 
     def __init__(self, stalls: Stalls | None = None) -> None:
@@ -51,7 +67,11 @@ class MeanSpeedColumn(ProgressColumn):
         if stalled is not None:
             return Text(f"stalled {stalled:.0f} s", style="progress.remaining")
         speed = bar_speed(task)
-        return Text("" if speed is None else f"{filesize.decimal(int(speed))}/s", style="progress.data.speed")
+        if speed is None:
+            return Text("")
+        noun = task.fields.get("noun")
+        shown = f"{speed:.2g} {noun}/s" if noun is not None else f"{filesize.decimal(int(speed))}/s"
+        return Text(shown, style="progress.data.speed")
 
 
 class StallAwareTimeRemaining(TimeRemainingColumn):

@@ -58,6 +58,7 @@ from dsv41_convert.model.runtime import SharedAttentionRuntime
 from dsv41_convert.model.stream_feed import CudaFeed, HostFeed, nbytes
 from dsv41_convert.model.stream_records import StreamPrompt, StreamResult, UnitTiming, WeightProvider
 from dsv41_convert.model.transformer import block_step, capture_block, merge_image_spans, to_streams
+from dsv41_convert.progress import counting
 
 if TYPE_CHECKING:
     from dsv41_convert.config import ModelArgs
@@ -277,7 +278,7 @@ class _Runner:
                     for steps in self.steps:
                         if s < len(steps):
                             steps[s].runtime = steps[s - 1].runtime
-                label = f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'}): units"
+                label = counting(f"pass {s + 1}/{n_steps} ({'prefill' if s == 0 else f'decode step {s}'})", "units")
                 for u, name in enumerate(units):
                     interrupts.check()  # Ctrl-C or SIGTERM postponed by an import (interrupts.py)
                     if self.progress is not None:
@@ -517,7 +518,8 @@ def run_streamed(
     """Run `prompts` (prefill, the decode steps feeding decode_ids, the DSpark drafts) unit by unit.
 
     args: runtime ModelArgs (max_batch_size >= 1, max_seq_len, temperature 0 for the drafts' argmax);
-    tokenizer: as Transformer takes it (Engram's token map); progress(pass label, units done, units in the pass).
+    tokenizer: as Transformer takes it (Engram's token map); progress(pass label, units done, units in the pass),
+    the label `counting` units.
     -> per prompt a StreamResult, per unit a UnitTiming (summed over the passes)
     """
     return _Runner(args, provider, list(prompts), tokenizer, capture_hidden, device, progress).run()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.errors import NOT_JSON, HeaderError
+from dsv41_convert.store.rank_names import RANK_FILE
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers too
 
@@ -121,12 +122,17 @@ def read_header(path: Path | str) -> Header:
     if pos != size:
         if pos > size:
             last = entries[-1].name
-            raise HeaderError(
-                f"{path}: tensor {last} ends at byte {pos} but the file has {size} bytes; truncated shard? "
-                "download it again"
-            )
+            short = f"tensor {last} ends at byte {pos} but the file has {size} bytes"
+            raise HeaderError(f"{path}: {short}; {_remedy(path)}")
         raise HeaderError(f"{path}: {size - pos} bytes after the last tensor; the header does not cover the file")
     return Header(path, size, start, {t.name: t for t in entries})
+
+
+def _remedy(path: str) -> str:
+    """What to do about a truncated file: a rank file is converted again, anything else fetched again."""
+    if RANK_FILE.fullmatch(os.path.basename(path)):
+        return "truncated rank file? `shard ... --resume` writes again every file that does not match its manifest"
+    return "truncated shard? download it again"
 
 
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}

@@ -11,6 +11,9 @@ rank, inside an initialised process group (gloo on CPU, nccl on CUDA), and retur
   ConvertError it met, to a temporary folder; rank 0's result comes back, and the first rank's input
   error is raised again here so that the CLI reports it as one.
 
+Inside `target`, `tell(label, done, total)` reports progress: rank 0's reaches the `progress` given to
+launch, in the launching process.
+
 `target` must agree with its peers on failures: a rank that raises while the others wait in a
 collective would hang them until the group's timeout (`TIMEOUT`).
 """
@@ -18,30 +21,26 @@ collective would hang them until the group's timeout (`TIMEOUT`).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsv41_convert import errors, interrupts
+from dsv41_convert import errors, interrupts, torchrun
 from dsv41_convert.convert import die_with
 from dsv41_convert.errors import ConvertError, VerifyInputError
+from dsv41_convert.progress import Progress
 
 TIMEOUT = datetime.timedelta(minutes=10)
 START_METHOD = "forkserver"  # see launch()
-
-
-def torchrun_world() -> int | None:
-    """WORLD_SIZE of an enclosing torchrun launch, or None when not launched by one."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return None
 
 
 def backend_for(device: str) -> str:
@@ -54,22 +53,33 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, threads: int | None = None) -> Any:
+def launch(
+    target: Callable[[Any], Any],
+    payload: Any,
+    tp: int,
+    device: str,
+    threads: int | None = None,
+    progress: Progress | None = None,
+) -> Any:
     """Run `target(payload)` on tp ranks; -> rank 0's return value (None on other torchrun ranks).
 
-    threads: torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
+    threads:  torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
+    progress: what rank 0's target `tell`s, reported in this process (from a spawned rank 0 through a file
+              in the launch's folder, read while the ranks run)
     """
     interrupts.check()  # a Ctrl-C or SIGTERM postponed by an import stops the run before its ranks start
     backend = backend_for(device)
-    world = torchrun_world()
+    world = torchrun.world()
     if world is not None:
         if world != tp:
             raise VerifyInputError(f"torchrun started {world} ranks but --tp is {tp}; they must be equal")
-        return _joined(target, payload, backend, device)
+        with _telling(progress if os.environ["RANK"] == "0" else None):
+            return _joined(target, payload, backend, device)
     if tp == 1:
         if device == "cuda":
             torch.cuda.set_device(0)
-        return target(payload)
+        with _telling(progress):
+            return target(payload)
     if device == "cuda" and torch.cuda.device_count() < tp:
         raise VerifyInputError(f"--tp {tp} on cuda needs {tp} GPUs, found {torch.cuda.device_count()}")
     import multiprocessing
@@ -93,9 +103,11 @@ def launch(target: Callable[[Any], Any], payload: Any, tp: int, device: str, thr
             join=False,
             start_method=START_METHOD,
         )
+        told = _ToldFile(Path(tmp) / TOLD, progress)
         try:
-            while not ranks.join():
-                pass
+            while not ranks.join(timeout=TOLD_EVERY_S):
+                told.relay()
+            told.relay()
         except BaseException:  # Ctrl-C or a failed rank: none may outlive this process
             _stop(ranks.processes)
             raise
@@ -146,7 +158,8 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
     try:
         result, error = None, None
         try:
-            result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
+            with _telling(_ToldFile(Path(tmp) / TOLD).write if rank == 0 else None):
+                result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
         except ConvertError as exc:  # an input error: reported by the parent, not a crash
             error = exc
         dist.barrier()  # nobody leaves while a peer still talks to it
@@ -156,6 +169,53 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
             torch.save(result, Path(tmp) / "rank0.pt")
     finally:
         dist.destroy_process_group()
+
+
+TOLD = "told.jsonl"  # what a spawned rank 0 tells, a JSON line per call, in the launch's folder
+TOLD_EVERY_S = 0.25  # how often the launching process reads it
+_told: list[Progress] = []  # the progress of the target running in this process, while it runs
+
+
+def tell(label: str, done: int, total: int) -> None:
+    """Progress of a target run by `launch`: rank 0's reaches the `progress` given to launch; elsewhere, and
+    outside a launch, nothing."""
+    if _told:
+        _told[-1](label, done, total)
+
+
+@contextmanager
+def _telling(progress: Progress | None) -> Iterator[None]:
+    if progress is None:
+        yield
+        return
+    _told.append(progress)
+    try:
+        yield
+    finally:
+        _told.pop()
+
+
+class _ToldFile:
+    """`tell`'s calls on a spawned rank 0, as JSON lines in a file (`write`), relayed to `progress` in the
+    launching process (`relay`, reading what was added since)."""
+
+    def __init__(self, path: Path, progress: Progress | None = None):
+        self.path, self.progress, self.offset = path, progress, 0
+
+    def write(self, label: str, done: int, total: int) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps([label, done, total]) + "\n")
+
+    def relay(self) -> None:
+        if self.progress is None or not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            added = f.read()
+        whole = added[: added.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            self.progress(*json.loads(line))
 
 
 def default_threads(tp: int) -> int:

@@ -18,6 +18,8 @@ from dsv41_convert.errors import HeaderError, PlanError
 from dsv41_convert.model import parallel
 from dsv41_convert.model.load import load_shards
 from dsv41_convert.model.warm import warm_up_kernels
+from dsv41_convert.progress import counting
+from dsv41_convert.verify.launch import tell
 from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, build_model, load_state, run_prompt
 from dsv41_convert.verify.twin import rank_state
 
@@ -67,10 +69,10 @@ def run_converted(job: RankJob) -> RankResult | LoadFailure:
     if job.twin is not None:
         want = rank_state(model, job.twin, parallel.rank(), parallel.world_size())
         load_state(model, want)
-        twin_runs = _run_all(model, job, args, compile_seconds)
+        twin_runs = _run_all(model, job, args, compile_seconds, counting("prompts, on the twin", "prompts"))
         load_shards(model, folder)  # loaded cleanly above, so it loads again
         twin_weights = _gathered(differing_weights(model, want))
-    runs = _run_all(model, job, args, compile_seconds)
+    runs = _run_all(model, job, args, compile_seconds, counting("prompts", "prompts"))
     return RankResult(runs, twin_runs, compile_seconds[0], twin_weights)
 
 
@@ -108,17 +110,20 @@ def _try_load(model, folder: Path) -> str:
     return ""
 
 
-def _run_all(model, job: RankJob, args, compile_seconds: list[float]) -> list[PromptRun]:
-    """Every prompt on `job.device`; the first call on CUDA compiles every kernel family first (all ranks
-    together, before any collective of a forward pass) and adds their time to compile_seconds[0]."""
+def _run_all(model, job: RankJob, args, compile_seconds: list[float], label: str) -> list[PromptRun]:
+    """Every prompt on `job.device`, told under `label` (launch.tell); the first call on CUDA compiles every
+    kernel family first (all ranks together, before any collective of a forward pass) and adds their time
+    to compile_seconds[0]."""
     if job.device != "cpu":
         model = model.to(job.device)
         if not compile_seconds[0]:
             compile_seconds[0] += warm_up_kernels(model, job.device)["seconds"]
     runs = []
     for inp, teacher in zip(job.inputs, job.teachers, strict=True):
+        tell(label, len(runs), len(job.inputs))
         inp = attach_images(inp, args)
         runs.append(run_prompt(model, inp, job.n_decode, teacher, job.capture_hidden, job.device))
+    tell(label, len(runs), len(job.inputs))
     if job.device != "cpu":
         model.to("cpu")  # the next load reads into CPU parameters
     return runs

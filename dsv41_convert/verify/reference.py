@@ -21,8 +21,9 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
+from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
-from dsv41_convert.verify.launch import launch
+from dsv41_convert.verify.launch import launch, tell
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import (
@@ -34,9 +35,10 @@ from dsv41_convert.verify.runner import (
     model_input,
     run_prompt,
 )
-from dsv41_convert.verify.source import plan_state, reference_state, source_experts
+from dsv41_convert.verify.source import SourceWeights, plan_state, reference_state, source_experts
 
 DEFAULT_DECODE_STEPS = 3
+PROMPTS = counting("prompts", "prompts")  # the bar of the prompts run (launch.tell)
 SEQ_ALIGN = 64
 
 
@@ -131,6 +133,8 @@ def compute_reference_ranks(
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
     record_weights: bool = True,
+    bars: Progress | None = None,
+    record_experts_as: bool = True,
 ) -> Reference | None:
     """The reference on `tp` ranks, one process each, launched as verify launches the converted files:
     each rank computes its own rank file of `shard SRC --tp tp` in memory, reading only its slices of the
@@ -139,7 +143,10 @@ def compute_reference_ranks(
 
     as_converted: for a bf16 source, run the converter's quantized output (the values every conversion
                   holds, so verify can be exact) instead of the unquantized bf16 model
-    record_weights: record the sha256 of every converted weight of every rank (weight_digests.py)
+    record_weights: record the sha256 of every converted weight of every rank (weight_digests.py), and
+                    (record_experts_as) of the routed experts in the other expert dtype (computed here once the
+                    ranks have ended)
+    bars: rank 0's progress: the source tensors its file computes, then the prompts run; then the experts
     """
     say = progress or (lambda _msg: None)
     src = Path(src)
@@ -149,21 +156,39 @@ def compute_reference_ranks(
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
-    out = launch(reference_rank, job, tp, device, threads)
+    out = launch(reference_rank, job, tp, device, threads, bars)
     if out is None:
         return None
-    runs, source_format, recorded, digests = out
+    runs, source_format, recorded, every = out
     weights = "converted" if source_format == "fp8" or as_converted else "bf16"
     labels = [p.label for p in prompts]
     ref = Reference(inputs, runs, labels, seq, source_format, device, tp=tp, weights=weights, **recorded)
+    digests = None
+    if every is not None:
+        experts = source_experts(src)
+        as_other = _experts_as(src, experts, say, bars) if record_experts_as else None
+        digests = weight_digests.record(every, experts, as_other)
     ref.provenance = provenance.record(src, args, digests)
     return ref
 
 
-def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, dict | None]:
+def _experts_as(src: Path, experts: str, say: Callable[[str], None], bars: Progress | None) -> dict[str, str] | None:
+    """weight_digests.of_experts_as of the routed experts in the other expert dtype, None where there is none."""
+    other = weight_digests.OTHER_EXPERTS.get(experts)
+    if other is None:
+        return None
+    say(f"weights: the sha256 of the routed experts of {src} as {other}")
+    weights_as = SourceWeights(src, other)
+    try:
+        return weight_digests.of_experts_as(weights_as, bars)
+    finally:
+        weights_as.close()
+
+
+def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, list[dict[str, str]] | None]:
     """The body of one reference rank: this rank's file of the tp-N plan, in memory, then every prompt.
     -> (runs, source format, what decides bit equality, the weights' digests of every rank (converted
-    weights only: weight_digests.record))"""
+    weights only: weight_digests.digests))"""
     from dsv41_convert.config import ModelArgs
     from dsv41_convert.convert.plan import build_plan
 
@@ -177,7 +202,7 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, d
     model = build_model(args, tokenizer, "cpu")
     error, mine = "", None
     try:
-        state = plan_state(plan, parallel.rank(), skip_quant=unquantized)
+        state = plan_state(plan, parallel.rank(), skip_quant=unquantized, progress=tell)
         load_state(model, state)
         mine = None if unquantized or not job.record_weights else weight_digests.digests(state)
         del state
@@ -194,14 +219,15 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, d
     if parallel.is_distributed():
         every = [None] * parallel.world_size()
         torch.distributed.all_gather_object(every, mine)
-    weights = None if mine is None else weight_digests.record(every, source_experts(src))
     if job.device != "cpu":
         from dsv41_convert.model.warm import warm_up_kernels
 
         model = model.to(job.device)
         warm_up_kernels(model, job.device)  # every rank compiles before the first collective, as verify's ranks
     runs = []
-    for inp in job.inputs:
+    for i, inp in enumerate(job.inputs):
+        tell(PROMPTS, i, len(job.inputs))
         inp = attach_images(inp, args)
         runs.append(run_prompt(model, inp, job.n_decode, None, True, job.device))
-    return runs, plan.source_format, _recorded(job.device), weights
+    tell(PROMPTS, len(runs), len(job.inputs))
+    return runs, plan.source_format, _recorded(job.device), None if mine is None else every

@@ -190,8 +190,8 @@ def verify(
 ) -> VerifyResult | None:
     """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError for
     unusable inputs (exit 2); a mismatch, including a shard that does not load, is a failed result.
-    shown(title): a context giving a byte progress (progress.Progress) for the manifest and weights checks,
-    which read every rank file (app/report.byte_progress)."""
+    shown(title): a context giving a progress (progress.Progress) for the manifest and weights checks, which
+    read every rank file, and for the prompts rank 0 runs (app/report.byte_progress)."""
     say = progress or (lambda _msg: None)
     shown = shown or (lambda _title: contextlib.nullcontext(None))
     conv = Path(opts.converted)
@@ -269,7 +269,8 @@ def _verify_ranks(
     t1 = time.perf_counter()
     teachers = [r.decode_ids for r in ref.runs]
     job = RankJob(str(conv), ref.max_seq_len, ref.inputs, teachers, ref.n_decode, opts.device, twin=expected)
-    out = launcher.launch(run_converted, job, tp, opts.device, threads)
+    with shown(f"converted: {conv}") as bars:
+        out = launcher.launch(run_converted, job, tp, opts.device, threads, bars)
     seconds["converted"] = time.perf_counter() - t1
     if out is None:
         return None
@@ -337,7 +338,8 @@ def _verify_ranks(
     ):
         t2 = time.perf_counter()
         say(f"teacher: every module of {conv} on the reference's input to it ({tp} rank(s))")
-        result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads))
+        with shown(f"teacher: {conv}") as bars:
+            result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads, bars))
         seconds["teacher"] = time.perf_counter() - t2
     result.failures += [f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures]
     if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages

@@ -32,7 +32,7 @@ from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
-from dsv41_convert.progress import Progress
+from dsv41_convert.progress import Progress, counting
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_blocks, pread_exact
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
@@ -103,10 +103,11 @@ def plan_state(
     out: dict[str, Tensor] = {}
     fds: dict[str, int] = {}
     tensors = rank_file.tensors
+    label = counting(f"source, rank {rank}'s slices" if plan.tp > 1 else "source", "tensors")
     try:
         for i, t in enumerate(tensors):
             if progress is not None:
-                progress("transform source", i, len(tensors))
+                progress(label, i, len(tensors))
             if t.name in out or (t.group and t.part != 0):
                 continue  # a group's scale is made with its weight
             out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q))
@@ -117,7 +118,7 @@ def plan_state(
         if t.pad_rows:  # the last rank's Engram rows, filled as shard writes them
             out[t.name] = _padded(out[t.name], t.pad_rows, PAD_BYTE[t.dtype])
     if progress is not None:
-        progress("transform source", len(tensors), len(tensors))
+        progress(label, len(tensors), len(tensors))
     return out
 
 
@@ -130,13 +131,18 @@ def _padded(t: Tensor, rows: int, fill: int) -> Tensor:
 class SourceWeights:
     """The reference weights of `reference_state`, tensor by tensor on request (model.streamed's
     WeightProvider): only the requested tensors' bytes are read, through the same plan and transform.
-    Holds one open descriptor per source shard until close(); safe to call from several threads."""
+    Holds one open descriptor per source shard until close(); safe to call from several threads.
 
-    def __init__(self, src: Path):
+    expert_dtype: the routed experts as `shard SRC --tp 1 --expert-dtype X` writes them, and every weight
+                  quantized as the converter quantizes it (a bf16 source too), instead of the reference's
+                  weights: what weight_digests records of another expert dtype
+    """
+
+    def __init__(self, src: Path, expert_dtype: str | None = None):
         self.src = Path(src)
-        self.plan = build_plan(self.src, 1, source_experts(self.src))
+        self.plan = build_plan(self.src, 1, expert_dtype or source_experts(self.src))
         self.source_format = self.plan.source_format
-        self.skip_quant = self.source_format == "bf16"
+        self.skip_quant = self.source_format == "bf16" and expert_dtype is None
         self.by_name = {t.name: t for t in self.plan.files[0].tensors}
         self.q = quantizer_for("cpu")
         # where whole-tensor reads land: None, a bytearray each; stream_feed.CudaFeed sets pinned memory,

@@ -60,12 +60,14 @@ def compute_streamed_reference(
     progress: Progress | None = None,
     say: Callable[[str], None] | None = None,
     record_weights: bool = True,
+    record_experts_as: bool = True,
 ) -> tuple[Reference, list[UnitTiming]]:
     """Run the source weights unit by unit over `prompts` at tp 1 (fixed decode tokens, drafts).
 
     record_weights: for a published (fp8) source, also record the sha256 of every tp-1 weight in the file's
-                    provenance (weight_digests.of_source: one more read of the whole source), so that verify
-                    compares the weights no prompt reaches
+                    provenance (weight_digests.of_source: one more read of the whole source), and of the
+                    routed experts converted to fp8 (record_experts_as), so that verify compares the weights no
+                    prompt reaches
     -> (the reference, as compute_reference's; per unit the seconds spent reading, transferring, computing)
     """
     src = Path(src)
@@ -88,14 +90,23 @@ def compute_streamed_reference(
     say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
     weights = RankWeights(src) if rank_file_tp(src) is not None else SourceWeights(src)
     tokenizer = src / "tokenizer.json"
-    digests = None
+    digests, weights_as = None, None
     try:
         results, timings = run_streamed(args, weights, streamed, tokenizer, capture_hidden, device, progress)
         if record_weights and isinstance(weights, SourceWeights) and weights.source_format == "fp8":
-            say(f"weights: the sha256 of every tensor of {src} as the reference ran it")
-            digests = weight_digests.record([weight_digests.of_source(weights, progress)], source_experts(src))
+            experts = source_experts(src)
+            other = weight_digests.OTHER_EXPERTS.get(experts) if record_experts_as else None
+            weights_as = SourceWeights(src, other) if other else None
+            say(
+                f"weights: the sha256 of every tensor of {src} as the reference ran it"
+                + (f", and of the routed experts as {other}" if other else "")
+            )
+            found, as_other = weight_digests.of_source(weights, progress, weights_as)
+            digests = weight_digests.record([found], experts, as_other)
     finally:
         weights.close()
+        if weights_as is not None:
+            weights_as.close()
     runs = [
         PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last, r.draft_confidence)
         for r, d in zip(results, decode, strict=True)

@@ -39,6 +39,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.model.block import make_identity_pre_mix
 from dsv41_convert.model.load import load_shards
+from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import ModelInput, attach_images, build_model
@@ -132,10 +133,12 @@ def teacher_rank(job: TeacherJob) -> list[ModuleDeviations]:
 
         model = model.to(job.device)
         warm_up_kernels(model, job.device)
-    return [
-        forced_prefill(model, attach_images(inp, args), hidden, logits, job.device)
-        for inp, hidden, logits in zip(job.inputs, job.hidden, job.logits_all, strict=True)
-    ]
+    label, deviations = counting("prompts, teacher-forced", "prompts"), []
+    for inp, hidden, logits in zip(job.inputs, job.hidden, job.logits_all, strict=True):
+        launcher.tell(label, len(deviations), len(job.inputs))
+        deviations.append(forced_prefill(model, attach_images(inp, args), hidden, logits, job.device))
+    launcher.tell(label, len(deviations), len(job.inputs))
+    return deviations
 
 
 @torch.inference_mode()
@@ -221,13 +224,18 @@ def forced_prefill(
     return out
 
 
-def teacher_check(folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None) -> Check:
+def teacher_check(
+    folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None, progress: Progress | None = None
+) -> Check:
     """Run the converted rank files teacher-forced on `tp` ranks; judge by ULPS_BOUND and allowed_flips."""
-    return judge(measure(folder, ref, tp, device, threads), ref.labels)
+    return judge(measure(folder, ref, tp, device, threads, progress), ref.labels)
 
 
-def measure(folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None) -> list[ModuleDeviations]:
-    """Every prompt's per-module deviations of the converted rank files run teacher-forced on `tp` ranks."""
+def measure(
+    folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None, progress: Progress | None = None
+) -> list[ModuleDeviations]:
+    """Every prompt's per-module deviations of the converted rank files run teacher-forced on `tp` ranks
+    (progress: the prompts rank 0 has run)."""
     job = TeacherJob(
         str(folder),
         ref.max_seq_len,
@@ -236,7 +244,7 @@ def measure(folder: Path, ref: Reference, tp: int, device: str, threads: int | N
         [r.logits_all if ref.has_logits_all else None for r in ref.runs],
         device,
     )
-    return launcher.launch(teacher_rank, job, tp, device, threads)
+    return launcher.launch(teacher_rank, job, tp, device, threads, progress)
 
 
 def allowed_flips(positions: int) -> float:

@@ -215,16 +215,40 @@ def test_reference_logits_under_torchrun_holds_the_folder_on_rank_0_only(tmp_pat
     from dsv41_convert.synth.presets import TINY
     from dsv41_convert.synth.write import write_checkpoint
 
-    src = write_checkpoint(tmp_path / "src", TINY, vision=False)["out"]
+    src = write_checkpoint(tmp_path / "src", TINY)["out"]  # with a vision tower: no prompt runs it, a warning
     folder = tmp_path / "refs"
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
               "-m", "dsv41_convert.cli", "reference-logits", str(src), str(folder / "ref.safetensors"),
-              "--tp", "2", "--decode-steps", "1"]  # fmt: skip
+              "--tp", "2", "--decode-steps", "1", "--json"]  # fmt: skip
     res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(p.name for p in folder.iterdir()) == ["ref.safetensors"]
+    # the ranks share stdout and stderr: one JSON line, rank 0's (it saves); rank 0 alone warns and tells
+    assert [json.loads(line)["rank"] for line in res.stdout.splitlines()] == [0]
+    assert res.stderr.count("no prompt runs it") == 1 and res.stderr.count("reference: ") == 1
     (folder / "ref.safetensors").unlink()
     with hold(folder):
         res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
     assert res.returncode != 0 and f"{folder.resolve()}: in use by pid {os.getpid()}" in res.stderr
     assert [p.name for p in folder.iterdir()] == []
+    # every rank that failed says so, as one line each that names it (indented documents interleaved)
+    documents = [json.loads(line) for line in res.stdout.splitlines()]
+    assert documents and all(d["ok"] is False and d["exit_code"] == 2 for d in documents)
+    assert all(f"error: rank {d['rank']}: " in res.stderr for d in documents)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_shard_under_torchrun_prints_one_json_line_per_process(tmp_path):
+    """Each torchrun process writes its share and says so: one compact document per line, with its rank."""
+    from dsv41_convert.synth.presets import TINY
+    from dsv41_convert.synth.write import write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", TINY, vision=False)["out"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29518",
+              "-m", "dsv41_convert.cli", "shard", str(src), str(tmp_path / "mp2"), "--tp", "2", "--json"]  # fmt: skip
+    res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    documents = sorted((json.loads(line) for line in res.stdout.splitlines()), key=lambda d: d["rank"])
+    assert [(d["rank"], d["written"]) for d in documents] == [(0, ["model0-mp2.safetensors"]),
+                                                              (1, ["model1-mp2.safetensors"])]  # fmt: skip

@@ -167,6 +167,9 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
         == len(ref.provenance["weights"]["ranks"][0])
         == len(SourceWeights(sources["fp8"]).by_name)
     )
+    routed = [n for n in SourceWeights(sources["fp8"]).by_name if ".ffn.experts." in n]
+    assert summary["weight_digests_experts_as"] == {"fp8": len(routed)} and routed  # each as fp8, weight and scale
+    assert sorted(ref.provenance["weights"]["experts_as"]["sha256"]) == sorted(routed)
     assert ref.runs[0].decode_ids.tolist() == [11, 12]
     prompts = load_prompts(tmp_path / "p.jsonl", None, TINY.vocab_size)
     whole = whole_model_runs(sources["fp8"], prompts, 1, [torch.tensor([11, 12])])
@@ -178,6 +181,13 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
                               "--no-weight-digests", "--json")  # fmt: skip
     assert code == 0 and json.loads(stdout)["weight_digests"] == 0
     assert "weights" not in reffile.load(bare, 128).provenance
+    fp4_only = tmp_path / "fp4-only.safetensors"
+    code, stdout, _ = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(fp4_only),
+                              "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1",
+                              "--no-fp8-expert-digests", "--json")  # fmt: skip
+    assert code == 0 and json.loads(stdout)["weight_digests_experts_as"] == {}
+    recorded = reffile.load(fp4_only, 128).provenance["weights"]
+    assert "experts_as" not in recorded and recorded["ranks"] == ref.provenance["weights"]["ranks"]
 
 
 def test_decode_ids_without_stream_layers_are_refused(sources, tmp_path, monkeypatch, capsys):

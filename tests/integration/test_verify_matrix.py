@@ -93,6 +93,7 @@ class Matrix:
                 "engram_row": int(rows[len(rows) // 2]),
                 "engram_rows": args.engram_num_embeddings[0],
                 "unhashed_row": min(set(range(args.engram_num_embeddings[0])) - set(rows.tolist())),
+                "unrouted_expert": min(set(range(args.n_routed_experts)) - set(seen["idx"].flatten().tolist())),
             }
         return self._probe
 
@@ -696,14 +697,51 @@ def test_a_head_fault_the_replay_shows_is_named_with_the_logits(m):
     assert result.to_json()["statistical"] is False
 
 
-def test_experts_of_another_dtype_are_said_to_be_skipped(m):
-    """fp8 experts against a file of fp4 experts: the weights check compares every tensor but the routed
-    experts; it said "held" (dim) as if it had compared everything (a review). Now "partial"; against a file
-    of another tp the run is INCONCLUSIVE and the advice names a reference of fp8 experts, not the digests the
-    file already has."""
+def _without_experts_as(ref: Path) -> Path:
+    """A copy of reference file `ref` whose weights record has no `experts_as` (a file of before it)."""
+    with safe_open(str(ref), "pt") as f:
+        meta = f.metadata()
+    prov = json.loads(meta["provenance"])
+    del prov["weights"]["experts_as"]
+    older = ref.with_name(ref.stem + "-older.safetensors")
+    save_file(load_file(str(ref)), str(older), meta | {"provenance": json.dumps(prov, sort_keys=True)})
+    return older
+
+
+def test_experts_of_another_dtype_are_compared_with_their_conversion(m):
+    """fp8 experts (the set for Hopper serving) against a file of fp4 experts: the weights check compared
+    every tensor but the routed experts, so an expert no prompt reaches was compared by nothing, and against a
+    file of another tp the run was INCONCLUSIVE at best. The file records the experts as fp8 too now
+    (`experts_as`): held, decisive; a byte of an unreached expert's weight or scale changed FAILs, naming it."""
     result = _verify(m.shard(2, expert_dtype="fp8"), m.reference("tp1", 2))
+    assert result.verdict == "PASS" and result.weights == "held" and "weights" in result.decisive
+    assert "routed experts as fp8" in result.weights_note
+    other = _verify(m.shard(4, expert_dtype="fp8"), m.reference("tpN", 2), replay=False)
+    assert other.verdict == "PASS" and other.decisive == ["weights"], other.checks
+    unreached = m.probe()["unrouted_expert"]
+    for name in (f"layers.2.ffn.experts.{unreached}.w1.weight", f"layers.2.ffn.experts.{unreached}.w1.scale"):
+        bad = m.root / "fault-fp8-expert"
+        if bad.exists():
+            shutil.rmtree(bad)
+        shutil.copytree(m.shard(2, expert_dtype="fp8"), bad)
+        rank = 0 if name in load_file(str(bad / "model0-mp2.safetensors")) else 1
+        _edit(bad, rank, 2, _bump_byte(name, (0, 0)))
+        (bad / "manifest.json").unlink()  # a fault of the conversion itself: its manifest would match it
+        for ref in (m.reference("tp1", 2), m.reference("tpN", 2)):
+            failed = _verify(bad, ref)
+            assert failed.verdict == "FAIL" and failed.weights == "differs", (name, ref, failed.checks)
+            assert any(f.startswith(f"weights: {name} (in model{rank}-mp2.safetensors)") for f in failed.failures), (
+                failed.failures
+            )
+
+
+def test_experts_of_another_dtype_are_said_to_be_skipped_by_an_older_file(m):
+    """A file without `experts_as` (written before it): the routed experts are not compared; the check says
+    "partial" and is not decisive; against a file of another tp the run is INCONCLUSIVE and the advice names a
+    reference of fp8 experts, not the digests the file already has."""
+    result = _verify(m.shard(2, expert_dtype="fp8"), _without_experts_as(m.reference("tp1", 2)))
     assert result.verdict == "PASS" and result.weights == "partial" and "weights" not in result.decisive
     assert "routed experts not compared" in result.weights_note
-    other = _verify(m.shard(4, expert_dtype="fp8"), m.reference("tpN", 2))
+    other = _verify(m.shard(4, expert_dtype="fp8"), _without_experts_as(m.reference("tpN", 2)))
     assert other.verdict == "INCONCLUSIVE" and other.weights == "partial", other.checks
     assert "a conversion with fp8 experts" in other.advice and "records their digests" not in other.advice

@@ -162,6 +162,12 @@ def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path)
         # load into the model strictly (its tensors, no others); the record is what is wrong
         (lambda w: w["ranks"][0].pop("norm.weight"), "norm.weight: not in the reference's record"),
         (lambda w: w["ranks"][0].update({"layers.0.extra": "0" * 64}), "layers.0.extra: not in the rank files"),
+        # the routed experts as fp8 (experts_as): of the wrong dtype, or holding a tensor that is no expert's
+        (lambda w: w.update(experts_as={"expert_dtype": "fp4", "sha256": {}}), "experts_as must be"),
+        (
+            lambda w: w.update(experts_as={"expert_dtype": "fp8", "sha256": {"norm.weight": "0" * 64}}),
+            "norm.weight, which is not a routed expert's tensor",
+        ),
     ],
 )
 def test_an_edited_weights_record_is_an_input_error(work, tmp_path, monkeypatch, capsys, edit, said):

@@ -181,3 +181,19 @@ def test_sorted_metadata_gives_one_file_from_many_processes(tmp_path):
     raw = {(tmp_path / f"raw{i}").read_bytes() for i in range(3)}
     assert len(raw) > 1  # what the sort is for; 3 equal of 8! orders would be chance
     assert len({(tmp_path / f"sorted{i}").read_bytes() for i in range(3)}) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "advice"),
+    [
+        ("model1-mp2.safetensors", r"truncated rank file\? `shard \.\.\. --resume` writes again"),
+        ("model-00003-of-00046.safetensors", r"truncated shard\? download it again"),
+    ],
+)
+def test_a_truncated_file_is_told_what_makes_it_whole(tmp_path, name, advice):
+    """A rank file cut short was told to be downloaded again (it is written by shard, not downloaded)."""
+    path = tmp_path / name
+    save_file({"t": torch.zeros(64, dtype=torch.bfloat16)}, path)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(HeaderError, match=rf"{name}: tensor t ends at byte \d+ but .*; {advice}"):
+        read_header(path)

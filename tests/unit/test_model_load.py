@@ -137,5 +137,5 @@ def test_corrupt_header(tmp_path):
 def test_truncated_data(tmp_path, state):
     path = _write(tmp_path, state) / "model0-mp1.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(HeaderError, match="truncated shard"):
+    with pytest.raises(HeaderError, match="truncated rank file"):
         load_shards(Transformer(ARGS), tmp_path)

@@ -14,6 +14,7 @@ LAYERS = [
     "config",
     "progress",
     "interrupts",
+    "torchrun",
     "quant",
     "kernels",
     "store",

@@ -318,3 +318,27 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
     assert members == (
         sum(s.expert is not None for s in sources.values()) if quantized and expert_dtype == "fp4" else 0
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("num_experts_per_tok", 64, "num_experts_per_tok 64 must be between 1 and the 8 routed experts"),
+        ("num_experts_per_tok", 0, "num_experts_per_tok = 0, expected a positive number"),
+        ("qk_rope_head_dim", 128, "qk_rope_head_dim 128 must be even and within head_dim"),
+        ("qk_rope_head_dim", 7, "qk_rope_head_dim 7 must be even"),
+        ("dspark_target_layer_ids", [1, 60], r"dspark_target_layer_ids \[1, 60\]: \[60\] not a backbone layer"),
+        ("engram_layer_ids", [-1], r"engram_layer_ids \[-1\]: \[-1\] not a backbone layer"),
+    ],
+)
+def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):
+    """plan accepted configs on which the model then crashed ("selected index k out of range", a shape error)
+    or silently never captured a DSpark target layer (an audit): the config's own error, naming the key."""
+    from dsv41_convert.errors import ConfigError
+
+    cfg = tiny_config(quantized=True)
+    tensors = source_tensors(cfg)
+    cfg["text_config"][key] = value
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    with pytest.raises(ConfigError, match=said):
+        build_plan(tmp_path / "s", 1)

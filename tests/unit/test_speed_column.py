@@ -83,3 +83,31 @@ def test_a_bar_without_new_bytes_says_stalled_not_its_last_rate():
     assert speed.render(task).plain == f"stalled {STALL_SECONDS + 3:.0f} s" and eta.render(task).plain == "-:--:--"
     progress.update(task_id, completed=31 * MB)
     assert speed.render(progress.tasks[task_id]).plain.endswith("MB/s")
+
+
+def test_a_counting_bar_shows_items_not_bytes(monkeypatch):
+    """The streamed reference's passes count units: its bars showed "11/11 bytes" and a rate in bytes."""
+    import io
+
+    from rich.console import Console
+
+    from dsv41_convert.app import report
+    from dsv41_convert.progress import counting
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=200, color_system=None)
+    monkeypatch.setattr(report, "_console", lambda name: console)
+    with report.byte_progress("reference-logits") as progress:
+        for u in range(12):
+            progress(counting("pass 1/4 (prefill)", "units"), u, 11)
+        progress("model0-mp2.safetensors", 3 * 2**20, 3 * 2**20)
+    shown = screen.getvalue()
+    assert "11/11 units" in shown and "bytes" not in shown
+    assert "pass 1/4 (prefill) " in shown and "\x1f" not in shown
+    assert "3.0/3.0 MiB" in shown  # a bar of bytes beside it as before
+
+
+def test_a_counting_bar_rate_is_in_items():
+    progress, task_id = bar([(0.0, 0), (1.0, 2), (2.0, 6)], total=11)
+    progress.update(task_id, noun="units")
+    assert MeanSpeedColumn().render(progress.tasks[task_id]).plain == "4 units/s"

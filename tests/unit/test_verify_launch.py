@@ -57,3 +57,40 @@ def test_a_signal_postponed_by_an_import_stops_the_run_before_any_rank_starts(tp
     monkeypatch.setattr(launch_module.die_with, "start_fork_server", lambda: pytest.fail("a rank was started"))
     with pytest.raises(KeyboardInterrupt):
         launch_module.launch(lambda payload: pytest.fail("the target ran"), None, tp, "cpu")
+
+
+def telling(payload: int) -> str:
+    """Tells `payload` steps under a label naming its rank, sleeping between them so that the launching
+    process reads them while the ranks run."""
+    import time
+
+    from dsv41_convert.verify.launch import tell
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for i in range(payload + 1):
+        tell(f"rank {rank}", i, payload)
+        time.sleep(0.1)
+    return "done"
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.dist)])
+def test_rank_0_tells_its_progress_to_the_launching_process(tp):
+    """Long reference and verify runs showed nothing between their start and their end: rank 0's target
+    tells its progress, which reaches the launch's callback in this process (read from a file while a
+    spawned rank runs); the other ranks' is dropped."""
+    import time
+
+    told: list[tuple[str, int, int]] = []
+    seen_at: list[float] = []
+
+    def progress(*event) -> None:
+        told.append(event)
+        seen_at.append(time.monotonic())
+
+    assert launch(telling, 8, tp, "cpu", threads=1, progress=progress) == "done"
+    assert told == [("rank 0", i, 8) for i in range(9)]
+    assert seen_at[-1] - seen_at[0] > 0.4  # while the rank ran (0.9 s), not all at its end
+
+
+def test_tell_outside_a_launch_does_nothing():
+    assert telling(1) == "done"  # no launch, no progress: tell goes nowhere, raises nothing

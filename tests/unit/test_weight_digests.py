@@ -157,10 +157,88 @@ def test_the_streamed_source_digests_are_the_tp1_record(conversion, monkeypatch,
     monkeypatch.setattr(weights, "copied_blocks", counted)
     seen = []
     try:
-        got = weight_digests.of_source(weights, lambda label, done, total: seen.append((done, total)))
+        got, none = weight_digests.of_source(weights, lambda label, done, total: seen.append((done, total)))
     finally:
         weights.close()
-    assert got == records[1]["ranks"][0]
+    assert got == records[1]["ranks"][0] and none is None
     assert seen and seen[-1][0] == seen[-1][1] == max(t for _, t in seen)  # bytes, to the whole
     table = blocks["layers.1.engram.embed.weight"]  # 2400 bytes in the tiny preset
     assert table > 4 if block else table == 1
+
+
+def _fp8_expert_digests(folder) -> dict[str, str]:
+    """The routed experts' sha256 as `shard --expert-dtype fp8` wrote them into the rank files of `folder`."""
+    out = {}
+    for path in sorted(folder.glob("model*-mp*.safetensors")):
+        for name, t in load_file(str(path)).items():
+            if weight_digests._routed(name):
+                out[name] = weight_digests.tensor_sha256(t)
+    return out
+
+
+def test_the_experts_as_fp8_are_what_shard_writes(conversion, tmp_path):
+    """The record's `experts_as`: each routed expert's weight and scale as `shard --expert-dtype fp8` writes
+    them, computed from the source (SourceWeights in fp8), and in one read with the other digests (of_source
+    with weights_as): equal to the digests of the files shard itself wrote, at tp 1 and tp 4."""
+    from dsv41_convert.verify.source import SourceWeights
+
+    src = conversion[0].parent / "src"
+    for tp in (1, 4):
+        execute(build_plan(src, tp, "fp8"), tmp_path / f"f8-mp{tp}")
+    written = _fp8_expert_digests(tmp_path / "f8-mp1")
+    assert written == _fp8_expert_digests(tmp_path / "f8-mp4") and len(written) > 100
+    assert {n.rsplit(".", 1)[1] for n in written} == {"weight", "scale"}
+    weights, weights_as = SourceWeights(src), SourceWeights(src, "fp8")
+    try:
+        seen = []
+        alone = weight_digests.of_experts_as(weights_as, lambda *event: seen.append(event))
+        found, beside = weight_digests.of_source(weights, None, weights_as)
+    finally:
+        weights.close()
+        weights_as.close()
+    assert alone == beside == written
+    assert found == conversion[1][1]["ranks"][0]  # the fp4 digests unchanged beside them
+    assert seen[-1][1:] == (len(written) // 2, len(written) // 2)  # experts counted, each weight with its scale
+
+
+def test_fp8_experts_are_compared_with_the_records_experts_as(conversion, tmp_path):
+    """fp8 experts against a record of fp4 ones: skipped ("partial") without `experts_as`, compared with it at
+    the record's tp and at another; one changed byte of an expert's weight or scale is named with its file."""
+    src = conversion[0].parent / "src"
+    execute(build_plan(src, 2, "fp8"), tmp_path / "mp2")
+    as_fp8 = _fp8_expert_digests(tmp_path / "mp2")
+    for tp in (1, 2):
+        plain = conversion[1][tp]
+        with_experts = weight_digests.record(plain["ranks"], "fp4", as_fp8)
+        with RankFiles(tmp_path / "mp2") as ranks:
+            assert not weight_digests.compares_every_weight(plain, ranks)
+            found, note = weight_digests.compare(plain, ranks)
+            assert found == [] and "routed experts not compared (fp8 here, fp4 in the reference)" in note
+            assert weight_digests.compares_every_weight(with_experts, ranks)
+            found, note = weight_digests.compare(with_experts, ranks)
+            assert found == [] and "routed experts as fp8, against the reference's record" in note, found
+    for name in ("layers.1.ffn.experts.6.w2.weight", "layers.1.ffn.experts.6.w2.scale"):
+        bad = tmp_path / name
+        bad.mkdir()
+        for f in (tmp_path / "mp2").iterdir():
+            if f.is_file():
+                (bad / f.name).write_bytes(f.read_bytes())
+        rank = 0 if name in load_file(str(bad / "model0-mp2.safetensors")) else 1
+        _changed(bad, rank, name)
+        with RankFiles(bad) as ranks:
+            found, _ = weight_digests.compare(weight_digests.record(conversion[1][1]["ranks"], "fp4", as_fp8), ranks)
+        assert len(found) == 1 and found[0].startswith(f"{name} (in model{rank}-mp2.safetensors): sha256"), found
+
+
+@pytest.mark.parametrize(
+    ("entry", "said"),
+    [
+        ({"expert_dtype": "fp4", "sha256": {}}, "experts_as must be"),
+        ({"expert_dtype": "fp8", "sha256": {"layers.0.ffn.experts.0.w1.weight": "zz"}}, "64 lowercase hex"),
+        ({"expert_dtype": "fp8", "sha256": {"norm.weight": "0" * 64}}, "norm.weight, which is not a routed expert"),
+    ],
+)
+def test_a_malformed_experts_as_is_named(conversion, entry, said):
+    record = dict(conversion[1][1]) | {"experts_as": entry}
+    assert any(said in p for p in weight_digests.problems(record)), weight_digests.problems(record)
+    assert weight_digests.problems(dict(conversion[1][1]) | {"experts_as": {"expert_dtype": "fp8", "sha256": {}}}) == []
