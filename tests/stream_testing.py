@@ -11,7 +11,7 @@ from dsv41_convert.config import load_model_args
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.reference import pick_max_seq_len
-from dsv41_convert.verify.runner import build_model, load_state, model_input, run_prompt
+from dsv41_convert.verify.runner import build_model, draft_block, load_state, model_input, run_prompt
 from dsv41_convert.verify.source import reference_state
 
 
@@ -19,7 +19,7 @@ def whole_model_runs(src: Path, prompts, n_decode: int, teacher: list[torch.Tens
     """The whole model at tp 1 on the same weights, fed the same decode tokens (teacher forcing)."""
     args = load_model_args(src / "config.json")
     inputs = [model_input(p, args) for p in prompts]
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, None)
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, None, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     model = build_model(args, src / "tokenizer.json", device)
     load_state(model, reference_state(src)[1])

@@ -84,11 +84,12 @@ def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: 
                 "changed config changes what the same weights compute: verify against a reference of this model"
             )
     made = prov.get("made_from", "source")
-    if isinstance(made, dict) and _same_rank_files(made, conv, tp):
+    same = _same_rank_files(made, conv, tp) if isinstance(made, dict) else None
+    if same:
         raise VerifyInputError(
-            f"{file} was computed from the rank files in {conv} themselves (reference-logits {made.get('folder')} "
-            "--stream-layers): it is their own tp-1 replay, so any fault in them passes; compute the reference "
-            "from the source checkpoint"
+            f"{file} was computed from the rank files in {made.get('folder')} (reference-logits --stream-layers), "
+            f"which are {conv}'s own ({same}): a tp-1 replay of a conversion's rank files passes any fault in them; "
+            "compute the reference from the source checkpoint"
         )
     found = []
     for name, digest in sorted(prov.get("tokenizer", {}).items()):
@@ -110,22 +111,25 @@ def config_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str
     return [f"{k} {theirs.get(k)!r} -> {ours.get(k)!r}" for k in differ]
 
 
-def _same_rank_files(made: dict[str, Any], conv: Path, tp: int) -> bool:
-    """Whether the recorded rank files are CONVERTED's: the same files (device and inode), the same bytes by
-    CONVERTED's manifest, or the same size and sampled blocks (a copy of the folder, with or without its
+def _same_rank_files(made: dict[str, Any], conv: Path, tp: int) -> str | None:
+    """How the recorded rank files are CONVERTED's, None where they are not: the same files (device and
+    inode); the same conversion by the two manifests' sha256 (the recorded ones are the manifest's of the
+    folder the reference read, not hashed then: a copy of CONVERTED whose bytes were changed since is still
+    this conversion's); or the same size and sampled blocks (a copy of the folder, with or without its
     manifest: `cp -r` keeps none of the first; an audit's reference of a copy was not refused)."""
     files = made.get("files", {})
     if made.get("tp") != tp or set(files) != {rank_file_name(r, tp) for r in range(tp)}:
-        return False
+        return None
     ours = _rank_files(conv, tp, sampled=False)
     if all((ours[n]["dev"], ours[n]["ino"]) == (rec.get("dev"), rec.get("ino")) for n, rec in files.items()):
-        return True
+        return "the same files"
     if all(ours[n]["sha256"] and ours[n]["sha256"] == rec.get("sha256") for n, rec in files.items()):
-        return True
-    return all(
+        return "a copy: both manifests give the same sha256 for every rank file"
+    same = all(
         ours[n]["size"] == rec.get("size") and rec.get("sampled") == sampled_sha256(conv / n)
         for n, rec in files.items()
     )
+    return "a copy: the same sizes and sampled bytes" if same else None
 
 
 def _rank_files(folder: Path, tp: int, sampled: bool = True) -> dict[str, dict[str, Any]]:

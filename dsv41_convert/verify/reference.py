@@ -31,8 +31,10 @@ from dsv41_convert.verify.runner import (
     PromptRun,
     attach_images,
     build_model,
+    draft_block,
     load_state,
     model_input,
+    positions_needed,
     run_prompt,
 )
 from dsv41_convert.verify.source import SourceWeights, plan_state, reference_state, source_experts
@@ -42,14 +44,18 @@ PROMPTS = counting("prompts", "prompts")  # the bar of the prompts run (launch.t
 SEQ_ALIGN = 64
 
 
-def pick_max_seq_len(prompt_lengths: list[int], n_decode: int, requested: int | None) -> int:
+def pick_max_seq_len(prompt_lengths: list[int], n_decode: int, requested: int | None, drafts: int = 0) -> int:
     """The runtime max_seq_len both sides are built with (it sizes caches and decides whether YaRN
     is active, so reference and converted must agree): the request, or the longest prompt plus the
-    decode steps rounded up to 64, at least 128."""
-    need = max(prompt_lengths) + n_decode + 1
+    decode steps and the positions of the drafts after the last (`drafts`: runner.draft_block) rounded up
+    to 64, at least 128."""
+    need = positions_needed(max(prompt_lengths), n_decode, drafts)
     if requested is not None:
         if requested < need:
-            raise VerifyInputError(f"--max-seq-len {requested}: the longest prompt plus decode steps needs {need}")
+            raise VerifyInputError(
+                f"--max-seq-len {requested}: the longest prompt plus decode steps"
+                f"{' and the DSpark drafts after the last' if drafts and n_decode else ''} needs {need}"
+            )
         return requested
     return max(128, -(-need // SEQ_ALIGN) * SEQ_ALIGN)
 
@@ -83,7 +89,7 @@ def compute_reference(
     say = progress or (lambda _msg: None)
     args = load_model_args(src / "config.json")
     inputs = [model_input(p, args) for p in prompts]
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src)
@@ -153,7 +159,7 @@ def compute_reference_ranks(
     args = load_model_args(src / "config.json")
     check_tp(args, tp, str(src / "config.json"))  # here, not in each rank after the launch
     inputs = [model_input(p, args) for p in prompts]
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads, bars)

@@ -446,10 +446,12 @@ def _lengths_fit(t, meta, b: int, s: int, dims: _Dims, default_max_seq_len: int)
     steps = dims.size.get("T", 0)
     out = []
     for row in range(b):
-        need = positions_needed(int(n[row]), steps)
+        drafts = dims.size.get("K", 0) if steps else 0  # the positions the drafts take after the last step
+        need = positions_needed(int(n[row]), steps, drafts)
         if need > max_seq_len:
             out.append(
-                f"prompt {row}: {int(n[row])} tokens + {steps} decode steps need max_seq_len >= {need}, "
+                f"prompt {row}: {int(n[row])} tokens + {steps} decode steps"
+                f"{f' + {drafts} draft positions' if drafts else ''} need max_seq_len >= {need}, "
                 f"the file says {max_seq_len}"
             )
     return out[:MAX_PER_RULE] + _more(len(out), "prompts too long for max_seq_len")

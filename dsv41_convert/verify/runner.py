@@ -111,9 +111,15 @@ def load_state(model: nn.Module, state: dict[str, Tensor], what: str = "referenc
     load_tensors(model, state, what)
 
 
-def positions_needed(prompt_length: int, n_decode: int) -> int:
-    """The runtime max_seq_len a prompt and its decode steps (and their drafts) need."""
-    return prompt_length + n_decode + 1
+def positions_needed(prompt_length: int, n_decode: int, draft_block: int = 0) -> int:
+    """The runtime max_seq_len a prompt and its decode steps (and their drafts) need: after the last step
+    (position prompt + n_decode - 1) the DSpark stages rope `draft_block` positions beyond it."""
+    return prompt_length + n_decode + max(1, draft_block if n_decode else 0)
+
+
+def draft_block(args) -> int:
+    """Positions the DSpark drafts take after a decode step: the block size, 0 for a model without stages."""
+    return args.dspark_block_size if args.n_mtp_layers > 0 else 0
 
 
 @torch.inference_mode()

@@ -31,7 +31,7 @@ from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
 from dsv41_convert.verify.reffile import Reference
-from dsv41_convert.verify.runner import ModelInput, PromptRun, model_input
+from dsv41_convert.verify.runner import ModelInput, PromptRun, draft_block, model_input
 from dsv41_convert.verify.source import SourceWeights, source_experts
 
 
@@ -83,7 +83,7 @@ def compute_streamed_reference(
                 f"{p.origin or p.label}: a {inp.input_ids.numel()}-token prompt: streaming needs {ratio} tokens "
                 "(the largest compress ratio)"
             )
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len)
+    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]

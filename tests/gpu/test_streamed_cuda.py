@@ -73,7 +73,7 @@ def test_next_unit_read_ahead_and_experts_on_demand(sources, monkeypatch):
     from dsv41_convert.config import load_model_args
     from dsv41_convert.model import stream_feed, streamed
     from dsv41_convert.verify.reference import pick_max_seq_len
-    from dsv41_convert.verify.runner import model_input
+    from dsv41_convert.verify.runner import draft_block, model_input
     from dsv41_convert.verify.streamed import fixed_decode_ids
 
     takes: list[tuple[str, bool]] = []
@@ -87,7 +87,7 @@ def test_next_unit_read_ahead_and_experts_on_demand(sources, monkeypatch):
     src = sources["fp8"]
     prompts = default_prompts(TINY.vocab_size, count=1, length=20)
     args = load_model_args(src / "config.json")
-    seq = pick_max_seq_len([len(p.input_ids) for p in prompts], 1, None)
+    seq = pick_max_seq_len([len(p.input_ids) for p in prompts], 1, None, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     inputs = [streamed.StreamPrompt(model_input(p, args).input_ids, fixed_decode_ids(p, 1)) for p in prompts]
     weights = ThreadLog(src)

@@ -16,7 +16,7 @@ from stream_testing import assert_bit_identical, expected_param_bytes, whole_mod
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.verify.prompts import default_prompts, load_prompts
 from dsv41_convert.verify.reference import pick_max_seq_len
-from dsv41_convert.verify.runner import model_input
+from dsv41_convert.verify.runner import draft_block, model_input
 from dsv41_convert.verify.source import SourceWeights
 from dsv41_convert.verify.streamed import compute_streamed_reference, fixed_decode_ids
 
@@ -206,7 +206,7 @@ def _args(src: Path, prompts, n_decode: int = 1):
     from dsv41_convert.config import load_model_args
 
     args = load_model_args(src / "config.json")
-    seq = pick_max_seq_len([len(p.input_ids) for p in prompts], n_decode, None)
+    seq = pick_max_seq_len([len(p.input_ids) for p in prompts], n_decode, None, draft_block(args))
     return args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
 
 
@@ -360,3 +360,27 @@ def test_rank_files_that_disagree_on_a_replicated_tensor_are_refused(sources, tm
     said = rf"not one conversion \({name}: replicated, but ranks 0 and 1 hold different copies"
     with pytest.raises(VerifyInputError, match=said):
         RankWeights(mp2)
+
+
+@pytest.mark.slow  # a 120-token prompt, 5 decode steps, both references
+def test_a_prompt_near_the_length_limit_leaves_room_for_the_drafts(sources, tmp_path, monkeypatch, capsys):
+    """120 tokens + 5 decode steps sized max_seq_len 128, and the drafts after the last step rope positions up
+    to 129: both references ended in a traceback (exit 1; an audit). Now sized 192, the two runs agree."""
+    from cli_run import run_cli
+
+    from dsv41_convert.verify import reffile
+
+    ids = list(default_prompts(TINY.vocab_size, count=1, length=120)[0].input_ids)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": ids}) + "\n")
+    whole, streamed = tmp_path / "whole.safetensors", tmp_path / "streamed.safetensors"
+    code, out, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(whole),
+                             "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "5", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["max_seq_len"] == 192, err
+    greedy = reffile.load(whole, TINY.vocab_size).runs[0].decode_ids.tolist()
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": ids, "decode_ids": greedy}) + "\n")
+    code, out, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(streamed),
+                             "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "5", "--stream-layers",
+                             "--json")  # fmt: skip
+    assert code == 0, err
+    a, b = (reffile.load(p, TINY.vocab_size).runs[0] for p in (whole, streamed))
+    assert torch.equal(a.decode_logits, b.decode_logits) and torch.equal(a.draft_logits, b.draft_logits)

@@ -116,10 +116,17 @@ def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
     reffile.save(compute_streamed_reference(conv, PROMPTS, 1)[0], own)
     made = _recorded(own)["made_from"]
     assert made["tp"] == 2 and sorted(made["files"]) == ["model0-mp2.safetensors", "model1-mp2.safetensors"]
-    with pytest.raises(VerifyInputError, match=r"computed from the rank files in .* themselves"):
+    with pytest.raises(VerifyInputError, match=rf"computed from the rank files in {conv} .* own \(the same files\)"):
         _verify(conv, own)
     copy = shutil.copytree(conv, tmp_path / "copy")  # other files, the same bytes by its manifest
-    with pytest.raises(VerifyInputError, match="own tp-1 replay"):
+    with pytest.raises(VerifyInputError, match="own .a copy: both manifests give the same sha256"):
+        _verify(copy, own)
+    # a copy whose bytes changed after the reference read it keeps the manifest's sha256: it is still this
+    # conversion's copy, and the refusal says so (it said "the rank files in COPY themselves": an audit)
+    before = (copy / "model0-mp2.safetensors").read_bytes()
+    _overwrite_rank_tensor(copy, "layers.0.attn.wq_b.weight", 1, 0, 2)
+    assert (copy / "model0-mp2.safetensors").read_bytes() != before
+    with pytest.raises(VerifyInputError, match=rf"rank files in {conv}.*which are {copy}'s own .a copy: both"):
         _verify(copy, own)
     # a reference of a copy without a manifest (cp -r of a folder upstream convert.py wrote): other inodes,
     # no recorded sha256; it passed the faulty files as their own replay (an audit). Their size and sampled
@@ -129,7 +136,7 @@ def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
     (conv / "manifest.json").unlink()
     of_bare = tmp_path / "refs" / "of-bare.safetensors"
     reffile.save(compute_streamed_reference(bare, PROMPTS, 1)[0], of_bare)
-    with pytest.raises(VerifyInputError, match="own tp-1 replay"):
+    with pytest.raises(VerifyInputError, match="own .a copy: the same sizes and sampled bytes.: a tp-1 replay"):
         _verify(conv, of_bare)
     assert _verify(work["mp1"], own).verdict == "FAIL"  # another conversion: judged against it, not refused
 

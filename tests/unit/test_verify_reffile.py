@@ -248,7 +248,13 @@ DAMAGES = {
     # max_seq_len
     "prompt too long": (
         lambda t, m: m.__setitem__("max_seq_len", "7"),
-        "prompt 0: 5 tokens + 2 decode steps need max_seq_len >= 8, the file says 7",
+        "prompt 0: 5 tokens + 2 decode steps + 5 draft positions need max_seq_len >= 12, the file says 7",
+    ),
+    # after the last decode step the DSpark stages rope a block of positions beyond it: a file that left
+    # them out passed, and verify crashed in the model (an audit: exit 1, a traceback)
+    "no room for the drafts": (
+        lambda t, m: m.__setitem__("max_seq_len", "10"),
+        "prompt 0: 5 tokens + 2 decode steps + 5 draft positions need max_seq_len >= 12, the file says 10",
     ),
     "max_seq_len not an int": (lambda t, m: m.__setitem__("max_seq_len", "x"), "metadata max_seq_len 'x'"),
     # non-finite values in any logits tensor: tensor, prompt, position
@@ -347,3 +353,18 @@ def test_random_damage_never_raises_and_what_passes_loads(tmp_path):
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "r"), metadata=meta)
         if not reffile.validate_reference_file(tmp_path / "r", args):
             reffile.load(tmp_path / "r", 128, args)
+
+
+def test_the_runtime_length_counts_the_drafts_after_the_last_step():
+    """pick_max_seq_len sized prompt + steps + 1: a 120-token prompt with 5 decode steps got 128, and the
+    drafts after the last step rope positions 125 .. 129 (a shape error deep in the model, exit 1)."""
+    from dsv41_convert.verify.reference import pick_max_seq_len
+    from dsv41_convert.verify.runner import draft_block, positions_needed
+
+    args = _args()
+    assert draft_block(args) == 5 and positions_needed(120, 5, 5) == 130 and positions_needed(120, 0, 5) == 121
+    assert pick_max_seq_len([120], 5, None, draft_block(args)) == 192
+    assert pick_max_seq_len([120], 5, None) == 128  # a model without DSpark stages: as before
+    with pytest.raises(VerifyInputError, match="--max-seq-len 44: .* and the DSpark drafts after the last needs 48"):
+        pick_max_seq_len([40], 3, 44, draft_block(args))
+    assert pick_max_seq_len([40], 3, 48, draft_block(args)) == 48
