@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--skip-plain", action="store_true", help="with --experts-as: only the pass that adds them")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.skip_plain and not a.experts_as:
+        ap.error("--skip-plain goes with --experts-as (it skips the pass without them)")
     doc = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),

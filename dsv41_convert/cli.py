@@ -80,9 +80,10 @@ def make_tiny(
     if preset == "full" or sparse:
         if not (preset == "full" and sparse):
             raise ConfigError("--preset full goes with --sparse (and --sparse only with --preset full)")
-        if source_dtype != "fp8" or not vision or shards is not None:
+        if source_dtype != "fp8" or not vision or shards is not None or seed != 0:
             raise ConfigError(
-                "--preset full --sparse writes the published layout: no --source-dtype bf16, --no-vision or --shards"
+                "--preset full --sparse writes the published layout with no weights (holes that read as zeros): "
+                "no --source-dtype bf16, --no-vision, --shards or --seed"
             )
         from dsv41_convert.synth.hollow import write_hollow
 

@@ -368,8 +368,14 @@ class ModelArgs:
         for layer in range(self.n_all_layers):
             routed, activated = self.moe_config(layer)
             if not 0 < activated <= routed:
-                what = "dspark_num_experts_per_tok" if layer >= self.n_layers else "num_experts_per_tok"
-                raise ConfigError(f"{source}: {what} {activated} must be between 1 and the {routed} routed experts")
+                what = "num_experts_per_tok {} must be between 1 and the {} routed experts"
+                if layer >= self.n_layers:  # each count falls back to the backbone's when not set
+                    what = (
+                        "the DSpark stages' experts per token (dspark_num_experts_per_tok, else num_experts_per_tok) "
+                        "{} must be between 1 and their routed experts (dspark_n_routed_experts, else "
+                        "n_routed_experts) {}"
+                    )
+                raise ConfigError(f"{source}: {what.format(activated, routed)}")
         for key, layers in (
             ("engram_layer_ids", self.engram_layer_ids),
             ("dspark_target_layer_ids", self.dspark_target_layer_ids),

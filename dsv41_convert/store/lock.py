@@ -8,7 +8,7 @@ holds it, one JSON line per holder (pid, host, command line, start time), for th
 gets: `LockedError` (exit 2) naming the folder and the holder.
 
 Two modes:
-- exclusive (`shard` of every rank, `manifest`, `download --local-dir`, `reference-logits`' folder,
+- exclusive (`shard` of every rank, `manifest`, `download --local-dir`, `reference-logits`' folder, `make-tiny`,
   `export`): nobody else may hold the folder.
 - shared, with an exclusive lock per file (`shard --ranks`, each torchrun process): shares of one
   conversion that write different rank files run together in one folder; two processes that would

@@ -1,10 +1,15 @@
-"""make-tiny's output folder, in place whole or not at all.
+"""make-tiny's output folder: a checkpoint in place whole, or OUT as it was.
 
-The checkpoint is written into a hidden folder beside OUT (`.OUT.partial-XXXX`) and renamed to OUT once
-every file is written: a failure (a full disk, Ctrl-C, SIGTERM) removes it and leaves OUT as it was, and
-a kill -9 leaves only the hidden folder. `--overwrite` replaces a folder that holds nothing but files
-make-tiny writes (by exact name, regular files): OUT is moved aside, the new one renamed in, the old one
-removed. Two runs into one OUT at once each end with a whole checkpoint there, the last one's.
+OUT is made if missing (and removed again if the run fails) and held as every writer holds its folder
+(store/lock.py: a second run into it is refused). The files are written into a hidden folder inside OUT
+(`.make-tiny.partial-XXXX`: the same filesystem, whatever OUT is mounted on, and nothing written beside
+OUT) and moved in by rename at the end, with signals postponed: the old index first removed, each new file
+put in place, the new index last (a folder without its index is no checkpoint to a loader), then the old
+files the new checkpoint does not have. A failure before that (a full disk: an error naming OUT; Ctrl-C;
+SIGTERM) removes the hidden folder and leaves OUT's files as they were; --overwrite needs room for both.
+
+`--overwrite` replaces a folder that holds nothing but what make-tiny leaves there: its files by exact
+name (regular files; `.partial` ones of an interrupted run of before), its lock and its hidden folders.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
-from dsv41_convert.store.publish import new_folder_mode
+from dsv41_convert.store.lock import LOCK_NAME, hold
+from dsv41_convert.store.manifest import fsync_path
 
 INDEX = "model.safetensors.index.json"
+STAGE = ".make-tiny.partial-"
 _FIXED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", INDEX)
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -30,12 +38,21 @@ def writes(name: str) -> bool:
     return name in _FIXED_FILES or _SHARD.fullmatch(name) is not None
 
 
+def _left_by_us(p: Path) -> bool:
+    """An entry of OUT that a make-tiny run leaves or may have left there."""
+    if p.is_symlink():
+        return False
+    if p.is_dir():
+        return p.name.startswith(STAGE)
+    return p.is_file() and (p.name == LOCK_NAME or writes(p.name.removesuffix(".partial")))
+
+
 def check_out(out: Path, overwrite: bool) -> Path:
-    """OutputError unless make-tiny may put a checkpoint at `out`. -> the folder it goes to (a link to a
-    folder: that folder)"""
+    """OutputError unless make-tiny may put a checkpoint at `out`. -> the folder it goes to, absolute (a
+    link to a folder: that folder)"""
     if out.is_symlink() and not out.exists():
         raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a folder path")
-    out = out.resolve() if out.is_symlink() else out
+    out = out.resolve() if out.is_symlink() else out.absolute()
     above = out.parent
     while not above.exists() and above != above.parent:
         above = above.parent
@@ -43,50 +60,59 @@ def check_out(out: Path, overwrite: bool) -> Path:
         raise OutputError(f"{above}: Not a directory, so {out} cannot be made in it")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder; give a folder path")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
-        foreign = sorted(p.name for p in out.iterdir() if p.is_symlink() or not p.is_file() or not writes(p.name))
-        if foreign:
-            raise OutputError(
-                f"{out}: holds what make-tiny does not write ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a folder of make-tiny's files "
-                "(config, tokenizer, index, model-NNNNN-of-NNNNN.safetensors, no links or folders): pick another"
-            )
+    entries = [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []
+    if entries and not overwrite:
+        raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
+    foreign = sorted(p.name for p in entries if not _left_by_us(p))
+    if foreign:
+        raise OutputError(
+            f"{out}: holds what make-tiny does not write ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a folder of make-tiny's files "
+            "(config, tokenizer, index, model-NNNNN-of-NNNNN.safetensors, no links or folders): pick another"
+        )
     return out
 
 
 @contextmanager
 def staged(out: Path, overwrite: bool) -> Iterator[Path]:
-    """A fresh hidden folder beside `out` to write the checkpoint into, renamed to `out` when the block ends
-    without an error (see the module docstring). An OSError while writing (a full disk) becomes an
-    OutputError naming `out`."""
+    """A fresh hidden folder inside `out` to write the checkpoint into, moved in when the block ends without
+    an error (see the module docstring). An OSError while writing (a full disk) becomes an OutputError
+    naming `out`."""
     out = check_out(Path(out), overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        try:
-            yield stage
-        except OSError as exc:
-            if exc.filename is not None:
-                raise
-            raise OutputError(f"{out}: {exc.strerror or exc} while writing the checkpoint; {out} is as it was") from exc
-        os.chmod(stage, new_folder_mode())
-        _put_in_place(stage, out, overwrite)
+        with hold(out):
+            check_out(out, overwrite)  # again, now that no other run writes here
+            stage = Path(tempfile.mkdtemp(prefix=STAGE, dir=out))
+            try:
+                try:
+                    yield stage
+                except OSError as exc:
+                    if exc.filename is not None:
+                        raise
+                    said = f"{exc.strerror or exc} while writing the checkpoint"
+                    raise OutputError(f"{out}: {said}; {out} is as it was") from exc
+                with interrupts.deferred():
+                    _move_in(stage, out)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
         raise
 
 
-def _put_in_place(stage: Path, out: Path, overwrite: bool) -> None:
-    if out.is_dir() and any(out.iterdir()):
-        check_out(out, overwrite)  # again: files may have come since the start
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
-        os.rename(out, aside / out.name)
-        os.rename(stage, out)
-        shutil.rmtree(aside)
-        return
-    try:
-        os.rename(stage, out)  # also onto an empty folder, which it replaces
-    except OSError as exc:  # another run put files there meanwhile
-        raise OutputError(f"{out}: files appeared there while this run wrote; nothing of this run was kept") from exc
+def _move_in(stage: Path, out: Path) -> None:
+    new = {p.name for p in stage.iterdir()}
+    (out / INDEX).unlink(missing_ok=True)  # no checkpoint here until the new index is in
+    for name in sorted(new - {INDEX}):
+        os.replace(stage / name, out / name)
+    os.replace(stage / INDEX, out / INDEX)
+    for p in out.iterdir():  # what the old checkpoint had and this one has not; stale hidden folders
+        if p.name not in new and p.name != LOCK_NAME and p != stage:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    fsync_path(out)

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import re
 import shutil
 import stat
@@ -285,6 +286,7 @@ def _listing(folder):
     "plant",
     [
         lambda out: (out / "zz.partial").mkdir(),  # a folder with a name the old check took for ours
+        lambda out: (out / "model-00001-of-00014.safetensors.d").mkdir(),
         lambda out: (out / "model-notes.safetensors.txt").write_text("mine"),  # "model-" ... ".safetensors" in it
         lambda out: (out / "tokenizer.json.bak").write_text("mine"),
         lambda out: (out / "model-00099-of-00099.safetensors.sha256").write_text("mine"),
@@ -308,7 +310,8 @@ def test_overwrite_touches_nothing_of_a_folder_with_foreign_entries(fp8_dir, tmp
 def test_a_failed_write_leaves_out_as_it_was(fp8_dir, tmp_path, monkeypatch):
     """A full disk in the middle of the shards left config, tokenizer files and some shards (with --overwrite
     after deleting the old checkpoint), and an error naming no file (an audit): the checkpoint is staged beside
-    OUT, removed on failure, OUT untouched, and the error names OUT."""
+    OUT's hidden folder, removed on failure, OUT untouched (a folder the run made is removed), and the error
+    names OUT."""
     from dsv41_convert.synth import write as synth_write
 
     real, written = synth_write.write_shard, []
@@ -330,17 +333,81 @@ def test_a_failed_write_leaves_out_as_it_was(fp8_dir, tmp_path, monkeypatch):
     assert _listing(old) == before and sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
-def test_overwrite_replaces_the_folder_whole(fp8_dir, tmp_path):
-    """With --overwrite the new checkpoint takes OUT's place at once: the old files are gone, nothing is left
-    beside OUT, and OUT has the mode of a folder mkdir makes."""
+def test_overwrite_replaces_the_checkpoint_and_keeps_the_folder(fp8_dir, tmp_path):
+    """With --overwrite the new checkpoint replaces the old one in OUT itself: the old files the new one has
+    not are gone, nothing else is left in or beside OUT, and OUT is the same folder (inode, mode, group and
+    setgid bit: a first version renamed a new folder over it, which widened a 2770 folder to 755 and left a
+    shell inside OUT in a deleted folder; an audit). Files of an interrupted run (a .partial, a hidden stage
+    folder) are cleared with it."""
     out = tmp_path / "out"
     shutil.copytree(fp8_dir, out)
+    os.chmod(out, 0o2770)
+    (out / "model-00003-of-00014.safetensors.partial").write_bytes(b"half")
+    (out / ".make-tiny.partial-stale").mkdir()
+    (out / ".make-tiny.partial-stale" / "config.json").write_text("{}")
+    before = out.stat()
     summary = write_checkpoint(out, TINY, seed=1, layer_shards=2, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["config.json", "tokenizer.json", "tokenizer_config.json", INDEX, *(f["file"] for f in summary["files"])]
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(fp8_dir.stat().st_mode)
+    after = out.stat()
+    assert (after.st_ino, stat.S_IMODE(after.st_mode), after.st_gid) == (before.st_ino, 0o2770, before.st_gid)
+    assert json.loads((out / INDEX).read_text())["weight_map"]  # the new index, last in
+
+
+def test_out_as_the_current_folder_an_empty_one_and_a_long_name(tmp_path, monkeypatch, capsys):
+    """`make-tiny .` failed after writing everything (its hidden folder was made inside OUT and then refused
+    as foreign), a 245-character name failed (the hidden folder's name went past 255); an empty folder is
+    filled, not replaced (an audit)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    from cli_run import run_cli
+
+    code, _, err = run_cli(monkeypatch, capsys, "make-tiny", ".", "--no-vision", "--shards", "1")
+    assert code == 0, err
+    assert (here / INDEX).is_file() and not [p for p in here.iterdir() if p.name.startswith(".")]
+    long_name = tmp_path / ("a" * 245)
+    write_checkpoint(long_name, TINY, vision=False, layer_shards=1)
+    assert (long_name / INDEX).is_file()
+
+
+def test_a_second_run_into_out_is_refused_while_one_writes(tmp_path):
+    """Two runs into one OUT wrote beside each other (an audit: both exit 0, the first's files replaced);
+    OUT is held as every writer holds its folder."""
+    from dsv41_convert.errors import LockedError
+    from dsv41_convert.store.lock import hold
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with hold(out), pytest.raises(LockedError, match=f"{out}: in use by pid {os.getpid()}"):
+        write_checkpoint(out, TINY, vision=False, layer_shards=1)
+    assert list(out.iterdir()) == []
+
+
+def test_a_signal_while_the_files_move_in_waits_for_the_last(fp8_dir, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while the new files replace the old ones is postponed until the new index is in:
+    OUT is then the whole new checkpoint, and the run still stops (KeyboardInterrupt) instead of going on."""
+    from dsv41_convert import interrupts
+    from dsv41_convert.synth import staged
+
+    out = tmp_path / "out"
+    shutil.copytree(fp8_dir, out)
+    real = staged._move_in
+
+    def signalled(stage, into):
+        interrupts.interrupt()  # the signal handler's call: raises at once unless deferred
+        real(stage, into)
+
+    monkeypatch.setattr(staged, "_move_in", signalled)
+    monkeypatch.setitem(interrupts._state, "interrupted", False)
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(out, TINY, seed=1, layer_shards=2, overwrite=True)
+    shards = {p.name for p in out.glob("model-*.safetensors")}
+    assert shards == set(json.loads((out / INDEX).read_text())["weight_map"].values())
+    assert shards and not [n for n in shards if n.endswith("-of-00014.safetensors")]  # the old ones removed
+    assert json.loads((out / INDEX).read_text())["weight_map"] and not list(out.glob(".make-tiny*"))
 
 
 def test_a_link_to_nowhere_is_named_as_such(tmp_path):

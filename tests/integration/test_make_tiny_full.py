@@ -84,7 +84,8 @@ def test_plan_and_dry_run_run_on_it(hollow, monkeypatch, capsys):
     [
         (["--preset", "full"], r"--preset full goes with --sparse"),
         (["--sparse"], r"--preset full goes with --sparse"),
-        (["--preset", "full", "--sparse", "--source-dtype", "bf16"], r"published layout: no --source-dtype bf16"),
+        (["--preset", "full", "--sparse", "--source-dtype", "bf16"], r"no --source-dtype bf16, --no-vision"),
+        (["--preset", "full", "--sparse", "--seed", "3"], r"with no weights .*--shards or --seed"),  # was ignored
     ],
 )
 def test_refused_combinations(tmp_path, monkeypatch, capsys, extra, match):

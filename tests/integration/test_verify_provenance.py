@@ -119,7 +119,7 @@ def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
     with pytest.raises(VerifyInputError, match=rf"computed from the rank files in {conv} .* own \(the same files\)"):
         _verify(conv, own)
     copy = shutil.copytree(conv, tmp_path / "copy")  # other files, the same bytes by its manifest
-    with pytest.raises(VerifyInputError, match="own .a copy: both manifests give the same sha256"):
+    with pytest.raises(VerifyInputError, match=r"own .a copy: both manifests give the same sha256"):
         _verify(copy, own)
     # a copy whose bytes changed after the reference read it keeps the manifest's sha256: it is still this
     # conversion's copy, and the refusal says so (it said "the rank files in COPY themselves": an audit)
@@ -136,7 +136,7 @@ def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
     (conv / "manifest.json").unlink()
     of_bare = tmp_path / "refs" / "of-bare.safetensors"
     reffile.save(compute_streamed_reference(bare, PROMPTS, 1)[0], of_bare)
-    with pytest.raises(VerifyInputError, match="own .a copy: the same sizes and sampled bytes.: a tp-1 replay"):
+    with pytest.raises(VerifyInputError, match=r"own .a copy: the same sizes and sampled bytes.: a tp-1 replay"):
         _verify(conv, of_bare)
     assert _verify(work["mp1"], own).verdict == "FAIL"  # another conversion: judged against it, not refused
 

@@ -342,3 +342,14 @@ def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, 
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(ConfigError, match=said):
         build_plan(tmp_path / "s", 1)
+
+
+def test_too_few_dspark_experts_name_both_counts(tmp_path):
+    from dsv41_convert.errors import ConfigError
+
+    cfg = tiny_config(quantized=True)
+    tensors = source_tensors(cfg)
+    cfg["text_config"]["dspark_n_routed_experts"] = 1  # the stages' experts per token fall back to 2
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    with pytest.raises(ConfigError, match=r"DSpark stages' experts per token .* 2 must be .* n_routed_experts\) 1"):
+        build_plan(tmp_path / "s", 1)

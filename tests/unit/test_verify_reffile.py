@@ -365,6 +365,6 @@ def test_the_runtime_length_counts_the_drafts_after_the_last_step():
     assert draft_block(args) == 5 and positions_needed(120, 5, 5) == 130 and positions_needed(120, 0, 5) == 121
     assert pick_max_seq_len([120], 5, None, draft_block(args)) == 192
     assert pick_max_seq_len([120], 5, None) == 128  # a model without DSpark stages: as before
-    with pytest.raises(VerifyInputError, match="--max-seq-len 44: .* and the DSpark drafts after the last needs 48"):
+    with pytest.raises(VerifyInputError, match=r"--max-seq-len 44: .* and the DSpark drafts after the last needs 48"):
         pick_max_seq_len([40], 3, 44, draft_block(args))
     assert pick_max_seq_len([40], 3, 48, draft_block(args)) == 48
