@@ -37,7 +37,6 @@ Legend: P prompts, J steps per prompt (1 + decode steps), S prompt length, K dra
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -59,6 +58,7 @@ from dsv41_convert.model.stream_feed import CudaFeed, HostFeed, nbytes
 from dsv41_convert.model.stream_records import StreamPrompt, StreamResult, UnitTiming, WeightProvider
 from dsv41_convert.model.transformer import block_step, capture_block, merge_image_spans, to_streams
 from dsv41_convert.progress import counting
+from dsv41_convert.store.heap import release_freed_memory
 
 if TYPE_CHECKING:
     from dsv41_convert.config import ModelArgs
@@ -121,16 +121,6 @@ class _Unit:
         """Bytes of the parameters the unit holds now (a tied parameter once)."""
         params = {id(p): p for module, _, _ in self.parts for p in module.parameters()}
         return nbytes(params)
-
-
-def _release_freed_memory() -> None:
-    """Hand the pages of a dropped unit back to the OS (glibc's malloc_trim; nothing elsewhere). Weights
-    up to glibc's mmap threshold (which grows to 32 MiB once such a block is freed) live on the heap, and
-    without a trim a full-size run's RSS grew by ~0.1 GiB per unit (measured: 5.8 GiB before the head)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class _Runner:
@@ -322,7 +312,9 @@ class _Runner:
             getattr(self, f"_{kind}")(unit, timing, s, work, *((int(index),) if index else ()))
             timing.param_bytes = max(timing.param_bytes, unit.param_bytes())
         del unit
-        _release_freed_memory()
+        # weights up to glibc's mmap threshold (which grows to 32 MiB once such a block is freed) live on the
+        # heap: without a trim a full-size run's RSS grew by ~0.1 GiB per unit (measured: 5.8 GiB before the head)
+        release_freed_memory()
         spent = time.perf_counter() - t0
         timing.compute_s += spent - (timing.wait_s - wait0)
 

@@ -37,6 +37,7 @@ from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, cut_sha256, pi
 from dsv41_convert.errors import ConfigError, PlanError
 from dsv41_convert.progress import Progress, Tally, counting
 from dsv41_convert.store.file_digest import hash_threads, sha256_of_blocks
+from dsv41_convert.store.heap import reuse_freed_buffers
 from dsv41_convert.store.threads import map_stoppable
 from dsv41_convert.verify.source import whole_row_copy
 
@@ -73,6 +74,7 @@ def of_source(
                 routed expert's weight is also computed so (of_experts_as) right after its own bytes were
                 hashed, while they are in the page cache
     -> (the digests, the experts' digests in weights_as's dtype or None)"""
+    reuse_freed_buffers()
     outputs: dict[str, list[OutTensor]] = {}
     for t in weights.plan.files[0].tensors:
         outputs.setdefault(t.group or t.name, []).append(t)
@@ -113,6 +115,7 @@ def of_experts_as(weights_as: SourceWeights, progress: Progress | None = None) -
     """{name: sha256} of every routed expert's weight and scale as `weights_as` (SourceWeights(src,
     expert_dtype)) computes them: `shard SRC --expert-dtype X`'s bytes of each, several experts at once.
     progress("routed experts as X", experts done, experts) counting."""
+    reuse_freed_buffers()
     names = [t.name for t in weights_as.plan.files[0].tensors if _routed(t.name) and t.name.endswith(".weight")]
     label = counting(f"routed experts as {weights_as.plan.expert_dtype}", "experts")
     done = [0]
@@ -196,6 +199,7 @@ def compare(weights: dict[str, Any], ranks: RankFiles, progress: Progress | None
     another the pieces a tp-N conversion would hold, cut from their merge (unshard.cut_sha256).
     -> (failures, a note saying what was compared). Raises ShardConsistencyError where they do not merge.
     progress("weights sha256", bytes of the rank files read, their total) as tensors are done."""
+    reuse_freed_buffers()
     expert_dtype = experts_stored_as(ranks)
     skip_experts = expert_dtype not in (None, weights["expert_dtype"])  # compared with experts_as, or not at all
     as_other = _experts_as(weights, expert_dtype) if skip_experts else None
