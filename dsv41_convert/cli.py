@@ -479,7 +479,7 @@ def reference_logits_cmd(
             "--fp8-expert-digests/--no-fp8-expert-digests",
             help="With the weight digests of fp4 routed experts, also record each expert as `shard "
             "--expert-dtype fp8` writes it (the set for Hopper serving), so that verify compares an fp8-expert "
-            "set's every expert too. Costs the cast of every expert (~5 CPU s per GB of fp4 experts).",
+            "set's every expert too. Costs the cast of every expert (~3 CPU s per GB of fp4 experts).",
         ),
     ] = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
