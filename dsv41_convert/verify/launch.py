@@ -26,10 +26,10 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from dsv41_convert.convert import die_with
 from dsv41_convert.errors import ConvertError, VerifyInputError
 from dsv41_convert.progress import Progress
 
+T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=10)
 START_METHOD = "forkserver"  # see launch()
 
@@ -181,6 +182,14 @@ def tell(label: str, done: int, total: int) -> None:
     outside a launch, nothing."""
     if _told:
         _told[-1](label, done, total)
+
+
+def told_each(label: str, items: Sequence[T]) -> Iterator[T]:
+    """`items` one by one, `tell`ing how many are done under `label` before each and after the last."""
+    for i, item in enumerate(items):
+        tell(label, i, len(items))
+        yield item
+    tell(label, len(items), len(items))
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from dsv41_convert.model import parallel
 from dsv41_convert.model.load import load_shards
 from dsv41_convert.model.warm import warm_up_kernels
 from dsv41_convert.progress import counting
-from dsv41_convert.verify.launch import tell
+from dsv41_convert.verify.launch import told_each
 from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, build_model, load_state, run_prompt
 from dsv41_convert.verify.twin import rank_state
 
@@ -111,7 +111,7 @@ def _try_load(model, folder: Path) -> str:
 
 
 def _run_all(model, job: RankJob, args, compile_seconds: list[float], label: str) -> list[PromptRun]:
-    """Every prompt on `job.device`, told under `label` (launch.tell); the first call on CUDA compiles every
+    """Every prompt on `job.device`, told under `label` (launch.told_each); the first call on CUDA compiles every
     kernel family first (all ranks together, before any collective of a forward pass) and adds their time
     to compile_seconds[0]."""
     if job.device != "cpu":
@@ -119,11 +119,9 @@ def _run_all(model, job: RankJob, args, compile_seconds: list[float], label: str
         if not compile_seconds[0]:
             compile_seconds[0] += warm_up_kernels(model, job.device)["seconds"]
     runs = []
-    for inp, teacher in zip(job.inputs, job.teachers, strict=True):
-        tell(label, len(runs), len(job.inputs))
+    for inp, teacher in told_each(label, list(zip(job.inputs, job.teachers, strict=True))):
         inp = attach_images(inp, args)
         runs.append(run_prompt(model, inp, job.n_decode, teacher, job.capture_hidden, job.device))
-    tell(label, len(runs), len(job.inputs))
     if job.device != "cpu":
         model.to("cpu")  # the next load reads into CPU parameters
     return runs

@@ -23,7 +23,7 @@ from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
-from dsv41_convert.verify.launch import launch, tell
+from dsv41_convert.verify.launch import launch, tell, told_each
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import (
@@ -37,7 +37,7 @@ from dsv41_convert.verify.runner import (
     positions_needed,
     run_prompt,
 )
-from dsv41_convert.verify.source import SourceWeights, plan_state, reference_state, source_experts
+from dsv41_convert.verify.source import plan_state, reference_state, source_experts
 
 DEFAULT_DECODE_STEPS = 3
 PROMPTS = counting("prompts", "prompts")  # the bar of the prompts run (launch.tell)
@@ -180,11 +180,10 @@ def compute_reference_ranks(
 
 def _experts_as(src: Path, experts: str, say: Callable[[str], None], bars: Progress | None) -> dict[str, str] | None:
     """weight_digests.of_experts_as of the routed experts in the other expert dtype, None where there is none."""
-    other = weight_digests.OTHER_EXPERTS.get(experts)
-    if other is None:
+    weights_as = weight_digests.weights_as_other(src, experts)
+    if weights_as is None:
         return None
-    say(f"weights: the sha256 of the routed experts of {src} as {other}")
-    weights_as = SourceWeights(src, other)
+    say(f"weights: the sha256 of the routed experts of {src} as {weights_as.plan.expert_dtype}")
     try:
         return weight_digests.of_experts_as(weights_as, bars)
     finally:
@@ -231,9 +230,7 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, l
         model = model.to(job.device)
         warm_up_kernels(model, job.device)  # every rank compiles before the first collective, as verify's ranks
     runs = []
-    for i, inp in enumerate(job.inputs):
-        tell(PROMPTS, i, len(job.inputs))
+    for inp in told_each(PROMPTS, job.inputs):
         inp = attach_images(inp, args)
         runs.append(run_prompt(model, inp, job.n_decode, None, True, job.device))
-    tell(PROMPTS, len(runs), len(job.inputs))
     return runs, plan.source_format, _recorded(job.device), None if mine is None else every

@@ -95,11 +95,10 @@ def compute_streamed_reference(
         results, timings = run_streamed(args, weights, streamed, tokenizer, capture_hidden, device, progress)
         if record_weights and isinstance(weights, SourceWeights) and weights.source_format == "fp8":
             experts = source_experts(src)
-            other = weight_digests.OTHER_EXPERTS.get(experts) if record_experts_as else None
-            weights_as = SourceWeights(src, other) if other else None
+            weights_as = weight_digests.weights_as_other(src, experts) if record_experts_as else None
             say(
                 f"weights: the sha256 of every tensor of {src} as the reference ran it"
-                + (f", and of the routed experts as {other}" if other else "")
+                + (f", and of the routed experts as {weights_as.plan.expert_dtype}" if weights_as else "")
             )
             found, as_other = weight_digests.of_source(weights, progress, weights_as)
             digests = weight_digests.record([found], experts, as_other)

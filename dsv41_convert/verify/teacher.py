@@ -133,12 +133,11 @@ def teacher_rank(job: TeacherJob) -> list[ModuleDeviations]:
 
         model = model.to(job.device)
         warm_up_kernels(model, job.device)
-    label, deviations = counting("prompts, teacher-forced", "prompts"), []
-    for inp, hidden, logits in zip(job.inputs, job.hidden, job.logits_all, strict=True):
-        launcher.tell(label, len(deviations), len(job.inputs))
-        deviations.append(forced_prefill(model, attach_images(inp, args), hidden, logits, job.device))
-    launcher.tell(label, len(deviations), len(job.inputs))
-    return deviations
+    each = list(zip(job.inputs, job.hidden, job.logits_all, strict=True))
+    return [
+        forced_prefill(model, attach_images(inp, args), hidden, logits, job.device)
+        for inp, hidden, logits in launcher.told_each(counting("prompts, teacher-forced", "prompts"), each)
+    ]
 
 
 @torch.inference_mode()

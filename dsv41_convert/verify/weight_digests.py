@@ -87,9 +87,8 @@ def of_source(
         else:
             keep_going()
             found = {n: tensor_sha256(t) for n, t in weights([t.name for t in group]).items()}
-        name = group[0].name
-        if weights_as is not None and _routed(name) and name.endswith(".weight"):
-            as_other.update(expert_as(weights_as, name))
+        if weights_as is not None and _routed_weight(group[0].name):
+            as_other.update(expert_as(weights_as, group[0].name))
         tally.add(sum(t.end - t.begin for t in group))
         return found
 
@@ -111,21 +110,27 @@ def record(ranks: list[dict[str, str]], expert_dtype: str, experts_as: dict[str,
 OTHER_EXPERTS = {"fp4": "fp8"}  # expert dtype of a reference -> the one `experts_as` records (fp8 -> fp4 is lossy)
 
 
+def weights_as_other(src: Path, expert_dtype: str) -> SourceWeights | None:
+    """SourceWeights of `src` with the routed experts in OTHER_EXPERTS[expert_dtype] (what `experts_as`
+    records), None where there is no other; the caller closes it."""
+    from dsv41_convert.verify.source import SourceWeights
+
+    other = OTHER_EXPERTS.get(expert_dtype)
+    return None if other is None else SourceWeights(src, other)
+
+
 def of_experts_as(weights_as: SourceWeights, progress: Progress | None = None) -> dict[str, str]:
     """{name: sha256} of every routed expert's weight and scale as `weights_as` (SourceWeights(src,
     expert_dtype)) computes them: `shard SRC --expert-dtype X`'s bytes of each, several experts at once.
     progress("routed experts as X", experts done, experts) counting."""
     reuse_freed_buffers()
-    names = [t.name for t in weights_as.plan.files[0].tensors if _routed(t.name) and t.name.endswith(".weight")]
-    label = counting(f"routed experts as {weights_as.plan.expert_dtype}", "experts")
-    done = [0]
+    names = [t.name for t in weights_as.plan.files[0].tensors if _routed_weight(t.name)]
+    tally = Tally(progress, counting(f"routed experts as {weights_as.plan.expert_dtype}", "experts"), len(names))
 
     def one(name: str, keep_going: Callable[[], None]) -> dict[str, str]:
         keep_going()
         found = expert_as(weights_as, name)
-        if progress is not None:
-            done[0] += 1  # the GIL orders these; a count seen late is redrawn by the next
-            progress(label, done[0], len(names))
+        tally.add(1)
         return found
 
     found: dict[str, str] = {}
@@ -319,6 +324,11 @@ def experts_stored_as(ranks: RankFiles) -> str | None:
 def _routed(name: str) -> bool:
     """A routed expert's tensor (the rule table's EXPERT split), not the shared expert's."""
     return match_rule(name).split is Split.EXPERT
+
+
+def _routed_weight(name: str) -> bool:
+    """A routed expert's weight (its scale is computed with it)."""
+    return name.endswith(".weight") and _routed(name)
 
 
 def _each(fn: Callable[[Any, Callable[[], None]], T], items: list) -> list[T]:
