@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import VerifyInputError, first_few
 from dsv41_convert.model import parallel
 from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.manifest import MANIFEST
+from dsv41_convert.store.manifest_check import check_folder
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
@@ -88,10 +90,13 @@ def compute_streamed_reference(
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
     say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
-    weights = RankWeights(src) if rank_file_tp(src) is not None else SourceWeights(src)
+    replay = rank_file_tp(src) is not None
+    weights = RankWeights(src) if replay else SourceWeights(src)  # a rank file missing is named here
     tokenizer = src / "tokenizer.json"
     digests, weights_as = None, None
     try:
+        if replay:
+            _check_manifest(src, progress, say)
         results, timings = run_streamed(args, weights, streamed, tokenizer, capture_hidden, device, progress)
         if record_weights and isinstance(weights, SourceWeights) and weights.source_format == "fp8":
             experts = source_experts(src)
@@ -118,3 +123,19 @@ def compute_streamed_reference(
     )
     ref.provenance = provenance.record(src, args, digests)
     return ref, timings
+
+
+def _check_manifest(folder: Path, progress: Progress | None, say: Callable[[str], None]) -> None:
+    """A folder of rank files with a manifest.json is replayed only as that manifest records it: the file's
+    provenance names the rank files by the manifest's sha256, so bytes changed since (a damaged copy, an
+    edit) would be recorded as the conversion they are not. Without a manifest nothing is claimed ("")."""
+    if not (folder / MANIFEST).is_file():
+        return
+    say(f"manifest: every file's size and sha256 against {folder / MANIFEST}")
+    problems = check_folder(folder, progress=progress).problems
+    if problems:
+        raise VerifyInputError(
+            f"{folder}: not the conversion its {MANIFEST} records ({first_few(problems, 2)}): the reference would "
+            f"replay other bytes than it names; `dsv41-convert check {folder}` lists every file, `shard ... "
+            "--resume` writes again each rank file that does not match"
+        )

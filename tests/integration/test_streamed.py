@@ -362,6 +362,44 @@ def test_rank_files_that_disagree_on_a_replicated_tensor_are_refused(sources, tm
         RankWeights(mp2)
 
 
+def test_rank_files_changed_since_their_manifest_are_not_replayed(sources, tmp_path, monkeypatch, capsys):
+    """`reference-logits MP --stream-layers` records MP's rank files by their manifest's sha256: a byte of a
+    rank file changed after the manifest was written (a damaged copy) was replayed and recorded as the
+    conversion it is not. Now it is refused before the run, naming the file; without a manifest nothing is
+    claimed and the replay runs."""
+    from cli_run import run_cli
+
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.store.safetensors_header import read_header
+
+    mp2 = tmp_path / "mp2"
+    execute(build_plan(sources["fp8"], 2), mp2)
+    rank1 = mp2 / "model1-mp2.safetensors"
+    info = next(t for n, t in sorted(read_header(rank1).tensors.items()) if n.startswith("layers.1."))
+    with open(rank1, "r+b") as f:
+        f.seek(info.begin)
+        byte = f.read(1)[0]
+        f.seek(info.begin)
+        f.write(bytes([byte ^ 0x01]))
+    out = tmp_path / "ref.safetensors"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": list(range(1, 21))}) + "\n")
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(mp2), str(out), "--stream-layers",
+                           "--prompts", str(prompts), "--decode-steps", "1")  # fmt: skip
+    assert code == 2 and "not the conversion its manifest.json records (model1-mp2.safetensors:" in err
+    assert not out.exists()
+    (mp2 / "manifest.json").unlink()  # nothing recorded to hold the bytes to
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(mp2), str(out), "--stream-layers",
+                           "--prompts", str(prompts), "--decode-steps", "1", "--json")  # fmt: skip
+    assert code == 0, err
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        made = json.loads(f.metadata()["provenance"])["made_from"]
+    assert made["files"]["model1-mp2.safetensors"]["sha256"] == ""
+
+
 @pytest.mark.slow  # a 120-token prompt, 5 decode steps, both references
 def test_a_prompt_near_the_length_limit_leaves_room_for_the_drafts(sources, tmp_path, monkeypatch, capsys):
     """120 tokens + 5 decode steps sized max_seq_len 128, and the drafts after the last step rope positions up

@@ -108,9 +108,19 @@ def _overwrite_rank_tensor(folder: Path, name: str, from_rank: int, to_rank: int
         f.write(data)
 
 
+def _manifest_as_the_files_are(folder: Path) -> None:
+    """manifest.json rewritten with every listed file's sha256 as it is now: a faulty converter's own record."""
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for name, rec in manifest["files"].items():
+        rec["sha256"] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    path.write_text(json.dumps(manifest))
+
+
 def test_a_reference_of_the_rank_files_themselves_is_refused(work, tmp_path):
     conv = shutil.copytree(work["mp2"], tmp_path / "mp2")
     _overwrite_rank_tensor(conv, "head.weight", 0, 1, 2)
+    _manifest_as_the_files_are(conv)  # a converter's fault (reference-logits refuses files changed since)
     assert _verify(conv, work["ref"]).verdict == "FAIL"  # the source's reference sees it
     own = tmp_path / "refs" / "own.safetensors"
     reffile.save(compute_streamed_reference(conv, PROMPTS, 1)[0], own)
