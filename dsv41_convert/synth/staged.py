@@ -9,7 +9,9 @@ files the new checkpoint does not have. A failure before that (a full disk: an e
 SIGTERM) removes the hidden folder and leaves OUT's files as they were; --overwrite needs room for both.
 
 `--overwrite` replaces a folder that holds nothing but what make-tiny leaves there: its files by exact
-name (regular files; `.partial` ones of an interrupted run of before), its lock and its hidden folders.
+name (regular files; `.partial` ones of an interrupted run of before), its lock and its hidden folders, and
+only where its mark is (`.dsv41-make-tiny`, written with every checkpoint): a copy of real shards under the
+same names is no output of make-tiny's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dsv41_convert.store.manifest import fsync_path
 
 INDEX = "model.safetensors.index.json"
 STAGE = ".make-tiny.partial-"
+MARK = ".dsv41-make-tiny"  # in OUT: make-tiny wrote the checkpoint there; --overwrite replaces nothing else
 _FIXED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", INDEX)
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -44,7 +47,7 @@ def _left_by_us(p: Path) -> bool:
         return False
     if p.is_dir():
         return p.name.startswith(STAGE)
-    return p.is_file() and (p.name == LOCK_NAME or writes(p.name.removesuffix(".partial")))
+    return p.is_file() and (p.name in (LOCK_NAME, MARK) or writes(p.name.removesuffix(".partial")))
 
 
 def check_out(out: Path, overwrite: bool) -> Path:
@@ -70,6 +73,13 @@ def check_out(out: Path, overwrite: bool) -> Path:
             f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a folder of make-tiny's files "
             "(config, tokenizer, index, model-NNNNN-of-NNNNN.safetensors, no links or folders): pick another"
         )
+    files = [p.name for p in entries if not p.is_dir()]  # hidden stage folders alone: an interrupted first run
+    if files and not (out / MARK).is_file():
+        raise OutputError(
+            f"{out}: no {MARK}, so not a checkpoint make-tiny wrote (a copy of real shards? one written before "
+            f"2026-12-04?); --overwrite replaces only make-tiny's own output: remove the folder yourself, or pick "
+            "another"
+        )
     return out
 
 
@@ -93,6 +103,9 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
                         raise
                     said = f"{exc.strerror or exc} while writing the checkpoint"
                     raise OutputError(f"{out}: {said}; {out} is as it was") from exc
+                (stage / MARK).write_text(
+                    "written by `dsv41-convert make-tiny`: its --overwrite replaces the checkpoint in this folder\n"
+                )
                 with interrupts.deferred():
                     _move_in(stage, out)
             finally:

@@ -31,7 +31,7 @@ from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.quant import encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_int8
 from dsv41_convert.synth.presets import TINY, hf_config
-from dsv41_convert.synth.staged import INDEX
+from dsv41_convert.synth.staged import INDEX, MARK
 from dsv41_convert.synth.weights import decode_file_tensors
 from dsv41_convert.synth.write import write_checkpoint
 
@@ -78,7 +78,7 @@ def bf16_dir(tmp_path_factory) -> Path:
 def test_file_set_and_index(fp8_dir):
     shards = [f"model-{i:05d}-of-00014.safetensors" for i in range(1, 15)]
     assert sorted(p.name for p in fp8_dir.iterdir()) == sorted(
-        ["config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", *shards]
+        ["config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", MARK, *shards]
     )
     index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())
     headers = _headers(fp8_dir)
@@ -307,6 +307,26 @@ def test_overwrite_touches_nothing_of_a_folder_with_foreign_entries(fp8_dir, tmp
     assert _listing(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_overwrite_replaces_only_a_folder_make_tiny_marked(fp8_dir, tmp_path):
+    """A folder of files with make-tiny's exact names that make-tiny did not write (a copy of the real
+    shards, which are named so) was replaced by `make-tiny OUT --overwrite`: now the mark make-tiny leaves
+    decides, and without it nothing is touched."""
+    out = tmp_path / "copy"
+    shutil.copytree(fp8_dir, out)
+    (out / MARK).unlink()
+    before = _listing(out)
+    with pytest.raises(OutputError, match=rf"{out}: no {MARK}, so not a checkpoint make-tiny wrote"):
+        write_checkpoint(out, TINY, seed=1, overwrite=True)
+    assert _listing(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+    (out / MARK).symlink_to(fp8_dir / MARK)  # a link is no mark
+    with pytest.raises(OutputError, match="holds what make-tiny does not write"):
+        write_checkpoint(out, TINY, seed=1, overwrite=True)
+    (out / MARK).unlink()
+    (out / MARK).write_text("")
+    write_checkpoint(out, TINY, seed=1, overwrite=True)
+    assert (out / MARK).read_text().startswith("written by `dsv41-convert make-tiny`")
+
+
 def test_a_failed_write_leaves_out_as_it_was(fp8_dir, tmp_path, monkeypatch):
     """A full disk in the middle of the shards left config, tokenizer files and some shards (with --overwrite
     after deleting the old checkpoint), and an error naming no file (an audit): the checkpoint is staged beside
@@ -348,7 +368,7 @@ def test_overwrite_replaces_the_checkpoint_and_keeps_the_folder(fp8_dir, tmp_pat
     before = out.stat()
     summary = write_checkpoint(out, TINY, seed=1, layer_shards=2, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["config.json", "tokenizer.json", "tokenizer_config.json", INDEX, *(f["file"] for f in summary["files"])]
+        ["config.json", "tokenizer.json", "tokenizer_config.json", INDEX, MARK, *(f["file"] for f in summary["files"])]
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     after = out.stat()
@@ -367,7 +387,7 @@ def test_out_as_the_current_folder_an_empty_one_and_a_long_name(tmp_path, monkey
 
     code, _, err = run_cli(monkeypatch, capsys, "make-tiny", ".", "--no-vision", "--shards", "1")
     assert code == 0, err
-    assert (here / INDEX).is_file() and not [p for p in here.iterdir() if p.name.startswith(".")]
+    assert (here / INDEX).is_file() and [p.name for p in here.iterdir() if p.name.startswith(".")] == [MARK]
     long_name = tmp_path / ("a" * 245)
     write_checkpoint(long_name, TINY, vision=False, layer_shards=1)
     assert (long_name / INDEX).is_file()
