@@ -71,15 +71,16 @@ def deferred() -> Iterator[None]:
 
 
 def quiet_when_dropped() -> None:
-    """Install a sys.unraisablehook that says nothing of a KeyboardInterrupt of interrupt()'s that Python
-    dropped (it printed "Exception ignored in: ... KeyboardInterrupt" under the run's own message): the next
-    check() raises it again. Anything else it drops is printed as before."""
+    """Install a sys.unraisablehook that says nothing of a KeyboardInterrupt of interrupt()'s (or the
+    SystemExit an idle worker process turns it into) that Python dropped (it printed "Exception ignored in:
+    ... KeyboardInterrupt" under the run's own message): the next check() raises it again. Anything else it
+    drops is printed as before."""
     printed = sys.unraisablehook
     if getattr(printed, "quiet_when_dropped", False):  # installed already (the CLI run again in one process)
         return
 
     def hook(unraisable) -> None:
-        if not (unraisable.exc_type is KeyboardInterrupt and _state["interrupted"]):
+        if not (unraisable.exc_type in (KeyboardInterrupt, SystemExit) and _state["interrupted"]):
             printed(unraisable)
 
     hook.quiet_when_dropped = True

@@ -715,6 +715,7 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[
 
 _QUEUE: Any = None
 _LOCKS: SharedFiles | None = None
+_IN_JOB = [False]  # this worker process runs a job (_worker_job), not waiting for the next
 
 
 def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
@@ -734,9 +735,17 @@ def _interrupt_worker(signum, frame) -> None:
     """Ctrl-C in a worker, from the terminal or forwarded by the run (_stop_workers), whichever comes first:
     the file being written stops and keeps its partial for --resume (write.py), and the files the pool has
     already queued to this worker are refused (_worker_job), so that no file is written after Ctrl-C. A
-    second Ctrl-C is ignored: it would interrupt the first one's cleanup."""
-    if not interrupts.interrupted():
+    second Ctrl-C is ignored: it would interrupt the first one's cleanup. A worker waiting for its next
+    job has nothing to stop: it leaves quietly (multiprocessing printed the KeyboardInterrupt's traceback
+    from the pool's queue under the run's own message, seen on a loaded 2-core box)."""
+    if interrupts.interrupted():
+        return
+    try:
         interrupts.interrupt(frame)  # at once, or while a file is written at its next chunk (interrupts.py)
+    except KeyboardInterrupt:
+        if not _IN_JOB[0]:
+            raise SystemExit(130) from None
+        raise
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
@@ -766,6 +775,14 @@ def _worker_context(job: dict[str, Any]) -> Any:
 
 
 def _worker_job(rf, src, out, job) -> FileDone:
+    _IN_JOB[0] = True
+    try:
+        return _worker_file(rf, src, out, job)
+    finally:
+        _IN_JOB[0] = False
+
+
+def _worker_file(rf, src, out, job) -> FileDone:
     interrupts.check()  # this worker took Ctrl-C: it begins no file after it
     last = [0.0]
 
