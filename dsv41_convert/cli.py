@@ -372,6 +372,16 @@ NoReplayOpt = Annotated[
         "decides where the reference file records weight digests.",
     ),
 ]
+VerifyStreamOpt = Annotated[
+    bool,
+    typer.Option(
+        "--stream-layers",
+        help="Instead of running the rank files at tp N, merge them back to tp 1 one unit at a time (embedding, "
+        "each layer, each DSpark stage, head) and replay them here against a tp-1 --reference-logits FILE, bit "
+        "for bit: bounded memory, for a model larger than the machine. The replicas, manifest and weights "
+        "checks run as without it.",
+    ),
+]
 RefTpOpt = Annotated[
     int, typer.Option("--tp", parser=opts.whole_number(1), help="Ranks to compute the reference on (one process each).")
 ]
@@ -401,6 +411,7 @@ def verify_cmd(
     no_localize: NoLocalizeOpt = False,
     statistical: StatisticalOpt = False,
     no_replay: NoReplayOpt = False,
+    stream_layers: VerifyStreamOpt = False,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Run the converted weights (one process per rank) and compare their logits with a reference.
@@ -421,6 +432,7 @@ def verify_cmd(
     Examples:
       dsv41-convert verify ./mp8 --reference ./DeepSeek-V4.1-Flash-tiny
       dsv41-convert verify ./mp8 --reference-logits ref.safetensors --json
+      dsv41-convert verify ./mp8 --reference-logits ref-tp1.safetensors --stream-layers
       torchrun --nproc-per-node 8 -m dsv41_convert.cli verify ./mp8 --reference-logits ref.safetensors --device cuda
     """
     from dsv41_convert.verify.run import VerifyOptions, verify
@@ -430,7 +442,7 @@ def verify_cmd(
     overrides = {"atol": atol, "max_kl": max_kl, "max_kl_mean": max_kl_mean, "min_top1": min_top1, "min_cos": min_cos}
     opts = VerifyOptions(
         converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
-        not no_localize, threads, statistical, replay=not no_replay,
+        not no_localize, threads, statistical, replay=not no_replay, stream_layers=stream_layers,
     )  # fmt: skip
     speaks = not as_json and torchrun.shared_rank() in (None, 0)  # one process of a torchrun launch speaks
     result = verify(opts, progress=report.info if speaks else None, shown=report.byte_progress if speaks else None)

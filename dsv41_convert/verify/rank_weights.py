@@ -3,8 +3,9 @@ merged back to tp 1 by `convert.unshard.unshard_tensors` (only the named tensors
 rows read straight from the rank that holds them (rank r holds rows [r * k, (r + 1) * k), k = ceil(rows / N)).
 
 This is the tp-1 replay of a converted set at real scale: `reference-logits OUT_FOLDER ... --stream-layers`
-on rank files computes what a tp-1 run of exactly those bytes gives. Rank files whose replicated tensors
-differ are refused first (convert.unshard.replica_mismatches: those tensors' bytes are read once).
+on rank files computes what a tp-1 run of exactly those bytes gives, and `verify --stream-layers` replays
+them so (RankWeights.over). Rank files whose replicated tensors differ are refused first
+(convert.unshard.replica_mismatches: those tensors' bytes are read once).
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ class RankWeights:
             self.ranks.close()
             shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")
             raise VerifyInputError(f"{self.folder}: the rank files are not one conversion ({shown})")
+        self._owns_files = True
+
+    @classmethod
+    def over(cls, ranks: RankFiles) -> RankWeights:
+        """Over rank files opened (and checked) by the caller: verify's replicas check names each tensor that
+        differs as a failure; close() leaves them open."""
+        weights = cls.__new__(cls)
+        weights.folder, weights.ranks, weights.headers = ranks.folder, ranks, ranks.headers
+        weights._owns_files = False
+        return weights
 
     def __call__(self, names) -> dict[str, Tensor]:
         return unshard_tensors(self.ranks, list(names))
@@ -74,4 +85,5 @@ class RankWeights:
         return out
 
     def close(self) -> None:
-        self.ranks.close()
+        if self._owns_files:
+            self.ranks.close()

@@ -14,7 +14,8 @@ Cannot catch: a wrong value no prompt reaches (an expert no prompt routes to, an
 n-gram hashes to; verify's weights check compares those bytes where the reference file records their
 sha256, weight_digests.py), or a fault in the tp-N distributed run itself that the merge undoes (the
 tp-N run is still compared with the reference's statistical bounds).
-Memory: the whole merged model in this process (the layer-streamed replay is issue 17's).
+Memory: the whole merged model in this process; `verify --stream-layers` holds one unit instead
+(verify.streamed.replay_streamed, the same outputs bit for bit).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dsv41_convert import torchrun
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
@@ -72,6 +73,8 @@ class VerifyOptions:
     threads: int | None = None  # torch threads per process (default: cores / tp, or the reference's)
     statistical: bool = False  # accept statistical bounds as a PASS when no decisive check applies
     replay: bool = True  # False: no tp-1 replay (it holds the merged model in RAM); the teacher check may run
+    # the tp-1 replay one unit at a time in place of the tp-N run (a model larger than the machine)
+    stream_layers: bool = False
 
 
 @dataclass
@@ -197,6 +200,8 @@ def verify(
     conv = Path(opts.converted)
     if (opts.reference is None) == (opts.reference_logits is None):
         raise VerifyInputError("give exactly one of --reference SRC and --reference-logits FILE")
+    if opts.stream_layers and opts.reference is not None:  # the twin holds the converter's whole output
+        raise VerifyInputError("--stream-layers goes with --reference-logits FILE (a tp-1 file), not --reference SRC")
     if not conv.is_dir():
         raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
     if not (conv / "config.json").is_file():
@@ -213,7 +218,7 @@ def _verify_ranks(
 ) -> VerifyResult | None:
     conv, tp = ranks.folder, ranks.tp
     launcher.backend_for(opts.device)
-    threads = opts.threads or launcher.default_threads(tp)
+    threads = opts.threads or launcher.default_threads(1 if opts.stream_layers else tp)
     if opts.device == "cpu":
         torch.set_num_threads(threads)  # the reference runs here; at tp 1 the converted model too
     seconds: dict[str, float] = {}
@@ -246,15 +251,19 @@ def _verify_ranks(
             )
         ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
+        if opts.stream_layers:
+            _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused
             side_files_differ = provenance.check_converted(ref.provenance, conv, conv_args, tp, Path(ref_name))
-        if opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
+        run_tp = 1 if opts.stream_layers else tp  # what the converted bytes run at
+        if opts.threads is None and opts.device == "cpu" and ref.tp == run_tp and ref.threads:
             threads = ref.threads  # the reference's sums, in the reference's order
-            if tp == 1:
-                torch.set_num_threads(threads)
+        if run_tp == 1 and opts.device == "cpu":
+            torch.set_num_threads(threads)
     seconds["reference"] = time.perf_counter() - t0
     blockers = exact_blockers(
-        ref.tp, ref.device, ref.threads, ref.torch_version, ref.weights, tp, opts.device, threads
+        ref.tp, ref.device, ref.threads, ref.torch_version, ref.weights, 1 if opts.stream_layers else tp, opts.device,
+        threads,
     )  # fmt: skip
     mode = choose_mode(ref.weights, not blockers)
     thresholds = default_thresholds(mode)
@@ -265,13 +274,19 @@ def _verify_ranks(
     if src_ref is not None:
         say("twin: the converter's tp-1 output, in memory")
         expected = _expected(src_ref, Path(opts.reference), conv_args)
-    say(f"converted: {conv} on {tp} rank(s) ({opts.device})" + (", beside its twin" if expected else ""))
     t1 = time.perf_counter()
-    teachers = [r.decode_ids for r in ref.runs]
-    job = RankJob(str(conv), ref.max_seq_len, ref.inputs, teachers, ref.n_decode, opts.device, twin=expected)
-    with shown(f"converted: {conv}") as bars:
-        out = launcher.launch(run_converted, job, tp, opts.device, threads, bars)
-    seconds["converted"] = time.perf_counter() - t1
+    if opts.stream_layers:
+        say(f"replay: {conv} merged back to tp 1 one unit at a time, run here (in place of a tp-{tp} run)")
+        with shown(f"replay: {conv}") as bars:
+            out = _replayed_streamed(ranks, ref, opts.device, bars)
+        seconds["replay"] = time.perf_counter() - t1
+    else:
+        say(f"converted: {conv} on {tp} rank(s) ({opts.device})" + (", beside its twin" if expected else ""))
+        teachers = [r.decode_ids for r in ref.runs]
+        job = RankJob(str(conv), ref.max_seq_len, ref.inputs, teachers, ref.n_decode, opts.device, twin=expected)
+        with shown(f"converted: {conv}") as bars:
+            out = launcher.launch(run_converted, job, tp, opts.device, threads, bars)
+        seconds["converted"] = time.perf_counter() - t1
     if out is None:
         return None
     result = VerifyResult(str(conv), ref_name, tp, opts.device, thresholds, [], {}, [], seconds=seconds)
@@ -279,17 +294,22 @@ def _verify_ranks(
     if isinstance(out, LoadFailure):
         result.load_error = "\n".join(f"rank {r}: {m}" for r, m in out.messages)
         result.failures = [f"load: {result.load_error}"]
+        if opts.stream_layers:
+            result.checks.append(Check("replay", False, True, list(result.failures), _STREAMED))
     else:
         seconds["compile"] = out.compile_seconds  # part of "converted"
         _compare_all(result, ref, out, thresholds)
-        result.checks.append(_reference_check(result, blockers, ref))
+        check = _reference_check(result, blockers, ref)
+        if opts.stream_layers:  # the replay is the only run: bit for bit against the tp-1 file
+            check = Check("replay", check.exact, check.expected_exact, check.failures, f"{_STREAMED}; {check.note}")
+        result.checks.append(check)
         if out.twin_runs is not None:
             result.failures += [f"twin weights: {line}" for line in out.twin_weights or ()]
             result.checks.append(_twin_check(result))
     if src_ref is not None:  # the twin runs with CONVERTED's tokenizer: it cannot see a changed one
         side_files_differ = _copied_files_differ(Path(opts.reference), conv)
     result.failures += side_files_differ
-    if tp > 1 and not isinstance(out, LoadFailure):
+    if tp > 1 and (not isinstance(out, LoadFailure) or opts.stream_layers):
         t2 = time.perf_counter()
         say("replicas: the tensors every rank holds, byte for byte across the rank files; Engram padding rows")
         result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks)]
@@ -322,7 +342,14 @@ def _verify_ranks(
             _weights_check(result, recorded, ranks, ref_name, bytes_done)
         seconds["weights"] = time.perf_counter() - t2
     replay_runs = None
-    if src_ref is None and ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay:
+    if (
+        src_ref is None
+        and ref.tp == 1
+        and tp > 1
+        and ref.device == opts.device
+        and opts.replay
+        and not opts.stream_layers
+    ):
         t2 = time.perf_counter()
         say(f"replay: {conv} merged back to tp 1 in memory, run in this process")
         check, replay_runs = replay_check(ranks, ref, opts.device, opts.threads)
@@ -386,6 +413,34 @@ def _copied_files_differ(src: Path, conv: Path) -> list[str]:
     if ours.is_file() and ours.read_bytes() != theirs.read_bytes():
         found.append(f"hf config: {ours} differs from {theirs}, which shard copies there unchanged")
     return found
+
+
+_STREAMED = "rank files merged back to tp 1 one unit at a time (--stream-layers), run here"
+
+
+def _streamable(opts: VerifyOptions, ref: reffile.Reference, ref_name: str) -> None:
+    """VerifyInputError unless the streamed replay can decide against `ref`: a tp-1 file (the replay is a
+    tp-1 run), and --stream-layers not beside --no-replay (it is the replay)."""
+    if not opts.replay:
+        raise VerifyInputError("--stream-layers is the tp-1 replay, one unit at a time: drop --no-replay")
+    if torchrun.shared_rank() is not None:
+        raise VerifyInputError("--stream-layers runs in one process: run it without torchrun")
+    if ref.tp != 1:
+        raise VerifyInputError(
+            f"{ref_name}: a tp-{ref.tp} reference; --stream-layers replays the rank files at tp 1 and compares them "
+            "with a tp-1 file (`reference-logits SRC FILE --stream-layers`, or --tp 1)"
+        )
+
+
+def _replayed_streamed(ranks: RankFiles, ref: reffile.Reference, device: str, bars) -> RankResult | LoadFailure:
+    """The streamed replay's runs (verify.streamed.replay_streamed), or the reason the rank files do not run
+    as one tp-1 model (they do not merge, or a merged tensor does not fit the model)."""
+    from dsv41_convert.verify.streamed import replay_streamed
+
+    try:
+        return RankResult(replay_streamed(ranks, ref, device, bars), None)
+    except (ShardConsistencyError, PlanError) as exc:
+        return LoadFailure([(0, f"the rank files do not merge back to tp 1 and load: {exc}")])
 
 
 def _reference_check(result: VerifyResult, blockers: list[str], ref: reffile.Reference) -> Check:

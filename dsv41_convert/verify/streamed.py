@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from dsv41_convert.config import load_model_args
+from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.convert.unshard import RankFiles
 from dsv41_convert.errors import VerifyInputError, first_few
 from dsv41_convert.model import parallel
-from dsv41_convert.model.streamed import StreamPrompt, UnitTiming, run_streamed
+from dsv41_convert.model.streamed import StreamPrompt, StreamResult, UnitTiming, run_streamed
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder
@@ -33,7 +34,7 @@ from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
 from dsv41_convert.verify.reffile import Reference
-from dsv41_convert.verify.runner import ModelInput, PromptRun, draft_block, model_input
+from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, draft_block, model_input
 from dsv41_convert.verify.source import SourceWeights, source_experts
 
 
@@ -78,13 +79,7 @@ def compute_streamed_reference(
     say = say or (lambda _msg: None)
     args = load_model_args(src / "config.json")
     inputs: list[ModelInput] = [model_input(p, args) for p in prompts]
-    ratio = max(args.compress_ratios[: args.n_layers], default=0)
-    for p, inp in zip(prompts, inputs, strict=True):
-        if inp.input_ids.numel() < ratio:  # the streamed model refuses it too, without naming the line
-            raise VerifyInputError(
-                f"{p.origin or p.label}: a {inp.input_ids.numel()}-token prompt: streaming needs {ratio} tokens "
-                "(the largest compress ratio)"
-            )
+    _long_enough([p.origin or p.label for p in prompts], inputs, args, "")
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
@@ -97,6 +92,7 @@ def compute_streamed_reference(
     try:
         if replay:
             _check_manifest(src, progress, say)
+            fit_merged(weights.ranks, args)  # what no prompt reads is judged too
         results, timings = run_streamed(args, weights, streamed, tokenizer, capture_hidden, device, progress)
         if record_weights and isinstance(weights, SourceWeights) and weights.source_format == "fp8":
             experts = source_experts(src)
@@ -111,10 +107,7 @@ def compute_streamed_reference(
         weights.close()
         if weights_as is not None:
             weights_as.close()
-    runs = [
-        PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last, r.draft_confidence)
-        for r, d in zip(results, decode, strict=True)
-    ]
+    runs = _prompt_runs(results, decode)
     source_format = weights.source_format
     recorded = _recorded(device)  # what decides bit equality, as the whole-model reference records it
     weights_kind = "converted" if source_format == "fp8" else "bf16"
@@ -139,3 +132,68 @@ def _check_manifest(folder: Path, progress: Progress | None, say: Callable[[str]
             f"replay other bytes than it names; `dsv41-convert check {folder}` lists every file, `shard ... "
             "--resume` writes again each rank file that does not match"
         )
+
+
+def replay_streamed(
+    ranks: RankFiles, ref: Reference, device: str = "cpu", progress: Progress | None = None
+) -> list[PromptRun]:
+    """verify's tp-1 replay one unit at a time: every prompt of the tp-1 reference `ref` through `ranks`
+    merged back to tp 1 per unit (RankWeights over them), the decode steps fed the reference's decode_ids,
+    so a correct conversion gives the reference's every logit bit for bit (as verify.replay's whole merged
+    model would) while one unit is held, not the model. Raises ShardConsistencyError where the rank files
+    do not merge, VerifyInputError for a prompt or record the streamed model cannot run."""
+    args = ranks.args.with_runtime(max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0)
+    inputs = [attach_images(inp, args) for inp in ref.inputs]
+    _long_enough(ref.labels, inputs, args, " (--stream-layers; verify without it runs any length)")
+    fit_merged(ranks, args)
+    decode = []
+    for label, run in zip(ref.labels, ref.runs, strict=True):
+        if ref.n_decode and run.decode_ids.numel() < ref.n_decode + 1:
+            raise VerifyInputError(
+                f"prompt {label}: the reference records {run.decode_ids.numel()} decode tokens for {ref.n_decode} "
+                "decode steps: the streamed replay feeds the reference's tokens; verify without --stream-layers"
+            )
+        decode.append(run.decode_ids[: ref.n_decode + 1] if ref.n_decode else torch.zeros(1, dtype=torch.int64))
+    streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
+    capture = any(r.hidden for r in ref.runs)
+    weights = RankWeights.over(ranks)
+    results, _ = run_streamed(args, weights, streamed, ranks.folder / "tokenizer.json", capture, device, progress)
+    return _prompt_runs(results, [r.decode_ids for r in ref.runs])
+
+
+def fit_merged(ranks: RankFiles, args: ModelArgs) -> None:
+    """The strict load of the whole replay, without a weight in memory: every tensor the rank files merge
+    into (headers only, convert.unshard.merge_of) against the tp-1 model built on the meta device, names,
+    dtypes and shapes (model.load.check_header), so that a tensor the streamed run never asks for (an extra
+    one, an expert no prompt routes to) is judged as the whole replay's load would judge it. Raises
+    ShardConsistencyError (the headers do not merge) or PlanError (naming what does not fit)."""
+    from types import SimpleNamespace
+
+    from dsv41_convert.convert.unshard import merge_of
+    from dsv41_convert.model.load import check_header
+    from dsv41_convert.model.transformer import Transformer
+
+    merged = {name: merge_of(ranks, name) for name in ranks.names()}
+    tokenizer = ranks.folder / "tokenizer.json" if args.engram_layer_ids else None
+    with torch.device("meta"):
+        model = Transformer(args, tokenizer)
+    check_header(model, SimpleNamespace(tensors=merged, path=f"{ranks.folder} (its rank files merged to tp 1)"))
+
+
+def _prompt_runs(results: list[StreamResult], decode: list[torch.Tensor]) -> list[PromptRun]:
+    return [
+        PromptRun(r.logits_all, d, r.decode_logits, r.draft_logits, r.hidden, r.last, r.draft_confidence)
+        for r, d in zip(results, decode, strict=True)
+    ]
+
+
+def _long_enough(labels: list[str], inputs: list[ModelInput], args: ModelArgs, why: str) -> None:
+    """VerifyInputError naming the first prompt shorter than the largest compress ratio: its prefill would
+    publish no index keys, so it cannot be streamed (the streamed model refuses it without naming it)."""
+    ratio = max(args.compress_ratios[: args.n_layers], default=0)
+    for label, inp in zip(labels, inputs, strict=True):
+        if inp.input_ids.numel() < ratio:
+            raise VerifyInputError(
+                f"{label}: a {inp.input_ids.numel()}-token prompt: streaming needs {ratio} tokens (the largest "
+                f"compress ratio){why}"
+            )

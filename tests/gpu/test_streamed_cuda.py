@@ -106,3 +106,33 @@ def test_next_unit_read_ahead_and_experts_on_demand(sources, monkeypatch):
         t = timings[1 + i]
         assert 0 < t.experts_read and t.param_bytes >= expected_param_bytes(args, i, 0), t.unit
         assert t.param_bytes <= expected_param_bytes(args, i, t.experts_read), t.unit
+
+
+def test_verify_stream_layers_on_cuda(sources, tmp_path):
+    """`verify --stream-layers --device cuda` against a CUDA tp-1 file: a correct tp-2 set passes bit for bit
+    on the streamed replay and the weights; one fp8 block scale of a reached weight doubled fails the replay."""
+    from safetensors.torch import load_file, save_file
+
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.verify import reffile
+    from dsv41_convert.verify.run import VerifyOptions, verify
+
+    prompts = default_prompts(TINY.vocab_size, count=1, length=24)
+    ref, _ = compute_streamed_reference(sources["fp8"], prompts, N_DECODE, device="cuda")
+    path = tmp_path / "ref.safetensors"
+    reffile.save(ref, path)
+    conv = tmp_path / "mp2"
+    execute(build_plan(sources["fp8"], 2), conv)
+    result = verify(VerifyOptions(conv, reference_logits=path, device="cuda", stream_layers=True))
+    assert result.verdict == "PASS" and result.decisive == ["replay", "weights"], (result.failures, result.checks)
+    rank1 = conv / "model1-mp2.safetensors"
+    tensors = load_file(str(rank1))
+    raw = tensors["layers.1.attn.wq_b.scale"].view(torch.uint8).clone()
+    raw[0, 0] += 1
+    tensors["layers.1.attn.wq_b.scale"] = raw.view(torch.float8_e8m0fnu)
+    save_file(tensors, str(rank1))
+    (conv / "manifest.json").unlink()
+    result = verify(VerifyOptions(conv, reference_logits=path, device="cuda", stream_layers=True))
+    replay = next(c for c in result.checks if c.name == "replay")
+    assert result.verdict == "FAIL" and replay.failures, (result.failures, result.checks)

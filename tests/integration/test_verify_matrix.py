@@ -745,3 +745,90 @@ def test_experts_of_another_dtype_are_said_to_be_skipped_by_an_older_file(m):
     other = _verify(m.shard(4, expert_dtype="fp8"), _without_experts_as(m.reference("tpN", 2)))
     assert other.verdict == "INCONCLUSIVE" and other.weights == "partial", other.checks
     assert "a conversion with fp8 experts" in other.advice and "records their digests" not in other.advice
+
+
+# --- the streamed replay (`verify --stream-layers`): the tp-1 replay one unit at a time, in place of the tp-N
+# run, for a model larger than the machine: every fault the whole replay fails, the replay itself fails
+STREAM_CASES = [(f, 2, "tp1") for f in FAULTS if f != "engram_padding_row_missing"]
+STREAM_CASES += [("engram_padding_row_missing", 4, "tp1"), ("dim0_split_exchanged", 4, "tp1")]
+STREAM_CASES += [(f, 2, "external") for f in (*ISSUE_FAULTS, "experts_swapped_across_ranks", "routed_expert_nibble")]
+
+
+@pytest.mark.parametrize(("fault", "tp", "ref"), STREAM_CASES, ids=[f"{f}-tp{t}-{r}" for f, t, r in STREAM_CASES])
+def test_streamed_replay_fails_every_fault(m, fault, tp, ref):
+    d = m.faulty(fault, tp)
+    FAULTS[fault](m, d, tp)
+    result = _verify(d, m.reference(ref, tp), stream_layers=True)
+    assert result.verdict == "FAIL", (result.verdict, result.checks)
+    replay = next(c for c in result.checks if c.name == "replay")
+    assert (replay.failures and not replay.exact) or result.load_error, replay  # the replay failed it itself
+    assert "converted" not in result.seconds  # no tp-N run
+
+
+@pytest.mark.parametrize(("tp", "ref", "want"), [(2, "tp1", ["replay", "weights"]), (4, "tp1", ["replay", "weights"]),
+                                                 (2, "external", ["replay"])])  # fmt: skip
+def test_streamed_replay_passes_correct_sets(m, tp, ref, want):
+    result = _verify(m.shard(tp), m.reference(ref, tp), stream_layers=True)
+    assert result.verdict == "PASS" and result.decisive == want, (result.failures, result.checks)
+    assert "replay" in result.seconds and "converted" not in result.seconds
+    result = _verify(m.shard(2, expert_dtype="fp8"), m.reference("tp1", 2), stream_layers=True)
+    assert result.verdict == "PASS" and "replay" in result.decisive, result.checks
+
+
+def test_streamed_replay_equals_the_whole_replay_and_holds_one_unit(m, monkeypatch):
+    """The streamed replay's every output equals the whole merged model's (verify.replay) bit for bit, and
+    no request to the rank files asks for more than one unit's tensors."""
+    from stream_testing import assert_bit_identical
+
+    from dsv41_convert.convert.unshard import RankFiles
+    from dsv41_convert.verify import rank_weights
+    from dsv41_convert.verify.replay import replay_runs
+    from dsv41_convert.verify.streamed import replay_streamed
+
+    ref = reffile.load(m.reference("tp1", 4), 128)
+    torch.set_num_threads(1)
+    asked: list[int] = []
+    real = rank_weights.unshard_tensors
+    monkeypatch.setattr(
+        rank_weights, "unshard_tensors", lambda ranks, names: asked.append(len(names)) or real(ranks, names)
+    )
+    with RankFiles(m.shard(4), 4) as ranks:
+        streamed = replay_streamed(ranks, ref, "cpu")
+        whole = replay_runs(ranks, ref, "cpu")
+        every = len(ranks.names())
+    assert_bit_identical(streamed, whole)
+    assert asked and max(asked) < every / TINY.n_layers, (max(asked), every)
+
+
+def test_streamed_replay_refuses_what_it_cannot_decide(m, monkeypatch, capsys):
+    from cli_run import run_cli
+
+    with pytest.raises(VerifyInputError, match=r"a tp-2 reference; --stream-layers replays the rank files at tp 1"):
+        _verify(m.shard(2), m.reference("tpN", 2), stream_layers=True)
+    with pytest.raises(VerifyInputError, match="drop --no-replay"):
+        _verify(m.shard(2), m.reference("tp1", 2), stream_layers=True, replay=False)
+    with pytest.raises(VerifyInputError, match="--stream-layers goes with --reference-logits FILE"):
+        verify(VerifyOptions(m.shard(2), reference=m.src, stream_layers=True))
+    args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--stream-layers")
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["decisive"] == ["replay", "weights"] and "replay" in doc["seconds"], err
+
+
+def test_streamed_replay_judges_what_no_prompt_reads_as_the_whole_load_does(m):
+    """The streamed run reads only what the prompts reach: a tensor the model lacks, or an expert no prompt
+    routes to stored with another shape, was never bound, and the weights check then blamed the FILE's
+    record (exit 2). Every merged tensor is now checked against the model built on the meta device first:
+    the set fails, naming the tensor."""
+    d = m.faulty("extra_tensor", 2)
+    _edit(d, 0, 2, lambda t: t.__setitem__("layers.2.attn.wo_a.scale", torch.ones(2, 2)))
+    _edit(d, 1, 2, lambda t: t.__setitem__("layers.2.attn.wo_a.scale", torch.ones(2, 2)))
+    result = _verify(d, m.reference("tp1", 2), stream_layers=True)
+    assert result.verdict == "FAIL" and "layers.2.attn.wo_a.scale" in result.load_error, result.load_error
+    assert "not in the model" in result.load_error and result.weights == "not compared"
+    expert = m.probe()["unrouted_expert"]
+    d = m.faulty("unrouted_expert_shape", 2)
+    name = f"layers.2.ffn.experts.{expert}.w1.scale"
+    _edit(d, expert // (TINY.n_routed_experts // 2), 2, lambda t: t.__setitem__(name, t[name][:-1].contiguous()))
+    result = _verify(d, m.reference("tp1", 2), stream_layers=True)
+    assert result.verdict == "FAIL" and name in result.load_error, result.load_error
