@@ -19,7 +19,7 @@ import typer
 from dsv41_convert import interrupts, torchrun
 from dsv41_convert.app import options as opts
 from dsv41_convert.app import report
-from dsv41_convert.errors import ConvertError
+from dsv41_convert.errors import ConvertError, RankFailedError
 
 app = typer.Typer(
     name="dsv41-convert",
@@ -544,10 +544,16 @@ def reference_logits_cmd(
         from dsv41_convert.errors import VerifyInputError
 
         raise VerifyInputError("--stream-layers computes the tp-1 reference: no --tp or --as-converted")
-    if not stream_layers:  # a tp the model cannot run: refused before OUT's folders are made
+    if stream_layers and torchrun.world() not in (None, 1):  # each process would compute and save it
+        from dsv41_convert.errors import VerifyInputError
+
+        raise VerifyInputError("--stream-layers runs in one process: run it without torchrun")
+    if not stream_layers:  # a tp the model cannot run, or torchrun's other count: refused before OUT's folders
         from dsv41_convert.convert.tp import check_tp
+        from dsv41_convert.verify.launch import check_world
 
         check_tp(args, tp, str(src / "config.json"))
+        check_world(tp)
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start, so a second writer is refused before minutes
@@ -929,6 +935,12 @@ def main() -> None:
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
+    except RankFailedError as exc:  # a rank died: the run failed, its input may be fine
+        if _debug["on"]:
+            raise
+        report.error(str(exc))
+        _json_error(str(exc), 1)
+        sys.exit(1)
     except (ConvertError, OSError) as exc:  # OSError: the system refused a path (read-only, not a folder)
         if _debug["on"]:
             raise

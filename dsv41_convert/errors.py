@@ -53,3 +53,8 @@ class ShardConsistencyError(ConvertError):
 def first_few(names: list[str], shown: int = 3) -> str:
     """The first `shown` of `names` for a message, "a, b, c, ..." when there are more."""
     return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
+class RankFailedError(ConvertError):
+    """A rank process of the run died (a signal, out of memory) or lost its peers: the run failed, not
+    its input. The CLI exits 1 with the message (and its --json document)."""

@@ -4,17 +4,43 @@ that run the same command line."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+
+from dsv41_convert.errors import ConfigError
 
 
-def world() -> int | None:
-    """WORLD_SIZE of an enclosing torchrun launch, or None when not launched by one."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return None
+def world(env: Mapping[str, str] | None = None) -> int | None:
+    """WORLD_SIZE of an enclosing torchrun launch (RANK and WORLD_SIZE both set), or None where neither is.
+    ConfigError for one without the other, or values no launch sets: a WORLD_SIZE left in the environment
+    alone made `shard` write every other file and exit 0 (an audit)."""
+    env = os.environ if env is None else env
+    rank, size = env.get("RANK"), env.get("WORLD_SIZE")
+    if rank is None and size is None:
+        return None
+    if rank is None or size is None:
+        have, lacks = ("WORLD_SIZE", "RANK") if rank is None else ("RANK", "WORLD_SIZE")
+        raise ConfigError(f"{have}={env[have]} is set, {lacks} is not: torchrun sets both; unset {have} to run alone")
+    try:
+        r, n = int(rank), int(size)
+    except ValueError:
+        raise ConfigError(f"RANK={rank!r}, WORLD_SIZE={size!r}: not whole numbers, as torchrun sets them") from None
+    if not 0 <= r < n:
+        raise ConfigError(f"RANK={r}, WORLD_SIZE={n}: RANK must be in 0..WORLD_SIZE-1, as torchrun sets them")
+    return n
+
+
+def rank(env: Mapping[str, str] | None = None) -> int:
+    """RANK of this process in an enclosing torchrun launch, 0 outside one."""
+    env = os.environ if env is None else env
+    return int(env["RANK"]) if world(env) is not None else 0
 
 
 def shared_rank() -> int | None:
     """This process's RANK where a torchrun launch runs the command in more than one process (their
-    stdout and stderr are one stream), else None."""
-    size = world()
+    stdout and stderr are one stream), else None (also for an environment world() refuses: this decides
+    how output is written, also the error that says so)."""
+    try:
+        size = world()
+    except ConfigError:
+        return None
     return int(os.environ["RANK"]) if size is not None and size > 1 else None

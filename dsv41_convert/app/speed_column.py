@@ -9,7 +9,8 @@ a bar runs and the bar's mean once it is done, and no rate at all for a bar done
 
 rich's rate is kept from the last updates until the next one: a transfer stalled in a read showed its
 last rate and ETA for as long as it stalled. A bar without new bytes for STALL_SECONDS says "stalled" in
-both columns instead.
+both columns instead. A counting bar is never called stalled (one prompt, one unit of the real model, may take
+minutes) and shows its mean rate since it started (its items come relayed in bursts: "3.9e+05 tensors/s").
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Stalls:
 
     def seconds(self, task: Task) -> float | None:
         """Seconds `task` has been stalled, or None while bytes come or STALL_SECONDS have not passed."""
+        if task.fields.get("noun") is not None:  # one item (a prompt, a unit of the real model) may take minutes
+            return None
         now = task.get_time()
         done, since = self._since.get(task.id, (None, now))
         if done != task.completed:
@@ -93,4 +96,7 @@ def bar_speed(task: Task) -> float | None:
         if task.finished_time < MIN_SECONDS:
             return None
         return task.completed / task.finished_time
+    if task.fields.get("noun") is not None:  # items come relayed in bursts: their mean since the start
+        elapsed = task.elapsed
+        return None if elapsed is None or elapsed < MIN_SECONDS or not task.completed else task.completed / elapsed
     return task.speed

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from dsv41_convert import interrupts
+from dsv41_convert import interrupts, torchrun
 from dsv41_convert.convert.die_with import SharedFiles, alive, die_with_parent, start_fork_server
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
@@ -298,7 +298,7 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
         if bad:
             raise PlanError(f"--ranks {bad}: out of range for --tp {plan.tp} (0..{plan.tp - 1})")
         files = [f for f in files if f.rank in set(ranks)]
-    world, me = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    world, me = torchrun.world(env) or 1, torchrun.rank(env)
     return files[me::world] if world > 1 else files
 
 
@@ -330,7 +330,7 @@ def check_destination(
 def _others(plan: ConversionPlan, mine: list[RankFile], ranks: list[int] | None) -> frozenset[str] | None:
     """A share's view of OUT (--ranks, a torchrun process): the other shares' files and partial files, which
     it leaves alone; None for a run of every file, which holds OUT alone."""
-    if ranks is None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if ranks is None and (torchrun.world() or 1) <= 1:
         return None
     return frozenset(n for f in _kept(plan, mine) for n in (f, f + ".partial"))
 

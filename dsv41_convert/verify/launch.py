@@ -23,8 +23,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,11 +38,12 @@ import torch.distributed as dist
 
 from dsv41_convert import errors, interrupts, torchrun
 from dsv41_convert.convert import die_with
-from dsv41_convert.errors import ConvertError, VerifyInputError
+from dsv41_convert.errors import ConvertError, RankFailedError, VerifyInputError
 from dsv41_convert.progress import Progress
 
 T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=10)
+JOIN_S = 180.0  # how long a torchrun process waits for the others to join (they start together)
 START_METHOD = "forkserver"  # see launch()
 
 
@@ -52,6 +55,13 @@ def backend_for(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise VerifyInputError("--device cuda: no CUDA device is available")
     return "nccl" if device == "cuda" else "gloo"
+
+
+def check_world(tp: int) -> None:
+    """VerifyInputError where an enclosing torchrun launch started another number of processes than `tp`."""
+    world = torchrun.world()
+    if world is not None and world != tp:
+        raise VerifyInputError(f"torchrun started {world} ranks but --tp is {tp}; they must be equal")
 
 
 def launch(
@@ -70,10 +80,8 @@ def launch(
     """
     interrupts.check()  # a Ctrl-C or SIGTERM postponed by an import stops the run before its ranks start
     backend = backend_for(device)
-    world = torchrun.world()
-    if world is not None:
-        if world != tp:
-            raise VerifyInputError(f"torchrun started {world} ranks but --tp is {tp}; they must be equal")
+    check_world(tp)
+    if torchrun.world() is not None:
         with _telling(progress if os.environ["RANK"] == "0" else None):
             return _joined(target, payload, backend, device)
     if tp == 1:
@@ -109,6 +117,15 @@ def launch(
             while not ranks.join(timeout=TOLD_EVERY_S):
                 told.relay()
             told.relay()
+        except mp.ProcessExitedException as exc:  # killed (out of memory, a signal to it alone)
+            _stop(ranks.processes)
+            interrupts.check()  # this run was interrupted: the ranks died of its signal
+            how = f"by {exc.signal_name}" if exc.signal_name else f"with exit code {exc.exit_code}"
+            raise RankFailedError(
+                f"rank {exc.error_index} of {tp} (pid {exc.error_pid}) ended {how}"
+                + (" (out of memory?)" if exc.signal_name == "SIGKILL" else "")
+                + "; the run stopped its other ranks"
+            ) from None
         except BaseException:  # Ctrl-C or a failed rank: none may outlive this process
             _stop(ranks.processes)
             raise
@@ -117,7 +134,8 @@ def launch(
             if err.exists():
                 kind, message = err.read_text().split("\n", 1)
                 cls = getattr(errors, kind, ConvertError)
-                raise cls(message if tp == 1 else f"rank {rank}: {message}")
+                named = tp == 1 or re.match(r"rank \d+: ", message)  # errors the target gathered name their ranks
+                raise cls(message if named else f"rank {rank}: {message}")
         return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
@@ -138,12 +156,45 @@ def _stop(processes: list, grace_s: float = 5.0) -> None:
 def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: str) -> Any:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=TIMEOUT)
+    _join_group(backend)
     try:
         result = target(payload)
+    except dist.DistError as exc:  # a peer died or left: say so instead of the backend's traceback
+        interrupts.check()
+        raise RankFailedError(
+            f"rank {os.environ['RANK']}: the torchrun launch lost a peer ({str(exc).splitlines()[0][:200]})"
+        ) from None
     finally:
         dist.destroy_process_group()
     return result if int(os.environ["RANK"]) == 0 else None
+
+
+def _join_group(backend: str) -> None:
+    """init_process_group of a torchrun launch, waited for where Ctrl-C and SIGTERM reach this process, and
+    for at most JOIN_S: the rendezvous blocks in C++, where Python runs no signal handler, so a process whose
+    peer failed before joining (rank 0 refused a locked folder) ignored torchrun's SIGTERM until SIGKILL and
+    waited TIMEOUT (10 minutes) before saying anything (an audit)."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group(backend, timeout=TIMEOUT)
+        except BaseException as exc:  # raised again in the main thread
+            failed.append(exc)
+
+    joining = threading.Thread(target=join, name="join the torchrun group", daemon=True)
+    joining.start()
+    deadline = time.monotonic() + JOIN_S
+    while joining.is_alive():
+        joining.join(0.25)
+        interrupts.check()
+        if joining.is_alive() and time.monotonic() > deadline:
+            raise RankFailedError(
+                f"rank {os.environ['RANK']}: the other processes of the torchrun launch did not join within "
+                f"{JOIN_S:.0f} s (one of them failed before it: see its error)"
+            )
+    if failed:
+        raise failed[0]
 
 
 def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, tmp: str, threads: int) -> None:

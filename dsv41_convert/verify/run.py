@@ -44,6 +44,7 @@ from dsv41_convert.verify.replay import replay_check
 from dsv41_convert.verify.runner import ModelInput, PromptRun
 from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
 from dsv41_convert.verify.verdict import (
+    EXIT_CODES,
     FAIL,
     INCONCLUSIVE,
     PASS,
@@ -130,6 +131,7 @@ class VerifyResult:
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
+            "exit_code": EXIT_CODES[self.verdict],
             "verdict": self.verdict,
             "decisive": self.decisive,
             "held": self.held,
@@ -356,13 +358,17 @@ def _verify_ranks(
         result.checks.append(check)
         seconds["replay"] = time.perf_counter() - t2
     replayed = any(c.name == "replay" for c in result.checks)
-    if (
+    teaches = (
         src_ref is None
         and blockers
         and not replayed
         and not isinstance(out, LoadFailure)
         and teacher.applies(ref, conv_args, opts.device)
-    ):
+    )
+    if teaches and torchrun.shared_rank() is not None:  # the other ranks ended with the first launch
+        teaches = False
+        say("teacher: not run under torchrun (it launches the ranks a second time); verify without torchrun runs it")
+    if teaches:
         t2 = time.perf_counter()
         say(f"teacher: every module of {conv} on the reference's input to it ({tp} rank(s))")
         with shown(f"teacher: {conv}") as bars:

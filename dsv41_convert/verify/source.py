@@ -31,7 +31,7 @@ from torch import Tensor
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
-from dsv41_convert.errors import PlanError
+from dsv41_convert.errors import FormatError, PlanError
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_blocks, pread_exact
 
@@ -110,7 +110,11 @@ def plan_state(
                 progress(label, i, len(tensors))
             if t.name in out or (t.group and t.part != 0):
                 continue  # a group's scale is made with its weight
-            out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q))
+            try:
+                out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q))
+            except FormatError as exc:  # a NaN or an infinity, named by tensor: name its file too, as shard does
+                files = dict.fromkeys(str(src / rd.file) for rd in t.reads)  # a weight's and its scale's
+                raise FormatError(f"{' / '.join(files)}: {exc}") from exc
     finally:
         for fd in fds.values():
             os.close(fd)

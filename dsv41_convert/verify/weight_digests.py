@@ -122,10 +122,10 @@ def weights_as_other(src: Path, expert_dtype: str) -> SourceWeights | None:
 def of_experts_as(weights_as: SourceWeights, progress: Progress | None = None) -> dict[str, str]:
     """{name: sha256} of every routed expert's weight and scale as `weights_as` (SourceWeights(src,
     expert_dtype)) computes them: `shard SRC --expert-dtype X`'s bytes of each, several experts at once.
-    progress("routed experts as X", experts done, experts) counting."""
+    progress("routed experts as X", expert weights done (w1, w2, w3 each), of all) counting."""
     reuse_freed_buffers()
     names = [t.name for t in weights_as.plan.files[0].tensors if _routed_weight(t.name)]
-    tally = Tally(progress, counting(f"routed experts as {weights_as.plan.expert_dtype}", "experts"), len(names))
+    tally = Tally(progress, counting(f"routed experts as {weights_as.plan.expert_dtype}", "weights"), len(names))
 
     def one(name: str, keep_going: Callable[[], None]) -> dict[str, str]:
         keep_going()

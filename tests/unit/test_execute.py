@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +56,26 @@ def test_ranks_selection(bf16_src):
     assert [f.rank for f in select_files(plan, [3, 1], {})] == [1, 3]
     with pytest.raises(Exception, match="out of range"):
         select_files(plan, [4], {})
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set, RANK is not: torchrun sets both"),
+        ({"RANK": "1"}, "RANK=1 is set, WORLD_SIZE is not"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3, WORLD_SIZE=2: RANK must be in 0..WORLD_SIZE-1"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x', WORLD_SIZE='2': not whole numbers"),
+    ],
+)
+def test_a_torchrun_environment_no_launch_sets_is_refused(bf16_src, env, said):
+    """WORLD_SIZE alone made `shard` write every other rank file and exit 0; RANK 3 of 2 wrote nothing and
+    exited 0; RANK=x was a ValueError traceback (an audit)."""
+    from dsv41_convert.errors import ConfigError
+
+    plan = build_plan(bf16_src, 4)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        select_files(plan, None, env)
+    assert [f.rank for f in select_files(plan, None, {"RANK": "1", "WORLD_SIZE": "2"})] == [1, 3]
 
 
 def test_direct_io_writes_the_same_files(bf16_src, tmp_path):

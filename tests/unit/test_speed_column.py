@@ -107,7 +107,17 @@ def test_a_counting_bar_shows_items_not_bytes(monkeypatch):
     assert "3.0/3.0 MiB" in shown  # a bar of bytes beside it as before
 
 
-def test_a_counting_bar_rate_is_in_items():
-    progress, task_id = bar([(0.0, 0), (1.0, 2), (2.0, 6)], total=11)
+def test_a_counting_bar_rate_is_in_items_its_mean_and_never_stalled():
+    """Items come relayed from a rank's file every 0.25 s, several in one burst: the bar showed rich's rate
+    of the burst ("186/687 tensors 3.9e+05"), and "stalled 17 s" while one 6000-token prompt ran (an audit);
+    a counting bar shows its mean since it started and is never called stalled."""
+    progress, task_id = bar([(0.0, 0), (1.0, 2), (2.0, 3), (2.0001, 6)], total=11)
     progress.update(task_id, noun="units")
-    assert MeanSpeedColumn().render(progress.tasks[task_id]).plain == "4 units/s"
+    task = progress.tasks[task_id]
+    assert TransferSpeedColumn().render(task).plain != "3.0 B/s"  # rich's: the burst's
+    stalls = Stalls()
+    speed, eta = MeanSpeedColumn(stalls), StallAwareTimeRemaining(stalls)
+    assert speed.render(task).plain == "3 units/s"  # 6 units in 2 s
+    progress.get_time.now += STALL_SECONDS + 10  # the next prompt takes long
+    assert speed.render(task).plain == f"{6 / (2.0001 + STALL_SECONDS + 10):.2g} units/s"
+    assert "stalled" not in speed.render(task).plain and eta.render(task).plain != "-:--:--"

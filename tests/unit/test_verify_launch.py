@@ -19,6 +19,21 @@ def fail_on_rank_1(_payload) -> None:
         raise PlanError("layers.0.attn.wq_b.weight: planted")
 
 
+def killed_on_rank_1(_payload) -> None:
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer ends a rank
+    dist.barrier()
+
+
+def gathered_error_of_rank_1(_payload) -> None:
+    """As reference_rank reports: every rank raises the errors gathered from all, each named by its rank."""
+    if dist.get_rank() == 0:
+        raise PlanError("rank 1: layers.1.ffn.experts.12.w1.weight: found nan")
+
+
 def no_group(payload):
     return payload, dist.is_initialized()
 
@@ -36,6 +51,25 @@ def test_spawned_ranks_return_rank0_result():
 def test_input_error_on_one_rank_comes_back_as_its_type():
     with pytest.raises(PlanError, match=r"rank 1: layers.0.attn.wq_b.weight: planted"):
         launch(fail_on_rank_1, None, 2, "cpu", threads=1)
+
+
+@pytest.mark.dist
+def test_a_rank_that_dies_is_a_failed_run_named_not_a_traceback():
+    """A rank killed by a signal (the OOM killer) gave torch's ProcessExitedException traceback, exit 1 and no
+    --json document (an audit): now RankFailedError names the rank and the signal (the CLI: exit 1, a
+    document), the other ranks stopped."""
+    from dsv41_convert.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"rank 1 of 2 \(pid \d+\) ended by SIGKILL \(out of memory\?\)"):
+        launch(killed_on_rank_1, None, 2, "cpu", threads=1)
+
+
+@pytest.mark.dist
+def test_an_error_naming_its_rank_is_not_named_twice():
+    """Errors the target gathers from every rank name their rank: "rank 0: rank 1: ..." said the wrong one
+    first (an audit)."""
+    with pytest.raises(PlanError, match=r"^rank 1: layers.1.ffn.experts.12.w1.weight: found nan$"):
+        launch(gathered_error_of_rank_1, None, 2, "cpu", threads=1)
 
 
 def test_bad_device():
@@ -94,3 +128,44 @@ def test_rank_0_tells_its_progress_to_the_launching_process(tp):
 
 def test_tell_outside_a_launch_does_nothing():
     assert telling(1) == "done"  # no launch, no progress: tell goes nowhere, raises nothing
+
+
+_ALONE_IN_A_TORCHRUN_LAUNCH = """
+import os, socket, sys, threading
+from dsv41_convert import interrupts
+from dsv41_convert.verify import launch as launch_module
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+launch_module.JOIN_S = 3.0
+if sys.argv[1] == "signal":  # what the CLI's SIGTERM handler does, 1 s into the wait
+    threading.Timer(1.0, lambda: interrupts._state.update(interrupted=True)).start()
+try:
+    launch_module.launch(lambda payload: payload, 1, 2, "cpu")
+except BaseException as exc:
+    print(type(exc).__name__, exc)
+    os._exit(0)  # the joining thread still waits in the backend
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["signal", "timeout"])
+def test_a_torchrun_process_whose_peers_never_join_stops(how):
+    """A torchrun rank whose peer failed before joining waited in the backend's rendezvous, where no Python
+    signal handler runs: it ignored torchrun's SIGTERM and said nothing for 10 minutes (an audit). The wait
+    now takes Ctrl-C and SIGTERM at once, and ends after JOIN_S naming why."""
+    import subprocess
+    import sys
+    import time
+
+    t = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _ALONE_IN_A_TORCHRUN_LAUNCH, how], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    took = time.monotonic() - t
+    if how == "signal":
+        assert done.stdout.startswith("KeyboardInterrupt"), done.stdout + done.stderr
+    else:
+        assert done.stdout.startswith(
+            "RankFailedError rank 0: the other processes of the torchrun launch did not join"
+        ), done.stdout + done.stderr
+    assert took < 30, took
