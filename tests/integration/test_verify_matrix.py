@@ -832,3 +832,30 @@ def test_streamed_replay_judges_what_no_prompt_reads_as_the_whole_load_does(m):
     _edit(d, expert // (TINY.n_routed_experts // 2), 2, lambda t: t.__setitem__(name, t[name][:-1].contiguous()))
     result = _verify(d, m.reference("tp1", 2), stream_layers=True)
     assert result.verdict == "FAIL" and name in result.load_error, result.load_error
+
+
+def test_verify_under_torchrun_against_another_tp_ends(m):
+    """torchrun verify against a file of another tp hung (an audit): rank 1 ended with the first launch and
+    rank 0 waited alone in the teacher check's second one. Under torchrun the teacher does not run; the
+    weights check decides, as every process's document says, and the stream-layers replay is refused."""
+    import subprocess
+    import sys
+
+    conv, ref = m.shard(2), m.reference("tpN", 4)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29519",
+              "-m", "dsv41_convert.cli", "verify", str(conv), "--reference-logits", str(ref), "--threads", "1",
+              "--json"]  # fmt: skip
+    res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
+    documents = [json.loads(line) for line in res.stdout.splitlines()]
+    assert res.returncode == 0 and [d["rank"] for d in documents] == [0], res.stderr[-2000:]
+    assert documents[0]["verdict"] == "PASS" and documents[0]["decisive"] == ["weights"], documents
+    assert documents[0]["exit_code"] == 0 and "teacher: not run under torchrun" not in res.stderr  # --json: quiet
+    launch[launch.index("verify") :] = [
+        "reference-logits",
+        str(m.src),
+        str(m.root / "no.safetensors"),
+        "--stream-layers",
+    ]
+    res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "--stream-layers runs in one process: run it without torchrun" in res.stderr
+    assert not (m.root / "no.safetensors").exists()
