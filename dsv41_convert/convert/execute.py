@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, Thr
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -89,6 +90,7 @@ class Sidecars:
     before: Callable[[Path, Path], list[str]]
     after: Callable[[Path], list[str]]
     options: dict[str, Any]
+    records: tuple[str, ...] = ()  # files that say a run is finished (an export's config.json and index)
 
 
 class FileDone(NamedTuple):
@@ -200,13 +202,30 @@ def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str]
 HF_SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a Hugging Face checkpoint's shard names
 
 
-def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run: bool = False) -> None:
+def _forget_records(out: Path, digest: str, sidecars: Sidecars | None) -> None:
+    """Remove manifest.json (and other plans' fragments) and the sidecars' records of a finished run, durably."""
+    forget_stale(out, digest)
+    gone = [out / name for name in (sidecars.records if sidecars else ()) if (out / name).is_file()]
+    for path in gone:
+        path.unlink()
+    if gone:
+        fsync_path(out)
+
+
+def _no_other_conversion(
+    plan: ConversionPlan,
+    out: Path,
+    remove: bool,
+    dry_run: bool = False,
+    before_removing: Callable[[], None] | None = None,
+) -> None:
     """A folder holds one conversion. What OUT holds of another (rank files of another tp, or an export's
     shards and index beside rank files, or rank files and hf_config.json beside an export's shards, and
     their .partial files) is removed with its records where `remove` (--overwrite, the folder held alone),
     else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files.
     Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed or written over,
-    by --overwrite or --resume: an OutputError names them. dry_run: the same refusals, nothing removed."""
+    by --overwrite or --resume: an OutputError names them. dry_run: the same refusals, nothing removed.
+    before_removing: called once the refusals are passed, before the first file is removed."""
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
@@ -234,6 +253,8 @@ def _no_other_conversion(plan: ConversionPlan, out: Path, remove: bool, dry_run:
     _refuse_strangers(out, sorted(set(strangers), key=lambda n: (not HF_SHARD.fullmatch(n), n)))
     if dry_run:
         return
+    if before_removing is not None:
+        before_removing()
     for name in others:
         file = name.removesuffix(".partial")
         for path in (out / name, done_path(out, file), journal_path(out, file)):
@@ -459,10 +480,15 @@ def execute(
         check_empty(out, resume, overwrite, others)
         if not share:
             remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
-        _no_other_conversion(plan, out, overwrite and not share)
+        # what says the replaced run is finished goes before any of its files: a kill in the removals left a
+        # manifest (and an export's index) listing files already gone (an audit)
+        forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
+        _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
         if share and not overwrite:
             _same_plan_as_the_other_shares(out, plan, mine)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
+            if forget is not None:
+                forget()
             _forget_done(out, names)
             _remove_replaced(out, names)
         if not resume:  # refused before the first record: a plain run again is not refused as "not empty"

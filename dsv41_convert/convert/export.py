@@ -211,7 +211,7 @@ def export(
 
     -> execute's summary, plus format
     """
-    sidecars = Sidecars(_before, partial(_after, ep), {"format": ep.format})
+    sidecars = Sidecars(_before, partial(_after, ep), {"format": ep.format}, records=(CONFIG, INDEX))
     summary = execute(
         ep.plan, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
         sidecars=sidecars, **engine_kw,

@@ -399,3 +399,42 @@ def test_dry_run_refuses_an_out_it_may_not_write(src, tmp_path, monkeypatch, cap
     code, _, err = shard(monkeypatch, capsys, str(src), str(parent / "new" / "out"), "--tp", "2", "--dry-run")
     assert code == 2 and f"cannot write into {parent}" in err, err
     assert not (parent / "new").exists()
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "removal"),
+    [
+        (["shard", "--tp", "2"], ["shard", "--tp", "2", "--expert-dtype", "fp8"], "_remove_replaced"),
+        (["shard", "--tp", "2"], ["shard", "--tp", "4"], "_no_other_conversion"),
+        (["export", "--format", "fp8"], ["export", "--format", "bf16"], "_remove_replaced"),
+    ],
+    ids=["same-files", "another-tp", "export"],
+)
+def test_an_overwrite_stopped_in_its_removals_leaves_no_record_of_gone_files(
+    src, tmp_path, monkeypatch, capsys, first, again, removal
+):
+    """--overwrite removed the replaced run's files before its manifest.json (and an export's index and
+    config.json): SIGKILL in between left a manifest listing files already gone as the finished conversion
+    (an audit: 4 kills in 80, at 0.34-0.44 s). The records go first now; --resume then finishes."""
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, first[0], str(src), str(out), *first[1:])
+    assert code == 0 and (out / "manifest.json").is_file(), err
+    real_unlink = Path.unlink
+
+    def killed_after_the_first(path, *args, **kwargs):  # the run dies right after one of the old files goes
+        real_unlink(path, *args, **kwargs)
+        if path.name.endswith(".safetensors") and path.parent == out:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "unlink", killed_after_the_first)
+        code, _, err = run_cli(monkeypatch, capsys, again[0], str(src), str(out), *again[1:], "--overwrite")
+    assert code == 130, err
+    listing = {p.name for p in out.iterdir()}
+    assert not {"manifest.json", "model.safetensors.index.json"} & listing, listing
+    assert again[0] != "export" or "config.json" not in listing
+    # the same files: --resume continues; another conversion's files still there: --overwrite again
+    finish = "--overwrite" if removal == "_no_other_conversion" else "--resume"
+    code, _, err = run_cli(monkeypatch, capsys, again[0], str(src), str(out), *again[1:], finish)
+    assert code == 0, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
