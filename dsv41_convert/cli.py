@@ -947,9 +947,24 @@ def main() -> None:
         _input_error(str(exc) if isinstance(exc, ConvertError) else os_error_message(exc))
     except typer.Exit as exc:
         code = exc.exit_code
-    except typer.Abort:
-        report.error("aborted")
-        sys.exit(130)
+    except typer.Abort as exc:
+        cause = exc.__context__
+        if interrupts.interrupted() or cause is None or isinstance(cause, KeyboardInterrupt):
+            report.error("aborted")
+            sys.exit(130)
+        # click turns an EOFError into Abort: a pipe to a process the run needs closed (its fork server killed),
+        # which said "aborted" and exit 130 as for a Ctrl-C nobody sent (an audit)
+        message = (
+            f"stopped: {type(cause).__name__} from a process the run depends on (a worker or its fork server "
+            "killed?); what is on disk is kept"
+        )
+        report.error(message)
+        _json_error(message, 1)
+        sys.exit(1)
+    except KeyboardInterrupt:  # a signal before the command runs (Typer building it): not a traceback
+        if _debug["on"]:
+            raise
+        code = INTERRUPTED
 
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
         exc.show()

@@ -56,5 +56,5 @@ def first_few(names: list[str], shown: int = 3) -> str:
 
 
 class RankFailedError(ConvertError):
-    """A rank process of the run died (a signal, out of memory) or lost its peers: the run failed, not
-    its input. The CLI exits 1 with the message (and its --json document)."""
+    """A process of the run died (a rank or a writer worker: a signal, out of memory) or a rank lost its
+    peers: the run failed, not its input. The CLI exits 1 with the message (and its --json document)."""

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -49,7 +50,7 @@ from dsv41_convert.convert.write import (
     write_partial,
     write_rank_file,
 )
-from dsv41_convert.errors import OutputError, PlanError, first_few
+from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
@@ -852,7 +853,10 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
                 pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
             while pending:
                 interrupts.check()  # a Ctrl-C whose KeyboardInterrupt was dropped (interrupts.py)
-                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                # not inside wait(): it takes each future's lock in turn, and a KeyboardInterrupt between left
+                # one held, so the shutdown below waited forever (an audit: once in ~800 SIGTERMs)
+                with interrupts.deferred():
+                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 _drain(q, progress)
                 for fut in done:
                     results.append(fut.result())
@@ -860,6 +864,11 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
             if isinstance(exc, KeyboardInterrupt):
                 _stop_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)  # running jobs remove (on Ctrl-C: keep) their partials
+            if isinstance(exc, BrokenProcessPool) and not interrupts.interrupted():
+                raise RankFailedError(
+                    f"a worker process of the run died (killed? out of memory?) while writing into {out}; what is "
+                    "on disk is kept: --resume continues it"
+                ) from None
             raise
         _drain(q, progress)
     return results

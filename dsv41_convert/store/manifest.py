@@ -28,13 +28,20 @@ FORMAT = "dsv41-convert manifest v1"
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temporary name, fsync, rename: the file is either absent, old or complete."""
+    """Write via a temporary name, fsync, rename: the file is either absent, old or complete. An OSError
+    names `path` (a full disk said only "No space left on device": an audit), and the temporary is removed."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # torchrun processes write the same files
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 _TEMPORARY = re.compile(r"(.+)\.\d+\.partial")  # atomic_write's NAME.PID.partial

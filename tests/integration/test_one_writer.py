@@ -255,3 +255,28 @@ def test_shard_under_torchrun_prints_one_json_line_per_process(tmp_path):
     documents = sorted((json.loads(line) for line in res.stdout.splitlines()), key=lambda d: d["rank"])
     assert [(d["rank"], d["written"]) for d in documents] == [(0, ["model0-mp2.safetensors"]),
                                                               (1, ["model1-mp2.safetensors"])]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+@pytest.mark.parametrize("victim", ["worker", "fork server"])
+def test_a_killed_worker_or_fork_server_is_a_failed_run_named(src, clean, tmp_path, monkeypatch, capsys, victim):
+    """A worker killed (the OOM killer) ended the run with a BrokenProcessPool traceback; its fork server
+    killed, with "aborted" and exit 130 as for a Ctrl-C nobody sent (an audit). Both are now a failed run,
+    exit 1, named, a document with --json; what is on disk is kept and --resume finishes it."""
+    import signal as signals
+
+    out = tmp_path / "out"
+    run = subprocess.Popen([*CLI, "shard", str(src), str(out), "--tp", "2", "--workers", "2", "--json"], env=SLOW,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    _wait_for(lambda: len(list(out.glob("*.partial"))) == 2, [run], "both workers write")
+    pid = (_workers_of(run.pid) if victim == "worker" else _fork_servers(run.pid))[0]
+    os.kill(pid, signals.SIGKILL)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 1 and "Traceback" not in stderr and "aborted" not in stderr, stderr
+    # the server's workers die with it: the pool breaks ("worker"); killed as it starts them, its pipe ends
+    assert "a worker process of the run died" in stderr or "from a process the run depends on" in stderr, stderr
+    assert json.loads(stdout)["exit_code"] == 1
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
+    assert code == 0, err
+    _same_as_clean(out, clean)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
+
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.manifest import atomic_write, finished, read_done, source_revision, write_done
 
@@ -48,3 +50,19 @@ def test_source_revision_from_hub_snapshot_path():
     rev = "dba1be0a40aa45a94ad051997016db3960a90277"
     assert source_revision(Path(f"/c/models--deepseek-ai--DeepSeek-V4.1-Flash/snapshots/{rev}")) == rev
     assert source_revision(Path("/data/ckpt")) is None
+
+
+def test_atomic_write_names_its_file_when_the_disk_is_full(tmp_path, monkeypatch):
+    """A full disk while writing manifest.json said only "No space left on device" (an audit): the error
+    names the file, and no temporary is left."""
+    import errno
+    import os
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as caught:
+        atomic_write(tmp_path / "manifest.json", b"{}")
+    assert caught.value.filename == str(tmp_path / "manifest.json") and caught.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,55 @@
+"""cli.main's last resort: what reaches it outside a command's own handling becomes an exit code and a
+message (and a --json document), not a traceback or another cause's exit code (an audit's cases)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import typer
+
+from dsv41_convert import cli, interrupts
+
+
+def _main_with(monkeypatch, capsys, raised: BaseException) -> tuple[int, str, str]:
+    def app(standalone_mode=False):
+        raise raised
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "shard", "--json"])
+    monkeypatch.setitem(interrupts._state, "interrupted", False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_a_signal_before_the_command_runs_is_an_interrupt_not_a_traceback(monkeypatch, capsys):
+    """SIGTERM 60-70 ms in, while Typer built the command: the KeyboardInterrupt escaped main (a traceback,
+    the process ended by SIGINT)."""
+    code, out, err = _main_with(monkeypatch, capsys, KeyboardInterrupt())
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
+    assert json.loads(out)["exit_code"] == 130
+
+
+def test_an_abort_from_a_closed_pipe_is_a_failed_run_not_a_ctrl_c(monkeypatch, capsys):
+    """click turns an EOFError into Abort: a killed fork server said "aborted", exit 130."""
+    try:
+        try:
+            raise EOFError
+        except EOFError as cause:
+            raise typer.Abort() from cause
+    except typer.Abort as abort:
+        raised = abort
+    code, out, err = _main_with(monkeypatch, capsys, raised)
+    assert code == 1 and "stopped: EOFError from a process the run depends on" in err and "aborted" not in err
+    assert json.loads(out)["exit_code"] == 1
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as cause:
+            raise typer.Abort() from cause
+    except typer.Abort as abort:
+        raised = abort
+    assert _main_with(monkeypatch, capsys, raised)[0] == 130  # a Ctrl-C click saw first stays one
