@@ -33,23 +33,20 @@ def test_a_signal_before_the_command_runs_is_an_interrupt_not_a_traceback(monkey
     assert json.loads(out)["exit_code"] == 130
 
 
+def _abort_from(cause: BaseException) -> typer.Abort:
+    """The Abort click raises for an EOFError or a KeyboardInterrupt in a command, `cause` its context."""
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise typer.Abort() from exc
+    except typer.Abort as abort:
+        return abort
+
+
 def test_an_abort_from_a_closed_pipe_is_a_failed_run_not_a_ctrl_c(monkeypatch, capsys):
     """click turns an EOFError into Abort: a killed fork server said "aborted", exit 130."""
-    try:
-        try:
-            raise EOFError
-        except EOFError as cause:
-            raise typer.Abort() from cause
-    except typer.Abort as abort:
-        raised = abort
-    code, out, err = _main_with(monkeypatch, capsys, raised)
+    code, out, err = _main_with(monkeypatch, capsys, _abort_from(EOFError()))
     assert code == 1 and "stopped: EOFError from a process the run depends on" in err and "aborted" not in err
     assert json.loads(out)["exit_code"] == 1
-    try:
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt as cause:
-            raise typer.Abort() from cause
-    except typer.Abort as abort:
-        raised = abort
-    assert _main_with(monkeypatch, capsys, raised)[0] == 130  # a Ctrl-C click saw first stays one
+    assert _main_with(monkeypatch, capsys, _abort_from(KeyboardInterrupt()))[0] == 130  # a Ctrl-C stays one
