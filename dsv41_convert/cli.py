@@ -537,8 +537,6 @@ def reference_logits_cmd(
 
     # the process that saves (rank 0 of a torchrun launch, else this one) speaks for the run
     writes = torchrun.shared_rank() in (None, 0)
-    for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
-        report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
     timings = None
     if stream_layers and (tp != 1 or as_converted):
         from dsv41_convert.errors import VerifyInputError
@@ -555,6 +553,8 @@ def reference_logits_cmd(
         check_tp(args, tp, str(src / "config.json"))
         check_world(tp)
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
+    for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
+        report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
     out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start, so a second writer is refused before minutes
     # of compute, and torchrun's ranks do not contend
@@ -950,17 +950,17 @@ def main() -> None:
     except typer.Abort as exc:
         cause = exc.__context__
         if interrupts.interrupted() or cause is None or isinstance(cause, KeyboardInterrupt):
-            report.error("aborted")
-            sys.exit(130)
-        # click turns an EOFError into Abort: a pipe to a process the run needs closed (its fork server killed),
-        # which said "aborted" and exit 130 as for a Ctrl-C nobody sent (an audit)
-        message = (
-            f"stopped: {type(cause).__name__} from a process the run depends on (a worker or its fork server "
-            "killed?); what is on disk is kept"
-        )
-        report.error(message)
-        _json_error(message, 1)
-        sys.exit(1)
+            code = INTERRUPTED  # said below as every interrupt is (SIGTERM's 143 too), with its document
+        else:
+            # click turns an EOFError into Abort: a pipe to a process the run needs closed (its fork server
+            # killed), which said "aborted" and exit 130 as for a Ctrl-C nobody sent (an audit)
+            message = (
+                f"stopped: {type(cause).__name__} from a process the run depends on (a worker or its fork server "
+                "killed?); what is on disk is kept"
+            )
+            report.error(message)
+            _json_error(message, 1)
+            sys.exit(1)
     except KeyboardInterrupt:  # a signal before the command runs (Typer building it): not a traceback
         if _debug["on"]:
             raise

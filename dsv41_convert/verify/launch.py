@@ -156,7 +156,7 @@ def _stop(processes: list, grace_s: float = 5.0) -> None:
 def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: str) -> Any:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    _join_group(backend)
+    _join_group(backend, device)
     try:
         result = target(payload)
     except dist.DistError as exc:  # a peer died or left: say so instead of the backend's traceback
@@ -169,7 +169,7 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
     return result if int(os.environ["RANK"]) == 0 else None
 
 
-def _join_group(backend: str) -> None:
+def _join_group(backend: str, device: str) -> None:
     """init_process_group of a torchrun launch, waited for where Ctrl-C and SIGTERM reach this process, and
     for at most JOIN_S: the rendezvous blocks in C++, where Python runs no signal handler, so a process whose
     peer failed before joining (rank 0 refused a locked folder) ignored torchrun's SIGTERM until SIGKILL and
@@ -178,6 +178,8 @@ def _join_group(backend: str) -> None:
 
     def join() -> None:
         try:
+            if device == "cuda":  # the current device is per thread: the group's, as the caller's
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=TIMEOUT)
         except BaseException as exc:  # raised again in the main thread
             failed.append(exc)

@@ -58,6 +58,12 @@ def replay_runs(ranks: RankFiles, ref: Reference, device: str) -> list[PromptRun
     return runs
 
 
+def replay_threads(ref: Reference, threads: int | None) -> int:
+    """CPU threads of a tp-1 replay: the reference's own where it records them (its sums in its order),
+    else `threads`, else every core (as a tp-1 run uses by default)."""
+    return ref.threads or threads or default_threads(1)
+
+
 def replay_check(
     ranks: RankFiles, ref: Reference, device: str, threads: int | None = None
 ) -> tuple[Check, list[PromptRun] | None]:
@@ -68,7 +74,7 @@ def replay_check(
     -> (the "replay" Check, the replay's runs or None when the rank files could not be merged)
     """
     before = torch.get_num_threads()
-    threads = ref.threads or threads or default_threads(1)
+    threads = replay_threads(ref, threads)
     if device == "cpu":
         torch.set_num_threads(threads)
     try:

@@ -40,7 +40,7 @@ from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
-from dsv41_convert.verify.replay import replay_check
+from dsv41_convert.verify.replay import replay_check, replay_threads
 from dsv41_convert.verify.runner import ModelInput, PromptRun
 from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
 from dsv41_convert.verify.verdict import (
@@ -257,10 +257,11 @@ def _verify_ranks(
             _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused
             side_files_differ = provenance.check_converted(ref.provenance, conv, conv_args, tp, Path(ref_name))
-        run_tp = 1 if opts.stream_layers else tp  # what the converted bytes run at
-        if opts.threads is None and opts.device == "cpu" and ref.tp == run_tp and ref.threads:
+        if opts.stream_layers:  # the replay runs here, as the whole one does: with the reference's threads
+            threads = replay_threads(ref, opts.threads)
+        elif opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
             threads = ref.threads  # the reference's sums, in the reference's order
-        if run_tp == 1 and opts.device == "cpu":
+        if (opts.stream_layers or tp == 1) and opts.device == "cpu":
             torch.set_num_threads(threads)
     seconds["reference"] = time.perf_counter() - t0
     blockers = exact_blockers(
@@ -294,12 +295,14 @@ def _verify_ranks(
     result = VerifyResult(str(conv), ref_name, tp, opts.device, thresholds, [], {}, [], seconds=seconds)
     result.statistical = opts.statistical
     if isinstance(out, LoadFailure):
-        result.load_error = "\n".join(f"rank {r}: {m}" for r, m in out.messages)
+        named = (m if opts.stream_layers else f"rank {r}: {m}" for r, m in out.messages)  # no rank ran the replay
+        result.load_error = "\n".join(named)
         result.failures = [f"load: {result.load_error}"]
         if opts.stream_layers:
             result.checks.append(Check("replay", False, True, list(result.failures), _STREAMED))
     else:
-        seconds["compile"] = out.compile_seconds  # part of "converted"
+        if not opts.stream_layers:
+            seconds["compile"] = out.compile_seconds  # part of "converted"
         _compare_all(result, ref, out, thresholds)
         check = _reference_check(result, blockers, ref)
         if opts.stream_layers:  # the replay is the only run: bit for bit against the tp-1 file
@@ -374,7 +377,10 @@ def _verify_ranks(
         with shown(f"teacher: {conv}") as bars:
             result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads, bars))
         seconds["teacher"] = time.perf_counter() - t2
-    result.failures += [f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures]
+    said = set(result.failures)  # the streamed replay's failures are the comparison's, said already
+    result.failures += [
+        f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures if f not in said
+    ]
     if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages
         for c in result.checks:
             c.covers_drafts = c.name in ("weights", "twin")  # they compared the stages' bytes, run or not
@@ -384,7 +390,11 @@ def _verify_ranks(
     result.unreached = not_run_by(ref.inputs, conv_args)
     if result.verdict == INCONCLUSIVE:
         skipped = weight_digests.experts_stored_as(ranks) if result.weights == "partial" else ""
-        result.advice = advice(tp, src_ref is not None, drafts_uncovered(result.checks), skipped or "")
+        result.advice = (
+            _STREAMED_ADVICE
+            if opts.stream_layers
+            else advice(tp, src_ref is not None, drafts_uncovered(result.checks), skipped or "")
+        )
     if result.verdict == FAIL and opts.localize:
         say("localizing the mismatch")
         t3 = time.perf_counter()
@@ -422,6 +432,11 @@ def _copied_files_differ(src: Path, conv: Path) -> list[str]:
 
 
 _STREAMED = "rank files merged back to tp 1 one unit at a time (--stream-layers), run here"
+_STREAMED_ADVICE = (
+    "the streamed replay is exact against a tp-1 file of the converted weights computed on this device with "
+    "the same torch: `reference-logits SRC FILE --stream-layers` of the published (fp8) source; of a bf16 source "
+    "only `reference-logits SRC FILE --as-converted` (the whole model) computes one"
+)
 
 
 def _streamable(opts: VerifyOptions, ref: reffile.Reference, ref_name: str) -> None:
@@ -429,7 +444,7 @@ def _streamable(opts: VerifyOptions, ref: reffile.Reference, ref_name: str) -> N
     tp-1 run), and --stream-layers not beside --no-replay (it is the replay)."""
     if not opts.replay:
         raise VerifyInputError("--stream-layers is the tp-1 replay, one unit at a time: drop --no-replay")
-    if torchrun.shared_rank() is not None:
+    if torchrun.world() not in (None, 1):  # world() also refuses a RANK or WORLD_SIZE set alone
         raise VerifyInputError("--stream-layers runs in one process: run it without torchrun")
     if ref.tp != 1:
         raise VerifyInputError(

@@ -763,6 +763,8 @@ def test_streamed_replay_fails_every_fault(m, fault, tp, ref):
     replay = next(c for c in result.checks if c.name == "replay")
     assert (replay.failures and not replay.exact) or result.load_error, replay  # the replay failed it itself
     assert "converted" not in result.seconds  # no tp-N run
+    assert len(result.failures) == len(set(result.failures)), result.failures  # each said twice (a review)
+    assert not (result.load_error or "").startswith("rank ")  # no rank ran it
 
 
 @pytest.mark.parametrize(("tp", "ref", "want"), [(2, "tp1", ["replay", "weights"]), (4, "tp1", ["replay", "weights"]),
@@ -773,6 +775,12 @@ def test_streamed_replay_passes_correct_sets(m, tp, ref, want):
     assert "replay" in result.seconds and "converted" not in result.seconds
     result = _verify(m.shard(2, expert_dtype="fp8"), m.reference("tp1", 2), stream_layers=True)
     assert result.verdict == "PASS" and "replay" in result.decisive, result.checks
+    if ref == "external":  # it records no threads: --threads says them
+        return
+    # --threads other than the reference's: the replay runs with the reference's, as the whole one does (it
+    # ran with --threads and was not decisive: a review)
+    result = verify(VerifyOptions(m.shard(tp), reference_logits=m.reference(ref, tp), threads=2, stream_layers=True))
+    assert result.verdict == "PASS" and result.decisive == want, (result.failures, result.checks)
 
 
 def test_streamed_replay_equals_the_whole_replay_and_holds_one_unit(m, monkeypatch):
@@ -809,6 +817,12 @@ def test_streamed_replay_refuses_what_it_cannot_decide(m, monkeypatch, capsys):
         _verify(m.shard(2), m.reference("tp1", 2), stream_layers=True, replay=False)
     with pytest.raises(VerifyInputError, match="--stream-layers goes with --reference-logits FILE"):
         verify(VerifyOptions(m.shard(2), reference=m.src, stream_layers=True))
+    from dsv41_convert.errors import ConfigError
+
+    with monkeypatch.context() as env:  # a WORLD_SIZE left alone in the environment: no torchrun launch
+        env.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match="WORLD_SIZE=2 is set, RANK is not"):
+            _verify(m.shard(2), m.reference("tp1", 2), stream_layers=True)
     args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--stream-layers")
     code, out, err = run_cli(monkeypatch, capsys, *args, "--json")
     doc = json.loads(out)
@@ -850,6 +864,10 @@ def test_verify_under_torchrun_against_another_tp_ends(m):
     assert res.returncode == 0 and [d["rank"] for d in documents] == [0], res.stderr[-2000:]
     assert documents[0]["verdict"] == "PASS" and documents[0]["decisive"] == ["weights"], documents
     assert documents[0]["exit_code"] == 0 and "teacher: not run under torchrun" not in res.stderr  # --json: quiet
+    res = subprocess.run([*launch, "--stream-layers"], capture_output=True, text=True, timeout=600)
+    documents = [json.loads(line) for line in res.stdout.splitlines()]
+    assert res.returncode != 0 and sorted(d["rank"] for d in documents) == [0, 1], res.stderr[-2000:]
+    assert all(d["exit_code"] == 2 and "runs in one process" in d["error"] for d in documents)
     launch[launch.index("verify") :] = [
         "reference-logits",
         str(m.src),
