@@ -967,7 +967,10 @@ def main() -> None:
         code = INTERRUPTED
 
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
-        exc.show()
+        if torchrun.shared_rank() is None:
+            exc.show()
+        else:  # processes sharing stderr: one line that says which (click's lines said no rank: an audit)
+            report.error(f"{exc.format_message()} (see --help)")
         code = 2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code
         if code == 2:
             _json_error(exc.format_message())

@@ -50,3 +50,15 @@ def test_an_abort_from_a_closed_pipe_is_a_failed_run_not_a_ctrl_c(monkeypatch, c
     assert code == 1 and "stopped: EOFError from a process the run depends on" in err and "aborted" not in err
     assert json.loads(out)["exit_code"] == 1
     assert _main_with(monkeypatch, capsys, _abort_from(KeyboardInterrupt()))[0] == 130  # a Ctrl-C stays one
+
+
+def test_a_usage_error_under_torchrun_says_which_process(monkeypatch, capsys):
+    """Processes of a torchrun launch share stderr: click's "Error: No such option" said no rank."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "check", "--bogus", "--json"])
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and err.startswith("error: rank 1: No such option: --bogus"), err
+    assert json.loads(out) == {"rank": 1, "ok": False, "exit_code": 2, "error": "No such option: --bogus"}
