@@ -886,6 +886,14 @@ def _input_error(message: str) -> None:
     sys.exit(2)
 
 
+def _run_failed(message: str) -> None:
+    """`error: message` and its --json document for a run that failed, not its input (a process of it died);
+    exit 1."""
+    report.error(message)
+    _json_error(message, 1)
+    sys.exit(1)
+
+
 def _json_error(message: str, code: int = 2) -> None:
     """With --json: {"ok": false, "exit_code": code, "error": message} on stdout."""
     if "--json" in sys.argv[1:]:
@@ -938,9 +946,7 @@ def main() -> None:
     except RankFailedError as exc:  # a rank died: the run failed, its input may be fine
         if _debug["on"]:
             raise
-        report.error(str(exc))
-        _json_error(str(exc), 1)
-        sys.exit(1)
+        _run_failed(str(exc))
     except (ConvertError, OSError) as exc:  # OSError: the system refused a path (read-only, not a folder)
         if _debug["on"]:
             raise
@@ -954,13 +960,10 @@ def main() -> None:
         else:
             # click turns an EOFError into Abort: a pipe to a process the run needs closed (its fork server
             # killed), which said "aborted" and exit 130 as for a Ctrl-C nobody sent (an audit)
-            message = (
+            _run_failed(
                 f"stopped: {type(cause).__name__} from a process the run depends on (a worker or its fork server "
                 "killed?); what is on disk is kept"
             )
-            report.error(message)
-            _json_error(message, 1)
-            sys.exit(1)
     except KeyboardInterrupt:  # a signal before the command runs (Typer building it): not a traceback
         if _debug["on"]:
             raise

@@ -82,7 +82,7 @@ def launch(
     backend = backend_for(device)
     check_world(tp)
     if torchrun.world() is not None:
-        with _telling(progress if os.environ["RANK"] == "0" else None):
+        with _telling(progress if torchrun.rank() == 0 else None):
             return _joined(target, payload, backend, device)
     if tp == 1:
         if device == "cuda":
@@ -162,11 +162,11 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
     except dist.DistError as exc:  # a peer died or left: say so instead of the backend's traceback
         interrupts.check()
         raise RankFailedError(
-            f"rank {os.environ['RANK']}: the torchrun launch lost a peer ({str(exc).splitlines()[0][:200]})"
+            f"rank {torchrun.rank()}: the torchrun launch lost a peer ({str(exc).splitlines()[0][:200]})"
         ) from None
     finally:
         dist.destroy_process_group()
-    return result if int(os.environ["RANK"]) == 0 else None
+    return result if torchrun.rank() == 0 else None
 
 
 def _join_group(backend: str, device: str) -> None:
@@ -192,7 +192,7 @@ def _join_group(backend: str, device: str) -> None:
         interrupts.check()
         if joining.is_alive() and time.monotonic() > deadline:
             raise RankFailedError(
-                f"rank {os.environ['RANK']}: the other processes of the torchrun launch did not join within "
+                f"rank {torchrun.rank()}: the other processes of the torchrun launch did not join within "
                 f"{JOIN_S:.0f} s (one of them failed before it: see its error)"
             )
     if failed:
