@@ -51,6 +51,10 @@ class Read:
     c1: int = -1  # -1: every column
     ratio: int = 1  # rows of the group's weight per row of this tensor (32 for a 32x32 scale)
 
+    def label(self, src: Path) -> str:
+        """How a message names the source tensor: its file in `src`, then its name."""
+        return f"{src / self.file}: {self.name}"
+
 
 @dataclass(slots=True)
 class OutTensor:

@@ -91,7 +91,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     main = t.reads[0]
     rows = main.r1 - main.r0
     cuda = quantizer.device == "cuda"
-    name = f"{reader.src / main.file}: {main.name}"
+    name = main.label(reader.src)
     form = "cuda" if cuda else "bytes" if numpy_computes(t) else "tensors"  # how _read_block hands inputs over
     compute = _numpy_action(t) if form == "bytes" else _torch_action(t, quantizer)
     starts = block_starts(t, step, first)

@@ -31,7 +31,7 @@ from torch import Tensor
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
-from dsv41_convert.errors import FormatError, PlanError
+from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_blocks, pread_exact
 
@@ -77,13 +77,14 @@ def _as_output(t: Tensor, out: OutTensor) -> Tensor:
     return t if t.dtype == want else t.view(want)
 
 
-def _compute(t: OutTensor, inputs: list[Tensor], skip_quant: bool, q) -> dict[str, Tensor]:
-    """The output(s) of one planned tensor from its source regions: {name: tensor}, the scale too for a group."""
+def _compute(t: OutTensor, inputs: list[Tensor], skip_quant: bool, q, src: Path) -> dict[str, Tensor]:
+    """The output(s) of one planned tensor from its source regions in `src`: {name: tensor}, the scale too for
+    a group. A FormatError names the source file and tensor, as shard's."""
     if t.action in BYTE_COPIES:
         return {t.name: _as_output(inputs[0], t)}
     if skip_quant and t.action in QUANTIZING:
         return {t.name: inputs[0].to(torch.bfloat16)}
-    results = apply(t.action, inputs, q, t.name, t.dtype, t.block)
+    results = apply(t.action, inputs, q, t.reads[0].label(src), t.dtype, t.block)
     if t.group:
         return {t.name: results[0], t.name.removesuffix(".weight") + ".scale": results[1]}
     return {t.name: results[0]}
@@ -110,11 +111,7 @@ def plan_state(
                 progress(label, i, len(tensors))
             if t.name in out or (t.group and t.part != 0):
                 continue  # a group's scale is made with its weight
-            try:
-                out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q))
-            except FormatError as exc:  # a NaN or an infinity, named by tensor: name its file too, as shard does
-                files = dict.fromkeys(str(src / rd.file) for rd in t.reads)  # a weight's and its scale's
-                raise FormatError(f"{' / '.join(files)}: {exc}") from exc
+            out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q, src))
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -197,7 +194,7 @@ class SourceWeights:
         return {n: out[n] for n in names}
 
     def _compute(self, t: OutTensor, inputs: list[Tensor]) -> dict[str, Tensor]:
-        return _compute(t, inputs, self.skip_quant, self.q)
+        return _compute(t, inputs, self.skip_quant, self.q, self.src)
 
     def copied_blocks(self, t: OutTensor, block: int) -> Iterator[memoryview]:
         """The bytes of output `t`, a whole source tensor copied unchanged (BYTE_COPIES), read straight from

@@ -111,3 +111,48 @@ def test_sigterm_during_an_import_stops_the_run_and_writes_nothing(src, tmp_path
     assert run.returncode == 143, run.stderr
     assert "terminated (SIGTERM)" in run.stderr and "Traceback" not in run.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _plant(src: Path, copy: Path, name: str, plant) -> Path:
+    """A copy of `src` with tensor `name` changed by `plant(tensor) -> tensor`; -> the file that holds it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, copy)
+    path = copy / json.loads((copy / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(path))
+    tensors[name] = plant(tensors[name])
+    save_file(tensors, str(path), {"format": "pt"})
+    return path
+
+
+def test_a_non_finite_source_tensor_is_named_with_its_file(src, tmp_path, monkeypatch, capsys):
+    """reference-logits named a NaN by tensor only ("rank 0: rank 1: layers.1.ffn.experts.12.w1.weight: found
+    nan", and "...: scale is NaN" of an fp8 source), where shard names the file too (an audit): both paths
+    (the ranks' plan_state, the streamed SourceWeights) name the file and the tensor, one rank, nothing written."""
+    import torch
+
+    bf16 = tmp_path / "bf16"
+    subprocess.run([sys.executable, "-m", "dsv41_convert.cli", "make-tiny", str(bf16), "--source-dtype", "bf16",
+                    "--no-vision"], check=True, capture_output=True)  # fmt: skip
+    name = "layers.1.ffn.experts.12.w1.weight"  # an expert on rank 1 of 2
+
+    def nan(t):
+        t = t.clone()
+        t[3, 5] = float("nan")
+        return t
+
+    path = _plant(bf16, tmp_path / "nan", name, nan)
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(path.parent), str(out), "--tp", "2",
+                           "--as-converted", "--decode-steps", "1")  # fmt: skip
+    assert code == 2 and f"error: rank 1: {path}: {name}: found nan at index [3, 5]" in err, err
+    assert not out.exists()
+    scale = "layers.1.ffn.experts.7.w1.scale"
+    path = _plant(src, tmp_path / "nan-scale", scale, lambda t: torch.full_like(t.view(torch.uint8), 255).view(t.dtype))
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(path.parent), str(out), "--stream-layers",
+                           "--decode-steps", "1")  # fmt: skip
+    assert code == 2 and f"{path}: {scale.removesuffix('.scale')}" in err and "scale is NaN" in err, err
+    assert not out.exists()
