@@ -156,3 +156,14 @@ def test_a_non_finite_source_tensor_is_named_with_its_file(src, tmp_path, monkey
                            "--decode-steps", "1")  # fmt: skip
     assert code == 2 and f"{path}: {scale.removesuffix('.scale')}" in err and "scale is NaN" in err, err
     assert not out.exists()
+
+
+def test_a_torchrun_count_other_than_tp_is_refused_before_out_is_made(src, tmp_path, monkeypatch, capsys):
+    """torchrun of 2 processes with --tp 4 was refused only inside the launch, after OUT's folder was made
+    (an empty sub/ left: an audit), and the warnings came before the refusal."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "sub" / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--tp", "4")
+    assert code == 2 and "torchrun started 2 ranks but --tp is 4" in err and "warning" not in err, err
+    assert not (tmp_path / "sub").exists()
