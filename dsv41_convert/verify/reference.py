@@ -218,8 +218,8 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, l
     if parallel.is_distributed():
         errors = [""] * parallel.world_size()
         torch.distributed.all_gather_object(errors, error)
-    if any(errors):
-        raise PlanError("\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    if any(errors):  # ranks named where there are several, as launch names an ungathered error
+        raise PlanError("\n".join(f"rank {r}: {e}" if len(errors) > 1 else e for r, e in enumerate(errors) if e))
     every = [mine]
     if parallel.is_distributed():
         every = [None] * parallel.world_size()

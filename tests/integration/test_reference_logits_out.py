@@ -131,7 +131,8 @@ def _plant(src: Path, copy: Path, name: str, plant) -> Path:
 def test_a_non_finite_source_tensor_is_named_with_its_file(src, tmp_path, monkeypatch, capsys):
     """reference-logits named a NaN by tensor only ("rank 0: rank 1: layers.1.ffn.experts.12.w1.weight: found
     nan", and "...: scale is NaN" of an fp8 source), where shard names the file too (an audit): both paths
-    (the ranks' plan_state, the streamed SourceWeights) name the file and the tensor, one rank, nothing written."""
+    (the ranks' plan_state, the streamed SourceWeights) name the file and the tensor, one rank (none at tp 1:
+    "rank 0:" named the only one), nothing written."""
     import torch
 
     bf16 = tmp_path / "bf16"
@@ -149,6 +150,10 @@ def test_a_non_finite_source_tensor_is_named_with_its_file(src, tmp_path, monkey
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(path.parent), str(out), "--tp", "2",
                            "--as-converted", "--decode-steps", "1")  # fmt: skip
     assert code == 2 and f"error: rank 1: {path}: {name}: found nan at index [3, 5]" in err, err
+    assert not out.exists()
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(path.parent), str(out), "--as-converted",
+                           "--decode-steps", "1")  # fmt: skip
+    assert code == 2 and f"error: {path}: {name}: found nan at index [3, 5]" in err, err  # one rank: none named
     assert not out.exists()
     scale = "layers.1.ffn.experts.7.w1.scale"
     path = _plant(src, tmp_path / "nan-scale", scale, lambda t: torch.full_like(t.view(torch.uint8), 255).view(t.dtype))
