@@ -296,7 +296,7 @@ def _warn_without_tokenizer(folder: Path, then: str) -> None:
     if not (folder / "tokenizer.json").is_file():
         report.warn(
             f"{folder}: no tokenizer.json, {then}; verify and inference need the checkpoint's own "
-            "(Engram's hashes, text prompts): put it beside the rank files"
+            "(Engram's hashes, text prompts): put the model's tokenizer.json beside the weights"
         )
 
 

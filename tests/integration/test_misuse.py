@@ -252,6 +252,8 @@ def test_a_source_without_a_tokenizer_is_said_and_verify_names_what_is_missing(s
     out = tmp_path / "out"
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(bare), str(out), "--tp", "2")
     assert code == 0 and f"warning: {bare}: no tokenizer.json, so {out} will have none either" in err
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(bare), str(tmp_path / "hf"), "--format", "bf16")
+    assert code == 0 and "no tokenizer.json" in err and "rank files" not in err, err  # an export writes none
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bare), str(tmp_path / "r.safetensors"))
     assert_clean_error(code, err, f"{bare / 'tokenizer.json'}: not found; this model has Engram layers")
 
