@@ -64,7 +64,7 @@ def rank_tp(folder: Path, tp: int | None = None) -> int:
     if tp is not None and tp not in sets:
         raise VerifyInputError(f"{folder}: no model*-mp{tp}.safetensors files (found tp {found})")
     if tp is None and len(found) != 1:
-        raise VerifyInputError(f"{folder}: rank files for tp {found}; pass the tp to pick one")
+        raise VerifyInputError(f"{folder}: rank files for tp {found}; pass --tp to pick one")
     tp = tp if tp is not None else found[0]
     missing = [rank_file_name(r, tp) for r in range(tp) if r not in sets[tp]]
     if missing:

@@ -82,9 +82,13 @@ def _without_manifest(folder: Path) -> str:
     return f"was {folder} written by `dsv41-convert shard` or `export`?"
 
 
-def check_folder(folder: Path, progress: Progress | None = None, threads: int | None = None) -> CheckResult:
+def check_folder(
+    folder: Path, progress: Progress | None = None, threads: int | None = None, tp: int | None = None
+) -> CheckResult:
     """Check sizes, then sha256, of every file in the manifest, `threads` files at a time (None: one per
-    usable core, file_digest.hash_threads). -> CheckResult (ok when no problems), files in name order."""
+    usable core, file_digest.hash_threads). tp: the rank files of that tp are the ones checked (verify --tp
+    picked them): those of another tp beside them are not this conversion's problem.
+    -> CheckResult (ok when no problems), files in name order."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     files = manifest["files"]
@@ -92,16 +96,17 @@ def check_folder(folder: Path, progress: Progress | None = None, threads: int | 
         name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in sorted(files.items())
     }
     result = CheckResult(str(folder))
-    result.problems += unlisted(folder, manifest)
+    result.problems += unlisted(folder, manifest, tp)
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)
     return result
 
 
-def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
+def unlisted(folder: Path, manifest: dict[str, Any], checked_tp: int | None = None) -> list[str]:
     """What the manifest should list and does not: a rank file of its own tp (a shard manifest), and any
     .safetensors file in the folder (another conversion's, or one copied in): verify would load or ask about
-    it, so a folder holding it is not the conversion the manifest describes."""
+    it, so a folder holding it is not the conversion the manifest describes. checked_tp: rank files of
+    another tp are left out (a verify run picked that tp's set)."""
     files = manifest["files"]
     tp = manifest.get("options", {}).get("tp") if isinstance(manifest.get("options"), dict) else None
     problems = []
@@ -110,7 +115,9 @@ def unlisted(folder: Path, manifest: dict[str, Any]) -> list[str]:
     problems += [
         f"{p.name}: in the folder but not in {MANIFEST} (another conversion's file?)"
         for p in sorted(folder.glob("*.safetensors"))
-        if p.name not in files and not any(x.startswith(f"{p.name}:") for x in problems)
+        if p.name not in files
+        and not any(x.startswith(f"{p.name}:") for x in problems)
+        and not (checked_tp and (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) != checked_tp)
     ]
     return problems
 

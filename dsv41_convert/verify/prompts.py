@@ -63,7 +63,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
     """
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text().split("\n")  # JSON lines end at \n only (splitlines broke U+2028 inside a string)
     except OSError as exc:
         raise VerifyInputError(f"{path}: cannot read the prompt file ({exc})") from exc
     except UnicodeDecodeError as exc:
@@ -109,6 +109,10 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             text = obj["text"]
             if not isinstance(text, str) or not text:
                 raise VerifyInputError(f"{where}: text must be a non-empty string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate, which JSON's \ud800 escape can spell
+                raise VerifyInputError(f"{where}: text is not valid Unicode ({exc.reason} at {exc.start})") from exc
             if tokenizer is None:
                 tokenizer = _tokenizer(tokenizer_path, where)
             ids = tokenizer.encode(text, add_special_tokens=False).ids

@@ -23,6 +23,7 @@ from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
+from dsv41_convert.verify.arithmetic import arithmetic
 from dsv41_convert.verify.launch import launch, tell, told_each
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
 from dsv41_convert.verify.reffile import Reference
@@ -113,8 +114,13 @@ def compute_reference(
 
 
 def _recorded(device: str) -> dict:
-    """What decides bit equality besides tp and device (reffile's docstring): this process's threads, torch."""
-    return {"threads": torch.get_num_threads() if device == "cpu" else 0, "torch_version": torch.__version__}
+    """What decides bit equality besides tp and device (reffile's docstring): this process's threads, torch,
+    and what picks its kernels."""
+    return {
+        "threads": torch.get_num_threads() if device == "cpu" else 0,
+        "torch_version": torch.__version__,
+        "arithmetic": arithmetic(device),
+    }
 
 
 @dataclass

@@ -33,6 +33,8 @@ What decides bit equality with a converted run (verify.verdict), all optional, a
     device    "cpu" | "cuda"
     threads   torch intra-op threads per rank on the CPU (a CPU matmul's sums depend on it)
     torch     torch.__version__ of the run
+    arithmetic what picks the run's kernels (verify/arithmetic.py: the CPU's capability and float instruction
+              sets, the variables capping them; on a GPU its model and CUDA version)
     weights   "converted": the values every correct conversion of the source holds (an fp8 source, or a
               bf16 source quantized as `shard` does, `reference-logits --as-converted`);
               "bf16": the unquantized model of a bf16 source (no conversion reproduces it bit for bit).
@@ -103,6 +105,7 @@ class Reference:
     tp: int = 1
     threads: int = 0  # torch threads per rank on the CPU; 0: not recorded
     torch_version: str = ""  # "": not recorded
+    arithmetic: str = ""  # verify.arithmetic of the run; "": not recorded
     weights: str = ""  # "converted" | "bf16" | "": unknown (see the module docstring)
     provenance: dict | None = None  # what it was computed from (verify/provenance.py); None: not recorded
 
@@ -124,6 +127,7 @@ def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -
         "tp": str(ref.tp),
         "threads": str(ref.threads),
         "torch": ref.torch_version,
+        "arithmetic": ref.arithmetic,
         "weights": ref.weights,
         "labels": json.dumps(ref.labels),
         "images": json.dumps([i.image or "" for i in inputs]),
@@ -244,6 +248,7 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
         tp=int(meta.get("tp", 1)),  # both checked by _recorded_fields
         threads=int(meta.get("threads", 0)),
         torch_version=meta.get("torch", ""),
+        arithmetic=meta.get("arithmetic", ""),
         weights=meta.get("weights") or {"fp8": "converted", "bf16": "bf16"}.get(source_format, ""),
         provenance=json.loads(meta["provenance"]) if "provenance" in meta else None,  # checked by _recorded_fields
     )
@@ -347,9 +352,17 @@ def _recorded_fields(meta: dict[str, str]) -> list[str]:
         out.append(f"metadata weights {meta['weights']!r}: expected 'converted' or 'bf16'")
     if "provenance" in meta:
         try:
-            out += provenance.problems(json.loads(meta["provenance"]))
+            prov = json.loads(meta["provenance"])
         except ValueError:
-            out.append("metadata provenance is not JSON")
+            return [*out, "metadata provenance is not JSON"]
+        out += provenance.problems(prov)
+        ran = prov.get("weights") if isinstance(prov, dict) else None
+        tp = meta.get("tp", "1")
+        if not out and isinstance(ran, dict) and tp.isdigit() and ran.get("tp") != int(tp):
+            out.append(  # reference-logits records both from one run: an edit, which blamed CONVERTED (an audit)
+                f"metadata tp {tp}, but the weights it ran are recorded for tp {ran.get('tp')} "
+                "(provenance.weights.tp): an edited or damaged file; recompute it"
+            )
     return out
 
 

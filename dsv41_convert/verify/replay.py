@@ -88,7 +88,9 @@ def replay_check(
         return Check("replay", False, True, [f"replay: {exc}"], why), None
     finally:
         torch.set_num_threads(before)
-    blockers = exact_blockers(1, ref.device, ref.threads, ref.torch_version, ref.weights, 1, device, threads)
+    blockers = exact_blockers(
+        1, ref.device, ref.threads, ref.torch_version, ref.weights, 1, device, threads, ref.arithmetic
+    )
     worst = {}
     for key in SECTIONS:
         parts = [_section(r, g, key) for r, g in zip(ref.runs, runs, strict=True)]

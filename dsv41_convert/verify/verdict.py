@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv41_convert.verify.arithmetic import arithmetic
+
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
 
@@ -80,6 +82,7 @@ def exact_blockers(
     tp: int,
     device: str,
     threads: int,
+    ref_arithmetic: str = "",
 ) -> list[str]:
     """Why a run at (tp, device, threads) of a correct conversion need not give the reference's logits bit
     for bit; [] when it must. A field the reference does not record (0 / "") blocks nothing."""
@@ -96,6 +99,8 @@ def exact_blockers(
         out.append(f"the reference ran {ref_threads} CPU threads per rank, this run {threads} (--threads)")
     if ref_torch and ref_torch != torch.__version__:
         out.append(f"the reference ran torch {ref_torch}, this is torch {torch.__version__}")
+    if ref_arithmetic and ref_device == device and ref_arithmetic != (here := arithmetic(device)):
+        out.append(f"the reference's kernels were picked by {ref_arithmetic!r}, this run's by {here!r}")
     return out
 
 
@@ -119,13 +124,18 @@ def drafts_uncovered(checks: list[Check]) -> bool:
     return bool(decisive) and not any(c.covers_drafts for c in decisive)
 
 
-def advice(tp: int, from_source: bool, drafts_only: bool = False, experts_skipped: str = "") -> str:
+def advice(
+    tp: int, from_source: bool, drafts_only: bool = False, experts_skipped: str = "", bf16_source: bool = False
+) -> str:
     """What would make an inconclusive run decisive. drafts_only: a decisive check held, the DSpark drafts
     are what none covered. experts_skipped: the reference's digests were compared but for the routed experts,
-    stored in another dtype here (that dtype, e.g. "fp8")."""
+    stored in another dtype here (that dtype, e.g. "fp8"). bf16_source: the reference ran the unquantized
+    model of a bf16 source, so a reference of the converted weights needs --as-converted."""
+    quantized = " --as-converted" if bf16_source else ""
     ways = [
-        f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}`)",
-        "a tp-1 reference computed on this device (the rank files are then replayed at tp 1, without --no-replay)",
+        f"a reference computed at this tp and device (`reference-logits SRC OUT --tp {tp}{quantized}`)",
+        f"a tp-1 reference computed on this device (`reference-logits SRC OUT{quantized}`: the rank files are then "
+        "replayed at tp 1, without --no-replay)",
     ]
     if experts_skipped:
         ways.append(

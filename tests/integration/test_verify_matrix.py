@@ -270,7 +270,8 @@ def test_bf16_source_quantized(m):
     plain = m.reference("tp1", 2, src=src, tag="bf16")
     result = _verify(conv, plain)
     assert result.verdict == "INCONCLUSIVE" and not result.decisive, result.checks
-    assert "reference-logits SRC OUT --tp 2" in result.advice
+    assert "reference-logits SRC OUT --tp 2 --as-converted" in result.advice  # without it: the same file (an audit)
+    assert "`reference-logits SRC OUT --as-converted`" in result.advice
     assert _verify(conv, plain, statistical=True).verdict == "PASS"
     # against the converter's quantized output (--as-converted) the replay is exact
     result = _verify(conv, m.reference("tp1", 2, src=src, as_converted=True, tag="bf16"))
@@ -877,3 +878,25 @@ def test_verify_under_torchrun_against_another_tp_ends(m):
     res = subprocess.run(launch, capture_output=True, text=True, timeout=600)
     assert res.returncode != 0 and "--stream-layers runs in one process: run it without torchrun" in res.stderr
     assert not (m.root / "no.safetensors").exists()
+
+
+def test_another_tps_rank_files_beside_the_picked_set_are_not_its_fault(m, tmp_path):
+    """verify --tp 2 of a folder holding tp-4 rank files too (without --tp it asks for one) FAILed the correct
+    tp-2 set on the manifest check, "model0-mp4.safetensors: in the folder but not in manifest.json" (an
+    audit): the picked set is checked against its manifest, the other set's files are not its fault, and a
+    manifest of the other set is not checked against this one."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(m.shard(2), mixed)
+    for path in m.shard(4).glob("model*-mp4.safetensors"):
+        shutil.copy(path, mixed / path.name)
+    ref = m.reference("tp1", 2)
+    with pytest.raises(VerifyInputError, match=r"rank files for tp \[2, 4\]; pass --tp to pick one"):
+        _verify(mixed, ref)
+    result = _verify(mixed, ref, tp=2)
+    assert result.verdict == "PASS" and result.manifest == "held", result.failures
+    other = tmp_path / "other"
+    shutil.copytree(m.shard(4), other)
+    for path in m.shard(2).glob("model*-mp2.safetensors"):
+        shutil.copy(path, other / path.name)
+    result = _verify(other, ref, tp=2)
+    assert result.verdict == "PASS" and result.manifest == "absent", result.failures

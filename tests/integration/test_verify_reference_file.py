@@ -24,6 +24,7 @@ from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify import reffile
+from dsv41_convert.verify.arithmetic import arithmetic
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.reference import compute_reference
 from dsv41_convert.verify.run import VerifyOptions, verify
@@ -117,6 +118,10 @@ DAMAGES = {
     ),
     "vocab 500": (_vocab_500, ["logits: vocab 500 (V, its columns), the model has 512"]),
     "image not there": (_missing_image, ["images[1] = '/nonexistent/cat.png': no such file"]),
+    "tp edited": (  # its weights record is of tp 1: a run at tp 2 blamed the conversion (an audit)
+        lambda t, m: m.update(tp="2"),
+        ["metadata tp 2, but the weights it ran are recorded for tp 1 (provenance.weights.tp)"],
+    ),
     "all at once": (
         lambda t, m: [f(t, m) for f in (_id_9999, _nan_logits, _decode_b_v, _missing_image)],
         ["4 problem(s)", "id 9999", "NaN", "decode_logits has shape [2, 512]", "no such file"],
@@ -165,3 +170,77 @@ def test_prompts_of_other_lengths_with_hidden_states(work, tmp_path):
     assert len(widths) > 1  # the prompts' indexer widths differ: the case that crashed
     result = verify(VerifyOptions(conv, reference_logits=path, threads=1))
     assert result.verdict == "PASS", (result.failures, result.checks)
+
+
+def _off_by_an_ulp(t, m):
+    """The reference as another machine's kernels compute it: a few logits one ulp away."""
+    for k in ("logits", "logits_all", "decode_logits"):
+        flat = t[k].view(-1)
+        flat[::97] = torch.nextafter(flat[::97], torch.tensor(float("inf")))
+
+
+def _without_digests(t, m):
+    prov = json.loads(m["provenance"])
+    del prov["weights"]
+    m["provenance"] = json.dumps(prov, sort_keys=True)
+
+
+def test_other_arithmetic_with_every_weight_held_is_no_conversion_fault(work, tmp_path):
+    """A reference whose sums came out other than this run's (another CPU's kernels: an audit's
+    MKL_ENABLE_INSTRUCTIONS=AVX2 run of an AVX-512 host's file; or edited threads) FAILed a correct set
+    blaming a layer, though the weights check proved every tensor the reference's bytes: the difference is
+    the arithmetic's, so the statistical bounds judge the logits and the weights check decides. Without the
+    digests nothing proves the weights, and a difference where bit equality was expected stays a FAIL; a
+    difference beyond the bounds is a FAIL either way."""
+    conv, ref = work
+    ulp = damaged(ref, tmp_path / "ulp.safetensors", _off_by_an_ulp)
+    result = verify(
+        VerifyOptions(
+            conv,
+            reference_logits=ulp,
+        )
+    )  # the file's threads
+    assert result.verdict == "PASS" and result.decisive == ["weights"], result.failures
+    check = next(c for c in result.checks if c.name == "reference")
+    assert not check.exact and not check.expected_exact and "the weights check held" in check.note
+    assert result.thresholds.mode == "reduction" and result.overall["last"].max_abs > 0
+
+    bare = damaged(ulp, tmp_path / "ulp-bare.safetensors", _without_digests)
+    result = verify(
+        VerifyOptions(
+            conv,
+            reference_logits=bare,
+        )
+    )  # the file's threads
+    assert result.verdict == "FAIL" and any("bit" in f or "max_abs" in f for f in result.failures), result.failures
+
+    def garbage(t, m):
+        t["logits"] = 30 * torch.randn(t["logits"].shape, generator=torch.Generator().manual_seed(0))
+
+    wrong = damaged(ref, tmp_path / "wrong.safetensors", garbage)
+    result = verify(
+        VerifyOptions(
+            conv,
+            reference_logits=wrong,
+        )
+    )  # the file's threads
+    assert result.verdict == "FAIL" and any(f.startswith("last: ") for f in result.failures), result.failures
+
+
+def test_a_reference_of_other_kernels_expects_no_bit_equality(work, tmp_path, monkeypatch):
+    """reference-logits records what picks its kernels (verify.arithmetic); a run whose own differs (here
+    MKL capped at AVX2, as an AVX2-only host runs) does not expect the reference's bits, and says why."""
+    conv, ref = work
+    with safe_open(str(ref), "pt") as f:
+        recorded = f.metadata()["arithmetic"]
+    assert recorded == arithmetic("cpu") and torch.backends.cpu.get_cpu_capability() in recorded
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    result = verify(
+        VerifyOptions(
+            conv,
+            reference_logits=ref,
+        )
+    )  # the file's threads
+    assert result.verdict == "PASS" and "weights" in result.decisive, result.failures  # equal bits still certify
+    check = next(c for c in result.checks if c.name == "reference")
+    assert not check.expected_exact and "MKL_ENABLE_INSTRUCTIONS=AVX2" in check.note, check.note

@@ -3,6 +3,7 @@ bit equality is named."""
 
 import torch
 
+from dsv41_convert.verify.arithmetic import arithmetic
 from dsv41_convert.verify.verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, Check, advice, decide, exact_blockers
 
 SAME = dict(ref_tp=2, ref_device="cpu", ref_threads=1, ref_torch=torch.__version__, ref_weights="converted")
@@ -23,6 +24,10 @@ def test_exact_only_when_everything_that_decides_bits_agrees():
     assert "torch 1.0" in _blockers(ref_torch="1.0")[0]
     assert "--as-converted" in _blockers(ref_weights="bf16")[0]
     assert "does not record which weights" in _blockers(ref_weights="")[0]
+    assert _blockers(ref_arithmetic=arithmetic("cpu")) == []
+    avx2 = "x86_64 AVX2; avx avx2 fma"
+    assert f"kernels were picked by {avx2!r}" in _blockers(ref_arithmetic=avx2)[0]
+    assert _blockers(ref_arithmetic="x86_64 AVX2", ref_device="cuda") == ["the reference ran on cuda, this run on cpu"]
 
 
 def test_decide():
@@ -41,4 +46,5 @@ def test_decide():
 def test_advice_names_the_ways_to_a_decisive_run():
     text = advice(4, from_source=False)
     assert "--tp 4" in text and "tp-1 reference" in text and "--reference SRC" in text
-    assert "--statistical" in text
+    assert "--statistical" in text and "--as-converted" not in text
+    assert "`reference-logits SRC OUT --tp 4 --as-converted`" in advice(4, False, bf16_source=True)
