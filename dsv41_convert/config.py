@@ -437,7 +437,21 @@ POSITIVE_FIELDS = (
     "index_head_dim",
     "index_topk",
     "hc_mult",
+    "n_shared_experts",
+    "candidate_block_size",
 )
+# sizes of a part of the model, positive where the part is there (its key in the config is non-zero)
+PART_SIZES: dict[str, tuple[str, ...]] = {
+    "vision_n_layers": (
+        "vision_dim",
+        "vision_n_heads",
+        "vision_inter_dim",
+        "vision_patch_size",
+        "vision_downsample_ratio",
+    ),
+    "engram_layer_ids": ("engram_n_heads", "engram_head_dim"),
+    "n_mtp_layers": ("dspark_markov_rank",),
+}
 # ModelArgs field -> its key in the HF config.json, for messages
 HF_NAMES: dict[str, str] = {
     **{arg: f"text_config.{key}" for key, arg in HF_TO_ARGS.items()},
@@ -472,6 +486,20 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
     for name in POSITIVE_FIELDS:
         if name in values and values[name] <= 0:
             raise ConfigError(f"{source}: {names.get(name, name)} = {values[name]!r}, expected a positive number")
+    for part, sizes in PART_SIZES.items():  # a zero crashed the catalogue or the model with a traceback (an audit)
+        for name in sizes if values.get(part) else ():
+            if name in values and values[name] <= 0:
+                raise ConfigError(
+                    f"{source}: {names.get(name, name)} = {values[name]!r}, expected a positive number "
+                    f"({names.get(part, part)} = {values[part]!r})"
+                )
+    if values.get("engram_layer_ids") and values.get("engram_max_ngram_size", 2) < 2:
+        name = names.get("engram_max_ngram_size", "engram_max_ngram_size")
+        raise ConfigError(f"{source}: {name} = {values['engram_max_ngram_size']!r}, expected 2 or more (n-grams)")
+    layer, n_layers = values.get("candidate_source_layer", -1), values.get("n_layers", 0)
+    if layer >= n_layers > 0:
+        name = names.get("candidate_source_layer", "candidate_source_layer")
+        raise ConfigError(f"{source}: {name} = {layer!r}: not a backbone layer (0..{n_layers - 1}), or -1 for none")
 
 
 def load_json(path: Path) -> dict[str, Any]:

@@ -556,9 +556,9 @@ def _execute_held(
     if len(done) == len(plan.files):
         if sidecars:
             extra += sidecars.after(out)
-        manifest = str(write_manifest(out, plan, options, extra))
+        manifest = str(write_manifest(out, plan, options, extra).resolve())  # absolute, as "out" (an audit)
     elif done:
-        fragment = str(write_fragment(out, plan, options, done))
+        fragment = str(write_fragment(out, plan, options, done).resolve())
     return {
         "out": str(out.resolve()),
         "written": [r.file for r in results],

@@ -29,10 +29,14 @@ MAX_LINES = 25
 def require_regular_files(src: Path) -> None:
     """PlanError naming each file of SRC a conversion reads whole (config.json, the index, the shards, the
     tokenizer files) that is a FIFO, a socket or a device: reading one blocked `plan` and `shard` until they
-    were killed (an audit). Folders and broken links in those names are named where they are read."""
+    were killed (an audit); and a tokenizer file that is a folder (it was said to be missing, then failed
+    the copy after OUT was made). Other folders and broken links in those names are named where they are read."""
     src = Path(src)
     if not src.is_dir():
         return
+    folders = [name for name in SIDECARS if (src / name).is_dir()]
+    if folders:
+        raise PlanError(f"{src}: {first_few(folders)}: a folder where the tokenizer file belongs")
     special = [
         p.name
         for p in sorted(src.iterdir())
@@ -141,6 +145,7 @@ def validate_sources(
     quantized = args.dtype == "fp8"
     # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
     if not (quantized and _same_layout(sources, args)):
+        _check_expert_count(sources, args)
         layout = published_layout(args)
         if not quantized:  # an unquantized source has no scales and holds experts unpacked
             layout = {
@@ -154,6 +159,19 @@ def validate_sources(
     n_experts = _expert_counts(sources)
     _check_splits(sources, tp, quantized, expert_dtype)
     return n_experts
+
+
+def _check_expert_count(sources: dict[str, Source], args: ModelArgs) -> None:
+    """PlanError where config.json's routed experts make more tensors than the checkpoint holds in all: the
+    layout of 2,000,000 experts per layer was built to list what is missing, for minutes (an audit)."""
+    expected = sum(n * len(forms) for _, n, forms in routed_expert_layout(args))
+    if expected > len(sources):
+        held = sum(1 for s in sources.values() if s.expert is not None)
+        raise PlanError(
+            f"checkpoint does not match config.json: its routed experts (n_routed_experts {args.n_routed_experts}"
+            f", dspark_n_routed_experts {args.dspark_n_routed_experts}) make {expected:,} tensors; the checkpoint "
+            f"holds {held:,} routed-expert tensors of {len(sources):,} in all"
+        )
 
 
 def _same_layout(sources: dict[str, Source], args: ModelArgs) -> bool:

@@ -79,9 +79,10 @@ class Header:
 def read_header(path: Path | str) -> Header:
     """Parse and check the header of one .safetensors file; reads only the header bytes.
 
-    Checks: the length prefix fits the file and the 100 MB limit, the JSON is an object of entries with
-    a known dtype, a shape of non-negative ints and offsets matching dtype x shape; the entries tile the
-    data region from 0 to the end of the file with no gap or overlap (a truncated file fails here).
+    Checks: the length prefix fits the file and the 100 MB limit, the JSON is an object of entries (and
+    `__metadata__`, an object of strings) with a known dtype, a shape of non-negative ints and offsets
+    matching dtype x shape; the entries tile the data region from 0 to the end of the file with no gap or
+    overlap (a truncated file fails here).
     """
     path = str(path)
     try:
@@ -104,7 +105,11 @@ def read_header(path: Path | str) -> Header:
         raise HeaderError(f"{path}: header is not valid JSON ({exc}); corrupt file?") from exc
     if not isinstance(data, dict):
         raise HeaderError(f"{path}: header is a JSON {type(data).__name__}, expected an object")
-    data.pop("__metadata__", None)
+    meta = data.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise HeaderError(  # safetensors itself refuses such a file, so every loader of the output would
+            f"{path}: __metadata__ must be an object of strings, found {json.dumps(meta)[:80]}; corrupt file?"
+        )
     start = 8 + n
     entries = _entries(path, data, start)
     entries.sort(key=_FILE_ORDER)

@@ -407,3 +407,17 @@ def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, command, victim
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2 and f"{name}: not a regular file (a FIFO" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "shard", "export"])
+def test_a_tokenizer_folder_is_refused_before_out_is_made(tmp_path, monkeypatch, capsys, command):
+    """tokenizer.json a folder: shard warned "no tokenizer.json", made OUT and its run record, then failed
+    copying it ("Is a directory"), and --dry-run passed (an audit): refused first, naming it."""
+    src = write_ckpt(tmp_path / "src", source_tensors(tiny_config()), tiny_config())
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").mkdir()
+    args = {"plan": ["--tp", "2"], "shard": [str(tmp_path / "out"), "--tp", "2"],
+            "export": [str(tmp_path / "out"), "--format", "bf16"]}[command]  # fmt: skip
+    code, _, err = run_cli(monkeypatch, capsys, command, str(src), *args)
+    assert code == 2 and f"{src}: tokenizer.json: a folder where the tokenizer file belongs" in err, err
+    assert "warning" not in err and not (tmp_path / "out").exists()

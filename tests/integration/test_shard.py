@@ -124,10 +124,11 @@ def test_cli_shard_sidecars_and_manifest(fp8_src, tmp_path, monkeypatch, capsys)
     from dsv41_convert.cli import main
 
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "shard", str(fp8_src), str(out), "--tp", "2", "--json"])
+    monkeypatch.chdir(tmp_path)  # OUT given relative: every path of the document is absolute (an audit)
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "shard", str(fp8_src), "out", "--tp", "2", "--json"])
     main()
     summary = json.loads(capsys.readouterr().out)
-    assert summary["manifest"] == str(out / "manifest.json")
+    assert summary["manifest"] == str(out.resolve() / "manifest.json") and summary["out"] == str(out.resolve())
     manifest = json.loads((out / "manifest.json").read_text())
     names = {"model0-mp2.safetensors", "model1-mp2.safetensors", "tokenizer.json", "tokenizer_config.json"}
     assert names | {"config.json", "hf_config.json"} == set(manifest["files"])

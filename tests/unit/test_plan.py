@@ -329,6 +329,15 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("qk_rope_head_dim", 7, "qk_rope_head_dim 7 must be even"),
         ("dspark_target_layer_ids", [1, 60], r"dspark_target_layer_ids \[1, 60\]: \[60\] not a backbone layer"),
         ("engram_layer_ids", [-1], r"engram_layer_ids \[-1\]: \[-1\] not a backbone layer"),
+        # zeros that crashed plan or the model with a ZeroDivisionError traceback (an audit)
+        ("n_shared_experts", 0, "text_config.n_shared_experts = 0, expected a positive number"),
+        ("engram_n_heads", 0, r"engram_n_heads = 0, expected a positive number \(text_config.engram_layer_ids"),
+        ("engram_max_ngram_size", 1, "engram_max_ngram_size = 1, expected 2 or more"),
+        ("dspark_markov_rank", 0, "dspark_markov_rank = 0, expected a positive number"),
+        ("candidate_block_size", 0, "candidate_block_size = 0, expected a positive number"),
+        ("candidate_source_layer_id", 99, "candidate_source_layer_id = 99: not a backbone layer"),
+        ("vision_config.hidden_size", 0, "vision_config.hidden_size = 0, expected a positive number"),
+        ("vision_config.num_attention_heads", 0, "vision_config.num_attention_heads = 0, expected a positive"),
     ],
 )
 def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):
@@ -338,7 +347,8 @@ def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, 
 
     cfg = tiny_config(quantized=True)
     tensors = source_tensors(cfg)
-    cfg["text_config"][key] = value
+    part, _, name = key.rpartition(".")
+    cfg[part or "text_config"][name] = value
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(ConfigError, match=said):
         build_plan(tmp_path / "s", 1)
@@ -353,3 +363,16 @@ def test_too_few_dspark_experts_name_both_counts(tmp_path):
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(ConfigError, match=r"DSpark stages' experts per token .* 2 must be .* n_routed_experts\) 1"):
         build_plan(tmp_path / "s", 1)
+
+
+def test_a_config_of_far_more_experts_than_the_checkpoint_is_refused_at_once(tmp_path):
+    """n_routed_experts 2,000,000: plan built the whole layout to list what is missing and ran for minutes
+    (an audit); the count alone refuses it."""
+    from dsv41_convert.errors import PlanError
+
+    cfg = tiny_config(quantized=True)
+    tensors = source_tensors(cfg)
+    cfg["text_config"]["n_routed_experts"] = 2_000_000
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    with pytest.raises(PlanError, match=r"n_routed_experts 2000000, .* make [\d,]+ tensors; the checkpoint holds"):
+        build_plan(tmp_path / "s", 2)

@@ -52,6 +52,20 @@ def test_bad_lines_name_file_and_line(tmp_path, line, match):
         load_prompts(tmp_path / "p.jsonl", None, 512)
 
 
+def test_unicode_line_breaks_inside_a_string_and_lone_surrogates(tmp_path):
+    """A JSON string holding U+2028 (or \x1c, \x85) was cut into two "lines" and refused as not JSON; a lone
+    surrogate (the escape \\ud800) crashed the tokenizer with a traceback (an audit)."""
+    tok = build_tokenizer(512)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = "a\u2028b\x1cc\x85d"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": text}, ensure_ascii=False) + "\r\n")
+    prompts = load_prompts(tmp_path / "p.jsonl", tmp_path / "tokenizer.json", 512)
+    assert len(prompts) == 1 and prompts[0].text == text
+    (tmp_path / "s.jsonl").write_text('{"text": "x\\ud800"}\n')
+    with pytest.raises(VerifyInputError, match=r"s.jsonl:1: text is not valid Unicode \(surrogates not allowed"):
+        load_prompts(tmp_path / "s.jsonl", tmp_path / "tokenizer.json", 512)
+
+
 def test_empty_file(tmp_path):
     (tmp_path / "p.jsonl").write_text("\n# only a comment\n")
     with pytest.raises(VerifyInputError, match="no prompts"):
