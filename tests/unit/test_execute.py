@@ -21,6 +21,7 @@ from dsv41_convert.convert.transform import quantizer_for
 from dsv41_convert.convert.write import write_rank_file
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME
+from dsv41_convert.store.sink import THROTTLE_ENV
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +139,11 @@ def test_direct_io_copies_from_the_read_buffers_without_a_copy(tmp_path, monkeyp
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc")
 @pytest.mark.parametrize("ranks", [None, [0, 1]])
-def test_workers_hold_the_runs_locks(bf16_src, tmp_path, ranks):
+def test_workers_hold_the_runs_locks(bf16_src, tmp_path, monkeypatch, ranks):
     """Each worker process has the run's lock files open (the same open files: die_with.SharedFiles), so a
     run killed with kill -9 keeps its locks until its last worker is gone (tests/unit/test_lock.py)."""
+    # each file outlasts a worker's start: on a loaded box one worker wrote both of [0, 1] (a flake)
+    monkeypatch.setenv(THROTTLE_ENV, "0.01")
     plan, out = build_plan(bf16_src, 4), tmp_path / "out"
     locks = [out / LOCK_NAME] + [out / FILE_LOCK_DIR / f"model{r}-mp4.safetensors.lock" for r in ranks or ()]
     seen: list[list[set[int]]] = []
