@@ -54,6 +54,7 @@ from dsv41_convert.hub.fetch import (
     xet_refusal,
 )
 from dsv41_convert.hub.integrity import (
+    CONFIG_NAME,
     EVERY_FILE,
     Problem,
     Record,
@@ -78,6 +79,7 @@ from dsv41_convert.hub.local import (
     structure_problems,
     verify_local,
 )
+from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import hold
 
 GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
@@ -229,14 +231,14 @@ def _download(
     previous = _previous_record(place, record)
     ours = previous if previous is not None and previous.commit == record.commit else None
     checked: set[str] = set()
+    fetched_before = ours.ours() if ours is not None else set()
     if local_dir is not None:
-        fetched_before = {f.path for f in ours.selected()} if ours is not None else set()
         other = previous if ours is None else None
         unclaimed = [f for f in files if f.path not in fetched_before]
         checked = _claim(place.folder, other, record, unclaimed, overwrite, max_workers, progress)
         _remove_stale_temporaries(Path(local_dir), files)
-    record = dataclasses.replace(record, selections=_union(record, ours.selections if ours else (), asked))
-    _save_record(record, place, local_dir, cache_dir)
+    selections = _union(record, ours.selections if ours else (), asked)
+    record = dataclasses.replace(record, selections=selections, fetched=tuple(sorted(fetched_before | checked)))
 
     def fetch(batch: list[RemoteFile], force: bool) -> list[Problem]:
         return _fetch_all(
@@ -265,6 +267,9 @@ def _download(
     held = sum(partial_bytes(Path(local_dir), f) for f in missing) if local_dir is not None else 0
     need = sum(f.size for f in missing if local_dir is not None or not _blob_held(place, f))
     _check_space(place.folder, need, held, repo_id)
+    # saved before any file moves (an interrupted run is checked offline), naming only the files found right;
+    # not before the refusals above: a refused run into a new folder left it holding a record (an audit)
+    _save_record(record, place, local_dir, cache_dir)
     present = [f for f in files if f not in missing and f.path not in checked]
     problems = fetch(missing, False) + check_files(place.folder, present, workers=max_workers, progress=progress)
     problems, again = _repair(problems, files, place.folder, fetch, repair_rounds)
@@ -272,6 +277,11 @@ def _download(
     missing += [f for f in again if f not in missing]
     if local_dir is not None:
         _remove_stale_partials(Path(local_dir), record, [f for f in files if f.path not in {p.path for p in problems}])
+    wrong = {p.path for p in problems}  # deleted after the re-fetches: not in the folder
+    # a file is the download's to replace once a run put it there right; asked for is not enough: a run that
+    # stopped before fetching it left the user's own file at that path replaceable without --overwrite (an audit)
+    fetched = (record.ours() | {f.path for f in files}) - wrong
+    _save_record(dataclasses.replace(record, fetched=tuple(sorted(fetched))), place, local_dir, cache_dir)
     problems = _given_up(problems, repair_rounds) + _structure(place.folder, record, problems)
     return DownloadReport(
         repo_id,
@@ -280,12 +290,24 @@ def _download(
         place.folder,
         len(files),
         sum(f.size for f in files),
-        f"sizes, sha256 / git ids from the Hub, headers, index, {WHOLE}",
+        _checks_made(record),
         False,
         fetched=tuple(f.path for f in missing),
         refetched=tuple(refetched),
         problems=tuple(problems),
     )
+
+
+def _checks_made(record: Record) -> str:
+    """The report's `checks`: the index and whole-checkpoint checks need config.json and the index among the
+    files the record's selections ask for (`--include "*.safetensors"` was said to have checked both)."""
+    said = "sizes, sha256 / git ids from the Hub, headers"
+    asked = {f.path for f in record.selected()}
+    listed = {f.path for f in record.files}
+    left = [name for name in (CONFIG_NAME, INDEX_NAME) if name not in asked and name in listed]
+    if not left:
+        return f"{said}, index, {WHOLE}"
+    return f"{said}; not checked: the index, and whether the checkpoint is whole ({' and '.join(left)} not selected)"
 
 
 def _previous_record(place: Place, record: Record) -> Record | None:
@@ -320,9 +342,9 @@ def _claim(
         )
     if overwrite:
         asked = {f.path for f in files}
-        for f in other.selected() if other is not None else ():
-            if f.path not in asked:
-                remove_file(folder / f.path)
+        for path in other.ours() if other is not None else ():  # what its runs put there, not the user's
+            if path not in asked:
+                remove_file(folder / path)
         return set()
     present = [f for f in files if (folder / f.path).exists() or (folder / f.path).is_symlink()]
     differ = check_files(folder, present, workers=workers, progress=progress)

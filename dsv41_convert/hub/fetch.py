@@ -21,7 +21,7 @@ from huggingface_hub.utils._runtime import is_xet_available  # same test hf_hub_
 
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.hub_errors import hub_error, with_retries
-from dsv41_convert.hub.integrity import Problem, Record, RemoteFile
+from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, repo_path_problem
 from dsv41_convert.hub.local import COMMIT
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, difference
@@ -43,6 +43,9 @@ def fetch_record(api: HfApi, repo_id: str, revision: str | None, *, retries: int
         raise _not_the_hub(repo_id, rev, api.endpoint, f"commit {info.sha!r}")
     files = []
     for s in info.siblings or ():
+        why = repo_path_problem(s.rfilename)
+        if why is not None:
+            raise _not_the_hub(repo_id, rev, api.endpoint, f"a file named {s.rfilename!r}: {why}")
         if s.size is None and s.lfs is None:
             raise DownloadError(f"{repo_id}@{rev}: the Hub gave no size for {s.rfilename}; retry later")
         size = s.lfs.size if s.lfs is not None else s.size

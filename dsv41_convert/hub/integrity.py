@@ -50,6 +50,19 @@ class RemoteFile:
     git_sha1: str | None = None
 
 
+def repo_path_problem(path: object) -> str | None:
+    """Why `path`, a file name of a Hub revision, may not be written under a download's folder, or None: it
+    must be relative and stay inside (a listing from a broken or hostile HF_ENDPOINT named an absolute path,
+    which `--local-dir` / path then was, and --overwrite replaced a file outside the folder: an audit)."""
+    if not isinstance(path, str) or not path:
+        return "not a file name"
+    if path.startswith("/") or "\\" in path or "\0" in path:
+        return "not a relative path with / between its folders"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "an empty, . or .. part: a path out of the folder or into it twice"
+    return None
+
+
 @dataclass(frozen=True)
 class Selection:
     """The files one download run asked for: --include and --exclude globs (none: every file)."""
@@ -90,6 +103,9 @@ class Record:
     files: tuple[RemoteFile, ...]  # every file of the revision
     # what the runs at this commit into the folder asked for; verify checks the files any of them wants
     selections: tuple[Selection, ...] = (EVERY_FILE,)
+    # files a run put in the folder and found right (theirs to replace); None: a record from before
+    # 2026-12-05, which counted every selected file as fetched
+    fetched: tuple[str, ...] | None = None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +117,8 @@ class Record:
             "selections": [asdict(s) for s in self.selections],
             "files": [asdict(f) for f in self.files],
         }
+        if self.fetched is not None:
+            data["fetched"] = sorted(self.fetched)
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
         tmp.replace(path)
@@ -120,7 +138,16 @@ class Record:
                 selections = (Selection(tuple(data.get("include", ())), tuple(data.get("exclude", ()))),)
             if not selections or not all(isinstance(g, str) for s in selections for g in s.include + s.exclude):
                 raise ValueError("no selection, or a glob that is not a string")
-            return Record(data["repo_id"], data["revision"], data["commit"], files, selections)
+            bad = next((f.path for f in files if repo_path_problem(f.path)), None)
+            if bad is not None:
+                raise ValueError(f"file {bad!r}: {repo_path_problem(bad)}")
+            fetched = data.get("fetched")
+            if fetched is not None and not (isinstance(fetched, list) and all(isinstance(p, str) for p in fetched)):
+                raise ValueError("fetched is not a list of file names")
+            return Record(
+                data["repo_id"], data["revision"], data["commit"], files, selections,
+                None if fetched is None else tuple(fetched),
+            )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DownloadError(
                 f"{path}: unreadable download record ({exc}); download again, or delete it to check headers only"
@@ -129,6 +156,10 @@ class Record:
     def selected(self) -> list[RemoteFile]:
         """The files of the revision any of the record's selections asks for."""
         return selected(self.files, self.selections)
+
+    def ours(self) -> set[str]:
+        """The paths runs at this commit put in the folder (an older record: every selected file)."""
+        return {f.path for f in self.selected()} if self.fetched is None else set(self.fetched)
 
 
 def check_files(

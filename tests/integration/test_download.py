@@ -181,10 +181,23 @@ def test_network_down_after_retries(tmp_path, monkeypatch):
 
 
 def test_disk_full_before_start(hub, tmp_path, monkeypatch):
+    """Refused before the first byte; a folder the run made is gone again (it was left holding the download
+    record, which a later run took as its own: an audit)."""
     monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 100})())
     with pytest.raises(DownloadError, match=r"GB to download into .*only 0.00 GB free"):
         fetch(hub, tmp_path)
     assert not [e for e in hub.log if e.method == "GET" and "/resolve/" in e.path]
+    assert not (tmp_path / "local").exists()
+
+
+def test_the_checks_said_are_the_checks_made(hub, tmp_path):
+    """`--include "*.safetensors"` reported the index and whole-checkpoint checks, which need config.json and
+    the index (an audit)."""
+    report = fetch(hub, tmp_path, include=["*.safetensors"])
+    assert report.ok and "not checked: the index, and whether the checkpoint is whole" in report.checks
+    assert "config.json and model.safetensors.index.json not selected" in report.checks
+    report = fetch(hub, tmp_path)
+    assert report.ok and "not checked" not in report.checks and "whole checkpoint" in report.checks
 
 
 @pytest.mark.parametrize("in_cache", [False, True])

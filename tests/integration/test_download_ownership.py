@@ -277,3 +277,41 @@ def test_a_run_refused_before_its_first_byte_leaves_no_folder(hub, tmp_path, wha
             what.get("repo", REPO), local_dir=local, include=what.get("include", ()), endpoint=hub.url, retries=0
         )
     assert not local.exists()
+
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.txt", "sub/../../outside.txt", "a\\b.txt"])
+def test_a_file_name_out_of_the_folder_is_refused_before_any_byte(hub, tmp_path, name):
+    """A listing (a broken or hostile HF_ENDPOINT) naming an absolute path: `--local-dir` / path was that
+    path, a plain run wrote outside the folder and --overwrite replaced a file there (an audit)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    name = str(victim) if name == "ABSOLUTE" else name
+    hub.add_repo("acme/evil", {C1: dict(FILES1) | {name: b"replaced by the download"}}, {"main": C1})
+    local = tmp_path / "inside" / "dl"
+    for overwrite in (False, True):
+        with pytest.raises(DownloadError, match=r"answered the model-info call with JSON that is not the Hub's"):
+            dl.download("acme/evil", endpoint=hub.url, retries=0, backoff_s=0.01, local_dir=local, overwrite=overwrite)
+    assert victim.read_bytes() == b"precious" and not (tmp_path / "outside.txt").exists()
+    assert not resolve_gets(hub) and not local.exists()
+
+
+def test_a_file_asked_for_but_never_fetched_stays_the_users(hub, tmp_path):
+    """A run that stopped before fetching tokenizer.json (a shard's 404 first, one worker) had recorded it as
+    the download's: the user's own tokenizer.json put there afterwards was replaced by the next plain run,
+    exit 0 (an audit). Only files a run put there right are the download's; the rest are refused unless
+    --overwrite."""
+    local = tmp_path / "v41"
+    hub.repos[REPO].hidden.add(SHARD1)
+    with pytest.raises(DownloadError):
+        fetch(hub, local_dir=local, max_workers=1)
+    assert (local / "config.json").exists() and not (local / "tokenizer.json").exists()
+    hub.repos[REPO].hidden.discard(SHARD1)
+    (local / "tokenizer.json").write_bytes(b'{"mine": true}')
+    with pytest.raises(
+        DownloadError, match=r"holds 1 file\(s\) that are not acme/tiny@main \(commit 1+\)'s: tokenizer.json: size"
+    ):
+        fetch(hub, local_dir=local)
+    assert (local / "tokenizer.json").read_bytes() == b'{"mine": true}'
+    report = fetch(hub, local_dir=local, overwrite=True)
+    assert report.ok and (local / "tokenizer.json").read_bytes() == FILES1["tokenizer.json"]
+    assert fetch(hub, local_dir=local).ok  # now every file is the download's
