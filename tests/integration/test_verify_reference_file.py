@@ -172,6 +172,11 @@ def test_prompts_of_other_lengths_with_hidden_states(work, tmp_path):
     assert result.verdict == "PASS", (result.failures, result.checks)
 
 
+def _verified(conv: Path, ref: Path):
+    """verify against `ref` with the file's own threads (no --threads)."""
+    return verify(VerifyOptions(conv, reference_logits=ref))
+
+
 def _off_by_an_ulp(t, m):
     """The reference as another machine's kernels compute it: a few logits one ulp away."""
     for k in ("logits", "logits_all", "decode_logits"):
@@ -194,36 +199,21 @@ def test_other_arithmetic_with_every_weight_held_is_no_conversion_fault(work, tm
     difference beyond the bounds is a FAIL either way."""
     conv, ref = work
     ulp = damaged(ref, tmp_path / "ulp.safetensors", _off_by_an_ulp)
-    result = verify(
-        VerifyOptions(
-            conv,
-            reference_logits=ulp,
-        )
-    )  # the file's threads
+    result = _verified(conv, ulp)
     assert result.verdict == "PASS" and result.decisive == ["weights"], result.failures
     check = next(c for c in result.checks if c.name == "reference")
     assert not check.exact and not check.expected_exact and "the weights check held" in check.note
     assert result.thresholds.mode == "reduction" and result.overall["last"].max_abs > 0
 
     bare = damaged(ulp, tmp_path / "ulp-bare.safetensors", _without_digests)
-    result = verify(
-        VerifyOptions(
-            conv,
-            reference_logits=bare,
-        )
-    )  # the file's threads
+    result = _verified(conv, bare)
     assert result.verdict == "FAIL" and any("bit" in f or "max_abs" in f for f in result.failures), result.failures
 
     def garbage(t, m):
         t["logits"] = 30 * torch.randn(t["logits"].shape, generator=torch.Generator().manual_seed(0))
 
     wrong = damaged(ref, tmp_path / "wrong.safetensors", garbage)
-    result = verify(
-        VerifyOptions(
-            conv,
-            reference_logits=wrong,
-        )
-    )  # the file's threads
+    result = _verified(conv, wrong)
     assert result.verdict == "FAIL" and any(f.startswith("last: ") for f in result.failures), result.failures
 
 
@@ -235,12 +225,7 @@ def test_a_reference_of_other_kernels_expects_no_bit_equality(work, tmp_path, mo
         recorded = f.metadata()["arithmetic"]
     assert recorded == arithmetic("cpu") and torch.backends.cpu.get_cpu_capability() in recorded
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    result = verify(
-        VerifyOptions(
-            conv,
-            reference_logits=ref,
-        )
-    )  # the file's threads
+    result = _verified(conv, ref)
     assert result.verdict == "PASS" and "weights" in result.decisive, result.failures  # equal bits still certify
     check = next(c for c in result.checks if c.name == "reference")
     assert not check.expected_exact and "MKL_ENABLE_INSTRUCTIONS=AVX2" in check.note, check.note
