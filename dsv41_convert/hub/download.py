@@ -43,7 +43,7 @@ from huggingface_hub import HfApi
 from huggingface_hub._local_folder import get_local_download_paths
 from huggingface_hub.utils import WeakFileLock
 
-from dsv41_convert.errors import DownloadError
+from dsv41_convert.errors import DownloadError, first_few
 from dsv41_convert.hub.fetch import (
     PARTIAL_DIR,
     fetch_file,
@@ -340,6 +340,9 @@ def _claim(
             f"{folder}: holds revision {other.revision} (commit {other.commit[:12]}) of {other.repo_id}, "
             f"not {where}; --overwrite replaces its files with this revision's, or pick another --local-dir"
         )
+    folders = [f.path for f in files if (folder / f.path).is_dir() and not (folder / f.path).is_symlink()]
+    if folders:  # --overwrite replaces files, never a folder of the user's (the fetch failed on it, "Is a directory")
+        raise DownloadError(f"{folder}: {first_few(folders)}: a folder where {where} has a file; move it away")
     if overwrite:
         asked = {f.path for f in files}
         for path in other.ours() if other is not None else ():  # what its runs put there, not the user's

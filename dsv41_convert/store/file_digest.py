@@ -123,7 +123,8 @@ class Problem:
 def difference(path: Path, name: str, rec: Recorded, on_bytes: Callable[[int], None] | None = None) -> Problem | None:
     """None when the file at `path` has the recorded size and digest; else the first thing that differs."""
     if not path.is_file():
-        return Problem(name, "missing", "no file", f"{rec.size} bytes")
+        found = "a folder" if path.is_dir() else "a broken link" if path.is_symlink() else "no file"
+        return Problem(name, "missing", found, f"{rec.size} bytes")
     size = path.stat().st_size
     if size != rec.size:
         return Problem(name, "size", f"{size} bytes", f"{rec.size} bytes")
@@ -138,6 +139,8 @@ def difference(path: Path, name: str, rec: Recorded, on_bytes: Callable[[int], N
 def describe(problem: Problem, rec: Recorded) -> str:
     """One line naming the file, what differs and where the record is."""
     name = problem.path
+    if problem.kind == "missing" and problem.found != "no file":  # something else holds its name
+        return f"{name}: {problem.found} where {rec.where} lists a file of {rec.size} bytes"
     if problem.kind == "missing":
         return f"{name}: missing ({rec.where} lists {rec.size} bytes){rec.if_missing}"
     if problem.kind == "size":

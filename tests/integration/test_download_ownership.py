@@ -315,3 +315,15 @@ def test_a_file_asked_for_but_never_fetched_stays_the_users(hub, tmp_path):
     report = fetch(hub, local_dir=local, overwrite=True)
     assert report.ok and (local / "tokenizer.json").read_bytes() == FILES1["tokenizer.json"]
     assert fetch(hub, local_dir=local).ok  # now every file is the download's
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_at_a_files_path_is_named_and_never_replaced(hub, tmp_path, overwrite):
+    """A folder at tokenizer.json's path was reported "missing: found no file", and with --overwrite the run
+    saved its record and then failed on it, "Is a directory" (an audit): named as a folder, before any byte."""
+    local = tmp_path / "v41"
+    (local / "tokenizer.json").mkdir(parents=True)
+    (local / "tokenizer.json" / "mine.txt").write_text("mine")
+    with pytest.raises(DownloadError, match=r"tokenizer.json: (missing: found )?a folder"):
+        fetch(hub, local_dir=local, overwrite=overwrite)
+    assert (local / "tokenizer.json" / "mine.txt").read_text() == "mine" and not resolve_gets(hub)

@@ -45,8 +45,11 @@ def test_mismatch_names_the_file_and_what_differs(tmp_path):
     assert mismatch(f, f.name, rec) == f"{f.name}: 999 bytes, fragment r3 says 1000; truncated or replaced?"
     f.unlink()
     assert mismatch(f, f.name, rec) == f"{f.name}: missing (fragment r3 lists 1000 bytes); copy it"
-    f.mkdir()  # not a plain file
-    assert mismatch(f, f.name, rec).startswith(f"{f.name}: missing")
+    f.mkdir()  # not a plain file: named for what it is (it was "missing")
+    assert mismatch(f, f.name, rec) == f"{f.name}: a folder where fragment r3 lists a file of 1000 bytes"
+    f.rmdir()
+    f.symlink_to(tmp_path / "gone")
+    assert mismatch(f, f.name, rec) == f"{f.name}: a broken link where fragment r3 lists a file of 1000 bytes"
 
 
 def test_difference_compares_the_digest_the_record_has(tmp_path):
