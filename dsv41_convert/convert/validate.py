@@ -164,7 +164,11 @@ def validate_sources(
 def _check_expert_count(sources: dict[str, Source], args: ModelArgs) -> None:
     """PlanError where config.json's routed experts make more tensors than the checkpoint holds in all: the
     layout of 2,000,000 experts per layer was built to list what is missing, for minutes (an audit)."""
-    expected = sum(n * len(forms) for _, n, forms in routed_expert_layout(args))
+    quantized = args.dtype == "fp8"  # an unquantized source holds no scales (counting them refused every one)
+    expected = sum(
+        n * sum(quantized or not t.endswith(".scale") for t, _, _ in forms)
+        for _, n, forms in routed_expert_layout(args)
+    )
     if expected > len(sources):
         held = sum(1 for s in sources.values() if s.expert is not None)
         raise PlanError(

@@ -365,13 +365,17 @@ def test_too_few_dspark_experts_name_both_counts(tmp_path):
         build_plan(tmp_path / "s", 1)
 
 
-def test_a_config_of_far_more_experts_than_the_checkpoint_is_refused_at_once(tmp_path):
+@pytest.mark.parametrize("quantized", [True, False])
+def test_a_config_of_far_more_experts_than_the_checkpoint_is_refused_at_once(tmp_path, quantized):
     """n_routed_experts 2,000,000: plan built the whole layout to list what is missing and ran for minutes
-    (an audit); the count alone refuses it."""
+    (an audit); the count alone refuses it. A bf16 source has no scales: counted with them, every bf16 source
+    was refused (a review), so one of the config's own size plans first."""
     from dsv41_convert.errors import PlanError
 
-    cfg = tiny_config(quantized=True)
+    cfg = tiny_config(quantized=quantized)
     tensors = source_tensors(cfg)
+    write_ckpt(tmp_path / "fits", tensors, cfg)
+    assert build_plan(tmp_path / "fits", 2).files
     cfg["text_config"]["n_routed_experts"] = 2_000_000
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(PlanError, match=r"n_routed_experts 2000000, .* make [\d,]+ tensors; the checkpoint holds"):
