@@ -31,6 +31,7 @@ from dsv41_convert.verify.prompts import default_prompts, load_prompts
 from dsv41_convert.verify.reference import compute_reference_ranks
 from dsv41_convert.verify.run import VerifyOptions, verify
 from dsv41_convert.verify.runner import build_model, load_state
+from dsv41_convert.verify.weight_digests import tensor_sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 PROMPT_LEN = 24
@@ -900,3 +901,55 @@ def test_another_tps_rank_files_beside_the_picked_set_are_not_its_fault(m, tmp_p
         shutil.copy(path, other / path.name)
     result = _verify(other, ref, tp=2)
     assert result.verdict == "PASS" and result.manifest == "absent", result.failures
+
+
+def _recorded_as(ref: Path, conv: Path, tp: int, name: str, out: Path) -> Path:
+    """A copy of our tp-`tp` reference file whose weights record gives `name` the sha256 it has in `conv`'s
+    rank files: a record edited to a faulty set's bytes."""
+    with safe_open(str(ref), "pt") as f:
+        meta = f.metadata()
+    prov = json.loads(meta["provenance"])
+    for r, digests in enumerate(prov["weights"]["ranks"]):
+        digests[name] = tensor_sha256(load_file(str(conv / f"model{r}-mp{tp}.safetensors"))[name])
+    meta["provenance"] = json.dumps(prov, sort_keys=True)
+    save_file(load_file(str(ref)), str(out), meta)
+    return out
+
+
+def test_logits_off_where_every_weight_held_are_judged_with_the_teacher_beside(m, tmp_path):
+    """Where the weights check held and a check that expected bit equality differs, the difference is taken
+    as the arithmetic's (another CPU's kernels): the bounds judge the logits, the weights decide. That held
+    for the run's own comparison only: the replay of tp-2 files against a tp-1 file still FAILed a correct
+    set (a review). And as the weights check trusts the file's record, a record edited to a faulty set's bytes
+    (a norm weight one ulp up on both ranks) then PASSed on the loose bounds (the review): the teacher check
+    (each module within 2 ulps of the reference's) now runs beside them, and fails it."""
+
+    def ulp_off(src: Path, out: Path) -> Path:  # a few logits one ulp away, as other kernels give them
+        t = load_file(str(src))
+        with safe_open(str(src), "pt") as f:
+            meta = f.metadata()
+        for k in ("logits", "logits_all", "decode_logits"):
+            flat = t[k].view(-1)
+            flat[::97] = torch.nextafter(flat[::97], torch.tensor(float("inf")))
+        save_file(t, str(out), meta)
+        return out
+
+    result = _verify(m.shard(2), ulp_off(m.reference("tp1", 2), tmp_path / "tp1-ulp.safetensors"))
+    assert result.verdict == "PASS" and result.decisive == ["weights"], result.failures
+    replay = next(c for c in result.checks if c.name == "replay")
+    assert not replay.exact and not replay.expected_exact and "the weights check held" in replay.note
+    assert any(c.name == "teacher" and not c.failures for c in result.checks), result.checks
+
+    name = "layers.0.attn_norm.weight"
+    forged = m.faulty("norm-bit", 2)
+    (forged / "manifest.json").unlink()  # a manifest would say the files changed since
+
+    def ulp_up(t):  # every element one bf16 ulp up
+        t[name] = (t[name].view(torch.int16) + 1).view(torch.bfloat16)
+
+    for r in range(2):
+        _edit(forged, r, 2, ulp_up)
+    ref = _recorded_as(m.reference("tpN", 2), forged, 2, name, tmp_path / "forged.safetensors")
+    result = _verify(forged, ref)
+    assert result.weights == "held" and result.verdict == "FAIL", result.checks
+    assert any(f.startswith("teacher") and "layers.0" in f for f in result.failures), result.failures
