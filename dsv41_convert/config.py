@@ -499,7 +499,9 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
     layer, n_layers = values.get("candidate_source_layer", -1), values.get("n_layers", 0)
     if layer >= n_layers > 0:
         name = names.get("candidate_source_layer", "candidate_source_layer")
-        raise ConfigError(f"{source}: {name} = {layer!r}: not a backbone layer (0..{n_layers - 1}), or -1 for none")
+        raise ConfigError(
+            f"{source}: {name} = {layer!r}: not a backbone layer (0..{n_layers - 1}), or negative for none"
+        )
 
 
 def load_json(path: Path) -> dict[str, Any]:

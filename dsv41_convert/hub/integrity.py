@@ -56,8 +56,8 @@ def repo_path_problem(path: object) -> str | None:
     which `--local-dir` / path then was, and --overwrite replaced a file outside the folder: an audit)."""
     if not isinstance(path, str) or not path:
         return "not a file name"
-    if path.startswith("/") or "\\" in path or "\0" in path:
-        return "not a relative path with / between its folders"
+    if path.startswith("/") or "\0" in path:
+        return "not a relative path"
     if any(part in ("", ".", "..") for part in path.split("/")):
         return "an empty, . or .. part: a path out of the folder or into it twice"
     return None

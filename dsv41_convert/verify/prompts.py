@@ -55,6 +55,16 @@ def default_prompts(vocab_size: int, count: int = DEFAULT_COUNT, length: int = D
     return out
 
 
+def _require_unicode(value: object, what: str) -> None:
+    """VerifyInputError where `value` is a string that is not valid Unicode (it crashed the tokenizer or
+    the path functions with a traceback: an audit)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise VerifyInputError(f"{what} is not valid Unicode ({exc.reason} at {exc.start})") from exc
+
+
 def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> list[Prompt]:
     """Read a JSONL prompt file; text lines need `tokenizer_path` (a tokenizer.json).
 
@@ -95,6 +105,8 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
         image = obj.get("image")
         if image is not None and not isinstance(image, str):
             raise VerifyInputError(f"{where}: image must be a path string")
+        for key in ("text", "image"):  # a lone surrogate, which JSON's \ud800 escape can spell
+            _require_unicode(obj.get(key), f"{where}: {key}")
         if image is not None:
             # absolute: the reference file records it, and verify may run in another folder
             image = str(((path.parent / image) if not Path(image).is_absolute() else Path(image)).resolve())
@@ -109,10 +121,6 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             text = obj["text"]
             if not isinstance(text, str) or not text:
                 raise VerifyInputError(f"{where}: text must be a non-empty string")
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate, which JSON's \ud800 escape can spell
-                raise VerifyInputError(f"{where}: text is not valid Unicode ({exc.reason} at {exc.start})") from exc
             if tokenizer is None:
                 tokenizer = _tokenizer(tokenizer_path, where)
             ids = tokenizer.encode(text, add_special_tokens=False).ids

@@ -107,7 +107,8 @@ class VerifyResult:
     statistical: bool = False  # --statistical: statistical bounds accepted
     drafts_statistical: bool = False  # a PASS whose DSpark drafts only statistical bounds judged (--statistical)
     unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
-    manifest: str = "absent"  # CONVERTED's files against its manifest.json: "held", "differs" or "absent"
+    # CONVERTED's files against its manifest.json: "held", "differs", "absent", or "another set" (of another tp)
+    manifest: str = "absent"
     # its tensors against FILE's digests: held, partial (held, the routed experts skipped: another expert dtype),
     # differs, not recorded, not compared
     weights: str = "not recorded"
@@ -326,6 +327,7 @@ def _verify_ranks(
     manifest_tp = options.get("tp") if isinstance(options, dict) else None
     if (conv / MANIFEST).is_file() and manifest_tp not in (None, tp):
         say(f"manifest: {conv / MANIFEST} records the tp-{manifest_tp} rank files, not these: not checked")
+        result.manifest = "another set"
     elif (conv / MANIFEST).is_file():
         t2 = time.perf_counter()
         say(f"manifest: every file's size and sha256 against {conv / MANIFEST}")

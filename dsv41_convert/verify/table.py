@@ -79,6 +79,10 @@ def render(result: VerifyResult) -> Group:
         parts.append(Text(f"  weights: {result.weights} ({result.weights_note})", style=style))
     if result.manifest == "absent":
         parts.append(Text("  no manifest.json: the files were not checked against a record of them", style="dim"))
+    elif result.manifest == "another set":
+        parts.append(
+            Text("  manifest.json records another tp's rank files: these were not checked against it", style="dim")
+        )
     loc = result.localization
     if loc is not None:
         if loc.module:

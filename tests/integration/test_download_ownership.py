@@ -279,7 +279,7 @@ def test_a_run_refused_before_its_first_byte_leaves_no_folder(hub, tmp_path, wha
     assert not local.exists()
 
 
-@pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.txt", "sub/../../outside.txt", "a\\b.txt"])
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.txt", "sub/../../outside.txt", "sub//x.txt"])
 def test_a_file_name_out_of_the_folder_is_refused_before_any_byte(hub, tmp_path, name):
     """A listing (a broken or hostile HF_ENDPOINT) naming an absolute path: `--local-dir` / path was that
     path, a plain run wrote outside the folder and --overwrite replaced a file there (an audit)."""

@@ -200,3 +200,10 @@ def test_a_truncated_file_is_told_what_makes_it_whole(tmp_path, name, advice):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(HeaderError, match=rf"{name}: tensor t ends at byte \d+ but .*; {advice}"):
         read_header(path)
+
+
+def test_null_metadata_is_none(tmp_path):
+    """`"__metadata__": null` opens in safetensors: no metadata, not a corrupt file (a review)."""
+    t = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+    path = _write(tmp_path / "null.safetensors", {"__metadata__": None, "t": t}, b"\0" * 4, None)
+    assert list(read_header(path).tensors) == ["t"]

@@ -64,6 +64,9 @@ def test_unicode_line_breaks_inside_a_string_and_lone_surrogates(tmp_path):
     (tmp_path / "s.jsonl").write_text('{"text": "x\\ud800"}\n')
     with pytest.raises(VerifyInputError, match=r"s.jsonl:1: text is not valid Unicode \(surrogates not allowed"):
         load_prompts(tmp_path / "s.jsonl", tmp_path / "tokenizer.json", 512)
+    (tmp_path / "s.jsonl").write_text('{"text": "x", "image": "cat\\ud800.png"}\n')  # a traceback in realpath
+    with pytest.raises(VerifyInputError, match=r"s.jsonl:1: image is not valid Unicode"):
+        load_prompts(tmp_path / "s.jsonl", tmp_path / "tokenizer.json", 512)
 
 
 def test_empty_file(tmp_path):
