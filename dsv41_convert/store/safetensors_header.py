@@ -105,7 +105,8 @@ def read_header(path: Path | str) -> Header:
         raise HeaderError(f"{path}: header is not valid JSON ({exc}); corrupt file?") from exc
     if not isinstance(data, dict):
         raise HeaderError(f"{path}: header is a JSON {type(data).__name__}, expected an object")
-    meta = data.pop("__metadata__", None) or {}  # null: none, as safetensors reads it
+    meta = data.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null: none, as safetensors reads it (false, 0, "" are refused)
     if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise HeaderError(  # safetensors itself refuses such a file, so every loader of the output would
             f"{path}: __metadata__ must be an object of strings, found {json.dumps(meta)[:80]}; corrupt file?"

@@ -56,13 +56,15 @@ def default_prompts(vocab_size: int, count: int = DEFAULT_COUNT, length: int = D
 
 
 def _require_unicode(value: object, what: str) -> None:
-    """VerifyInputError where `value` is a string that is not valid Unicode (it crashed the tokenizer or
-    the path functions with a traceback: an audit)."""
+    """VerifyInputError where `value` is a string that is not valid Unicode, or holds a NUL (each crashed the
+    tokenizer or the path functions with a traceback: an audit, a review)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise VerifyInputError(f"{what} is not valid Unicode ({exc.reason} at {exc.start})") from exc
+        if "\0" in value:
+            raise VerifyInputError(f"{what} holds a NUL character")
 
 
 def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> list[Prompt]:

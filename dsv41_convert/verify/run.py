@@ -294,7 +294,6 @@ def _verify_ranks(
     if out is None:
         return None
     ran: list[Check] = []  # the checks of runs that ran, against the reference's outputs
-    compared: list[str] = []  # the failures of `ran[0]`'s comparison
     result = VerifyResult(str(conv), ref_name, tp, opts.device, thresholds, [], {}, [], seconds=seconds)
     result.statistical = opts.statistical
     if isinstance(out, LoadFailure):
@@ -306,7 +305,7 @@ def _verify_ranks(
     else:
         if not opts.stream_layers:
             seconds["compile"] = out.compile_seconds  # part of "converted"
-        compared = _compare_all(result, ref, out, thresholds)
+        _compare_all(result, ref, out, thresholds)
         check = _reference_check(result, blockers, ref)
         if opts.stream_layers:  # the replay is the only run: bit for bit against the tp-1 file
             check = Check("replay", check.exact, check.expected_exact, check.failures, f"{_STREAMED}; {check.note}")
@@ -371,15 +370,15 @@ def _verify_ranks(
         if replay_runs is not None:
             ran.append(check)
         seconds["replay"] = time.perf_counter() - t2
-    inexact = [c for c in ran if c.expected_exact and not c.exact]
-    other_arithmetic = bool(inexact) and result.weights == "held"
-    if other_arithmetic:
-        thresholds = _judged_statistically(result, inexact, compared, thresholds, opts.overrides)
+    if result.weights == "held":  # a FAIL still, with what it can mean (a weights record is no proof)
+        for c in ran:
+            if c.expected_exact and not c.exact:
+                c.note = f"{c.note}; {_WEIGHTS_HELD}"
     replayed = any(c.name == "replay" for c in result.checks)
     teaches = (
         src_ref is None
-        and ((blockers and not replayed) or other_arithmetic)  # beside loose bounds: the modules' tight one
-        and not opts.stream_layers  # it runs the tp-N model whole
+        and blockers
+        and not replayed
         and not isinstance(out, LoadFailure)
         and teacher.applies(ref, conv_args, opts.device)
     )
@@ -550,59 +549,32 @@ def _expected(src_ref: SourceReference, src: Path, conv_args: ModelArgs):
     return expected_shards(src, expert_dtype)
 
 
-def _compare_all(result: VerifyResult, ref: reffile.Reference, out: RankResult, th: Thresholds) -> list[str]:
-    """The runs against the reference (and the twin's): their sections into `result`, judged by `th`.
-    -> the failures of the comparison with the reference (the twin's are in result.failures too)"""
+def _compare_all(result: VerifyResult, ref: reffile.Reference, out: RankResult, th: Thresholds) -> None:
     twins = out.twin_runs or [None] * len(out.runs)
     for label, inp, r, g, w in zip(ref.labels, ref.inputs, ref.runs, out.runs, twins, strict=True):
+        sections = _sections(r, g, ref.has_logits_all)
+        fails = [f"{k}: {msg}" for k, s in sections.items() for msg in judge(s, th.bounds[k])]
         twin = _sections(w, g, True) if w is not None else {}
-        result.prompts.append(PromptResult(label, len(inp.input_ids), _sections(r, g, ref.has_logits_all), [], twin))
+        fails += [f"twin {k}: {msg}" for k, s in twin.items() for msg in judge(s, EXACT)]
+        result.prompts.append(PromptResult(label, len(inp.input_ids), sections, fails, twin))
     for key in SECTIONS:
         parts = [p.sections[key] for p in result.prompts if key in p.sections]
         if parts:
             result.overall[key] = merge(parts)
-    compared = _judged(result, th)
-    result.failures += compared
+            result.failures += [f"{key}: {msg}" for msg in judge(result.overall[key], th.bounds[key])]
     for key in SECTIONS:
         parts = [p.twin[key] for p in result.prompts if key in p.twin]
         if parts:
             result.twin[key] = merge(parts)
             result.failures += [f"twin {key}: {msg}" for msg in judge(result.twin[key], EXACT)]
-    return compared
 
 
-def _judged(result: VerifyResult, th: Thresholds) -> list[str]:
-    """Each prompt's sections against `th` (its failures, the twin's after them), -> the overall sections'."""
-    for p in result.prompts:
-        p.failures = [f"{k}: {msg}" for k, s in p.sections.items() for msg in judge(s, th.bounds[k])]
-        p.failures += [f"twin {k}: {msg}" for k, s in p.twin.items() for msg in judge(s, EXACT)]
-    return [f"{k}: {msg}" for k, s in result.overall.items() for msg in judge(s, th.bounds[k])]
-
-
-_ARITHMETIC = (
-    "not bit for bit, though every weight is the reference's bytes (the weights check held): this run's "
-    "arithmetic differs from the reference's in something its file does not record (the CPU's kernels, a "
-    "library build, edited metadata), not in the conversion; judged by the statistical bounds"
+_WEIGHTS_HELD = (
+    "every tensor is the bytes the reference's weights record names, so either this run computes otherwise "
+    "than the reference in something its file does not record (another CPU's kernels, a library build, "
+    "edited metadata such as threads) or the record is not the weights the reference ran; recompute the "
+    "reference on this machine (`reference-logits`) to tell them apart"
 )
-
-
-def _judged_statistically(
-    result: VerifyResult, inexact: list[Check], compared: list[str], th: Thresholds, overrides
-) -> Thresholds:
-    """Checks that expected bit equality and did not get it, where the weights check proved every tensor the
-    reference's bytes: the difference is the arithmetic's, so they are not decisive and not failed (an audit:
-    a correct set FAILed, a layer blamed, on a host whose MKL picked AVX2 kernels against an AVX-512 host's
-    reference). The run's own comparison, where it was held to bit equality (`th` exact), is judged by the
-    statistical bounds instead; the teacher check runs beside them where it can (the caller). -> the bounds"""
-    if th.mode == "exact":
-        th = default_thresholds("reduction").override(**overrides)
-        exact_failures = set(compared)
-        result.failures = [f for f in result.failures if f not in exact_failures]
-        result.failures += _judged(result, th)
-        result.thresholds = th
-    for c in inexact:
-        c.expected_exact, c.failures, c.note = False, [], f"{c.note}; {_ARITHMETIC}"
-    return th
 
 
 def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs, th: Thresholds, replay_runs):

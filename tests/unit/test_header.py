@@ -134,6 +134,8 @@ def _write(path, header: dict | bytes, data: bytes = b"", length: int | None = N
         # accepted before (an audit), though safetensors itself refuses such a file
         ({"__metadata__": {"format": 3}}, b"", None, r"__metadata__ must be an object of strings, found \{"),
         ({"__metadata__": [1, 2]}, b"", None, r"__metadata__ must be an object of strings, found \[1, 2\]"),
+        ({"__metadata__": False}, b"", None, r"__metadata__ must be an object of strings, found false"),  # a review
+        ({"__metadata__": ""}, b"", None, r"__metadata__ must be an object of strings, found \"\""),
     ],
 )
 def test_bad_headers_name_file_and_tensor(tmp_path, header, data, length, match):
