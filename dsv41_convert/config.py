@@ -438,7 +438,6 @@ POSITIVE_FIELDS = (
     "index_topk",
     "hc_mult",
     "n_shared_experts",
-    "candidate_block_size",
 )
 # sizes of a part of the model, positive where the part is there (its key in the config is non-zero)
 PART_SIZES: dict[str, tuple[str, ...]] = {
@@ -497,6 +496,10 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
         name = names.get("engram_max_ngram_size", "engram_max_ngram_size")
         raise ConfigError(f"{source}: {name} = {values['engram_max_ngram_size']!r}, expected 2 or more (n-grams)")
     layer, n_layers = values.get("candidate_source_layer", -1), values.get("n_layers", 0)
+    block = values.get("candidate_block_size", 1)
+    if layer >= 0 and block <= 0:  # read only where a layer publishes candidates (a negative one: none)
+        name = names.get("candidate_block_size", "candidate_block_size")
+        raise ConfigError(f"{source}: {name} = {block!r}, expected a positive number (a candidate source layer is set)")
     if layer >= n_layers > 0:
         name = names.get("candidate_source_layer", "candidate_source_layer")
         raise ConfigError(

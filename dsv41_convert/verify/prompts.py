@@ -55,16 +55,16 @@ def default_prompts(vocab_size: int, count: int = DEFAULT_COUNT, length: int = D
     return out
 
 
-def _require_unicode(value: object, what: str) -> None:
-    """VerifyInputError where `value` is a string that is not valid Unicode, or holds a NUL (each crashed the
-    tokenizer or the path functions with a traceback: an audit, a review)."""
+def _require_unicode(value: object, what: str, path: bool = False) -> None:
+    """VerifyInputError where `value` is a string that is not valid Unicode (it crashed the tokenizer or the
+    path functions with a traceback: an audit), or, for a `path`, holds a NUL (a review: text may)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise VerifyInputError(f"{what} is not valid Unicode ({exc.reason} at {exc.start})") from exc
-        if "\0" in value:
-            raise VerifyInputError(f"{what} holds a NUL character")
+        if path and "\0" in value:
+            raise VerifyInputError(f"{what} holds a NUL character, which no file name holds")
 
 
 def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> list[Prompt]:
@@ -108,7 +108,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
         if image is not None and not isinstance(image, str):
             raise VerifyInputError(f"{where}: image must be a path string")
         for key in ("text", "image"):  # a lone surrogate, which JSON's \ud800 escape can spell
-            _require_unicode(obj.get(key), f"{where}: {key}")
+            _require_unicode(obj.get(key), f"{where}: {key}", path=key == "image")
         if image is not None:
             # absolute: the reference file records it, and verify may run in another folder
             image = str(((path.parent / image) if not Path(image).is_absolute() else Path(image)).resolve())

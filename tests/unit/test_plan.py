@@ -334,7 +334,7 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("engram_n_heads", 0, r"engram_n_heads = 0, expected a positive number \(text_config.engram_layer_ids"),
         ("engram_max_ngram_size", 1, "engram_max_ngram_size = 1, expected 2 or more"),
         ("dspark_markov_rank", 0, "dspark_markov_rank = 0, expected a positive number"),
-        ("candidate_block_size", 0, "candidate_block_size = 0, expected a positive number"),
+        ("candidate_block_size", 0, r"candidate_block_size = 0, expected a positive number \(a candidate source"),
         ("candidate_source_layer_id", 99, "candidate_source_layer_id = 99: not a backbone layer"),
         ("vision_config.hidden_size", 0, "vision_config.hidden_size = 0, expected a positive number"),
         ("vision_config.num_attention_heads", 0, "vision_config.num_attention_heads = 0, expected a positive"),
@@ -380,3 +380,13 @@ def test_a_config_of_far_more_experts_than_the_checkpoint_is_refused_at_once(tmp
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(PlanError, match=r"n_routed_experts 2000000, .* make [\d,]+ tensors; the checkpoint holds"):
         build_plan(tmp_path / "s", 2)
+
+
+def test_no_candidate_source_layer_needs_no_candidate_block_size(tmp_path):
+    """candidate_block_size is read only where a layer publishes candidates: with candidate_source_layer_id
+    negative (none) a 0 planned before and must still (a review: it was refused for a while)."""
+    cfg = tiny_config(quantized=True)
+    tensors = source_tensors(cfg)
+    cfg["text_config"] |= {"candidate_source_layer_id": -1, "candidate_block_size": 0}
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    assert build_plan(tmp_path / "s", 2).files

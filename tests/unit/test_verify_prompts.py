@@ -70,6 +70,8 @@ def test_unicode_line_breaks_inside_a_string_and_lone_surrogates(tmp_path):
     (tmp_path / "s.jsonl").write_text('{"text": "x", "image": "a\\u0000b.png"}\n')  # "embedded null byte"
     with pytest.raises(VerifyInputError, match=r"s.jsonl:1: image holds a NUL character"):
         load_prompts(tmp_path / "s.jsonl", tmp_path / "tokenizer.json", 512)
+    (tmp_path / "s.jsonl").write_text('{"text": "a\\u0000b"}\n')  # in text it tokenizes (a review)
+    assert load_prompts(tmp_path / "s.jsonl", tmp_path / "tokenizer.json", 512)[0].text == "a\0b"
 
 
 def test_empty_file(tmp_path):
