@@ -275,9 +275,9 @@ def _download(
     problems, again = _repair(problems, files, place.folder, fetch, repair_rounds)
     refetched += [f.path for f in again if f.path not in refetched]
     missing += [f for f in again if f not in missing]
-    if local_dir is not None:
-        _remove_stale_partials(Path(local_dir), record, [f for f in files if f.path not in {p.path for p in problems}])
     wrong = {p.path for p in problems}  # deleted after the re-fetches: not in the folder
+    if local_dir is not None:
+        _remove_stale_partials(Path(local_dir), record, [f for f in files if f.path not in wrong])
     # a file is the download's to replace once a run put it there right; asked for is not enough: a run that
     # stopped before fetching it left the user's own file at that path replaceable without --overwrite (an audit)
     fetched = (record.ours() | {f.path for f in files}) - wrong

@@ -138,9 +138,9 @@ class Record:
                 selections = (Selection(tuple(data.get("include", ())), tuple(data.get("exclude", ()))),)
             if not selections or not all(isinstance(g, str) for s in selections for g in s.include + s.exclude):
                 raise ValueError("no selection, or a glob that is not a string")
-            bad = next((f.path for f in files if repo_path_problem(f.path)), None)
-            if bad is not None:
-                raise ValueError(f"file {bad!r}: {repo_path_problem(bad)}")
+            for f in files:
+                if (why := repo_path_problem(f.path)) is not None:
+                    raise ValueError(f"file {f.path!r}: {why}")
             fetched = data.get("fetched")
             if fetched is not None and not (isinstance(fetched, list) and all(isinstance(p, str) for p in fetched)):
                 raise ValueError("fetched is not a list of file names")

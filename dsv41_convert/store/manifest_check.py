@@ -108,7 +108,7 @@ def unlisted(folder: Path, manifest: dict[str, Any], checked_tp: int | None = No
     it, so a folder holding it is not the conversion the manifest describes. checked_tp: rank files of
     another tp are left out (a verify run picked that tp's set)."""
     files = manifest["files"]
-    tp = manifest.get("options", {}).get("tp") if isinstance(manifest.get("options"), dict) else None
+    tp = recorded_tp(manifest)
     problems = []
     if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0:
         problems += _missing_ranks(folder, files, tp)
@@ -120,6 +120,12 @@ def unlisted(folder: Path, manifest: dict[str, Any], checked_tp: int | None = No
         and not (checked_tp and (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) != checked_tp)
     ]
     return problems
+
+
+def recorded_tp(manifest: dict[str, Any]) -> Any:
+    """The tp a manifest's options record (a shard manifest), as written: None where there is none."""
+    options = manifest.get("options")
+    return options.get("tp") if isinstance(options, dict) else None
 
 
 def _missing_ranks(folder: Path, files: dict[str, Any], tp: int, each: int = 16) -> list[str]:

@@ -32,7 +32,7 @@ from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.manifest import MANIFEST
-from dsv41_convert.store.manifest_check import check_folder, our_manifest
+from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
@@ -322,8 +322,7 @@ def _verify_ranks(
         say("replicas: the tensors every rank holds, byte for byte across the rank files; Engram padding rows")
         result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks)]
         seconds["replicas"] = time.perf_counter() - t2
-    options = (our_manifest(conv) or {}).get("options")
-    manifest_tp = options.get("tp") if isinstance(options, dict) else None
+    manifest_tp = recorded_tp(our_manifest(conv) or {})
     if (conv / MANIFEST).is_file() and manifest_tp not in (None, tp):
         say(f"manifest: {conv / MANIFEST} records the tp-{manifest_tp} rank files, not these: not checked")
         result.manifest = "another set"

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_verify_reference_file import _off_by_an_ulp, damaged
 
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.execute import execute
@@ -922,17 +923,8 @@ def test_a_replay_off_where_every_weight_held_fails_saying_so_and_a_forged_recor
     is not the weights run). A record edited to a faulty set's digests (a norm weight one ulp up on both
     ranks) FAILs by the exact check (a first version passed it on the loose bounds: a review)."""
 
-    def ulp_off(src: Path, out: Path) -> Path:  # a few logits one ulp away, as other kernels give them
-        t = load_file(str(src))
-        with safe_open(str(src), "pt") as f:
-            meta = f.metadata()
-        for k in ("logits", "logits_all", "decode_logits"):
-            flat = t[k].view(-1)
-            flat[::97] = torch.nextafter(flat[::97], torch.tensor(float("inf")))
-        save_file(t, str(out), meta)
-        return out
-
-    result = _verify(m.shard(2), ulp_off(m.reference("tp1", 2), tmp_path / "tp1-ulp.safetensors"))
+    ulp = damaged(m.reference("tp1", 2), tmp_path / "tp1-ulp.safetensors", _off_by_an_ulp)
+    result = _verify(m.shard(2), ulp)
     assert result.verdict == "FAIL" and result.weights == "held", result.failures
     replay = next(c for c in result.checks if c.name == "replay")
     assert replay.failures and "every tensor is the bytes the reference's weights record names" in replay.note
