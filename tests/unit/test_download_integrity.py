@@ -95,6 +95,25 @@ def test_record_round_trip(tmp_path):
         Record.load(tmp_path / "bad.json")
 
 
+def test_record_keeps_what_was_fetched_and_refuses_names_out_of_the_folder(tmp_path):
+    """`fetched` round-trips (None: an older record, whose selections count); a record naming a file out of
+    the folder, or whose `fetched` is not a list of names, is unreadable, not followed."""
+    files = (RemoteFile("x", 1, None, "b" * 40), RemoteFile("sub/y", 2, "c" * 64, None))
+    record = Record("o/n", "main", "a" * 40, files, fetched=("x",))
+    record.save(tmp_path / "r.json")
+    assert Record.load(tmp_path / "r.json") == record and record.ours() == {"x"}
+    assert Record("o/n", "main", "a" * 40, files).ours() == {"x", "sub/y"}
+    data = json.loads((tmp_path / "r.json").read_text())
+    for name, change, said in [
+        ("abs", {"files": [{"path": "/etc/x", "size": 1}]}, "'/etc/x': not a relative path"),
+        ("up", {"files": [{"path": "a/../../x", "size": 1}]}, r"'a/../../x': an empty, \. or \.\. part"),
+        ("fetched", {"fetched": "x"}, "fetched is not a list of file names"),
+    ]:
+        (tmp_path / f"{name}.json").write_text(json.dumps(data | change))
+        with pytest.raises(DownloadError, match=rf"{name}.json: unreadable download record \(.*{said}"):
+            Record.load(tmp_path / f"{name}.json")
+
+
 def write_shard(path, tensors):
     path.write_bytes(save(tensors))
 
