@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import signal
 import sys
 from pathlib import Path
@@ -921,13 +922,41 @@ def _sigterm_as_interrupt(signum, frame) -> None:
     semaphores released, the message and --json document), then exit 143. Killed outright, the run left its
     fork server's semaphores to multiprocessing's tracker, which warned of them as leaked."""
     _stopped_by.append("terminated (SIGTERM)")
+    _arm_stop_watchdog()
     interrupts.interrupt(frame)
 
 
 def _sigint_as_interrupt(signum, frame) -> None:
     """Ctrl-C: KeyboardInterrupt as Python raises it, but postponed while a file's writer threads run
     (interrupts.py: raised inside a queue operation, it hung the cleanup)."""
+    _arm_stop_watchdog()
     interrupts.interrupt(frame)
+
+
+STOP_GRACE_S = 30.0  # the longest the orderly stop after a signal may take (workers end within a chunk)
+
+
+def _arm_stop_watchdog() -> None:
+    """At the first signal: end this process STOP_GRACE_S later if its orderly stop has not (_stop_overran).
+    A cleanup that waits forever on a lock a signal left held (a rare race: interrupts.py) must not hold
+    OUT's lock and the caller forever. A timer signal, not a thread: the handler runs in the main thread
+    even while it waits for a lock or a join, and a thread started inside a signal handler can deadlock."""
+    if signal.getsignal(signal.SIGALRM) is not _stop_overran:
+        signal.signal(signal.SIGALRM, _stop_overran)
+        signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
+
+
+def _stop_overran(signum, frame) -> None:
+    """The orderly stop outlasted STOP_GRACE_S: say so and exit now (os._exit, no cleanup that could wait
+    again). The kernel ends the workers, verify's ranks and their fork server with this process
+    (die_with.py) and releases OUT's lock; partial files stay for --resume, as after a kill -9."""
+    how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
+    message = (
+        f"{interrupted_message(sys.argv[1:2], how)} (the orderly stop did not end within {STOP_GRACE_S:g} s of "
+        "the signal: ended at once)"
+    )
+    report.error_at_once(message, code, as_json="--json" in sys.argv[1:])
+    os._exit(code)
 
 
 def main() -> None:

@@ -5,10 +5,14 @@ queue.Queue operation that can leave the queue's lock held, or an item put witho
 cleanup that then hands the writer thread its stop item waits forever: an audit saw `export --workers 2`
 hang after SIGTERM in 5 of 10 tries, its workers stuck in Sink.finish, the folder locked.
 
-So the signal handlers of the CLI and of its worker processes call `interrupt()`: it raises at once,
-as Python would, except inside `deferred()` (write.write_partial while its threads run), where it is
-postponed to the next `check()`. The writers call `check()` before each queue operation of theirs (every
-chunk of every tensor), so a run still stops within one chunk's write.
+So the CLI's signal handlers call `interrupt()`: it raises at once, as Python would, except inside
+`deferred()` (write.write_partial while its threads run, the worker pool's wait), where it is postponed to
+the next `check()`. The writers call `check()` before each queue operation of theirs (every chunk of every
+tensor), so a run still stops within one chunk's write. A worker process's handler never raises
+(`interrupt_later()`): all of its code shares locks with the run, up to the send-back of its result.
+
+Where a cleanup waits forever all the same, the run does not: a watchdog armed by the first signal ends the
+process (cli.py, STOP_GRACE_S).
 
 A signal that lands while a module is imported (torch's first import takes about a second) is postponed
 too, to the next check: a KeyboardInterrupt inside an extension module's import aborted the process
@@ -37,6 +41,13 @@ def interrupt(frame: FrameType | None = None) -> None:
     _state["interrupted"] = True
     if not _state["depth"] and not importing(frame):
         raise KeyboardInterrupt
+
+
+def interrupt_later() -> None:
+    """For a worker process's signal handler: record the interrupt, raise nothing; the next check() raises it.
+    A worker's code between checks holds locks it shares with other processes (the pool's queues), so no
+    place in it is safe for an exception that a signal raises (execute._interrupt_worker)."""
+    _state["interrupted"] = True
 
 
 def importing(frame: FrameType | None) -> bool:
@@ -71,16 +82,15 @@ def deferred() -> Iterator[None]:
 
 
 def quiet_when_dropped() -> None:
-    """Install a sys.unraisablehook that says nothing of a KeyboardInterrupt of interrupt()'s (or the
-    SystemExit an idle worker process turns it into) that Python dropped (it printed "Exception ignored in:
-    ... KeyboardInterrupt" under the run's own message): the next check() raises it again. Anything else it
-    drops is printed as before."""
+    """Install a sys.unraisablehook that says nothing of a KeyboardInterrupt of interrupt()'s that Python
+    dropped (it printed "Exception ignored in: ... KeyboardInterrupt" under the run's own message): the next
+    check() raises it again. Anything else it drops is printed as before."""
     printed = sys.unraisablehook
     if getattr(printed, "quiet_when_dropped", False):  # installed already (the CLI run again in one process)
         return
 
     def hook(unraisable) -> None:
-        if not (unraisable.exc_type in (KeyboardInterrupt, SystemExit) and _state["interrupted"]):
+        if not (unraisable.exc_type is KeyboardInterrupt and _state["interrupted"]):
             printed(unraisable)
 
     hook.quiet_when_dropped = True

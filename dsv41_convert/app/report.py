@@ -117,6 +117,17 @@ def warn(message: str) -> None:
     _console("stderr").print(f"[yellow]warning:[/] {plain(_by_rank(message))}", highlight=False)
 
 
+def error_at_once(message: str, code: int, as_json: bool) -> None:
+    """`error: message` on stderr, and with `as_json` its document ({"ok": false, "exit_code": code, ...},
+    one line) on stdout, each in one write(2) that takes no lock: for a process about to end with os._exit
+    from a signal handler, whose main thread may hold the consoles' locks."""
+    os.write(2, f"error: {_by_rank(message)}\n".encode())
+    if as_json:
+        document = {"ok": False, "exit_code": code, "error": message}
+        rank = torchrun.shared_rank()
+        os.write(1, (json.dumps(document if rank is None else {"rank": rank} | document) + "\n").encode())
+
+
 def _by_rank(message: str) -> str:
     """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
     rank = torchrun.shared_rank()

@@ -742,7 +742,6 @@ def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[
 
 _QUEUE: Any = None
 _LOCKS: SharedFiles | None = None
-_IN_JOB = [False]  # this worker process runs a job (_worker_job), not waiting for the next
 
 
 def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
@@ -759,20 +758,15 @@ def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
 
 
 def _interrupt_worker(signum, frame) -> None:
-    """Ctrl-C in a worker, from the terminal or forwarded by the run (_stop_workers), whichever comes first:
-    the file being written stops and keeps its partial for --resume (write.py), and the files the pool has
-    already queued to this worker are refused (_worker_job), so that no file is written after Ctrl-C. A
-    second Ctrl-C is ignored: it would interrupt the first one's cleanup. A worker waiting for its next
-    job has nothing to stop: it leaves quietly (multiprocessing printed the KeyboardInterrupt's traceback
-    from the pool's queue under the run's own message, seen on a loaded 2-core box)."""
-    if interrupts.interrupted():
-        return
-    try:
-        interrupts.interrupt(frame)  # at once, or while a file is written at its next chunk (interrupts.py)
-    except KeyboardInterrupt:
-        if not _IN_JOB[0]:
-            raise SystemExit(130) from None
-        raise
+    """Ctrl-C in a worker, from the terminal or forwarded by the run (_stop_workers): recorded, never raised
+    here. The file being written stops at its next chunk and keeps its partial for --resume (write.py), and
+    a job the pool hands this worker afterwards begins nothing (_worker_file); a worker waiting for its next
+    job waits for the pool's shutdown. Raised where the signal lands, it once left the pool's result queue
+    locked: the worker took it inside `with lock` of its result's send-back, between the acquire and the
+    block, and the send-back's retry waited for that lock forever, as did the other worker and the run's
+    shutdown (CI: `export --workers 2` hung after SIGTERM, 1 round in 4; reproduced 1 run in ~100 with
+    the CPUs loaded)."""
+    interrupts.interrupt_later()
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
@@ -799,14 +793,6 @@ def _worker_context(job: dict[str, Any]) -> Any:
         modules.append("dsv41_convert.convert.transform")
     ctx.set_forkserver_preload(modules)  # takes effect when the server starts (once per run: _fork_server)
     return ctx
-
-
-def _worker_job(rf, src, out, job) -> FileDone:
-    _IN_JOB[0] = True
-    try:
-        return _worker_file(rf, src, out, job)
-    finally:
-        _IN_JOB[0] = False
 
 
 def _worker_file(rf, src, out, job) -> FileDone:
@@ -850,16 +836,16 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
             # a KeyboardInterrupt inside submit, between a worker's start and the pool's record of it, left a
             # worker the shutdown never ended, and the fork server's stop waited for it forever (an audit)
             with interrupts.deferred():
-                pending = {pool.submit(_worker_job, rf, src, out, job) for rf in longest_first(todo)}
+                pending = {pool.submit(_worker_file, rf, src, out, job) for rf in longest_first(todo)}
             while pending:
                 interrupts.check()  # a Ctrl-C whose KeyboardInterrupt was dropped (interrupts.py)
                 # not inside wait(): it takes each future's lock in turn, and a KeyboardInterrupt between left
                 # one held, so the shutdown below waited forever (an audit: once in ~800 SIGTERMs)
+                # and neither inside the progress display's update nor a queue's read (their locks)
                 with interrupts.deferred():
                     done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(q, progress)
-                for fut in done:
-                    results.append(fut.result())
+                    _drain(q, progress)
+                    results.extend(fut.result() for fut in done)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 _stop_workers(pool)
@@ -870,7 +856,8 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
                     "on disk is kept: --resume continues it"
                 ) from None
             raise
-        _drain(q, progress)
+        with interrupts.deferred():
+            _drain(q, progress)
     return results
 
 
