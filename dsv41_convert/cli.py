@@ -12,6 +12,7 @@ import gc
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -934,29 +935,55 @@ def _sigint_as_interrupt(signum, frame) -> None:
 
 
 STOP_GRACE_S = 30.0  # the longest the orderly stop after a signal may take (workers end within a chunk)
+_watchdog: dict = {}  # while armed: "deadline" (time.monotonic()) and "previous" (the SIGALRM handler it replaced)
 
 
-def _arm_stop_watchdog() -> None:
+def _arm_stop_watchdog(seconds: float | None = None) -> None:
     """At the first signal: end this process STOP_GRACE_S later if its orderly stop has not (_stop_overran).
     A cleanup that waits forever on a lock a signal left held (a rare race: interrupts.py) must not hold
     OUT's lock and the caller forever. A timer signal, not a thread: the handler runs in the main thread
-    even while it waits for a lock or a join, and a thread started inside a signal handler can deadlock."""
-    if signal.getsignal(signal.SIGALRM) is not _stop_overran:
-        signal.signal(signal.SIGALRM, _stop_overran)
-        signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
+    even while it waits for a lock or a join, and a thread started inside a signal handler can deadlock.
+    main() disarms it when the command returns and re-arms it for the rest of the grace at the process's
+    exit (atexit): a caller of main() in its own process goes on, and the interpreter's own cleanup of a
+    stopped run (multiprocessing's joins) is still bounded."""
+    if "deadline" in _watchdog:
+        return
+    seconds = STOP_GRACE_S if seconds is None else seconds
+    _watchdog.update(deadline=time.monotonic() + seconds, previous=signal.signal(signal.SIGALRM, _stop_overran))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def _disarm_stop_watchdog() -> None:
+    if "deadline" not in _watchdog:
+        return
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, _watchdog.pop("previous"))
+    left = _watchdog.pop("deadline") - time.monotonic()
+    atexit.register(_arm_stop_watchdog, max(left, 0.1))
 
 
 def _stop_overran(signum, frame) -> None:
     """The orderly stop outlasted STOP_GRACE_S: say so and exit now (os._exit, no cleanup that could wait
     again). The kernel ends the workers, verify's ranks and their fork server with this process
-    (die_with.py) and releases OUT's lock; partial files stay for --resume, as after a kill -9."""
+    (die_with.py) and releases OUT's lock; partial files stay for --resume, as after a kill -9. The words
+    cannot keep it alive: a reader gone (BrokenPipeError) is ignored, and a write blocked on a full pipe is
+    cut by a last timer."""
     how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
+    signal.signal(signal.SIGALRM, lambda *_: os._exit(code))
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
     message = (
-        f"{interrupted_message(sys.argv[1:2], how)} (the orderly stop did not end within {STOP_GRACE_S:g} s of "
+        f"{interrupted_message(_command(), how)} (the orderly stop did not end within {STOP_GRACE_S:g} s of "
         "the signal: ended at once)"
     )
-    report.error_at_once(message, code, as_json="--json" in sys.argv[1:])
-    os._exit(code)
+    try:
+        report.error_at_once(message, code, as_json="--json" in sys.argv[1:])
+    finally:
+        os._exit(code)
+
+
+def _command() -> list[str]:
+    """The command's name, as [name] ([] before one): the first argument that is no option (--debug)."""
+    return [a for a in sys.argv[1:] if not a.startswith("-")][:1]
 
 
 def main() -> None:
@@ -969,6 +996,13 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
     interrupts.quiet_when_dropped()
+    try:
+        _main(click_exceptions)
+    finally:
+        _disarm_stop_watchdog()
+
+
+def _main(click_exceptions) -> None:
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -1017,8 +1051,8 @@ def main() -> None:
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
-        report.error(interrupted_message(sys.argv[1:2], how))
-        _json_error(interrupted_message(sys.argv[1:2], how), code)
+        report.error(interrupted_message(_command(), how))
+        _json_error(interrupted_message(_command(), how), code)
     if isinstance(code, int) and code:
         sys.exit(code)
 

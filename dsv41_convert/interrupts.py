@@ -21,7 +21,7 @@ import and the run went on to the end and exited 0.
 
 An interrupt stays: every later `check()` raises again. A KeyboardInterrupt raised while the interpreter
 runs a weakref callback or a __del__ is printed ("Exception ignored in ...") and dropped, and the process
-runs on (seen on CI: a worker's SIGINT raised inside importlib's module-lock callback); the next check
+runs on (seen on CI: a SIGINT raised inside importlib's module-lock callback); the next check
 stops it all the same. Nothing in a process that took one is meant to write again.
 """
 

@@ -754,7 +754,6 @@ def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
     if os.getppid() != parent or not alive(run):
         os.kill(os.getpid(), signal.SIGKILL)
     signal.signal(signal.SIGINT, _interrupt_worker)
-    interrupts.quiet_when_dropped()
 
 
 def _interrupt_worker(signum, frame) -> None:

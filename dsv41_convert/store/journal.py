@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import NOT_JSON, OutputError
 from dsv41_convert.store.manifest import fsync_path
 
@@ -234,13 +235,17 @@ def restart_lines(head: dict[str, Any], point: ResumePoint | None) -> list[dict[
 
 
 def _hash_range(f, begin: int, end: int, h=None):
-    """Feed bytes [begin, end) of open file `f` into `h` (a new sha256 if None). -> h"""
+    """Feed bytes [begin, end) of open file `f` into `h` (a new sha256 if None). -> h
+
+    Checks for Ctrl-C at every read: a writer worker takes it only there (interrupts.interrupt_later), and
+    a resumed partial file of tens of GB is hashed whole before its first chunk is written."""
     h = hashlib.sha256() if h is None else h
     buf = bytearray(READ_BYTES)
     view = memoryview(buf)
     f.seek(begin)
     left = end - begin
     while left:
+        interrupts.check()
         n = f.readinto(view[: min(left, READ_BYTES)])
         if not n:
             raise OSError(f"{f.name}: ends before byte {end}")

@@ -22,11 +22,15 @@ from dsv41_convert import cli
 from dsv41_convert.convert import execute
 
 def stuck(*args, **kwargs):
-    print("writing", file=sys.stderr, flush=True)
     try:
+        print("writing", file=sys.stderr, flush=True)
         time.sleep(120)
     except KeyboardInterrupt:
-        threading.Event().wait()  # a cleanup that never ends
+        while True:  # a cleanup that never ends, whatever is raised inside it
+            try:
+                threading.Event().wait()
+            except BaseException:
+                pass
 
 execute._run = stuck
 cli.STOP_GRACE_S = 2.0
@@ -40,18 +44,28 @@ def src(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("watchdog") / "src")
 
 
-@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
-                                                   (signal.SIGINT, 130, "interrupted")])  # fmt: skip
-def test_a_stop_that_never_ends_is_ended_after_the_grace(src, tmp_path, sig, code, said):
+@pytest.mark.parametrize(("sig", "code", "said", "reader_gone"), [
+    (signal.SIGTERM, 143, "terminated (SIGTERM)", False),
+    (signal.SIGINT, 130, "interrupted", False),
+    (signal.SIGTERM, 143, "terminated (SIGTERM)", True),  # `... --json | jq`, jq ended by the same Ctrl-C
+])  # fmt: skip
+def test_a_stop_that_never_ends_is_ended_after_the_grace(src, tmp_path, sig, code, said, reader_gone):
+    """A stuck stop ends 2 s after the signal (the grace patched down from 30 s), saying so; with stdout's
+    reader gone, the document's BrokenPipeError does not keep the process in its cleanup (it did: an
+    audit)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-c", _STUCK_AFTER_THE_SIGNAL, "shard", str(src), str(out), "--tp", "2", "--json"]
+    cmd = [sys.executable, "-c", _STUCK_AFTER_THE_SIGNAL, "--debug", "shard", str(src), str(out), "--tp", "2",
+           "--json"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_sigint)  # fmt: skip
     assert proc.stderr.readline() == "writing\n"
+    if reader_gone:
+        proc.stdout.close()
     t0 = time.monotonic()
     proc.send_signal(sig)
     try:
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = (None, proc.stderr.read()) if reader_gone else proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the run hung after the signal: no watchdog")
@@ -61,10 +75,41 @@ def test_a_stop_that_never_ends_is_ended_after_the_grace(src, tmp_path, sig, cod
         f"{said}; what is on disk is kept: shard continues it with --resume (the orderly stop did not end within "
         "2 s of the signal: ended at once)"
     )
-    assert stderr.endswith(f"error: {message}\n"), stderr
-    assert json.loads(stdout) == {"ok": False, "exit_code": code, "error": message}
+    assert stderr.endswith(f"error: {message}\n"), stderr  # the command named after --debug too
+    if not reader_gone:
+        assert json.loads(stdout) == {"ok": False, "exit_code": code, "error": message}
     assert not (out / "manifest.json").exists() and not list(out.glob("*.safetensors"))
     again = subprocess.run([sys.executable, "-m", "dsv41_convert.cli", "shard", str(src), str(out), "--tp", "2",
                             "--resume"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr  # OUT's lock went with the process
     assert (out / "manifest.json").exists()
+
+
+_SIGNALLED_IN_PROCESS = """
+import os, signal, sys, time
+from dsv41_convert import cli
+from dsv41_convert.synth import staged
+
+real = staged.check_out
+def check_out(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # during the command: the CLI's handler arms the watchdog
+    return real(*args, **kwargs)
+
+staged.check_out = check_out
+cli.STOP_GRACE_S = 1.0
+sys.argv = ["dsv41-convert", "make-tiny", sys.argv[1]]
+try:
+    cli.main()
+except SystemExit as exc:
+    print("main ended", exc.code, flush=True)
+time.sleep(3)  # the caller goes on
+print("the caller went on", flush=True)
+"""
+
+
+def test_main_run_in_a_process_that_goes_on_leaves_no_watchdog_behind(tmp_path):
+    """main() called in-process (tests, an embedding tool) and stopped by a signal: the timer it armed is
+    off once it returns, so the caller is not ended a grace later (it was: an audit)."""
+    done = subprocess.run([sys.executable, "-c", _SIGNALLED_IN_PROCESS, str(tmp_path / "t")], capture_output=True,
+                          text=True, timeout=120, preexec_fn=default_sigint)  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, "main ended 143\nthe caller went on\n"), done.stderr

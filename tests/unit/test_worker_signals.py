@@ -20,15 +20,19 @@ from dsv41_convert import interrupts
 
 def worker(ready, results, checking):
     signal.signal(signal.SIGINT, execute._interrupt_worker)
+    results.put(0)
     ready.set()
-    sent, end = 0, time.monotonic() + 1.0
-    while time.monotonic() < end:
-        if checking:
-            interrupts.check()  # as a job's writer checks before every chunk
-        results.put(sent)  # as the pool's send-back of a result: a lock shared with the other processes
-        sent += 1
-    results.put(("done", sent, interrupts.interrupted()))
-    interrupts.check()  # the next job: refused
+    sent, end = 1, time.monotonic() + 1.0
+    try:
+        while time.monotonic() < end:
+            if checking:
+                interrupts.check()  # as a job's writer checks before every chunk
+            results.put(sent)  # as the pool's send-back of a result: a lock shared with the other processes
+            sent += 1
+        results.put(("done", sent, interrupts.interrupted()))
+        interrupts.check()  # the next job: refused
+    finally:
+        results.put("end")
 
 ctx = mp.get_context("fork")
 ready, results = ctx.Event(), ctx.SimpleQueue()
@@ -36,14 +40,14 @@ p = ctx.Process(target=worker, args=(ready, results, sys.argv[1] == "job"))
 p.start()
 ready.wait(10)
 got = []
-reader = threading.Thread(target=lambda: got.extend(iter(results.get, "never")), daemon=True)
+reader = threading.Thread(target=lambda: got.extend(iter(results.get, "end")), daemon=True)
 reader.start()
 end = time.monotonic() + 0.8
 while time.monotonic() < end and p.is_alive():
     os.kill(p.pid, signal.SIGINT)
     time.sleep(0.001)
 p.join(20)
-time.sleep(0.2)
+reader.join(20)
 ints = [g for g in got if isinstance(g, int)]
 done = [g for g in got if not isinstance(g, int)]
 print(p.exitcode, len(ints) > 0 and ints == list(range(len(ints))), done and done[0][0] == "done" and done[0][2])
