@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
 from dsv41_convert.store.journal import JournalWriter, header, load
 
@@ -44,6 +45,17 @@ def test_resume_point_carries_the_prefix_hash(tmp_path):
     assert point is not None and why == "resumed at byte 2000"
     assert (point.end, point.tensor, point.chunk, point.skip) == (2000, 3, 2, 10)
     assert point.sha.hexdigest() == hashlib.sha256(data[:2000]).hexdigest()
+
+
+def test_the_check_of_a_partial_file_stops_at_an_interrupt(tmp_path, monkeypatch):
+    """A writer worker takes Ctrl-C only at interrupts.check() (execute._interrupt_worker), and --resume hashes
+    a partial file of tens of GB before its first chunk: the hash checks at every read (a stop waited for the
+    whole file, and the CLI's watchdog cut it at 30 s: an audit)."""
+    data = os.urandom(3000)
+    partial, jpath = _setup(tmp_path, data, [_mark(data, 1000), _mark(data, 2000, tensor=3)])
+    monkeypatch.setitem(interrupts._state, "interrupted", True)
+    with pytest.raises(KeyboardInterrupt):
+        load(jpath, partial, HEAD)
 
 
 def test_journal_ahead_of_the_data_restarts(tmp_path):
