@@ -61,11 +61,11 @@ def test_a_stop_that_never_ends_is_ended_after_the_grace(src, tmp_path, sig, cod
     assert proc.stderr.readline() == "writing\n"
     if reader_gone:
         proc.stdout.close()
+        proc.stdout = None  # communicate() reads stderr alone
     t0 = time.monotonic()
     proc.send_signal(sig)
     try:
-        stdout, stderr = (None, proc.stderr.read()) if reader_gone else proc.communicate(timeout=60)
-        proc.wait(timeout=60)
+        stdout, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the run hung after the signal: no watchdog")
