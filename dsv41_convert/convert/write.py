@@ -219,6 +219,7 @@ def write_partial(
     if stats is not None:
         stats.update(resumed_from=start.end if start else 0, resume=why)
     reader = _Reader(src, chunk_bytes)
+    interrupts.check()  # no file begun after Ctrl-C (a worker takes it only at checks: execute._interrupt_worker)
     sink = Sink(partial, rf.file, rf.nbytes, progress, start, direct=direct_io)
     try:
         with interrupts.deferred():  # the writer's threads share queues with this one (interrupts.py)

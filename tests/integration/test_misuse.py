@@ -306,7 +306,10 @@ def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(
     assert json.loads(doc) == {"ok": False, "exit_code": 130, "error": err.strip().removeprefix("error: ")}
     time.sleep(1)  # no worker left to write anything
     written = {p.name.removesuffix(".partial") for p in out.glob("model*")}
-    assert written <= started and len(started) <= 3, (written, started)
+    # the run forwards the signal at its pool loop's next check (<= 0.2 s), and in that window the worker
+    # not yet writing may begin the file it was handed (seen under load, before and after 139a3e2): one
+    # file at most; the fault (workers running on into their queued files) adds one per worker and minutes
+    assert len(written - started) <= 1 and len(written) <= 3, (written, started)
     assert not (out / "manifest.json").exists()
     res = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "8", "--resume"], capture_output=True)
     assert res.returncode == 0, res.stderr
