@@ -899,7 +899,7 @@ def _run_failed(message: str) -> None:
 def _json_error(message: str, code: int = 2) -> None:
     """With --json: {"ok": false, "exit_code": code, "error": message} on stdout."""
     if "--json" in sys.argv[1:]:
-        report.print_json({"ok": False, "exit_code": code, "error": message}, after_a_signal=True)
+        report.print_json(report.error_document(message, code), after_a_signal=True)
 
 
 RESUMABLE = {
@@ -968,17 +968,20 @@ def _stop_overran(signum, frame) -> None:
     (die_with.py) and releases OUT's lock; partial files stay for --resume, as after a kill -9. The words
     cannot keep it alive: a reader gone (BrokenPipeError) is ignored, and a write blocked on a full pipe is
     cut by a last timer."""
-    how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
+    said, code = _how_stopped()
     signal.signal(signal.SIGALRM, lambda *_: os._exit(code))
     signal.setitimer(signal.ITIMER_REAL, 2.0)
-    message = (
-        f"{interrupted_message(_command(), how)} (the orderly stop did not end within {STOP_GRACE_S:g} s of "
-        "the signal: ended at once)"
-    )
+    message = f"{said} (the orderly stop did not end within {STOP_GRACE_S:g} s of the signal: ended at once)"
     try:
         report.error_at_once(message, code, as_json="--json" in sys.argv[1:])
     finally:
         os._exit(code)
+
+
+def _how_stopped() -> tuple[str, int]:
+    """-> (what the signal left, for the run's last message; the exit code): SIGTERM's 143 or Ctrl-C's 130."""
+    how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
+    return interrupted_message(_command(), how), code
 
 
 def _command() -> list[str]:
@@ -1050,9 +1053,9 @@ def _main(click_exceptions) -> None:
     if interrupts.interrupted() and not _debug["on"]:
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
-        how, code = (_stopped_by[0], TERMINATED) if _stopped_by else ("interrupted", INTERRUPTED)
-        report.error(interrupted_message(_command(), how))
-        _json_error(interrupted_message(_command(), how), code)
+        said, code = _how_stopped()
+        report.error(said)
+        _json_error(said, code)
     if isinstance(code, int) and code:
         sys.exit(code)
 

@@ -55,14 +55,25 @@ def print_json(data: Any, compact: bool = False, after_a_signal: bool = False) -
 
     Under a torchrun launch of several processes, which share one stdout, each process's document is one
     line (JSON Lines) written at once, its `rank` first: indented documents of two ranks interleaved."""
-    rank = torchrun.shared_rank()
-    if rank is not None:
-        data = {"rank": rank} | data if isinstance(data, dict) else {"rank": rank, "result": data}
+    data, rank = _ranked(data), torchrun.shared_rank()
     if compact or rank is not None:
         text = json.dumps(data, separators=(",", ":"), default=str, check_circular=False)
     else:
         text = json.dumps(data, indent=2, default=str)
     write(text, after_a_signal=after_a_signal)
+
+
+def _ranked(data: Any) -> Any:
+    """`data` as the document of one process of a torchrun launch: its `rank` first (else as it is)."""
+    rank = torchrun.shared_rank()
+    if rank is None:
+        return data
+    return {"rank": rank} | data if isinstance(data, dict) else {"rank": rank, "result": data}
+
+
+def error_document(message: str, code: int) -> dict[str, Any]:
+    """The --json document of a command that ended in an error: {"ok": false, "exit_code": code, "error": ...}"""
+    return {"ok": False, "exit_code": code, "error": message}
 
 
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
@@ -123,9 +134,7 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
     from a signal handler, whose main thread may hold the consoles' locks."""
     os.write(2, f"error: {_by_rank(message)}\n".encode())
     if as_json:
-        document = {"ok": False, "exit_code": code, "error": message}
-        rank = torchrun.shared_rank()
-        os.write(1, (json.dumps(document if rank is None else {"rank": rank} | document) + "\n").encode())
+        os.write(1, (json.dumps(_ranked(error_document(message, code))) + "\n").encode())
 
 
 def _by_rank(message: str) -> str:

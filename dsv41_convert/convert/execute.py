@@ -763,7 +763,7 @@ def _interrupt_worker(signum, frame) -> None:
     job waits for the pool's shutdown. Raised where the signal lands, it once left the pool's result queue
     locked: the worker took it inside `with lock` of its result's send-back, between the acquire and the
     block, and the send-back's retry waited for that lock forever, as did the other worker and the run's
-    shutdown (CI: `export --workers 2` hung after SIGTERM, 1 round in 4; reproduced 1 run in ~100 with
+    shutdown (CI: `export --workers 2` hung after SIGTERM, 1 round in 4; reproduced 2 runs in ~115 with
     the CPUs loaded)."""
     interrupts.interrupt_later()
 
