@@ -57,7 +57,7 @@ def test_an_interrupt_dropped_in_a_weakref_callback_still_stops_the_next_write(m
 
 
 def test_a_dropped_interrupt_is_not_printed_and_anything_else_dropped_is(monkeypatch):
-    """The CLI's and its workers' sys.unraisablehook: a KeyboardInterrupt of interrupt()'s that Python drops
+    """The CLI's sys.unraisablehook: a KeyboardInterrupt of interrupt()'s that Python drops
     printed "Exception ignored in: ..." under the run's message (CI); it says nothing of it, as the next
     check raises it, and passes on anything else, and a KeyboardInterrupt nobody's interrupt() raised."""
     import weakref
@@ -148,3 +148,23 @@ def test_importing_names_importlib_frames_only():
     finally:
         sys.meta_path.pop(0)
     assert seen == [True]
+
+
+def test_a_writer_that_took_an_interrupt_begins_no_file(tmp_path, monkeypatch):
+    """A writer worker takes Ctrl-C only at checks (execute._interrupt_worker): write_partial checks before it
+    creates the file's partial, so a job that began before the signal and reaches its file after it leaves
+    nothing in OUT."""
+    from tiny_ckpt import make_tiny
+
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.convert.transform import quantizer_for
+    from dsv41_convert.convert.write import write_partial
+
+    src = make_tiny(tmp_path / "src", quantized=False, vision=False)
+    rf = build_plan(src, 2).files[0]
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setitem(interrupts._state, "interrupted", True)
+    with pytest.raises(KeyboardInterrupt):
+        write_partial(rf, src, out, quantizer_for("cpu"), plan_digest="d")
+    assert list(out.iterdir()) == []
