@@ -5,9 +5,11 @@ Library code never prints; it takes a `progress(event)` callback. This module ma
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
+import select
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,7 +56,8 @@ def print_json(data: Any, compact: bool = False, after_a_signal: bool = False) -
     until RecursionError instead of a ValueError). `after_a_signal`: as `write`'s.
 
     Under a torchrun launch of several processes, which share one stdout, each process's document is one
-    line (JSON Lines) written at once, its `rank` first: indented documents of two ranks interleaved."""
+    line (JSON Lines) written whole (_write_whole), its `rank` first: indented documents of two ranks
+    interleaved."""
     data, rank = _ranked(data), torchrun.shared_rank()
     if compact or rank is not None:
         text = json.dumps(data, separators=(",", ":"), default=str, check_circular=False)
@@ -88,9 +91,8 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     if not after_a_signal:
         interrupts.check()
     try:
-        if torchrun.shared_rank() is not None:  # one write: not cut between another rank's lines
-            sys.stdout.flush()
-            sys.stdout.buffer.write(("".join(pieces) + "\n").encode())
+        if torchrun.shared_rank() is not None:
+            _write_whole(("".join(pieces) + "\n").encode())
         else:
             for piece in pieces:
                 sys.stdout.write(piece)
@@ -98,6 +100,33 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         reader_gone(sys.stdout)
+
+
+def _write_whole(data: bytes) -> None:
+    """`data` on stdout, not cut by another process's write to the same stream (the ranks of a torchrun
+    launch): a pipe keeps a write whole only up to PIPE_BUF (4096 bytes), so a longer one is written under an
+    exclusive lock on the stream (lockf; a pipe's and a file's are shared by the processes that write to them;
+    one that takes no lock, such as a socket, is written as it is)."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a capture in tests)
+        sys.stdout.buffer.write(data)
+        return
+    locked = False
+    if len(data) > select.PIPE_BUF:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:
+            pass
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        if locked:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 def reader_gone(stream: IO[str]) -> NoReturn:
