@@ -75,6 +75,21 @@ def alive(pid: int) -> bool:
     return True
 
 
+def fork_server_ended() -> bool:
+    """Whether this process's multiprocessing fork server was started and has ended (not reaped here: its
+    restart, multiprocessing.forkserver.ensure_running, waits for it). The processes it forked then read as
+    exit code 255: the server that would tell their status is gone."""
+    import multiprocessing.forkserver
+
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return False
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
 def _exit_on_interrupt(signum, frame) -> None:
     os._exit(130)  # a SystemExit raised inside a weakref callback (an import's) was printed and dropped
 

@@ -120,11 +120,9 @@ def launch(
         except mp.ProcessExitedException as exc:  # killed (out of memory, a signal to it alone)
             _stop(ranks.processes)
             interrupts.check()  # this run was interrupted: the ranks died of its signal
-            how = f"by {exc.signal_name}" if exc.signal_name else f"with exit code {exc.exit_code}"
             raise RankFailedError(
-                f"rank {exc.error_index} of {tp} (pid {exc.error_pid}) ended {how}"
-                + (" (out of memory?)" if exc.signal_name == "SIGKILL" else "")
-                + "; the run stopped its other ranks"
+                f"rank {exc.error_index} of {tp} (pid {exc.error_pid}) {_how_ended(exc)}; "
+                "the run stopped its other ranks"
             ) from None
         except BaseException:  # Ctrl-C or a failed rank: none may outlive this process
             _stop(ranks.processes)
@@ -137,6 +135,15 @@ def launch(
                 named = tp == 1 or re.match(r"rank \d+: ", message)  # errors the target gathered name their ranks
                 raise cls(message if named else f"rank {rank}: {message}")
         return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
+
+
+def _how_ended(exc) -> str:
+    """How a rank that multiprocessing saw exit (torch's ProcessExitedException) ended, in words."""
+    if exc.signal_name:
+        return f"ended by {exc.signal_name}" + (" (out of memory?)" if exc.signal_name == "SIGKILL" else "")
+    if exc.exit_code == 255 and die_with.fork_server_ended():
+        return "was lost with the fork server that started it (the server ended: killed?; each rank dies with it)"
+    return f"ended with exit code {exc.exit_code}"
 
 
 def _stop(processes: list, grace_s: float = 5.0) -> None:

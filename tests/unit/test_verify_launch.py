@@ -28,6 +28,15 @@ def killed_on_rank_1(_payload) -> None:
     dist.barrier()
 
 
+def fork_server_killed_by_rank_1(_payload) -> None:
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getppid(), signal.SIGKILL)  # a forked rank's parent is the run's fork server
+    dist.barrier()
+
+
 def gathered_error_of_rank_1(_payload) -> None:
     """As reference_rank reports: every rank raises the errors gathered from all, each named by its rank."""
     if dist.get_rank() == 0:
@@ -62,6 +71,17 @@ def test_a_rank_that_dies_is_a_failed_run_named_not_a_traceback():
 
     with pytest.raises(RankFailedError, match=r"rank 1 of 2 \(pid \d+\) ended by SIGKILL \(out of memory\?\)"):
         launch(killed_on_rank_1, None, 2, "cpu", threads=1)
+
+
+@pytest.mark.dist
+def test_ranks_lost_with_their_fork_server_say_so():
+    """A killed fork server takes its ranks with it (die_with), and multiprocessing reads their end as exit
+    code 255, which the run reported as the rank's own ("ended with exit code 255")."""
+    from dsv41_convert.errors import RankFailedError
+
+    lost = r"rank \d of 2 \(pid \d+\) was lost with the fork server that started it "
+    with pytest.raises(RankFailedError, match=lost):
+        launch(fork_server_killed_by_rank_1, None, 2, "cpu", threads=1)
 
 
 @pytest.mark.dist
