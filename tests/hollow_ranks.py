@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv41_convert.convert.execute import _write_sidecars
+from dsv41_convert.convert.execute import write_sidecars
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, build_plan
-from dsv41_convert.convert.write import _row_bytes
+from dsv41_convert.convert.write import row_bytes
 
 ZERO_IN_ZERO_OUT = {"copy", "as_fp4", "dequant_bf16"}  # the actions of an fp8 source at --expert-dtype fp4
 
@@ -35,10 +35,10 @@ def write_hollow_ranks(src: Path, out: Path, tp: int) -> ConversionPlan:
                 assert t.action in ZERO_IN_ZERO_OUT, f"{t.name}: {t.action} of zeros is not known to be zeros"
                 fill = PAD_BYTE[t.dtype] if t.pad_rows else 0
                 if fill:
-                    size = t.pad_rows * _row_bytes(t.dtype, t.shape)
+                    size = t.pad_rows * row_bytes(t.dtype, t.shape)
                     fh.seek(t.end - size)
                     for at in range(0, size, 1 << 24):
                         fh.write(bytes([fill]) * min(1 << 24, size - at))
             fh.truncate(f.nbytes)
-    _write_sidecars(plan, src, out)
+    write_sidecars(plan, src, out)
     return plan

@@ -541,7 +541,7 @@ def _execute_held(
     if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
         forget_stale(out, digest)
     set_aside = _set_aside_tokenizer_files(src, out)
-    extra = sidecars.before(src, out) if sidecars else _write_sidecars(plan, src, out)
+    extra = sidecars.before(src, out) if sidecars else write_sidecars(plan, src, out)
     t0 = time.monotonic()
     if workers == 0:  # --workers auto
         workers = auto_workers(len(todo), device, computed_share=_computed_bytes(todo) / max(1, need))
@@ -597,7 +597,7 @@ def is_done_record(out: Path, file: str, digest: str) -> bool:
     return rec is not None and rec.get("plan_digest") == digest and path.exists() and path.stat().st_size == rec["size"]
 
 
-def _write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
+def write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
     """tokenizer files, the inference config.json and the HF config as hf_config.json."""
     names = copy_tokenizer_files(src, out)
     atomic_write(out / "config.json", (json.dumps(plan.inference_config, indent=2) + "\n").encode())

@@ -71,7 +71,8 @@ JOURNAL_BYTES = 1 << 30  # a resume checkpoint every this many bytes; each costs
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+def row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one row (along dim 0) of a tensor of `dtype` and `shape`; a 0-d tensor's whole size."""
     return nbytes(dtype, shape[1:]) if shape else nbytes(dtype, shape)
 
 
@@ -121,7 +122,7 @@ class _Reader:
             j = self._hinted_to
             size = 0
             for rd in tensors[j].reads if self.ahead is None or tensors[j].action in COPIED else ():
-                rb = _row_bytes(rd.dtype, rd.shape)
+                rb = row_bytes(rd.dtype, rd.shape)
                 n = min((rd.r1 - rd.r0) * rb, PREFETCH_BYTES)
                 os.posix_fadvise(self.fd(rd.file), rd.offset + rd.r0 * rb, n, os.POSIX_FADV_WILLNEED)
                 size += n
@@ -150,7 +151,7 @@ class _Reader:
         into: where selected columns go (at least their bytes long; the result is a view of it), else a
         new array.
         """
-        rb = _row_bytes(rd.dtype, rd.shape)
+        rb = row_bytes(rd.dtype, rd.shape)
         pos, n = rd.offset + (rd.r0 + a) * rb, (b - a) * rb
         buf = self.ahead.take(rd.file, pos, n) if self.ahead is not None else None
         if buf is None:
@@ -290,7 +291,7 @@ def _prefetch(rf: RankFile, src: Path, start: ResumePoint | None, device: str, c
         step = _chunk_rows(t, compute_chunk_bytes(chunk_bytes, device))
         for a in stream.block_starts(t, step, chunk0 if i == first else 0):
             for rd, ra, rb_ in stream.block_rows(t, a, min(a + step, t.reads[0].r1 - t.reads[0].r0)):
-                rb = _row_bytes(rd.dtype, rd.shape)
+                rb = row_bytes(rd.dtype, rd.shape)
                 pieces.append((i, rd.file, rd.offset + (rd.r0 + ra) * rb, (rb_ - ra) * rb))
     if device != "cuda":
         return Prefetch(src, pieces, READ_AHEAD_BYTES, bytearray, READ_THREADS, stages)
@@ -335,7 +336,7 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
                 for outs in chunks:
                     sink.write(_raw(outs[0]), t.name)
         if t.pad_rows:
-            sink.fill(PAD_BYTE[t.dtype], t.pad_rows * _row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
+            sink.fill(PAD_BYTE[t.dtype], t.pad_rows * row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
         if ahead is not None and ahead.tensor == i:
             del sink.asides[t.group]
         assert sink.queued == t.end, (t.name, sink.queued, t.end)
@@ -372,7 +373,7 @@ def _fits(start: ResumePoint, rf: RankFile) -> bool:
 
 def _data_end(t: OutTensor) -> int:
     """Where the tensor's data ends and its padding rows begin."""
-    return t.end - t.pad_rows * _row_bytes(t.dtype, t.shape)
+    return t.end - t.pad_rows * row_bytes(t.dtype, t.shape)
 
 
 def commit(out: Path, file: str) -> None:
@@ -419,7 +420,7 @@ def _discard(sink: Sink, partial: Path, jpath: Path, keep: bool = False) -> None
 def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int = 0) -> None:
     """The tensor's source bytes from byte `skip` on (a resumed file; a whole number of rows), unchanged."""
     rd = t.reads[0]
-    rb, bits = _row_bytes(rd.dtype, rd.shape), DTYPE_BITS[rd.dtype]
+    rb, bits = row_bytes(rd.dtype, rd.shape), DTYPE_BITS[rd.dtype]
     rows = rd.r1 - rd.r0
     if rd.c1 < 0:  # one contiguous byte range, through three buffers (see Sink)
         fd, pos, left = reader.fd(rd.file), rd.offset + rd.r0 * rb + skip, rows * rb - skip
@@ -483,7 +484,7 @@ def _read_back(t: OutTensor, ahead: Aside, sink: Sink, skip: int, chunk_bytes: i
 
 def _chunk_rows(t: OutTensor, chunk_bytes: int) -> int:
     rd = t.reads[0]
-    width = _row_bytes(rd.dtype, rd.shape)
+    width = row_bytes(rd.dtype, rd.shape)
     if rd.c1 >= 0:
         width = width * (rd.c1 - rd.c0) // rd.shape[1]
     rows = max(1, (chunk_bytes // 8) // max(width, 1))

@@ -220,7 +220,7 @@ def test_the_caller_hints_only_copied_tensors_with_the_prefetch_on(bf16_src, tmp
     computed = set()  # (file, region start) of the computed tensors' reads
     for t in rf.tensors:
         if t.action not in write.COPIED:
-            computed |= {(rd.file, rd.offset + rd.r0 * write._row_bytes(rd.dtype, rd.shape)) for rd in t.reads}
+            computed |= {(rd.file, rd.offset + rd.r0 * write.row_bytes(rd.dtype, rd.shape)) for rd in t.reads}
     hinted: set[tuple[str, int]] = set()
     real = os.posix_fadvise
 
