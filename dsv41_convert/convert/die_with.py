@@ -75,13 +75,18 @@ def alive(pid: int) -> bool:
     return True
 
 
+def fork_server_pid() -> int | None:
+    """The pid of this process's multiprocessing fork server, None where none was started."""
+    import multiprocessing.forkserver
+
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)  # CPython's, 3.8 to 3.14
+
+
 def fork_server_ended() -> bool:
     """Whether this process's multiprocessing fork server was started and has ended (not reaped here: its
     restart, multiprocessing.forkserver.ensure_running, waits for it). The processes it forked then read as
     exit code 255: the server that would tell their status is gone."""
-    import multiprocessing.forkserver
-
-    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    pid = fork_server_pid()
     if pid is None:
         return False
     try:

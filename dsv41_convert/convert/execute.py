@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from dsv41_convert import interrupts, torchrun
-from dsv41_convert.convert.die_with import SharedFiles, alive, die_with_parent, start_fork_server
+from dsv41_convert.convert.die_with import SharedFiles, alive, die_with_parent, fork_server_pid, start_fork_server
 from dsv41_convert.convert.plan import ConversionPlan, OutTensor, RankFile
 from dsv41_convert.convert.stream import numpy_computes
 from dsv41_convert.convert.workers import auto_workers
@@ -863,9 +863,9 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
 def _workers_parent(ctx) -> int:
     """The process the pool's workers are children of: the fork server (started by _fork_server), or this
     one (spawn)."""
-    if ctx.get_start_method() == "forkserver":
-        return mp.forkserver._forkserver._forkserver_pid  # CPython's, 3.8 to 3.14
-    return os.getpid()
+    pid = fork_server_pid() if ctx.get_start_method() == "forkserver" else os.getpid()
+    assert pid is not None, "the fork server is started before the pool (_fork_server)"
+    return pid
 
 
 @contextmanager
