@@ -858,9 +858,14 @@ def export_cmd(
             direct_io=direct_io,
         )  # fmt: skip
     summary["not_carried"] = others  # the warning's files, for pipelines
-    _report_run(summary, as_json, "shard(s)", summary["manifest"])
+    _report_run(summary, as_json, "shard(s)", summary["manifest"] or "pending (not every shard is done yet)")
     if as_json:
         return
+    if summary.get("fragment"):  # a torchrun share: RANK and WORLD_SIZE split the shards
+        report.info(
+            f"fragment: {summary['fragment']} (once every share is done: in one folder, the last share to finish "
+            f"writes the rest; gathered from several machines, `dsv41-convert export SRC OUT --format {fmt} --resume`)"
+        )
     report.line(summary["out"])
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from dsv41_convert.convert.rules import Op, scale_name, weight_name
 from dsv41_convert.convert.validate import Source, gather_sources, require_regular_files, validate_sources
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
-from dsv41_convert.store.manifest import atomic_write
+from dsv41_convert.store.manifest import FRAGMENT_GLOB, MANIFEST, atomic_write
 from dsv41_convert.store.safetensors_header import nbytes, sort_key
 
 CONFIG = "config.json"
@@ -180,12 +181,18 @@ def _before(src: Path, out: Path) -> list[str]:
 
 def not_carried(src: Path) -> list[str]:
     """SRC's top-level files that an export does not write (it writes the weights, config.json, the index and
-    the tokenizer files): generation_config.json, a chat template, a model card; hidden files left out."""
-    written = {CONFIG, INDEX, *SIDECARS}
+    the tokenizer files): generation_config.json, a chat template, a model card; hidden files left out, and
+    the records of a run of ours (an earlier export's manifest.json, a share's fragment): copied into OUT,
+    SRC's manifest made `check OUT` fail."""
+    written = {CONFIG, INDEX, MANIFEST, *SIDECARS}
     return sorted(
         p.name
         for p in Path(src).iterdir()
-        if p.is_file() and not p.name.startswith(".") and p.suffix != ".safetensors" and p.name not in written
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.suffix != ".safetensors"
+        and p.name not in written
+        and not fnmatch(p.name, FRAGMENT_GLOB)
     )
 
 

@@ -224,6 +224,7 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
         return _already_merged(out)
     _nothing_to_merge(out)  # again under the lock: a share may have merged and removed them meanwhile
     first_name, first = next(iter(frags.items()))
+    _not_an_export(out, frags)
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
     problems = []
@@ -278,6 +279,22 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
     path = write_manifest_from(out, first["source"], options, digest, rank_files, extra)
     return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags),
             "side_files": sorted(side), "side_files_unchecked": unchecked}  # fmt: skip
+
+
+def _not_an_export(out: Path, frags: dict[str, dict[str, Any]]) -> None:
+    """Refuse the fragments of an export's shares (their options name a --format): its config.json and index
+    come from the export's plan of SRC, which only `export` makes; merged here, the folder was refused for
+    lacking hf_config.json, a file no export writes (an audit)."""
+    for name, frag in frags.items():
+        fmt = frag["options"].get("format")
+        if fmt is not None:
+            src = (frag.get("source") or {}).get("path") or "SRC"
+            raise OutputError(
+                f"{out / name}: a fragment of `export --format {fmt}`, not of `shard`: gather every share's shards "
+                f"and fragments here, then finish the export with `dsv41-convert export {src} {out} --format {fmt} "
+                "--resume` (it checks the gathered shards against their fragments, writes what is missing, "
+                "config.json, the index and manifest.json)"
+            )
 
 
 def _side_records(

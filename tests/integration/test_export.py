@@ -199,6 +199,42 @@ def test_cli_export_dry_run_json_and_check(ckpts, tmp_path, monkeypatch, capsys)
     assert set(FILES) <= set(manifest["files"]) and manifest["options"]["format"] == "bf16"
 
 
+def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tmp_path, monkeypatch, capsys):
+    """An export under torchrun (RANK, WORLD_SIZE): each share writes its shards and a fragment and says so
+    ("manifest: None" before, no word of the rest, exit 0). In one folder the last share writes config.json,
+    the index and the manifest; shares from several machines gathered into one are refused by `manifest`
+    (it writes no export's index: before, "hf_config.json: missing"), and `export --resume` finishes them:
+    either way the same bytes as one run."""
+    pub, fmt = str(ckpts["pub"]), "bf16"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        for out in (tmp_path / "one", tmp_path / f"machine{rank}"):
+            code, _, err = run_cli(monkeypatch, capsys, "export", pub, str(out), "--format", fmt)
+            assert code == 0, err
+            if rank == 0 or out.name != "one":
+                assert "manifest: pending (not every shard is done yet)" in err and "fragment: " in err, err
+                assert f"`dsv41-convert export SRC OUT --format {fmt} --resume`" in err
+                assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert_same_files(ckpts["pub-bf16"], tmp_path / "one")
+    assert run_cli(monkeypatch, capsys, "check", str(tmp_path / "one"))[0] == 0
+    gathered = tmp_path / "gathered"
+    gathered.mkdir()
+    for rank in (0, 1):
+        for p in (tmp_path / f"machine{rank}").iterdir():
+            if p.is_file():
+                (gathered / p.name).write_bytes(p.read_bytes())
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(gathered))
+    assert code == 2 and f"a fragment of `export --format {fmt}`, not of `shard`" in err, err
+    assert f"`dsv41-convert export {ckpts['pub'].resolve()} {gathered} --format {fmt} --resume`" in err
+    code, _, err = run_cli(monkeypatch, capsys, "export", pub, str(gathered), "--format", fmt, "--resume")
+    assert code == 0 and "wrote 0 shard(s)" in err, err
+    assert_same_files(ckpts["pub-bf16"], gathered)
+    assert run_cli(monkeypatch, capsys, "check", str(gathered))[0] == 0
+
+
 def _canonical_and_same(pub: dict, back: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per scale block of weight `name`: (canonical in `pub`, same bytes in `back`), both [*scale shape] bool.
 
