@@ -790,10 +790,11 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
       dsv41-convert manifest ./mp8
       dsv41-convert manifest ./mp8 --json
     """
+    from dsv41_convert.convert.unshard import shares_agree
     from dsv41_convert.store.manifest_merge import merge
 
     with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
-        summary = merge(out, progress=progress)
+        summary = merge(out, progress=progress, shares_agree=shares_agree)
     _warn_without_tokenizer(out, "so the manifest lists none")
     if summary.get("side_files_unchecked"):
         report.warn(

@@ -524,8 +524,9 @@ def _execute_held(
 ) -> dict[str, Any]:
     """`execute` once OUT is locked and checked; worker processes hold `lock_fds` with the run (die_with.py)."""
     digest, resume, device = job["digest"], job["resume"], job["device"]
-    if resume:
-        import_fragments(out, digest)  # a folder gathered from several machines
+    gathered = resume and bool(read_fragments(out))  # a folder gathered from several machines
+    if gathered:
+        import_fragments(out, digest)
     todo, skipped, intact = [], [], set()
     if resume:
         _check_resumable(out, mine, digest)
@@ -554,6 +555,8 @@ def _execute_held(
     options = options | {"device": device}
     done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
     if len(done) == len(plan.files):
+        if gathered and plan.tp > 1:
+            _shares_agree(out, plan.tp)
         if sidecars:
             extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra).resolve())  # absolute, as "out" (an audit)
@@ -573,6 +576,16 @@ def _execute_held(
         "set_aside": set_aside,  # tokenizer files of an earlier run that SRC lacks, moved out of the way
         "timeline": _timeline(results, t0),
     }
+
+
+def _shares_agree(out: Path, tp: int) -> None:
+    """OutputError unless the rank files gathered from several shares agree where they must (unshard.shares_agree,
+    as `manifest` checks them): shares of two sources with one layout have one plan digest."""
+    from dsv41_convert.convert.unshard import shares_agree  # torch: not imported by a run that copies bytes
+
+    differ = shares_agree(out, tp)
+    if differ:
+        raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(differ))
 
 
 def _timeline(results: list[FileDone], t0: float) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
-from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
+from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.store.file_digest import sha256_of_blocks
 from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
@@ -164,6 +164,22 @@ def replica_mismatches(ranks: RankFiles) -> list[str]:
         except ShardConsistencyError as exc:
             found.append(str(exc))
     return found
+
+
+def shares_agree(folder: Path, tp: int) -> list[str]:
+    """For `manifest` (store.manifest_merge.merge) of rank files gathered from several shares: replica_mismatches
+    of the tp-`tp` rank files in `folder`, said as one problem, the sign of shares of two sources (their plan
+    digest covers the index and headers, so two checkpoints of one layout share it; their replicas differ)."""
+    with RankFiles(folder, tp) as ranks:
+        differ = replica_mismatches(ranks)
+    if not differ:
+        return []
+    others = [m.split(": ", 1)[0] for m in differ[1:]]
+    return [
+        f"{len(differ)} replicated tensor(s) differ between the rank files ({differ[0]}"
+        + (f"; also {first_few(others)}" if others else "")
+        + "): shares converted from different sources? convert every share from one source"
+    ]
 
 
 MERGE_BLOCK = 64 << 20  # bytes of merged rows a merge reads at a time, beyond the result it builds

@@ -20,8 +20,10 @@ for each file (so `shard --resume` there skips it) and writes manifest.json. `im
 Also refused at merge: a fragment whose rank_files are not one conversion's output files or whose files are
 not size-and-sha256 records of some of them, a .safetensors file in the folder that is not a rank file of
 the plan, fragments whose sources name different Hub revisions, and (no fragments left) a manifest.json that
-does not describe the folder. Not caught: shares converted from sources of one layout but other bytes (the
-plan digest covers the index and the headers, not the weights).
+does not describe the folder; with the caller's `shares_agree` (the CLI's: convert.unshard.shares_agree, also
+run by `shard --resume` of a gathered folder), shares converted from sources of one layout but other bytes (the
+plan digest covers the index and the headers, not the weights) whose replicated tensors differ. Not caught: such
+sources that differ only in the tensors split across the ranks.
 
 Side files at merge. Caught: one that differs in size or sha256 from the fragments' record, one recorded but
 missing, one that two fragments record differently or that one records and another does not, one in the
@@ -34,6 +36,7 @@ its fragment (it records what it finds).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,9 +192,14 @@ def forget_stale(out: Path, plan_digest: str) -> list[str]:
     return gone
 
 
-def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
+def merge(
+    out: Path, progress: Progress | None = None, shares_agree: Callable[[Path, int], list[str]] | None = None
+) -> dict[str, Any]:
     """Check every rank file of a gathered folder against its fragment and write manifest.json.
 
+    shares_agree(out, tp): once every file holds its record, what else keeps the manifest from being written
+    (the CLI's: the replicated tensors compared across the rank files, which shares of two sources with one
+    layout fail: their plan digests are equal)
     Raises OutputError naming every missing, resized or corrupt file and every fragment of another plan.
     -> summary: out, manifest path, rank files, fragments read
     Holds `out` alone (store/lock.py): no `shard` may be writing there meanwhile.
@@ -204,7 +212,7 @@ def merge(out: Path, progress: Progress | None = None) -> dict[str, Any]:
     if (out / INDEX_NAME).is_file() or not ((out / LOCK_NAME).exists() or (out / DONE_DIR).exists()):
         _nothing_to_merge(out)
     with hold(out):
-        return _merge(out, progress)
+        return _merge(out, progress, shares_agree)
 
 
 def _nothing_to_merge(out: Path) -> None:
@@ -218,7 +226,9 @@ def _nothing_to_merge(out: Path) -> None:
     )
 
 
-def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
+def _merge(
+    out: Path, progress: Progress | None, shares_agree: Callable[[Path, int], list[str]] | None
+) -> dict[str, Any]:
     frags = read_fragments(out)
     if not frags and (out / MANIFEST).is_file():  # the shares finished together: each saw every file done
         return _already_merged(out)
@@ -265,6 +275,8 @@ def _merge(out: Path, progress: Progress | None) -> dict[str, Any]:
         if p.name not in first["rank_files"]
     ]
     problems += _other_revisions(frags)
+    if not problems and shares_agree is not None:
+        problems += shares_agree(out, len(first["rank_files"]))
     if problems:
         raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(problems))
     rank_files = {file: records[file][0] for file in first["rank_files"]}

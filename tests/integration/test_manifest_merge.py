@@ -85,6 +85,22 @@ def test_resume_in_a_gathered_folder_writes_the_manifest(runs, tmp_path):
     assert _files(g) == _files(runs["full"])
 
 
+@pytest.mark.parametrize("how", ["manifest", "shard --resume"])
+def test_shares_of_two_sources_of_one_layout_are_refused(runs, tmp_path, monkeypatch, capsys, how):
+    """Two checkpoints of one layout (make-tiny seeds 0 and 1) have one plan digest: their shares merged and
+    passed `check` (an audit). Their replicated tensors differ, and the merge now compares them."""
+    other = make_tiny(tmp_path / "other", seed=1)
+    execute(build_plan(other, 4), tmp_path / "b1", ranks=[1, 2])
+    g = _gather(tmp_path / "g", runs["a"], tmp_path / "b1")
+    if how == "manifest":
+        code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    else:
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(runs["src"]), str(g), "--tp", "4", "--resume")
+    assert code == 2 and f"{g}: cannot write manifest.json: " in err, err
+    assert "replicated tensor(s) differ between the rank files" in err and "from different sources?" in err
+    assert not (g / "manifest.json").exists()
+
+
 def test_missing_rank_is_an_error(runs, tmp_path, monkeypatch, capsys):
     g = _gather(tmp_path / "g", runs["a"], runs["b"])
     (g / "model2-mp4.safetensors").unlink()
