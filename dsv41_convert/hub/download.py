@@ -37,7 +37,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from huggingface_hub import HfApi
 from huggingface_hub._local_folder import get_local_download_paths
@@ -81,6 +81,7 @@ from dsv41_convert.hub.local import (
 )
 from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import hold
+from dsv41_convert.store.manifest import atomic_write
 
 GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
 REPO_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?")
@@ -234,17 +235,18 @@ def _download(
     fetched_before = ours.ours() if ours is not None else set()
     if local_dir is not None:
         other = previous if ours is None else None
+        _no_linked_folders(place.folder, files, overwrite)
         unclaimed = [f for f in files if f.path not in fetched_before]
         checked = _claim(place.folder, other, record, unclaimed, overwrite, max_workers, progress)
         _remove_stale_temporaries(Path(local_dir), files)
     selections = _union(record, ours.selections if ours else (), asked)
     record = dataclasses.replace(record, selections=selections, fetched=tuple(sorted(fetched_before | checked)))
 
+    placed: set[str] = set()  # files this run put at their names, checked
+
     def fetch(batch: list[RemoteFile], force: bool) -> list[Problem]:
-        return _fetch_all(
-            batch,
-            max_workers,
-            lambda f, stop: fetch_file(
+        def one(f: RemoteFile, stop: threading.Event) -> Problem | None:
+            problem = fetch_file(
                 repo_id,
                 f,
                 record.commit,
@@ -257,8 +259,12 @@ def _download(
                 backoff_s=backoff_s,
                 progress=progress,
                 stop=stop,
-            ),
-        )
+            )
+            if problem is None:
+                placed.add(f.path)
+            return problem
+
+        return _fetch_all(batch, max_workers, one)
 
     missing, refetched = _to_fetch(place.folder, files)
     refusal = xet_refusal(repo_id, record.revision, missing)
@@ -271,8 +277,16 @@ def _download(
     # not before the refusals above: a refused run into a new folder left it holding a record (an audit)
     _save_record(record, place, local_dir, cache_dir)
     present = [f for f in files if f not in missing and f.path not in checked]
-    problems = fetch(missing, False) + check_files(place.folder, present, workers=max_workers, progress=progress)
-    problems, again = _repair(problems, files, place.folder, fetch, repair_rounds)
+    try:
+        problems = fetch(missing, False) + check_files(place.folder, present, workers=max_workers, progress=progress)
+        problems, again = _repair(problems, files, place.folder, fetch, repair_rounds)
+    except BaseException:
+        # the files it did put there are the download's (a later --overwrite at another revision removes
+        # them): recorded only at the end, a run that failed or was stopped left them unowned (an audit)
+        if placed:
+            fetched_now = tuple(sorted(record.ours() | placed))
+            _save_record(dataclasses.replace(record, fetched=fetched_now), place, local_dir, cache_dir)
+        raise
     refetched += [f.path for f in again if f.path not in refetched]
     missing += [f for f in again if f not in missing]
     wrong = {p.path for p in problems}  # deleted after the re-fetches: not in the folder
@@ -359,6 +373,26 @@ def _claim(
     return {f.path for f in present}
 
 
+def _no_linked_folders(folder: Path, files: list[RemoteFile], overwrite: bool) -> None:
+    """A link to a folder in the --local-dir with files of the revision under it (`inference/` -> the user's
+    own folder): the files would be written into what it points to (an audit saw the user's model.py
+    replaced). DownloadError naming the links, or with `overwrite` each link replaced by a folder of the
+    download's own; what a link points to is left as it is, as for a link to a file (fetch.remove_file)."""
+    under = {str(parent) for f in files for parent in PurePosixPath(f.path).parents if str(parent) != "."}
+    links = sorted(name for name in under if (folder / name).is_symlink())
+    if not links:
+        return
+    if not overwrite:
+        raise DownloadError(
+            f"{folder}: {first_few(links)}: a link to a folder where the revision has files: they would be written "
+            "into what it points to; --overwrite replaces the link with a folder of the download's own (what it "
+            "points to stays as it is), or pick another --local-dir"
+        )
+    for name in links:  # the shallowest first: a link under a removed one is gone with it
+        if (folder / name).is_symlink():
+            (folder / name).unlink()
+
+
 def _union(record: Record, before: tuple[Selection, ...], asked: Selection) -> tuple[Selection, ...]:
     """What the record keeps for --verify-only: this run's selection and the earlier runs' at its commit
     (`before`), so a narrower run (--include config.json) never narrows what the folder is checked for.
@@ -378,7 +412,7 @@ def _save_record(record: Record, place: Place, local_dir: Path | None, cache_dir
         # the HF cache, as snapshot_download does: remember what the branch or tag pointed to, for offline use
         ref = storage_of(record.repo_id, cache_dir) / "refs" / record.revision
         ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(record.commit)
+        atomic_write(ref, record.commit.encode())
 
 
 def _blob_held(place: Place, file: RemoteFile) -> bool:

@@ -48,6 +48,8 @@ def fetch_record(api: HfApi, repo_id: str, revision: str | None, *, retries: int
             raise _not_the_hub(repo_id, rev, api.endpoint, f"a file named {s.rfilename!r}: {why}")
         if s.size is None and s.lfs is None:
             raise DownloadError(f"{repo_id}@{rev}: the Hub gave no size for {s.rfilename}; retry later")
+        if s.lfs is None and s.blob_id is None:  # then nothing but its size could be checked, silently
+            raise _not_the_hub(repo_id, rev, api.endpoint, f"no blobId (git blob id) for {s.rfilename}")
         size = s.lfs.size if s.lfs is not None else s.size
         files.append(RemoteFile(s.rfilename, int(size), s.lfs.sha256 if s.lfs is not None else None, s.blob_id))
     return Record(repo_id, rev, str(info.sha), tuple(sorted(files, key=lambda f: f.path)))
@@ -114,6 +116,11 @@ def fetch_file(
             raise DownloadError(
                 f"{repo_id}@{commit}: {file.path} ({file.size / 1e9:.1f} GB): {_OVER_HTTP_LIMIT}, and the Hub "
                 "does not serve it through hf-xet; retry later, or ask the repo's owner"
+            )
+        if meta.size is not None and meta.size != file.size:  # no bytes it serves can check out
+            raise DownloadError(
+                f"{repo_id}@{commit}: {file.path}: the server serves {meta.size} bytes where the Hub's listing "
+                f"announced {file.size}; rerun (a proxy or mirror serving another file? HF_ENDPOINT?)"
             )
         if local_dir is not None and not by_xet:
             return _fetch_resumable(file, url, meta, Path(local_dir), token=token, progress=progress, stop=stop)

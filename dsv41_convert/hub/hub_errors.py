@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from huggingface_hub import get_token
 from huggingface_hub.errors import (
+    FileMetadataError,
     GatedRepoError,
     HfHubHTTPError,
     OfflineModeIsEnabled,
@@ -106,6 +107,11 @@ def hub_error(
             )
         if isinstance(e, HfHubHTTPError):
             return _http_error(e, where, repo_id=repo_id, revision=revision, endpoint=endpoint, path=path)
+        if isinstance(e, FileMetadataError):  # an OSError without an errno: it named no file
+            return DownloadError(
+                f"{where}: {endpoint} answered the file's metadata request without the Hub's headers ({e}); "
+                "check HF_ENDPOINT and any proxy in between, then rerun"
+            )
         if isinstance(e, TransportError | ConnectionError | TimeoutError):
             return DownloadError(
                 f"{where}: network error talking to {endpoint} ({type(e).__name__}: {e}); "

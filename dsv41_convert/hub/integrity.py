@@ -32,6 +32,7 @@ from dsv41_convert.errors import DownloadError, HeaderError, first_few
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
+from dsv41_convert.store.manifest import atomic_write
 from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -119,9 +120,10 @@ class Record:
         }
         if self.fetched is not None:
             data["fetched"] = sorted(self.fetched)
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(path)
+        # a temporary of this process's own: the ranks of a torchrun launch resolve one repo into one HF cache
+        # at once, and with one temporary name they renamed it from under each other (FileNotFoundError) or
+        # installed it empty (an audit)
+        atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
 
     @staticmethod
     def load(path: Path) -> Record | None:
@@ -150,7 +152,8 @@ class Record:
             )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DownloadError(
-                f"{path}: unreadable download record ({exc}); download again, or delete it to check headers only"
+                f"{path}: unreadable download record ({exc}); delete it: the next `download` checks every file "
+                "there against the Hub and records them again (`--verify-only` without it checks headers only)"
             ) from exc
 
     def selected(self) -> list[RemoteFile]:
