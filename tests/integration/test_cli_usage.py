@@ -111,6 +111,27 @@ def test_source_neither_folder_nor_repo_id_is_refused_before_any_download(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["plan", "shard", "export"])
+def test_a_repo_id_as_source_under_torchrun_is_refused_before_any_download(tmp_path, monkeypatch, capsys, command):
+    """Every process of the launch resolved the repo id itself: eight downloads (and hashes of the whole
+    checkpoint) of one repo into one HF cache at once. Refused, naming the one download to run first; no Hub
+    was asked (none is reachable here: a download would have failed with a network error instead)."""
+    from cli_run import run_cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    args = {"plan": ["--tp", "2"], "shard": [str(tmp_path / "out"), "--tp", "2"], "export": [str(tmp_path / "out"),
+            "--format", "bf16"]}[command]  # fmt: skip
+    code, _, err = run_cli(monkeypatch, capsys, command, "acme/tiny@v1", *args)
+    assert code == 2, err
+    assert (
+        "a Hub repo id as SRC under torchrun" in err
+        and "`dsv41-convert download acme/tiny --revision v1 --local-dir DIR`" in err
+    )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
+
+
 def test_ctrl_c_message_fits_the_command():
     """Only the commands that continue what an interrupted run left are told to (verify wrote nothing)."""
     from dsv41_convert.cli import interrupted_message
