@@ -339,7 +339,7 @@ def check_destination(
         others = _others(plan, mine, ranks)
         check_empty(out, resume, overwrite, others)
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
-        if others is not None and not overwrite:
+        if others is not None and (not overwrite or ranks is not None):
             _same_plan_as_the_other_shares(out, plan, mine)
         if resume:
             _check_resumable(out, mine, plan.digest())
@@ -412,7 +412,10 @@ def _require_space(out: Path, need: int) -> None:
 def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[RankFile]) -> None:
     """A share (--ranks, a torchrun process) writes beside the other shares of one plan: a fragment or done
     record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
-    that share's fragment and replaced its config.json, exit 0 (an audit)."""
+    that share's fragment and replaced its config.json, exit 0 (an audit). Also with --ranks and --overwrite,
+    which replaces this share's rank files only: the other ranks' files of the replaced conversion stayed
+    beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the
+    launch's other processes rewrite theirs."""
     digest = plan.digest()
     other = sorted(name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != digest)
     other += [
@@ -485,7 +488,7 @@ def execute(
         # manifest (and an export's index) listing files already gone (an audit)
         forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
-        if share and not overwrite:
+        if share and (not overwrite or ranks is not None):  # a torchrun launch --overwrite rewrites every rank
             _same_plan_as_the_other_shares(out, plan, mine)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             if forget is not None:

@@ -214,6 +214,8 @@ def write_partial(
     jpath = journal_path(out, rf.file)
     head = journal.header(rf.file, rf.nbytes, plan_digest, chunk_bytes)
     head["compute_chunk_bytes"] = compute_chunk_bytes(chunk_bytes, quantizer.device)  # chunk j's rows
+    if partial.is_symlink():  # not a partial file of ours (those are files): written, it wrote into its target
+        partial.unlink()
     start, why = journal.load(jpath, partial, head) if resume else (None, "not resuming")
     if start is not None and not _fits(start, rf):
         start, why = None, "journal does not fit the plan's tensors"

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.quant.byte_checks import nonfinite_error
+from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 
 
 def require_finite(w: Tensor, name: str, why: str = "to quantize") -> None:
@@ -18,7 +19,8 @@ def require_finite(w: Tensor, name: str, why: str = "to quantize") -> None:
     if not bad.any():
         return
     first = tuple(int(i) for i in bad.nonzero()[0])
-    what = f"({int(bad.sum())} non-finite of {w.numel()}) in {w.dtype} {list(w.shape)}"
+    dtype = TORCH_TO_SAFETENSORS.get(w.dtype, str(w.dtype))  # as the file names it, as for copied tensors
+    what = f"({int(bad.sum())} non-finite of {w.numel()}) in {dtype} {list(w.shape)}"
     raise nonfinite_error(name, float(w[first]), list(first), what, why)
 
 

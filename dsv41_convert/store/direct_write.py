@@ -57,7 +57,7 @@ class DirectAppender:
                  depth: int = DEPTH):  # fmt: skip
         assert piece_bytes % BLOCK == 0 and depth >= 1
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never into a link's target
         self.direct_fd = _open_direct(self.path) if direct else -1
         self.piece_bytes = piece_bytes
         self.error: BaseException | None = None
@@ -229,7 +229,7 @@ def _open_direct(path: Path) -> int:
     if not _O_DIRECT:
         return -1
     try:
-        return os.open(path, os.O_WRONLY | _O_DIRECT)
+        return os.open(path, os.O_WRONLY | _O_DIRECT | os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return -1

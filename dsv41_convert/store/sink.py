@@ -71,7 +71,7 @@ class Sink:
         direct: bool = True,
     ):
         self.path, self.label, self.total, self.progress = path, label, total, progress
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if start else os.O_TRUNC), 0o644)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if start else os.O_TRUNC), 0o644)
         self.sha = start.sha if start else hashlib.sha256()
         self.queued = self.done = start.end if start else 0  # bytes handed over / written
         if start:

@@ -19,7 +19,7 @@ from tiny_ckpt import make_tiny
 
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import OutputError, VerifyInputError
 from dsv41_convert.store.manifest_check import check_folder
 from dsv41_convert.store.manifest_merge import write_fragment
 
@@ -167,21 +167,19 @@ def test_torchrun_shares_leave_fragments(runs, tmp_path, monkeypatch):
     assert _files(g) == _files(runs["full"])
 
 
-def test_a_rewrite_removes_the_manifest_it_would_falsify(runs, tmp_path, monkeypatch, capsys):
-    """--overwrite of some ranks with other options: the old manifest.json and other plans' fragments go
-    before any byte is written; what is left is a fragment of the new plan, which `check` refuses."""
+def test_a_rewrite_of_some_ranks_with_other_options_is_refused(runs, tmp_path, monkeypatch, capsys):
+    """--overwrite of some ranks with other options: it removed the old manifest.json and other plans'
+    fragments and rewrote its ranks, leaving the other ranks of the replaced conversion beside them, a
+    whole-looking set of two conversions for a loader that reads no manifest (an audit). Refused before
+    anything is removed or written."""
     out = tmp_path / "out"
     shutil.copytree(runs["full"], out)
-    shutil.copy(runs["b"] / "manifest-fragment-mp4-r1_2.json", out)  # fp4 experts: another plan
-    assert (out / "manifest.json").is_file()
-    res = execute(build_plan(runs["src"], 4, "fp8"), out, ranks=[0], overwrite=True)
-    assert res["manifest"] is None and res["fragment"] == str(out / "manifest-fragment-mp4-r0.json")
-    assert not (out / "manifest.json").exists()
-    assert sorted(p.name for p in out.glob("manifest-fragment-*")) == ["manifest-fragment-mp4-r0.json"]
-    with pytest.raises(VerifyInputError):
-        check_folder(out)
-    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))
-    assert code == 2 and "model1-mp4.safetensors" in err  # its done record is from the replaced plan
+    shutil.copy(runs["b"] / "manifest-fragment-mp4-r1_2.json", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(OutputError, match=r"holds a share of another plan .*convert every rank again"):
+        execute(build_plan(runs["src"], 4, "fp8"), out, ranks=[0], overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert check_folder(out).ok
 
 
 def test_a_resume_with_nothing_left_to_write_keeps_the_manifest(runs, tmp_path):

@@ -444,3 +444,46 @@ def test_an_overwrite_stopped_in_its_removals_leaves_no_record_of_gone_files(
     code, _, err = run_cli(monkeypatch, capsys, again[0], str(src), str(out), *again[1:], finish)
     assert code == 0, err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("how", ["--resume", "--overwrite"])
+@pytest.mark.parametrize("target", ["a source shard", "another file"])
+def test_a_link_at_a_partial_files_name_is_not_written_through(src, tmp_path, monkeypatch, capsys, how, target):
+    """A link planted at OUT/model0-mp2.safetensors.partial: the writer opened it and wrote through it, into a
+    source shard (the run then blamed the source: "unexpected end of file") or into any file the link named
+    (exit 0, the rank file left a link to it), an audit. The link is removed, its target kept."""
+    clean = tmp_path / "clean"
+    assert shard(monkeypatch, capsys, str(src), str(clean), "--tp", "2")[0] == 0
+    out = tmp_path / "out"
+    shutil.copytree(clean, out)
+    victim = sorted(src.glob("*.safetensors"))[2] if target == "a source shard" else tmp_path / "precious.txt"
+    if target == "another file":
+        victim.write_text("mine\n")
+    before = victim.read_bytes()
+    (out / "model0-mp2.safetensors").unlink()
+    (out / "model0-mp2.safetensors.partial").symlink_to(victim)
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", how)
+    assert code == 0, err
+    assert victim.read_bytes() == before
+    final = out / "model0-mp2.safetensors"
+    assert not final.is_symlink() and final.read_bytes() == (clean / final.name).read_bytes()
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+def test_a_share_overwritten_with_other_options_is_refused(src, tmp_path, monkeypatch, capsys):
+    """`shard --ranks 1 --expert-dtype fp8 --overwrite` into a whole tp-4 conversion (fp4 experts) replaced
+    rank 1 alone: OUT held ranks 0, 2, 3 with fp4 experts and rank 1 with fp8, a whole-looking set of two
+    conversions that a loader reading no manifest takes (an audit). Refused; with the same options allowed."""
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "4")[0] == 0
+    before = tree(out)
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "4", "--ranks", "1", "--expert-dtype",
+                         "fp8", "--overwrite")  # fmt: skip
+    assert code == 2 and "holds a share of another plan" in err and "convert every rank again" in err, err
+    assert tree(out) == before
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "4", "--ranks", "1", "--expert-dtype",
+                         "fp8", "--overwrite", "--dry-run")  # fmt: skip
+    assert code == 2 and "holds a share of another plan" in err, err
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "4", "--ranks", "1", "--overwrite")
+    assert code == 0, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0

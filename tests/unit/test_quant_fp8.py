@@ -193,6 +193,9 @@ def test_encode_non_finite_names_tensor_and_index(bad):
     w[7, 1] = bad
     with pytest.raises(FormatError, match=r"layers\.3\.attn\.wq_a\.weight: found (nan|inf|-inf) at index \[5, 33\]"):
         encode_fp8_blocks(w, name="layers.3.attn.wq_a.weight")
+    # the dtype as the file names it, as for a copied tensor (it said "torch.bfloat16 [40, 40]": an audit)
+    with pytest.raises(FormatError, match=r"\(2 non-finite of 1600\) in BF16 \[40, 40\]; expected finite values"):
+        encode_fp8_blocks(w.bfloat16(), name="layers.3.attn.wq_a.weight")
 
 
 def test_encode_rejects_bad_arguments():
