@@ -394,13 +394,17 @@ def _verify_ranks(
     result.failures += [
         f for c in result.checks if c.name in ("replay", "teacher") for f in c.failures if f not in said
     ]
-    if not any(r.draft_logits is not None for r in ref.runs):  # no decode step ran the DSpark stages
+    ran_drafts = any(r.draft_logits is not None for r in ref.runs)
+    if not ran_drafts:  # no decode step ran the DSpark stages
         for c in result.checks:
             c.covers_drafts = c.name in ("weights", "twin")  # they compared the stages' bytes, run or not
     drafts = conv_args.n_mtp_layers > 0
     result.verdict = decide(result.checks, result.failures, opts.statistical, drafts)
-    result.drafts_statistical = result.verdict == PASS and drafts and drafts_uncovered(result.checks)
-    result.unreached = not_run_by(ref.inputs, conv_args)
+    uncovered = drafts and not any(c.decisive and c.covers_drafts for c in result.checks)
+    # "on statistical bounds only" where bounds judged drafts; a reference without decode steps has none, and
+    # the stages are then what no prompt ran (the report said they were judged: an audit)
+    result.drafts_statistical = result.verdict == PASS and ran_drafts and uncovered and drafts_uncovered(result.checks)
+    result.unreached = not_run_by(ref.inputs, conv_args) + ([DRAFTS_UNREACHED] if uncovered and not ran_drafts else [])
     if result.verdict == INCONCLUSIVE:
         skipped = weight_digests.experts_stored_as(ranks) if result.weights == "partial" else ""
         result.advice = (
@@ -414,6 +418,12 @@ def _verify_ranks(
         result.localization = _localize(result, ref, out, expected, ranks, conv_args, thresholds, replay_runs)
         seconds["localize"] = time.perf_counter() - t3
     return result
+
+
+DRAFTS_UNREACHED = (
+    "the DSpark MTP stages (mtp.*: the reference ran no decode step, so no draft was computed; "
+    "`reference-logits --decode-steps N` runs them)"
+)
 
 
 def not_run_by(inputs: Sequence[ModelInput | Prompt], args: ModelArgs) -> list[str]:

@@ -27,7 +27,7 @@ from dsv41_convert.verify import reffile
 from dsv41_convert.verify.arithmetic import arithmetic
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.reference import compute_reference
-from dsv41_convert.verify.run import VerifyOptions, verify
+from dsv41_convert.verify.run import DRAFTS_UNREACHED, VerifyOptions, verify
 
 pytestmark = pytest.mark.slow  # runs the tiny model once for the reference, and the CLI per damage
 
@@ -80,6 +80,13 @@ def test_only_ids_logits_logits_all_runs(work, tmp_path):
     assert "reference without decode steps" in result.advice and "--decode-steps" in result.advice
     assert set(result.overall) == {"last", "all"}
     assert all(s.max_abs == 0 for s in result.overall.values())  # tp 1, fp8 source: exact
+    # --statistical makes it a PASS; no bound judged a draft (none was computed), so the stages are what no
+    # prompt ran, not "the DSpark drafts on statistical bounds only" (an audit: a doubled scale in an MTP
+    # stage passed, reported as judged)
+    result = verify(VerifyOptions(conv, reference_logits=minimal, threads=1, statistical=True))
+    assert result.verdict == "PASS" and not result.drafts_statistical
+    assert DRAFTS_UNREACHED in result.unreached and result.to_json()["unreached"] == result.unreached
+    assert DRAFTS_UNREACHED not in verify(VerifyOptions(conv, reference_logits=ref, threads=1)).unreached
 
 
 def _run_verify(conv: Path, ref: Path) -> subprocess.CompletedProcess[str]:
