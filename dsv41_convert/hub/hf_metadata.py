@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.hub.integrity import RemoteFile
+from dsv41_convert.store.file_digest import SHA256_HEX
 
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 SHA1_HEX = re.compile(r"[0-9a-f]{40}")
 METADATA_DIR = Path(".cache") / "huggingface" / "download"
 

@@ -14,6 +14,7 @@ Digests: sha256 (our manifests, and the Hub's LFS files) or, where a record has 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from dsv41_convert.store.machine import usable_cores
 from dsv41_convert.store.threads import map_stoppable
 
 CHUNK = 16 << 20
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 as hexdigest() writes it
 MAX_THREADS = 8  # 128 MiB of buffers; 16 were no faster on the H200 host, cached or cold (docs/BENCHMARKS.md)
 SHA256, GIT_SHA1 = "sha256", "git-sha1"
 

@@ -29,7 +29,7 @@ from typing import Any
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
-from dsv41_convert.store.file_digest import sampled_sha256, sha256_file
+from dsv41_convert.store.file_digest import SHA256_HEX, sampled_sha256, sha256_file
 from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
@@ -62,6 +62,12 @@ def problems(prov: Any) -> list[str]:
     tok = prov.get("tokenizer", {})
     if not (isinstance(tok, dict) and all(isinstance(v, str) for v in tok.values())):
         out.append("metadata provenance.tokenizer must map file names to sha256 strings")
+    else:  # only what _tokenizer_digests records: any other name made verify hash that path (an audit)
+        other = sorted(n for n in tok if n not in SIDECARS)
+        if other:
+            out.append(f"metadata provenance.tokenizer names {other}: only {list(SIDECARS)} are recorded")
+        if not all(SHA256_HEX.fullmatch(v) for v in tok.values()):
+            out.append("metadata provenance.tokenizer must map file names to sha256 strings (64 hex digits)")
     made = prov.get("made_from", "source")
     files = made.get("files") if isinstance(made, dict) else None
     if made != "source" and not (isinstance(files, dict) and all(isinstance(f, dict) for f in files.values())):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dsv41_convert import torchrun
-from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.config import ModelArgs, load_json, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError
@@ -209,6 +209,12 @@ def verify(
         raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
     if not (conv / "config.json").is_file():
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
+    if "text_config" in load_json(conv / "config.json"):  # read as well, it passed (an audit)
+        raise VerifyInputError(
+            f"{conv}/config.json: a Hugging Face config (text_config), not the inference config `shard` writes "
+            "beside rank files, which upstream's inference reads; put the conversion's own config.json back "
+            "(`shard` keeps the source's as hf_config.json)"
+        )
     conv_args = load_model_args(conv / "config.json")
     check_tp(conv_args, rank_tp(conv, opts.tp), str(conv / "config.json"))  # before a header is read
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once

@@ -22,7 +22,6 @@ the check says so.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,13 +35,12 @@ from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import MERGE_BLOCK, RankFiles, cut_sha256, piece_sha256
 from dsv41_convert.errors import ConfigError, PlanError
 from dsv41_convert.progress import Progress, Tally, counting
-from dsv41_convert.store.file_digest import hash_threads, sha256_of_blocks
+from dsv41_convert.store.file_digest import SHA256_HEX, hash_threads, sha256_of_blocks
 from dsv41_convert.store.heap import reuse_freed_buffers
 from dsv41_convert.store.threads import map_stoppable
 from dsv41_convert.verify.source import whole_row_copy
 
 T = TypeVar("T")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 NOT_HELD, NOT_RECORDED = "not in the rank files", "not in the reference's record"  # compare's name failures
 
 if TYPE_CHECKING:
@@ -159,7 +157,7 @@ def problems(weights: Any, model: Any = None) -> list[str]:
     if weights.get("expert_dtype") not in ("fp4", "fp8") or len(ranks) != tp:
         return shape
     if not all(
-        isinstance(r, dict) and all(isinstance(v, str) and _SHA256.fullmatch(v) for v in r.values()) for r in ranks
+        isinstance(r, dict) and all(isinstance(v, str) and SHA256_HEX.fullmatch(v) for v in r.values()) for r in ranks
     ):
         return ["metadata provenance.weights: every digest must be 64 lowercase hex digits (sha256)"]
     if "experts_as" in weights:
@@ -191,7 +189,7 @@ def _experts_as_problems(entry: Any, expert_dtype: str) -> str | None:
             f"beside experts stored as {expert_dtype}"
         )
     digests = entry["sha256"]
-    if not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in digests.values()):
+    if not all(isinstance(v, str) and SHA256_HEX.fullmatch(v) for v in digests.values()):
         return "metadata provenance.weights.experts_as: every digest must be 64 lowercase hex digits (sha256)"
     strays = sorted(n for n in digests if not _routed(n))
     if strays:

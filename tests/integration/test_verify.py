@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv41_convert.convert.execute import execute
 from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.synth.presets import TINY
 from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.prompts import default_prompts
@@ -276,6 +277,15 @@ def test_fault_tokenizer_not_the_sources(work):
     assert result.localization.module is None and "the tokenizer, not a weight" in result.localization.note
     doc = result.to_json()
     assert doc["verdict"] == "FAIL" and doc["decisive"] == [] and "twin" in doc["held"]  # was decisive: [twin]
+
+
+def test_a_hugging_face_config_in_place_of_the_inference_config_is_refused(work):
+    """The nested HF config.json put where shard writes the flat inference config: verify read it as well and
+    passed, while upstream's inference, which reads the flat one, cannot load the folder (an audit)."""
+    conv = _faulty(work, "nested-config")
+    shutil.copy(conv / "hf_config.json", conv / "config.json")
+    with pytest.raises(VerifyInputError, match=r"config.json: a Hugging Face config \(text_config\), not the"):
+        _verify(work, conv)
 
 
 @pytest.mark.dist

@@ -159,6 +159,10 @@ def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path)
         meta = f.metadata()
     for bad, said in (("[1]", "must be a JSON object"), ("{", "is not JSON"),
                       ('{"tokenizer": {"tokenizer.json": 5}}', "provenance.tokenizer must map"),
+                      # any other name made verify hash that path, even outside CONVERTED, and FAIL a correct set
+                      ('{"tokenizer": {"../src/tokenizer.json": "' + "0" * 64 + '"}}', "provenance.tokenizer names"),
+                      ('{"tokenizer": {"config.json": "' + "0" * 64 + '"}}', "only ['tokenizer.json', "),
+                      ('{"tokenizer": {"tokenizer.json": "abc"}}', "(64 hex digits)"),
                       ('{"made_from": {"files": [1]}}', "provenance.made_from must be"),
                       ('{"weights": {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]}}', "provenance.weights must be"),
                       ('{"weights": {"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": 1}]}}',
