@@ -340,7 +340,7 @@ def check_destination(
         check_empty(out, resume, overwrite, others)
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
         if others is not None and (not overwrite or ranks is not None):
-            _same_plan_as_the_other_shares(out, plan, mine)
+            _same_plan_as_the_other_shares(out, plan, mine, overwrite)
         if resume:
             _check_resumable(out, mine, plan.digest())
         if resume or others is not None:
@@ -409,15 +409,21 @@ def _require_space(out: Path, need: int) -> None:
         )
 
 
-def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[RankFile]) -> None:
+def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[RankFile], overwrite: bool) -> None:
     """A share (--ranks, a torchrun process) writes beside the other shares of one plan: a fragment or done
     record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
     that share's fragment and replaced its config.json, exit 0 (an audit). Also with --ranks and --overwrite,
     which replaces this share's rank files only: the other ranks' files of the replaced conversion stayed
     beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the
-    launch's other processes rewrite theirs."""
+    launch's other processes rewrite theirs. With `overwrite` this share's own earlier fragment (of its files
+    alone) is what it replaces, not another share's."""
     digest = plan.digest()
-    other = sorted(name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != digest)
+    own = {f.file for f in mine}
+    other = sorted(
+        name
+        for name, frag in read_fragments(out).items()
+        if frag.get("plan_digest") != digest and not (overwrite and set(frag.get("files") or ()) <= own)
+    )
     other += [
         f"{DONE_DIR}/{f}.done.json"
         for f in _kept(plan, mine)
@@ -489,7 +495,7 @@ def execute(
         forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
         if share and (not overwrite or ranks is not None):  # a torchrun launch --overwrite rewrites every rank
-            _same_plan_as_the_other_shares(out, plan, mine)
+            _same_plan_as_the_other_shares(out, plan, mine, overwrite)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             if forget is not None:
                 forget()

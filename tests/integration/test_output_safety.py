@@ -487,3 +487,12 @@ def test_a_share_overwritten_with_other_options_is_refused(src, tmp_path, monkey
     code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "4", "--ranks", "1", "--overwrite")
     assert code == 0, err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+    # a folder of one share alone (a machine's own OUT): redone with other options, its own earlier fragment
+    # is what it replaces, not another share's
+    alone = tmp_path / "alone"
+    assert shard(monkeypatch, capsys, str(src), str(alone), "--tp", "4", "--ranks", "0,1")[0] == 0
+    code, _, err = shard(monkeypatch, capsys, str(src), str(alone), "--tp", "4", "--ranks", "0,1", "--expert-dtype",
+                         "fp8", "--overwrite")  # fmt: skip
+    assert code == 0, err
+    assert [p.name for p in alone.glob("manifest-fragment-*")] == ["manifest-fragment-mp4-r0_1.json"]
+    assert '"fp8"' in (alone / "manifest-fragment-mp4-r0_1.json").read_text()
