@@ -9,7 +9,6 @@ import fcntl
 import functools
 import json
 import os
-import select
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,9 +103,10 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
 
 def _write_whole(data: bytes) -> None:
     """`data` on stdout, not cut by another process's write to the same stream (the ranks of a torchrun
-    launch): a pipe keeps a write whole only up to PIPE_BUF (4096 bytes), so a longer one is written under an
+    launch): a pipe keeps a write whole only up to PIPE_BUF (4096 bytes), so every write is made under an
     exclusive lock on the stream (lockf; a pipe's and a file's are shared by the processes that write to them;
-    one that takes no lock, such as a socket, is written as it is)."""
+    one that takes no lock, such as a socket, is written as it is). Every one, short ones too: a short
+    document written while a long one waited on a full pipe landed inside it (an audit)."""
     sys.stdout.flush()
     try:
         fd = sys.stdout.fileno()
@@ -114,12 +114,11 @@ def _write_whole(data: bytes) -> None:
         sys.stdout.buffer.write(data)
         return
     locked = False
-    if len(data) > select.PIPE_BUF:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
-            locked = True
-        except OSError:
-            pass
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        locked = True
+    except OSError:
+        pass
     try:
         view = memoryview(data)
         while view:

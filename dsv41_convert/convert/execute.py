@@ -432,7 +432,8 @@ def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[R
     if other:
         raise OutputError(
             f"{out}: holds a share of another plan ({first_few(other)}: other options or another source layout); "
-            "run this share with the options the others had, or convert every rank again (--overwrite, no --ranks)"
+            "run this share with the options the others had, or convert every rank again (--overwrite without "
+            "--ranks, or every share into an emptied OUT)"
         )
 
 
@@ -564,7 +565,9 @@ def _execute_held(
     options = options | {"device": device}
     done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
     if len(done) == len(plan.files):
-        if gathered and plan.tp > 1:
+        # rank files written by other runs (gathered shares, or shares finishing in one folder, on another
+        # host too, where source stamps do not reach: an audit) complete the set: they must be one model's
+        if (gathered or len(mine) < len(plan.files)) and plan.tp > 1:
             _shares_agree(out, plan.tp)
         if sidecars:
             extra += sidecars.after(out)

@@ -9,6 +9,7 @@ A fetch stops at the next chunk once its `stop` event is set (`Stopped`): Ctrl-C
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -224,7 +225,9 @@ def _fetch_resumable(
             headers.pop("authorization", None)
     partial = partial_path(local_dir, file)
     partial.parent.mkdir(parents=True, exist_ok=True)
-    with partial.open("ab") as out:
+    if partial.is_symlink():  # not a partial file of ours: appended to, it wrote into its target
+        partial.unlink()
+    with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "ab") as out:
         have = out.tell()
         if have > file.size:  # not a prefix of this file: start over
             out.truncate(0)

@@ -86,7 +86,10 @@ class JournalWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.data_fd = path, data_fd
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:  # a torn line of the old journal must not end up mid-file
+        # a torn line of the old journal must not end up mid-file; a link at the temporary's name is removed,
+        # never written through (an audit: it truncated its target)
+        tmp.unlink(missing_ok=True)
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb") as f:
             f.write("".join(json.dumps(r) + "\n" for r in first).encode())
             f.flush()
             os.fsync(f.fileno())

@@ -140,7 +140,10 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     busy, orphans_since, told = 0, None, False
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            # a link planted at its name is removed, never followed: an exclusive taker truncates what it opened
+            if path.is_symlink():
+                path.unlink()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
         try:

@@ -32,7 +32,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     names `path` (a full disk said only "No space left on device": an audit), and the temporary is removed."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # torchrun processes write the same files
     try:
-        # a link planted at the temporary's name is not followed (O_NOFOLLOW: an error, nothing written)
+        tmp.unlink(missing_ok=True)  # a link planted at the temporary's name: removed, never written through
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb") as f:
             f.write(data)
             f.flush()

@@ -185,3 +185,18 @@ def test_a_metadata_answer_without_the_hubs_headers_names_the_file(hub, tmp_path
     monkeypatch.setattr(hub_fetch, "get_hf_file_metadata", no_etag)
     with pytest.raises(DownloadError, match=r"acme/tiny@\w+: .*: .* answered the file's metadata request without"):
         fetch(hub, local_dir=tmp_path / "local")
+
+
+def test_a_link_at_a_partial_files_name_is_not_appended_to(hub, tmp_path):
+    """The partial file was opened for appending through a link planted at its name: the transfer went into
+    the link's target (a review, by reading)."""
+    local = tmp_path / "local"
+    listing = {f.path: f for f in hub_fetch.fetch_record(HfApi(endpoint=hub.url), REPO, None, retries=0,
+                                                          backoff_s=0).files}  # fmt: skip
+    partial = hub_fetch.partial_path(local, listing[SHARD1])
+    partial.parent.mkdir(parents=True)
+    victim = tmp_path / "precious.bin"
+    victim.write_bytes(b"mine")
+    partial.symlink_to(victim)
+    report = fetch(hub, local_dir=local)
+    assert report.ok and (local / SHARD1).read_bytes() == FILES1[SHARD1] and victim.read_bytes() == b"mine"

@@ -220,6 +220,8 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
     monkeypatch.delenv("RANK")
     assert_same_files(ckpts["pub-bf16"], tmp_path / "one")
     assert run_cli(monkeypatch, capsys, "check", str(tmp_path / "one"))[0] == 0
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path / "one"), "--json")  # finished already
+    assert code == 0 and json.loads(out)["already_merged"], err
     gathered = tmp_path / "gathered"
     gathered.mkdir()
     for rank in (0, 1):

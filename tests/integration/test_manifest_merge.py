@@ -101,6 +101,21 @@ def test_shares_of_two_sources_of_one_layout_are_refused(runs, tmp_path, monkeyp
     assert not (g / "manifest.json").exists()
 
 
+def test_shares_of_two_sources_finishing_in_one_folder_are_refused(runs, tmp_path, monkeypatch):
+    """Two shares into one folder (shared storage) from two sources of one layout, run on two hosts, where the
+    source stamps (recorded per host) do not reach: the share that completed the set wrote manifest.json and
+    `check` passed (an audit). The completing share now compares the replicated tensors."""
+    import dsv41_convert.store.source_stamps as stamps
+
+    other = make_tiny(tmp_path / "other", seed=1)
+    out = tmp_path / "out"
+    execute(build_plan(runs["src"], 4), out, ranks=[0, 3])
+    monkeypatch.setattr(stamps.socket, "gethostname", lambda: "otherhost")
+    with pytest.raises(OutputError, match=r"cannot write manifest.json: \d+ replicated tensor\(s\) differ"):
+        execute(build_plan(other, 4), out, ranks=[1, 2])
+    assert not (out / "manifest.json").exists()
+
+
 def test_missing_rank_is_an_error(runs, tmp_path, monkeypatch, capsys):
     g = _gather(tmp_path / "g", runs["a"], runs["b"])
     (g / "model2-mp4.safetensors").unlink()

@@ -496,3 +496,20 @@ def test_a_share_overwritten_with_other_options_is_refused(src, tmp_path, monkey
     assert code == 0, err
     assert [p.name for p in alone.glob("manifest-fragment-*")] == ["manifest-fragment-mp4-r0_1.json"]
     assert '"fp8"' in (alone / "manifest-fragment-mp4-r0_1.json").read_text()
+
+
+@pytest.mark.parametrize("name", [".dsv41-convert.lock", ".dsv41-convert/model0-mp2.safetensors.journal.tmp"])
+def test_a_link_at_a_record_or_lock_files_name_is_not_written_through(src, tmp_path, monkeypatch, capsys, name):
+    """The folder's lock (an exclusive taker truncates it) and a journal's temporary were opened through a link
+    planted at their names: the link's target was truncated (an audit: a copy of a source shard cut to the
+    journal's 230-byte header)."""
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+    victim = tmp_path / "precious.bin"
+    victim.write_bytes(bytes(range(256)) * 64)
+    (out / name).unlink(missing_ok=True)
+    (out / name).symlink_to(victim)
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite")
+    assert code == 0, err
+    assert victim.read_bytes() == bytes(range(256)) * 64
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
