@@ -113,19 +113,25 @@ def _write_whole(data: bytes) -> None:
     except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a capture in tests)
         sys.stdout.buffer.write(data)
         return
-    locked = False
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        locked = True
-    except OSError:
-        pass
-    try:
+    with _stream_locked(fd):
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+
+
+@contextmanager
+def _stream_locked(fd: int) -> Iterator[None]:
+    """An exclusive lockf on the stream `fd` while inside (none where it takes none: a socket). Per process, so
+    a signal handler that writes while this process holds it is not kept waiting."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    except OSError:
+        yield
+        return
+    try:
+        yield
     finally:
-        if locked:
-            fcntl.lockf(fd, fcntl.LOCK_UN)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 def reader_gone(stream: IO[str]) -> NoReturn:
@@ -162,7 +168,12 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
     from a signal handler, whose main thread may hold the consoles' locks."""
     os.write(2, f"error: {_by_rank(message)}\n".encode())
     if as_json:
-        os.write(1, (json.dumps(_ranked(error_document(message, code))) + "\n").encode())
+        document = (json.dumps(_ranked(error_document(message, code))) + "\n").encode()
+        if torchrun.shared_rank() is None:
+            os.write(1, document)
+        else:
+            with _stream_locked(1):  # not inside another rank's document (_write_whole)
+                os.write(1, document)
 
 
 def _by_rank(message: str) -> str:
