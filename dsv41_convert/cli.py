@@ -198,7 +198,7 @@ def plan_cmd(
         if as_json:
             if with_headers:
                 return report.print_json(plan.to_dict(True) | {"memory": memory}, compact=True)
-            return report.write(*plan.json_pieces(extra={"memory": memory}))
+            return report.write_json_pieces(plan.json_pieces(extra={"memory": memory}))
         _plan_table(summarize(plan))
         _memory_table(memory)
 
@@ -525,6 +525,7 @@ def reference_logits_cmd(
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.execute import check_output_file
     from dsv41_convert.store.lock import hold
+    from dsv41_convert.store.manifest import remove_stale_temporaries
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads
     from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
@@ -571,6 +572,8 @@ def reference_logits_cmd(
     # of compute, and torchrun's ranks do not contend
     with hold(out.parent) if writes else contextlib.nullcontext():
         check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
+        if writes:  # OUT.PID.partial of a run that died while saving (reffile.save's temporary), nothing else
+            remove_stale_temporaries(out.parent, lambda name: name == out.name)
         if stream_layers:
             from dsv41_convert.verify.streamed import compute_streamed_reference
 
@@ -1019,10 +1022,21 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
     interrupts.quiet_when_dropped()
+    if "--help" in sys.argv[1:]:
+        _help_reader_gone_as_sigpipe()
     try:
         _main(click_exceptions)
     finally:
         _disarm_stop_watchdog()
+
+
+def _help_reader_gone_as_sigpipe() -> None:
+    """--help is printed by Typer's own rich console, whose reader going away (`--help | head -1`) ended the run
+    with exit 1, "a check failed" (an audit): 141, as for every other output (report.reader_gone). Only for
+    --help: rich is not imported by a run that writes only JSON."""
+    from rich.console import Console
+
+    Console.on_broken_pipe = lambda self: report.reader_gone(self.file)  # type: ignore[method-assign]
 
 
 def _main(click_exceptions) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress as ByteProgress
+from dsv41_convert.store.manifest import DONE_DIR
 
 Step = Callable[[str], None]
 MARK = ".dsv41-demo"  # in DIR: the demo wrote it; --overwrite replaces nothing else
@@ -64,8 +65,8 @@ def run_demo(
                 f"{folder}: not a folder an earlier demo wrote (no {MARK}); --overwrite replaces only such a "
                 "folder: choose an empty or new one"
             )
-        for p in folder.glob("mp*"):
-            if p.is_dir() and p.name[2:].isdigit():
+        for p in folder.glob("mp*"):  # a demo's conversions: shard's records in them (a user's mp3/ stays)
+            if p.is_dir() and not p.is_symlink() and p.name[2:].isdigit() and (p / DONE_DIR).is_dir():
                 shutil.rmtree(p, ignore_errors=True)
         shutil.rmtree(src, ignore_errors=True)
         (folder / "ref-tp1.safetensors").unlink(missing_ok=True)

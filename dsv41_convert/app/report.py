@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import itertools
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -58,11 +60,34 @@ def print_json(data: Any, compact: bool = False, after_a_signal: bool = False) -
     line (JSON Lines) written whole (_write_whole), its `rank` first: indented documents of two ranks
     interleaved."""
     data, rank = _ranked(data), torchrun.shared_rank()
-    if compact or rank is not None:
-        text = json.dumps(data, separators=(",", ":"), default=str, check_circular=False)
-    else:
-        text = json.dumps(data, indent=2, default=str)
+    kw: dict[str, Any] = {"separators": (",", ":"), "check_circular": False} if compact or rank is not None else {}
+    try:
+        text = json.dumps(data, indent=None if kw else 2, default=str, allow_nan=False, **kw)
+    except ValueError:  # NaN or an infinity (a metric of a NaN logit): JSON has neither (an audit)
+        text = json.dumps(finite_json(data), indent=None if kw else 2, default=str, allow_nan=False, **kw)
     write(text, after_a_signal=after_a_signal)
+
+
+def finite_json(data: Any) -> Any:
+    """`data` with every float that JSON cannot hold (NaN, an infinity) as the string "nan", "inf" or "-inf"
+    (Python's json wrote NaN and Infinity, which JSON parsers other than Python's refuse)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return "nan" if math.isnan(data) else "inf" if data > 0 else "-inf"
+    if isinstance(data, dict):
+        return {k: finite_json(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite_json(v) for v in data]
+    return data
+
+
+def write_json_pieces(pieces: Iterator[str]) -> None:
+    """A JSON object given in pieces (the first begins with "{"), as print_json writes a document: under a
+    torchrun launch its `rank` first (`plan --json` had none: an audit)."""
+    rank = torchrun.shared_rank()
+    if rank is not None:
+        first = next(pieces)
+        pieces = itertools.chain([f'{{"rank":{rank},' + first[1:]], pieces)
+    write(*pieces)
 
 
 def _ranked(data: Any) -> Any:

@@ -46,6 +46,7 @@ verify run makes bit equality unexpected, so only statistical bounds then judge 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,7 +138,9 @@ def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -
         meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
+    # the process's own temporary (as atomic_write's): OUT.partial was a user's file replaced and renamed away
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    tmp.unlink(missing_ok=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
     except SafetensorError as exc:  # safetensors' own error for ENOSPC / EFBIG, not an OSError

@@ -222,3 +222,13 @@ def test_tables_in_a_pipe_keep_their_rows_whole(tmp_path):
     assert any(r"(layers|mtp)\.\d+\.(attn_norm|ffn_norm)\.weight [copy]" in line for line in rows), res.stdout
     assert all(line.count("│") == 10 for line in rows)  # one line per rule, 8 rank columns
     assert "…" not in res.stdout
+
+
+def test_help_into_a_reader_gone_exits_141():
+    """`dsv41-convert --help | head -1`: Typer's own console ended the run with exit 1 ("a check failed")."""
+    for args in (["--help"], ["plan", "--help"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first byte
+        proc = subprocess.run([entry_point(), *args], stdout=write_end, stderr=subprocess.PIPE, timeout=60)
+        os.close(write_end)
+        assert proc.returncode == 141, (args, proc.returncode, proc.stderr)

@@ -152,6 +152,18 @@ def test_demo_overwrite_replaces_only_a_folder_a_demo_wrote(tmp_path, monkeypatc
     assert tree(proj) == before
 
 
+def test_demo_overwrite_keeps_a_users_folder_beside_its_output(tmp_path, monkeypatch, capsys):
+    """Every DIR/mp<digits> folder was removed, whatever wrote it (an audit: a user's mp3/ beside a tp-2 demo's
+    mp2/); now only the conversions the demo wrote (shard's records in them)."""
+    demo = tmp_path / "demo"
+    assert run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1")[0] == 0
+    (demo / "mp3").mkdir()
+    (demo / "mp3" / "x").write_text("mine\n")
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "4", "--threads", "1", "--overwrite")
+    assert code == 0, err
+    assert (demo / "mp3" / "x").read_text() == "mine\n" and not (demo / "mp2").exists() and (demo / "mp4").is_dir()
+
+
 def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
     """A shard fetched again (or edited) in place, then --resume: the finished rank files were skipped,
     holding the old bytes, and `check` passed them."""

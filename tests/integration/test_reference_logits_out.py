@@ -50,6 +50,18 @@ def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(src, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors"]
 
 
+def test_a_users_file_at_the_old_temporarys_name_is_kept(src, tmp_path, monkeypatch, capsys):
+    """The reference file went through OUT.partial, a name a user's file may have: it was replaced and renamed
+    away (an audit). The temporary is the process's own (OUT.PID.partial), as atomic_write's; one a run that
+    died while saving left is removed."""
+    out = tmp_path / "ref.safetensors"
+    (tmp_path / "ref.safetensors.partial").write_bytes(b"precious")
+    (tmp_path / "ref.safetensors.4242.partial").write_bytes(b"a run that died while saving")
+    assert run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--decode-steps", "1")[0] == 0
+    assert (tmp_path / "ref.safetensors.partial").read_bytes() == b"precious" and out.stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors", "ref.safetensors.partial"]
+
+
 @pytest.mark.parametrize("where", ["ref.safetensors", "new/sub/ref.safetensors"])
 def test_out_inside_the_source_is_refused_and_nothing_is_created(src, where, monkeypatch, capsys):
     before = _listing(src)

@@ -73,3 +73,39 @@ def _broken(lines: list[bytes]) -> int:
         except ValueError:
             broken += 1
     return broken
+
+
+def _refuse(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_a_document_with_non_finite_numbers_is_valid_json(capsys):
+    """A metric of a NaN logit is an infinity: `verify --json` wrote `"kl_mean": Infinity`, which JSON parsers
+    other than Python's refuse (an audit: node's JSON.parse). Written as the strings "inf", "-inf", "nan"."""
+    from dsv41_convert.app import report
+
+    doc = {"a": float("inf"), "b": [float("nan"), 1.5], "c": {"d": float("-inf"), "e": (2.0, float("inf"))}}
+    for compact in (False, True):
+        report.print_json(doc, compact=compact)
+        out = capsys.readouterr().out
+        assert json.loads(out, parse_constant=_refuse) == {
+            "a": "inf",
+            "b": ["nan", 1.5],
+            "c": {"d": "-inf", "e": [2.0, "inf"]},
+        }
+    report.print_json({"a": 1.0, "b": [2, "x"]})  # finite: as before
+    assert json.loads(capsys.readouterr().out, parse_constant=_refuse) == {"a": 1.0, "b": [2, "x"]}
+
+
+def test_a_document_in_pieces_under_torchrun_has_its_rank_first(capsys, monkeypatch):
+    """`plan --json` writes its document in pieces; under torchrun it had no `rank`, unlike every other."""
+    from dsv41_convert.app import report
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    report.write_json_pieces(iter(['{"src":"x",', '"files":[]}']))
+    assert list(json.loads(capsys.readouterr().out).items()) == [("rank", 1), ("src", "x"), ("files", [])]
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    report.write_json_pieces(iter(['{"src":"x",', '"files":[]}']))
+    assert json.loads(capsys.readouterr().out) == {"src": "x", "files": []}
