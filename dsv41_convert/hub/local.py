@@ -162,6 +162,11 @@ def verify_local(
         return _verify_without_record(repo_id, revision, place.folder, asked, workers, progress)
     selections = (asked,) if include or exclude else record.selections  # by default, what was downloaded
     files = selected(record.files, selections)
+    if not files:  # a glob that matches nothing checked nothing: it said ok (an audit), as a typo would
+        raise DownloadError(
+            f"{repo_id}@{record.revision}: no file matches --include {list(include)} --exclude {list(exclude)} "
+            f"(the revision has {len(record.files)} files); nothing to check"
+        )
     problems = check_files(place.folder, files, workers=workers, progress=progress)
     problems += structure_problems(place.folder, [f.path for f in files], record, selections)
     return DownloadReport(
@@ -190,6 +195,11 @@ def _verify_without_record(
     should be there: the index and the shard names do). Which ran, and what none can see, is said in
     `checks`."""
     paths = [p for p in _local_paths(folder) if asked.wants(p)]
+    if not paths and (asked.include or asked.exclude):
+        raise DownloadError(
+            f"{folder}: no file matches --include {list(asked.include)} --exclude {list(asked.exclude)}; nothing "
+            "to check"
+        )
     hub = hub_metadata(folder, paths)
     if revision is not None and COMMIT.fullmatch(revision) and hub.commits - {revision}:
         raise DownloadError(

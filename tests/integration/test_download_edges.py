@@ -200,3 +200,18 @@ def test_a_link_at_a_partial_files_name_is_not_appended_to(hub, tmp_path):
     partial.symlink_to(victim)
     report = fetch(hub, local_dir=local)
     assert report.ok and (local / SHARD1).read_bytes() == FILES1[SHARD1] and victim.read_bytes() == b"mine"
+
+
+def test_verify_only_with_a_glob_that_matches_nothing_is_refused(hub, tmp_path):
+    """`--verify-only --include 'x*'` (a typo) checked no file and said ok, exit 0 (an audit)."""
+    local = tmp_path / "local"
+    assert fetch(hub, local_dir=local).ok
+    with pytest.raises(
+        DownloadError,
+        match=r"no file matches --include \['x\*'\] --exclude \[\] \(the revision has 5 files\); nothing to check",
+    ):
+        dl.verify_local(REPO, local_dir=local, include=["x*"])
+    (local / dl.RECORD_NAME).unlink()  # a folder without our record: checked from its files
+    with pytest.raises(DownloadError, match=r"no file matches --include \['x\*'\]"):
+        dl.verify_local(REPO, local_dir=local, include=["x*"])
+    assert dl.verify_local(REPO, local_dir=local, include=["*.json"]).files > 0
