@@ -1022,7 +1022,7 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
     interrupts.quiet_when_dropped()
-    if "--help" in sys.argv[1:]:
+    if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
         _help_reader_gone_as_sigpipe()
     try:
         _main(click_exceptions)

@@ -517,7 +517,9 @@ def execute(
             "journal": journal_bytes,
             "direct_io": direct_io,
         }
-        summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock.descriptors())
+        summary = _execute_held(
+            plan, src, out, mine, workers, progress, job, sidecars, lock.descriptors(), ranks is not None
+        )
     return summary | {"took_over": [h.describe() for h in lock.stale]}  # locks of runs that died holding them
 
 
@@ -531,8 +533,10 @@ def _execute_held(
     job: dict,
     sidecars: Sidecars | None,
     lock_fds: list[int],
+    ranks_given: bool = False,
 ) -> dict[str, Any]:
-    """`execute` once OUT is locked and checked; worker processes hold `lock_fds` with the run (die_with.py)."""
+    """`execute` once OUT is locked and checked; worker processes hold `lock_fds` with the run (die_with.py).
+    ranks_given: --ranks, so other runs (other hosts, other sources) may have written the other rank files."""
     digest, resume, device = job["digest"], job["resume"], job["device"]
     gathered = resume and bool(read_fragments(out))  # a folder gathered from several machines
     if gathered:
@@ -565,9 +569,11 @@ def _execute_held(
     options = options | {"device": device}
     done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
     if len(done) == len(plan.files):
-        # rank files written by other runs (gathered shares, or shares finishing in one folder, on another
-        # host too, where source stamps do not reach: an audit) complete the set: they must be one model's
-        if (gathered or len(mine) < len(plan.files)) and plan.tp > 1:
+        # rank files written by other runs (gathered shares, or --ranks shares finishing in one folder, on
+        # another host too, where source stamps do not reach: an audit) complete the set: they must be one
+        # model's. Not after one torchrun launch: its processes read one SRC, and each of those finishing
+        # last would read the replicas of every rank file (29 GB of the real model at tp 8)
+        if (gathered or (ranks_given and len(mine) < len(plan.files))) and plan.tp > 1:
             _shares_agree(out, plan.tp)
         if sidecars:
             extra += sidecars.after(out)

@@ -140,11 +140,12 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     busy, orphans_since, told = 0, None, False
     while True:
         try:
-            # a link planted at its name is removed, never followed: an exclusive taker truncates what it opened
-            if path.is_symlink():
-                path.unlink()
+            # a link planted at its name is not followed (an exclusive taker truncates what it opened: an audit),
+            # nor removed (between a check and the removal another taker may have put its lock file there)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OutputError(f"{what}: {path} is a link, not a lock file of ours; remove it") from exc
             raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)

@@ -234,7 +234,12 @@ def _merge(
         return _already_merged(out)
     _nothing_to_merge(out)  # again under the lock: a share may have merged and removed them meanwhile
     first_name, first = next(iter(frags.items()))
-    if (out / MANIFEST).is_file() and any(f["options"].get("format") is not None for f in frags.values()):
+    exported = [f for f in frags.values() if f["options"].get("format") is not None]
+    if (
+        exported
+        and (out / MANIFEST).is_file()
+        and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported)
+    ):
         return _already_merged(out)  # an export its last share finished: the fragments are its shares' records
     _not_an_export(out, frags)
     digest = first.get("plan_digest")

@@ -209,7 +209,6 @@ def verify(
         raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
     if not (conv / "config.json").is_file():
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
-    conv_args = load_model_args(conv / "config.json")
     tp = rank_tp(conv, opts.tp)  # a folder without rank files (a source given as CONVERTED) is said so first
     if "text_config" in load_json(conv / "config.json"):  # read as well, it passed (an audit)
         raise VerifyInputError(
@@ -217,6 +216,7 @@ def verify(
             "beside rank files, which upstream's inference reads; put the conversion's own config.json back "
             "(`shard` keeps the source's as hf_config.json)"
         )
+    conv_args = load_model_args(conv / "config.json")
     check_tp(conv_args, tp, str(conv / "config.json"))  # before a header is read
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
         _config_fits_rank_files(ranks, conv_args)

@@ -116,6 +116,23 @@ def test_shares_of_two_sources_finishing_in_one_folder_are_refused(runs, tmp_pat
     assert not (out / "manifest.json").exists()
 
 
+def test_the_processes_of_one_torchrun_launch_compare_no_replicas(runs, tmp_path, monkeypatch):
+    """They read one SRC; each of those finishing last would read every rank file's replicas (29 GB of the
+    real model at tp 8): only shares given --ranks, and gathered folders, compare them."""
+    import dsv41_convert.convert.unshard as unshard
+
+    def never(*args):
+        raise AssertionError("shares_agree ran")
+
+    monkeypatch.setattr(unshard, "shares_agree", never)
+    plan, out = build_plan(runs["src"], 4), tmp_path / "out"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        summary = execute(plan, out)
+    assert summary["manifest"] and _files(out) == _files(runs["full"])
+
+
 def test_missing_rank_is_an_error(runs, tmp_path, monkeypatch, capsys):
     g = _gather(tmp_path / "g", runs["a"], runs["b"])
     (g / "model2-mp4.safetensors").unlink()
