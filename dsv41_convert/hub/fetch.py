@@ -26,6 +26,7 @@ from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, repo_path_p
 from dsv41_convert.hub.local import COMMIT
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, difference
+from dsv41_convert.store.own_files import open_own
 
 
 def fetch_record(api: HfApi, repo_id: str, revision: str | None, *, retries: int, backoff_s: float) -> Record:
@@ -225,9 +226,7 @@ def _fetch_resumable(
             headers.pop("authorization", None)
     partial = partial_path(local_dir, file)
     partial.parent.mkdir(parents=True, exist_ok=True)
-    if partial.is_symlink():  # not a partial file of ours: appended to, it wrote into its target
-        partial.unlink()
-    with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "ab") as out:
+    with open(open_own(partial, os.O_WRONLY | os.O_APPEND), "ab") as out:
         have = out.tell()
         if have > file.size:  # not a prefix of this file: start over
             out.truncate(0)

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41_convert.store.own_files import open_own
+
 BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers: covers 512- and 4096-byte sectors
 PIECE_BYTES = 8 << 20
 DEPTH = 4
@@ -57,7 +59,7 @@ class DirectAppender:
                  depth: int = DEPTH):  # fmt: skip
         assert piece_bytes % BLOCK == 0 and depth >= 1
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never into a link's target
+        self.fd = open_own(self.path, os.O_RDWR)
         self.direct_fd = _open_direct(self.path) if direct else -1
         self.piece_bytes = piece_bytes
         self.error: BaseException | None = None

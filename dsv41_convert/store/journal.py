@@ -40,6 +40,7 @@ from typing import Any
 from dsv41_convert import interrupts
 from dsv41_convert.errors import NOT_JSON, OutputError
 from dsv41_convert.store.manifest import fsync_path
+from dsv41_convert.store.own_files import open_own
 
 FORMAT = "dsv41-convert journal v1"
 READ_BYTES = 16 << 20
@@ -86,10 +87,8 @@ class JournalWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.data_fd = path, data_fd
         tmp = path.with_name(path.name + ".tmp")
-        # a torn line of the old journal must not end up mid-file; a link at the temporary's name is removed,
-        # never written through (an audit: it truncated its target)
-        tmp.unlink(missing_ok=True)
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb") as f:
+        # a torn line of the old journal must not end up mid-file
+        with open(open_own(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
             f.write("".join(json.dumps(r) + "\n" for r in first).encode())
             f.flush()
             os.fsync(f.fileno())

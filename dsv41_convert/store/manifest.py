@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
+from dsv41_convert.store.own_files import open_own
 
 DONE_DIR = ".dsv41-convert"
 MANIFEST = "manifest.json"
@@ -30,10 +31,9 @@ FORMAT = "dsv41-convert manifest v1"
 def atomic_write(path: Path, data: bytes) -> None:
     """Write via a temporary name, fsync, rename: the file is either absent, old or complete. An OSError
     names `path` (a full disk said only "No space left on device": an audit), and the temporary is removed."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # torchrun processes write the same files
+    tmp = temporary_of(path)
     try:
-        tmp.unlink(missing_ok=True)  # a link planted at the temporary's name: removed, never written through
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb") as f:
+        with open(open_own(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -45,11 +45,17 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
-_TEMPORARY = re.compile(r"(.+)\.\d+\.partial")  # atomic_write's NAME.PID.partial
+_TEMPORARY = re.compile(r"(.+)\.\d+\.partial")  # temporary_of's NAME.PID.partial
+
+
+def temporary_of(path: Path) -> Path:
+    """This process's temporary for `path` (atomic_write's, the reference file's): NAME.PID.partial beside it,
+    since the processes of a torchrun launch write the same files."""
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")
 
 
 def temporary_target(name: str) -> str | None:
-    """NAME when `name` is atomic_write's temporary NAME.PID.partial, else None."""
+    """NAME when `name` is a temporary NAME.PID.partial (temporary_of's), else None."""
     found = _TEMPORARY.fullmatch(name)
     return found.group(1) if found else None
 

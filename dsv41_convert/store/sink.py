@@ -41,6 +41,7 @@ from dsv41_convert.store.direct_write import DirectAppender
 from dsv41_convert.store.hasher import Hasher
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint
 from dsv41_convert.store.machine import usable_cores
+from dsv41_convert.store.own_files import open_own
 from dsv41_convert.store.safetensors_header import pread_exact
 
 THROTTLE_ENV = "DSV41_CONVERT_TEST_THROTTLE_S"  # test hook: sleep this long after each chunk
@@ -71,7 +72,7 @@ class Sink:
         direct: bool = True,
     ):
         self.path, self.label, self.total, self.progress = path, label, total, progress
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if start else os.O_TRUNC), 0o644)
+        self.fd = open_own(path, os.O_RDWR | (0 if start else os.O_TRUNC))
         self.sha = start.sha if start else hashlib.sha256()
         self.queued = self.done = start.end if start else 0  # bytes handed over / written
         if start:

@@ -46,7 +46,6 @@ verify run makes bit equality unexpected, so only statistical bounds then judge 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.store.file_digest import sha256_file
+from dsv41_convert.store.manifest import temporary_of
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import sort_metadata
 from dsv41_convert.verify import provenance
@@ -138,8 +138,9 @@ def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -
         meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # the process's own temporary (as atomic_write's): OUT.partial was a user's file replaced and renamed away
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    # the process's own temporary: OUT.partial was a user's file replaced and renamed away; safetensors opens
+    # it by name, so a link or a dead run's file there goes first
+    tmp = temporary_of(path)
     tmp.unlink(missing_ok=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
