@@ -224,10 +224,7 @@ def _download(
     asked = Selection(tuple(include), tuple(exclude))
     files = selected(record.files, (asked,))
     if not files:
-        raise DownloadError(
-            f"{repo_id}@{record.revision}: no file matches --include {list(include)} "
-            f"--exclude {list(exclude)} (the revision has {len(record.files)} files)"
-        )
+        raise asked.matches_nothing(f"{repo_id}@{record.revision}", f"the revision has {len(record.files)} files")
     place = place_of(record.repo_id, record.commit, local_dir, cache_dir)
     previous = _previous_record(place, record)
     ours = previous if previous is not None and previous.commit == record.commit else None

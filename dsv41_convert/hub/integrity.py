@@ -80,6 +80,15 @@ class Selection:
             )
         )
 
+    def matches_nothing(self, where: str, among: str = "", then: str = "") -> DownloadError:
+        """The error for globs that select no file at `where` (`among`: what they were matched against; `then`:
+        what that means for the command)."""
+        return DownloadError(
+            f"{where}: no file matches --include {list(self.include)} --exclude {list(self.exclude)}"
+            + (f" ({among})" if among else "")
+            + then
+        )
+
 
 EVERY_FILE = Selection()
 

@@ -163,9 +163,8 @@ def verify_local(
     selections = (asked,) if include or exclude else record.selections  # by default, what was downloaded
     files = selected(record.files, selections)
     if not files:  # a glob that matches nothing checked nothing: it said ok (an audit), as a typo would
-        raise DownloadError(
-            f"{repo_id}@{record.revision}: no file matches --include {list(include)} --exclude {list(exclude)} "
-            f"(the revision has {len(record.files)} files); nothing to check"
+        raise asked.matches_nothing(
+            f"{repo_id}@{record.revision}", f"the revision has {len(record.files)} files", "; nothing to check"
         )
     problems = check_files(place.folder, files, workers=workers, progress=progress)
     problems += structure_problems(place.folder, [f.path for f in files], record, selections)
@@ -196,10 +195,7 @@ def _verify_without_record(
     `checks`."""
     paths = [p for p in _local_paths(folder) if asked.wants(p)]
     if not paths and (asked.include or asked.exclude):
-        raise DownloadError(
-            f"{folder}: no file matches --include {list(asked.include)} --exclude {list(asked.exclude)}; nothing "
-            "to check"
-        )
+        raise asked.matches_nothing(str(folder), then="; nothing to check")
     hub = hub_metadata(folder, paths)
     if revision is not None and COMMIT.fullmatch(revision) and hub.commits - {revision}:
         raise DownloadError(
