@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from dsv41_convert import interrupts, torchrun
@@ -60,11 +60,12 @@ def print_json(data: Any, compact: bool = False, after_a_signal: bool = False) -
     line (JSON Lines) written whole (_write_whole), its `rank` first: indented documents of two ranks
     interleaved."""
     data, rank = _ranked(data), torchrun.shared_rank()
-    kw: dict[str, Any] = {"separators": (",", ":"), "check_circular": False} if compact or rank is not None else {}
+    layout = {"separators": (",", ":"), "check_circular": False} if compact or rank is not None else {"indent": 2}
+    dump = functools.partial(json.dumps, default=str, allow_nan=False, **layout)
     try:
-        text = json.dumps(data, indent=None if kw else 2, default=str, allow_nan=False, **kw)
+        text = dump(data)
     except ValueError:  # NaN or an infinity (a metric of a NaN logit): JSON has neither (an audit)
-        text = json.dumps(finite_json(data), indent=None if kw else 2, default=str, allow_nan=False, **kw)
+        text = dump(finite_json(data))
     write(text, after_a_signal=after_a_signal)
 
 
@@ -194,11 +195,9 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
     os.write(2, f"error: {_by_rank(message)}\n".encode())
     if as_json:
         document = (json.dumps(_ranked(error_document(message, code))) + "\n").encode()
-        if torchrun.shared_rank() is None:
+        shared = torchrun.shared_rank() is not None
+        with _stream_locked(1) if shared else nullcontext():  # not inside another rank's (_write_whole)
             os.write(1, document)
-        else:
-            with _stream_locked(1):  # not inside another rank's document (_write_whole)
-                os.write(1, document)
 
 
 def _by_rank(message: str) -> str:

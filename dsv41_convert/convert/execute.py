@@ -339,8 +339,8 @@ def check_destination(
         others = _others(plan, mine, ranks)
         check_empty(out, resume, overwrite, others)
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
-        if others is not None and (not overwrite or ranks is not None):
-            _same_plan_as_the_other_shares(out, plan, mine, overwrite)
+        if others is not None:
+            _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None)
         if resume:
             _check_resumable(out, mine, plan.digest())
         if resume or others is not None:
@@ -409,7 +409,9 @@ def _require_space(out: Path, need: int) -> None:
         )
 
 
-def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[RankFile], overwrite: bool) -> None:
+def _same_plan_as_the_other_shares(
+    out: Path, plan: ConversionPlan, mine: list[RankFile], overwrite: bool, ranks_given: bool
+) -> None:
     """A share (--ranks, a torchrun process) writes beside the other shares of one plan: a fragment or done
     record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
     that share's fragment and replaced its config.json, exit 0 (an audit). Also with --ranks and --overwrite,
@@ -417,6 +419,8 @@ def _same_plan_as_the_other_shares(out: Path, plan: ConversionPlan, mine: list[R
     beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the
     launch's other processes rewrite theirs. With `overwrite` this share's own earlier fragment (of its files
     alone) is what it replaces, not another share's."""
+    if overwrite and not ranks_given:  # a torchrun launch --overwrite rewrites every rank
+        return
     digest = plan.digest()
     own = {f.file for f in mine}
     other = sorted(
@@ -495,8 +499,8 @@ def execute(
         # manifest (and an export's index) listing files already gone (an audit)
         forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
-        if share and (not overwrite or ranks is not None):  # a torchrun launch --overwrite rewrites every rank
-            _same_plan_as_the_other_shares(out, plan, mine, overwrite)
+        if share:
+            _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             if forget is not None:
                 forget()

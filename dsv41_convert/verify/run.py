@@ -410,7 +410,7 @@ def _verify_ranks(
     uncovered = drafts and not any(c.decisive and c.covers_drafts for c in result.checks)
     # "on statistical bounds only" where bounds judged drafts; a reference without decode steps has none, and
     # the stages are then what no prompt ran (the report said they were judged: an audit)
-    result.drafts_statistical = result.verdict == PASS and ran_drafts and uncovered and drafts_uncovered(result.checks)
+    result.drafts_statistical = result.verdict == PASS and drafts and ran_drafts and drafts_uncovered(result.checks)
     result.unreached = not_run_by(ref.inputs, conv_args) + ([DRAFTS_UNREACHED] if uncovered and not ran_drafts else [])
     if result.verdict == INCONCLUSIVE:
         skipped = weight_digests.experts_stored_as(ranks) if result.weights == "partial" else ""
