@@ -805,12 +805,13 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     from dsv41_convert.convert.unshard import shares_agree
     from dsv41_convert.store.manifest_merge import merge
 
-    def agree(folder: Path, tp: int) -> list[str]:
-        if not as_json:  # reads every rank file's replicated tensors (29 GB of the real model at tp 8)
-            report.info("replicas: the tensors every rank holds, compared across the rank files")
-        return shares_agree(folder, tp)
-
     with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
+
+        def agree(folder: Path, tp: int) -> list[str]:
+            if not as_json:  # reads every rank file's replicated tensors (29 GB of the real model at tp 8)
+                report.info("replicas: the tensors every rank holds, compared across the rank files")
+            return shares_agree(folder, tp, progress)
+
         summary = merge(out, progress=progress, shares_agree=agree)
     _warn_without_tokenizer(out, "so the manifest lists none")
     if summary.get("side_files_unchecked"):

@@ -578,7 +578,7 @@ def _execute_held(
         # model's. Not after one torchrun launch: its processes read one SRC, and each of those finishing
         # last would read the replicas of every rank file (29 GB of the real model at tp 8)
         if (gathered or (ranks_given and len(mine) < len(plan.files))) and plan.tp > 1:
-            _shares_agree(out, plan.tp)
+            _shares_agree(out, plan.tp, progress)
         if sidecars:
             extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra).resolve())  # absolute, as "out" (an audit)
@@ -600,12 +600,12 @@ def _execute_held(
     }
 
 
-def _shares_agree(out: Path, tp: int) -> None:
+def _shares_agree(out: Path, tp: int, progress: Progress) -> None:
     """OutputError unless the rank files gathered from several shares agree where they must (unshard.shares_agree,
     as `manifest` checks them): shares of two sources with one layout have one plan digest."""
     from dsv41_convert.convert.unshard import shares_agree  # torch: not imported by a run that copies bytes
 
-    differ = shares_agree(out, tp)
+    differ = shares_agree(out, tp, progress)
     if differ:
         raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(differ))
 

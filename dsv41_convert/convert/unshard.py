@@ -38,6 +38,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE
 from dsv41_convert.convert.rules import Split, expert_index, match_rule
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
+from dsv41_convert.progress import Progress, Tally
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.store.file_digest import sha256_of_blocks
 from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
@@ -141,23 +142,30 @@ def unshard_names(folder: Path, tp: int | None = None) -> list[str]:
         return ranks.names()
 
 
-def replica_mismatches(ranks: RankFiles) -> list[str]:
+REPLICAS = "replicas"  # replica_mismatches' progress label
+
+
+def replica_mismatches(ranks: RankFiles, progress: Progress | None = None) -> list[str]:
     """Every replicated tensor (split NONE: norms, gates, the aligner ...) whose bytes or header entry differ
     between the rank files, as "NAME: replicated, but rank r's copy differs from the other N ranks'" (or the
-    groups of ranks holding each copy). Reads those tensors only, MERGE_BLOCK bytes of two copies at a time.
+    groups of ranks holding each copy). Reads those tensors only, MERGE_BLOCK bytes of two copies at a time;
+    progress(REPLICAS, done, total) in bytes of rank 0's copies times tp (29 GB of the real model at tp 8).
 
     Every rank runs its own copy, so a copy damaged on one rank changes that rank's partial sums only a
     little, often within a tolerance; this compares the bytes themselves. Also every Engram table's padding
     rows (the last ranks'), which no prompt reads and only the tp-1 replay's merge checked: not the
     converter's fill, they are a rank set no conversion writes."""
+    names = sorted(ranks.headers[0].tensors)
+    replicated = {name for name in names if match_rule(name).split is Split.NONE}
+    tally = Tally(progress, REPLICAS, ranks.tp * sum(ranks.headers[0].tensors[name].nbytes for name in replicated))
     found = []
-    for name in sorted(ranks.headers[0].tensors):
+    for name in names:
         split = match_rule(name).split
         try:
             if split is Split.NONE:
                 copies = {r: h.tensors.get(name) for r, h in enumerate(ranks.headers)}
-                for _ in _replica_blocks(ranks, name, copies, MERGE_BLOCK):
-                    pass
+                for view in _replica_blocks(ranks, name, copies, MERGE_BLOCK):
+                    tally.add(ranks.tp * len(view))
             elif split is Split.ROWS_PADDED:
                 merge = merge_of(ranks, name)
                 _check_padding(ranks, merge)
@@ -166,12 +174,12 @@ def replica_mismatches(ranks: RankFiles) -> list[str]:
     return found
 
 
-def shares_agree(folder: Path, tp: int) -> list[str]:
+def shares_agree(folder: Path, tp: int, progress: Progress | None = None) -> list[str]:
     """For `manifest` (store.manifest_merge.merge) of rank files gathered from several shares: replica_mismatches
     of the tp-`tp` rank files in `folder`, said as one problem, the sign of shares of two sources (their plan
     digest covers the index and headers, so two checkpoints of one layout share it; their replicas differ)."""
     with RankFiles(folder, tp) as ranks:
-        differ = replica_mismatches(ranks)
+        differ = replica_mismatches(ranks, progress)
     if not differ:
         return []
     others = [m.split(": ", 1)[0] for m in differ[1:]]

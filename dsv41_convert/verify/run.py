@@ -327,7 +327,8 @@ def _verify_ranks(
     if tp > 1 and (not isinstance(out, LoadFailure) or opts.stream_layers):
         t2 = time.perf_counter()
         say("replicas: the tensors every rank holds, byte for byte across the rank files; Engram padding rows")
-        result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks)]
+        with shown(f"replicas: {conv}") as bytes_done:
+            result.failures += [f"replicas: {m}" for m in replica_mismatches(ranks, bytes_done)]
         seconds["replicas"] = time.perf_counter() - t2
     manifest_tp = recorded_tp(our_manifest(conv) or {})
     if (conv / MANIFEST).is_file() and manifest_tp not in (None, tp):
