@@ -44,6 +44,7 @@ import numpy as np
 
 from dsv41_convert.convert.plan import BF16, E4M3, E8M0, F4, OutTensor, Read
 from dsv41_convert.progress import add_seconds
+from dsv41_convert.quant.byte_checks import Region
 
 if TYPE_CHECKING:
     import torch
@@ -137,11 +138,14 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             _unused(q.get_nowait(), reader.ahead)
 
 
-def _block_name(name: str, main: Read, a: int, b: int) -> str:
+def _block_name(name: str, main: Read, a: int, b: int) -> Region:
     """`name` for the messages about one row block [a, b) of main's region: with the block's source rows
-    where it is not the whole tensor (an index in a message counts from the block's first row)."""
+    where it is not the whole tensor; a Region, so that an index in a message counts from the source
+    tensor's first row and column (a block's, or a rank's columns', said from the block's: an audit)."""
     r0, r1 = main.r0 + a, main.r0 + b
-    return name if (r0, r1) == (0, (main.shape or (1,))[0]) else f"{name} (source rows {r0}..{r1 - 1})"
+    text = name if (r0, r1) == (0, (main.shape or (1,))[0]) else f"{name} (source rows {r0}..{r1 - 1})"
+    col = main.c0 * (2 if main.dtype in FP4_BYTES else 1)  # in values: a packed byte holds two
+    return Region(text, r0, col, main.shape)
 
 
 def _numpy_action(t: OutTensor):

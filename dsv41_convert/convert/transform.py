@@ -72,9 +72,9 @@ def apply(
         codes = "e2m1" if action == "dequant_fp4" else "e4m3"
         if not s8.is_cuda or bool((s8 >= bc.HOT[codes]).any() | ((w8 & bc.E4M3_NAN) == bc.E4M3_NAN).any()):
             s_host = s8.cpu().numpy()
-            bc.require_scales_not_nan(s_host, name)
-            bc.require_e4m3_not_nan(w8.cpu().numpy(), name)
             w_block = (1, 32) if action == "dequant_fp4" else tuple(block)
+            bc.require_scales_not_nan(s_host, name, w_block)
+            bc.require_e4m3_not_nan(w8.cpu().numpy(), name)
             w_host = inputs[0].view(torch.uint8).cpu().numpy()
             bc.require_finite_blocks(w_host, s_host, w_block, codes, name, bc.DECODED_INF)
     if action == "cast":
@@ -110,15 +110,16 @@ def apply(
 def _require_cast_in_range(x: Tensor, y: Tensor, name: str) -> None:
     """FormatError where the source holds a NaN or an infinity (refused as in a copied tensor: write._copy), or
     where the cast made infinity of a finite value (an f32 value beyond bf16's range rounds to inf)."""
-    from dsv41_convert.quant.byte_checks import COPIED_TOO
+    from dsv41_convert.quant.byte_checks import COPIED_TOO, source_index
     from dsv41_convert.quant.checks import require_finite
 
     require_finite(x, name, COPIED_TOO)
     made = torch.isinf(y)
     if bool(made.any()):
         first = [int(i) for i in made.nonzero()[0]]
+        at = source_index(name, first)
         raise FormatError(
-            f"{name}: {float(x[tuple(first)]):g} at index {first} is beyond {y.dtype}'s range (the cast makes it "
+            f"{name}: {float(x[tuple(first)]):g} at index {at} is beyond {y.dtype}'s range (the cast makes it "
             f"inf; {int(made.sum())} such of {x.numel()}); check the source tensor"
         )
 

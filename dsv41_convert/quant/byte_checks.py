@@ -47,14 +47,47 @@ NONFINITE_BITS = {
 }
 
 
-def require_scales_not_nan(s: np.ndarray, name: str) -> None:
+class Region(str):
+    """The name messages give a source tensor, for a region of it whose first element is [row, col] of the
+    tensor (a row block of a streamed tensor, a rank's columns): an index the checks find in the region's
+    arrays is said in the tensor's own coordinates (`source_index`), its shape as the tensor's. A plain str
+    names a whole tensor. row and col count values (an e2m1 pair is two)."""
+
+    row: int
+    col: int
+    shape: tuple[int, ...]
+
+    def __new__(cls, text: str, row: int = 0, col: int = 0, shape: tuple[int, ...] = ()) -> Region:
+        region = super().__new__(cls, text)
+        region.row, region.col, region.shape = row, col, tuple(shape)
+        return region
+
+
+def source_index(name: str, index: list[int], per: tuple[int, int] = (1, 1)) -> list[int]:
+    """`index` into an array of region `name` (one entry per `per` rows and columns of values: (1, 1) for the
+    values, the block for its scales) as an index into the whole source tensor (or its scales)."""
+    if not isinstance(name, Region) or not index:
+        return list(index)
+    shifted = list(index)
+    shifted[0] += name.row // per[0]
+    if len(shifted) == 2:
+        shifted[1] += name.col // per[1]
+    return shifted
+
+
+def source_shape(name: str, shape) -> list[int]:
+    """The shape a message gives: the source tensor's where `name` is a Region of it, else `shape`."""
+    return list(name.shape) if isinstance(name, Region) and name.shape else list(shape)
+
+
+def require_scales_not_nan(s: np.ndarray, name: str, block: tuple[int, int] = (1, 1)) -> None:
     """Raise FormatError naming `name` and the first index of a NaN scale (one max over the scales).
 
-    s: [...]  uint8 (e8m0 bytes)
+    s: [...]  uint8 (e8m0 bytes), one per `block` (rows, columns) of values of region `name`
     """
     if s.size and int(s.max()) == E8M0_NAN:
         raise FormatError(
-            f"{name}: scale is NaN (e8m0 byte {E8M0_NAN}) at {_first(s == E8M0_NAN)}; "
+            f"{name}: scale is NaN (e8m0 byte {E8M0_NAN}) at {source_index(name, _first(s == E8M0_NAN), block)}; "
             "expected a power of two; corrupt shard?"
         )
 
@@ -69,7 +102,7 @@ def require_e4m3_not_nan(q: np.ndarray, name: str) -> None:
     if q.size and (int(q.max()) == E4M3_NAN | 0x80 or int(q.view(np.int8).max()) == E4M3_NAN):
         first = _first((q & E4M3_NAN) == E4M3_NAN)
         raise FormatError(
-            f"{name}: weight is NaN (e4m3 byte {int(q[tuple(first)])}) at {first}; "
+            f"{name}: weight is NaN (e4m3 byte {int(q[tuple(first)])}) at {source_index(name, first)}; "
             "expected a finite e4m3 value; corrupt shard?"
         )
 
@@ -99,9 +132,10 @@ def require_finite_blocks(
         over = mags >= 2.0 ** (128 - exp)
         if over.any():
             r, c = _first(over)
+            at = source_index(name, [r0 + r, c0 + c])
             raise FormatError(
-                f"{name}: block ({int(b_o)}, {int(b_i)}) decodes to infinity at [{r0 + r}, {c0 + c}]: "
-                f"{codes} value {mags[r, c]:g} x scale 2**{exp} >= 2**128, beyond float32 and bfloat16; {why}"
+                f"{name}: block {tuple(source_index(name, [int(b_o), int(b_i)], block))} decodes to infinity at "
+                f"{at}: {codes} value {mags[r, c]:g} x scale 2**{exp} >= 2**128, beyond float32 and bfloat16; {why}"
             )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_convert.errors import FormatError
-from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan
+from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan, source_index
 from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
 
 FP8_BLOCK = 32  # output block, both dims, as upstream
@@ -114,7 +114,7 @@ def fp4_to_fp8_bytes(packed: np.ndarray, s: np.ndarray, block: int = 32, name: s
     if tuple(s.shape) != want:
         raise ValueError(f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)}: want {list(want)}")
     packed, b_OG = packed.view(np.uint8), s.view(np.uint8)
-    require_scales_not_nan(b_OG, name)
+    require_scales_not_nan(b_OG, name, (1, block))
     require_finite_blocks(packed, b_OG, (1, block), "e2m1", name, DECODED_INF)
     groups_per_block = FP8_BLOCK // block
     # the block's largest scale byte (zero padding never wins the max)
@@ -166,8 +166,9 @@ def _pad_blocks(x_OI: np.ndarray, bo: int, bi: int) -> np.ndarray:
 def _raise_lossy(name: str, packed, b_OG, s8b, k_OG, o: int, i: int, block: int):
     code = int(packed[o, i // 2]) >> (4 * (i % 2)) & 0x0F
     bo, bi = o // FP8_BLOCK, i // FP8_BLOCK
+    block_at, at = tuple(source_index(name, [bo, bi], (FP8_BLOCK, FP8_BLOCK))), source_index(name, [o, i])
     raise FormatError(
-        f"{name}: fp4->fp8 cast of block ({bo}, {bi}) is lossy at [{o}, {i}]: value {float(E2M1_CODE_VALUES[code])} "
+        f"{name}: fp4->fp8 cast of block {block_at} is lossy at {at}: value {float(E2M1_CODE_VALUES[code])} "
         f"x offset 2**{int(k_OG[o, i // block])} is not exact in e4m3 (fp4 scale {_e8m0(b_OG[o, i // block])}, "
         f"block scale {_e8m0(s8b[bo, bi])}); the block's scales spread too far for fp8: keep the routed experts in fp4 "
         "(shard --expert-dtype fp4, the default; export --format fp8-fp4 or bf16), or from a bf16 source, export "

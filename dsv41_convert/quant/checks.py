@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv41_convert.quant.byte_checks import nonfinite_error
+from dsv41_convert.quant.byte_checks import nonfinite_error, source_index, source_shape
 from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 
 
@@ -20,8 +20,10 @@ def require_finite(w: Tensor, name: str, why: str = "to quantize") -> None:
         return
     first = tuple(int(i) for i in bad.nonzero()[0])
     dtype = TORCH_TO_SAFETENSORS.get(w.dtype, str(w.dtype))  # as the file names it, as for copied tensors
-    what = f"({int(bad.sum())} non-finite of {w.numel()}) in {dtype} {list(w.shape)}"
-    raise nonfinite_error(name, float(w[first]), list(first), what, why)
+    shape = source_shape(name, w.shape)
+    of = f"{w.numel()}" if shape == list(w.shape) else f"the {w.numel()} read"  # a region's
+    what = f"({int(bad.sum())} non-finite of {of}) in {dtype} {shape}"
+    raise nonfinite_error(name, float(w[first]), source_index(name, list(first)), what, why)
 
 
 def require_amax_finite(amax: Tensor, w: Tensor, name: str) -> None:

@@ -44,7 +44,7 @@ def decode_mxfp4_bf16(packed: np.ndarray, s: np.ndarray, block: int = 32, name: 
         raise ValueError(
             f"{name}: scale {list(s.shape)} does not fit weight {list(packed.shape)} (block {block}): want {list(want)}"
         )
-    require_scales_not_nan(s, name)
+    require_scales_not_nan(s, name, (1, block))
     require_finite_blocks(packed, s, (1, block), "e2m1", name, DECODED_INF)
     if _PAIRS is None:
         _PAIRS = _pair_table()

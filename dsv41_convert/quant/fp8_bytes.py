@@ -2,8 +2,9 @@
 decode_fp8_blocks for the case the converter streams (upstream's wo_a dequantization, and every fp8
 weight of a bf16 export), so that a CPU worker computes it without importing torch (3-5 s per process
 on the 16-core H200 host). Same rule, same bytes: value = f32(q) * f32(scale), one rounding to bfloat16
-(nearest-even; every NaN becomes 0x7FC0, as torch writes it); tests/unit/test_quant_tables.py holds
-it to decode_fp8_blocks bit for bit. A NaN scale or weight byte is refused, not decoded (byte_checks.py).
+(nearest-even); tests/unit/test_quant_tables.py holds it to decode_fp8_blocks bit for bit on every
+finite pair. A NaN scale or weight byte is refused, not decoded (byte_checks.py), so the table's NaN
+entries (0x7FC0; torch's decode of e4m3 NaN writes 0xFFFF) are never looked up.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def decode_fp8_blocks_bf16(q: np.ndarray, s: np.ndarray, block: tuple[int, int],
         raise ValueError(
             f"{name}: scale {list(s.shape)} does not fit weight {list(q.shape)} in {bo}x{bi} blocks: want {list(want)}"
         )
-    require_scales_not_nan(s, name)
+    require_scales_not_nan(s, name, block)
     require_e4m3_not_nan(q, name)
     require_finite_blocks(q, s, block, "e4m3", name, DECODED_INF)
     if _BF16 is None:

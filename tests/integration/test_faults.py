@@ -191,22 +191,54 @@ def _file_of(src: Path, name: str) -> str:
             "layers.0.attn.wo_a.weight",
             (200, 5),
             0xFF,
-            "(source rows 128..255): weight is NaN (e4m3 byte 255) at [72, 5]",
+            "(source rows 128..255): weight is NaN (e4m3 byte 255) at [200, 5]",
         ),
+        ("layers.0.attn.wo_a.scale", (6, 0), 0xFF, "(source rows 128..255): scale is NaN (e8m0 byte 255) at [6, 0]"),
     ],
 )
 def test_shard_refuses_a_nan_byte_in_wo_a(tmp_path, monkeypatch, capsys, name, at, byte, what):
     """`shard` decodes wo_a to bf16 (quant/fp8_bytes.py): a NaN scale or e4m3 byte would be written as NaN
     weights. Rows 0..127 of wo_a [256, 32] are rank 0's, 128..255 rank 1's: that rank's file is never
-    finished, and the message names the block's source rows (the index counts from its first row)."""
+    finished, and the message names the block's source rows and the index in the source tensor (it counted
+    from the block's first row: an audit)."""
     src = _planted(tmp_path, name, at, byte)
     out = tmp_path / "out"
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")
     assert code == 2 and f"{_file_of(src, 'layers.0.attn.wo_a.weight')}: layers.0.attn.wo_a.weight {what}" in err
     assert "corrupt shard?" in err
-    rank = at[0] // 128
+    rank = at[0] * (32 if name.endswith(".scale") else 1) // 128  # a scale row per 32 weight rows
     assert not (out / f"model{rank}-mp2.safetensors").exists() and not (out / "manifest.json").exists()
     assert not list(out.glob("*.partial"))
+
+
+@pytest.mark.parametrize(
+    ("name", "at", "blocks"),
+    [
+        ("layers.2.attn.wq_a.weight", (20, 9), None),  # replicated, one block
+        ("layers.2.attn.wo_b.weight", (5, 200), None),  # dim-1 split at tp 2: rank 1's columns from 128 on
+        ("layers.1.engram.wkv.weight", (300, 5), "blocks"),  # [320, 128], read in blocks of 128 rows
+    ],
+)
+def test_a_nan_to_quantize_is_said_at_its_index_in_the_source_tensor(tmp_path, monkeypatch, capsys, name, at, blocks):
+    """A rank's columns, and a block of rows of a tensor read in blocks, are checked as arrays of their own; the
+    message gives the index and shape of the source tensor (an audit: [72, 5] for [200, 5], the block's shape)."""
+    import dsv41_convert.convert.write as write
+
+    cfg = tiny_config(quantized=False)
+    tensors = source_tensors(cfg)
+    rows, cols = tensors[name].shape
+    tensors[name][at] = float("nan")
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    if blocks:  # blocks of plan.ROW_ALIGN (128) rows, the least, instead of 16 MiB / 8 of source bytes
+        monkeypatch.setattr(write, "compute_chunk_bytes", lambda chunk_bytes, device: 8 * 128 * cols * 2)
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(tmp_path / "src"), str(out), "--tp", "2", "--workers", "1")
+    assert code == 2 and f"{name}" in err and f"found nan at index [{at[0]}, {at[1]}]" in err, err
+    assert f"in BF16 {[rows, cols]}" in err
+    if blocks:
+        first = at[0] // 128 * 128
+        assert f"{name} (source rows {first}..{min(first + 128, rows) - 1})" in err
+        assert f"of the {(min(first + 128, rows) - first) * cols} read" in err
 
 
 @pytest.mark.parametrize(

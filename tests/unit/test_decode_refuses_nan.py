@@ -6,6 +6,7 @@ scan that misses a byte off the block grid or in a ragged last block, a message 
 false alarm on a clean array or on fp4 bytes 0x7F / 0xFF (e2m1 codes, not NaN). They cannot catch a wrong
 but finite byte."""
 
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -16,8 +17,9 @@ import torch
 
 from dsv41_convert.convert.transform import apply, quantizer_for
 from dsv41_convert.errors import FormatError
-from dsv41_convert.quant.byte_checks import require_e4m3_not_nan, require_scales_not_nan
+from dsv41_convert.quant.byte_checks import Region, require_e4m3_not_nan, require_scales_not_nan
 from dsv41_convert.quant.cast_bytes import fp4_to_fp8_bytes
+from dsv41_convert.quant.checks import require_finite
 from dsv41_convert.quant.fp4_bytes import decode_mxfp4_bf16
 from dsv41_convert.quant.fp8_bytes import decode_fp8_blocks_bf16
 
@@ -163,3 +165,33 @@ def test_the_numpy_decoders_import_without_torch():
         "dsv41_convert.quant.fp4_bytes, dsv41_convert.quant.cast_bytes\nassert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_region_of_a_tensor_is_named_at_the_tensors_own_index():
+    """A row block from row 256 and column 64 of its tensor (a rank's columns, streamed): every decoder's
+    message gives the index in the source tensor, of the values or of the scales (per block), not in the
+    block's arrays (an audit: [72, 5] said for [200, 5])."""
+    region = Region("w", 256, 64, (512, 192))
+    s = _bytes((2, 3), np.arange(120, 130))
+    s[1, 2] = 255
+    with pytest.raises(FormatError, match=_scale_error((1 + 8, 2 + 2))):
+        decode_fp8_blocks_bf16(_bytes((64, 96), FINITE_E4M3), s, (32, 32), region)
+    q = _bytes((64, 96), FINITE_E4M3)
+    q[45, 67] = 0x7F
+    with pytest.raises(FormatError, match=_weight_error(0x7F, (45 + 256, 67 + 64))):
+        decode_fp8_blocks_bf16(q, _bytes((2, 3), np.arange(120, 130)), (32, 32), region)
+    s = _bytes((40, 3), np.arange(120, 130))
+    s[33, 2] = 255
+    with pytest.raises(FormatError, match=_scale_error((33 + 256, 2 + 2))):
+        fp4_to_fp8_bytes(np.zeros((40, 48), np.uint8), s, 32, region)
+    s[33, 2] = 254  # 2**127 x e2m1 4.0 (code 6) is 2**129; one scale per row and 32 columns
+    packed = np.zeros((40, 48), np.uint8)
+    packed[33, 36] = 0x60  # the high nibble: value 73 of the row
+    with pytest.raises(FormatError, match=re.escape("block (289, 4) decodes to infinity at [289, 137]")):
+        decode_mxfp4_bf16(packed, s, 32, region)
+    x = torch.zeros(64, 96)
+    x[45, 67] = float("inf")
+    want = "found inf at index [301, 131] (1 non-finite of the 6144 read) in F32 [512, 192]"
+    with pytest.raises(FormatError, match=re.escape(want)):
+        require_finite(x, region)
+    assert require_finite(torch.zeros(4), "w") is None  # a plain name: nothing to shift
