@@ -13,10 +13,8 @@ import re
 from pathlib import Path
 
 import torch
+from quant_reference import fp8_blocks_ref, mxfp4_ref_packed
 from safetensors.torch import load_file
-
-from dsv41_convert.quant.fp4 import encode_mxfp4
-from dsv41_convert.quant.fp8 import encode_fp8_blocks
 
 SPLIT_DIM = {"embed": 0, "head": 0, "wq_b": 0, "wo_a": 0, "wo_b": 1, "attn_sink": 0, "weights_proj": 0}
 FP8_LINEAR = re.compile(
@@ -35,17 +33,17 @@ def load_source(src: Path) -> dict[str, torch.Tensor]:
 
 
 def quantize_like_published(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A bf16/fp32 source in the published file format (whole tensors, quant/ as the reference)."""
+    """A bf16/fp32 source in the published file format (whole tensors, by tests/quant_reference.py's
+    loops over blocks, not the converter's encoders)."""
     out = {}
     for name, t in tensors.items():
         stem = name.removesuffix(".weight")
         if ROUTED.match(name) and name.endswith(".weight"):
-            packed, s = encode_mxfp4(t, 32, name)
-            out[name], out[stem + ".scale"] = packed.view(torch.int8), s
+            out[name], out[stem + ".scale"] = mxfp4_ref_packed(t)
         elif name.endswith("engram.embed.weight"):
-            out[name], out[stem + ".scale"] = encode_fp8_blocks(t, (1, 32), "ue8m0", name)
+            out[name], out[stem + ".scale"] = fp8_blocks_ref(t, (1, 32))
         elif FP8_LINEAR.fullmatch(name):
-            out[name], out[stem + ".scale"] = encode_fp8_blocks(t, (32, 32), "ue8m0", name)
+            out[name], out[stem + ".scale"] = fp8_blocks_ref(t, (32, 32))
         elif name.endswith("wo_a.weight"):
             out[name] = t.to(torch.bfloat16)
         else:
@@ -54,12 +52,15 @@ def quantize_like_published(tensors: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def fp4_to_e4m3(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upstream's lossless cast, restated: each 32x32 block scale is its largest fp4 scale / 2**6."""
+    """Upstream's lossless cast, restated: each 32x32 block scale is its largest fp4 scale / 2**6, but at
+    least 2**-127, the least e8m0 value. Upstream divides in float32 and stores the quotient, so for a
+    block whose largest scale is below 2**-121 its offsets are against a scale it cannot store (every value
+    2**k too large); the converter keeps the offsets against the stored byte, and so does this."""
     b = packed.view(torch.uint8)
     vals = torch.stack([E2M1[(b & 15).long()], E2M1[(b >> 4).long()]], dim=-1).flatten(1)  # [O, I]
     rows, cols = vals.shape
     s = scale.float()  # [O, I/32]
-    block = s.reshape(rows // 32, 32, cols // 32).amax(dim=1) / 64.0  # [O/32, I/32]
+    block = (s.reshape(rows // 32, 32, cols // 32).amax(dim=1) / 64.0).clamp_min(2.0**-127)  # [O/32, I/32]
     per_elem_block = block.repeat_interleave(32, 0).repeat_interleave(32, 1)
     per_elem_scale = s.repeat_interleave(32, 1)
     w = vals * (per_elem_scale / per_elem_block)

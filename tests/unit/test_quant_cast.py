@@ -146,3 +146,17 @@ def test_cast_rejects_bad_shapes():
         fp4_to_fp8(packed, s[:, :1], name=NAME)
     with pytest.raises(ValueError, match="even divisor of the fp8 block 32"):
         fp4_to_fp8(packed, s, block=24, name=NAME)
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(-3, 3), (-127, -121), (-127, -124), (-127, -127), (110, 120)])
+def test_cast_bytes_equal_the_restated_upstream_cast(lo, hi):
+    """tests/reference_convert.py's restatement (float32 division, as upstream writes it) against the
+    converter's byte tables, bit for bit: weights and scales, also where the block scale would fall below
+    2**-127 (an audit found the restatement 2**5 off there: it had never run on such scales)."""
+    from reference_convert import fp4_to_e4m3
+
+    packed, s = make(64, 96, lo, hi, seed=lo & 0xFF)
+    w8, s8 = fp4_to_fp8(packed, s)
+    want_w, want_s = fp4_to_e4m3(packed.view(torch.int8), s)
+    assert torch.equal(w8.view(torch.uint8), want_w.view(torch.uint8))
+    assert torch.equal(s8.view(torch.uint8), want_s.view(torch.uint8))

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from quant_reference import MAGS, e2m1_ref, e2m1_value, mxfp4_ref
 from safetensors.torch import load_file, save_file
 
 from dsv41_convert.errors import FormatError
@@ -29,49 +30,6 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     nan = torch.isnan(a)
     assert torch.equal(nan, torch.isnan(b))
     assert torch.equal(a[~nan], b[~nan]), (a[~nan] != b[~nan]).nonzero()[:5].tolist()
-
-
-def e2m1_value(code: int) -> float:
-    """Value of a 4-bit code from its fields: 1 sign, 2 exponent (bias 1), 1 mantissa; exponent 0 is subnormal."""
-    sign, exp, man = code >> 3, (code >> 1) & 0x3, code & 0x1
-    mag = man * 0.5 if exp == 0 else (1 + man / 2) * 2.0 ** (exp - 1)
-    return -mag if sign else mag
-
-
-MAGS = np.array([e2m1_value(c) for c in range(8)])
-
-
-def e2m1_ref(x: np.ndarray) -> np.ndarray:
-    """Codes of RNE(x) in e2m1 (clamped at 6): nearest magnitude, ties to the even code, sign from signbit."""
-    x = np.asarray(x, dtype=np.float64)
-    mag = np.minimum(np.abs(x), 6.0)
-    dist = np.abs(mag[..., None] - MAGS)
-    best = dist.min(-1, keepdims=True)
-    tied = dist == best
-    # among the (at most two) nearest codes prefer the even one
-    code = np.where(tied[..., ::2].any(-1), np.argmax(tied & (np.arange(8) % 2 == 0), -1), np.argmax(tied, -1))
-    return (code | (np.signbit(x) << 3)).astype(np.uint8)
-
-
-def ceil_exp(v: np.ndarray) -> np.ndarray:
-    m, e = np.frexp(np.asarray(v, dtype=np.float64))
-    return np.where(m == 0.5, e - 1, e)
-
-
-def mxfp4_ref(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """(codes [..., in], scale exponents [..., ceil(in/block)]) by looping over the groups of each row."""
-    rows = w.reshape(-1, w.shape[-1]).astype(np.float32)
-    n = -(-rows.shape[1] // block)
-    codes = np.zeros(rows.shape, dtype=np.uint8)
-    exps = np.zeros((rows.shape[0], n), dtype=np.int64)
-    for r in range(rows.shape[0]):
-        for g in range(n):
-            grp = rows[r, g * block : (g + 1) * block]
-            amax = max(np.float32(np.abs(grp).max()), np.float32(6 * 2.0**-126))
-            e = int(ceil_exp(np.float32(amax) * np.float32(1 / 6)))
-            exps[r, g] = e
-            codes[r, g * block : (g + 1) * block] = e2m1_ref(grp.astype(np.float64) / 2.0**e)
-    return codes.reshape(w.shape), exps.reshape((*w.shape[:-1], n))
 
 
 # --- code table, rounding --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from quant_reference import E4M3_POS, e4m3_ref, e4m3_value, encode_ref
 
 from dsv41_convert.errors import FormatError
 from dsv41_convert.quant import decode_fp8_blocks, e4m3_saturate, encode_fp8_blocks, infer_block
@@ -18,57 +19,6 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     nan = torch.isnan(a)
     assert torch.equal(nan, torch.isnan(b))
     assert torch.equal(a[~nan], b[~nan]), (a[~nan] != b[~nan]).nonzero()[:5].tolist()
-
-
-def e4m3_value(byte: int) -> float:
-    """Value of an e4m3fn byte from its fields: 1 sign, 4 exponent (bias 7), 3 mantissa; S.1111.111 is NaN."""
-    sign, exp, man = byte >> 7, (byte >> 3) & 0xF, byte & 0x7
-    if exp == 0xF and man == 0x7:
-        return math.nan
-    mag = man * 2.0**-9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
-    return -mag if sign else mag
-
-
-E4M3_POS = np.array([e4m3_value(b) for b in range(0x7F)])  # bytes 0..126, increasing, max 448
-
-
-def e4m3_ref(x: np.ndarray) -> np.ndarray:
-    """Bytes of RNE(x) in e4m3, saturating at 448; x is float64 and already exact. Ties go to the even byte."""
-    x = np.asarray(x, dtype=np.float64)
-    mag = np.minimum(np.abs(x), 448.0)
-    hi = np.clip(np.searchsorted(E4M3_POS, mag), 1, len(E4M3_POS) - 1)
-    lo = hi - 1
-    dlo, dhi = mag - E4M3_POS[lo], E4M3_POS[hi] - mag
-    pick = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
-    return (pick | (np.signbit(x) << 7)).astype(np.uint8)
-
-
-def ceil_exp(v: np.ndarray) -> np.ndarray:
-    """Exact ceil(log2(v)) for positive finite values."""
-    m, e = np.frexp(np.asarray(v, dtype=np.float64))
-    return np.where(m == 0.5, e - 1, e)
-
-
-def encode_ref(w: np.ndarray, bo: int, bi: int, ue8m0: bool = True):
-    """Loop-over-blocks reference: amax floored at f32(1e-4), scale from f32(amax * f32(1/448))."""
-    out, inp = w.shape
-    nob, nib = -(-out // bo), -(-inp // bi)
-    q = np.zeros(w.shape, dtype=np.uint8)
-    s = np.zeros((nob, nib), dtype=np.float64)
-    for r in range(nob):
-        for c in range(nib):
-            blk = w[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi].astype(np.float32)
-            amax = max(np.float32(np.abs(blk).max()), np.float32(1e-4))
-            prod = np.float32(amax) * np.float32(1 / 448)
-            if ue8m0:
-                scale = 2.0 ** int(ceil_exp(prod))
-                vals = blk.astype(np.float64) / scale  # a power of two: exact
-            else:
-                scale = float(prod)
-                vals = (blk / np.float32(prod)).astype(np.float64)  # float32 division, as the code does
-            s[r, c] = scale
-            q[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi] = e4m3_ref(vals)
-    return q, s
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
