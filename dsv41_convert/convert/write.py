@@ -53,6 +53,7 @@ from dsv41_convert.store import journal
 from dsv41_convert.store.direct_write import BLOCK, aligned_buffer
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
 from dsv41_convert.store.manifest import fsync_path
+from dsv41_convert.store.own_files import remove_link
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, nbytes, pread_exact
 from dsv41_convert.store.sink import THROTTLE_ENV as THROTTLE_ENV  # the test hook, re-exported
 from dsv41_convert.store.sink import Sink
@@ -214,8 +215,7 @@ def write_partial(
     jpath = journal_path(out, rf.file)
     head = journal.header(rf.file, rf.nbytes, plan_digest, chunk_bytes)
     head["compute_chunk_bytes"] = compute_chunk_bytes(chunk_bytes, quantizer.device)  # chunk j's rows
-    if partial.is_symlink():  # not a partial file of ours (those are files): written, it wrote into its target
-        partial.unlink()
+    remove_link(partial)  # not a partial file of ours (a link, or a file of other names): written, it changed them
     start, why = journal.load(jpath, partial, head) if resume else (None, "not resuming")
     if start is not None and not _fits(start, rf):
         start, why = None, "journal does not fit the plan's tensors"

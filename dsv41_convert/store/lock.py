@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.errors import LockedError, OutputError
+from dsv41_convert.store.own_files import linked
 
 LOCK_NAME = ".dsv41-convert.lock"
 FILE_LOCK_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
@@ -147,6 +148,9 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
             if exc.errno == errno.ELOOP:
                 raise OutputError(f"{what}: {path} is a link, not a lock file of ours; remove it") from exc
             raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
+        if linked(os.fstat(fd)):  # a hard link: an exclusive taker truncates it, and with it the other name's file
+            os.close(fd)
+            raise OutputError(f"{what}: {path} has another name (a hard link), not a lock file of ours; remove it")
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -6,6 +6,7 @@ count reported, and `check` on a folder that is not finished."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -458,12 +459,22 @@ def test_an_overwrite_stopped_in_its_removals_leaves_no_record_of_gone_files(
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
 
 
+def _link(at: Path, to: Path, kind: str) -> None:
+    """A symbolic link at `at` to `to`, or a hard link (`to` under a second name)."""
+    if kind == "symbolic":
+        at.symlink_to(to)
+    else:
+        os.link(to, at)
+
+
 @pytest.mark.parametrize("how", ["--resume", "--overwrite"])
 @pytest.mark.parametrize("target", ["a source shard", "another file"])
-def test_a_link_at_a_partial_files_name_is_not_written_through(src, tmp_path, monkeypatch, capsys, how, target):
+@pytest.mark.parametrize("kind", ["symbolic", "hard"])
+def test_a_link_at_a_partial_files_name_is_not_written_through(src, tmp_path, monkeypatch, capsys, how, target, kind):
     """A link planted at OUT/model0-mp2.safetensors.partial: the writer opened it and wrote through it, into a
     source shard (the run then blamed the source: "unexpected end of file") or into any file the link named
-    (exit 0, the rank file left a link to it), an audit. The link is removed, its target kept."""
+    (exit 0, the rank file left a link to it), an audit; a hard link the same (a later audit: the partial is
+    truncated or appended to in place). The link is removed, its target kept."""
     clean = tmp_path / "clean"
     assert shard(monkeypatch, capsys, str(src), str(clean), "--tp", "2")[0] == 0
     out = tmp_path / "out"
@@ -473,7 +484,7 @@ def test_a_link_at_a_partial_files_name_is_not_written_through(src, tmp_path, mo
         victim.write_text("mine\n")
     before = victim.read_bytes()
     (out / "model0-mp2.safetensors").unlink()
-    (out / "model0-mp2.safetensors.partial").symlink_to(victim)
+    _link(out / "model0-mp2.safetensors.partial", victim, kind)
     code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", how)
     assert code == 0, err
     assert victim.read_bytes() == before
@@ -511,20 +522,22 @@ def test_a_share_overwritten_with_other_options_is_refused(src, tmp_path, monkey
 
 
 @pytest.mark.parametrize("name", [".dsv41-convert.lock", ".dsv41-convert/model0-mp2.safetensors.journal.tmp"])
-def test_a_link_at_a_record_or_lock_files_name_is_not_written_through(src, tmp_path, monkeypatch, capsys, name):
+@pytest.mark.parametrize("kind", ["symbolic", "hard"])
+def test_a_link_at_a_record_or_lock_files_name_is_not_written_through(src, tmp_path, monkeypatch, capsys, name, kind):
     """The folder's lock (an exclusive taker truncates it) and a journal's temporary were opened through a link
     planted at their names: the link's target was truncated (an audit: a copy of a source shard cut to the
-    journal's 230-byte header)."""
+    journal's 230-byte header; a later audit: a hard link the same)."""
     out = tmp_path / "out"
     assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
     victim = tmp_path / "precious.bin"
     victim.write_bytes(bytes(range(256)) * 64)
     (out / name).unlink(missing_ok=True)
-    (out / name).symlink_to(victim)
+    _link(out / name, victim, kind)
     code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite")
     assert victim.read_bytes() == bytes(range(256)) * 64
     if name.endswith(".lock"):  # refused, not removed: another taker may have put its lock file there meanwhile
-        assert code == 2 and f"{out / name} is a link, not a lock file of ours; remove it" in err, err
+        said = "is a link, not a lock file of ours" if kind == "symbolic" else "has another name (a hard link)"
+        assert code == 2 and f"{out / name} {said}" in err and "remove it" in err, err
         (out / name).unlink()
         code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite")
     assert code == 0, err

@@ -52,14 +52,17 @@ def test_source_revision_from_hub_snapshot_path():
     assert source_revision(Path("/data/ckpt")) is None
 
 
-def test_atomic_write_never_writes_through_a_link_at_its_temporarys_name(tmp_path):
+@pytest.mark.parametrize("kind", ["symbolic", "hard"])
+def test_atomic_write_never_writes_through_a_link_at_its_temporarys_name(tmp_path, kind):
     """The temporary's name is predictable (NAME.PID.partial): a link planted there was opened and written
-    through, into its target, before the rename moved the link itself into place."""
+    through, into its target, before the rename moved the link itself into place (a hard link: truncated
+    in place, the other name's file with it)."""
     import os
 
     victim = tmp_path / "precious.txt"
     victim.write_text("mine\n")
-    (tmp_path / f"config.json.{os.getpid()}.partial").symlink_to(victim)
+    temporary = tmp_path / f"config.json.{os.getpid()}.partial"
+    temporary.symlink_to(victim) if kind == "symbolic" else os.link(victim, temporary)
     atomic_write(tmp_path / "config.json", b"{}")
     assert victim.read_text() == "mine\n" and (tmp_path / "config.json").read_bytes() == b"{}"
     assert not (tmp_path / "config.json").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == [
