@@ -3,10 +3,11 @@
 OUT is made if missing (and removed again if the run fails) and held as every writer holds its folder
 (store/lock.py: a second run into it is refused). The files are written into a hidden folder inside OUT
 (`.make-tiny.partial-XXXX`: the same filesystem, whatever OUT is mounted on, and nothing written beside
-OUT) and moved in by rename at the end, with signals postponed: the old index first removed, each new file
-put in place, the new index last (a folder without its index is no checkpoint to a loader), then the old
-files the new checkpoint does not have. A failure before that (a full disk: an error naming OUT; Ctrl-C;
-SIGTERM) removes the hidden folder and leaves OUT's files as they were; --overwrite needs room for both.
+OUT) and moved in by rename at the end, with signals postponed: the old index and shards first removed,
+each new file put in place, the new index last (a folder without its index is no checkpoint to a loader,
+nor one with part of its shards), then the old files the new checkpoint does not have. A failure before
+that (a full disk: an error naming OUT; Ctrl-C; SIGTERM) removes the hidden folder and leaves OUT's files as
+they were; --overwrite needs room for both.
 
 `--overwrite` replaces a folder that holds nothing but what make-tiny leaves there: its files by exact
 name (regular files; `.partial` ones of an interrupted run of before), its lock and its hidden folders, and
@@ -119,6 +120,12 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
 def _move_in(stage: Path, out: Path) -> None:
     new = {p.name for p in stage.iterdir()}
     (out / INDEX).unlink(missing_ok=True)  # no checkpoint here until the new index is in
+    # nor a whole set of shard names without it (a loader takes model-k-of-n files without an index): a kill
+    # between the renames left old and new shards under one set of names (an audit)
+    for p in out.iterdir():
+        if p.is_file() and not p.is_symlink() and _SHARD.fullmatch(p.name.removesuffix(".partial")):
+            p.unlink()
+    fsync_path(out)  # the removals before the first new shard, also after a power loss
     for name in sorted(new - {INDEX}):
         os.replace(stage / name, out / name)
     os.replace(stage / INDEX, out / INDEX)

@@ -430,6 +430,44 @@ def test_a_signal_while_the_files_move_in_waits_for_the_last(fp8_dir, tmp_path, 
     assert json.loads((out / INDEX).read_text())["weight_map"] and not list(out.glob(".make-tiny*"))
 
 
+class _Killed(BaseException):
+    """A kill -9 at a rename, as far as what is on disk goes (no cleanup of OUT runs after one)."""
+
+
+def test_a_kill_while_the_files_move_in_never_leaves_a_whole_looking_mix(fp8_dir, tmp_path, monkeypatch):
+    """make-tiny --overwrite killed between two of its renames left the old seed's shards beside the new
+    seed's under one complete set of k-of-n names, without an index, which plan and shard took for one
+    checkpoint (an audit). Now every old shard is gone before the first new one comes in: killed at any
+    rename, OUT never holds shards of both."""
+    import types
+
+    from dsv41_convert.synth import staged
+
+    new = tmp_path / "new"
+    write_checkpoint(new, TINY, seed=1)
+    names = sorted(p.name for p in fp8_dir.glob("model-*.safetensors"))
+    assert names == sorted(p.name for p in new.glob("model-*.safetensors"))
+    for kill_at in range(len(list(new.iterdir()))):  # each of the renames that move the new files in
+        out = tmp_path / f"out{kill_at}"
+        shutil.copytree(fp8_dir, out)
+        calls = itertools.count()
+
+        def replace(a, b, kill_at=kill_at, calls=calls):
+            if next(calls) == kill_at:
+                raise _Killed
+            os.replace(a, b)
+
+        monkeypatch.setattr(staged, "os", types.SimpleNamespace(replace=replace, readlink=os.readlink))
+        with pytest.raises(_Killed):
+            write_checkpoint(out, TINY, seed=1, overwrite=True)
+        monkeypatch.undo()
+        here = [n for n in names if (out / n).is_file()]
+        old = [n for n in here if (out / n).read_bytes() == (fp8_dir / n).read_bytes()]
+        assert not old or len(old) == len(here), (kill_at, old, here)  # the old checkpoint, or none of it
+        if (out / INDEX).is_file():
+            assert all((out / n).read_bytes() == (new / n).read_bytes() for n in names), kill_at
+
+
 def test_a_link_to_nowhere_is_named_as_such(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     with pytest.raises(OutputError, match=r"dangling: a link to .*nowhere, which does not exist"):
