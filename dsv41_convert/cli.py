@@ -921,9 +921,13 @@ def _run_failed(message: str) -> None:
 
 
 def _json_error(message: str, code: int = 2) -> None:
-    """With --json: {"ok": false, "exit_code": code, "error": message} on stdout."""
+    """With --json: {"ok": false, "exit_code": code, "error": message} on stdout, where it can be written (the
+    error may be stdout's own: closed, a full disk; stderr has said it)."""
     if "--json" in sys.argv[1:]:
-        report.print_json(report.error_document(message, code), after_a_signal=True)
+        try:
+            report.print_json(report.error_document(message, code), after_a_signal=True)
+        except OSError:
+            pass
 
 
 RESUMABLE = {

@@ -5,6 +5,7 @@ Library code never prints; it takes a `progress(event)` callback. This module ma
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import itertools
@@ -38,6 +39,8 @@ def __getattr__(name: str) -> Console:
 def _console(name: str) -> Console:
     from rich.console import Console
 
+    if name == "stdout":
+        _require_stdout()
     console = Console(stderr=name == "stderr", soft_wrap=True)
     # rich's own ends the run with exit 1 ("a check ran and failed"), and points stdout at /dev/null even
     # when stderr's reader went away (`cmd 2>&1 | head`)
@@ -115,6 +118,7 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     written `after_a_signal`."""
     if not after_a_signal:
         interrupts.check()
+    _require_stdout()
     try:
         if torchrun.shared_rank() is not None:
             _write_whole(("".join(pieces) + "\n").encode())
@@ -125,6 +129,16 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         reader_gone(sys.stdout)
+    except OSError as exc:  # a full disk (> /dev/full): an input error naming stdout, not a traceback (an audit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered goes nowhere at exit
+        raise OSError(exc.errno, exc.strerror, "stdout") from None
+
+
+def _require_stdout() -> None:
+    """OSError naming stdout where this process has none (started with it closed: `cmd >&-`), whose results
+    were dropped without a word, exit 0 (an audit)."""
+    if sys.stdout is None:
+        raise OSError(errno.EBADF, "closed, so the results cannot be written", "stdout")
 
 
 def _write_whole(data: bytes) -> None:

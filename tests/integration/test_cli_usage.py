@@ -232,3 +232,32 @@ def test_help_into_a_reader_gone_exits_141():
         proc = subprocess.run([entry_point(), *args], stdout=write_end, stderr=subprocess.PIPE, timeout=60)
         os.close(write_end)
         assert proc.returncode == 141, (args, proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("json_flag", [["--json"], []])
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+@pytest.mark.parametrize("tp", ["2", "3"])  # a result, and an input error
+def test_a_stdout_that_cannot_be_written_is_an_error_naming_it(tmp_path, json_flag, stdout, tp):
+    """`plan --json > /dev/full` ended in two tracebacks and exit 1, "a check failed" (its error document failed
+    as the result had); with stdout closed (`>&-`) the same, and without --json the plan went nowhere with
+    exit 0 (an audit). Now exit 2 with `error: stdout: ...` (or the input error itself) on stderr."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    src = tmp_path / "t"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    cmd = [entry_point(), "plan", str(src), "--tp", tp, *json_flag]
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    else:
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, timeout=60,
+                              preexec_fn=lambda: os.close(1))  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, (
+        proc.returncode, proc.stderr)  # fmt: skip
+    if tp == "3":
+        assert "cannot run at tp 3" in proc.stderr
+    elif stdout == "closed":
+        assert "error: stdout: closed, so the results cannot be written" in proc.stderr
+    else:
+        assert "No space left on device" in proc.stderr
+        assert "error: stdout: No space left on device" in proc.stderr or not json_flag
