@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from functools import partial
@@ -72,6 +72,7 @@ from dsv41_convert.store.manifest import (
 )
 from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, read_fragments, write_fragment
+from dsv41_convert.store.plan_claims import claimed
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
 
@@ -410,7 +411,7 @@ def _require_space(out: Path, need: int) -> None:
 
 
 def _same_plan_as_the_other_shares(
-    out: Path, plan: ConversionPlan, mine: list[RankFile], overwrite: bool, ranks_given: bool
+    out: Path, plan: ConversionPlan, mine: list[RankFile], overwrite: bool, ranks_given: bool, live: list[str] = ()
 ) -> None:
     """A share (--ranks, a torchrun process) writes beside the other shares of one plan: a fragment or done
     record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
@@ -418,7 +419,13 @@ def _same_plan_as_the_other_shares(
     which replaces this share's rank files only: the other ranks' files of the replaced conversion stayed
     beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the
     launch's other processes rewrite theirs. With `overwrite` this share's own earlier fragment (of its files
-    alone) is what it replaces, not another share's."""
+    alone) is what it replaces, not another share's. `live`: the plans of shares running now (store/plan_claims.py:
+    they have left no fragment yet)."""
+    if live:
+        raise OutputError(
+            f"{out}: a share of another plan is being written into it now (plan {first_few([d[:12] for d in live])}: "
+            "other options or another source layout); run every share of one conversion with the same options"
+        )
     if overwrite and not ranks_given:  # a torchrun launch --overwrite rewrites every rank
         return
     digest = plan.digest()
@@ -491,7 +498,10 @@ def execute(
     others = _others(plan, mine, ranks)
     share = others is not None
     names = [f.file for f in mine]
-    with hold(out, shared=share, files=names if share else ()) as lock:
+    with (
+        hold(out, shared=share, files=names if share else ()) as lock,
+        claimed(out, plan.digest()) if share else nullcontext((None, [])) as (claim_fd, live_plans),
+    ):
         check_empty(out, resume, overwrite, others)
         if not share:
             remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
@@ -500,7 +510,7 @@ def execute(
         forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
         if share:
-            _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None)
+            _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             if forget is not None:
                 forget()
@@ -521,9 +531,8 @@ def execute(
             "journal": journal_bytes,
             "direct_io": direct_io,
         }
-        summary = _execute_held(
-            plan, src, out, mine, workers, progress, job, sidecars, lock.descriptors(), ranks is not None
-        )
+        lock_fds = lock.descriptors() + ([claim_fd] if claim_fd is not None else [])
+        summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock_fds, ranks is not None)
     return summary | {"took_over": [h.describe() for h in lock.stale]}  # locks of runs that died holding them
 
 

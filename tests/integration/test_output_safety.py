@@ -542,3 +542,31 @@ def test_a_link_at_a_record_or_lock_files_name_is_not_written_through(src, tmp_p
         code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite")
     assert code == 0, err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+def test_a_share_started_while_a_share_of_another_plan_runs_is_refused(src, tmp_path, monkeypatch, capsys):
+    """Two shares of two plans started at once into a fresh OUT both finished, exit 0, with OUT's config.json
+    the last one's (an audit): neither had left a fragment for the other to see. A running share claims its
+    plan (store/plan_claims.py); a share of another plan that finds a live claim is refused, one of the same
+    plan is not, and a claim nobody holds any more (its run killed) is removed."""
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.store.plan_claims import claimed
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = "0" * 64  # the plan of a share running now
+    with claimed(out, other) as (_, live):
+        assert live == []
+        code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "0")
+        assert code == 2 and f"a share of another plan is being written into it now (plan {other[:12]}" in err, err
+        assert not list(out.glob("model*"))
+        assert [p.name for p in (out / ".dsv41-convert").glob("plan-*.claim")] == [f"plan-{other}.claim"]
+    (out / ".dsv41-convert" / f"plan-{other}.claim").write_bytes(b"")  # a share killed: its claim held by none
+    mine = build_plan(src, 2, "fp4").digest()
+    with claimed(out, mine):  # the other share ended; one of this plan runs (a torchrun launch's other process)
+        code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "0")
+        assert code == 0, err
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "1")
+    assert code == 0, err
+    assert not list((out / ".dsv41-convert").glob("plan-*.claim"))  # removed by their last holders
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
