@@ -121,20 +121,36 @@ def _outside_source(src: Path, out: Path, what: str) -> Path:
     src, out = src.resolve(), out.resolve()
     if out.is_relative_to(src):  # SRC itself included
         raise OutputError(f"{out}: the output {what} is the source folder {src} or inside it; choose another OUT")
-    try:
-        source = src.stat()
-    except OSError:
-        return out  # no source on disk: the plan's own checks name it
+    inside = _folders_of(src)
     for folder in (out, *out.parents):
         try:
-            if os.path.samestat(folder.stat(), source):
-                raise OutputError(
-                    f"{out}: the output {what} is the source folder {src} or inside it ({folder} is {src} under "
-                    "another path: a bind mount or link); choose another OUT"
-                )
-        except FileNotFoundError:
+            st = folder.stat()
+        except OSError:
             continue
+        if (st.st_dev, st.st_ino) in inside:
+            raise OutputError(
+                f"{out}: the output {what} is the source folder {src} or inside it ({folder} is "
+                f"{inside[st.st_dev, st.st_ino]} under another path: a bind mount or link); choose another OUT"
+            )
     return out
+
+
+SOURCE_FOLDERS_LOOKED_AT = 10_000  # a checkpoint has a handful (.cache/...); past this the rest is not walked
+
+
+def _folders_of(src: Path) -> dict[tuple[int, int], Path]:
+    """(device, inode) -> path of SRC and every folder under it (links not followed), for OUT under another
+    path: a bind mount of SRC or of a folder inside it (an audit: only SRC itself was compared)."""
+    found: dict[tuple[int, int], Path] = {}
+    for top, _, _ in os.walk(src):
+        try:
+            st = os.stat(top, follow_symlinks=False)
+        except OSError:
+            continue
+        found[st.st_dev, st.st_ino] = Path(top)
+        if len(found) >= SOURCE_FOLDERS_LOOKED_AT:
+            break
+    return found
 
 
 def check_output(src: Path, out: Path) -> None:

@@ -49,6 +49,29 @@ def test_out_that_is_src_under_a_bind_mount_is_refused_and_src_kept(src, tmp_pat
         subprocess.run(["umount", str(mount)], check=True)
 
 
+def test_out_in_a_folder_of_src_under_a_bind_mount_is_refused(src, tmp_path, monkeypatch, capsys):
+    """A bind mount of a folder inside SRC (SRC/sub at BIND): `export SRC BIND`, `shard SRC BIND/mp2` and
+    `reference-logits SRC BIND/ref.safetensors` wrote into SRC, exit 0 (an audit: only SRC itself was
+    compared)."""
+    copy = tmp_path / "b"
+    shutil.copytree(src, copy)
+    (copy / ".cache" / "sub").mkdir(parents=True)
+    mount = tmp_path / "bm"
+    mount.mkdir()
+    if subprocess.run(["mount", "--bind", str(copy / ".cache" / "sub"), str(mount)], capture_output=True).returncode:
+        pytest.skip("bind mounts need privileges here")
+    try:
+        before = tree(copy)
+        for args in (("shard", str(copy), str(mount / "mp2"), "--tp", "2"),
+                     ("export", str(copy), str(mount), "--format", "fp8-fp4"),
+                     ("reference-logits", str(copy), str(mount / "ref.safetensors"))):  # fmt: skip
+            code, _, err = run_cli(monkeypatch, capsys, *args)
+            assert code == 2 and f"({mount} is {copy / '.cache' / 'sub'} under another path" in err, (args, err)
+        assert tree(copy) == before
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_overwrite_never_removes_a_checkpoint_no_run_of_ours_wrote(src, tmp_path, monkeypatch, capsys, dry_run):
     """OUT holds a downloaded Hugging Face checkpoint: --overwrite used to delete its shards and index."""
