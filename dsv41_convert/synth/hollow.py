@@ -28,6 +28,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from dsv41_convert import interrupts
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
@@ -71,11 +72,12 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
     Returns a summary: files with apparent sizes, tensor count, total_size, disk bytes used.
     """
     out = Path(out)
+    interrupts.check()  # a signal that landed in an import (torch's: ~1 s) stops the run here, not seconds later
     config = real_config()
     args = ModelArgs.from_hf_dict(config, REAL_CONFIG)
     shards = plan_shards(args, quantized=True)
     text = config["text_config"]
-    tok = hollow_tokenizer(config)
+    tok = hollow_tokenizer(config)  # ~2.7 s on the dev box; checks between its tries
     files, weight_map, total = [], {}, 0
     with staged(out, overwrite) as stage:
         write_text(stage / "config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -84,6 +86,7 @@ def write_hollow(out: Path, *, overwrite: bool = False, progress: Progress | Non
         tok_config = tokenizer_config(model_max)
         write_text(stage / "tokenizer_config.json", json.dumps(tok_config, indent=2, ensure_ascii=False))
         for shard in shards:
+            interrupts.check()
             header, spans = shard.header()
             size = spans[-1][2] if spans else len(header)
             path = stage / shard.file

@@ -27,6 +27,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from dsv41_convert import interrupts
+
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 IMAGE, NOISE = "<｜deepseek_image｜>", "<｜dspark_noise｜>"
 SPECIALS = (BOS, EOS, PAD, IMAGE, NOISE)
@@ -221,6 +223,7 @@ def fit_compressed_size(vocab_size: int, compressed_size: int, specials: Mapping
 
     folded = 0
     for _ in range(8):
+        interrupts.check()  # each try takes about a second at the real vocab size
         tok = build_tokenizer(vocab_size, folded, specials)
         _, size = compressed_token_map(tok)
         if size == compressed_size:

@@ -111,3 +111,34 @@ def test_a_filesystem_without_holes_is_refused_at_the_first_shard(tmp_path):
     dense.write_bytes(b"\1" * (4 * SPARSE_SLACK))
     with pytest.raises(OutputError, match=r"does not keep files sparse \(dense\.safetensors: 4,194,304 bytes on disk"):
         _check_sparse(dense, tmp_path)
+
+
+@pytest.mark.parametrize("where", ["start", "tokenizer", "shards"])
+def test_a_signal_taken_early_stops_it_at_the_next_step(tmp_path, monkeypatch, where):
+    """A Ctrl-C that landed while torch was imported (postponed to the next check: interrupts.py) stopped the
+    run only after the tokenizer (~2.7 s) and every shard, 5-7 s later, longer than the whole run (an audit).
+    Now write_hollow checks at its start, before each tokenizer try and before each shard."""
+    from dsv41_convert import interrupts
+    from dsv41_convert.synth import hollow, tokenizer
+
+    monkeypatch.setitem(interrupts._state, "interrupted", where == "start")
+    done = []
+    real_build, real_check = tokenizer.build_tokenizer, hollow._check_sparse
+
+    def build(*args, **kw):
+        done.append("try")
+        interrupts._state["interrupted"] |= where == "tokenizer"  # lands during the first try
+        return real_build(*args, **kw)
+
+    def shard_written(*args):
+        done.append("shard")
+        interrupts._state["interrupted"] |= where == "shards"  # lands while the first shard is written
+        return real_check(*args)
+
+    monkeypatch.setattr(tokenizer, "build_tokenizer", build)
+    monkeypatch.setattr(hollow, "_check_sparse", shard_written)
+    with pytest.raises(KeyboardInterrupt):
+        hollow.write_hollow(tmp_path / "full")
+    tries = done.count("try")
+    assert done == {"start": [], "tokenizer": ["try"], "shards": ["try"] * tries + ["shard"]}[where]
+    assert not (tmp_path / "full").exists()  # a folder the run made is removed
