@@ -156,6 +156,8 @@ def _folders_of(src: Path) -> dict[tuple[int, int], Path]:
 def check_output(src: Path, out: Path) -> None:
     """OUT must not be SRC or inside it, must hold none of SRC's files under another name, and must be a
     folder if it exists."""
+    if out.is_symlink() and not out.exists():  # mkdir said only "File exists" (an audit)
+        raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a folder path")
     out = _outside_source(src, out, "folder")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")

@@ -593,3 +593,14 @@ def test_a_share_started_while_a_share_of_another_plan_runs_is_refused(src, tmp_
     assert code == 0, err
     assert not list((out / ".dsv41-convert").glob("plan-*.claim"))  # removed by their last holders
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_out_a_link_to_nowhere_is_named_as_such(src, tmp_path, monkeypatch, capsys, command):
+    """OUT a dangling link: the error said only "OUT: File exists" (an audit)."""
+    out = tmp_path / "dangling"
+    out.symlink_to(tmp_path / "nowhere")
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args)
+    assert code == 2 and f"{out}: a link to {tmp_path / 'nowhere'}, which does not exist" in err, err
+    assert not (tmp_path / "nowhere").exists()
