@@ -110,7 +110,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     flat = len(main.shape) < 2  # 1-d tensors travel as [rows, 1]
     try:
         for a, inputs in zip(starts, source, strict=False):  # the source yields one block per start, in order
-            where = _block_name(name, main, a, min(rows, a + step))
+            where = block_name(name, main, a, min(rows, a + step))
             if not cuda:
                 if flat:
                     inputs = [x.reshape(-1) for x in inputs]
@@ -138,7 +138,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             _unused(q.get_nowait(), reader.ahead)
 
 
-def _block_name(name: str, main: Read, a: int, b: int) -> Region:
+def block_name(name: str, main: Read, a: int, b: int) -> Region:
     """`name` for the messages about one row block [a, b) of main's region: with the block's source rows
     where it is not the whole tensor; a Region, so that an index in a message counts from the source
     tensor's first row and column (a block's, or a rank's columns', said from the block's: an audit)."""

@@ -66,8 +66,8 @@ def _live_others(where: Path, digest: str) -> list[str]:
         name = path.name
         if not (name.startswith(_PREFIX) and name.endswith(_SUFFIX)) or name == f"{_PREFIX}{digest}{_SUFFIX}":
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # read-write: NFSv4 refuses an exclusive flock on a read-only descriptor (EBADF: an audit)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:  # gone meanwhile, or a link: no claim of a share's
             continue
         try:

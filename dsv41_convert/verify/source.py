@@ -30,6 +30,7 @@ from torch import Tensor
 
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.convert.stream import block_name
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress, counting
@@ -84,7 +85,8 @@ def _compute(t: OutTensor, inputs: list[Tensor], skip_quant: bool, q, src: Path)
         return {t.name: _as_output(inputs[0], t)}
     if skip_quant and t.action in QUANTIZING:
         return {t.name: inputs[0].to(torch.bfloat16)}
-    results = apply(t.action, inputs, q, t.reads[0].label(src), t.dtype, t.block)
+    main = t.reads[0]  # the rank's region, said (and its indexes counted) as shard says it
+    results = apply(t.action, inputs, q, block_name(main.label(src), main, 0, main.r1 - main.r0), t.dtype, t.block)
     if t.group:
         return {t.name: results[0], t.name.removesuffix(".weight") + ".scale": results[1]}
     return {t.name: results[0]}

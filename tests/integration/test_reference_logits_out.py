@@ -175,6 +175,28 @@ def test_a_non_finite_source_tensor_is_named_with_its_file(src, tmp_path, monkey
     assert not out.exists()
 
 
+def test_a_non_finite_byte_in_a_ranks_rows_is_said_at_its_source_index(src, tmp_path, monkeypatch, capsys):
+    """A NaN scale in rank 1's rows of wo_a (scale rows 4..7 of 8 at tp 2): reference-logits said "[1, 1]"
+    with no rows named, read as a source index, where shard says "(source rows 128..255) ... [5, 1]" (an
+    audit). The ranks' in-memory files name the region and count the index as shard does."""
+    import torch
+
+    scale = "layers.0.attn.wo_a.scale"
+
+    def nan(t):
+        t = t.view(torch.uint8).clone()
+        t[5, 0] = 255
+        return t.view(torch.float8_e8m0fnu)
+
+    path = _plant(src, tmp_path / "nan", scale, nan)
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(path.parent), str(out), "--tp", "2",
+                           "--decode-steps", "1")  # fmt: skip
+    want = f"{path}: layers.0.attn.wo_a.weight (source rows 128..255): scale is NaN (e8m0 byte 255) at [5, 0]"
+    assert code == 2 and want in err, err
+    assert not out.exists()
+
+
 def test_a_torchrun_count_other_than_tp_is_refused_before_out_is_made(src, tmp_path, monkeypatch, capsys):
     """torchrun of 2 processes with --tp 4 was refused only inside the launch, after OUT's folder was made
     (an empty sub/ left: an audit), and the warnings came before the refusal."""
