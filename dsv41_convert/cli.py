@@ -1027,6 +1027,9 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
     interrupts.quiet_when_dropped()
+    if sys.stdout is None:  # started with it closed (`cmd >&-`): said before the work, not after hours of it
+        report.error("stdout: closed, so the results cannot be written; send it to a file or /dev/null instead")
+        sys.exit(2)
     if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
         _help_reader_gone_as_sigpipe()
     try:

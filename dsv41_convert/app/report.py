@@ -41,7 +41,7 @@ def _console(name: str) -> Console:
 
     if name == "stdout":
         _require_stdout()
-    console = Console(stderr=name == "stderr", soft_wrap=True)
+    console = Console(file=_NamedStdout() if name == "stdout" else None, stderr=name == "stderr", soft_wrap=True)
     # rich's own ends the run with exit 1 ("a check ran and failed"), and points stdout at /dev/null even
     # when stderr's reader went away (`cmd 2>&1 | head`)
     console.on_broken_pipe = functools.partial(reader_gone, console.file)
@@ -132,6 +132,30 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     except OSError as exc:  # a full disk (> /dev/full): an input error naming stdout, not a traceback (an audit)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered goes nowhere at exit
         raise OSError(exc.errno, exc.strerror, "stdout") from None
+
+
+class _NamedStdout:
+    """sys.stdout as it is at each write (pytest swaps it), for the rich console of results: a write that fails
+    (a full disk) raises an OSError naming stdout, as `write` does (it said only "No space left on device")."""
+
+    def write(self, text: str) -> int:
+        return self._named(sys.stdout.write, text)
+
+    def flush(self) -> None:
+        self._named(sys.stdout.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stdout, name)
+
+    @staticmethod
+    def _named(call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise  # the console's on_broken_pipe: exit 141
+        except OSError as exc:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered goes nowhere
+            raise OSError(exc.errno, exc.strerror, "stdout") from None
 
 
 def _require_stdout() -> None:
