@@ -191,6 +191,8 @@ def _no_source_file_among(src: Path, outputs: list[Path]) -> None:
 def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
     """An output file OUT must lie outside the source folder SRC, must not be a folder, and is replaced
     only with --overwrite."""
+    if out.is_symlink() and not out.exists():  # resolve() raised RuntimeError on a loop; a rename replaced the link
+        raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a file path")
     out = _outside_source(src, out, "file")
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give the path of the file to write")

@@ -595,12 +595,15 @@ def test_a_share_started_while_a_share_of_another_plan_runs_is_refused(src, tmp_
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
 
 
-@pytest.mark.parametrize("command", ["shard", "export"])
-def test_out_a_link_to_nowhere_is_named_as_such(src, tmp_path, monkeypatch, capsys, command):
-    """OUT a dangling link: the error said only "OUT: File exists" (an audit)."""
+@pytest.mark.parametrize("command", ["shard", "export", "reference-logits"])
+@pytest.mark.parametrize("to", ["nowhere", "itself"])
+def test_out_a_link_to_nowhere_is_named_as_such(src, tmp_path, monkeypatch, capsys, command, to):
+    """OUT a dangling link: the error said only "OUT: File exists" (an audit); reference-logits replaced the link
+    with its file, and a link to itself ended in a RuntimeError traceback (a later audit)."""
     out = tmp_path / "dangling"
-    out.symlink_to(tmp_path / "nowhere")
-    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    target = out if to == "itself" else tmp_path / "nowhere"
+    out.symlink_to(target)
+    args = {"shard": ["--tp", "2"], "export": ["--format", "bf16"], "reference-logits": []}[command]
     code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args)
-    assert code == 2 and f"{out}: a link to {tmp_path / 'nowhere'}, which does not exist" in err, err
-    assert not (tmp_path / "nowhere").exists()
+    assert code == 2 and f"{out}: a link to {target}, which does not exist" in err, err
+    assert out.is_symlink() and not (tmp_path / "nowhere").exists()
