@@ -149,7 +149,8 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
                 raise OutputError(f"{what}: {path} is a link, not a lock file of ours; remove it") from exc
             raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
         if linked(os.fstat(fd)):  # a hard link: an exclusive taker truncates it, and with it the other name's file
-            os.close(fd)
+            if _unheld_name_removed(fd, path):  # a killed run's, copied with `cp -al` (an audit): a new one
+                continue
             raise OutputError(f"{what}: {path} has another name (a hard link), not a lock file of ours; remove it")
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -194,6 +195,20 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
         os.ftruncate(fd, 0)
     os.write(fd, holder.line())  # O_APPEND: shared holders' lines do not overwrite each other
     return Lock(path, fd, exclusive, stale)
+
+
+def _unheld_name_removed(fd: int, path: Path) -> bool:
+    """For a lock file with another name: where no process holds it, remove this name (under an exclusive
+    flock, so a taker that opened it finds it gone and retries) -> True; else False. Closes `fd` either way."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    if _is_at(fd, path):
+        path.unlink()
+    os.close(fd)
+    return True
 
 
 def _is_at(fd: int, path: Path) -> bool:
