@@ -260,6 +260,11 @@ def _no_other_conversion(
     if not _a_run_of_ours_was_here(out):  # what has our names is not ours
         ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
         _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
+    else:  # a file at one of this plan's names that no record of ours names is not ours either (an audit: a
+        # user's file at a shard's name, after a killed run, was written over by --resume)
+        listed = _listed_by_our_records(out)
+        _refuse_strangers(out, sorted(n for n in mine if (out / n).is_file() and not _written_by_us(out, n)
+                                      and n not in listed))  # fmt: skip
     if not others:
         return
     if not remove:
@@ -317,6 +322,30 @@ def _remove_replaced(out: Path, files: list[str]) -> None:
         path.unlink()
     if gone:
         fsync_path(out)
+
+
+REPLACING = f"{DONE_DIR}/replacing.json"  # the files an --overwrite removes, listed before their records go
+
+
+def _mark_replacing(out: Path, files: list[str]) -> None:
+    """Say which of OUT's files an --overwrite is about to remove, before their records go: killed in between,
+    they are still ours to the next run (`_listed_by_our_records`), not a user's files. Removed with the next
+    manifest.json."""
+    if files:
+        (out / DONE_DIR).mkdir(exist_ok=True)
+        atomic_write(out / REPLACING, json.dumps(sorted(files)).encode())
+
+
+def _listed_by_our_records(out: Path) -> set[str]:
+    """The files OUT's fragments (shares gathered from other machines), manifest.json and an --overwrite under
+    way (REPLACING) list."""
+    listed = {f for frag in read_fragments(out).values() for f in frag.get("files") or ()}
+    try:
+        replacing = json.loads((out / REPLACING).read_text())
+    except (OSError, ValueError):
+        replacing = []
+    listed |= {f for f in replacing if isinstance(f, str)} if isinstance(replacing, list) else set()
+    return listed | set((our_manifest(out) or {}).get("files") or ())
 
 
 def _written_by_us(out: Path, name: str) -> bool:
@@ -437,17 +466,16 @@ def _same_plan_as_the_other_shares(
     record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
     that share's fragment and replaced its config.json, exit 0 (an audit). Also with --ranks and --overwrite,
     which replaces this share's rank files only: the other ranks' files of the replaced conversion stayed
-    beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the
-    launch's other processes rewrite theirs. With `overwrite` this share's own earlier fragment (of its files
-    alone) is what it replaces, not another share's. `live`: the plans of shares running now (store/plan_claims.py:
-    they have left no fragment yet)."""
+    beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the same:
+    each process replaces its own files only, and nothing makes the others run (one process of a launch run
+    again alone with other options and --overwrite mixed two conversions, exit 0: an audit). With `overwrite`
+    this share's own earlier fragment (of its files alone) is what it replaces, not another share's. `live`:
+    the plans of shares running now (store/plan_claims.py: they have left no fragment yet)."""
     if live:
         raise OutputError(
             f"{out}: a share of another plan is being written into it now (plan {first_few([d[:12] for d in live])}: "
             "other options or another source layout); run every share of one conversion with the same options"
         )
-    if overwrite and not ranks_given:  # a torchrun launch --overwrite rewrites every rank
-        return
     digest = plan.digest()
     own = {f.file for f in mine}
     other = sorted(
@@ -461,10 +489,15 @@ def _same_plan_as_the_other_shares(
         if (rec := read_done(out, f)) is not None and rec.get("plan_digest") != digest
     ]
     if other:
+        again = (
+            "--overwrite without --ranks, or every share into an emptied OUT"
+            if ranks_given
+            else "under torchrun each process replaces only its own files: empty OUT, or run --overwrite once "
+            "without torchrun, then launch again"
+        )
         raise OutputError(
             f"{out}: holds a share of another plan ({first_few(other)}: other options or another source layout); "
-            "run this share with the options the others had, or convert every rank again (--overwrite without "
-            "--ranks, or every share into an emptied OUT)"
+            f"run this share with the options the others had, or convert every rank again ({again})"
         )
 
 
@@ -532,6 +565,7 @@ def execute(
         if share:
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
+            _mark_replacing(out, [n for n in names if (out / n).is_file()])
             if forget is not None:
                 forget()
             _forget_done(out, names)
@@ -611,6 +645,7 @@ def _execute_held(
         if sidecars:
             extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra).resolve())  # absolute, as "out" (an audit)
+        (out / REPLACING).unlink(missing_ok=True)
     elif done:
         fragment = str(write_fragment(out, plan, options, done).resolve())
     return {
@@ -733,9 +768,9 @@ def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> F
     with _one_torch_thread(job):
         quantizer = _quantizer(job)
         ready = time.monotonic()
-        size, sha = write_rank_file(rf, src, out, quantizer, progress, **_write_kw(job, stats))
+        size, sha = write_rank_file(rf, src, out, quantizer, progress, on_commit=partial(write_done, out, rf.file,
+                                    plan_digest=job["digest"]), **_write_kw(job, stats))  # fmt: skip
     add_seconds(stats["stages"], "start", ready - start)
-    write_done(out, rf.file, size, sha, job["digest"])
     return _done(rf.file, size, sha, stats, start)
 
 
@@ -799,8 +834,7 @@ def _quantizer(job: dict[str, Any]) -> SimpleNamespace:
 
 
 def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[str, Any], start: float) -> FileDone:
-    commit(out, file)
-    write_done(out, file, size, sha, digest)
+    commit(out, file, partial(write_done, out, file, size, sha, digest))
     return _done(file, size, sha, stats, start)
 
 

@@ -37,6 +37,7 @@ import errno
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,14 +178,16 @@ def write_rank_file(
     progress: Progress = lambda label, done, total: None,
     chunk_bytes: int = CHUNK_BYTES,
     stash_bytes: int = STASH_BYTES,
+    on_commit: Callable[[int, str], None] | None = None,
     **resume_kw,
 ) -> tuple[int, str]:
     """Write `rf` to out/rf.file (via rf.file + ".partial"), fsync, rename. -> (size, sha256 hex)
 
+    on_commit(size, sha256 hex): called once the file is in place, before its journal goes (`commit`).
     `resume_kw` go to `write_partial` (plan_digest, resume, journal_bytes, stats, direct_io).
     """
     size, sha = write_partial(rf, src, out, quantizer, progress, chunk_bytes, stash_bytes, **resume_kw)
-    commit(out, rf.file)
+    commit(out, rf.file, None if on_commit is None else lambda: on_commit(size, sha))
     return size, sha
 
 
@@ -378,10 +381,11 @@ def _data_end(t: OutTensor) -> int:
     return t.end - t.pad_rows * row_bytes(t.dtype, t.shape)
 
 
-def commit(out: Path, file: str) -> None:
+def commit(out: Path, file: str, record: Callable[[], None] | None = None) -> None:
     """fsync out/file.partial, then rename it to out/file: a file under its final name is complete and
-    on disk; its journal is then dropped. A flush error (a full disk found at writeback) removes the
-    partial file."""
+    on disk; then record() (the done record), then its journal is dropped, so that a run killed in between
+    leaves a record of ours for the file (a final name without either was a user's to the next run). A
+    flush error (a full disk found at writeback) removes the partial file."""
     final, partial = out / file, out / (file + ".partial")
     try:
         fsync_path(partial)
@@ -393,6 +397,8 @@ def commit(out: Path, file: str) -> None:
         if exc.errno in _NO_SPACE:
             raise _no_space(final, "while flushing it to disk") from exc
         raise
+    if record is not None:
+        record()
     journal_path(out, file).unlink(missing_ok=True)
 
 

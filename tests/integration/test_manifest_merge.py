@@ -502,3 +502,29 @@ def test_a_share_with_other_options_is_refused_and_the_first_share_kept(tmp_path
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--expert-dtype", "fp8",
                            "--overwrite")  # fmt: skip
     assert code == 0 and check_folder(out).ok, err
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_one_torchrun_process_run_again_with_other_options_is_refused(runs, tmp_path, monkeypatch, capsys, command):
+    """`RANK=1 WORLD_SIZE=2 shard ... --expert-dtype fp8 --overwrite` (one process of a launch run again, by
+    hand or by a scheduler's retry) into a finished conversion: exit 0 with ranks 1, 3, 5, 7 fp8 beside 0, 2,
+    4, 6 fp4 and rank 0's fragment removed; export the same with bf16 and fp8 shards (an audit). Refused now,
+    OUT as it was; the whole launch with the same options still overwrites."""
+    out = tmp_path / "out"
+    first = ["--tp", "4"] if command == "shard" else ["--format", "bf16"]
+    other = ["--tp", "4", "--expert-dtype", "fp8"] if command == "shard" else ["--format", "fp8"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *first)[0] == 0
+    before = _files(out)
+    code, _, err = run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *other, "--overwrite")
+    assert code == 2 and "holds a share of another plan" in err and "under torchrun each process" in err, err
+    assert _files(out) == before
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        code, _, err = run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *first, "--overwrite")
+        assert code == 0, err
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert check_folder(out).ok

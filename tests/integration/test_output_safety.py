@@ -627,3 +627,41 @@ def test_out_a_link_to_nowhere_is_named_as_such(src, tmp_path, monkeypatch, caps
     code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args)
     assert code == 2 and f"{out}: a link to {target}, which does not exist" in err, err
     assert out.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("finish", ["--resume", "--overwrite"])
+def test_a_users_file_at_one_of_the_runs_names_is_never_written_over(src, tmp_path, monkeypatch, capsys, finish):
+    """A run stopped after its first rank file, then a user's file put at the second's name: `--resume` wrote
+    over it, exit 0 (an audit: the check for files no run of ours wrote ran only in a folder without our
+    records). Refused now, the file kept; an --overwrite killed in its removals still resumes (its files are
+    listed before their records go: test_an_overwrite_stopped_in_its_removals_...)."""
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "0")[0] == 0
+    for p in out.glob("manifest-fragment-*"):
+        p.unlink()  # as a run of every rank stopped after rank 0: a done record, no fragment
+    mine = out / "model1-mp2.safetensors"
+    mine.write_text("my own precious data\n")
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", finish)
+    assert code == 2 and "holds model1-mp2.safetensors, which no dsv41-convert run wrote there" in err, err
+    assert mine.read_text() == "my own precious data\n"
+
+
+def test_a_run_killed_between_a_files_rename_and_its_record_resumes(src, tmp_path, monkeypatch, capsys):
+    """A rank file in place whose done record was not yet written (the run killed in between): it must still
+    be the run's own to --resume, not a file no run of ours wrote. The journal went before the record, so for
+    a moment neither said so (a run killed there was refused by the check for users' files)."""
+    import dsv41_convert.convert.execute as execute
+
+    out = tmp_path / "out"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(execute, "write_done", killed)
+        code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--workers", "1")
+    assert code == 130, err
+    assert (out / "model0-mp2.safetensors").is_file() and not list((out / ".dsv41-convert").glob("*.done.json"))
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume")
+    assert code == 0, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
