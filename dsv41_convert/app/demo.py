@@ -13,6 +13,8 @@ The demo keeps the run short: one built-in prompt of 24 tokens (longer than the 
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -23,10 +25,10 @@ import torch
 
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress as ByteProgress
-from dsv41_convert.store.manifest import DONE_DIR
 
 Step = Callable[[str], None]
-MARK = ".dsv41-demo"  # in DIR: the demo wrote it; --overwrite replaces nothing else
+MARK = ".dsv41-demo"  # in DIR: the demo's own list of the conversions it wrote; --overwrite removes nothing else
+REFERENCE = "ref-tp1.safetensors"
 
 
 def run_demo(
@@ -60,29 +62,21 @@ def run_demo(
     if folder.exists() and any(folder.iterdir()):
         if not overwrite:
             raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")
-        if not (folder / MARK).is_file():  # --overwrite replaces what a demo wrote, never a user's src/
-            raise OutputError(
-                f"{folder}: not a folder an earlier demo wrote (no {MARK}); --overwrite replaces only such a "
-                "folder: choose an empty or new one"
-            )
-        for p in folder.glob("mp*"):  # a demo's conversions: shard's records in them (a user's mp3/ stays)
-            if p.is_dir() and not p.is_symlink() and p.name[2:].isdigit() and (p / DONE_DIR).is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-        shutil.rmtree(src, ignore_errors=True)
-        (folder / "ref-tp1.safetensors").unlink(missing_ok=True)
+        _clear_earlier_demo(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / MARK).write_text("written by `dsv41-convert demo`: src/, mp*/ and ref-tp1.safetensors are its output\n")
+    mark = {"note": "written by `dsv41-convert demo`; its --overwrite removes only these", "wrote": [out.name]}
+    (folder / MARK).write_text(json.dumps(mark) + "\n")
     seconds = {}
     t = time.perf_counter()
     say(f"1/4 make-tiny {src} (seed {seed}, fp8/fp4)")
-    write_checkpoint(src, PRESETS["tiny"], seed=seed, quantized=True, vision=False, progress=progress)
+    write_checkpoint(src, PRESETS["tiny"], seed=seed, quantized=True, vision=False, progress=progress, overwrite=True)
     seconds["make-tiny"] = time.perf_counter() - t
     t = time.perf_counter()
     say(f"2/4 shard {src} -> {out} (tp {tp})")
     execute(build_plan(src, tp), out, progress=progress or (lambda *_: None))
     seconds["shard"] = time.perf_counter() - t
     t = time.perf_counter()
-    ref_file = folder / "ref-tp1.safetensors"
+    ref_file = folder / REFERENCE
     say(f"3/4 reference-logits {src} -> {ref_file} (tp 1)")
     prompt = default_prompts(PRESETS["tiny"].vocab_size, count=1, length=24)[0]
     ref_threads = threads or default_threads(1)
@@ -95,3 +89,34 @@ def run_demo(
     result = verify(opts, progress=say)
     seconds["verify"] = time.perf_counter() - t
     return result, seconds
+
+
+def _clear_earlier_demo(folder: Path) -> None:
+    """Remove the conversions and reference an earlier demo wrote in `folder` (its MARK lists them; src/ is
+    left to make-tiny's --overwrite, which replaces only its own files), after checking that none holds a file
+    shard does not write: --overwrite removed every mp<N>/ with shard's records (a user's own conversion too)
+    and src/ with whatever was in it (an audit). Nothing is removed where something is refused."""
+    from dsv41_convert.convert.execute import shard_writes
+    from dsv41_convert.synth.staged import check_out
+
+    try:
+        wrote = json.loads((folder / MARK).read_text())["wrote"]
+    except (OSError, ValueError, KeyError, TypeError):  # none, or a demo's of before 2026-12-05: a line of text
+        raise OutputError(
+            f"{folder}: not a folder an earlier demo wrote (no {MARK} listing its output; a demo before 2026-12-05 "
+            "wrote none); --overwrite replaces only such a folder: choose an empty or new one, or remove it yourself"
+        ) from None
+    conversions = [folder / name for name in wrote if re.fullmatch(r"mp\d+", str(name))]
+    for conv in (c for c in conversions if c.is_dir() and not c.is_symlink()):
+        foreign = sorted(p.name for p in conv.iterdir() if not shard_writes(p.name))
+        if foreign:
+            raise OutputError(
+                f"{conv}: holds what shard does not write ({', '.join(foreign[:5])}); demo --overwrite replaces "
+                "only its own output: move them, or choose another folder"
+            )
+    if (folder / "src").exists():
+        check_out(folder / "src", overwrite=True)  # refuses a src/ holding what make-tiny does not write
+    for conv in conversions:
+        if conv.is_dir() and not conv.is_symlink():
+            shutil.rmtree(conv)
+    (folder / REFERENCE).unlink(missing_ok=True)

@@ -355,6 +355,12 @@ def _written_by_us(out: Path, name: str) -> bool:
     return name != file or done_path(out, file).exists() or journal_path(out, file).exists()
 
 
+def shard_writes(name: str) -> bool:
+    """Whether a shard run writes an entry of this name in OUT (rank files, their partial files, side files,
+    records, fragments, the lock)."""
+    return bool(RANK_FILE.fullmatch(name.removesuffix(".partial"))) or _common_output(name) or is_lock_entry(name)
+
+
 def _common_output(name: str) -> bool:
     """Written by every share of a conversion into one folder (atomic_write's temporaries included)."""
     name = temporary_target(name) or name

@@ -188,6 +188,27 @@ def test_demo_overwrite_keeps_a_users_folder_beside_its_output(tmp_path, monkeyp
     assert (demo / "mp3" / "x").read_text() == "mine\n" and not (demo / "mp2").exists() and (demo / "mp4").is_dir()
 
 
+def test_demo_overwrite_removes_only_what_the_demo_wrote(tmp_path, monkeypatch, capsys):
+    """`demo DIR --tp 2`, then the user's own `shard DIR/src DIR/mp4 --tp 4` and notes in src/ and mp2/:
+    `demo DIR --tp 2 --overwrite` removed mp4/ (shard's records in it) and both notes, exit 0 (an audit). The
+    demo's mark lists the conversions it wrote; a user's file among what it would replace is refused first,
+    nothing removed; without them the demo runs again and the user's conversion stays."""
+    demo = tmp_path / "demo"
+    assert run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1")[0] == 0
+    assert shard(monkeypatch, capsys, str(demo / "src"), str(demo / "mp4"), "--tp", "4")[0] == 0
+    for notes in (demo / "src" / "NOTES.txt", demo / "mp2" / "NOTES.txt"):
+        notes.write_text("mine\n")
+        before = tree(demo)
+        code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1", "--overwrite")
+        assert code == 2 and "NOTES.txt" in err and "does not write" in err, err
+        assert tree(demo) == before
+        notes.unlink()
+    mine = tree(demo / "mp4")
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1", "--overwrite")
+    assert code == 0, err
+    assert tree(demo / "mp4") == mine
+
+
 def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
     """A shard fetched again (or edited) in place, then --resume: the finished rank files were skipped,
     holding the old bytes, and `check` passed them."""
