@@ -110,6 +110,14 @@ def error_document(message: str, code: int) -> dict[str, Any]:
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
+_documents = [0]  # documents `write` has put on stdout in this process
+
+
+def documents_written() -> int:
+    """How many documents (a result's, an error's) this process has written on stdout."""
+    return _documents[0]
+
+
 def write(*pieces: str, after_a_signal: bool = False) -> None:
     """A document already rendered (e.g. JSON), given whole or in pieces, on stdout with a final newline, as
     print_json ends it. A reader that went away (`... --json | head`) ends the command with exit 141, as
@@ -127,6 +135,7 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
                 sys.stdout.write(piece)
             sys.stdout.write("\n")
         sys.stdout.flush()
+        _documents[0] += 1
     except BrokenPipeError:
         reader_gone(sys.stdout)
     except OSError as exc:  # a full disk (> /dev/full): an input error naming stdout, not a traceback (an audit)

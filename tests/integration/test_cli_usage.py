@@ -269,3 +269,34 @@ def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     proc = subprocess.run([entry_point(), "shard", str(src), str(tmp_path / "out"), "--tp", "2"],
                           stderr=subprocess.PIPE, text=True, timeout=60, preexec_fn=lambda: os.close(1))  # fmt: skip
     assert proc.returncode == 2 and "error: stdout: closed" in proc.stderr and not (tmp_path / "out").exists()
+
+
+DRIVER = """
+import atexit, os, signal, sys
+from dsv41_convert import cli, interrupts
+from dsv41_convert.app import report
+when = sys.argv.pop(1)
+if when == "after the document":  # the flag a signal sets, right after the result is on stdout
+    real = report.write
+    def write(*args, **kw):
+        real(*args, **kw)
+        interrupts._state["interrupted"] = True
+    report.write = write
+else:  # a signal while the process ends (atexit runs before Python resets its handlers)
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("when", ["after the document", "while ending"])
+def test_a_signal_after_the_result_never_exits_0_nor_writes_a_second_document(tmp_path, when):
+    """A Ctrl-C in the ~0.4 s after the result's document (torch and multiprocessing shutting down) exited 0, or
+    130 with a second document on stdout, the error's after the result's (an audit). Now 130 with the one
+    document and the reason on stderr."""
+    src = tmp_path / "t"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, when, "plan", str(src), "--tp", "2", "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-500:])
+    assert json.loads(proc.stdout)["src"] == str(src)  # one document: the result's
+    assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
