@@ -568,6 +568,11 @@ def reference_logits_cmd(
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
         report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
+    if writes and (out.parent / "manifest.json").is_file():
+        report.warn(
+            f"{out.parent} holds a manifest.json (a converted folder?): `check` will name {out.name} as a file it "
+            "does not list (verify with this reference ignores it there)"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start, so a second writer is refused before minutes
     # of compute, and torchrun's ranks do not contend

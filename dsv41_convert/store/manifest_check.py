@@ -83,11 +83,16 @@ def _without_manifest(folder: Path) -> str:
 
 
 def check_folder(
-    folder: Path, progress: Progress | None = None, threads: int | None = None, tp: int | None = None
+    folder: Path,
+    progress: Progress | None = None,
+    threads: int | None = None,
+    tp: int | None = None,
+    besides: frozenset[str] = frozenset(),
 ) -> CheckResult:
     """Check sizes, then sha256, of every file in the manifest, `threads` files at a time (None: one per
     usable core, file_digest.hash_threads). tp: the rank files of that tp are the ones checked (verify --tp
-    picked them): those of another tp beside them are not this conversion's problem.
+    picked them): those of another tp beside them are not this conversion's problem. besides: names of files
+    the caller knows are no part of the conversion (verify's reference file, kept in the folder).
     -> CheckResult (ok when no problems), files in name order."""
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -96,7 +101,7 @@ def check_folder(
         name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in sorted(files.items())
     }
     result = CheckResult(str(folder))
-    result.problems += unlisted(folder, manifest, tp)
+    result.problems += [p for p in unlisted(folder, manifest, tp) if p.split(": ", 1)[0] not in besides]
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)
     return result

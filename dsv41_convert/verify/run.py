@@ -338,7 +338,7 @@ def _verify_ranks(
         t2 = time.perf_counter()
         say(f"manifest: every file's size and sha256 against {conv / MANIFEST}")
         with shown(f"manifest: {conv}") as bytes_done:  # rank files of another tp beside them are not checked
-            problems = check_folder(conv, progress=bytes_done, tp=tp).problems
+            problems = check_folder(conv, progress=bytes_done, tp=tp, besides=_reference_in(conv, opts)).problems
         result.manifest = "differs" if problems else "held"
         result.failures += [f"manifest: {m}" for m in problems]
         seconds["manifest"] = time.perf_counter() - t2
@@ -662,3 +662,12 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
     scope = localize.scope(loc.module, conv_args.n_layers) if loc.module else ()
     loc.tensors = localize.diff_tensors(localize.read_rank_files(ranks), expected, scope)
     return loc
+
+
+def _reference_in(conv: Path, opts: VerifyOptions) -> frozenset[str]:
+    """The reference file's name where it lies in CONVERTED itself: no file of the conversion, and not one to
+    call a different conversion's (a correct set kept with its reference FAILed on it: an audit)."""
+    ref = opts.reference_logits
+    if ref is not None and Path(ref).resolve().parent == conv.resolve():
+        return frozenset({Path(ref).name})
+    return frozenset()

@@ -206,3 +206,17 @@ def test_a_torchrun_count_other_than_tp_is_refused_before_out_is_made(src, tmp_p
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--tp", "4")
     assert code == 2 and "torchrun started 2 ranks but --tp is 4" in err and "warning" not in err, err
     assert not (tmp_path / "sub").exists()
+
+
+def test_a_reference_kept_in_the_converted_folder_does_not_fail_verify(src, tmp_path, monkeypatch, capsys):
+    """`reference-logits SRC MP2/ref.safetensors`, then `verify MP2 --reference-logits MP2/ref.safetensors`: FAIL
+    (exit 1) on a correct set, "ref.safetensors: in the folder but not in manifest.json" (an audit). verify
+    leaves its own reference file out of the manifest check; reference-logits warns that `check` will not."""
+    out = tmp_path / "mp2"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")[0] == 0
+    ref = out / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(ref), "--decode-steps", "1")
+    assert code == 0 and "holds a manifest.json (a converted folder?)" in err, err
+    code, said, err = run_cli(monkeypatch, capsys, "verify", str(out), "--reference-logits", str(ref), "--threads", "1")
+    assert code == 0 and "PASS" in said, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 1  # check knows of no reference: it names it
