@@ -324,7 +324,7 @@ def _remove_replaced(out: Path, files: list[str]) -> None:
         fsync_path(out)
 
 
-REPLACING = f"{DONE_DIR}/replacing.json"  # the files an --overwrite removes, listed before their records go
+REPLACING = ".replacing"  # DONE_DIR/FILE.replacing: FILE is an --overwrite's to remove (one per file: shares at once)
 
 
 def _mark_replacing(out: Path, files: list[str]) -> None:
@@ -333,18 +333,16 @@ def _mark_replacing(out: Path, files: list[str]) -> None:
     manifest.json."""
     if files:
         (out / DONE_DIR).mkdir(exist_ok=True)
-        atomic_write(out / REPLACING, json.dumps(sorted(files)).encode())
+        for file in files:
+            (out / DONE_DIR / (file + REPLACING)).touch()
+        fsync_path(out / DONE_DIR)
 
 
 def _listed_by_our_records(out: Path) -> set[str]:
     """The files OUT's fragments (shares gathered from other machines), manifest.json and an --overwrite under
-    way (REPLACING) list."""
+    way (REPLACING) name."""
     listed = {f for frag in read_fragments(out).values() for f in frag.get("files") or ()}
-    try:
-        replacing = json.loads((out / REPLACING).read_text())
-    except (OSError, ValueError):
-        replacing = []
-    listed |= {f for f in replacing if isinstance(f, str)} if isinstance(replacing, list) else set()
+    listed |= {p.name.removesuffix(REPLACING) for p in (out / DONE_DIR).glob("*" + REPLACING)}
     return listed | set((our_manifest(out) or {}).get("files") or ())
 
 
@@ -651,7 +649,8 @@ def _execute_held(
         if sidecars:
             extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra).resolve())  # absolute, as "out" (an audit)
-        (out / REPLACING).unlink(missing_ok=True)
+        for marker in (out / DONE_DIR).glob("*" + REPLACING):
+            marker.unlink()
     elif done:
         fragment = str(write_fragment(out, plan, options, done).resolve())
     return {
