@@ -1054,6 +1054,7 @@ def _help_reader_gone_as_sigpipe() -> None:
 
 
 def _main(click_exceptions) -> None:
+    documents_before = report.documents_written()  # main may run more than once in a process (tests, callers)
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -1103,7 +1104,7 @@ def _main(click_exceptions) -> None:
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         said, code = _how_stopped()
         report.error(said)
-        if not report.documents_written():  # one document: a signal after the result's says so on stderr only
+        if report.documents_written() == documents_before:  # one document: after the result's, stderr only
             _json_error(said, code)
     if not _late["registered"]:  # at the process's exit, not when main returns: a caller that goes on keeps its own
         _late["registered"] = True

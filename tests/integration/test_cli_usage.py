@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import default_sigint
 
 
 def entry_point() -> str:
@@ -296,7 +297,7 @@ def test_a_signal_after_the_result_never_exits_0_nor_writes_a_second_document(tm
     src = tmp_path / "t"
     subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
     proc = subprocess.run([sys.executable, "-c", DRIVER, when, "plan", str(src), "--tp", "2", "--json"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=120, preexec_fn=default_sigint)  # fmt: skip
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-500:])
     assert json.loads(proc.stdout)["src"] == str(src)  # one document: the result's
     assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
