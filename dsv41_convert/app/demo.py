@@ -62,7 +62,7 @@ def run_demo(
     if folder.exists() and any(folder.iterdir()):
         if not overwrite:
             raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")
-        _clear_earlier_demo(folder)
+        _clear_earlier_demo(folder, out)
     folder.mkdir(parents=True, exist_ok=True)
     mark = {"note": "written by `dsv41-convert demo`; its --overwrite removes only these", "wrote": [out.name]}
     (folder / MARK).write_text(json.dumps(mark) + "\n")
@@ -91,11 +91,12 @@ def run_demo(
     return result, seconds
 
 
-def _clear_earlier_demo(folder: Path) -> None:
+def _clear_earlier_demo(folder: Path, out: Path) -> None:
     """Remove the conversions and reference an earlier demo wrote in `folder` (its MARK lists them; src/ is
     left to make-tiny's --overwrite, which replaces only its own files), after checking that none holds a file
-    shard does not write: --overwrite removed every mp<N>/ with shard's records (a user's own conversion too)
-    and src/ with whatever was in it (an audit). Nothing is removed where something is refused."""
+    shard does not write, that `out` (this run's conversion) is absent or one of them, and that src/ is no
+    link: --overwrite removed every mp<N>/ with shard's records (a user's own conversion too) and src/ with
+    whatever was in it, and wrote through a src/ link (audits). Nothing is removed where something is refused."""
     from dsv41_convert.convert.execute import shard_writes
     from dsv41_convert.synth.staged import check_out
 
@@ -107,6 +108,14 @@ def _clear_earlier_demo(folder: Path) -> None:
             "wrote none); --overwrite replaces only such a folder: choose an empty or new one, or remove it yourself"
         ) from None
     conversions = [folder / name for name in wrote if re.fullmatch(r"mp\d+", str(name))]
+    if (out.exists() or out.is_symlink()) and out not in conversions:
+        raise OutputError(
+            f"{out}: not a conversion an earlier demo wrote (a shard of yours?); demo --overwrite replaces only its "
+            "own output: move it, or run the demo with another --tp"
+        )
+    if (folder / "src").is_symlink():
+        raise OutputError(f"{folder / 'src'}: a link; the demo writes a src/ of its own: remove the link, or choose "
+                          "another folder")  # fmt: skip
     for conv in (c for c in conversions if c.is_dir() and not c.is_symlink()):
         foreign = sorted(p.name for p in conv.iterdir() if not shard_writes(p.name))
         if foreign:

@@ -261,10 +261,11 @@ def _no_other_conversion(
         ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
         _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
     else:  # a file at one of this plan's names that no record of ours names is not ours either (an audit: a
-        # user's file at a shard's name, after a killed run, was written over by --resume)
-        listed = _listed_by_our_records(out)
+        # user's file at a shard's name, after a killed run, was written over by --resume); one of exactly the
+        # planned size is (a run of a version before 2026-12-05 killed between its rename and its record)
+        listed, size = _listed_by_our_records(out), {f.file: f.nbytes for f in plan.files}
         _refuse_strangers(out, sorted(n for n in mine if (out / n).is_file() and not _written_by_us(out, n)
-                                      and n not in listed))  # fmt: skip
+                                      and n not in listed and (out / n).stat().st_size != size[n]))  # fmt: skip
     if not others:
         return
     if not remove:
@@ -322,6 +323,8 @@ def _remove_replaced(out: Path, files: list[str]) -> None:
         path.unlink()
     if gone:
         fsync_path(out)
+    for f in files:  # the files are gone: nothing left to take for a user's (a stale marker made one ours)
+        (out / DONE_DIR / (f + REPLACING)).unlink(missing_ok=True)
 
 
 REPLACING = ".replacing"  # DONE_DIR/FILE.replacing: FILE is an --overwrite's to remove (one per file: shares at once)
@@ -470,9 +473,9 @@ def _same_plan_as_the_other_shares(
     record of another plan in OUT (a share run with other options) is refused, not removed: the run removed
     that share's fragment and replaced its config.json, exit 0 (an audit). Also with --ranks and --overwrite,
     which replaces this share's rank files only: the other ranks' files of the replaced conversion stayed
-    beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks the same:
-    each process replaces its own files only, and nothing makes the others run (one process of a launch run
-    again alone with other options and --overwrite mixed two conversions, exit 0: an audit). With `overwrite`
+    beside them, a whole-looking set of two conversions (an audit). Under torchrun without --ranks each process
+    removes the replaced conversion's files of every rank instead (one process of a launch run again alone
+    with other options and --overwrite mixed two conversions, exit 0: an audit). With `overwrite`
     this share's own earlier fragment (of its files alone) is what it replaces, not another share's. `live`:
     the plans of shares running now (store/plan_claims.py: they have left no fragment yet)."""
     if live:
@@ -480,6 +483,8 @@ def _same_plan_as_the_other_shares(
             f"{out}: a share of another plan is being written into it now (plan {first_few([d[:12] for d in live])}: "
             "other options or another source layout); run every share of one conversion with the same options"
         )
+    if overwrite and not ranks_given:  # a torchrun launch --overwrite: each process removes the replaced
+        return  # conversion's files of every rank (_replace_the_launchs_files), so none is left beside new ones
     digest = plan.digest()
     own = {f.file for f in mine}
     other = sorted(
@@ -503,6 +508,19 @@ def _same_plan_as_the_other_shares(
             f"{out}: holds a share of another plan ({first_few(other)}: other options or another source layout); "
             f"run this share with the options the others had, or convert every rank again ({again})"
         )
+
+
+def _replace_the_launchs_files(out: Path, plan: ConversionPlan, mine: list[RankFile]) -> None:
+    """A process of a torchrun launch with --overwrite: the replaced conversion's files of the other processes'
+    ranks too (done records of another plan), and its manifest.json and fragments, so that the folder never
+    holds two conversions' rank files, whether the other processes run (a whole launch) or not (one process run
+    again alone: an audit). New files of this plan (their records name it) are left alone."""
+    digest = plan.digest()
+    forget_stale(out, digest)
+    old = [f for f in _kept(plan, mine) if (rec := read_done(out, f)) is not None and rec.get("plan_digest") != digest]
+    _mark_replacing(out, [f for f in old if (out / f).is_file()])
+    _forget_done(out, old)
+    _remove_replaced(out, old)
 
 
 def _check_resumable(out: Path, mine: list[RankFile], digest: str) -> None:
@@ -568,6 +586,8 @@ def execute(
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
         if share:
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
+        if overwrite and share and ranks is None:
+            _replace_the_launchs_files(out, plan, mine)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _mark_replacing(out, [n for n in names if (out / n).is_file()])
             if forget is not None:

@@ -668,6 +668,6 @@ def _reference_in(conv: Path, opts: VerifyOptions) -> frozenset[str]:
     """The reference file's name where it lies in CONVERTED itself: no file of the conversion, and not one to
     call a different conversion's (a correct set kept with its reference FAILed on it: an audit)."""
     ref = opts.reference_logits
-    if ref is not None and Path(ref).resolve().parent == conv.resolve():
+    if ref is not None and Path(ref).absolute().parent.resolve() == conv.resolve():  # where it lies, a link too
         return frozenset({Path(ref).name})
     return frozenset()

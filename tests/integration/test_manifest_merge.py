@@ -505,11 +505,14 @@ def test_a_share_with_other_options_is_refused_and_the_first_share_kept(tmp_path
 
 
 @pytest.mark.parametrize("command", ["shard", "export"])
-def test_one_torchrun_process_run_again_with_other_options_is_refused(runs, tmp_path, monkeypatch, capsys, command):
+def test_one_torchrun_process_run_again_with_other_options_leaves_no_mix(runs, tmp_path, monkeypatch, capsys, command):
     """`RANK=1 WORLD_SIZE=2 shard ... --expert-dtype fp8 --overwrite` (one process of a launch run again, by
-    hand or by a scheduler's retry) into a finished conversion: exit 0 with ranks 1, 3, 5, 7 fp8 beside 0, 2,
-    4, 6 fp4 and rank 0's fragment removed; export the same with bf16 and fp8 shards (an audit). Refused now,
-    OUT as it was; the whole launch with the same options still overwrites."""
+    hand or by a scheduler's retry) into a finished conversion: exit 0 with ranks 1, 3 fp8 beside 0, 2 fp4 and
+    rank 0's fragment removed; export the same with bf16 and fp8 shards (an audit). Each process of a torchrun
+    --overwrite now removes the replaced conversion's files of every rank: alone, it leaves its new files and
+    no old ones (no manifest); the other process then completes the new conversion (a whole launch: both)."""
+    from safetensors import safe_open
+
     out = tmp_path / "out"
     first = ["--tp", "4"] if command == "shard" else ["--format", "bf16"]
     other = ["--tp", "4", "--expert-dtype", "fp8"] if command == "shard" else ["--format", "fp8"]
@@ -517,14 +520,21 @@ def test_one_torchrun_process_run_again_with_other_options_is_refused(runs, tmp_
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         assert run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *first)[0] == 0
-    before = _files(out)
+    old = {p.name: p.read_bytes() for p in out.glob("model*.safetensors")}
+    monkeypatch.setenv("RANK", "1")
     code, _, err = run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *other, "--overwrite")
-    assert code == 2 and "holds a share of another plan" in err and "under torchrun each process" in err, err
-    assert _files(out) == before
-    for rank in ("0", "1"):
-        monkeypatch.setenv("RANK", rank)
-        code, _, err = run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *first, "--overwrite")
-        assert code == 0, err
+    assert code == 0, err
+    left = {p.name: p.read_bytes() for p in out.glob("model*.safetensors")}
+    assert left and not any(old.get(name) == data for name, data in left.items())  # no file of the old conversion
+    assert not (out / "manifest.json").exists()
+    dtypes = set()
+    for path in out.glob("model*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            dtypes |= {str(f.get_slice(k).get_dtype()) for k in f.keys() if ".experts." in k and k.endswith("weight")}
+    assert dtypes and "F4" not in dtypes and "BF16" not in dtypes, dtypes  # experts: the new format only
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run_cli(monkeypatch, capsys, command, str(runs["src"]), str(out), *other, "--overwrite")
+    assert code == 0, err
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
     assert check_folder(out).ok

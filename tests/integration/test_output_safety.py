@@ -204,9 +204,21 @@ def test_demo_overwrite_removes_only_what_the_demo_wrote(tmp_path, monkeypatch, 
         assert tree(demo) == before
         notes.unlink()
     mine = tree(demo / "mp4")
+    before = tree(demo)  # a demo at the tp of the user's conversion: refused before anything is removed (it
+    # removed mp2/ and the reference, then failed at its shard step, its mark naming mp4/ for the next one)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "4", "--threads", "1", "--overwrite")
+    assert code == 2 and "mp4: not a conversion an earlier demo wrote" in err, err
+    assert tree(demo) == before
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1", "--overwrite")
     assert code == 0, err
     assert tree(demo / "mp4") == mine
+    theirs = tmp_path / "theirs"  # a src/ that links to a checkpoint of the user's: written through (an audit)
+    shutil.move(demo / "src", theirs)
+    (demo / "src").symlink_to(theirs)
+    before = tree(theirs)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1", "--overwrite")
+    assert code == 2 and "src: a link" in err, err
+    assert tree(theirs) == before
 
 
 def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
@@ -683,6 +695,38 @@ def test_a_run_killed_between_a_files_rename_and_its_record_resumes(src, tmp_pat
         code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--workers", "1")
     assert code == 130, err
     assert (out / "model0-mp2.safetensors").is_file() and not list((out / ".dsv41-convert").glob("*.done.json"))
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume")
+    assert code == 0, err
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+def test_an_overwrite_stopped_after_its_removals_leaves_no_marker_to_take_a_users_file(src, tmp_path, monkeypatch,
+                                                                                       capsys):  # fmt: skip
+    """The markers an --overwrite writes before it drops the records outlived the files they named: a user's
+    file put at such a name later counted as ours and --resume wrote over it (an audit). They go with the
+    files; a rank file of exactly the planned size that no record names (a run of the version before killed
+    between its rename and its record) is still taken as ours."""
+    import dsv41_convert.convert.execute as execute
+
+    out = tmp_path / "out"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+    real = execute._remove_replaced
+
+    def stopped_after(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(execute, "_remove_replaced", stopped_after)
+        assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--overwrite")[0] == 130
+    assert not list((out / ".dsv41-convert").glob("*.replacing")) and not list(out.glob("model*"))
+    mine = out / "model0-mp2.safetensors"
+    mine.write_text("my own precious data\n")
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume")
+    assert code == 2 and "which no dsv41-convert run wrote there" in err and mine.read_text().startswith("my own")
+    mine.unlink()
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume")[0] == 0
+    (out / ".dsv41-convert" / "model1-mp2.safetensors.done.json").unlink()  # as the version before left it
     code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--resume")
     assert code == 0, err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0

@@ -220,3 +220,8 @@ def test_a_reference_kept_in_the_converted_folder_does_not_fail_verify(src, tmp_
     code, said, err = run_cli(monkeypatch, capsys, "verify", str(out), "--reference-logits", str(ref), "--threads", "1")
     assert code == 0 and "PASS" in said, err
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 1  # check knows of no reference: it names it
+    elsewhere = tmp_path / "ref-elsewhere.safetensors"  # kept as a link there: where it lies decides
+    ref.rename(elsewhere)
+    ref.symlink_to(elsewhere)
+    code, said, err = run_cli(monkeypatch, capsys, "verify", str(out), "--reference-logits", str(ref), "--threads", "1")
+    assert code == 0 and "PASS" in said, err
