@@ -139,8 +139,7 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     except BrokenPipeError:
         reader_gone(sys.stdout)
     except OSError as exc:  # a full disk (> /dev/full): an input error naming stdout, not a traceback (an audit)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered goes nowhere at exit
-        raise OSError(exc.errno, exc.strerror, "stdout") from None
+        raise _stdout_failed(exc) from None
 
 
 class _NamedStdout:
@@ -163,8 +162,14 @@ class _NamedStdout:
         except BrokenPipeError:
             raise  # the console's on_broken_pipe: exit 141
         except OSError as exc:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered goes nowhere
-            raise OSError(exc.errno, exc.strerror, "stdout") from None
+            raise _stdout_failed(exc) from None
+
+
+def _stdout_failed(exc: OSError) -> OSError:
+    """The error for a write to stdout that failed: `exc` naming stdout; what is still buffered is pointed at
+    /dev/null, so that nothing fails again at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return OSError(exc.errno, exc.strerror, "stdout")
 
 
 def _require_stdout() -> None:

@@ -332,8 +332,8 @@ REPLACING = ".replacing"  # DONE_DIR/FILE.replacing: FILE is an --overwrite's to
 
 def _mark_replacing(out: Path, files: list[str]) -> None:
     """Say which of OUT's files an --overwrite is about to remove, before their records go: killed in between,
-    they are still ours to the next run (`_listed_by_our_records`), not a user's files. Removed with the next
-    manifest.json."""
+    they are still ours to the next run (`_listed_by_our_records`), not a user's files. Removed with the files
+    (`_remove_replaced`), or else with the next manifest.json."""
     if files:
         (out / DONE_DIR).mkdir(exist_ok=True)
         for file in files:
@@ -501,8 +501,7 @@ def _same_plan_as_the_other_shares(
         again = (
             "--overwrite without --ranks, or every share into an emptied OUT"
             if ranks_given
-            else "under torchrun each process replaces only its own files: empty OUT, or run --overwrite once "
-            "without torchrun, then launch again"
+            else "the launch again with --overwrite: each process removes the other plan's files of every rank"
         )
         raise OutputError(
             f"{out}: holds a share of another plan ({first_few(other)}: other options or another source layout); "
