@@ -101,17 +101,19 @@ def check_folder(
         name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in sorted(files.items())
     }
     result = CheckResult(str(folder))
-    result.problems += [p for p in unlisted(folder, manifest, tp) if p.split(": ", 1)[0] not in besides]
+    result.problems += unlisted(folder, manifest, tp, besides)
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)
     return result
 
 
-def unlisted(folder: Path, manifest: dict[str, Any], checked_tp: int | None = None) -> list[str]:
+def unlisted(
+    folder: Path, manifest: dict[str, Any], checked_tp: int | None = None, besides: frozenset[str] = frozenset()
+) -> list[str]:
     """What the manifest should list and does not: a rank file of its own tp (a shard manifest), and any
     .safetensors file in the folder (another conversion's, or one copied in): verify would load or ask about
     it, so a folder holding it is not the conversion the manifest describes. checked_tp: rank files of
-    another tp are left out (a verify run picked that tp's set)."""
+    another tp are left out (a verify run picked that tp's set), and so are the files named `besides`."""
     files = manifest["files"]
     tp = recorded_tp(manifest)
     problems = []
@@ -121,6 +123,7 @@ def unlisted(folder: Path, manifest: dict[str, Any], checked_tp: int | None = No
         f"{p.name}: in the folder but not in {MANIFEST} (another conversion's file?)"
         for p in sorted(folder.glob("*.safetensors"))
         if p.name not in files
+        and p.name not in besides
         and not any(x.startswith(f"{p.name}:") for x in problems)
         and not (checked_tp and (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) != checked_tp)
     ]
