@@ -9,8 +9,8 @@ along I (I/4), Ob/Ib = 32x32 block counts.
 Each 32x32 output block gets one e8m0 scale: the largest fp4 scale it covers divided by 2**6. Every
 e2m1 value is then multiplied by its own power-of-two offset 2**k (its fp4 scale / the block scale,
 k <= 6; 6 * 2**6 = 384 fits under e4m3's 448). A negative k shifts values toward e4m3's least subnormal
-(2**-9): every value survives down to k = -8, none below k = -10, so a block whose scales spread too far
-would round or flush values; that raises FormatError instead of rounding.
+(2**-9): every value survives down to k = -8, only +-4.0 (2**-9 itself) at k = -11, none below, so a block
+whose scales spread too far would round or flush values; that raises FormatError instead of rounding.
 
 The cast itself is a lookup: one table row per offset k holds the two e4m3 bytes and an exactness flag
 for each of the 256 fp4 byte values, so the weight is never expanded to floats. Offsets come from the
@@ -29,7 +29,7 @@ from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
 
 FP8_BLOCK = 32  # output block, both dims, as upstream
 MAX_OFFSET_BITS = 6  # largest k with 6 * 2**k <= 448
-K_MIN = -11  # offsets below this are clamped to it: they lose every nonzero value either way
+K_MIN = -12  # offsets below this are clamped to it: at K_MIN and below every nonzero value is lost
 
 
 def e4m3_exact_bits(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,6 +72,8 @@ _PAIR_EXACT = EXACT_TABLE.all(axis=-1)
 K_EXACT = EXACT_TABLE.reshape(-1, 256, 2).all(axis=(1, 2))
 K_ALL_EXACT = K_MIN + int(K_EXACT.argmax())  # the least such offset; every larger one is exact too
 assert bool(K_EXACT[K_ALL_EXACT - K_MIN :].all())
+# the clamp must not make a value exact: row K_MIN holds exactly the zeros (codes 0 and 8)
+assert EXACT_TABLE.reshape(-1, 256, 2)[0].sum() == 2 * 2 * 16
 
 
 def quad_table() -> np.ndarray:

@@ -236,11 +236,18 @@ def test_fp4_to_fp8(ops):
             assert int(count.item()) == 0
 
 
-def test_fp4_to_fp8_lossy_and_nan_raise(ops):
+@pytest.mark.parametrize(
+    ("both_codes", "top"),
+    [
+        (0x11, 130),  # the block's other values become 0.5 * 2**-24: below e4m3's 2**-9
+        (0x66, 118),  # 4.0 at offset 2**-12 is 2**-10 (the CPU tables once clamped it onto 2**-11: exact)
+    ],
+)
+def test_fp4_to_fp8_lossy_and_nan_raise(ops, both_codes, top):
     p, s = random_mxfp4(64, 1024, 52, 0)
-    p.view(torch.uint8).fill_(0x11)  # every value 0.5
+    p.view(torch.uint8).fill_(both_codes)
     s.view(torch.uint8).fill_(100)
-    s.view(torch.uint8)[3, 2] = 130  # the block's other values become 0.5 * 2**-24: below e4m3's 2**-9
+    s.view(torch.uint8)[3, 2] = top
     with pytest.raises(FormatError, match=r"layers\.9\.ffn\.experts\.1\.w3\.weight.*lossy"):
         ops.fp4_to_fp8(p.cuda(), s.cuda(), 32, "layers.9.ffn.experts.1.w3.weight")
     s.view(torch.uint8)[3, 2] = 255

@@ -6,6 +6,7 @@ import torch
 
 from dsv41_convert.errors import FormatError
 from dsv41_convert.quant import as_fp4, decode_fp8_blocks, decode_mxfp4, fp4_to_fp8, pack_nibbles
+from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
 
 NAME = "layers.2.ffn.experts.17.w2.weight"
 
@@ -111,6 +112,24 @@ def test_cast_refuses_a_lossy_block(small_exp, code):
     packed, s = one_block(small_exp, code)
     with pytest.raises(FormatError, match=rf"{NAME}: fp4->fp8 cast of block \(0, 0\) is lossy at \[1, 3\]"):
         fp4_to_fp8(packed, s, name=NAME)
+
+
+@pytest.mark.parametrize("offset", range(-16, 7))
+@pytest.mark.parametrize("code", range(16))
+def test_cast_takes_exactly_the_values_e4m3_holds(offset, code):
+    """Every e2m1 code at every offset 2**k against e4m3's own grid (torch's cast, independent of the
+    converter's tables): an exact value casts to its bytes, any other is refused. An audit found 4.0 at
+    k = -12 written as 2**-9 (twice the value), exit 0: the offsets below the table were clamped onto
+    k = -11, where 4.0 is still exact."""
+    packed, s = one_block(offset - 6, code)  # the block scale is 2**(0 - 6): k = small_exp + 6
+    value = float(E2M1_CODE_VALUES[code]) * 2.0**offset
+    exact = float(torch.tensor(value).to(torch.float8_e4m3fn).float()) == value
+    if exact:
+        w8, s8 = fp4_to_fp8(packed, s, name=NAME)
+        assert float(decode_fp8_blocks(w8, s8, dtype=torch.float32)[1, 3]) == value * 2.0**-6
+    else:
+        with pytest.raises(FormatError, match=rf"{NAME}: fp4->fp8 cast of block \(0, 0\) is lossy at \[1, 3\]"):
+            fp4_to_fp8(packed, s, name=NAME)
 
 
 def test_cast_names_the_right_block_in_a_larger_tensor():
