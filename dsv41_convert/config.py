@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import NOT_JSON, ConfigError
+from dsv41_convert.file_kinds import refuse_special
 
 # text_config key -> ModelArgs field
 HF_TO_ARGS: dict[str, str] = {
@@ -448,8 +450,8 @@ PART_SIZES: dict[str, tuple[str, ...]] = {
         "vision_patch_size",
         "vision_downsample_ratio",
     ),
-    "engram_layer_ids": ("engram_n_heads", "engram_head_dim"),
-    "n_mtp_layers": ("dspark_markov_rank",),
+    "engram_layer_ids": ("engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size"),
+    "n_mtp_layers": ("dspark_markov_rank", "dspark_block_size"),
 }
 # ModelArgs field -> its key in the HF config.json, for messages
 HF_NAMES: dict[str, str] = {
@@ -492,6 +494,7 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
                     f"{source}: {names.get(name, name)} = {values[name]!r}, expected a positive number "
                     f"({names.get(part, part)} = {values[part]!r})"
                 )
+    _check_runtime_values(values, source, names)
     if values.get("engram_layer_ids") and values.get("engram_max_ngram_size", 2) < 2:
         name = names.get("engram_max_ngram_size", "engram_max_ngram_size")
         raise ConfigError(f"{source}: {name} = {values['engram_max_ngram_size']!r}, expected 2 or more (n-grams)")
@@ -507,8 +510,64 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
         )
 
 
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # the gate's scores (model/moe.py Gate)
+# float fields the model takes a logarithm of or divides by
+POSITIVE_FLOATS = ("rope_theta", "compress_rope_theta", "rope_factor")
+# floats where 0 means "off" or "none" and a negative value is no setting (swiglu_limit: no clamp)
+NON_NEGATIVE = ("norm_eps", "hc_eps", "swiglu_limit", "original_seq_len")
+
+
+def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, str]) -> None:
+    """ConfigError naming a value that loads but that the model cannot run with: a float that is not finite
+    (json reads NaN and Infinity; written back, strict parsers refuse them), a theta or factor not positive,
+    an unknown score function, a noise token outside the vocabulary, the DSpark stages' layers and the candidate
+    blocks where those parts are there. An audit found each of these accepted by plan and shard,
+    then ending verify and reference-logits in a traceback (or a division by zero in the catalogue)."""
+
+    def name(field_name: str) -> str:
+        return names.get(field_name, field_name)
+
+    fields = {f.name: str(f.type) for f in dataclasses.fields(ModelArgs)}
+    for key, value in values.items():
+        if "float" in fields.get(key, "") and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{source}: {name(key)} = {value!r}, expected a finite number")
+    for key in POSITIVE_FLOATS:
+        if key in values and values[key] <= 0:
+            raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected a positive number")
+    for key in NON_NEGATIVE:
+        if key in values and values[key] < 0:
+            raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected 0 or more")
+    if "score_func" in values and values["score_func"] not in SCORE_FUNCS:
+        raise ConfigError(f"{source}: {name('score_func')} = {values['score_func']!r}, expected one of {SCORE_FUNCS}")
+    if values.get("hc_sinkhorn_iters", 1) < 1:
+        raise ConfigError(
+            f"{source}: {name('hc_sinkhorn_iters')} = {values['hc_sinkhorn_iters']!r}, expected 1 or more"
+        )
+    vocab = values.get("vocab_size", 0)
+    noise = values.get("dspark_noise_token_id", 0)
+    if values.get("n_mtp_layers") and vocab > 0 and not 0 <= noise < vocab:  # the drafts' embedding row
+        raise ConfigError(
+            f"{source}: {name('dspark_noise_token_id')} = {noise!r}, not a token id (0..{vocab - 1}, "
+            f"{name('vocab_size')})"
+        )
+    if values.get("n_mtp_layers") and "dspark_target_layer_ids" in values and not values["dspark_target_layer_ids"]:
+        raise ConfigError(
+            f"{source}: {name('dspark_target_layer_ids')} is empty: the DSpark stages read the hidden states of "
+            f"these layers ({name('n_mtp_layers')} = {values['n_mtp_layers']!r})"
+        )
+    if values.get("candidate_source_layer", -1) >= 0 and values.get("candidate_topk_blocks", 1) <= 0:
+        raise ConfigError(
+            f"{source}: {name('candidate_topk_blocks')} = {values['candidate_topk_blocks']!r}, expected a positive "
+            "number (a candidate source layer is set)"
+        )
+
+
 def load_json(path: Path) -> dict[str, Any]:
-    """Read a JSON object from a file, naming it in the error."""
+    """Read a JSON object from a file, naming it in the error. A FIFO, socket or device there is refused
+    before it is opened: reading one blocked verify and reference-logits until they were killed (an audit)."""
+    refuse_special(path, ConfigError)
+    if Path(path).is_dir():
+        raise ConfigError(f"{path}: a folder, not the JSON file")
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError as exc:

@@ -38,6 +38,7 @@ DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_
 def tiny_config(quantized: bool = True, vision: bool = True) -> dict:
     cfg = copy.deepcopy(json.loads(REAL_CONFIG.read_text()))
     cfg["text_config"].update(TINY_TEXT)
+    cfg["text_config"]["dspark_noise_token_id"] = TINY_TEXT["vocab_size"] - 1  # a token id, as make-tiny's
     cfg["vision_config"].update(TINY_VISION)
     if not vision:
         del cfg["vision_config"]

@@ -16,6 +16,7 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
 from dsv41_convert.errors import PlanError, first_few
+from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
 from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
@@ -40,11 +41,11 @@ def require_regular_files(src: Path) -> None:
     special = [
         p.name
         for p in sorted(src.iterdir())
-        if (p.name.endswith(".safetensors") or p.name in READ_WHOLE) and p.exists() and not (p.is_file() or p.is_dir())
+        if (p.name.endswith(".safetensors") or p.name in READ_WHOLE) and special_kind(p)
     ]
     if special:
         raise PlanError(
-            f"{src}: {first_few(special)}: not a regular file (a FIFO, a socket or a device); a checkpoint's "
+            f"{src}: {first_few(special)}: not a regular file ({SPECIAL}); a checkpoint's "
             "files are read whole: put the file itself there, or remove it"
         )
 

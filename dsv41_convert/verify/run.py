@@ -29,7 +29,8 @@ from dsv41_convert import torchrun
 from dsv41_convert.config import ModelArgs, load_json, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
-from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError
+from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
+from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
@@ -207,6 +208,9 @@ def verify(
         raise VerifyInputError("--stream-layers goes with --reference-logits FILE (a tp-1 file), not --reference SRC")
     if not conv.is_dir():
         raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
+    special = [p.name for p in sorted(conv.iterdir()) if special_kind(p)]  # reading one waits forever
+    if special:
+        raise VerifyInputError(f"{conv}: {first_few(special)}: not a regular file ({SPECIAL}); remove it")
     if not (conv / "config.json").is_file():
         raise ConfigError(f"{conv}/config.json: not found; is {conv} a folder written by `dsv41-convert shard`?")
     tp = rank_tp(conv, opts.tp)  # a folder without rank files (a source given as CONVERTED) is said so first
@@ -618,11 +622,14 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
         weights = [f.split("weights: ", 1)[1] for f in result.failures if f.startswith(("twin weights: ", "weights: "))]
         tokenizer = [f.removeprefix("tokenizer: ") for f in result.failures if f.startswith("tokenizer: ")]
         hf_config = [f.removeprefix("hf config: ") for f in result.failures if f.startswith("hf config: ")]
+        manifest = [f.removeprefix("manifest: ") for f in result.failures if f.startswith("manifest: ")]
         if tokenizer:  # not a weight: the token ids Engram hashes
             loc.module = None
             loc.note = f"{tokenizer[0]}: the tokenizer, not a weight (Engram hashes its token ids)"
         elif hf_config and loc.module is None:
             loc.note = f"{hf_config[0]}: a side file, not a weight (the bundled model reads config.json)"
+        elif manifest and loc.module is None:  # no output differs: the files against their record do
+            loc.note = f"{manifest[0]} (the manifest check: the files against their record)"
         elif replicas:  # the bytes themselves say where: a copy that differs, or padding that is not the fill
             loc.module = localize.module_of(replicas[0].split(":")[0], conv_args.n_layers)
             loc.note = f"{replicas[0]} (the replicas check: bytes the rank files must agree on)"

@@ -421,10 +421,11 @@ def test_a_nan_or_inf_the_source_holds_in_a_copied_tensor_is_refused(tmp_path, m
         assert not (tmp_path / "exp" / "model.safetensors.index.json").exists()
 
 
-@pytest.mark.parametrize("command", ["plan", "shard", "export"])
-@pytest.mark.parametrize("victim", ["tokenizer.json", "shard"])
+@pytest.mark.parametrize("command", ["plan", "shard", "export", "reference-logits"])
+@pytest.mark.parametrize("victim", ["tokenizer.json", "shard", "config.json"])
 def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, command, victim):
-    """A FIFO named as a shard or tokenizer.json: `plan` and `shard` blocked on it until killed (an audit)."""
+    """A FIFO named as a shard or tokenizer.json: `plan` and `shard` blocked on it until killed (an audit);
+    as config.json, reference-logits did (a later audit)."""
     import os
     import subprocess
     import sys
@@ -434,11 +435,29 @@ def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, command, victim
     (src / name).unlink(missing_ok=True)
     os.mkfifo(src / name)
     args = {"plan": ["--tp", "2"], "shard": [str(tmp_path / "out"), "--tp", "2"],
-            "export": [str(tmp_path / "out"), "--format", "bf16"]}[command]  # fmt: skip
+            "export": [str(tmp_path / "out"), "--format", "bf16"],
+            "reference-logits": [str(tmp_path / "out")]}[command]  # fmt: skip
     cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", command, str(src), *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2 and f"{name}: not a regular file (a FIFO" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["SRC/config.json", "CONVERTED/config.json", "CONVERTED/manifest.json"])
+def test_verify_refuses_a_fifo_instead_of_waiting_on_it(tmp_path, monkeypatch, capsys, where):
+    """verify --reference SRC with a FIFO as SRC's config.json waited forever, as it did on CONVERTED's
+    manifest.json; CONVERTED's config.json as a FIFO was said to be "not found" (an audit)."""
+    src, conv = tmp_path / "src", tmp_path / "conv"  # make-tiny's source: verify reads its tokenizer
+    assert run_cli(monkeypatch, capsys, "make-tiny", str(src))[0] == 0
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
+    folder, name = where.split("/")
+    fifo = (src if folder == "SRC" else conv) / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", "verify", str(conv)]
+    cmd += ["--reference", str(src), "--decode-steps", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
+    assert run.returncode == 2 and f"{name}: not a regular file (a FIFO" in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("command", ["plan", "shard", "export"])

@@ -279,6 +279,18 @@ def test_fault_tokenizer_not_the_sources(work):
     assert doc["verdict"] == "FAIL" and doc["decisive"] == [] and "twin" in doc["held"]  # was decisive: [twin]
 
 
+def test_a_file_only_the_manifest_misses_is_not_localized_in_the_model(work):
+    """hf_config.json removed: every output agrees and only the manifest check fails; the report named the
+    model's head as the first diverging module, "the head or a decode-only path differs" (an audit)."""
+    conv = _faulty(work, "no-hf-config", tp=1)
+    (conv / "hf_config.json").unlink()
+    result = _verify(work, conv)
+    size = (_shard(work, "fp8", 1) / "hf_config.json").stat().st_size
+    assert result.verdict == "FAIL"
+    assert result.failures == [f"manifest: hf_config.json: missing (manifest lists {size} bytes)"]
+    assert result.localization.module is None and "the manifest check" in result.localization.note
+
+
 def test_a_hugging_face_config_in_place_of_the_inference_config_is_refused(work):
     """The nested HF config.json put where shard writes the flat inference config: verify read it as well and
     passed, while upstream's inference, which reads the flat one, cannot load the folder (an audit)."""

@@ -338,6 +338,22 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("candidate_source_layer_id", 99, "candidate_source_layer_id = 99: not a backbone layer"),
         ("vision_config.hidden_size", 0, "vision_config.hidden_size = 0, expected a positive number"),
         ("vision_config.num_attention_heads", 0, "vision_config.num_attention_heads = 0, expected a positive"),
+        # values that loaded, then crashed verify and reference-logits (or plan itself) with a traceback, or
+        # came back out as NaN/Infinity in the rank files' config.json (an audit)
+        ("dspark_target_layer_ids", [], "text_config.dspark_target_layer_ids is empty"),
+        ("scoring_func", "banana", r"text_config.scoring_func = 'banana', expected one of \('softmax'"),
+        ("dspark_noise_token_id", 100000, r"dspark_noise_token_id = 100000, not a token id \(0..255"),
+        ("dspark_noise_token_id", -5, "dspark_noise_token_id = -5, not a token id"),
+        ("dspark_block_size", -3, "dspark_block_size = -3, expected a positive number"),
+        ("candidate_topk_blocks", 0, "candidate_topk_blocks = 0, expected a positive number"),
+        ("compress_rope_theta", 0, "compress_rope_theta = 0, expected a positive number"),
+        ("rope_scaling.factor", 0.0, "rope_scaling.factor = 0.0, expected a positive number"),
+        ("hc_eps", float("inf"), "text_config.hc_eps = inf, expected a finite number"),
+        ("rms_norm_eps", float("nan"), "rms_norm_eps = nan, expected a finite number"),
+        ("rms_norm_eps", -1.0, "rms_norm_eps = -1.0, expected 0 or more"),
+        ("swiglu_limit", -1.0, "swiglu_limit = -1.0, expected 0 or more"),
+        ("hc_sinkhorn_iters", 0, "hc_sinkhorn_iters = 0, expected 1 or more"),
+        ("engram_vocab_size", 0, "engram_vocab_size = 0, expected a positive number"),
     ],
 )
 def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):
@@ -348,7 +364,8 @@ def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, 
     cfg = tiny_config(quantized=True)
     tensors = source_tensors(cfg)
     part, _, name = key.rpartition(".")
-    cfg[part or "text_config"][name] = value
+    where = cfg["text_config"]["rope_scaling"] if part == "rope_scaling" else cfg[part or "text_config"]
+    where[name] = value
     write_ckpt(tmp_path / "s", tensors, cfg)
     with pytest.raises(ConfigError, match=said):
         build_plan(tmp_path / "s", 1)
