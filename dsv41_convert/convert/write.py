@@ -49,7 +49,7 @@ from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile,
 from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress, add_seconds
-from dsv41_convert.quant.byte_checks import COPIED_TOO, first_nonfinite, nonfinite_error
+from dsv41_convert.quant.byte_checks import flat_index, require_finite_copy
 from dsv41_convert.store import journal
 from dsv41_convert.store.direct_write import BLOCK, aligned_buffer
 from dsv41_convert.store.journal import Aside, JournalWriter, ResumePoint, journal_path
@@ -438,7 +438,7 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
                 os.posix_fadvise(fd, pos + n, min(left - n, chunk_bytes), os.POSIX_FADV_WILLNEED)
             buf = reader.buffer(sink.queued % BLOCK)[:n]
             pread_exact(fd, buf, pos, reader.paths[rd.file])
-            _require_finite(buf, rd, reader, lambda i, e=(pos - rd.offset) * 8 // bits: _index(rd.shape, e + i))
+            _require_finite(buf, rd, reader, lambda i, e=(pos - rd.offset) * 8 // bits: flat_index(rd.shape, e + i))
             sink.write(buf, t.name)
             pos, left = pos + n, left - n
         return
@@ -452,22 +452,14 @@ def _copy(t: OutTensor, reader: _Reader, sink: Sink, chunk_bytes: int, skip: int
         else:  # one row's columns outgrow a chunk: fresh memory (one row's columns may be a view of it)
             data, _ = reader.rows(rd, a, b)
         r = rd.r0 + a
-        _require_finite(data, rd, reader, lambda i, r=r: [r + i // cols, *_index(rd.shape[1:], rd.c0 + i % cols)])
+        _require_finite(data, rd, reader, lambda i, r=r: [r + i // cols, *flat_index(rd.shape[1:], rd.c0 + i % cols)])
         sink.write(data, t.name)
 
 
 def _require_finite(data, rd: Read, reader: _Reader, index) -> None:
     """FormatError naming the source file, the tensor and `index(i)` (its index in the source tensor) of the
     first NaN or infinity in `data`, elements of `rd` about to be copied unchanged."""
-    hit = first_nonfinite(data, rd.dtype)
-    if hit is not None:
-        name, what = f"{reader.paths[rd.file]}: {rd.name}", f"in {rd.dtype} {list(rd.shape)}"
-        raise nonfinite_error(name, hit[1], index(hit[0]), what, COPIED_TOO)
-
-
-def _index(shape: tuple[int, ...], flat: int) -> list[int]:
-    """The row-major index in `shape` of element `flat`."""
-    return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
+    require_finite_copy(data, rd.dtype, f"{reader.paths[rd.file]}: {rd.name}", rd.shape, index)
 
 
 def _raw(x) -> memoryview:

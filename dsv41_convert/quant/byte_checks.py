@@ -22,6 +22,8 @@ and as signed integers: a dtype's non-finite values are the top of either range.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from dsv41_convert.errors import FormatError
@@ -164,6 +166,19 @@ def first_nonfinite(data, dtype: str) -> tuple[int, float] | None:
 
 
 COPIED_TOO = "in a tensor written unchanged too (copied or cast)"  # nonfinite_error's `why` for the writers
+
+
+def require_finite_copy(data, dtype: str, name: str, shape, index: Callable[[int], list[int]]) -> None:
+    """FormatError naming `name` (file: tensor), the tensor's `dtype` and `shape`, and `index(i)` (its index in
+    the source tensor) of the first NaN or infinity among `data`, whole elements to be copied unchanged."""
+    hit = first_nonfinite(data, dtype)
+    if hit is not None:
+        raise nonfinite_error(name, hit[1], index(hit[0]), f"in {dtype} {list(shape)}", COPIED_TOO)
+
+
+def flat_index(shape, flat: int) -> list[int]:
+    """The row-major index in `shape` of element `flat` ([] for a 0-d tensor)."""
+    return [int(i) for i in np.unravel_index(flat, tuple(shape))] if shape else []
 
 
 def nonfinite_error(name: str, value: float, index: list[int], what: str, why: str) -> FormatError:

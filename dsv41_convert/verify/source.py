@@ -19,6 +19,7 @@ layer-streamed model (model/streamed.py, `reference-logits --stream-layers`).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ from dsv41_convert.convert.stream import block_name
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress, counting
+from dsv41_convert.quant.byte_checks import flat_index, require_finite_copy
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_blocks, pread_exact
 
 QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
@@ -78,18 +80,40 @@ def _as_output(t: Tensor, out: OutTensor) -> Tensor:
     return t if t.dtype == want else t.view(want)
 
 
-def _compute(t: OutTensor, inputs: list[Tensor], skip_quant: bool, q, src: Path) -> dict[str, Tensor]:
-    """The output(s) of one planned tensor from its source regions in `src`: {name: tensor}, the scale too for
-    a group. A FormatError names the source file and tensor, as shard's."""
+def _compute(
+    t: OutTensor, reads: list[Read], inputs: list[Tensor], skip_quant: bool, q, src: Path
+) -> dict[str, Tensor]:
+    """The output(s) of one planned tensor from its source regions `reads` (read into `inputs`) in `src`:
+    {name: tensor}, the scale too for a group. A FormatError names the source file and tensor, as shard's; a
+    NaN or an infinity in a tensor taken unchanged too (the reference ran on it: verify FAILed the correct
+    rank files, reference-logits recorded it; an audit)."""
     if t.action in BYTE_COPIES:
+        _require_finite(src, reads[0], inputs[0])
         return {t.name: _as_output(inputs[0], t)}
     if skip_quant and t.action in QUANTIZING:
+        _require_finite(src, reads[0], inputs[0])
         return {t.name: inputs[0].to(torch.bfloat16)}
     main = t.reads[0]  # the rank's region, said (and its indexes counted) as shard says it
     results = apply(t.action, inputs, q, block_name(main.label(src), main, 0, main.r1 - main.r0), t.dtype, t.block)
     if t.group:
         return {t.name: results[0], t.name.removesuffix(".weight") + ".scale": results[1]}
     return {t.name: results[0]}
+
+
+def _require_finite(src: Path, rd: Read, x: Tensor) -> None:
+    """The copy check of shard (quant/byte_checks.require_finite_copy) on `x`, region `rd` of its source."""
+
+    def index(i: int) -> list[int]:
+        at = flat_index(x.shape, i)
+        if at:
+            at[0] += rd.r0
+            if rd.c1 >= 0:
+                at[1] += rd.c0
+        return at
+
+    require_finite_copy(
+        x.reshape(-1).view(torch.uint8).numpy(), rd.dtype, f"{src / rd.file}: {rd.name}", rd.shape, index
+    )
 
 
 def plan_state(
@@ -113,7 +137,7 @@ def plan_state(
                 progress(label, i, len(tensors))
             if t.name in out or (t.group and t.part != 0):
                 continue  # a group's scale is made with its weight
-            out.update(_compute(t, [_read(src, rd, fds) for rd in t.reads], skip_quant, q, src))
+            out.update(_compute(t, t.reads, [_read(src, rd, fds) for rd in t.reads], skip_quant, q, src))
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -173,7 +197,7 @@ class SourceWeights:
         for name in names:
             if name not in out:
                 t = self._planned(name)
-                out.update(self._compute(t, [_read(self.src, rd, self.fds, self.alloc) for rd in t.reads]))
+                out.update(self._compute(t, t.reads, [_read(self.src, rd, self.fds, self.alloc) for rd in t.reads]))
         return {n: out[n] for n in names}
 
     def rows(self, names, rows: Tensor) -> dict[str, Tensor]:
@@ -189,24 +213,31 @@ class SourceWeights:
                 raise PlanError(f"{name}: action {t.action} is not row-local; read it whole")
             parts: dict[str, list[Tensor]] = {}
             for r0, r1 in runs:
-                inputs = [_read(self.src, replace(rd, r0=r0, r1=r1), self.fds) for rd in t.reads]
-                for n, x in self._compute(t, inputs).items():
+                reads = [replace(rd, r0=r0, r1=r1) for rd in t.reads]
+                for n, x in self._compute(t, reads, [_read(self.src, rd, self.fds) for rd in reads]).items():
                     parts.setdefault(n, []).append(x)
             out.update({n: torch.cat(xs) for n, xs in parts.items()})
         return {n: out[n] for n in names}
 
-    def _compute(self, t: OutTensor, inputs: list[Tensor]) -> dict[str, Tensor]:
-        return _compute(t, inputs, self.skip_quant, self.q, self.src)
+    def _compute(self, t: OutTensor, reads: list[Read], inputs: list[Tensor]) -> dict[str, Tensor]:
+        return _compute(t, reads, inputs, self.skip_quant, self.q, self.src)
 
     def copied_blocks(self, t: OutTensor, block: int) -> Iterator[memoryview]:
         """The bytes of output `t`, a whole source tensor copied unchanged (BYTE_COPIES), read straight from
-        the source about `block` bytes (whole rows) at a time into one buffer reused from view to view."""
+        the source about `block` bytes (whole rows) at a time into one buffer reused from view to view; a NaN or
+        an infinity among them is a FormatError (the weights record of `reference-logits --stream-layers` read
+        every byte, and recorded a NaN in rows no prompt reached: an audit)."""
         if not whole_row_copy(t):
             raise PlanError(f"{t.name}: action {t.action} is not a copy of whole rows")
         (rd,) = t.reads
         row = DTYPE_BITS[rd.dtype] * math.prod(rd.shape[1:]) // 8
         begin, length = rd.offset + rd.r0 * row, (rd.r1 - rd.r0) * row
-        yield from pread_blocks(self.fds[rd.file], begin, length, row, block, str(self.src / rd.file))
+        path, first = str(self.src / rd.file), rd.r0 * math.prod(rd.shape[1:])  # the view's first element
+        for view in pread_blocks(self.fds[rd.file], begin, length, row, block, path):
+            index = functools.partial(lambda at, i: flat_index(rd.shape, at + i), first)
+            require_finite_copy(view, rd.dtype, f"{path}: {rd.name}", rd.shape, index)
+            first += len(view) * 8 // DTYPE_BITS[rd.dtype]
+            yield view
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -197,6 +197,41 @@ def test_a_non_finite_byte_in_a_ranks_rows_is_said_at_its_source_index(src, tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "at", "byte", "said"),
+    [
+        ("layers.0.attn_norm.weight", (0,), 0x7FC0, "found nan at index [0] in BF16"),  # every prompt reads it
+        ("layers.1.engram.embed.scale", (3, 0), 0xFF, "found nan at index [3, 0] in F8_E8M0"),  # a row none reads
+    ],
+)
+@pytest.mark.parametrize("run", ["verify", "reference-logits", "reference-logits --stream-layers"])
+def test_a_nan_copied_unchanged_from_the_source_is_refused_as_shard_refuses_it(
+    src, tmp_path, monkeypatch, capsys, name, at, byte, said, run
+):
+    """A NaN in a tensor taken unchanged (a norm, an Engram table's scale): shard refuses it naming the file;
+    `verify --reference SRC` ran the reference on it and FAILed the correct rank files (exit 1, "layers.0.attn
+    ... max |diff| nan"), reference-logits wrote a file (exit 0) where no prompt reached the row, its weights
+    record holding the NaN's digest (an audit)."""
+    import torch
+
+    conv = tmp_path / "mp2"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
+
+    def nan(t):
+        t = t.clone()
+        t.view(torch.uint16 if t.element_size() == 2 else torch.uint8)[at] = byte
+        return t
+
+    path = _plant(src, tmp_path / "nan", name, nan)
+    assert run_cli(monkeypatch, capsys, "shard", str(path.parent), str(tmp_path / "x"), "--tp", "2")[0] == 2
+    out = tmp_path / "ref.safetensors"
+    args = ["verify", str(conv), "--reference", str(path.parent)] if run == "verify" else [
+        "reference-logits", str(path.parent), str(out), *run.split()[1:]]  # fmt: skip
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--decode-steps", "1")
+    assert code == 2 and f"{path.name}: {name}: {said}" in err, err
+    assert not out.exists()
+
+
 def test_a_torchrun_count_other_than_tp_is_refused_before_out_is_made(src, tmp_path, monkeypatch, capsys):
     """torchrun of 2 processes with --tp 4 was refused only inside the launch, after OUT's folder was made
     (an empty sub/ left: an audit), and the warnings came before the refusal."""
