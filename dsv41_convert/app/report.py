@@ -255,7 +255,7 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
 def _by_rank(message: str) -> str:
     """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
     rank = torchrun.shared_rank()
-    return message if rank is None else f"rank {rank}: {message}"
+    return message if rank is None or message.startswith(f"rank {rank}: ") else f"rank {rank}: {message}"
 
 
 def info(message: str) -> None:

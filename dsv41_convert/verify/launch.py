@@ -24,7 +24,9 @@ import datetime
 import json
 import os
 import re
+import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -117,33 +119,40 @@ def launch(
             while not ranks.join(timeout=TOLD_EVERY_S):
                 told.relay()
             told.relay()
-        except mp.ProcessExitedException as exc:  # killed (out of memory, a signal to it alone)
-            _stop(ranks.processes)
+        except mp.ProcessExitedException as exc:  # a rank failed (its error file), or was killed (none)
+            _stop(ranks.processes)  # torch's join has sent SIGTERM to the others already
             interrupts.check()  # this run was interrupted: the ranks died of its signal
+            _raise_rank_error(Path(tmp), tp)
             raise RankFailedError(
-                f"rank {exc.error_index} of {tp} (pid {exc.error_pid}) {_how_ended(exc)}; "
+                f"rank {exc.error_index} of {tp} (pid {exc.error_pid}) {_how_ended(exc.exit_code)}; "
                 "the run stopped its other ranks"
             ) from None
-        except BaseException:  # Ctrl-C or a failed rank: none may outlive this process
+        except BaseException:  # Ctrl-C: none may outlive this process
             _stop(ranks.processes)
             raise
-        for rank in range(tp):
-            err = Path(tmp) / f"rank{rank}.error"
-            if err.exists():
-                kind, message = err.read_text().split("\n", 1)
-                cls = getattr(errors, kind, ConvertError)
-                named = tp == 1 or re.match(r"rank \d+: ", message)  # errors the target gathered name their ranks
-                raise cls(message if named else f"rank {rank}: {message}")
+        _raise_rank_error(Path(tmp), tp)
         return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
-def _how_ended(exc) -> str:
-    """How a rank that multiprocessing saw exit (torch's ProcessExitedException) ended, in words."""
-    if exc.signal_name:
-        return f"ended by {exc.signal_name}" + (" (out of memory?)" if exc.signal_name == "SIGKILL" else "")
-    if exc.exit_code == 255 and die_with.fork_server_ended():
+def _raise_rank_error(tmp: Path, tp: int) -> None:
+    """The error a rank left in `tmp` that says what went wrong, raised here (the first rank's); nothing where
+    none did (a rank killed: out of memory, a signal; its peers' PEER_LOST files only say they lost it)."""
+    for rank in range(tp):
+        err = tmp / f"rank{rank}.error"
+        kind, _, message = err.read_text().partition("\n") if err.exists() else (PEER_LOST, "", "")
+        if kind != PEER_LOST:
+            named = tp == 1 or re.match(r"rank \d+( of \d+)?: ", message)  # errors the target gathered name ranks
+            raise getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
+
+
+def _how_ended(exitcode: int) -> str:
+    """How a rank process that ended with `exitcode` (multiprocessing's: -N for signal N) ended, in words."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        return f"ended by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    if exitcode == 255 and die_with.fork_server_ended():
         return "was lost with the fork server that started it (the server ended: killed?; each rank dies with it)"
-    return f"ended with exit code {exc.exit_code}"
+    return f"ended with exit code {exitcode}"
 
 
 def _stop(processes: list, grace_s: float = 5.0) -> None:
@@ -166,10 +175,12 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
     _join_group(backend, device)
     try:
         result = target(payload)
-    except dist.DistError as exc:  # a peer died or left: say so instead of the backend's traceback
+    except Exception as exc:  # a peer died or left: say so instead of the backend's traceback
+        if not _peer_lost(exc):  # gloo says it as a RuntimeError (an audit: a traceback and no --json document)
+            raise
         interrupts.check()
         raise RankFailedError(
-            f"rank {torchrun.rank()}: the torchrun launch lost a peer ({str(exc).splitlines()[0][:200]})"
+            f"the torchrun launch lost a peer ({str(exc).splitlines()[0][:200]}); see the other processes' errors"
         ) from None
     finally:
         dist.destroy_process_group()
@@ -181,6 +192,12 @@ def _join_group(backend: str, device: str) -> None:
     for at most JOIN_S: the rendezvous blocks in C++, where Python runs no signal handler, so a process whose
     peer failed before joining (rank 0 refused a locked folder) ignored torchrun's SIGTERM until SIGKILL and
     waited TIMEOUT (10 minutes) before saying anything (an audit)."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:  # torch's env:// rendezvous raised a ValueError traceback (an audit)
+        raise VerifyInputError(
+            f"RANK and WORLD_SIZE are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            "torchrun sets all four; unset RANK and WORLD_SIZE to run alone"
+        )
     failed: list[BaseException] = []
 
     def join() -> None:
@@ -199,15 +216,25 @@ def _join_group(backend: str, device: str) -> None:
         interrupts.check()
         if joining.is_alive() and time.monotonic() > deadline:
             raise RankFailedError(
-                f"rank {torchrun.rank()}: the other processes of the torchrun launch did not join within "
-                f"{JOIN_S:.0f} s (one of them failed before it: see its error)"
+                f"the other processes of the torchrun launch (RANK {torchrun.rank()} of WORLD_SIZE {torchrun.world()}, "
+                f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}) did not join within {JOIN_S:.0f} s (one of them failed "
+                "before it: see its error; or RANK and WORLD_SIZE are left in this environment from another launch)"
             )
     if failed:
         raise failed[0]
 
 
+PEER_LOST = "PeerLost"  # the kind of a rank's error file that only says a peer went away (the cause is the peer's)
+
+
 def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, tmp: str, threads: int) -> None:
-    """Body of a spawned rank: join the group, run target, leave the result or input error in tmp."""
+    """Body of a spawned rank: join the group, run target, leave the result or the error it met in tmp.
+
+    A rank that fails leaves its error file and exits (1) at once, without meeting its peers again: they may
+    be inside another collective, where a barrier of the failed rank hung them all until TIMEOUT (an audit:
+    one rank's file truncated between two loads; 5 minutes, then killed). Its peers' collectives then fail
+    ("connection closed"; unless torch's join has stopped them first): each leaves a PEER_LOST file, and the
+    parent reports the failed rank's error."""
     die_with.die_with_parent()  # the fork server, which dies with the verify process
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp))
@@ -215,21 +242,60 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=tp, timeout=TIMEOUT)
-    dist.barrier()  # every pair connected before any rank can finish and tear the group down
     try:
-        result, error = None, None
-        try:
-            with _telling(_ToldFile(Path(tmp) / TOLD).write if rank == 0 else None):
-                result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
-        except ConvertError as exc:  # an input error: reported by the parent, not a crash
-            error = exc
+        dist.barrier()  # every pair connected before any rank can finish and tear the group down
+        with _telling(_ToldFile(Path(tmp) / TOLD).write if rank == 0 else None):
+            result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
         dist.barrier()  # nobody leaves while a peer still talks to it
-        if error is not None:
-            (Path(tmp) / f"rank{rank}.error").write_text(f"{type(error).__name__}\n{error}")
-        elif rank == 0:
-            torch.save(result, Path(tmp) / "rank0.pt")
-    finally:
-        dist.destroy_process_group()
+        if rank == 0:
+            _save_result(result, Path(tmp))
+    except Exception as exc:  # every failure is the run's; KeyboardInterrupt (a signal) is not one
+        _leave_error(exc, rank, tp, Path(tmp))
+        sys.stderr.flush()
+        os._exit(1)  # no teardown that waits on the peers
+    dist.destroy_process_group()
+
+
+def _save_result(result: Any, tmp: Path) -> None:
+    """Rank 0's result into the launch's folder: OutputError naming it where that fails (a full TMPDIR said
+    "EOFError from a process the run depends on", with three tracebacks: an audit)."""
+    path = tmp / "rank0.pt"
+    try:
+        torch.save(result, path)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer says ENOSPC as a RuntimeError
+        path.unlink(missing_ok=True)
+        raise errors.OutputError(
+            f"cannot write its result to {path}: {str(exc).splitlines()[0][:200]}; free space in the temporary "
+            "folder (TMPDIR), or point TMPDIR at one with room"
+        ) from None
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether `exc`, raised in a collective, says that a peer went away (gloo: "Connection closed by peer"
+    as a RuntimeError; torch.distributed's DistError) rather than what went wrong here."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset"))
+
+
+def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
+    """rank{rank}.error in `tmp`: the error's kind (a ConvertError's class, else RankFailedError; PEER_LOST for
+    a peer gone), then its message. A crash (not a ConvertError) prints its traceback on stderr first."""
+    if _peer_lost(exc):
+        kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({str(exc).splitlines()[0][:200]})"
+    elif isinstance(exc, ConvertError):
+        kind, message = type(exc).__name__, str(exc)
+    else:
+        import traceback
+
+        traceback.print_exc()
+        first = (str(exc).splitlines() or [""])[0][:300]
+        kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {type(exc).__name__}: {first}"
+    try:
+        (tmp / f"rank{rank}.error").write_text(f"{kind}\n{message}")
+    except OSError:
+        pass  # the parent says how the rank ended
 
 
 TOLD = "told.jsonl"  # what a spawned rank 0 tells, a JSON line per call, in the launch's folder

@@ -1,5 +1,7 @@
 """verify.launch: ranks in a gloo group, rank 0's result back, an input error raised again."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,6 +45,19 @@ def gathered_error_of_rank_1(_payload) -> None:
         raise PlanError("rank 1: layers.1.ffn.experts.12.w1.weight: found nan")
 
 
+def fails_while_its_peer_gathers(_payload) -> None:
+    """Rank 1 fails where rank 0 has entered a collective (verify's twin reload failing on one rank only)."""
+    if dist.get_rank() == 1:
+        raise PlanError("model1-mp2.safetensors: planted")
+    dist.all_gather_object([None, None], "rank 0's part")
+
+
+def crashes_on_rank_1(_payload) -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: planted")
+    dist.barrier()
+
+
 def no_group(payload):
     return payload, dist.is_initialized()
 
@@ -73,6 +88,41 @@ def test_a_rank_that_dies_is_a_failed_run_named_not_a_traceback():
         launch(killed_on_rank_1, None, 2, "cpu", threads=1)
 
 
+_RANK_FAILS_INSIDE_A_COLLECTIVE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_verify_launch import crashes_on_rank_1, fails_while_its_peer_gathers
+from dsv41_convert.verify.launch import launch
+target = {"gather": fails_while_its_peer_gathers, "crash": crashes_on_rank_1}[sys.argv[2]]
+try:
+    launch(target, None, 2, "cpu", threads=1)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("gather", "PlanError rank 1: model1-mp2.safetensors: planted"),
+        ("crash", "RankFailedError rank 1 of 2: RuntimeError: DefaultCPUAllocator: can't allocate memory: planted"),
+    ],
+)
+def test_a_rank_that_fails_while_its_peers_wait_in_a_collective_is_reported_at_once(how, said):
+    """One rank's error while rank 0 waited in all_gather_object: the failed rank went to a barrier, and every
+    rank hung until the group's 10-minute timeout (an audit). A rank that crashed (not an input error: out of
+    memory) gave torch's traceback, often naming its peer's "connection closed" instead. Now the failed rank
+    leaves its error and exits, its peers' lost collectives are said as such, and the parent raises the cause."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _RANK_FAILS_INSIDE_A_COLLECTIVE, str(Path(__file__).parent), how],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.stdout.strip() == said, done.stdout + done.stderr[-3000:]
+
+
 @pytest.mark.dist
 def test_ranks_lost_with_their_fork_server_say_so():
     """A killed fork server takes its ranks with it (die_with), and multiprocessing reads their end as exit
@@ -90,6 +140,35 @@ def test_an_error_naming_its_rank_is_not_named_twice():
     first (an audit)."""
     with pytest.raises(PlanError, match=r"^rank 1: layers.1.ffn.experts.12.w1.weight: found nan$"):
         launch(gathered_error_of_rank_1, None, 2, "cpu", threads=1)
+
+
+def test_a_torchrun_environment_without_its_rendezvous_is_an_input_error(monkeypatch):
+    """RANK and WORLD_SIZE without MASTER_ADDR: torch's env:// rendezvous raised a ValueError traceback, no
+    --json document (an audit)."""
+    from dsv41_convert.errors import VerifyInputError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(VerifyInputError, match="RANK and WORLD_SIZE are set but MASTER_ADDR is not: torchrun sets"):
+        launch(no_group, None, 2, "cpu")
+
+
+def test_a_result_the_temporary_folder_cannot_hold_is_said_so(tmp_path, monkeypatch):
+    """A full TMPDIR: rank 0's torch.save failed, and the run said "EOFError from a process the run depends on"
+    with three tracebacks (an audit)."""
+    from dsv41_convert.errors import OutputError
+    from dsv41_convert.verify import launch as launch_module
+
+    def full(_obj, path):
+        Path(path).write_bytes(b"PK")  # a partial file, as a full disk leaves one
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(launch_module.torch, "save", full)
+    with pytest.raises(OutputError, match=r"cannot write its result to .*rank0.pt: \[enforce fail .* point TMPDIR"):
+        launch_module._save_result({"logits": 1}, tmp_path)
+    assert not (tmp_path / "rank0.pt").exists()
 
 
 def test_bad_device():
@@ -186,6 +265,7 @@ def test_a_torchrun_process_whose_peers_never_join_stops(how):
         assert done.stdout.startswith("KeyboardInterrupt"), done.stdout + done.stderr
     else:
         assert done.stdout.startswith(
-            "RankFailedError rank 0: the other processes of the torchrun launch did not join"
+            "RankFailedError the other processes of the torchrun launch (RANK 0 of WORLD_SIZE 2, MASTER_ADDR "
+            "127.0.0.1) did not join"
         ), done.stdout + done.stderr
     assert took < 30, took
