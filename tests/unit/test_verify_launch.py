@@ -142,6 +142,35 @@ def test_an_error_naming_its_rank_is_not_named_twice():
         launch(gathered_error_of_rank_1, None, 2, "cpu", threads=1)
 
 
+_GLOO_LOST_A_PEER_UNDER_TORCHRUN = """
+import os, socket
+from dsv41_convert.verify.launch import launch
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+def target(_payload):
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40123")
+
+try:
+    launch(target, None, 1, "cpu")
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.dist
+def test_a_torchrun_process_whose_peer_went_away_says_so():
+    """gloo says a peer's end as a RuntimeError, not a DistError: a torchrun process printed its traceback and
+    no --json document when its peer was killed (an audit)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GLOO_LOST_A_PEER_UNDER_TORCHRUN], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout.startswith("RankFailedError the torchrun launch lost a peer ("), done.stdout + done.stderr
+
+
 def test_a_torchrun_environment_without_its_rendezvous_is_an_input_error(monkeypatch):
     """RANK and WORLD_SIZE without MASTER_ADDR: torch's env:// rendezvous raised a ValueError traceback, no
     --json document (an audit)."""
