@@ -565,8 +565,8 @@ def model_src(tmp_path_factory) -> Path:
     return root
 
 
-def _nan_in(src: Path, to: Path, name: str) -> Path:
-    """A copy of `src` whose float32 tensor `name` starts with a NaN."""
+def _nan_in(src: Path, to: Path, name: str, value: bytes = b"\x00\x00\xc0\x7f") -> Path:
+    """A copy of `src` whose float32 tensor `name` starts with a NaN (or with the bytes `value`)."""
     from dsv41_convert.store.safetensors_header import read_header
 
     folder = copy_of(src, to)
@@ -574,18 +574,22 @@ def _nan_in(src: Path, to: Path, name: str) -> Path:
     info = read_header(folder / index[name]).tensors[name]
     with open(folder / index[name], "r+b") as f:
         f.seek(info.begin)
-        f.write(b"\x00\x00\xc0\x7f")
+        f.write(value)
     return folder
 
 
 @pytest.mark.parametrize("extra", [[], ["--stream-layers"]])
 def test_reference_logits_refuses_to_write_non_finite_outputs(model_src, tmp_path, monkeypatch, capsys, extra):
     """A NaN weight in the source gave an all-NaN reference file and exit 0; verify then refused the file, naming
-    no source tensor (an audit). Now exit 2 naming the source, nothing written."""
-    bad = _nan_in(model_src, tmp_path / "nan", "layers.2.hc_attn_scale")
+    no source tensor (an audit). Now exit 2 naming the source, nothing written: the NaN itself where the source
+    holds one (as shard names it), the outputs where finite weights overflow (bf16's largest in a norm here)."""
     out = tmp_path / "ref.safetensors"
+    bad = _nan_in(model_src, tmp_path / "nan", "layers.2.hc_attn_scale")
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bad), str(out), "--decode-steps", "1", *extra)
-    assert_clean_error(code, err, f"{bad}: the model computed non-finite outputs", "nothing written")
+    assert_clean_error(code, err, "layers.2.hc_attn_scale: found nan at index [0] in F32", "check the source tensor")
+    huge = _nan_in(model_src, tmp_path / "huge", "layers.0.attn_norm.weight", b"\x7f\x7f" * 4)
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(huge), str(out), "--decode-steps", "1", *extra)
+    assert_clean_error(code, err, f"{huge}: the model computed non-finite outputs", "nothing written")
     assert not out.exists() and not list(tmp_path.glob("ref.safetensors*"))
 
 
