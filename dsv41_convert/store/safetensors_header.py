@@ -20,6 +20,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dsv41_convert.errors import NOT_JSON, HeaderError
 from dsv41_convert.store.rank_names import RANK_FILE
@@ -76,6 +77,20 @@ class Header:
     tensors: dict[str, TensorInfo]
 
 
+class _RepeatedKey(Exception):
+    """A key given twice in one JSON object of a header."""
+
+
+def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of a header as a dict; _RepeatedKey where a key comes twice (json keeps the last one and
+    safetensors too, but a reader keeping the first would read other bytes or another dtype: an audit)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return data
+
+
 def read_header(path: Path | str) -> Header:
     """Parse and check the header of one .safetensors file; reads only the header bytes.
 
@@ -100,7 +115,11 @@ def read_header(path: Path | str) -> Header:
     except OSError as exc:
         raise HeaderError(f"{path}: cannot read ({exc.strerror})") from exc
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_without_repeats)
+    except _RepeatedKey as exc:
+        raise HeaderError(
+            f"{path}: header names {exc.args[0]!r} twice; which one holds its bytes? corrupt file?"
+        ) from None
     except NOT_JSON as exc:
         raise HeaderError(f"{path}: header is not valid JSON ({exc}); corrupt file?") from exc
     if not isinstance(data, dict):

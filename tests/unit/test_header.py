@@ -136,6 +136,20 @@ def _write(path, header: dict | bytes, data: bytes = b"", length: int | None = N
         ({"__metadata__": [1, 2]}, b"", None, r"__metadata__ must be an object of strings, found \[1, 2\]"),
         ({"__metadata__": False}, b"", None, r"__metadata__ must be an object of strings, found false"),  # a review
         ({"__metadata__": ""}, b"", None, r"__metadata__ must be an object of strings, found \"\""),
+        # a tensor named twice, at the same bytes as another dtype: json (and safetensors) kept the last (an audit)
+        (
+            b'{"t": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}, '
+            b'"t": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}',
+            b"\0" * 4,
+            None,
+            "header names 't' twice",
+        ),
+        (
+            b'{"t": {"dtype": "F32", "dtype": "I32", "shape": [1], "data_offsets": [0, 4]}}',
+            b"\0" * 4,
+            None,
+            "'dtype' twice",
+        ),
     ],
 )
 def test_bad_headers_name_file_and_tensor(tmp_path, header, data, length, match):
