@@ -26,7 +26,13 @@ from dsv41_convert.convert.execute import SIDECARS, Sidecars, copy_tokenizer_fil
 from dsv41_convert.convert.export_rules import EXPERT_DTYPE, SCALE_OPS, check_format, export_action, keeps_scale
 from dsv41_convert.convert.plan import INDEX, ConversionPlan, OutTensor, Read, file_summary, lay_out, read_index
 from dsv41_convert.convert.rules import Op, scale_name, weight_name
-from dsv41_convert.convert.validate import Source, gather_sources, require_regular_files, validate_sources
+from dsv41_convert.convert.validate import (
+    Source,
+    gather_sources,
+    require_json_tokenizer_files,
+    require_regular_files,
+    validate_sources,
+)
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.manifest import FRAGMENT_GLOB, MANIFEST, atomic_write
@@ -58,6 +64,7 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     check_format(fmt)
     src = Path(src)
     require_regular_files(src)
+    require_json_tokenizer_files(src)
     hf = load_json(src / CONFIG)
     if "text_config" not in hf:
         raise PlanError(

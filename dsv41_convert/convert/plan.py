@@ -23,7 +23,13 @@ from dsv41_convert.config import load_json, load_model_args
 from dsv41_convert.convert.plan_json import run_json, tensor_json
 from dsv41_convert.convert.rules import Op, Split, expert_prefix, has_scale, scale_name
 from dsv41_convert.convert.tp import check_tp
-from dsv41_convert.convert.validate import Source, gather_sources, require_regular_files, validate_sources
+from dsv41_convert.convert.validate import (
+    Source,
+    gather_sources,
+    require_json_tokenizer_files,
+    require_regular_files,
+    validate_sources,
+)
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import layout_blocks
@@ -286,6 +292,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
         raise PlanError(f"--expert-dtype {expert_dtype!r}: expected fp4 or fp8")
     src = Path(src)
     require_regular_files(src)
+    require_json_tokenizer_files(src)
     args = load_model_args(src / "config.json")
     check_tp(args, tp, str(src / "config.json"))
     index_sha, weight_map = read_index(src)

@@ -9,13 +9,14 @@ Every problem found is reported at once, each naming its file and tensor.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
-from dsv41_convert.errors import PlanError, first_few
+from dsv41_convert.errors import NOT_JSON, PlanError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
 from dsv41_convert.store.manifest_merge import SIDECARS
@@ -48,6 +49,23 @@ def require_regular_files(src: Path) -> None:
             f"{src}: {first_few(special)}: not a regular file ({SPECIAL}); a checkpoint's "
             "files are read whole: put the file itself there, or remove it"
         )
+
+
+def require_json_tokenizer_files(src: Path) -> None:
+    """PlanError naming a tokenizer file of SRC that is not the JSON object it must be (tokenizer.json with its
+    `model`): shard and export copied a cut or emptied one unchanged, exit 0 and a manifest, into an output
+    that verify and inference then cannot load (an audit). The tokenizer itself is not built here."""
+    for name in SIDECARS:
+        path = Path(src) / name
+        if not path.is_file():
+            continue  # missing: warned where it is copied; a folder or FIFO: require_regular_files
+        try:
+            data = json.loads(path.read_bytes())
+        except (*NOT_JSON, OSError) as exc:
+            raise PlanError(f"{path}: not a readable {name} ({exc}); put the checkpoint's own back") from None
+        if not isinstance(data, dict) or (name == "tokenizer.json" and "model" not in data):
+            what = "no `model` object" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+            raise PlanError(f"{path}: not a readable {name} ({what}); put the checkpoint's own back")
 
 
 @dataclass(slots=True)  # not frozen: 96k of them in the real checkpoint, built twice as fast; never mutated

@@ -472,3 +472,26 @@ def test_a_tokenizer_folder_is_refused_before_out_is_made(tmp_path, monkeypatch,
     code, _, err = run_cli(monkeypatch, capsys, command, str(src), *args)
     assert code == 2 and f"{src}: tokenizer.json: a folder where the tokenizer file belongs" in err, err
     assert "warning" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+@pytest.mark.parametrize(
+    ("name", "text", "said"),
+    [
+        ("tokenizer.json", '{"model": ', r"not a readable tokenizer.json \(Expecting value"),  # cut short
+        ("tokenizer.json", "[]", r"not a readable tokenizer.json \(a JSON list\)"),
+        ("tokenizer.json", "{}", r"not a readable tokenizer.json \(no `model` object\)"),
+        ("tokenizer_config.json", '{"a": 1', "not a readable tokenizer_config.json"),
+    ],
+)
+def test_a_broken_tokenizer_file_is_refused_not_copied(tmp_path, monkeypatch, capsys, command, name, text, said):
+    """shard and export copied a cut or emptied tokenizer file unchanged, exit 0 and a manifest: an output that
+    looked complete, which verify and inference cannot load (an audit)."""
+    import re
+
+    src = write_ckpt(tmp_path / "src", source_tensors(tiny_config()), tiny_config())
+    (src / name).write_text(text)
+    args = {"shard": ["--tp", "2"], "export": ["--format", "bf16"]}[command]
+    code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(tmp_path / "out"), *args)
+    assert code == 2 and re.search(f"{re.escape(str(src / name))}: {said}", err), err
+    assert not (tmp_path / "out").exists()
