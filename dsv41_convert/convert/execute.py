@@ -972,9 +972,11 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
                 _stop_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)  # running jobs remove (on Ctrl-C: keep) their partials
             if isinstance(exc, BrokenProcessPool) and not interrupts.interrupted():
+                finished = {r.file for r in results}
+                unfinished = [f for f in (getattr(rf, "file", None) for rf in todo) if f and f not in finished]
                 raise RankFailedError(
-                    f"a worker process of the run died (killed? out of memory?) while writing into {out}; what is "
-                    "on disk is kept: --resume continues it"
+                    f"a worker process of the run died (killed? out of memory?) while writing into {out} "
+                    f"(not finished then: {first_few(unfinished)}); what is on disk is kept: --resume continues it"
                 ) from None
             raise
         with interrupts.deferred():
