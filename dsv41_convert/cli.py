@@ -1033,6 +1033,7 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
     interrupts.quiet_when_dropped()
+    _end_with_the_torchrun_agent()
     if sys.stdout is None:  # started with it closed (`cmd >&-`): said before the work, not after hours of it
         report.error("stdout: closed, so the results cannot be written; send it to a file or /dev/null instead")
         sys.exit(2)
@@ -1042,6 +1043,16 @@ def main() -> None:
         _main(click_exceptions)
     finally:
         _disarm_stop_watchdog()
+
+
+def _end_with_the_torchrun_agent() -> None:
+    """Under torchrun, SIGTERM this process when its parent, torchrun's agent, is gone: after a kill -9 of
+    torchrun its processes ran on, orphans, until they finished (an audit). SIGTERM ends it as torchrun's own
+    stop does (exit 143, its document; what is on disk is kept)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK") is not None:
+        from dsv41_convert.convert.die_with import die_with_parent
+
+        die_with_parent(signal.SIGTERM)
 
 
 def _help_reader_gone_as_sigpipe() -> None:

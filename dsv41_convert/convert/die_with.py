@@ -39,16 +39,16 @@ def _received(*dups) -> SharedFiles:
     return SharedFiles([d.detach() for d in dups])
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent exits (Linux; elsewhere nothing)."""
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send this process `sig` when its parent exits (Linux; elsewhere nothing)."""
     if sys.platform != "linux":
         return
     import ctypes
 
     parent, pr_set_pdeathsig = os.getppid(), 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig)
     if os.getppid() != parent:  # it died before the line above
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
 
 def start_fork_server() -> None:

@@ -282,3 +282,26 @@ def test_a_killed_worker_or_fork_server_is_a_failed_run_named(src, clean, tmp_pa
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume")
     assert code == 0, err
     _same_as_clean(out, clean)
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_the_processes_of_a_torchrun_launch_end_with_its_agent(src, tmp_path):
+    """After a kill -9 of torchrun, its processes ran on as orphans until they finished (an audit): each now
+    takes SIGTERM when the agent is gone, and ends as torchrun's own stop ends it (143; partials kept)."""
+    import signal as signals
+
+    out = tmp_path / "mp2"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29519",
+              "-m", "dsv41_convert.cli", "shard", str(src), str(out), "--tp", "2"]  # fmt: skip
+    run = subprocess.Popen(launch, env=SLOW, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: len(list(out.glob("*.partial"))) == 2, [run], "both ranks write")
+    ranks = _children(run.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(run.pid, signals.SIGKILL)
+    run.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{r}").exists() and b"dsv41_convert" in _cmdline(r) for r in ranks):
+        assert time.monotonic() < deadline, "the ranks outlived their torchrun agent"
+        time.sleep(0.1)
+    assert not (out / "manifest.json").exists()
