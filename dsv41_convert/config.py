@@ -511,8 +511,9 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
 
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # the gate's scores (model/moe.py Gate)
-# float fields the model takes a logarithm of or divides by
-POSITIVE_FLOATS = ("rope_theta", "compress_rope_theta", "rope_factor")
+# fields the model divides by or takes a logarithm of (YaRN's betas: log(seq_len / (beta * 2 pi)))
+POSITIVE_FLOATS = ("rope_factor", "beta_fast", "beta_slow")
+THETAS = ("rope_theta", "compress_rope_theta")  # rope bases: the model divides by log(theta)
 # floats where 0 means "off" or "none" and a negative value is no setting (swiglu_limit: no clamp)
 NON_NEGATIVE = ("norm_eps", "hc_eps", "swiglu_limit", "original_seq_len")
 
@@ -534,6 +535,9 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
     for key in POSITIVE_FLOATS:
         if key in values and values[key] <= 0:
             raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected a positive number")
+    for key in THETAS:
+        if key in values and values[key] <= 1:
+            raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected more than 1 (a rope base)")
     for key in NON_NEGATIVE:
         if key in values and values[key] < 0:
             raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected 0 or more")

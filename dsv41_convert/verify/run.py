@@ -628,7 +628,7 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
             loc.note = f"{tokenizer[0]}: the tokenizer, not a weight (Engram hashes its token ids)"
         elif hf_config and loc.module is None:
             loc.note = f"{hf_config[0]}: a side file, not a weight (the bundled model reads config.json)"
-        elif manifest and loc.module is None:  # no output differs: the files against their record do
+        elif manifest and len(manifest) == len(result.failures) and loc.module is None:  # nothing else failed
             loc.note = f"{manifest[0]} (the manifest check: the files against their record)"
         elif replicas:  # the bytes themselves say where: a copy that differs, or padding that is not the fill
             loc.module = localize.module_of(replicas[0].split(":")[0], conv_args.n_layers)

@@ -260,3 +260,26 @@ def test_a_reference_kept_in_the_converted_folder_does_not_fail_verify(src, tmp_
     ref.symlink_to(elsewhere)
     code, said, err = run_cli(monkeypatch, capsys, "verify", str(out), "--reference-logits", str(ref), "--threads", "1")
     assert code == 0 and "PASS" in said, err
+
+
+def test_a_changed_weight_no_prompt_runs_is_named_not_the_manifest(src, tmp_path, monkeypatch, capsys):
+    """A byte of a vision weight changed (no prompt has an image): the note named the tensor and its bytes; a
+    mend for a manifest-only failure put the manifest's sha256 line there instead (a review). The manifest's
+    note is for a failure of the manifest alone."""
+    import json
+
+    from dsv41_convert.store.safetensors_header import read_header
+
+    conv = tmp_path / "mp1"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "1")[0] == 0
+    path, name = conv / "model0-mp1.safetensors", "vision.blocks.0.attn.wo.weight"
+    at = read_header(path).tensors[name].begin + 5
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+    code, out, _ = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference", str(src), "--decode-steps", "1",
+                           "--json")  # fmt: skip
+    note = json.loads(out)["localization"]["note"]
+    assert code == 1 and note.startswith(f"{name} on rank 0: 1 of ") and "no prompt's output differs" in note, note

@@ -348,7 +348,10 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("dspark_noise_token_id", -5, "dspark_noise_token_id = -5, not a token id"),
         ("dspark_block_size", -3, "dspark_block_size = -3, expected a positive number"),
         ("candidate_topk_blocks", 0, "candidate_topk_blocks = 0, expected a positive number"),
-        ("compress_rope_theta", 0, "compress_rope_theta = 0, expected a positive number"),
+        ("compress_rope_theta", 0, r"compress_rope_theta = 0, expected more than 1 \(a rope base\)"),
+        ("rope_theta", 1, "rope_theta = 1, expected more than 1"),  # log(1): a division by zero (a review)
+        ("rope_scaling.beta_slow", 0, "rope_scaling.beta_slow = 0, expected a positive number"),
+        ("rope_scaling.beta_fast", -1, "rope_scaling.beta_fast = -1, expected a positive number"),
         ("rope_scaling.factor", 0.0, "rope_scaling.factor = 0.0, expected a positive number"),
         ("hc_eps", float("inf"), "text_config.hc_eps = inf, expected a finite number"),
         ("rms_norm_eps", float("nan"), "rms_norm_eps = nan, expected a finite number"),
