@@ -77,17 +77,29 @@ class Header:
     tensors: dict[str, TensorInfo]
 
 
-class _RepeatedKey(Exception):
-    """A key given twice in one JSON object of a header."""
+class _Repeats(dict):
+    """A JSON object of a header that gives a key twice (json keeps the last one, and safetensors too, where a
+    reader keeping the first reads other bytes or another dtype: an audit): `repeated` says which."""
+
+    repeated = ""
 
 
 def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object of a header as a dict; _RepeatedKey where a key comes twice (json keeps the last one and
-    safetensors too, but a reader keeping the first would read other bytes or another dtype: an audit)."""
+    """json's object_pairs_hook: a dict, or a _Repeats naming the first key given twice in it, or in an object
+    inside it (as "'dtype' of tensor 't'"); read_header refuses a header whose top object is a _Repeats."""
     data = dict(pairs)
     if len(data) != len(pairs):
         seen: set[str] = set()
-        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        data = _Repeats(data)
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        data.repeated = "__metadata__" if key == "__metadata__" else f"tensor {key!r}"
+        return data
+    for key, value in pairs:
+        if isinstance(value, _Repeats):
+            inner, where = value.repeated, "__metadata__" if key == "__metadata__" else f"tensor {key!r}"
+            data = _Repeats(data)
+            data.repeated = f"{inner.removeprefix('tensor ')} of {where}"
+            return data
     return data
 
 
@@ -116,12 +128,10 @@ def read_header(path: Path | str) -> Header:
         raise HeaderError(f"{path}: cannot read ({exc.strerror})") from exc
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_without_repeats)
-    except _RepeatedKey as exc:
-        raise HeaderError(
-            f"{path}: header names {exc.args[0]!r} twice; which one holds its bytes? corrupt file?"
-        ) from None
     except NOT_JSON as exc:
         raise HeaderError(f"{path}: header is not valid JSON ({exc}); corrupt file?") from exc
+    if isinstance(data, _Repeats):
+        raise HeaderError(f"{path}: header gives {data.repeated} twice, with values that may differ; corrupt file?")
     if not isinstance(data, dict):
         raise HeaderError(f"{path}: header is a JSON {type(data).__name__}, expected an object")
     meta = data.pop("__metadata__", None)

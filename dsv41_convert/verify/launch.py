@@ -140,7 +140,7 @@ def _raise_rank_error(tmp: Path, tp: int) -> None:
     for rank in range(tp):
         err = tmp / f"rank{rank}.error"
         kind, _, message = err.read_text().partition("\n") if err.exists() else (PEER_LOST, "", "")
-        if kind != PEER_LOST:
+        if kind and kind != PEER_LOST:  # an empty one (written before the rename was whole): none
             named = tp == 1 or re.match(r"rank \d+( of \d+)?: ", message)  # errors the target gathered name ranks
             raise getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
 
@@ -239,10 +239,10 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp))
     os.environ.update(LOCAL_RANK=str(rank))
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=tp, timeout=TIMEOUT)
     try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=tp, timeout=TIMEOUT)  # its port taken: an error
         dist.barrier()  # every pair connected before any rank can finish and tear the group down
         with _telling(_ToldFile(Path(tmp) / TOLD).write if rank == 0 else None):
             result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
@@ -292,8 +292,10 @@ def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
         traceback.print_exc()
         first = (str(exc).splitlines() or [""])[0][:300]
         kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {type(exc).__name__}: {first}"
+    part = tmp / f"rank{rank}.error.partial"  # whole or not there: a rank stopped mid-write left it empty
     try:
-        (tmp / f"rank{rank}.error").write_text(f"{kind}\n{message}")
+        part.write_text(f"{kind}\n{message}")
+        os.replace(part, tmp / f"rank{rank}.error")
     except OSError:
         pass  # the parent says how the rank ended
 

@@ -443,19 +443,22 @@ def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, command, victim
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("where", ["SRC/config.json", "CONVERTED/config.json", "CONVERTED/manifest.json"])
+@pytest.mark.parametrize(
+    "where", ["SRC/config.json", "CONVERTED/config.json", "CONVERTED/manifest.json", "FILE/ref.safetensors"]
+)
 def test_verify_refuses_a_fifo_instead_of_waiting_on_it(tmp_path, monkeypatch, capsys, where):
     """verify --reference SRC with a FIFO as SRC's config.json waited forever, as it did on CONVERTED's
-    manifest.json; CONVERTED's config.json as a FIFO was said to be "not found" (an audit)."""
+    manifest.json; CONVERTED's config.json as a FIFO was said to be "not found" (an audit); a FIFO as
+    --reference-logits FILE waited in open(), where SIGTERM does not reach Python (a review)."""
     src, conv = tmp_path / "src", tmp_path / "conv"  # make-tiny's source: verify reads its tokenizer
     assert run_cli(monkeypatch, capsys, "make-tiny", str(src))[0] == 0
     assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
     folder, name = where.split("/")
-    fifo = (src if folder == "SRC" else conv) / name
-    fifo.unlink()
+    fifo = {"SRC": src, "CONVERTED": conv, "FILE": tmp_path}[folder] / name
+    fifo.unlink(missing_ok=True)
     os.mkfifo(fifo)
     cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", "verify", str(conv)]
-    cmd += ["--reference", str(src), "--decode-steps", "1"]
+    cmd += ["--reference-logits", str(fifo)] if folder == "FILE" else ["--reference", str(src), "--decode-steps", "1"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
     assert run.returncode == 2 and f"{name}: not a regular file (a FIFO" in run.stderr, run.stderr[-2000:]
 

@@ -142,13 +142,13 @@ def _write(path, header: dict | bytes, data: bytes = b"", length: int | None = N
             b'"t": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}',
             b"\0" * 4,
             None,
-            "header names 't' twice",
+            "header gives tensor 't' twice",
         ),
         (
             b'{"t": {"dtype": "F32", "dtype": "I32", "shape": [1], "data_offsets": [0, 4]}}',
             b"\0" * 4,
             None,
-            "'dtype' twice",
+            "header gives 'dtype' of tensor 't' twice",
         ),
     ],
 )

@@ -200,6 +200,19 @@ def test_a_result_the_temporary_folder_cannot_hold_is_said_so(tmp_path, monkeypa
     assert not (tmp_path / "rank0.pt").exists()
 
 
+def test_an_error_file_cut_short_does_not_hide_another_ranks_error(tmp_path):
+    """All ranks raise the same gathered error; torch's join stopped rank 0 between creating its error file and
+    writing it: the empty file became "rank 0: " and hid rank 1's whole error (a review). Error files are
+    written whole (a temporary renamed) and an empty one is read as none."""
+    from dsv41_convert.verify import launch as launch_module
+
+    launch_module._leave_error(PlanError("rank 1: layers.1.ffn.experts.12.w1.weight: found nan"), 1, 2, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1.error"]
+    (tmp_path / "rank0.error").write_text("")
+    with pytest.raises(PlanError, match=r"^rank 1: layers.1.ffn.experts.12.w1.weight: found nan$"):
+        launch_module._raise_rank_error(tmp_path, 2)
+
+
 def test_bad_device():
     from dsv41_convert.errors import VerifyInputError
 
