@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -254,8 +255,11 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
 
 def _by_rank(message: str) -> str:
     """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
-    rank = torchrun.shared_rank()
-    return message if rank is None or message.startswith(f"rank {rank}: ") else f"rank {rank}: {message}"
+    rank = torchrun.shared_rank()  # a message that names a rank (its own, or one gathered from all) says it
+    return message if rank is None or _NAMES_A_RANK.match(message) else f"rank {rank}: {message}"
+
+
+_NAMES_A_RANK = re.compile(r"rank \d+( of \d+)?: ")
 
 
 def info(message: str) -> None:

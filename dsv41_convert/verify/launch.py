@@ -21,7 +21,9 @@ collective would hang them until the group's timeout (`TIMEOUT`).
 from __future__ import annotations
 
 import datetime
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -101,11 +103,14 @@ def launch(
     # forked from it; with "spawn" each rank imports torch itself (seconds of CPU each, 8 ranks on 2 cores)
     # die_with first: the server, and each rank (_spawned), die with this process, however it ends
     multiprocessing.set_forkserver_preload([die_with.__name__, "torch", __name__, target.__module__])
+    # torch's join logs each rank it stops after a failure ("Terminating process N via signal SIGTERM"): the
+    # run's own error says what failed
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     die_with.start_fork_server()
     with tempfile.TemporaryDirectory(prefix="dsv41-verify-") as tmp:
         # the payload travels as a file: passed as an argument, every tensor in it would become a
         # shared-memory file descriptor, and a forkserver hands a child at most a few hundred
-        torch.save(payload, Path(tmp) / "payload.pt")
+        _save_in_tmp(payload, Path(tmp) / "payload.pt", "the ranks' payload")
         port = _free_port()
         ranks = mp.start_processes(
             _spawned,
@@ -175,13 +180,15 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
     _join_group(backend, device)
     try:
         result = target(payload)
-    except Exception as exc:  # a peer died or left: say so instead of the backend's traceback
-        if not _peer_lost(exc):  # gloo says it as a RuntimeError (an audit: a traceback and no --json document)
-            raise
+    except ConvertError:
+        raise
+    except Exception as exc:  # a peer died or left, or a crash here: said, with a document (not only a traceback)
         interrupts.check()
-        raise RankFailedError(
-            f"the torchrun launch lost a peer ({str(exc).splitlines()[0][:200]}); see the other processes' errors"
-        ) from None
+        if _peer_lost(exc):  # gloo says it as a RuntimeError (an audit: a traceback and no --json document)
+            raise RankFailedError(
+                f"the torchrun launch lost a peer ({_first_words(exc)}); see the other processes' errors"
+            ) from None
+        raise RankFailedError(_crash(exc)) from exc
     finally:
         dist.destroy_process_group()
     return result if torchrun.rank() == 0 else None
@@ -257,17 +264,40 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
 
 
 def _save_result(result: Any, tmp: Path) -> None:
-    """Rank 0's result into the launch's folder: OutputError naming it where that fails (a full TMPDIR said
-    "EOFError from a process the run depends on", with three tracebacks: an audit)."""
-    path = tmp / "rank0.pt"
+    """Rank 0's result into the launch's folder (_save_in_tmp)."""
+    _save_in_tmp(result, tmp / "rank0.pt", "its result")
+
+
+def _save_in_tmp(obj: Any, path: Path, what: str) -> None:
+    """torch.save of `obj` (small: a payload, rank 0's logits) in memory, then written to `path` in the launch's
+    temporary folder; OutputError naming it and TMPDIR where that fails. A full TMPDIR said "EOFError from a
+    process the run depends on" with tracebacks (an audit), and a file torch's writer still held open kept
+    its blocks after it was removed, so the error file after it could not be written either (a re-check)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
     try:
-        torch.save(result, path)
-    except (OSError, RuntimeError) as exc:  # torch's zip writer says ENOSPC as a RuntimeError
+        with open(path, "wb") as f:
+            f.write(buf.getbuffer())
+    except OSError as exc:
         path.unlink(missing_ok=True)
         raise errors.OutputError(
-            f"cannot write its result to {path}: {str(exc).splitlines()[0][:200]}; free space in the temporary "
-            "folder (TMPDIR), or point TMPDIR at one with room"
+            f"cannot write {what} to {path}: {exc.strerror or exc}; free space in the temporary folder (TMPDIR), "
+            "or point TMPDIR at one with room"
         ) from None
+
+
+def _first_words(exc: BaseException, limit: int = 300) -> str:
+    """The first sentence of `exc`'s first line (gloo adds advice after it), at most `limit` characters."""
+    first = (str(exc).splitlines() or [""])[0]
+    return first.split(". ")[0][:limit]
+
+
+def _crash(exc: BaseException) -> str:
+    """A failure that is not an input error, as one line (its traceback goes to stderr first)."""
+    import traceback
+
+    traceback.print_exc()
+    return f"{type(exc).__name__}: {_first_words(exc)}"
 
 
 def _peer_lost(exc: BaseException) -> bool:
@@ -283,15 +313,11 @@ def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
     """rank{rank}.error in `tmp`: the error's kind (a ConvertError's class, else RankFailedError; PEER_LOST for
     a peer gone), then its message. A crash (not a ConvertError) prints its traceback on stderr first."""
     if _peer_lost(exc):
-        kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({str(exc).splitlines()[0][:200]})"
+        kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({_first_words(exc)})"
     elif isinstance(exc, ConvertError):
         kind, message = type(exc).__name__, str(exc)
     else:
-        import traceback
-
-        traceback.print_exc()
-        first = (str(exc).splitlines() or [""])[0][:300]
-        kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {type(exc).__name__}: {first}"
+        kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {_crash(exc)}"
     part = tmp / f"rank{rank}.error.partial"  # whole or not there: a rank stopped mid-write left it empty
     try:
         part.write_text(f"{kind}\n{message}")

@@ -143,14 +143,16 @@ def test_an_error_naming_its_rank_is_not_named_twice():
 
 
 _GLOO_LOST_A_PEER_UNDER_TORCHRUN = """
-import os, socket
+import os, socket, sys
 from dsv41_convert.verify.launch import launch
 
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 def target(_payload):
-    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40123")
+    if sys.argv[1] == "lost":
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40123. This is")
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
 
 try:
     launch(target, None, 1, "cpu")
@@ -160,15 +162,25 @@ except Exception as exc:
 
 
 @pytest.mark.dist
-def test_a_torchrun_process_whose_peer_went_away_says_so():
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("lost", "RankFailedError the torchrun launch lost a peer ([gloo/transport/tcp/pair.cc:553] Connection "
+                 "closed by peer [127.0.0.1]:40123); see"),
+        ("crash", "RankFailedError RuntimeError: [enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't "
+                  "allocate memory"),
+    ],
+)  # fmt: skip
+def test_a_torchrun_process_whose_peer_went_away_or_that_crashed_says_so(how, said):
     """gloo says a peer's end as a RuntimeError, not a DistError: a torchrun process printed its traceback and
-    no --json document when its peer was killed (an audit)."""
+    no --json document when its peer was killed (an audit); one that crashed itself (out of memory) too (a
+    re-check): both are a failed run said in one line, the crash's traceback on stderr before it."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _GLOO_LOST_A_PEER_UNDER_TORCHRUN], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
-    assert done.stdout.startswith("RankFailedError the torchrun launch lost a peer ("), done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-c", _GLOO_LOST_A_PEER_UNDER_TORCHRUN, how], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.stdout.startswith(said), done.stdout + done.stderr
 
 
 def test_a_torchrun_environment_without_its_rendezvous_is_an_input_error(monkeypatch):
@@ -186,18 +198,35 @@ def test_a_torchrun_environment_without_its_rendezvous_is_an_input_error(monkeyp
 
 def test_a_result_the_temporary_folder_cannot_hold_is_said_so(tmp_path, monkeypatch):
     """A full TMPDIR: rank 0's torch.save failed, and the run said "EOFError from a process the run depends on"
-    with three tracebacks (an audit)."""
+    with three tracebacks (an audit); then the file torch's writer held open kept its blocks, so the error file
+    could not be written either (a re-check). The result is serialised in memory, written through a file that
+    is closed before it is removed."""
+    import errno
+
     from dsv41_convert.errors import OutputError
     from dsv41_convert.verify import launch as launch_module
 
-    def full(_obj, path):
-        Path(path).write_bytes(b"PK")  # a partial file, as a full disk leaves one
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+    held = []
 
-    monkeypatch.setattr(launch_module.torch, "save", full)
-    with pytest.raises(OutputError, match=r"cannot write its result to .*rank0.pt: \[enforce fail .* point TMPDIR"):
+    class Full:  # the part of a file object the write uses, on a disk that fills after 2 bytes
+        def __init__(self, path, mode):
+            self.path, self.closed = Path(path), False
+            held.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            self.closed = True
+
+        def write(self, data):
+            self.path.write_bytes(bytes(data[:2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(launch_module, "open", Full, raising=False)
+    with pytest.raises(OutputError, match=r"cannot write its result to .*rank0.pt: No space left on device; free"):
         launch_module._save_result({"logits": 1}, tmp_path)
-    assert not (tmp_path / "rank0.pt").exists()
+    assert not (tmp_path / "rank0.pt").exists() and all(f.closed for f in held)
 
 
 def test_an_error_file_cut_short_does_not_hide_another_ranks_error(tmp_path):
