@@ -389,6 +389,8 @@ class ModelArgs:
                 )
 
 
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(ModelArgs)}  # field -> its annotation
+
 _NO_VISION: dict[str, Any] = {
     "vision_n_layers": 0,
     "vision_dim": 0,
@@ -478,11 +480,10 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
     """ConfigError naming the first ModelArgs value of the wrong JSON type, or a size that is not positive.
 
     values: ModelArgs field -> value; names: field -> the key as the file spells it (else the field)."""
-    fields = {f.name: str(f.type) for f in dataclasses.fields(ModelArgs)}
     for name, value in values.items():
-        if name in fields and not _fits(fields[name], value):
+        if name in _FIELD_TYPES and not _fits(_FIELD_TYPES[name], value):
             raise ConfigError(
-                f"{source}: {names.get(name, name)} = {value!r} ({type(value).__name__}), expected {fields[name]}"
+                f"{source}: {names.get(name, name)} = {value!r} ({type(value).__name__}), expected {_FIELD_TYPES[name]}"
             )
     for name in POSITIVE_FIELDS:
         if name in values and values[name] <= 0:
@@ -528,9 +529,8 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
     def name(field_name: str) -> str:
         return names.get(field_name, field_name)
 
-    fields = {f.name: str(f.type) for f in dataclasses.fields(ModelArgs)}
     for key, value in values.items():
-        if "float" in fields.get(key, "") and isinstance(value, float) and not math.isfinite(value):
+        if "float" in _FIELD_TYPES.get(key, "") and isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{source}: {name(key)} = {value!r}, expected a finite number")
     for key in POSITIVE_FLOATS:
         if key in values and values[key] <= 0:

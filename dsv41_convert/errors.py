@@ -2,6 +2,7 @@
 what was expected, and a next step. `cli.main` turns them into `error: ...` and exit code 2."""
 
 import json
+import re
 
 # every way json.loads fails on a file's text: bad syntax, bytes that are not UTF-8, and nesting deeper than
 # Python's recursion limit (`[[[[...` 1500 deep in a 3 KB safetensors header: a RecursionError)
@@ -53,6 +54,12 @@ class ShardConsistencyError(ConvertError):
 def first_few(names: list[str], shown: int = 3) -> str:
     """The first `shown` of `names` for a message, "a, b, c, ..." when there are more."""
     return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
+def names_a_rank(message: str) -> bool:
+    """Whether `message` begins by naming the rank it is about ("rank 1: ...", "rank 1 of 2: ..."): an error a
+    rank raised itself, or one gathered from every rank, which another prefix would misattribute."""
+    return re.match(r"rank \d+( of \d+)?: ", message) is not None
 
 
 class RankFailedError(ConvertError):

@@ -12,13 +12,13 @@ import itertools
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from dsv41_convert import interrupts, torchrun
+from dsv41_convert.errors import names_a_rank
 from dsv41_convert.progress import Progress as ProgressFn
 
 if TYPE_CHECKING:
@@ -256,10 +256,7 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
 def _by_rank(message: str) -> str:
     """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
     rank = torchrun.shared_rank()  # a message that names a rank (its own, or one gathered from all) says it
-    return message if rank is None or _NAMES_A_RANK.match(message) else f"rank {rank}: {message}"
-
-
-_NAMES_A_RANK = re.compile(r"rank \d+( of \d+)?: ")
+    return message if rank is None or names_a_rank(message) else f"rank {rank}: {message}"
 
 
 def info(message: str) -> None:

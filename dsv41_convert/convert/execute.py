@@ -973,7 +973,7 @@ def _run(todo, src, out, workers, progress, job, lock_fds: list[int]) -> list[Fi
             pool.shutdown(wait=True, cancel_futures=True)  # running jobs remove (on Ctrl-C: keep) their partials
             if isinstance(exc, BrokenProcessPool) and not interrupts.interrupted():
                 finished = {r.file for r in results}
-                unfinished = [f for f in (getattr(rf, "file", None) for rf in todo) if f and f not in finished]
+                unfinished = [rf.file for rf in todo if rf.file not in finished]
                 raise RankFailedError(
                     f"a worker process of the run died (killed? out of memory?) while writing into {out} "
                     f"(not finished then: {first_few(unfinished)}); what is on disk is kept: --resume continues it"

@@ -90,17 +90,23 @@ def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     data = dict(pairs)
     if len(data) != len(pairs):
         seen: set[str] = set()
-        data = _Repeats(data)
         key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        data.repeated = "__metadata__" if key == "__metadata__" else f"tensor {key!r}"
-        return data
+        return _repeats(data, _top_key(key))
     for key, value in pairs:
         if isinstance(value, _Repeats):
-            inner, where = value.repeated, "__metadata__" if key == "__metadata__" else f"tensor {key!r}"
-            data = _Repeats(data)
-            data.repeated = f"{inner.removeprefix('tensor ')} of {where}"
-            return data
+            return _repeats(data, f"{value.repeated.removeprefix('tensor ')} of {_top_key(key)}")
     return data
+
+
+def _top_key(key: str) -> str:
+    """A top-level key of a header, for a message."""
+    return "__metadata__" if key == "__metadata__" else f"tensor {key!r}"
+
+
+def _repeats(data: dict[str, Any], repeated: str) -> _Repeats:
+    flagged = _Repeats(data)
+    flagged.repeated = repeated
+    return flagged
 
 
 def read_header(path: Path | str) -> Header:

@@ -25,7 +25,6 @@ import io
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -146,7 +145,7 @@ def _raise_rank_error(tmp: Path, tp: int) -> None:
         err = tmp / f"rank{rank}.error"
         kind, _, message = err.read_text().partition("\n") if err.exists() else (PEER_LOST, "", "")
         if kind and kind != PEER_LOST:  # an empty one (written before the rename was whole): none
-            named = tp == 1 or re.match(r"rank \d+( of \d+)?: ", message)  # errors the target gathered name ranks
+            named = tp == 1 or errors.names_a_rank(message)  # errors the target gathered name their ranks
             raise getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
 
 
@@ -255,17 +254,12 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
             result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
         dist.barrier()  # nobody leaves while a peer still talks to it
         if rank == 0:
-            _save_result(result, Path(tmp))
+            _save_in_tmp(result, Path(tmp) / "rank0.pt", "its result")
     except Exception as exc:  # every failure is the run's; KeyboardInterrupt (a signal) is not one
         _leave_error(exc, rank, tp, Path(tmp))
         sys.stderr.flush()
         os._exit(1)  # no teardown that waits on the peers
     dist.destroy_process_group()
-
-
-def _save_result(result: Any, tmp: Path) -> None:
-    """Rank 0's result into the launch's folder (_save_in_tmp)."""
-    _save_in_tmp(result, tmp / "rank0.pt", "its result")
 
 
 def _save_in_tmp(obj: Any, path: Path, what: str) -> None:

@@ -30,7 +30,7 @@ from dsv41_convert.config import ModelArgs, load_json, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
-from dsv41_convert.file_kinds import SPECIAL, refuse_special, special_kind
+from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
@@ -208,8 +208,6 @@ def verify(
         raise VerifyInputError("--stream-layers goes with --reference-logits FILE (a tp-1 file), not --reference SRC")
     if not conv.is_dir():
         raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
-    if opts.reference_logits is not None:  # opened before reffile reads it (a review: a FIFO hung verify)
-        refuse_special(Path(opts.reference_logits), VerifyInputError)
     special = [p.name for p in sorted(conv.iterdir()) if special_kind(p)]  # reading one waits forever
     if special:
         raise VerifyInputError(f"{conv}: {first_few(special)}: not a regular file ({SPECIAL}); remove it")

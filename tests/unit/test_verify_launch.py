@@ -225,7 +225,7 @@ def test_a_result_the_temporary_folder_cannot_hold_is_said_so(tmp_path, monkeypa
 
     monkeypatch.setattr(launch_module, "open", Full, raising=False)
     with pytest.raises(OutputError, match=r"cannot write its result to .*rank0.pt: No space left on device; free"):
-        launch_module._save_result({"logits": 1}, tmp_path)
+        launch_module._save_in_tmp({"logits": 1}, tmp_path / "rank0.pt", "its result")
     assert not (tmp_path / "rank0.pt").exists() and all(f.closed for f in held)
 
 
