@@ -161,6 +161,23 @@ def test_mixed_plans_are_an_error(runs, tmp_path, monkeypatch, capsys):
     assert not (g / "manifest.json").exists()
 
 
+def test_a_fragment_that_is_a_fifo_is_refused_not_waited_on(runs, tmp_path):
+    """A FIFO at a fragment's name: read whole, it blocks until a writer comes (the reads of the session's other
+    FIFO audits); merge refuses it, naming it."""
+    import os
+    import subprocess
+    import sys
+
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    fragment = sorted(g.glob("manifest-fragment-*.json"))[-1]
+    fragment.unlink()
+    os.mkfifo(fragment)
+    cmd = [sys.executable, "-c", "from dsv41_convert.cli import main; main()", "manifest", str(g)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 2 and f"{fragment}: not a regular file (a FIFO" in run.stderr, run.stderr[-2000:]
+    assert not (g / "manifest.json").exists()
+
+
 def test_no_fragment_is_an_error(tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path))
     assert code == 2 and "no manifest-fragment-*.json files" in err
