@@ -21,7 +21,7 @@ def whole_model_runs(src: Path, prompts, n_decode: int, teacher: list[torch.Tens
     inputs = [model_input(p, args) for p in prompts]
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, None, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
-    model = build_model(args, src / "tokenizer.json", device)
+    model = build_model(args, src, device)
     load_state(model, reference_state(src)[1])
     return [run_prompt(model, i, n_decode, t, True, device) for i, t in zip(inputs, teacher, strict=True)]
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv41_convert.config import ModelArgs
+from dsv41_convert.verify.fits import require_caches_fit
 from dsv41_convert.verify.prompts import Prompt
 
 
@@ -92,11 +93,13 @@ def attach_images(inp: ModelInput, args: ModelArgs) -> ModelInput:
     return ModelInput(inp.input_ids, inp.token_types, [image], inp.image)
 
 
-def build_model(args: ModelArgs, tokenizer_json: Path | None, device: str) -> nn.Module:
-    """A Transformer for `args` (tp from torch.distributed), empty weights, in eval mode."""
+def build_model(args: ModelArgs, folder: Path, device: str) -> nn.Module:
+    """A Transformer for `args` (tp from torch.distributed), empty weights, in eval mode; `folder` holds the
+    config.json `args` came from (named when its caches cannot fit) and the tokenizer.json Engram reads."""
     from dsv41_convert.model.transformer import Transformer
 
-    tokenizer = tokenizer_json if args.engram_layer_ids else None  # read (and checked) by the Engram hash
+    require_caches_fit(args, device, folder / "config.json")
+    tokenizer = folder / "tokenizer.json" if args.engram_layer_ids else None  # read (and checked) by the Engram hash
     model = Transformer(args, tokenizer).eval()
     return model if device == "cpu" else model.to(device)
 

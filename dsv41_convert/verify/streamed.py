@@ -30,6 +30,7 @@ from dsv41_convert.progress import Progress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder
 from dsv41_convert.verify import provenance, weight_digests
+from dsv41_convert.verify.fits import require_caches_fit
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
@@ -82,6 +83,7 @@ def compute_streamed_reference(
     _long_enough([p.origin or p.label for p in prompts], inputs, args, "")
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
+    require_caches_fit(args, device, src / "config.json")
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
     say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
@@ -157,6 +159,7 @@ def replay_streamed(
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
     capture = any(r.hidden for r in ref.runs)
     weights = RankWeights.over(ranks)
+    require_caches_fit(args, device, ranks.folder / "config.json")
     results, _ = run_streamed(args, weights, streamed, ranks.folder / "tokenizer.json", capture, device, progress)
     return _prompt_runs(results, [r.decode_ids for r in ref.runs])
 

@@ -283,3 +283,30 @@ def test_a_changed_weight_no_prompt_runs_is_named_not_the_manifest(src, tmp_path
                            "--json")  # fmt: skip
     note = json.loads(out)["localization"]["note"]
     assert code == 1 and note.startswith(f"{name} on rank 0: 1 of ") and "no prompt's output differs" in note, note
+
+
+@pytest.mark.parametrize("run", ["verify", "reference-logits", "reference-logits --stream-layers"])
+def test_a_window_no_memory_can_hold_is_refused_naming_the_config(src, tmp_path, monkeypatch, capsys, run):
+    """A config whose sliding_window is 10**12 rows loaded (a positive int) and ended reference-logits and
+    verify --reference SRC in the allocator's traceback ("DefaultCPUAllocator: can't allocate memory ...
+    128000000000000 bytes", exit 1; an audit). The model's caches are sized before they are allocated:
+    exit 2 naming the file and the key, nothing written."""
+    import json
+    import shutil
+
+    huge = tmp_path / "huge"
+    shutil.copytree(src, huge)
+    config = json.loads((huge / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 10**12
+    (huge / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "ref.safetensors"
+    if run == "verify":
+        conv = tmp_path / "mp2"
+        assert run_cli(monkeypatch, capsys, "shard", str(huge), str(conv), "--tp", "2")[0] == 0  # no model built
+        args = ["verify", str(conv), "--reference", str(huge)]
+    else:
+        args = ["reference-logits", str(huge), str(out), *run.split()[1:]]
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--decode-steps", "1")
+    said = f"{huge / 'config.json'}: the model's caches need"
+    assert code == 2 and said in err and "text_config.sliding_window = 1000000000000" in err, err
+    assert not out.exists()

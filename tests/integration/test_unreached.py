@@ -46,7 +46,7 @@ def test_every_tensor_unreached_by_text_is_named_and_only_those(tmp_path):
     (said,) = not_run_by(inputs, args)
     assert all(part in said for part in NAMED), said
     _, state = reference_state(src)
-    model = build_model(args, src / "tokenizer.json", "cpu")
+    model = build_model(args, src, "cpu")
     load_state(model, state)
     clean = _runs(model, inputs)
     poisoned = {n for n in state if any(re.fullmatch(p, n) for p in NAMED.values())}

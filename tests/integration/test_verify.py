@@ -250,7 +250,7 @@ def _routed_expert(work: Path, layer: int) -> int:
 
     folder = _shard(work, "fp8", 1)
     args = load_model_args(folder / "config.json").with_runtime(max_batch_size=1, max_seq_len=128)
-    model = build_model(args, folder / "tokenizer.json", "cpu")
+    model = build_model(args, folder, "cpu")
     load_shards(model, folder)
     seen = {}
     model.layers[layer].ffn.gate.register_forward_hook(lambda m, i, o: seen.update(idx=o[1]) or None)

@@ -82,7 +82,7 @@ class Matrix:
         if self._probe is None:
             folder = self.shard(2)
             args = load_model_args(folder / "config.json").with_runtime(max_batch_size=1, max_seq_len=128)
-            model = build_model(args, folder / "tokenizer.json", "cpu")
+            model = build_model(args, folder, "cpu")
             load_state(model, unshard_tensors(folder))
             seen = {}
             model.layers[2].ffn.gate.register_forward_hook(lambda m, i, o: seen.update(idx=o[1]) or None)

@@ -1,0 +1,55 @@
+"""Whether the model's runtime caches can exist on this machine, asked before they are allocated.
+
+The model sizes its window KV ring by the config's `sliding_window` and its Engram token map by the
+vocabulary, whatever the prompts: a config value far beyond the published one (a window of 10**12 rows) would
+otherwise end verify or reference-logits in an allocator's traceback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
+from dsv41_convert.convert.memory import BF16, cache_bytes
+from dsv41_convert.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def machine_bytes(device: str) -> int:
+    """Bytes of memory `device` has in all: the host's physical memory for "cpu", the card's for a CUDA
+    device (the current one for "cuda")."""
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
+def _window_key(config: Path) -> str:
+    """The window's key as `config` spells it: the HF config.json nests it, the rank files' does not."""
+    return HF_NAMES["window_size"] if "text_config" in load_json(config) else "window_size"
+
+
+def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
+    """ConfigError naming `config` (the file `args` came from) when the caches a model of `args` allocates at
+    its runtime batch and sequence length (convert.memory.cache_bytes) exceed all the memory of the host (where
+    the model is built) or of `device` (where it runs); the window's config key is named where the window ring
+    alone does."""
+    need = cache_bytes(args, args.max_batch_size, args.max_seq_len)
+    for where in dict.fromkeys(("cpu", device)):
+        have = machine_bytes(where)
+        if need <= have:
+            continue
+        rings = (args.n_layers + args.n_mtp_layers) * args.max_batch_size
+        window = rings * args.window_size * args.head_dim * BF16
+        cause = (
+            f"{_window_key(config)} = {args.window_size}: its KV rings alone are {window / GIB:,.1f} GiB "
+            f"({rings} rings: a layer's each, at batch {args.max_batch_size})"
+            if window > have
+            else f"at batch {args.max_batch_size} and {args.max_seq_len} positions"
+        )
+        raise ConfigError(
+            f"{config}: the model's caches need {need / GIB:,.1f} GiB, more than all of {where}'s memory "
+            f"({have / GIB:,.1f} GiB): {cause}"
+        )

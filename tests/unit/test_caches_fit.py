@@ -1,0 +1,48 @@
+"""verify.fits: the model's caches are sized from the config before a model allocates them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from model_testing import tiny_args
+
+from dsv41_convert.convert.memory import cache_bytes
+from dsv41_convert.errors import ConfigError
+from dsv41_convert.verify import fits
+
+
+def _config(tmp_path: Path, nested: bool) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text('{"text_config": {}}' if nested else "{}")
+    return path
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_caches_that_fit_pass_and_one_byte_more_is_refused(tmp_path, monkeypatch, nested):
+    """At exactly the caches' bytes the model is built; one byte less memory and the file is named with the
+    numbers; a window that does not alone exceed the memory is not blamed (the key as the file spells it)."""
+    args = tiny_args().with_runtime(max_batch_size=2, max_seq_len=64, temperature=0.0)
+    need = cache_bytes(args, 2, 64)
+    config = _config(tmp_path, nested)
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: need)
+    fits.require_caches_fit(args, "cpu", config)
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: need - 1)
+    with pytest.raises(ConfigError, match=rf"^{config}: the model's caches need .* at batch 2 and 64 positions$"):
+        fits.require_caches_fit(args, "cpu", config)
+
+
+@pytest.mark.parametrize(("nested", "key"), [(True, "text_config.sliding_window"), (False, "window_size")])
+def test_a_window_alone_too_large_is_named_by_its_key(tmp_path, nested, key):
+    args = tiny_args(window_size=10**12).with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
+    with pytest.raises(ConfigError, match=rf"{key} = 1000000000000: its KV rings alone"):
+        fits.require_caches_fit(args, "cpu", _config(tmp_path, nested))
+
+
+def test_the_card_is_asked_too(tmp_path, monkeypatch):
+    """A model run on a card is built on the host first: both memories are asked, the one short is named."""
+    args = tiny_args().with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
+    sizes = {"cpu": 1 << 40, "cuda": 1}
+    monkeypatch.setattr(fits, "machine_bytes", lambda device: sizes[device])
+    with pytest.raises(ConfigError, match="more than all of cuda's memory"):
+        fits.require_caches_fit(args, "cuda", _config(tmp_path, True))
