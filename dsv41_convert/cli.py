@@ -289,6 +289,7 @@ def shard_cmd(
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
+    _warn_of_a_share_without_torchrun("rank files")
     _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
@@ -300,6 +301,19 @@ def shard_cmd(
         return
     if summary.get("fragment"):
         report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
+
+
+def _warn_of_a_share_without_torchrun(files: str) -> None:
+    """A warning where RANK and WORLD_SIZE give this process a share but torchrun's rendezvous variables are
+    missing: variables left in the environment, not a launch, most likely (the run still writes its share)."""
+    missing = torchrun.lacks_rendezvous()
+    if missing:
+        rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+        report.warn(
+            f"RANK={rank} and WORLD_SIZE={world} are set without {' and '.join(missing)} (torchrun sets all of "
+            f"them): this process writes share {rank} of {world} of the {files} only; unset RANK and WORLD_SIZE "
+            "to write them all, or use --ranks for a share"
+        )
 
 
 def _warn_without_tokenizer(folder: Path, then: str) -> None:
@@ -870,6 +884,7 @@ def export_cmd(
         check_destination(ep.plan, out, resume, overwrite)
         summary = summarize_export(ep)
         return report.print_json(summary) if as_json else _plan_table(summary)
+    _warn_of_a_share_without_torchrun("shards")
     _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")
     others = not_carried(Path(ep.plan.src))
     if others:

@@ -44,3 +44,13 @@ def shared_rank() -> int | None:
     except ConfigError:
         return None
     return int(os.environ["RANK"]) if size is not None and size > 1 else None
+
+
+def lacks_rendezvous(env: Mapping[str, str] | None = None) -> list[str]:
+    """Of MASTER_ADDR and MASTER_PORT, which torchrun sets beside RANK and WORLD_SIZE, those missing in a
+    launch of several processes ([] outside one): RANK and WORLD_SIZE left in a shell or a job script
+    without torchrun would have this process convert one share and end well."""
+    env = os.environ if env is None else env
+    if (world(env) or 1) <= 1:
+        return []
+    return [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]

@@ -215,6 +215,7 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
             if rank == 0 or out.name != "one":
                 assert "manifest: pending (not every shard is done yet)" in err and "fragment: " in err, err
                 assert f"`dsv41-convert export SRC OUT --format {fmt} --resume`" in err
+                assert "are set without MASTER_ADDR and MASTER_PORT" in err  # not a torchrun launch: warned
                 assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")

@@ -163,6 +163,28 @@ def test_torchrun_share_is_disjoint(fp8_src):
     assert sorted(files) == sorted(f.file for f in plan.files) and len(set(files)) == 8
 
 
+@pytest.mark.parametrize("launched", [False, True])
+def test_a_share_without_torchrun_says_so(fp8_src, tmp_path, monkeypatch, capsys, launched):
+    """RANK and WORLD_SIZE left in the environment (no torchrun: no MASTER_ADDR, MASTER_PORT) had shard write
+    one share and end well without a word that the other files are not written (an audit): it still writes
+    its share, and warns; under torchrun (all four set) there is no warning."""
+    from cli_run import run_cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value) if launched else monkeypatch.delenv(name, raising=False)
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(fp8_src), str(tmp_path / "out"), "--tp", "4")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == [
+        "model1-mp4.safetensors",
+        "model3-mp4.safetensors",
+    ]
+    warned = "RANK=1 and WORLD_SIZE=2 are set without MASTER_ADDR and MASTER_PORT (torchrun sets all of them): this " \
+        "process writes share 1 of 2 of the rank files only"  # fmt: skip
+    assert (warned in err) is not launched, err
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_timeline_names_each_file_its_process_and_stages(bf16_src, tmp_path, workers):
     """--json's timeline: every written file once, in order of start, each inside the run's seconds,
