@@ -145,6 +145,17 @@ def match_rule(name: str) -> Rule:
     raise PlanError(f"{name}: matches {len(hits)} rules ({', '.join(r.pattern for r in hits)}); the table is ambiguous")
 
 
+def rule_of(name: str) -> Rule | None:
+    """match_rule's rule, or None where no rule matches: no tensor of the model, which the strict load of the
+    model names (a checker that reads the rule first leaves such a name to it)."""
+    try:
+        return match_rule(name)
+    except PlanError:
+        if any(rx.fullmatch(name) for rx, _ in _COMPILED):
+            raise  # two rules: the table's fault
+        return None
+
+
 _EXPERT_RULES: dict[tuple[str, str], Rule] = {}  # (name before the expert id, after it) -> its rule
 
 

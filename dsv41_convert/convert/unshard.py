@@ -36,7 +36,7 @@ from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import PAD_BYTE
-from dsv41_convert.convert.rules import Split, expert_index, match_rule
+from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.progress import Progress, Tally
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
@@ -155,12 +155,13 @@ def replica_mismatches(ranks: RankFiles, progress: Progress | None = None) -> li
     little, often within a tolerance; this compares the bytes themselves. Also every Engram table's padding
     rows (the last ranks'), which no prompt reads and only the tp-1 replay's merge checked: not the
     converter's fill, they are a rank set no conversion writes."""
-    names = sorted(ranks.headers[0].tensors)
-    replicated = {name for name in names if match_rule(name).split is Split.NONE}
+    rules = {name: rule_of(name) for name in sorted(ranks.headers[0].tensors)}
+    names = [name for name, rule in rules.items() if rule is not None]  # the model's load names the others
+    replicated = {name for name in names if rules[name].split is Split.NONE}
     tally = Tally(progress, REPLICAS, ranks.tp * sum(ranks.headers[0].tensors[name].nbytes for name in replicated))
     found = []
     for name in names:
-        split = match_rule(name).split
+        split = rules[name].split
         try:
             if split is Split.NONE:
                 copies = {r: h.tensors.get(name) for r, h in enumerate(ranks.headers)}

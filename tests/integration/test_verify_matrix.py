@@ -223,10 +223,15 @@ def tensor_of_another_layer(m: Matrix, d: Path, tp: int) -> None:
         _edit(d, rank, tp, lambda t: t.__setitem__("layers.1.attn.wkv.weight", t["layers.2.attn.wkv.weight"].clone()))
 
 
+def tensor_not_in_the_model(m: Matrix, d: Path, tp: int) -> None:
+    for rank in range(tp):  # the same on every rank: the rank files merge, the model has no such tensor
+        _edit(d, rank, tp, lambda t: t.__setitem__("layers.0.attn.bogus", torch.zeros(4)))
+
+
 FAULTS = {f.__name__: f for f in (
-    experts_swapped_within_rank, experts_swapped_across_ranks, fp8_block_scale_changed, dim0_split_exchanged,
-    dim1_split_exchanged, routed_expert_nibble, engram_row, engram_padding_row_missing, wo_a_left_fp8,
-    tensor_of_another_layer,
+    tensor_not_in_the_model, experts_swapped_within_rank, experts_swapped_across_ranks, fp8_block_scale_changed,
+    dim0_split_exchanged, dim1_split_exchanged, routed_expert_nibble, engram_row, engram_padding_row_missing,
+    wo_a_left_fp8, tensor_of_another_layer,
 )}  # fmt: skip
 # tp 2: every fault against our tp-1 file (the replay, which also localizes); the same-tp file and the external
 # file get the faults of issue 16 and the subtle ones; tp 4 and 8 the cross-rank faults (8 ranks on 2 cores are slow)
@@ -247,6 +252,20 @@ def test_faulty_set_fails(m, fault, tp, ref):
     if ref == "tp1" and result.load_error is None:  # the replay found it, bit for bit, and names the module
         assert any(f.startswith("replay") for f in result.failures), result.failures
         assert result.localization.module is not None
+
+
+@pytest.mark.parametrize("stream_layers", [False, True])
+def test_a_tensor_the_model_lacks_fails_in_every_replay(m, stream_layers):
+    """The streamed replay called it an input error (exit 2, "layers.0.attn.bogus: no rule in rules.py matches
+    this tensor", no file named: the replicas' check looked up its rule; an audit) where the whole replay's
+    load FAILs it: now both FAIL, naming the tensor as the rank files hold it."""
+    d = m.faulty("tensor_not_in_the_model", 2)
+    tensor_not_in_the_model(m, d, 2)
+    result = _verify(d, m.reference("tp1", 2), stream_layers=stream_layers)
+    assert result.verdict == "FAIL", (result.verdict, result.checks)
+    assert "layers.0.attn.bogus: in the shard (F32 [4]) but not in the model" in str(result.load_error), (
+        result.load_error
+    )
 
 
 @pytest.mark.parametrize(("tp", "ref"), [(2, "tp1"), (2, "tpN"), (2, "external"), (4, "tp1"), (4, "tpN"),
