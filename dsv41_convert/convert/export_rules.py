@@ -4,7 +4,7 @@ A tensor's family is its rule's `Op` (rules.py decides it from the name; nothing
 its storage is what its header dtype holds, and the format is the one asked for:
 
     storage   header dtype
-    float     BF16 / F32 / F16 (an unquantized value)
+    float     BF16 / F32 (an unquantized value; validate.py refuses other float dtypes first)
     fp8       F8_E4M3 (with an F8_E8M0 `.scale` beside it: 32x32 blocks, per-32 rows for Engram)
     fp4       I8 (packed e2m1 pairs, with a per-32 F8_E8M0 `.scale`)
 
@@ -25,7 +25,7 @@ from dsv41_convert.errors import PlanError
 
 FORMATS = ("bf16", "fp8", "fp8-fp4")
 EXPERT_DTYPE = {"bf16": "bf16", "fp8": "fp8", "fp8-fp4": "fp4"}  # what the routed experts are in each format
-STORAGE = {"BF16": "float", "F32": "float", "F16": "float", "F8_E4M3": "fp8", "I8": "fp4"}
+STORAGE = {"BF16": "float", "F32": "float", "F8_E4M3": "fp8", "I8": "fp4"}
 
 # Actions (transform.py runs the computing ones; each output's dtype and shape is in export.py):
 #   copy            the source bytes, unchanged

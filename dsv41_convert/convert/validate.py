@@ -164,6 +164,8 @@ def validate_sources(
     quantized = args.dtype == "fp8"
     # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
     if not (quantized and _same_layout(sources, args)):
+        if quantized:
+            _require_scales(sources)
         _check_expert_count(sources, args)
         layout = published_layout(args)
         if not quantized:  # an unquantized source has no scales and holds experts unpacked
@@ -178,6 +180,21 @@ def validate_sources(
     n_experts = _expert_counts(sources)
     _check_splits(sources, tp, quantized, expert_dtype)
     return n_experts
+
+
+def _require_scales(sources: dict[str, Source]) -> None:
+    """PlanError where config.json has a quantization_config but the checkpoint holds no scale and no fp8 or
+    fp4 weight: an unquantized fine-tune beside the published config.json (a likely copy), which the layout
+    checks called missing experts or every scale missing (an audit)."""
+    if any(n.endswith(".scale") or s.dtype in ("F8_E4M3", "I8") for n, s in sources.items()):
+        return
+    example = next((s for s in sources.values() if s.expert is not None), next(iter(sources.values())))
+    raise PlanError(
+        f"config.json has a quantization_config (a published fp8/fp4 checkpoint), but the checkpoint holds no "
+        f"scales and no fp8 or fp4 weights ({example.file}: {example.name} is {example.dtype}): an unquantized "
+        "fine-tune beside the published config.json? give it a config.json without quantization_config (the "
+        "one `export --format bf16` wrote)"
+    )
 
 
 def _check_expert_count(sources: dict[str, Source], args: ModelArgs) -> None:

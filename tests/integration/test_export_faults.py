@@ -87,6 +87,20 @@ def test_missing_tensor(tmp_path, monkeypatch, capsys):
     assert_nothing_finished(tmp_path / "out")
 
 
+@pytest.mark.parametrize("command", ["export", "shard"])
+def test_an_unquantized_checkpoint_beside_the_published_config_is_said_so(tmp_path, monkeypatch, capsys, command):
+    """A bf16 fine-tune with the published config.json copied over its own (a likely mistake) was refused as
+    "its routed experts ... make 720 tensors; the checkpoint holds 360" (an audit): now the refusal says what
+    is wrong, before any file is made."""
+    write_ckpt(tmp_path / "src", source_tensors(tiny_config(quantized=False)), tiny_config(quantized=True))
+    out = tmp_path / "out"
+    args = ["--format", "fp8-fp4"] if command == "export" else ["--tp", "2"]
+    code, _, err = run_cli(monkeypatch, capsys, command, str(tmp_path / "src"), str(out), *args)
+    assert code == 2 and "config.json has a quantization_config (a published fp8/fp4 checkpoint), but the " \
+        "checkpoint holds no scales and no fp8 or fp4 weights" in err and "routed experts" not in err, err  # fmt: skip
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
 @pytest.mark.parametrize("name", ["layers.2.attn.wq_a.weight", "layers.0.ffn.experts.6.w2.weight"])
 def test_nan_in_a_bf16_weight_to_quantize(tmp_path, monkeypatch, capsys, fmt, name):
