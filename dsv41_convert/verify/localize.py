@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dsv41_convert.convert.plan import PAD_BYTE
 from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import RankFiles
+from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.verify.metrics import relative_error
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)(?:\.(engram|attn|ffn))?$")
@@ -164,12 +166,11 @@ def diff_tensors(
         split = match_rule(name).split
         parts = [ranks[r][name] for r in holders]
         problem, culprits = None, holders
-        if split is Split.NONE:
-            for r, p in zip(holders, parts, strict=True):
-                problem = _compare(name, p, want)
-                if problem:
-                    culprits = (r,)
-                    break
+        if split is Split.NONE:  # every copy compared: one changed on all ranks names them all
+            found = {r: _compare(name, p, want) for r, p in zip(holders, parts, strict=True)}
+            bad = tuple(r for r, said in found.items() if said)
+            if bad:
+                problem, culprits = found[bad[0]], bad
             if not problem and len(holders) != tp:
                 problem = f"replicated tensor missing on ranks {sorted(set(range(tp)) - set(holders))}"
         elif split is Split.EXPERT:
@@ -185,8 +186,9 @@ def diff_tensors(
                 whole = torch.cat([p.view(torch.uint8) if p.dtype.itemsize == 1 else p for p in parts], dim=dim)
                 whole = whole.view(parts[0].dtype) if parts[0].dtype.itemsize == 1 else whole
                 if split is Split.ROWS_PADDED:
+                    problem, culprits = _padding(whole, want.shape[0], holders, parts[0].shape[0])
                     whole = whole[: want.shape[0]]
-                problem = _compare(name, whole, want)
+                problem = _compare(name, whole, want) or problem
             except RuntimeError as exc:
                 problem = f"rank pieces do not concatenate ({exc})"
             if problem and "values differ" in problem:
@@ -195,6 +197,17 @@ def diff_tensors(
             diffs.append(TensorDiff(name, culprits, problem, in_scope))
     diffs.sort(key=lambda d: not d.in_scope)
     return diffs
+
+
+def _padding(whole: Tensor, rows: int, holders: tuple[int, ...], per_rank: int) -> tuple[str | None, tuple[int, ...]]:
+    """An Engram table's padding rows (past its `rows` config rows, on the last ranks) against the converter's
+    fill: (the problem, the ranks holding padding) where they differ, else (None, holders)."""
+    pad = whole[rows:].contiguous().view(torch.uint8)
+    fill = PAD_BYTE[TORCH_TO_SAFETENSORS[whole.dtype]]
+    if not pad.numel() or bool((pad == fill).all()):
+        return None, holders
+    last = tuple(r for r in holders if (r + 1) * per_rank > rows)
+    return f"padding rows {rows}..{whole.shape[0] - 1} are not the fill byte {fill}", last
 
 
 def _ranks_of(parts: list[Tensor], holders: tuple[int, ...], want: Tensor, split: Split) -> tuple[int, ...]:

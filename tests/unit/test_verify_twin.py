@@ -51,6 +51,29 @@ def test_diff_finds_the_rank_of_a_bad_split_piece_and_a_diverged_replica():
     assert diffs[col].ranks == (1,) and diffs[rep].ranks == (1,)
 
 
+def test_a_replica_changed_on_every_rank_names_every_rank():
+    """The first differing copy alone was named (ranks [0] for a norm changed in both rank files: an audit)."""
+    rep = "layers.0.attn_norm.weight"
+    want = {rep: torch.ones(3).bfloat16()}
+    (d,) = diff_tensors([{rep: want[rep] * 2}, {rep: want[rep] * 2}, {rep: want[rep]}], want, ())
+    assert d.ranks == (0, 1) and d.what.startswith("3 of 3 values differ"), d
+
+
+@pytest.mark.parametrize("which", ["weight", "scale"])
+def test_engram_padding_rows_other_than_the_fill_are_named(which):
+    """The padding rows past an Engram table's rows were cut off before the comparison: a changed padding row
+    (the twin's weights check fails it) got no tensor named (an audit at tp 4)."""
+    name = f"layers.0.engram.embed.{which}"
+    values = torch.tensor([[1.0, 2.0], [4.0, 0.5], [8.0, 0.25], [2.0, 1.0], [0.5, 4.0]])
+    want = values.to(torch.float8_e4m3fn if which == "weight" else torch.float8_e8m0fnu)
+    parts = [cut(want, torch.Size([2, 2]), r, 3, name) for r in range(3)]  # row 5 of 6 is padding, on rank 2
+    assert diff_tensors([{name: p} for p in parts], {name: want}, ()) == []
+    parts[2] = parts[2].clone()
+    parts[2].view(torch.uint8)[1, 0] += 1
+    (d,) = diff_tensors([{name: p} for p in parts], {name: want}, ())
+    assert d.ranks == (2,) and d.what.startswith("padding rows 5..5 are not the fill byte"), d
+
+
 def test_first_divergence_in_forward_order():
     keys = ["norm", "layers.1", "layers.0.ffn", "embed", "layers.1.attn", "layers.0.attn", "layers.0"]
     assert sorted(keys, key=module_order) == [
