@@ -4,6 +4,9 @@ Recorded (reffile metadata `provenance`, a JSON object; files written before it 
 
     model       the model's inference config (ModelArgs.to_inference_dict) the reference ran
     tokenizer   {file name: sha256} of the tokenizer files beside it (Engram hashes the token ids)
+    hf_config   the sha256 of the HF config.json `shard` copies beside the rank files as hf_config.json: the
+                source's config.json, or a converted folder's hf_config.json (absent where it has none, and
+                in files written before 2026-12-05)
     made_from   "source", or for a folder of converted rank files (`reference-logits MP --stream-layers`)
                 {"folder", "tp", "files": {rank file: {"size", "dev", "ino", "sha256": its manifest's or "",
                 "sampled": store.file_digest.sampled_sha256}}}
@@ -13,7 +16,8 @@ Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
     - CONVERTED/config.json describes the same model, but for the format fields (FORMAT_FIELDS): a changed
       swiglu_limit the prompts never reach, or a changed norm_eps blamed on a weight, was a PASS or a
       misleading FAIL before;
-    - CONVERTED's tokenizer files are the recorded bytes (a failure of the run, as with --reference SRC);
+    - CONVERTED's tokenizer files are the recorded bytes (a failure of the run, as with --reference SRC), and
+      so is its hf_config.json where it has one (the bundled model does not read it; a serving stack may);
     - the file was not computed from CONVERTED's own rank files (the same files, files its manifest gives the
       same sha256, or files with the same size and sampled blocks: a copy): such a reference is their own
       tp-1 replay, so it passes any fault in them.
@@ -35,6 +39,7 @@ from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.verify import weight_digests
 
+HF_CONFIG = "hf_config.json"  # the HF config.json shard copies beside the rank files
 FORMAT_FIELDS = ("dtype", "expert_dtype")  # what a conversion may change of the model's config
 
 
@@ -49,6 +54,9 @@ def record(folder: Path, args: ModelArgs, weights: dict[str, Any] | None = None)
         rank_tp = tps[0]
         made_from = {"folder": str(folder.resolve()), "tp": rank_tp, "files": _rank_files(folder, rank_tp)}
     out = {"model": args.to_inference_dict(), "tokenizer": _tokenizer_digests(folder), "made_from": made_from}
+    hf_config = folder / (HF_CONFIG if made_from != "source" else "config.json")
+    if hf_config.is_file():
+        out["hf_config"] = sha256_file(hf_config)
     return out if weights is None else out | {"weights": weights}
 
 
@@ -68,6 +76,8 @@ def problems(prov: Any) -> list[str]:
             out.append(f"metadata provenance.tokenizer names {other}: only {list(SIDECARS)} are recorded")
         if not all(SHA256_HEX.fullmatch(v) for v in tok.values()):
             out.append("metadata provenance.tokenizer must map file names to sha256 strings (64 hex digits)")
+    if "hf_config" in prov and not (isinstance(prov["hf_config"], str) and SHA256_HEX.fullmatch(prov["hf_config"])):
+        out.append("metadata provenance.hf_config must be a sha256 string (64 hex digits)")
     made = prov.get("made_from", "source")
     files = made.get("files") if isinstance(made, dict) else None
     if made != "source" and not (isinstance(files, dict) and all(isinstance(f, dict) for f in files.values())):
@@ -79,8 +89,8 @@ def problems(prov: Any) -> list[str]:
 
 def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: int, file: Path) -> list[str]:
     """Raise VerifyInputError where CONVERTED cannot be judged by the reference in `file` (another model's
-    config, or the reference replays CONVERTED's own rank files); -> the tokenizer files that differ, as the
-    run's failures (`tokenizer: ...`)."""
+    config, or the reference replays CONVERTED's own rank files); -> the tokenizer files and the hf_config.json
+    that differ, as the run's failures (`tokenizer: ...`, `hf config: ...`)."""
     recorded = prov.get("model")
     if recorded is not None:
         differ = config_differences(recorded, conv_args.to_inference_dict())
@@ -106,6 +116,12 @@ def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: 
             found.append(
                 f"tokenizer: {ours} differs from the {name} {file} was computed with (sha256 {digest[:12]}...)"
             )
+    digest, ours = prov.get("hf_config"), conv / HF_CONFIG
+    if digest is not None and ours.is_file() and sha256_file(ours) != digest:
+        found.append(
+            f"hf config: {ours} differs from the config.json {file} was computed with (sha256 {digest[:12]}...), "
+            "which shard copies there unchanged"
+        )
     return found
 
 

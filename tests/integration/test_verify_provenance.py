@@ -62,6 +62,27 @@ def test_a_reference_records_its_model_tokenizer_and_source(work):
     assert prov["model"] == model and prov["made_from"] == "source"
     digest = hashlib.sha256((work["src"] / "tokenizer.json").read_bytes()).hexdigest()
     assert prov["tokenizer"]["tokenizer.json"] == digest and "tokenizer_config.json" in prov["tokenizer"]
+    assert prov["hf_config"] == hashlib.sha256((work["src"] / "config.json").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("manifest", ["kept", "removed"])
+def test_a_changed_hf_config_fails_naming_the_file(work, tmp_path, manifest):
+    """hf_config.json (the source's config.json, copied unchanged; the bundled model reads config.json) with
+    routed_scaling_factor changed passed every --reference-logits mode once the manifest was gone or made to
+    match (an audit; only the twin compared it): the reference records its digest."""
+    conv = shutil.copytree(work["mp2"], tmp_path / "mp2")
+    hf = json.loads((conv / "hf_config.json").read_text())
+    hf["text_config"]["routed_scaling_factor"] *= 2
+    (conv / "hf_config.json").write_text(json.dumps(hf))
+    if manifest == "removed":
+        (conv / "manifest.json").unlink()
+    result = _verify(conv, work["ref"])
+    assert result.verdict == "FAIL", (result.failures, result.checks)
+    said = f"hf config: {conv / 'hf_config.json'} differs from the config.json {work['ref']} was computed with"
+    assert said in "\n".join(result.failures), result.failures
+    assert [f for f in result.failures if not f.startswith(("hf config:", "manifest:"))] == [], result.failures
+    (conv / "hf_config.json").unlink()  # upstream convert.py writes none: nothing to compare
+    assert _verify(conv, work["ref"]).verdict == ("PASS" if manifest == "removed" else "FAIL")
 
 
 @pytest.mark.parametrize(("field", "value"), [("swiglu_limit", 1000.0), ("norm_eps", 1e-6)])
@@ -163,6 +184,7 @@ def test_a_malformed_provenance_is_named_with_the_other_problems(work, tmp_path)
                       ('{"tokenizer": {"../src/tokenizer.json": "' + "0" * 64 + '"}}', "provenance.tokenizer names"),
                       ('{"tokenizer": {"config.json": "' + "0" * 64 + '"}}', "only ['tokenizer.json', "),
                       ('{"tokenizer": {"tokenizer.json": "abc"}}', "(64 hex digits)"),
+                      ('{"hf_config": 5}', "provenance.hf_config must be a sha256 string"),
                       ('{"made_from": {"files": [1]}}', "provenance.made_from must be"),
                       ('{"weights": {"tp": 2, "expert_dtype": "fp4", "ranks": [{}]}}', "provenance.weights must be"),
                       ('{"weights": {"tp": 1, "expert_dtype": "fp4", "ranks": [{"a": 1}]}}',
