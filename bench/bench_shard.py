@@ -58,6 +58,7 @@ def bench_config(n_layers: int, n_experts: int = 384) -> dict:
         compress_ratios=[0, 2, 1] + [1] * (n_layers - 3) + [0], kv_source_layer_ids=[1, 2],
         index_source_layer_ids=[1, 2], candidate_source_layer_id=2, engram_layer_ids=[1],
         engram_num_embeddings=[1_000_003], dspark_target_layer_ids=[n_layers - 1], dspark_n_routed_experts=16,
+        dspark_noise_token_id=32767,  # a token of the vocabulary (config.py refuses one beyond it)
     )  # fmt: skip
     return cfg
 

@@ -456,6 +456,16 @@ def _require_writable(out: Path) -> None:
         raise OutputError(f"{out}: cannot write into {here} (a read-only file system, or no permission)")
 
 
+def _side_bytes(src: Path) -> int:
+    """At most what a run writes beside the rank files or shards: SRC's tokenizer files, its config.json twice
+    (config.json and hf_config.json; an export's config.json) and an index as large as SRC's (an export's)."""
+
+    def size(name: str) -> int:
+        return (src / name).stat().st_size if (src / name).is_file() else 0
+
+    return sum(size(n) for n in SIDECARS) + 2 * size("config.json") + size(INDEX_NAME)
+
+
 def _require_space(out: Path, need: int) -> None:
     """OutputError unless OUT's device has `need` bytes free."""
     free = disk_free(out)
@@ -596,7 +606,7 @@ def execute(
             _forget_done(out, names)
             _remove_replaced(out, names)
         if not resume:  # refused before the first record: a plain run again is not refused as "not empty"
-            _require_space(out, sum(f.nbytes for f in mine))
+            _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(src))  # the side files come first
         stamps = source_stamps(src)
         if resume or share:  # a share: the other shares' finished files count towards its manifest
             _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))
@@ -644,7 +654,7 @@ def _execute_held(
             todo.append(f)
     need = sum(f.nbytes for f in todo)
     if resume:  # a run from the start checked every file's bytes in `execute`, before its first record
-        _require_space(out, need)
+        _require_space(out, need + _side_bytes(src))
     if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
         forget_stale(out, digest)
     set_aside = _set_aside_tokenizer_files(src, out)

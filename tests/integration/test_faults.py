@@ -315,6 +315,19 @@ def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
     execute_mod.check_empty(tmp_path / "out", resume=False, overwrite=False)
 
 
+def test_room_for_the_rank_files_alone_is_not_enough(src, tmp_path, monkeypatch):
+    """The space check counted the rank files' bytes alone: a disk with room for them but not for the tokenizer
+    and config files written beside them passed it, and the run failed near its end (an audit)."""
+    plan = build_plan(src, 2)
+    ranks = sum(f.nbytes for f in plan.files)
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: ranks)
+    with pytest.raises(OutputError, match="GB to write but only"):
+        execute_mod.execute(plan, tmp_path / "out")
+    assert_nothing_finished(tmp_path / "out")
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 10 * ranks)
+    assert execute_mod.execute(plan, tmp_path / "out2")["manifest"]
+
+
 @pytest.mark.slow
 def test_disk_full_while_writing(src, tmp_path):
     """A real write error: the file-size limit makes write() fail with EFBIG mid-file, as a full disk would."""
