@@ -80,7 +80,7 @@ from dsv41_convert.hub.local import (
     verify_local,
 )
 from dsv41_convert.store.index import INDEX_NAME
-from dsv41_convert.store.lock import hold
+from dsv41_convert.store.lock import LOCK_NAME, hold
 from dsv41_convert.store.manifest import atomic_write
 
 GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
@@ -231,6 +231,7 @@ def _download(
     checked: set[str] = set()
     fetched_before = ours.ours() if ours is not None else set()
     if local_dir is not None:
+        _no_own_names(files, f"{repo_id}@{record.revision}")
         other = previous if ours is None else None
         _no_linked_folders(place.folder, files, overwrite)
         unclaimed = [f for f in files if f.path not in fetched_before]
@@ -354,6 +355,13 @@ def _claim(
     folders = [f.path for f in files if (folder / f.path).is_dir() and not (folder / f.path).is_symlink()]
     if folders:  # --overwrite replaces files, never a folder of the user's (the fetch failed on it, "Is a directory")
         raise DownloadError(f"{folder}: {first_few(folders)}: a folder where {where} has a file; move it away")
+    # and the other way round: a file of the user's where the revision has a folder failed only once that
+    # folder's first file was fetched whole ("File exists", maybe hours in: an audit)
+    in_the_way = sorted(
+        {str(p) for p in _folders_of(files) if (folder / p).is_file() and not (folder / p).is_symlink()}
+    )
+    if in_the_way:
+        raise DownloadError(f"{folder}: {first_few(in_the_way)}: a file where {where} has a folder; move it away")
     if overwrite:
         asked = {f.path for f in files}
         for path in other.ours() if other is not None else ():  # what its runs put there, not the user's
@@ -370,20 +378,41 @@ def _claim(
     return {f.path for f in present}
 
 
+OWN_FOLDERS = (".cache", str(PARTIAL_DIR), ".cache/huggingface", ".cache/huggingface/download")  # in a --local-dir
+
+
+def _folders_of(files: list[RemoteFile]) -> set[str]:
+    """The folders the files' paths go through, relative to the download's folder."""
+    return {str(parent) for f in files for parent in PurePosixPath(f.path).parents if str(parent) != "."}
+
+
+def _no_own_names(files: list[RemoteFile], where: str) -> None:
+    """DownloadError naming the selected files whose paths are the --local-dir download's own: its record, the
+    folder's lock and anything under .cache/ (its partial files, huggingface_hub's). Fetched, such a file was
+    our record rather than the Hub's bytes, or was removed as a stale partial, and the run said ok (an audit:
+    a mirror uploaded with its record)."""
+    own = [f.path for f in files if f.path in (RECORD_NAME, LOCK_NAME) or f.path.startswith(".cache/")]
+    if own:
+        raise DownloadError(
+            f"{where}: {first_few(own)}: the download keeps its own files at these paths of a --local-dir (its "
+            "record, its lock, .cache/); leave them out with --exclude, or download into the HF cache"
+        )
+
+
 def _no_linked_folders(folder: Path, files: list[RemoteFile], overwrite: bool) -> None:
     """A link to a folder in the --local-dir with files of the revision under it (`inference/` -> the user's
     own folder): the files would be written into what it points to (an audit saw the user's model.py
     replaced). DownloadError naming the links, or with `overwrite` each link replaced by a folder of the
     download's own; what a link points to is left as it is, as for a link to a file (fetch.remove_file)."""
-    under = {str(parent) for f in files for parent in PurePosixPath(f.path).parents if str(parent) != "."}
+    under = {*_folders_of(files), *OWN_FOLDERS}  # also where the download keeps its partial files (fetch.py)
     links = sorted(name for name in under if (folder / name).is_symlink())
     if not links:
         return
     if not overwrite:
         raise DownloadError(
-            f"{folder}: {first_few(links)}: a link to a folder where the revision has files: they would be written "
-            "into what it points to; --overwrite replaces the link with a folder of the download's own (what it "
-            "points to stays as it is), or pick another --local-dir"
+            f"{folder}: {first_few(links)}: a link to a folder where the revision has files or the download keeps "
+            "its partial ones: they would be written (and removed) in what it points to; --overwrite replaces the "
+            "link with a folder of the download's own (what it points to stays as it is), or pick another --local-dir"
         )
     for name in links:  # the shallowest first: a link under a removed one is gone with it
         if (folder / name).is_symlink():

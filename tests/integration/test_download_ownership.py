@@ -337,3 +337,49 @@ def test_a_folder_at_a_files_path_is_named_and_never_replaced(hub, tmp_path, ove
     with pytest.raises(DownloadError, match=r"tokenizer.json: (missing: found )?a folder"):
         fetch(hub, local_dir=local, overwrite=overwrite)
     assert (local / "tokenizer.json" / "mine.txt").read_text() == "mine" and not resolve_gets(hub)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_at_a_folders_path_is_named_before_any_byte(hub, tmp_path, overwrite):
+    """The user's file `inference` where the revision has `inference/...`: every other file was fetched, and
+    that folder's first file whole into its partial, before the run failed "File exists" (an audit): now
+    named before the first byte, and kept."""
+    hub.add_repo("acme/nested", {C1: dict(FILES1) | {"inference/model.py": b"print(1)\n"}}, {"main": C1})
+    local = tmp_path / "v41"
+    local.mkdir()
+    (local / "inference").write_text("mine")
+    with pytest.raises(DownloadError, match=r"inference: a file where acme/nested@main .* has a folder; move it away"):
+        dl.download("acme/nested", endpoint=hub.url, retries=0, local_dir=local, overwrite=overwrite)
+    assert (local / "inference").read_text() == "mine" and not resolve_gets(hub)
+
+
+@pytest.mark.parametrize("name", [".dsv41-download.json", ".dsv41-convert.lock", ".cache/dsv41-partial/x.partial"])
+def test_a_file_at_the_downloads_own_paths_is_refused_unless_left_out(hub, tmp_path, name):
+    """A revision holding the download's own files (a folder it wrote, uploaded as a mirror): its record was
+    kept at that name instead of the Hub's bytes, or the file removed as a stale partial, and the run said ok
+    (an audit). Refused before any byte, naming it; `--exclude` leaves it out; the HF cache holds it."""
+    hub.add_repo("acme/mirror", {C1: dict(FILES1) | {name: b'{"mirrored": true}'}}, {"main": C1})
+    local = tmp_path / "v41"
+    with pytest.raises(DownloadError, match=rf"{name}: the download keeps its own files at these paths"):
+        dl.download("acme/mirror", endpoint=hub.url, retries=0, local_dir=local)
+    assert not resolve_gets(hub) and not local.exists()
+    assert dl.download("acme/mirror", endpoint=hub.url, retries=0, local_dir=local, exclude=(name,)).ok
+    assert dl.download("acme/mirror", endpoint=hub.url, retries=0).ok  # the HF cache: no such files of ours
+
+
+@pytest.mark.parametrize("link", [".cache", ".cache/dsv41-partial"])
+def test_a_link_where_the_download_keeps_its_partial_files_is_not_written_through(hub, tmp_path, link):
+    """DIR/.cache a link to the user's folder: the partial files were made there and the stale-partial sweep
+    deleted the user's own files under it (an audit). Refused; --overwrite replaces the link, never its target."""
+    outside = tmp_path / "outside"
+    (outside / "dsv41-partial" / "sub").mkdir(parents=True)
+    (outside / "dsv41-partial" / "sub" / "keep.partial").write_text("mine")
+    local = tmp_path / "v41"
+    (local / link).parent.mkdir(parents=True)
+    (local / link).symlink_to(outside if link == ".cache" else outside / "dsv41-partial")
+    with pytest.raises(DownloadError, match=rf"{link}: a link to a folder where the revision has files or"):
+        fetch(hub, local_dir=local)
+    assert (outside / "dsv41-partial" / "sub" / "keep.partial").read_text() == "mine" and not resolve_gets(hub)
+    assert fetch(hub, local_dir=local, overwrite=True).ok
+    assert (outside / "dsv41-partial" / "sub" / "keep.partial").read_text() == "mine"
+    assert not (local / link).is_symlink()
