@@ -552,8 +552,8 @@ def _fetch_all(
     blocked in a read then is left behind: the threads are daemons, so the process exits without it, and
     what it wrote is a prefix of its file in a partial file (or huggingface_hub's temporary), which the
     next run continues (or discards). Once `stop` is set no transfer completes; a file huggingface_hub had
-    already named (the HF cache, hf-xet) and that was still being hashed keeps its name unchecked, for the
-    next run to check.
+    already named (the HF cache, hf-xet) and that was still being hashed is removed unchecked (fetch.fetch_file;
+    one it held before stays, for the next run to check).
     """
     todo = list(reversed(files))
     found: dict[str, Problem] = {}

@@ -154,6 +154,28 @@ def test_an_interrupt_leaves_a_transfer_stuck_in_a_read_after_the_grace():
     assert saw_stop.is_set() and dl.GRACE_S - 0.1 < took < dl.GRACE_S + 0.5
 
 
+@pytest.mark.parametrize("held_before", [False, True])
+def test_a_file_stopped_in_its_check_is_not_left_in_the_hf_cache(hub, tmp_path, monkeypatch, held_before):
+    """huggingface_hub names a file in the HF cache before it is checked: Ctrl-C during that hash left its
+    blob (of a bad transfer: corrupt bytes under the true id) for any reader of the cache (an audit). A blob
+    fetched by this call goes with its link; one held before (another revision's) stays."""
+    f = remote(hub, FIRST)
+    fetch_once = {"local_dir": None, "cache_dir": None, "endpoint": hub.url, "token": None, "retries": 0,
+                  "backoff_s": 0, "progress": None, "stop": threading.Event()}  # fmt: skip
+    blob = dl.storage_of(REPO, None) / "blobs" / f.sha256
+    if held_before:
+        assert hub_fetch.fetch_file(REPO, f, C1, force=False, **fetch_once) is None and blob.is_file()
+
+    def stopped(*_args):
+        raise hub_fetch.Stopped
+
+    monkeypatch.setattr(hub_fetch, "_check", stopped)
+    with pytest.raises(hub_fetch.Stopped):
+        hub_fetch.fetch_file(REPO, f, C1, force=False, **fetch_once)
+    link = dl.storage_of(REPO, None) / "snapshots" / C1 / FIRST
+    assert blob.is_file() is held_before and (link.exists() or link.is_symlink()) is held_before
+
+
 # --- free space ---
 
 
