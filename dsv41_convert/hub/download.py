@@ -54,7 +54,6 @@ from dsv41_convert.hub.fetch import (
     xet_refusal,
 )
 from dsv41_convert.hub.integrity import (
-    CONFIG_NAME,
     EVERY_FILE,
     Problem,
     Record,
@@ -67,11 +66,11 @@ from dsv41_convert.hub.integrity import (
 from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
-    WHOLE,
     DownloadReport,
     Place,
     Progress,
     check_repo_id,
+    checks_made,
     listing,
     offline,
     place_of,
@@ -79,7 +78,6 @@ from dsv41_convert.hub.local import (
     structure_problems,
     verify_local,
 )
-from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import LOCK_NAME, hold
 from dsv41_convert.store.manifest import atomic_write
 
@@ -302,24 +300,12 @@ def _download(
         place.folder,
         len(files),
         sum(f.size for f in files),
-        _checks_made(record),
+        checks_made(record, record.selections, "sizes, sha256 / git ids from the Hub, headers"),
         False,
         fetched=tuple(f.path for f in missing),
         refetched=tuple(refetched),
         problems=tuple(problems),
     )
-
-
-def _checks_made(record: Record) -> str:
-    """The report's `checks`: the index and whole-checkpoint checks need config.json and the index among the
-    files the record's selections ask for (`--include "*.safetensors"` was said to have checked both)."""
-    said = "sizes, sha256 / git ids from the Hub, headers"
-    asked = {f.path for f in record.selected()}
-    listed = {f.path for f in record.files}
-    left = [name for name in (CONFIG_NAME, INDEX_NAME) if name not in asked and name in listed]
-    if not left:
-        return f"{said}, index, {WHOLE}"
-    return f"{said}; not checked: the index, and whether the checkpoint is whole ({' and '.join(left)} not selected)"
 
 
 def _previous_record(place: Place, record: Record) -> Record | None:

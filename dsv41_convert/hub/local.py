@@ -20,6 +20,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.hf_metadata import hub_metadata
 from dsv41_convert.hub.integrity import (
+    CONFIG_NAME,
     Problem,
     Record,
     Selection,
@@ -29,6 +30,7 @@ from dsv41_convert.hub.integrity import (
     wanted,
 )
 from dsv41_convert.progress import Progress
+from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import LOCK_NAME
 
 RECORD_NAME = ".dsv41-download.json"
@@ -37,6 +39,23 @@ WHOLE = (  # integrity._check_whole, for the report's `checks`
     "whole checkpoint (config.json; every shard the index names, or without one the k-of-n its names count; "
     "no other *.safetensors; no tensor in two files)"
 )
+
+
+def checks_made(record: Record, selections: tuple[Selection, ...], said: str) -> str:
+    """A report's `checks` for the files of `record` that `selections` ask for: the index and whole-checkpoint
+    checks need config.json and the index among them (`--include "*.safetensors"` was said to have checked
+    both), and a whole checkpoint is one of the files asked for (`--exclude "*.safetensors"` was said to have
+    checked every shard the index names: an audit)."""
+    asked = {f.path for f in selected(record.files, selections)}
+    listed = {f.path for f in record.files}
+    left = [name for name in (CONFIG_NAME, INDEX_NAME) if name not in asked and name in listed]
+    if left:
+        return (
+            f"{said}; not checked: the index, and whether the checkpoint is whole ({' and '.join(left)} not selected)"
+        )
+    out = len(listed - asked)
+    scope = f" (of the {len(asked)} files asked for; {out} left out by --include/--exclude are not looked for)"
+    return f"{said}, index, {WHOLE}{scope if out else ''}"
 
 
 @dataclass(frozen=True)
@@ -175,7 +194,7 @@ def verify_local(
         place.folder,
         len(files),
         sum(f.size for f in files),
-        f"sizes, sha256 / git ids from the download record, headers, index, {WHOLE}",
+        checks_made(record, selections, "sizes, sha256 / git ids from the download record, headers"),
         True,
         problems=tuple(_dedup(problems)),
     )

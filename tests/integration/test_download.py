@@ -198,6 +198,18 @@ def test_the_checks_said_are_the_checks_made(hub, tmp_path):
     assert "config.json and model.safetensors.index.json not selected" in report.checks
     report = fetch(hub, tmp_path)
     assert report.ok and "not checked" not in report.checks and "whole checkpoint" in report.checks
+    assert "left out by --include/--exclude" not in report.checks  # every file asked for
+
+
+def test_a_whole_checkpoint_is_said_of_the_files_asked_for(hub, checkpoints, tmp_path):
+    """`--exclude "*.safetensors"` (and --verify-only of it) said "whole checkpoint (... every shard the index
+    names ...)" of a folder without a shard (an audit): the report says which files it looked for."""
+    report = fetch(hub, tmp_path, exclude=["*.safetensors"])
+    shards = sum(p.endswith(".safetensors") for p in checkpoints[C1])
+    said = "left out by --include/--exclude are not looked for"
+    assert report.ok and f"{shards} {said}" in report.checks, report.checks
+    verdict = dl.verify_local(REPO, local_dir=tmp_path / "local", exclude=["*.safetensors"])
+    assert verdict.ok and f"{shards} {said}" in verdict.checks, verdict.checks
 
 
 @pytest.mark.parametrize("in_cache", [False, True])
