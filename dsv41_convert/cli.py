@@ -780,6 +780,8 @@ def download_cmd(
     from dsv41_convert.hub import download as dl
 
     dl.check_repo_id(repo_id)  # before the banner
+    if verify_only and overwrite:  # it writes nothing: the option was ignored, silently (an audit)
+        raise typer.BadParameter("--verify-only checks the folder and writes nothing: drop --overwrite")
     patterns = {"include": include or [], "exclude": exclude or []}
     with report.byte_progress(f"{'verifying' if verify_only else 'downloading'} {repo_id}") as progress:
         if verify_only:
