@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress as ByteProgress
 
@@ -62,6 +63,7 @@ def run_demo(
     if folder.exists() and any(folder.iterdir()):
         if not overwrite:
             raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")
+        interrupts.check()  # one postponed since an import: the earlier demo stays (an audit: it was removed)
         _clear_earlier_demo(folder, out)
     folder.mkdir(parents=True, exist_ok=True)
     mark = {"note": "written by `dsv41-convert demo`; its --overwrite removes only these", "wrote": [out.name]}

@@ -43,6 +43,7 @@ from huggingface_hub import HfApi
 from huggingface_hub._local_folder import get_local_download_paths
 from huggingface_hub.utils import WeakFileLock
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import DownloadError, first_few
 from dsv41_convert.hub.fetch import (
     PARTIAL_DIR,
@@ -217,6 +218,7 @@ def _download(
     progress: Progress | None,
     overwrite: bool,
 ) -> DownloadReport:
+    interrupts.check()  # one postponed since an import: before the listing, the removals and the transfers
     api = HfApi(endpoint=endpoint, token=token)
     record = fetch_record(api, repo_id, revision, retries=retries, backoff_s=backoff_s)
     asked = Selection(tuple(include), tuple(exclude))
@@ -581,6 +583,8 @@ def _wait(threads: list[threading.Thread], timeout: float | None = None) -> None
     releases the lock the running thread holds), and a later join() returns at once."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while any(t.is_alive() for t in threads) and (deadline is None or time.monotonic() < deadline):
+        if deadline is None:
+            interrupts.check()  # one that landed in an import of a fetch thread, or was dropped: the stop
         time.sleep(0.05)
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsv41_convert import interrupts
 from dsv41_convert.errors import NOT_JSON, OutputError, first_few
 from dsv41_convert.file_kinds import refuse_special
 from dsv41_convert.progress import Progress
@@ -213,6 +214,7 @@ def merge(
     # in use, said by the lock)
     if (out / INDEX_NAME).is_file() or not ((out / LOCK_NAME).exists() or (out / DONE_DIR).exists()):
         _nothing_to_merge(out)
+    interrupts.check()  # one postponed since an import: before the lock and the hashes (an audit: it merged)
     with hold(out):
         return _merge(out, progress, shares_agree)
 
@@ -289,6 +291,7 @@ def _merge(
     if problems:
         raise OutputError(f"{out}: cannot write {MANIFEST}: " + "; ".join(problems))
     rank_files = {file: records[file][0] for file in first["rank_files"]}
+    interrupts.check()  # one dropped while the files were hashed (interrupts.py): no record after it
     for file, rec in rank_files.items():
         write_done(out, file, rec["size"], rec["sha256"], digest)
     devices = sorted({str(f["options"].get("device")) for f in frags.values()})

@@ -83,6 +83,15 @@ def test_demo(tmp_path):
     assert report["ok"] and report["tp"] == 8
     assert report["verdict"] == "PASS" and report["decisive"] == ["weights", "replay"]
     assert set(report["stage_seconds"]) == {"make-tiny", "shard", "reference", "verify"}
+    # SIGTERM while the run imported its modules (postponed to the next check) let `--overwrite` remove the
+    # earlier demo's conversion and reference before it stopped (an audit): now the folder stays as it was
+    from cli_run import run_cli_with_a_signal_in_an_import
+
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "demo").rglob("*")}
+    args = ("demo", str(tmp_path / "demo"), "--overwrite", "--json")
+    run = run_cli_with_a_signal_in_an_import("dsv41_convert.verify.run", *args)
+    assert run.returncode == 143, run.stderr
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "demo").rglob("*")} == before
 
 
 @pytest.mark.parametrize(("verdict", "code"), [("PASS", 0), ("FAIL", 1), ("INCONCLUSIVE", 3)])

@@ -154,6 +154,17 @@ def test_an_interrupt_leaves_a_transfer_stuck_in_a_read_after_the_grace():
     assert saw_stop.is_set() and dl.GRACE_S - 0.1 < took < dl.GRACE_S + 0.5
 
 
+def test_a_signal_during_startup_stops_the_download_before_its_first_request(hub, tmp_path):
+    """SIGINT while `download` imported its modules was postponed to a check the download never made: every
+    file was fetched, then the run ended 130, or the 30 s watchdog cut it (an audit). Now no file is asked for."""
+    from cli_run import run_cli_with_a_signal_in_an_import
+
+    local = tmp_path / "local"
+    run = run_cli_with_a_signal_in_an_import("dsv41_convert.hub.download", "download", REPO, "--local-dir", str(local))
+    assert run.returncode == 143, run.stderr
+    assert not resolve_gets(hub) and not [p for p in local.rglob("*") if p.is_file() and p.suffix != ".lock"]
+
+
 @pytest.mark.parametrize("held_before", [False, True])
 def test_a_file_stopped_in_its_check_is_not_left_in_the_hf_cache(hub, tmp_path, monkeypatch, held_before):
     """huggingface_hub names a file in the HF cache before it is checked: Ctrl-C during that hash left its

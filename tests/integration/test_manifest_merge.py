@@ -40,6 +40,18 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return folders | {"src": src}
 
 
+def test_a_signal_during_startup_stops_the_merge_before_it_writes(runs, tmp_path):
+    """SIGTERM while `manifest` imported its modules was postponed to a check the merge never made: it took
+    the lock, wrote the done records and manifest.json, then exited 143 (an audit). Now nothing is written."""
+    from cli_run import run_cli_with_a_signal_in_an_import
+
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    before = sorted(p.name for p in g.rglob("*"))
+    run = run_cli_with_a_signal_in_an_import("dsv41_convert.store.manifest_merge", "manifest", str(g), "--json")
+    assert run.returncode == 143 and json.loads(run.stdout)["exit_code"] == 143, (run.stdout, run.stderr)
+    assert sorted(p.name for p in g.rglob("*")) == before and not (g / "manifest.json").exists()
+
+
 def _gather(dest: Path, *folders: Path) -> Path:
     """What a user copies from each machine: the visible files (rank files, fragment, config, tokenizer)."""
     dest.mkdir()
