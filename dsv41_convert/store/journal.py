@@ -6,7 +6,8 @@ and the chunk size; each later line is a checkpoint:
   {"end": R, "sha256": sha256 of bytes [0, R),
    "tensor": i, "chunk": j, "skip": s,                      # where the writer goes on: tensor i, data chunk j,
                                                             # s bytes into that tensor
-   "asides": [{"tensor": q, "begin": b, "end": e, "sha256": sha256 of bytes [b, e)}]}
+   "asides": [{"tensor": q, "begin": b, "end": e, "sha256": sha256 of bytes [b, e)}],
+   "check": the first 16 hex digits of the sha256 of the line's other fields (sorted-key JSON)}
 
 Bytes [0, R) are written in order. `asides` are later parts of two-output actions written ahead at their
 final offsets (write.py); each covers [b, e) of tensor q. A line lists only the asides that grew since the
@@ -42,7 +43,7 @@ from dsv41_convert.errors import NOT_JSON, OutputError
 from dsv41_convert.store.manifest import fsync_path
 from dsv41_convert.store.own_files import open_own
 
-FORMAT = "dsv41-convert journal v1"
+FORMAT = "dsv41-convert journal v2"  # v2: each checkpoint carries `check` (v1 journals restart their file)
 READ_BYTES = 16 << 20
 
 
@@ -89,7 +90,7 @@ class JournalWriter:
         tmp = path.with_name(path.name + ".tmp")
         # a torn line of the old journal must not end up mid-file
         with open(open_own(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in first).encode())
+            f.write("".join(_encode(r) for r in first).encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -118,7 +119,7 @@ class JournalWriter:
                 continue
             try:
                 os.fdatasync(self.data_fd)
-                os.write(self.fd, "".join(json.dumps(r) + "\n" for r in lines).encode())
+                os.write(self.fd, "".join(_encode(r) for r in lines).encode())
                 os.fsync(self.fd)
             except OSError as exc:  # raised by close(); the data file's own writes report a full disk
                 self.error = exc
@@ -188,7 +189,23 @@ def load(path: Path, partial: Path, head: dict[str, Any]) -> tuple[ResumePoint |
     return _verify(partial, marks, head["size"])
 
 
+def _check_of(rec: dict[str, Any]) -> str:
+    """The digest a checkpoint line carries of its other fields (`check`)."""
+    body = json.dumps({k: v for k, v in rec.items() if k != "check"}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _encode(rec: dict[str, Any]) -> str:
+    """One journal line: the header as it is, a checkpoint with its `check`, so that a line changed since it
+    was written (a flipped digit of `chunk`, which picks the next compute chunk and which neither the partial
+    file's digests nor write._fits cover: an audit resumed from an edited one) is a corrupt line, not a place
+    to go on from."""
+    return json.dumps(rec if "end" not in rec else rec | {"check": _check_of(rec)}) + "\n"
+
+
 def _checkpoint(rec: Any) -> dict[str, Any]:
+    if rec.get("check") != _check_of(rec):
+        raise ValueError("its check does not match its fields")
     keys = ("end", "tensor", "chunk", "skip")
     if not all(isinstance(rec[k], int) and rec[k] >= 0 for k in keys) or not isinstance(rec["sha256"], str):
         raise ValueError(rec)

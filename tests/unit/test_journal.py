@@ -65,6 +65,28 @@ def test_journal_ahead_of_the_data_restarts(tmp_path):
     assert load(jpath, partial, HEAD) == (None, "partial file shorter than its journal")
 
 
+@pytest.mark.parametrize("field", ["chunk", "skip", "tensor"])
+@pytest.mark.parametrize("last", [False, True])
+def test_a_checkpoint_changed_since_it_was_written_is_not_gone_on_from(tmp_path, field, last):
+    """The partial file's digests cover its bytes, not where the writer goes on: a journal whose `chunk` was
+    edited was gone on from (an audit; write._fits checks `tensor` and `skip` against the plan, nothing checked
+    `chunk`, which picks the next compute chunk). Each line carries a check of its fields: a changed line is
+    corrupt (the last one, as if torn: the one before it is gone on from)."""
+    data = os.urandom(3000)
+    partial, jpath = _setup(tmp_path, data, [_mark(data, 1000), _mark(data, 2000, tensor=3)])
+    lines = jpath.read_text().splitlines()
+    at = 2 if last else 1
+    rec = json.loads(lines[at])
+    rec[field] += 1
+    lines[at] = json.dumps(rec)
+    jpath.write_text("\n".join(lines) + "\n")
+    point, why = load(jpath, partial, HEAD)
+    if last:
+        assert point is not None and point.end == 1000, why
+    else:
+        assert point is None and why == "journal line 2 is corrupt"
+
+
 def test_changed_byte_restarts(tmp_path):
     data = bytearray(os.urandom(3000))
     partial, jpath = _setup(tmp_path, bytes(data), [_mark(bytes(data), 1000), _mark(bytes(data), 2000)])
