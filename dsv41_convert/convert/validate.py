@@ -186,8 +186,8 @@ def _require_scales(sources: dict[str, Source]) -> None:
     """PlanError where config.json has a quantization_config but the checkpoint holds no scale and no fp8 or
     fp4 weight: an unquantized fine-tune beside the published config.json (a likely copy), which the layout
     checks called missing experts or every scale missing (an audit)."""
-    if any(n.endswith(".scale") or s.dtype in ("F8_E4M3", "I8") for n, s in sources.items()):
-        return
+    if not sources or any(n.endswith(".scale") or s.dtype in ("F8_E4M3", "I8") for n, s in sources.items()):
+        return  # no tensor at all: the layout check names what is missing
     example = next((s for s in sources.values() if s.expert is not None), next(iter(sources.values())))
     raise PlanError(
         f"config.json has a quantization_config (a published fp8/fp4 checkpoint), but the checkpoint holds no "

@@ -345,9 +345,8 @@ def _claim(
         raise DownloadError(f"{folder}: {first_few(folders)}: a folder where {where} has a file; move it away")
     # and the other way round: a file of the user's where the revision has a folder failed only once that
     # folder's first file was fetched whole ("File exists", maybe hours in: an audit)
-    in_the_way = sorted(
-        {str(p) for p in _folders_of(files) if (folder / p).is_file() and not (folder / p).is_symlink()}
-    )
+    replaced = other.ours() if other is not None and overwrite else set()  # removed below, the old revision's
+    in_the_way = sorted({str(p) for p in _folders_of(files) if str(p) not in replaced and _a_file_at(folder / p)})
     if in_the_way:
         raise DownloadError(f"{folder}: {first_few(in_the_way)}: a file where {where} has a folder; move it away")
     if overwrite:
@@ -369,6 +368,10 @@ def _claim(
 OWN_FOLDERS = (".cache", str(PARTIAL_DIR), ".cache/huggingface", ".cache/huggingface/download")  # in a --local-dir
 
 
+def _a_file_at(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def _folders_of(files: list[RemoteFile]) -> set[str]:
     """The folders the files' paths go through, relative to the download's folder."""
     return {str(parent) for f in files for parent in PurePosixPath(f.path).parents if str(parent) != "."}
@@ -379,11 +382,12 @@ def _no_own_names(files: list[RemoteFile], where: str) -> None:
     folder's lock and anything under .cache/ (its partial files, huggingface_hub's). Fetched, such a file was
     our record rather than the Hub's bytes, or was removed as a stale partial, and the run said ok (an audit:
     a mirror uploaded with its record)."""
-    own = [f.path for f in files if f.path in (RECORD_NAME, LOCK_NAME) or f.path.startswith(".cache/")]
+    own = [f.path for f in files if f.path in (RECORD_NAME, LOCK_NAME, ".cache") or f.path.startswith(".cache/")]
     if own:
         raise DownloadError(
             f"{where}: {first_few(own)}: the download keeps its own files at these paths of a --local-dir (its "
-            "record, its lock, .cache/); leave them out with --exclude, or download into the HF cache"
+            "record, its lock, .cache/); leave them out with --exclude (a path, or '.cache/*' for those under "
+            ".cache), or download into the HF cache"
         )
 
 

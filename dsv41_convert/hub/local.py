@@ -21,6 +21,7 @@ from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.hf_metadata import hub_metadata
 from dsv41_convert.hub.integrity import (
     CONFIG_NAME,
+    EVERY_FILE,
     Problem,
     Record,
     Selection,
@@ -224,9 +225,12 @@ def _verify_without_record(
     problems = check_files(folder, hub.files, workers=workers, progress=progress, where=hub.where)
     problems += drop_unwanted(check_checkpoint(folder, paths, whole=True), (asked,))
     nbytes = sum((folder / p).stat().st_size for p in paths)
+    # without a record the revision's files are unknown: a whole checkpoint of the files the globs let through
+    scope = " (of the files --include/--exclude let through: others are not looked for)"
+    whole = WHOLE + (scope if asked != EVERY_FILE else "")
     if not hub.files:
         checks = (
-            f"headers, the sizes they imply, index, {WHOLE}: no download record, so no hashes; not checked: "
+            f"headers, the sizes they imply, index, {whole}: no download record, so no hashes; not checked: "
             f"the tensor bytes, that the folder is {repo_id}'s, and whether files besides config.json and the weights "
             "are missing"
         )
@@ -235,7 +239,7 @@ def _verify_without_record(
         checks = (
             f"sha256 / git ids of {len(hub.files)} files from {hub.where} (no record of ours, so the repo id "
             f"is not checked){f'; headers only for {unhashed} files it has no digest of' if unhashed else ''}; "
-            f"headers, index, {WHOLE}; not checked: whether files besides config.json and the weights are missing"
+            f"headers, index, {whole}; not checked: whether files besides config.json and the weights are missing"
         )
     commit = next(iter(hub.commits)) if len(hub.commits) == 1 else None
     return DownloadReport(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
 from dsv41_convert.convert.memory import BF16, cache_bytes
-from dsv41_convert.errors import ConfigError
+from dsv41_convert.errors import ConfigError, VerifyInputError
 
 GIB = 1 << 30
 
@@ -32,10 +32,10 @@ def _window_key(config: Path) -> str:
 
 
 def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
-    """ConfigError naming `config` (the file `args` came from) when the caches a model of `args` allocates at
-    its runtime batch and sequence length (convert.memory.cache_bytes) exceed all the memory of the host (where
-    the model is built) or of `device` (where it runs); the window's config key is named where the window ring
-    alone does."""
+    """An error when the caches a model of `args` allocates at its runtime batch and sequence length
+    (convert.memory.cache_bytes) exceed all the memory of the host (where the model is built) or of `device`
+    (where it runs): ConfigError naming `config` (the file `args` came from) and its window key where the
+    window ring alone does, else VerifyInputError naming the positions (--max-seq-len, or a reference file's)."""
     need = cache_bytes(args, args.max_batch_size, args.max_seq_len)
     for where in dict.fromkeys(("cpu", device)):
         have = machine_bytes(where)
@@ -43,13 +43,15 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
             continue
         rings = (args.n_layers + args.n_mtp_layers) * args.max_batch_size
         window = rings * args.window_size * args.head_dim * BF16
-        cause = (
-            f"{_window_key(config)} = {args.window_size}: its KV rings alone are {window / GIB:,.1f} GiB "
-            f"({rings} rings: a layer's each, at batch {args.max_batch_size})"
-            if window > have
-            else f"at batch {args.max_batch_size} and {args.max_seq_len} positions"
+        said = (
+            f"the model's caches need {need / GIB:,.1f} GiB, more than all of {where}'s memory ({have / GIB:,.1f} GiB)"
         )
-        raise ConfigError(
-            f"{config}: the model's caches need {need / GIB:,.1f} GiB, more than all of {where}'s memory "
-            f"({have / GIB:,.1f} GiB): {cause}"
+        if window > have:
+            raise ConfigError(
+                f"{config}: {said}: {_window_key(config)} = {args.window_size}: its KV rings alone are "
+                f"{window / GIB:,.1f} GiB ({rings} rings: a layer's each, at batch {args.max_batch_size})"
+            )
+        raise VerifyInputError(
+            f"{said} at batch {args.max_batch_size} and {args.max_seq_len:,} positions (--max-seq-len, or the "
+            "reference file's): fewer positions, or shorter prompts and decode steps"
         )

@@ -56,7 +56,7 @@ def run_converted(job: RankJob) -> RankResult | LoadFailure:
     args = load_model_args(folder / "config.json").with_runtime(
         max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0
     )
-    model = build_model(args, folder, "cpu")
+    model = build_model(args, folder, "cpu", runs_on=job.device)
     error = _try_load(model, folder)
     errors = [error]
     if parallel.is_distributed():

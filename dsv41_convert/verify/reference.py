@@ -94,7 +94,7 @@ def compute_reference(
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src)
-    model = build_model(args, src, "cpu")
+    model = build_model(args, src, "cpu", runs_on=device)
     load_state(model, state)
     if device != "cpu":
         model = model.to(device)
@@ -208,7 +208,7 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, l
     # the unquantized model takes the source's args (dtype bf16); otherwise the converted folder's
     args = load_model_args(src / "config.json") if unquantized else ModelArgs.from_inference_dict(plan.inference_config)
     args = args.with_runtime(max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0)
-    model = build_model(args, src, "cpu")
+    model = build_model(args, src, "cpu", runs_on=job.device)
     error, mine = "", None
     try:
         state = plan_state(plan, parallel.rank(), skip_quant=unquantized, progress=tell)

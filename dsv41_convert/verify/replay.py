@@ -42,7 +42,7 @@ def replay_runs(ranks: RankFiles, ref: Reference, device: str) -> list[PromptRun
     Raises ShardConsistencyError (rank files disagree) or NotLoaded (the merged tensors do not fit the model).
     """
     args = ranks.args.with_runtime(max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0)
-    model = build_model(args, ranks.folder, "cpu")
+    model = build_model(args, ranks.folder, "cpu", runs_on=device)
     merged = unshard_tensors(ranks)
     try:
         load_state(model, merged, "the rank files merged to tp 1")

@@ -93,12 +93,13 @@ def attach_images(inp: ModelInput, args: ModelArgs) -> ModelInput:
     return ModelInput(inp.input_ids, inp.token_types, [image], inp.image)
 
 
-def build_model(args: ModelArgs, folder: Path, device: str) -> nn.Module:
-    """A Transformer for `args` (tp from torch.distributed), empty weights, in eval mode; `folder` holds the
-    config.json `args` came from (named when its caches cannot fit) and the tokenizer.json Engram reads."""
+def build_model(args: ModelArgs, folder: Path, device: str, runs_on: str | None = None) -> nn.Module:
+    """A Transformer for `args` (tp from torch.distributed), empty weights, in eval mode, on `device`; `folder`
+    holds the config.json `args` came from (named when its caches cannot fit) and the tokenizer.json Engram
+    reads. runs_on: where the caller moves it after loading (its caches are checked against that memory too)."""
     from dsv41_convert.model.transformer import Transformer
 
-    require_caches_fit(args, device, folder / "config.json")
+    require_caches_fit(args, runs_on or device, folder / "config.json")
     tokenizer = folder / "tokenizer.json" if args.engram_layer_ids else None  # read (and checked) by the Engram hash
     model = Transformer(args, tokenizer).eval()
     return model if device == "cpu" else model.to(device)

@@ -125,7 +125,7 @@ def teacher_rank(job: TeacherJob) -> list[ModuleDeviations]:
     args = load_model_args(folder / "config.json").with_runtime(
         max_batch_size=1, max_seq_len=job.max_seq_len, temperature=0.0
     )
-    model = build_model(args, folder, "cpu")
+    model = build_model(args, folder, "cpu", runs_on=job.device)
     load_shards(model, folder)  # verify's ranks loaded the same files before this runs
     if job.device != "cpu":
         from dsv41_convert.model.warm import warm_up_kernels

@@ -210,6 +210,9 @@ def test_a_whole_checkpoint_is_said_of_the_files_asked_for(hub, checkpoints, tmp
     assert report.ok and f"{shards} {said}" in report.checks, report.checks
     verdict = dl.verify_local(REPO, local_dir=tmp_path / "local", exclude=["*.safetensors"])
     assert verdict.ok and f"{shards} {said}" in verdict.checks, verdict.checks
+    (tmp_path / "local" / dl.RECORD_NAME).unlink()  # a folder without our record: the files alone
+    blind = dl.verify_local(REPO, local_dir=tmp_path / "local", exclude=["*.safetensors"])
+    assert blind.ok and "let through: others are not looked for" in blind.checks, blind.checks
 
 
 @pytest.mark.parametrize("in_cache", [False, True])

@@ -99,6 +99,10 @@ def test_an_unquantized_checkpoint_beside_the_published_config_is_said_so(tmp_pa
     assert code == 2 and "config.json has a quantization_config (a published fp8/fp4 checkpoint), but the " \
         "checkpoint holds no scales and no fp8 or fp4 weights" in err and "routed experts" not in err, err  # fmt: skip
     assert not out.exists()
+    empty = tmp_path / "empty"  # no tensor at all: the check above crashed on it (StopIteration: a review)
+    write_ckpt(empty, {}, tiny_config(quantized=True), n_files=1)
+    code, _, err = run_cli(monkeypatch, capsys, command, str(empty), str(tmp_path / "out2"), *args)
+    assert code == 2 and "checkpoint does not match config.json" in err, err
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])

@@ -8,7 +8,7 @@ import pytest
 from model_testing import tiny_args
 
 from dsv41_convert.convert.memory import cache_bytes
-from dsv41_convert.errors import ConfigError
+from dsv41_convert.errors import ConfigError, VerifyInputError
 from dsv41_convert.verify import fits
 
 
@@ -20,15 +20,17 @@ def _config(tmp_path: Path, nested: bool) -> Path:
 
 @pytest.mark.parametrize("nested", [True, False])
 def test_caches_that_fit_pass_and_one_byte_more_is_refused(tmp_path, monkeypatch, nested):
-    """At exactly the caches' bytes the model is built; one byte less memory and the file is named with the
-    numbers; a window that does not alone exceed the memory is not blamed (the key as the file spells it)."""
+    """At exactly the caches' bytes the model is built; one byte less memory and the positions are named with
+    the numbers (the config was blamed for a --max-seq-len of 4e8: an audit); a window that does not alone
+    exceed the memory is not blamed."""
     args = tiny_args().with_runtime(max_batch_size=2, max_seq_len=64, temperature=0.0)
     need = cache_bytes(args, 2, 64)
     config = _config(tmp_path, nested)
     monkeypatch.setattr(fits, "machine_bytes", lambda _device: need)
     fits.require_caches_fit(args, "cpu", config)
     monkeypatch.setattr(fits, "machine_bytes", lambda _device: need - 1)
-    with pytest.raises(ConfigError, match=rf"^{config}: the model's caches need .* at batch 2 and 64 positions$"):
+    said = r"^the model's caches need .* at batch 2 and 64 positions \(--max-seq-len, or the reference file's\)"
+    with pytest.raises(VerifyInputError, match=said):  # the positions, not the file, are what is too large
         fits.require_caches_fit(args, "cpu", config)
 
 
@@ -46,3 +48,16 @@ def test_the_card_is_asked_too(tmp_path, monkeypatch):
     monkeypatch.setattr(fits, "machine_bytes", lambda device: sizes[device])
     with pytest.raises(ConfigError, match="more than all of cuda's memory"):
         fits.require_caches_fit(args, "cuda", _config(tmp_path, True))
+
+
+def test_a_model_moved_to_the_card_after_loading_is_checked_against_the_card(tmp_path, monkeypatch):
+    """verify's ranks and reference-logits build the model on the host and move it to the card once loaded:
+    only the host's memory was asked (an audit)."""
+    from dsv41_convert.verify.runner import build_model
+
+    args = tiny_args().with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
+    sizes = {"cpu": 1 << 40, "cuda": cache_bytes(args, 1, 64) - 1}
+    monkeypatch.setattr(fits, "machine_bytes", lambda device: sizes[device])
+    _config(tmp_path, True)
+    with pytest.raises(VerifyInputError, match="more than all of cuda's memory"):
+        build_model(args, tmp_path, "cpu", runs_on="cuda")
