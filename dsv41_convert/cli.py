@@ -23,6 +23,7 @@ from dsv41_convert import interrupts, torchrun
 from dsv41_convert.app import options as opts
 from dsv41_convert.app import report
 from dsv41_convert.errors import ConvertError, RankFailedError
+from dsv41_convert.store.machine import MAX_THREADS
 
 app = typer.Typer(
     name="dsv41-convert",
@@ -376,7 +377,10 @@ MaxSeqOpt = Annotated[
     int | None, typer.Option("--max-seq-len", parser=opts.whole_number(1), help="Runtime max_seq_len (default: auto).")
 ]
 ThreadsOpt = Annotated[
-    int | None, typer.Option("--threads", parser=opts.whole_number(1), help="torch threads per process (cores / tp).")
+    int | None,
+    typer.Option(
+        "--threads", parser=opts.whole_number(1, most=MAX_THREADS), help="torch threads per process (cores / tp)."
+    ),
 ]
 AtolOpt = Annotated[float | None, typer.Option("--atol", min=0.0, help="Max |ref - conv| logit difference.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", min=0.0, help="Max per-row KL(ref || conv), nats.")]
@@ -551,15 +555,7 @@ def reference_logits_cmd(
         torch.set_num_threads(threads)  # tp 1 runs in this process
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
-    prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args)
-    fixed = [p.origin or p.label for p in prompt_list if p.decode_ids is not None]
-    if fixed and not stream_layers:  # the whole-model reference decodes greedily: they would be ignored
-        from dsv41_convert.errors import VerifyInputError
-
-        raise VerifyInputError(
-            f"{fixed[0]}: decode_ids go with --stream-layers (the tokens its decode steps feed); without it the "
-            "decode steps feed the model's own greedy choices: drop them, or add --stream-layers"
-        )
+    prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args, stream_layers)
     from dsv41_convert.verify.run import not_run_by
 
     # the process that saves (rank 0 of a torchrun launch, else this one) speaks for the run

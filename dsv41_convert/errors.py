@@ -1,12 +1,12 @@
 """The error types a user can meet. Each message names the file and tensor, what was found,
 what was expected, and a next step. `cli.main` turns them into `error: ...` and exit code 2."""
 
-import json
 import re
 
-# every way json.loads fails on a file's text: bad syntax, bytes that are not UTF-8, and nesting deeper than
-# Python's recursion limit (`[[[[...` 1500 deep in a 3 KB safetensors header: a RecursionError)
-NOT_JSON = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)
+# every way json.loads fails on a file's text: bad syntax, bytes that are not UTF-8 (both ValueErrors, as is an
+# integer of more than 4300 digits, past Python's int-string limit: an audit's traceback), and nesting deeper
+# than Python's recursion limit (`[[[[...` 1500 deep in a 3 KB safetensors header: a RecursionError)
+NOT_JSON = (ValueError, RecursionError)
 
 
 class ConvertError(Exception):

@@ -18,17 +18,18 @@ def ascii_int(text: str) -> int:
     return int(text)
 
 
-def whole_number(least: int | None = None, other: str = "") -> Callable[[str], int]:
-    """The parser of an int option: ascii_int, at least `least`; typer's own takes what int() takes.
-    `other` names what else the option takes, for the error ("or auto")."""
+def whole_number(least: int | None = None, other: str = "", most: int | None = None) -> Callable[[str], int]:
+    """The parser of an int option: ascii_int, at least `least` and at most `most`; typer's own takes what
+    int() takes. `other` names what else the option takes, for the error ("or auto")."""
     wanted = "an integer" if least is None else f"a number >= {least}"
+    wanted += "" if most is None else f" and <= {most}"
 
     def parse(value: str) -> int:
         try:
             n = ascii_int(str(value))
         except ValueError:
             n = None
-        if n is None or (least is not None and n < least):
+        if n is None or (least is not None and n < least) or (most is not None and n > most):
             raise typer.BadParameter(f"{value!r}: expected {wanted} in the digits 0-9{other}") from None
         return n
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Union
 import numpy as np
 import torch
 
+from dsv41_convert.file_kinds import refuse_special
+
 if TYPE_CHECKING:
     from PIL import Image as PILImage
     from tokenizers import Tokenizer
@@ -104,12 +106,16 @@ def open_image(source: ImageSource) -> PILImage.Image:
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
+    if not isinstance(source, bytes):
+        refuse_special(Path(source), ValueError)  # a FIFO waited for a writer forever (an audit)
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.convert("RGB")
     except Image.UnidentifiedImageError:
         raise ValueError("not an image PIL can read (PNG, JPEG, WebP, ...)") from None
+    except Image.DecompressionBombError as exc:  # not a ValueError: it was a traceback (an audit)
+        raise ValueError(f"{exc} (PIL's decompression-bomb limit)") from None
 
 
 def load_image(source: ImageSource, args: ModelArgs) -> tuple[torch.Tensor, int, int, int, int]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# torch threads per process, at most (--threads, a reference file's `threads`): far past any host's cores, short
+# of the thread limits a process meets (an audit's 100000 ended in a Rust thread pool's panic, exit 139)
+MAX_THREADS = 1024
+
 
 def usable_cores() -> int:
     """CPUs this process may run on (its affinity mask where the OS has one)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dsv41_convert.errors import NOT_JSON, VerifyInputError
+from dsv41_convert.file_kinds import refuse_special
 
 DEFAULT_LENGTH = 40
 DEFAULT_COUNT = 3
@@ -74,6 +75,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
     [0, vocab_size), and text without a tokenizer.
     """
     path = Path(path)
+    refuse_special(path, VerifyInputError)  # a FIFO waited for a writer forever (an audit)
     try:
         lines = path.read_text().split("\n")  # JSON lines end at \n only (splitlines broke U+2028 inside a string)
     except OSError as exc:
@@ -111,7 +113,10 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             _require_unicode(obj.get(key), f"{where}: {key}", path=key == "image")
         if image is not None:
             # absolute: the reference file records it, and verify may run in another folder
-            image = str(((path.parent / image) if not Path(image).is_absolute() else Path(image)).resolve())
+            try:
+                image = str(((path.parent / image) if not Path(image).is_absolute() else Path(image)).resolve())
+            except (OSError, RuntimeError) as exc:  # a loop of links: RuntimeError on Python 3.11
+                raise VerifyInputError(f"{where}: image {image}: {exc}") from exc
         if "input_ids" in obj:
             ids = obj["input_ids"]
             if not isinstance(ids, list) or not ids or not all(_token_id(t) for t in ids):

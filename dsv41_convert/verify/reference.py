@@ -61,10 +61,23 @@ def pick_max_seq_len(prompt_lengths: list[int], n_decode: int, requested: int | 
     return max(128, -(-need // SEQ_ALIGN) * SEQ_ALIGN)
 
 
-def read_prompts(prompts_file: Path | None, tokenizer_json: Path | None, args: ModelArgs) -> list[Prompt]:
+def read_prompts(
+    prompts_file: Path | None, tokenizer_json: Path | None, args: ModelArgs, feeds_decode_ids: bool = False
+) -> list[Prompt]:
+    """The built-in prompts, or those of `prompts_file`. feeds_decode_ids: the run feeds a prompt's decode_ids
+    to its decode steps (the streamed reference); elsewhere they are refused, since the decode steps feed the
+    model's own greedy choices and they would be ignored (`verify --reference SRC` did: an audit)."""
     if prompts_file is None:
         return default_prompts(args.vocab_size)
-    return load_prompts(prompts_file, tokenizer_json, args.vocab_size)
+    prompts = load_prompts(prompts_file, tokenizer_json, args.vocab_size)
+    fixed = [p.origin or p.label for p in prompts if p.decode_ids is not None]
+    if fixed and not feeds_decode_ids:
+        raise VerifyInputError(
+            f"{fixed[0]}: decode_ids go with `reference-logits --stream-layers` (the tokens its decode steps feed); "
+            "elsewhere the decode steps feed the model's own greedy choices: drop them, or compute the reference "
+            "with --stream-layers"
+        )
+    return prompts
 
 
 @dataclass

@@ -46,6 +46,7 @@ verify run makes bit equality unexpected, so only statistical bounds then judge 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,7 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.file_kinds import refuse_special
 from dsv41_convert.store.file_digest import sha256_file
+from dsv41_convert.store.machine import MAX_THREADS
 from dsv41_convert.store.manifest import temporary_of
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import sort_metadata
@@ -66,6 +68,7 @@ from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
 FORMAT = "dsv41-reference-logits/1"
 PAD_ID = -1
+DIGITS = re.compile(r"[0-9]+")  # an integer as the metadata spells one (str.isdigit takes "²" too)
 # name -> (dtype, dims); hidden.<module> tensors are bfloat16 [B, S, ...] except HIDDEN_DTYPES' suffixes
 LAYOUT = {
     "input_ids": (torch.int64, 2),
@@ -351,9 +354,11 @@ def _problems(
 def _recorded_fields(meta: dict[str, str]) -> list[str]:
     """The metadata that decides bit equality (module docstring): tp >= 1, threads >= 0, a known `weights`."""
     out = []
-    for key, least in (("tp", 1), ("threads", 0)):
-        if key in meta and not (meta[key].isdigit() and int(meta[key]) >= least):
-            out.append(f"metadata {key} {meta[key]!r}: expected an integer >= {least}")
+    for key, least, most in (("tp", 1, None), ("threads", 0, MAX_THREADS)):
+        n = int(meta[key]) if key in meta and DIGITS.fullmatch(meta[key]) else None
+        if key in meta and (n is None or n < least or (most is not None and n > most)):
+            at_most = "" if most is None else f" and <= {most}"
+            out.append(f"metadata {key} {meta[key]!r}: expected an integer >= {least}{at_most}")
     if meta.get("weights", "") not in ("", "converted", "bf16"):
         out.append(f"metadata weights {meta['weights']!r}: expected 'converted' or 'bf16'")
     if "provenance" in meta:
@@ -364,7 +369,7 @@ def _recorded_fields(meta: dict[str, str]) -> list[str]:
         out += provenance.problems(prov)
         ran = prov.get("weights") if isinstance(prov, dict) else None
         tp = meta.get("tp", "1")
-        if not out and isinstance(ran, dict) and tp.isdigit() and ran.get("tp") != int(tp):
+        if not out and isinstance(ran, dict) and DIGITS.fullmatch(tp) and ran.get("tp") != int(tp):
             out.append(  # reference-logits records both from one run: an edit, which blamed CONVERTED (an audit)
                 f"metadata tp {tp}, but the weights it ran are recorded for tp {ran.get('tp')} "
                 "(provenance.weights.tp): an edited or damaged file; recompute it"
@@ -553,6 +558,11 @@ def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[
             )
         if image and "token_types" not in t:
             out.append(f"metadata images[{row}] = {image!r}, but there is no token_types tensor for its image span")
+    if "token_types" in t and ("images" in lists or "images" not in meta):
+        images, types = lists.get("images", [""] * b), t["token_types"]
+        for r in range(min(b, types.shape[0])):  # the prompt ran as text, and a correct conversion FAILed (an audit)
+            if not images[r] and bool((types[r] >= 0).any()):
+                out.append(f"token_types: prompt {r} holds an image span, but metadata images names no image for it")
     return out
 
 

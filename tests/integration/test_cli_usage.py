@@ -40,6 +40,8 @@ USAGE_ERRORS = {
     "option below its minimum": (["plan", "a", "--tp", "0"], "Invalid value for '--tp'"),
     "unknown option": (["plan", "a", "--bogus"], "No such option: --bogus"),
     "unknown root option": (["--bogus", "plan"], "No such option: --bogus"),
+    # 100000 torch threads ended in a Rust thread pool's panic, exit 139 (an audit)
+    "more threads than any host": (["reference-logits", "a", "b", "--threads", "100000"], "<= 1024"),
     # it writes nothing: --overwrite was ignored, silently (an audit)
     "an option the mode ignores": (["download", "a/b", "--verify-only", "--overwrite"], "drop --overwrite"),
 }

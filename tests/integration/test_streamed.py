@@ -190,15 +190,22 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
     assert "experts_as" not in recorded and recorded["ranks"] == ref.provenance["weights"]["ranks"]
 
 
-def test_decode_ids_without_stream_layers_are_refused(sources, tmp_path, monkeypatch, capsys):
-    """The whole-model reference decodes greedily: decode_ids were dropped without a word (an audit)."""
+@pytest.mark.parametrize("command", ["reference-logits", "verify"])
+def test_decode_ids_without_stream_layers_are_refused(sources, tmp_path, monkeypatch, capsys, command):
+    """The whole-model reference decodes greedily: decode_ids were dropped without a word (an audit), and
+    `verify --reference SRC` (which never feeds them) still dropped them, PASS (a later audit)."""
     from cli_run import run_cli
 
     (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [5, 6], "decode_ids": [7, 8]}) + "\n")
     out = tmp_path / "ref.safetensors"
-    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out),
-                           "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1")  # fmt: skip
-    assert code == 2 and f"{tmp_path / 'p.jsonl'}:1: decode_ids go with --stream-layers" in err, err
+    src = str(sources["fp8"])
+    if command == "verify":
+        assert run_cli(monkeypatch, capsys, "shard", src, str(tmp_path / "mp1"))[0] == 0
+        args = ["verify", str(tmp_path / "mp1"), "--reference", src]
+    else:
+        args = ["reference-logits", src, str(out)]
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1")
+    assert code == 2 and f"{tmp_path / 'p.jsonl'}:1: decode_ids go with `reference-logits --stream-layers`" in err, err
     assert not out.exists()
 
 

@@ -116,6 +116,16 @@ def _missing_image(t, m):
     t["token_types"] = torch.full_like(t["input_ids"], -1)
 
 
+def _image_span_without_its_image(t, m):
+    t["token_types"] = torch.full_like(t["input_ids"], -1)
+    t["token_types"][1, 1:3] = torch.tensor([0, 1])  # an image span in prompt 1, whose images entry is ""
+    m["images"] = json.dumps(["", ""])
+
+
+def _threads(t, m, value: str = "²"):
+    m["threads"] = value
+
+
 DAMAGES = {
     "id outside the vocabulary": (_id_9999, ["input_ids: prompt 0, position 2: id 9999, outside the vocabulary"]),
     "NaN in logits": (_nan_logits, ["logits: prompt 1: NaN (1 of 512 logits)"]),
@@ -125,6 +135,17 @@ DAMAGES = {
     ),
     "vocab 500": (_vocab_500, ["logits: vocab 500 (V, its columns), the model has 512"]),
     "image not there": (_missing_image, ["images[1] = '/nonexistent/cat.png': no such file"]),
+    # the prompt ran as text and a correct conversion FAILed, "replay last: max_abs 4.27" (an audit)
+    "image span without its image": (
+        _image_span_without_its_image,
+        ["token_types: prompt 1 holds an image span, but metadata images names no image for it"],
+    ),
+    # "²".isdigit() is True, int("²") a ValueError traceback; 100000 threads ended in a panic (an audit)
+    "threads not an integer": (_threads, ["metadata threads '²': expected an integer >= 0 and <= 1024"]),
+    "threads past the limit": (
+        lambda t, m: _threads(t, m, "100000"),
+        ["metadata threads '100000': expected an integer >= 0 and <= 1024"],
+    ),
     "tp edited": (  # its weights record is of tp 1: a run at tp 2 blamed the conversion (an audit)
         lambda t, m: m.update(tp="2"),
         ["metadata tp 2, but the weights it ran are recorded for tp 1 (provenance.weights.tp)"],

@@ -44,6 +44,8 @@ def test_jsonl_ids_and_text(tmp_path):
         (json.dumps({"input_ids": [1], "decode_ids": [3, 512]}), r"\[512\] outside the vocabulary"),
         (json.dumps({"input_ids": [True, 2, 3]}), r"input_ids must be a non-empty list of integers"),
         (json.dumps({"input_ids": [1], "decode_ids": [False]}), r"decode_ids must be a non-empty list"),
+        # past Python's int-string limit: json raises a plain ValueError, which was a traceback (an audit)
+        ('{"input_ids": [5, ' + "9" * 5000 + "]}", r"p.jsonl:1: not a JSON object"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path, line, match):
@@ -99,3 +101,40 @@ def test_an_image_path_is_recorded_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prompts = load_prompts(Path("pd/p.jsonl"), tmp_path / "tokenizer.json", 512)
     assert prompts[0].image == str((tmp_path / "pd" / "red.png").resolve())
+
+
+def test_a_prompt_file_or_image_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A FIFO as --prompts FILE, or as a prompt's image, waited for a writer forever (an audit)."""
+    import os
+
+    from dsv41_convert.model.image_processor import open_image
+
+    os.mkfifo(tmp_path / "p.jsonl")
+    with pytest.raises(VerifyInputError, match=r"p.jsonl: not a regular file \(a FIFO"):
+        load_prompts(tmp_path / "p.jsonl", None, 512)
+    os.mkfifo(tmp_path / "cat.png")
+    with pytest.raises(ValueError, match=r"cat.png: not a regular file \(a FIFO"):
+        open_image(tmp_path / "cat.png")
+
+
+def test_an_image_path_in_a_loop_of_links_is_named(tmp_path):
+    """Path.resolve() raised RuntimeError (Python 3.11): a traceback, exit 1 (an audit)."""
+    tok = build_tokenizer(512)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.png").symlink_to(tmp_path / "b.png")
+    (tmp_path / "b.png").symlink_to(tmp_path / "a.png")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "hello", "image": "a.png"}) + "\n")
+    with pytest.raises(VerifyInputError, match=r"p.jsonl:1: image a.png: "):
+        load_prompts(tmp_path / "p.jsonl", tmp_path / "tokenizer.json", 512)
+
+
+def test_a_decompression_bomb_is_an_input_error(tmp_path, monkeypatch):
+    """PIL's DecompressionBombError is no ValueError: a 20000 x 20000 PNG was a traceback, exit 1 (an audit)."""
+    from PIL import Image
+
+    from dsv41_convert.model.image_processor import open_image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 4096 pixels: over twice the limit, as the bomb was
+    with pytest.raises(ValueError, match="decompression-bomb limit"):
+        open_image(tmp_path / "big.png")
