@@ -107,7 +107,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
         if ("input_ids" in obj) == ("text" in obj):
             raise VerifyInputError(f"{where}: give exactly one of input_ids and text")
         image = obj.get("image")
-        if image is not None and not isinstance(image, str):
+        if image is not None and (not isinstance(image, str) or not image):  # "" was the prompt file's folder
             raise VerifyInputError(f"{where}: image must be a path string")
         for key in ("text", "image"):  # a lone surrogate, which JSON's \ud800 escape can spell
             _require_unicode(obj.get(key), f"{where}: {key}", path=key == "image")

@@ -359,6 +359,8 @@ def _recorded_fields(meta: dict[str, str]) -> list[str]:
         if key in meta and (n is None or n < least or (most is not None and n > most)):
             at_most = "" if most is None else f" and <= {most}"
             out.append(f"metadata {key} {meta[key]!r}: expected an integer >= {least}{at_most}")
+    if meta.get("device", "cpu") not in ("cpu", "cuda"):  # "gpu" passed, and dropped the replay (an audit)
+        out.append(f"metadata device {meta['device']!r}: expected 'cpu' or 'cuda' (reference-logits --device)")
     if meta.get("weights", "") not in ("", "converted", "bf16"):
         out.append(f"metadata weights {meta['weights']!r}: expected 'converted' or 'bf16'")
     if "provenance" in meta:

@@ -142,6 +142,8 @@ DAMAGES = {
     ),
     # "²".isdigit() is True, int("²") a ValueError traceback; 100000 threads ended in a panic (an audit)
     "threads not an integer": (_threads, ["metadata threads '²': expected an integer >= 0 and <= 1024"]),
+    # any string passed, took the replay's bit equality away and PASSed on the weights alone (an audit)
+    "device unknown": (lambda t, m: m.update(device="gpu"), ["metadata device 'gpu': expected 'cpu' or 'cuda'"]),
     "threads past the limit": (
         lambda t, m: _threads(t, m, "100000"),
         ["metadata threads '100000': expected an integer >= 0 and <= 1024"],

@@ -44,6 +44,7 @@ def test_jsonl_ids_and_text(tmp_path):
         (json.dumps({"input_ids": [1], "decode_ids": [3, 512]}), r"\[512\] outside the vocabulary"),
         (json.dumps({"input_ids": [True, 2, 3]}), r"input_ids must be a non-empty list of integers"),
         (json.dumps({"input_ids": [1], "decode_ids": [False]}), r"decode_ids must be a non-empty list"),
+        (json.dumps({"text": "hi", "image": ""}), r"p.jsonl:1: image must be a path string"),  # was "Is a directory"
         # past Python's int-string limit: json raises a plain ValueError, which was a traceback (an audit)
         ('{"input_ids": [5, ' + "9" * 5000 + "]}", r"p.jsonl:1: not a JSON object"),
     ],
