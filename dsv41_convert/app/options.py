@@ -50,7 +50,13 @@ LocalSrcArg = Annotated[
 OutArg = Annotated[Path, typer.Argument(help="Output folder.")]
 TpOpt = Annotated[int, typer.Option("--tp", parser=whole_number(1), help="Number of tensor-parallel ranks.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Allow writing into a non-empty output folder.")]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace what an earlier run of this command wrote in OUT; a file it did not write is never removed.",
+    ),
+]
 DemoOverwriteOpt = Annotated[
     bool,
     typer.Option(
