@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 RUN_ENV = "DSV41_CONVERT_FORK_SERVER_OF"  # the run's pid, set while its fork server starts
 
@@ -82,17 +83,25 @@ def fork_server_pid() -> int | None:
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)  # CPython's, 3.8 to 3.14
 
 
-def fork_server_ended() -> bool:
+def fork_server_ended(wait_s: float = 0.0) -> bool:
     """Whether this process's multiprocessing fork server was started and has ended (not reaped here: its
-    restart, multiprocessing.forkserver.ensure_running, waits for it). The processes it forked then read as
-    exit code 255: the server that would tell their status is gone."""
+    restart, multiprocessing.forkserver.ensure_running, waits for it), asked for up to `wait_s` seconds. The
+    processes it forked then read as exit code 255: the server that would tell their status is gone. A killed
+    server closes its sockets before it can be waited for, so a rank seen ended by that close may be asked
+    about a moment too early (a full run on the loaded dev box reported "exit code 255" so: wait_s)."""
     pid = fork_server_pid()
     if pid is None:
         return False
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped already
-        return True
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped already
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def _exit_on_interrupt(signum, frame) -> None:

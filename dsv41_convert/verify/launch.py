@@ -154,7 +154,7 @@ def _how_ended(exitcode: int) -> str:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
         return f"ended by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
-    if exitcode == 255 and die_with.fork_server_ended():
+    if exitcode == 255 and die_with.fork_server_ended(wait_s=2.0):
         return "was lost with the fork server that started it (the server ended: killed?; each rank dies with it)"
     return f"ended with exit code {exitcode}"
 
