@@ -71,12 +71,19 @@ from dsv41_convert.store.manifest import (
     write_manifest,
 )
 from dsv41_convert.store.manifest_check import our_manifest
-from dsv41_convert.store.manifest_merge import SIDECARS, forget_stale, import_fragments, read_fragments, write_fragment
+from dsv41_convert.store.manifest_merge import (
+    HF_CONFIG,
+    SIDECARS,
+    forget_stale,
+    import_fragments,
+    read_fragments,
+    write_fragment,
+)
 from dsv41_convert.store.plan_claims import claimed
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
 
-COMMON_FILES = (*SIDECARS, "config.json", "hf_config.json")
+COMMON_FILES = (*SIDECARS, "config.json", HF_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -250,7 +257,7 @@ def _no_other_conversion(
     before_removing: called once the refusals are passed, before the first file is removed."""
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
-    foreign = {INDEX_NAME} if shard_plan else {"hf_config.json"}
+    foreign = {INDEX_NAME} if shard_plan else {HF_CONFIG}
     others = sorted(
         p.name
         for p in out.iterdir()
@@ -736,8 +743,8 @@ def write_sidecars(plan: ConversionPlan, src: Path, out: Path) -> list[str]:
     """tokenizer files, the inference config.json and the HF config as hf_config.json."""
     names = copy_tokenizer_files(src, out)
     atomic_write(out / "config.json", (json.dumps(plan.inference_config, indent=2) + "\n").encode())
-    atomic_write(out / "hf_config.json", (src / "config.json").read_bytes())
-    return [*names, "config.json", "hf_config.json"]
+    atomic_write(out / HF_CONFIG, (src / "config.json").read_bytes())
+    return [*names, "config.json", HF_CONFIG]
 
 
 def copy_tokenizer_files(src: Path, out: Path) -> list[str]:

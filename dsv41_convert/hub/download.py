@@ -74,12 +74,13 @@ from dsv41_convert.hub.local import (
     checks_made,
     listing,
     offline,
+    own_path,
     place_of,
     storage_of,
     structure_problems,
     verify_local,
 )
-from dsv41_convert.store.lock import LOCK_NAME, hold
+from dsv41_convert.store.lock import hold
 from dsv41_convert.store.manifest import atomic_write
 
 GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
@@ -351,7 +352,7 @@ def _claim(
         raise DownloadError(f"{folder}: {first_few(in_the_way)}: a file where {where} has a folder; move it away")
     if overwrite:
         asked = {f.path for f in files}
-        for path in other.ours() if other is not None else ():  # what its runs put there, not the user's
+        for path in replaced:  # what its runs put there, not the user's
             if path not in asked:
                 remove_file(folder / path)
         return set()
@@ -382,7 +383,7 @@ def _no_own_names(files: list[RemoteFile], where: str) -> None:
     folder's lock and anything under .cache/ (its partial files, huggingface_hub's). Fetched, such a file was
     our record rather than the Hub's bytes, or was removed as a stale partial, and the run said ok (an audit:
     a mirror uploaded with its record)."""
-    own = [f.path for f in files if f.path in (RECORD_NAME, LOCK_NAME, ".cache") or f.path.startswith(".cache/")]
+    own = [f.path for f in files if own_path(f.path) or f.path == ".cache"]  # .cache: where its folder goes
     if own:
         raise DownloadError(
             f"{where}: {first_few(own)}: the download keeps its own files at these paths of a --local-dir (its "

@@ -248,11 +248,17 @@ def _verify_without_record(
     )  # fmt: skip
 
 
+def own_path(rel: str) -> bool:
+    """Whether `rel` (a path in a --local-dir) is the download's own: its record, the folder's lock, anything
+    under .cache/ (its partial files, huggingface_hub's)."""
+    return rel in (RECORD_NAME, LOCK_NAME) or rel.startswith(".cache/")
+
+
 def _local_paths(folder: Path) -> list[str]:
     out = []
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
-        if path.is_file() and not rel.startswith(".cache/") and rel not in (RECORD_NAME, LOCK_NAME):
+        if path.is_file() and not own_path(rel):
             out.append(rel)
     return out
 

@@ -23,4 +23,9 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return physical_memory()
+
+
+def physical_memory() -> int:
+    """The host's physical memory in bytes, all of it."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -63,7 +63,8 @@ from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
 SIDECARS = ("tokenizer.json", "tokenizer_config.json")
-REQUIRED_SIDECARS = ("config.json", "hf_config.json")
+HF_CONFIG = "hf_config.json"  # the source's HF config.json, as shard copies it beside the rank files
+REQUIRED_SIDECARS = ("config.json", HF_CONFIG)
 SIDE_FILES = (*REQUIRED_SIDECARS, *SIDECARS)
 COPY_IT = "; copy it from the machine that wrote it"
 

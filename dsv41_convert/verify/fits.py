@@ -6,12 +6,12 @@ otherwise end verify or reference-logits in an allocator's traceback."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
 from dsv41_convert.convert.memory import BF16, cache_bytes
 from dsv41_convert.errors import ConfigError, VerifyInputError
+from dsv41_convert.store.machine import physical_memory
 
 GIB = 1 << 30
 
@@ -20,7 +20,7 @@ def machine_bytes(device: str) -> int:
     """Bytes of memory `device` has in all: the host's physical memory for "cpu", the card's for a CUDA
     device (the current one for "cuda")."""
     if device == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return physical_memory()
     import torch
 
     return torch.cuda.get_device_properties(torch.device(device)).total_memory

@@ -35,11 +35,10 @@ from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.file_digest import SHA256_HEX, sampled_sha256, sha256_file
 from dsv41_convert.store.manifest_check import our_manifest
-from dsv41_convert.store.manifest_merge import SIDECARS
+from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.verify import weight_digests
 
-HF_CONFIG = "hf_config.json"  # the HF config.json shard copies beside the rank files
 FORMAT_FIELDS = ("dtype", "expert_dtype")  # what a conversion may change of the model's config
 
 

@@ -34,7 +34,7 @@ from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
-from dsv41_convert.store.manifest_merge import SIDECARS
+from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
 from dsv41_convert.verify.metrics import Stats, compare, merge
@@ -460,7 +460,7 @@ def _copied_files_differ(src: Path, conv: Path) -> list[str]:
         theirs, ours = src / name, conv / name
         if theirs.is_file() and not (ours.is_file() and ours.read_bytes() == theirs.read_bytes()):
             found.append(f"tokenizer: {ours} {'differs from' if ours.is_file() else 'is missing, unlike'} {theirs}")
-    theirs, ours = src / "config.json", conv / "hf_config.json"
+    theirs, ours = src / "config.json", conv / HF_CONFIG
     if ours.is_file() and ours.read_bytes() != theirs.read_bytes():
         found.append(f"hf config: {ours} differs from {theirs}, which shard copies there unchanged")
     return found
