@@ -36,8 +36,13 @@ from dsv41_convert.store.safetensors_header import layout_blocks
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
-PAD_BYTE = {E4M3: 0, E8M0: 127}  # padded Engram rows: weight 0.0, scale 1.0 (e8m0 byte 127)
 ROW_ALIGN = 128  # chunks of a blocked action start on a multiple of every block height (32, 128)
+
+
+def pad_byte(dtype: str) -> int:
+    """The byte an Engram table's padding rows of safetensors `dtype` hold: 127 in the e8m0 scale (2**0),
+    0 in the e4m3 weight (0.0)."""
+    return 127 if dtype == E8M0 else 0
 
 
 # Read and OutTensor are slotted, not frozen: a tp-8 plan of the real checkpoint holds 107k of each,

@@ -35,7 +35,7 @@ import numpy as np
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
-from dsv41_convert.convert.plan import PAD_BYTE
+from dsv41_convert.convert.plan import pad_byte
 from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.progress import Progress, Tally
@@ -267,7 +267,7 @@ def cut_sha256(ranks: RankFiles, name: str, tp: int, between: Callable[[], None]
     if merge.split is Split.ROWS_PADDED:  # the last ranks' padding rows, as shard writes them
         for r in range(merge.rows // k, tp):
             pad = (r + 1) * k - max(merge.rows, r * k)
-            hashes[r].update(bytes([_fill(merge)]) * (pad * row))
+            hashes[r].update(bytes([pad_byte(merge.dtype)]) * (pad * row))
     return [h.hexdigest() for h in hashes]
 
 
@@ -438,7 +438,7 @@ def _check_padding(ranks: RankFiles, merge: Merge) -> None:
     infos = {r: ranks.headers[r].tensors[merge.name] for r in merge.holders}
     k = infos[0].shape[0]
     row = _row_bytes(infos[0])
-    fill = _fill(merge)
+    fill = pad_byte(merge.dtype)
     for r in range(merge.rows // k, ranks.tp):
         first = max(merge.rows - r * k, 0)  # this rank's first padding row
         pad = bytearray((k - first) * row)
@@ -446,8 +446,3 @@ def _check_padding(ranks: RankFiles, merge: Merge) -> None:
         if pad != bytes([fill]) * len(pad):
             where = f"padding rows {merge.rows}..{k * ranks.tp - 1} (ranks {merge.rows // k}..{ranks.tp - 1})"
             raise ShardConsistencyError(f"{merge.name}: {where} are not the fill byte {fill}")
-
-
-def _fill(merge: Merge) -> int:
-    """The byte shard writes in an Engram table's padding rows (weight 0.0, scale 1.0)."""
-    return PAD_BYTE["F8_E8M0" if merge.dtype == "F8_E8M0" else "F8_E4M3"]

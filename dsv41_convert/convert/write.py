@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41_convert import interrupts
-from dsv41_convert.convert.plan import PAD_BYTE, ROW_ALIGN, OutTensor, RankFile, Read
+from dsv41_convert.convert.plan import ROW_ALIGN, OutTensor, RankFile, Read, pad_byte
 from dsv41_convert.convert.prefetch import Prefetch
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress, add_seconds
@@ -341,7 +341,7 @@ def _write_tensors(rf, reader, sink, quantizer, chunk_bytes, stash_bytes, start:
                 for outs in chunks:
                     sink.write(_raw(outs[0]), t.name)
         if t.pad_rows:
-            sink.fill(PAD_BYTE[t.dtype], t.pad_rows * row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
+            sink.fill(pad_byte(t.dtype), t.pad_rows * row_bytes(t.dtype, t.shape), chunk_bytes, t.name)
         if ahead is not None and ahead.tensor == i:
             del sink.asides[t.group]
         assert sink.queued == t.end, (t.name, sink.queued, t.end)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv41_convert.convert.plan import PAD_BYTE
+from dsv41_convert.convert.plan import pad_byte
 from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import RankFiles
 from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
@@ -203,7 +203,7 @@ def _padding(whole: Tensor, rows: int, holders: tuple[int, ...], per_rank: int) 
     """An Engram table's padding rows (past its `rows` config rows, on the last ranks) against the converter's
     fill: (the problem, the ranks holding padding) where they differ, else (None, holders)."""
     pad = whole[rows:].contiguous().view(torch.uint8)
-    fill = PAD_BYTE[TORCH_TO_SAFETENSORS[whole.dtype]]
+    fill = pad_byte(TORCH_TO_SAFETENSORS[whole.dtype])
     if not pad.numel() or bool((pad == fill).all()):
         return None, holders
     last = tuple(r for r in holders if (r + 1) * per_rank > rows)

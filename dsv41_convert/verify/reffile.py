@@ -46,7 +46,6 @@ verify run makes bit equality unexpected, so only statistical bounds then judge 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +54,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from dsv41_convert.app.options import ascii_int
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.file_kinds import refuse_special
@@ -68,7 +68,6 @@ from dsv41_convert.verify.runner import ModelInput, PromptRun, positions_needed
 
 FORMAT = "dsv41-reference-logits/1"
 PAD_ID = -1
-DIGITS = re.compile(r"[0-9]+")  # an integer as the metadata spells one (str.isdigit takes "²" too)
 # name -> (dtype, dims); hidden.<module> tensors are bfloat16 [B, S, ...] except HIDDEN_DTYPES' suffixes
 LAYOUT = {
     "input_ids": (torch.int64, 2),
@@ -351,11 +350,19 @@ def _problems(
     return out
 
 
+def _int_or_none(text: str) -> int | None:
+    """The integer the metadata spells in the digits 0-9 (str.isdigit takes "²" too), else None."""
+    try:
+        return ascii_int(text)
+    except ValueError:
+        return None
+
+
 def _recorded_fields(meta: dict[str, str]) -> list[str]:
     """The metadata that decides bit equality (module docstring): tp >= 1, threads >= 0, a known `weights`."""
     out = []
     for key, least, most in (("tp", 1, None), ("threads", 0, MAX_THREADS)):
-        n = int(meta[key]) if key in meta and DIGITS.fullmatch(meta[key]) else None
+        n = _int_or_none(meta[key]) if key in meta else None
         if key in meta and (n is None or n < least or (most is not None and n > most)):
             at_most = "" if most is None else f" and <= {most}"
             out.append(f"metadata {key} {meta[key]!r}: expected an integer >= {least}{at_most}")
@@ -371,7 +378,7 @@ def _recorded_fields(meta: dict[str, str]) -> list[str]:
         out += provenance.problems(prov)
         ran = prov.get("weights") if isinstance(prov, dict) else None
         tp = meta.get("tp", "1")
-        if not out and isinstance(ran, dict) and DIGITS.fullmatch(tp) and ran.get("tp") != int(tp):
+        if not out and isinstance(ran, dict) and ran.get("tp") != _int_or_none(tp):
             out.append(  # reference-logits records both from one run: an edit, which blamed CONVERTED (an audit)
                 f"metadata tp {tp}, but the weights it ran are recorded for tp {ran.get('tp')} "
                 "(provenance.weights.tp): an edited or damaged file; recompute it"

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.convert.plan import PAD_BYTE, ConversionPlan, OutTensor, Read, build_plan
+from dsv41_convert.convert.plan import ConversionPlan, OutTensor, Read, build_plan, pad_byte
 from dsv41_convert.convert.stream import block_name
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
@@ -143,7 +143,7 @@ def plan_state(
             os.close(fd)
     for t in tensors:
         if t.pad_rows:  # the last rank's Engram rows, filled as shard writes them
-            out[t.name] = _padded(out[t.name], t.pad_rows, PAD_BYTE[t.dtype])
+            out[t.name] = _padded(out[t.name], t.pad_rows, pad_byte(t.dtype))
     if progress is not None:
         progress(label, len(tensors), len(tensors))
     return out

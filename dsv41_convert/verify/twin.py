@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dsv41_convert.convert.plan import pad_byte
 from dsv41_convert.errors import PlanError
-
-E8M0_ONE = 127  # byte of 2**0
+from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 
 
 def cut(full: Tensor, local: torch.Size, rank: int, world: int, name: str) -> Tensor:
@@ -41,7 +41,7 @@ def cut(full: Tensor, local: torch.Size, rank: int, world: int, name: str) -> Te
             pad = k - piece.shape[0]
             if pad == 0:
                 return piece
-            fill = E8M0_ONE if full.dtype == torch.float8_e8m0fnu else 0
+            fill = pad_byte(TORCH_TO_SAFETENSORS[full.dtype])
             tail = torch.full((pad, *shape[1:]), fill, dtype=torch.uint8).view(full.dtype)
             return torch.cat([piece.view(torch.uint8), tail.view(torch.uint8)]).view(full.dtype)
     if len(shape) == 2 and local[0] == shape[0] and local[1] * world == shape[1]:
