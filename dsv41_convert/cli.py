@@ -382,11 +382,22 @@ ThreadsOpt = Annotated[
         "--threads", parser=opts.whole_number(1, most=MAX_THREADS), help="torch threads per process (cores / tp)."
     ),
 ]
-AtolOpt = Annotated[float | None, typer.Option("--atol", min=0.0, help="Max |ref - conv| logit difference.")]
-MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", min=0.0, help="Max per-row KL(ref || conv), nats.")]
-MaxKlMeanOpt = Annotated[float | None, typer.Option("--max-kl-mean", min=0.0, help="Max mean KL(ref || conv).")]
-MinTop1Opt = Annotated[float | None, typer.Option("--min-top1", min=0.0, max=1.0, help="Min top-1 agreement.")]
-MinCosOpt = Annotated[float | None, typer.Option("--min-cos", min=-1.0, max=1.0, help="Min per-row cosine.")]
+AtolOpt = Annotated[
+    float | None, typer.Option("--atol", parser=opts.finite_number(0), help="Max |ref - conv| logit difference (>= 0).")
+]
+MaxKlOpt = Annotated[
+    float | None,
+    typer.Option("--max-kl", parser=opts.finite_number(0), help="Max per-row KL(ref || conv), nats (>= 0)."),
+]
+MaxKlMeanOpt = Annotated[
+    float | None, typer.Option("--max-kl-mean", parser=opts.finite_number(0), help="Max mean KL(ref || conv) (>= 0).")
+]
+MinTop1Opt = Annotated[
+    float | None, typer.Option("--min-top1", parser=opts.finite_number(0, 1), help="Min top-1 agreement (0 to 1).")
+]
+MinCosOpt = Annotated[
+    float | None, typer.Option("--min-cos", parser=opts.finite_number(-1, 1), help="Min per-row cosine (-1 to 1).")
+]
 NoLocalizeOpt = Annotated[bool, typer.Option("--no-localize", help="On failure, skip the hidden-state/tensor diff.")]
 StatisticalOpt = Annotated[
     bool,

@@ -1,5 +1,6 @@
 """Typer option and argument aliases shared by the commands, so each is spelled once."""
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,21 @@ def whole_number(least: int | None = None, other: str = "", most: int | None = N
         if n is None or (least is not None and n < least) or (most is not None and n > most):
             raise typer.BadParameter(f"{value!r}: expected {wanted} in the digits 0-9{other}") from None
         return n
+
+    return parse
+
+
+def finite_number(least: float, most: float | None = None) -> Callable[[str], float]:
+    """The parser of a float option: a decimal number in the digits 0-9, finite, at least `least` and at most
+    `most`. typer's own takes nan and inf (nan was refused as "should be >= 0", inf let a bound pass anything)."""
+    wanted = f"a finite number >= {least:g}" + ("" if most is None else f" and <= {most:g}")
+
+    def parse(value: str) -> float:
+        text = str(value)
+        x = float(text) if re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", text) else math.nan
+        if not (math.isfinite(x) and x >= least and (most is None or x <= most)):
+            raise typer.BadParameter(f"{value!r}: expected {wanted}")
+        return x
 
     return parse
 

@@ -43,6 +43,10 @@ USAGE_ERRORS = {
     # 100000 torch threads ended in a Rust thread pool's panic, exit 139 (an audit)
     "more threads than any host": (["reference-logits", "a", "b", "--threads", "100000"], "<= 1024"),
     # it writes nothing: --overwrite was ignored, silently (an audit)
+    # nan was refused as "should be >= 0"; inf let --statistical pass anything (an audit)
+    "a bound that is not a number": (["verify", "a", "--max-kl", "nan"], "'nan': expected a finite number >= 0"),
+    "a bound that passes anything": (["verify", "a", "--max-kl-mean", "inf"], "'inf': expected a finite number"),
+    "a bound past its range": (["verify", "a", "--min-cos", "1.5"], "'1.5': expected a finite number >= -1 and <= 1"),
     "an option the mode ignores": (["download", "a/b", "--verify-only", "--overwrite"], "drop --overwrite"),
 }
 
