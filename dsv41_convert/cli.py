@@ -589,6 +589,12 @@ def reference_logits_cmd(
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
         report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
+    for p in prompt_list if stream_layers else ():  # a longer list is cut to the steps asked for
+        if p.decode_ids is not None and len(p.decode_ids) > decode_steps + 1:
+            report.warn(
+                f"{p.origin or p.label}: {len(p.decode_ids)} decode_ids, {decode_steps} decode steps feed the first "
+                f"{decode_steps + 1} (--decode-steps {len(p.decode_ids) - 1} feeds them all)"
+            )
     if writes and (out.parent / "manifest.json").is_file():
         report.warn(
             f"{out.parent} holds a manifest.json (a converted folder?): `check` will name {out.name} as a file it "

@@ -154,10 +154,12 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
     ids = list(default_prompts(TINY.vocab_size, count=1, length=20)[0].input_ids)
     (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": ids, "decode_ids": [11, 12, 13]}) + "\n")
     out = tmp_path / "ref.safetensors"
-    code, stdout, _ = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out),
-                              "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1",
-                              "--json")  # fmt: skip
+    code, stdout, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(out),
+                                "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1",
+                                "--json")  # fmt: skip
     assert code == 0, stdout
+    # the third token fed nothing: said, not dropped without a word (an audit)
+    assert "p.jsonl:1: 3 decode_ids, 1 decode steps feed the first 2 (--decode-steps 2 feeds them all)" in err, err
     summary = json.loads(stdout)
     assert summary["units"][0]["unit"] == "embed" and summary["bytes_read"] > 0
     ref = reffile.load(out, 128)
