@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import NOT_JSON, ConfigError
-from dsv41_convert.file_kinds import refuse_special
+from dsv41_convert.file_kinds import refuse_non_file
 
 # text_config key -> ModelArgs field
 HF_TO_ARGS: dict[str, str] = {
@@ -569,9 +569,7 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
 def load_json(path: Path) -> dict[str, Any]:
     """Read a JSON object from a file, naming it in the error. A FIFO, socket or device there is refused
     before it is opened: reading one blocked verify and reference-logits until they were killed (an audit)."""
-    refuse_special(path, ConfigError)
-    if Path(path).is_dir():
-        raise ConfigError(f"{path}: a folder, not the JSON file")
+    refuse_non_file(path, ConfigError)
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError as exc:

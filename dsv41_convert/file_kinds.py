@@ -3,6 +3,7 @@ audit found plan, verify and reference-logits waiting forever on one), a device 
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 SPECIAL = "a FIFO, a socket or a device"
@@ -15,8 +16,19 @@ def special_kind(path: Path) -> str | None:
     return SPECIAL if path.exists() and not (path.is_file() or path.is_dir()) else None
 
 
-def refuse_special(path: Path, error: type[Exception]) -> None:
-    """`error` naming `path` where it is a FIFO, a socket or a device, before anything opens it."""
-    kind = special_kind(path)
+def refuse_non_file(path: Path, error: type[Exception]) -> None:
+    """`error` naming `path` where it is a FIFO, a socket, a device, a folder or a link that leads in a loop,
+    before anything opens it (a folder was "No such device (os error 19)", a loop "No such file": an audit).
+    Nothing there is left to the caller, which says it in its own words."""
+    path = Path(path)
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise error(
+                f"{path}: not a regular file (a link that leads in a loop); put the file itself there"
+            ) from None
+        return
+    kind = "a folder" if path.is_dir() else special_kind(path)
     if kind:
         raise error(f"{path}: not a regular file ({kind}); put the file itself there, or remove it")

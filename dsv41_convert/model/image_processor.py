@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Union
 import numpy as np
 import torch
 
-from dsv41_convert.file_kinds import refuse_special
+from dsv41_convert.file_kinds import refuse_non_file
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -107,7 +107,7 @@ def open_image(source: ImageSource) -> PILImage.Image:
     if isinstance(source, Image.Image):
         return source.convert("RGB")
     if not isinstance(source, bytes):
-        refuse_special(Path(source), ValueError)  # a FIFO waited for a writer forever (an audit)
+        refuse_non_file(Path(source), ValueError)  # a FIFO waited for a writer forever (an audit)
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
     try:
         with Image.open(io.BytesIO(data)) as img:

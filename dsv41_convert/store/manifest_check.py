@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.errors import NOT_JSON, VerifyInputError, first_few
-from dsv41_convert.file_kinds import refuse_special
+from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST
@@ -39,7 +39,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = Path(folder) / MANIFEST
     if not Path(folder).is_dir():
         raise VerifyInputError(f"{folder}: {'not a folder' if Path(folder).exists() else 'no such folder'}")
-    refuse_special(path, VerifyInputError)
+    refuse_non_file(path, VerifyInputError)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:

@@ -42,7 +42,7 @@ from typing import Any
 
 from dsv41_convert import interrupts
 from dsv41_convert.errors import NOT_JSON, OutputError, first_few
-from dsv41_convert.file_kinds import refuse_special
+from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 from dsv41_convert.store.index import INDEX_NAME
@@ -109,7 +109,7 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
     """{fragment file name: fragment} for every fragment in `out`; OutputError names an unreadable one."""
     frags = {}
     for path in sorted(Path(out).glob(FRAGMENT_GLOB)):
-        refuse_special(path, OutputError)
+        refuse_non_file(path, OutputError)
         try:
             data = json.loads(path.read_text())
         except (OSError, *NOT_JSON) as exc:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dsv41_convert.errors import NOT_JSON, VerifyInputError
-from dsv41_convert.file_kinds import refuse_special
+from dsv41_convert.file_kinds import refuse_non_file
 
 DEFAULT_LENGTH = 40
 DEFAULT_COUNT = 3
@@ -75,7 +75,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
     [0, vocab_size), and text without a tokenizer.
     """
     path = Path(path)
-    refuse_special(path, VerifyInputError)  # a FIFO waited for a writer forever (an audit)
+    refuse_non_file(path, VerifyInputError)  # a FIFO waited for a writer forever (an audit)
     try:
         lines = path.read_text().split("\n")  # JSON lines end at \n only (splitlines broke U+2028 inside a string)
     except OSError as exc:

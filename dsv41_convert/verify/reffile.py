@@ -57,7 +57,7 @@ from torch import Tensor
 from dsv41_convert.app.options import ascii_int
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
-from dsv41_convert.file_kinds import refuse_special
+from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.machine import MAX_THREADS
 from dsv41_convert.store.manifest import temporary_of
@@ -281,7 +281,7 @@ def validate_reference_file(path: Path, args: ModelArgs | None = None, default_m
 
 
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    refuse_special(path, VerifyInputError)
+    refuse_non_file(path, VerifyInputError)
     try:
         t = load_file(str(path))
         with safe_open(str(path), "pt") as f:

@@ -93,6 +93,21 @@ def test_not_safetensors(tmp_path):
         reffile.load(tmp_path / "x", 128)
 
 
+def test_a_folder_or_a_loop_of_links_is_named_for_what_it_is(tmp_path):
+    """A folder was "not a readable safetensors file (No such device (os error 19))", a link loop "No such file
+    or directory" (an audit)."""
+    (tmp_path / "ref").mkdir()
+    with pytest.raises(VerifyInputError, match=r"ref: not a regular file \(a folder\)"):
+        reffile.load(tmp_path / "ref", 128)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(VerifyInputError, match=r"a: not a regular file \(a link that leads in a loop\)"):
+        reffile.load(tmp_path / "a", 128)
+    (tmp_path / "c").symlink_to(tmp_path / "gone")  # nothing there: the reader's own words
+    with pytest.raises(VerifyInputError, match=r"c: not a readable safetensors file \(No such file"):
+        reffile.load(tmp_path / "c", 128)
+
+
 def test_what_decides_bit_equality_round_trips(tmp_path):
     ref = reffile.Reference([ModelInput(torch.arange(5))], [_run(5)], ["a"], 96, "bf16", "cuda")
     ref.tp, ref.threads, ref.torch_version, ref.weights = 4, 3, "2.13.0", "converted"
