@@ -98,11 +98,13 @@ def test_config_values_of_the_wrong_kind(src, tmp_path, monkeypatch, capsys, edi
         ("model.safetensors.index.json", b"\xff", "not valid JSON"),
         ("config.json", b"[" * 5000 + b"]" * 5000, "not valid JSON"),
         ("model.safetensors.index.json", b"[]", "a JSON object expected, found a list"),
+        ("config.json", b'{"vocab_size": ' + b"9" * 5000 + b"}", "not valid JSON"),  # past int()'s 4300 digits
+        ("model.safetensors.index.json", b'{"metadata": {"total_size": ' + b"9" * 5000 + b"}}", "not valid JSON"),
     ],
 )
 def test_json_files_that_are_no_json_object(src, tmp_path, monkeypatch, capsys, name, text, message):
-    """Bytes that are not UTF-8, nesting past Python's recursion limit, an index that is a list: tracebacks
-    (UnicodeDecodeError, RecursionError, AttributeError) before."""
+    """Bytes that are not UTF-8, nesting past Python's recursion limit, an index that is a list, an integer past
+    Python's int-string limit: tracebacks (UnicodeDecodeError, RecursionError, AttributeError, ValueError) before."""
     bad = copy_of(src, tmp_path / "bad")
     (bad / name).write_bytes(text)
     _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / name}: ", message)
