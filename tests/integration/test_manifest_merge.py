@@ -52,6 +52,29 @@ def test_a_signal_during_startup_stops_the_merge_before_it_writes(runs, tmp_path
     assert sorted(p.name for p in g.rglob("*")) == before and not (g / "manifest.json").exists()
 
 
+def test_a_signal_while_the_files_are_hashed_writes_no_record(runs, tmp_path, monkeypatch, capsys):
+    """The check between the hashes and the first done record (a signal whose KeyboardInterrupt was dropped
+    while the rank files were hashed): without it the merge wrote the records, then stopped. 130, nothing
+    written."""
+    from dsv41_convert import interrupts
+    from dsv41_convert.store import manifest_merge
+
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    before = sorted(p.name for p in g.rglob("*"))
+    monkeypatch.setitem(interrupts._state, "interrupted", False)
+    original = manifest_merge._other_revisions
+
+    def marked(frags):
+        found = original(frags)
+        interrupts.interrupt_later()
+        return found
+
+    monkeypatch.setattr(manifest_merge, "_other_revisions", marked)
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 130, err
+    assert sorted(p.name for p in g.rglob("*")) == before and not (g / "manifest.json").exists()
+
+
 def _gather(dest: Path, *folders: Path) -> Path:
     """What a user copies from each machine: the visible files (rank files, fragment, config, tokenizer)."""
     dest.mkdir()
