@@ -74,7 +74,8 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     args = ModelArgs.from_hf_dict(hf, str(src / CONFIG))
     index_sha, weight_map = read_index(src)
     sources = gather_sources(src, weight_map)
-    validate_sources(sources, args, 1, "fp8" if fmt == "fp8" else "fp4")
+    quantizes = fmt != "bf16" and args.dtype != "fp8"
+    validate_sources(sources, args, 1, src / CONFIG, "fp8" if fmt == "fp8" else "fp4", quantizes)
     files = sorted({s.file for s in sources.values()})
     by_file: dict[str, list[str]] = {f: [] for f in files}
     for canon in sorted(sources):

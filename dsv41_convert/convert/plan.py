@@ -302,7 +302,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
     check_tp(args, tp, str(src / "config.json"))
     index_sha, weight_map = read_index(src)
     sources = gather_sources(src, weight_map)
-    n_experts = validate_sources(sources, args, tp, expert_dtype)
+    n_experts = validate_sources(sources, args, tp, src / "config.json", expert_dtype)
     if args.expert_dtype == "fp8" and expert_dtype == "fp4":
         raise PlanError(
             f"{src}: its routed experts are fp8 (config.json quantization_config.expert_dtype 'fp8', an `export "

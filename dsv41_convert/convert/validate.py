@@ -158,10 +158,18 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
 
 
 def validate_sources(
-    sources: dict[str, Source], args: ModelArgs, tp: int, expert_dtype: str = "fp4"
+    sources: dict[str, Source],
+    args: ModelArgs,
+    tp: int,
+    config: Path,
+    expert_dtype: str = "fp4",
+    quantizes: bool | None = None,
 ) -> tuple[int, int]:
-    """Check every tensor against the config's layout and tp. -> (backbone experts, mtp experts)."""
+    """Check the config's dims against the output's blocks (require_block_dims; `quantizes`: whether the output
+    quantizes the source, by default where it is unquantized), then every tensor against the config's layout
+    and tp. -> (backbone experts, mtp experts)"""
     quantized = args.dtype == "fp8"
+    require_block_dims(args, config, expert_dtype, not quantized if quantizes is None else quantizes)
     # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
     if not (quantized and _same_layout(sources, args)):
         if quantized:
@@ -178,8 +186,28 @@ def validate_sources(
         _compare_layout(sources, layout, quantized, problems)
         _raise(problems, "checkpoint does not match config.json")
     n_experts = _expert_counts(sources)
-    _check_splits(sources, tp, quantized, expert_dtype)
+    _check_splits(sources, tp, quantized)
     return n_experts
+
+
+def require_block_dims(args: ModelArgs, config: Path, expert_dtype: str, quantizes: bool) -> None:
+    """PlanError naming config.json where the output's 32-wide scale blocks cannot tile the model: fp8 experts
+    (expert_dtype "fp8") need both dims of every expert a multiple of 32 (32x32 blocks), MXFP4 experts
+    quantized from an unquantized source their input dims (a per-32 scale along the input, two codes a byte),
+    and Engram's per-32 rows (`quantizes`) its head dim. An fp8-fp4 export of a bf16 source with
+    moe_intermediate_size 48 wrote scales [out, 2] that the published layout calls [out, 1]: a checkpoint
+    that plan, shard and export then refused (an audit)."""
+    dims = {"hidden_size": args.dim, "moe_intermediate_size": args.moe_inter_dim}
+    need = dims if expert_dtype == "fp8" or quantizes else {}
+    if quantizes and args.engram_layer_ids:
+        need = need | {"engram_head_dim": args.engram_head_dim}
+    bad = [f"{key} {value}" for key, value in need.items() if value % 32]
+    if bad:
+        what = "fp8 experts (32x32 blocks)" if expert_dtype == "fp8" else "fp4 experts and Engram's fp8 rows"
+        raise PlanError(
+            f"{config}: {', '.join(bad)} not a multiple of 32: {what} need it (32-wide scale blocks along every "
+            "quantized dim); the model cannot be written in that format"
+        )
 
 
 def _require_scales(sources: dict[str, Source]) -> None:
@@ -280,18 +308,10 @@ def _expert_counts(sources: dict[str, Source]) -> tuple[int, int]:
     return counts[0], counts[1]  # that tp divides them: tp.check_tp, from the config these names matched
 
 
-def _check_splits(sources: dict[str, Source], tp: int, quantized: bool, expert_dtype: str) -> None:
+def _check_splits(sources: dict[str, Source], tp: int, quantized: bool) -> None:
     problems: list[str] = []
     for name, s in sources.items():  # in name order (gather_sources)
         split, op = s.rule.split, s.rule.op
-        if split is Split.EXPERT and expert_dtype != "fp8":
-            continue  # nothing below checks them: the bulk of the real checkpoint skipped at one test
-        if op is Op.AS_FP4 and expert_dtype == "fp8":
-            rows, cols = s.shape[0], s.shape[1] * (2 if s.dtype == "I8" else 1)  # I8: packed pairs
-            if rows % 32 or cols % 32:
-                problems.append(
-                    f"{s.file}: tensor {s.name}: [{rows}, {cols}] is not a multiple of 32x32 for fp8 experts"
-                )
         if split not in (Split.DIM0, Split.DIM1) or op is Op.SCALE:
             continue
         dim = 0 if split is Split.DIM0 else 1

@@ -233,3 +233,31 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path, io, partial_bytes):
     for p in sorted(clean.iterdir()):
         if p.is_file():
             assert (killed / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "refused", "kept"),
+    [
+        # an fp8-fp4 export wrote expert scales [out, 2] the published layout calls [out, 1]: a checkpoint plan,
+        # shard and export then refused (an audit); fp8 experts need 32x32 blocks
+        ("moe_intermediate_size", 48, [["export", "--format", "fp8-fp4"], ["export", "--format", "fp8"],
+                                       ["shard", "--tp", "1"], ["shard", "--tp", "1", "--expert-dtype", "fp8"]],
+         [["export", "--format", "bf16"]]),
+        # Engram's per-32 rows: quantizing a table of head dim 48 makes no published table
+        ("engram_head_dim", 48, [["export", "--format", "fp8-fp4"], ["export", "--format", "fp8"],
+                                 ["shard", "--tp", "1"]], [["export", "--format", "bf16"]]),
+    ],
+)  # fmt: skip
+def test_dims_the_output_blocks_cannot_tile_are_refused_naming_the_config(tmp_path, monkeypatch, capsys, key, value,
+                                                                         refused, kept):  # fmt: skip
+    cfg = tiny_config(quantized=False, vision=False)
+    cfg["text_config"][key] = value
+    src = write_ckpt(tmp_path / "src", source_tensors(cfg), cfg)
+    for k, (command, *options) in enumerate(refused):
+        out = tmp_path / f"out{k}"
+        code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *options)
+        assert code == 2 and f"{src / 'config.json'}: {key} {value} not a multiple of 32" in err, (options, err)
+        assert not out.exists()
+    for command, *options in kept:  # nothing is quantized: any dims
+        code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(tmp_path / "kept"), *options)
+        assert code == 0, err

@@ -103,7 +103,7 @@ def test_split_that_cuts_scale_blocks(tmp_path):
     index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())["weight_map"]
     sources = gather_sources(tmp_path / "s", index)
     with pytest.raises(PlanError, match=r"layers\.0\.attn\.wq_b\.weight: split of dim 0 \(128\) over --tp 8 cuts"):
-        validate_sources(sources, ModelArgs.from_hf_dict(cfg), 8)
+        validate_sources(sources, ModelArgs.from_hf_dict(cfg), 8, tmp_path / "s" / "config.json")
 
 
 def test_missing_tensor_named(src):
@@ -306,7 +306,7 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
     plan = build_plan(src, 2, expert_dtype)
     sources = gather_sources(src, plan_module.read_index(src)[1])
     args = ModelArgs.from_hf_dict(json.loads((src / "config.json").read_text()), "config.json")
-    n_experts = validate_sources(sources, args, 2, expert_dtype)
+    n_experts = validate_sources(sources, args, 2, src / "config.json", expert_dtype)
     members = 0
     for f in plan.files:
         for run in (p for p in f.parts if type(p) is plan_module.ExpertRun):
