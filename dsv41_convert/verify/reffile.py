@@ -54,10 +54,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dsv41_convert.app.options import ascii_int
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.file_kinds import refuse_non_file
+from dsv41_convert.numbers import ascii_int
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.machine import MAX_THREADS
 from dsv41_convert.store.manifest import temporary_of

@@ -11,6 +11,7 @@ PACKAGE = Path(dsv41_convert.__file__).resolve().parent
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
     "errors",
+    "numbers",
     "file_kinds",
     "config",
     "progress",
