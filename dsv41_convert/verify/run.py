@@ -107,6 +107,8 @@ class VerifyResult:
     advice: str = ""  # INCONCLUSIVE: what would make the run decisive
     statistical: bool = False  # --statistical: statistical bounds accepted
     drafts_statistical: bool = False  # a PASS whose DSpark drafts only statistical bounds judged (--statistical)
+    # a PASS whose DSpark drafts nothing compared (a reference without decode steps), accepted by --statistical
+    drafts_unchecked: bool = False
     unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
     # CONVERTED's files against its manifest.json: "held", "differs", "absent", or "another set" (of another tp)
     manifest: str = "absent"
@@ -137,8 +139,11 @@ class VerifyResult:
             "verdict": self.verdict,
             "decisive": self.decisive,
             "held": self.held,
-            "statistical": self.verdict == PASS and self.statistical and (not self.decisive or self.drafts_statistical),
+            "statistical": self.verdict == PASS
+            and self.statistical
+            and (not self.decisive or self.drafts_statistical or self.drafts_unchecked),
             "drafts_statistical": self.drafts_statistical,
+            "drafts_unchecked": self.drafts_unchecked,
             "checks": [c.to_json() for c in self.checks],
             "advice": self.advice,
             "unreached": self.unreached,
@@ -417,6 +422,8 @@ def _verify_ranks(
     # the stages are then what no prompt ran (the report said they were judged: an audit)
     result.drafts_statistical = result.verdict == PASS and drafts and ran_drafts and drafts_uncovered(result.checks)
     result.unreached = not_run_by(ref.inputs, conv_args) + ([DRAFTS_UNREACHED] if uncovered and not ran_drafts else [])
+    # what only --statistical let pass: `statistical` said false there, as for a PASS that checks decided (an audit)
+    result.drafts_unchecked = result.verdict == PASS and bool(result.decisive) and uncovered and not ran_drafts
     if result.verdict == INCONCLUSIVE:
         skipped = weight_digests.experts_stored_as(ranks) if result.weights == "partial" else ""
         result.advice = (

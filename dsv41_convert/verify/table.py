@@ -54,6 +54,8 @@ def render(result: VerifyResult) -> Group:
         how = "decisive: " + ", ".join(f"{name} bit for bit" for name in result.decisive)
         if result.drafts_statistical:
             how += "; the DSpark drafts on statistical bounds only (--statistical)"
+        if result.drafts_unchecked:
+            how += "; the DSpark drafts compared by nothing (no decode steps), accepted by --statistical"
     elif result.verdict == "PASS":
         how = "statistical bounds only (--statistical)" + _bounded_held(result)
     elif result.held:  # INCONCLUSIVE: bit for bit, but the DSpark stages were compared by nothing

@@ -9,12 +9,14 @@ all of them at once.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_cli_usage import entry_point
@@ -28,6 +30,7 @@ from dsv41_convert.verify.arithmetic import arithmetic
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.reference import compute_reference
 from dsv41_convert.verify.run import DRAFTS_UNREACHED, VerifyOptions, verify
+from dsv41_convert.verify.table import render
 
 pytestmark = pytest.mark.slow  # runs the tiny model once for the reference, and the CLI per damage
 
@@ -85,6 +88,12 @@ def test_only_ids_logits_logits_all_runs(work, tmp_path):
     # stage passed, reported as judged)
     result = verify(VerifyOptions(conv, reference_logits=minimal, threads=1, statistical=True))
     assert result.verdict == "PASS" and not result.drafts_statistical
+    # the PASS needed --statistical: said so (`statistical` was false, as for a PASS checks decided: an audit)
+    doc = result.to_json()
+    assert doc["statistical"] and doc["drafts_unchecked"] and result.decisive == ["reference"]
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(render(result))
+    assert "drafts compared by nothing (no decode steps), accepted by --statistical" in console.export_text()
     assert DRAFTS_UNREACHED in result.unreached and result.to_json()["unreached"] == result.unreached
     assert DRAFTS_UNREACHED not in verify(VerifyOptions(conv, reference_logits=ref, threads=1)).unreached
 
