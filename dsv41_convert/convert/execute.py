@@ -81,7 +81,7 @@ from dsv41_convert.store.manifest_merge import (
 )
 from dsv41_convert.store.plan_claims import claimed
 from dsv41_convert.store.rank_names import RANK_FILE
-from dsv41_convert.store.source_stamps import changed_since, record_stamps, source_stamps
+from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps
 
 COMMON_FILES = (*SIDECARS, "config.json", HF_CONFIG)
 
@@ -626,6 +626,7 @@ def execute(
             "resume": resume,
             "journal": journal_bytes,
             "direct_io": direct_io,
+            "stamps": stamps,
         }
         lock_fds = lock.descriptors() + ([claim_fd] if claim_fd is not None else [])
         summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock_fds, ranks is not None)
@@ -812,7 +813,8 @@ def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> F
         quantizer = _quantizer(job)
         ready = time.monotonic()
         size, sha = write_rank_file(rf, src, out, quantizer, progress, on_commit=partial(write_done, out, rf.file,
-                                    plan_digest=job["digest"]), **_write_kw(job, stats))  # fmt: skip
+                                    plan_digest=job["digest"]), before_commit=partial(_source_as_stamped, src, job),
+                                    **_write_kw(job, stats))  # fmt: skip
     add_seconds(stats["stages"], "start", ready - start)
     return _done(rf.file, size, sha, stats, start)
 
@@ -841,6 +843,7 @@ def _run_here(todo, src, out, job, progress) -> list[FileDone]:
         for rf in todo:
             start, stats = time.monotonic(), {}
             size, sha = write_partial(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
+            _source_as_stamped(src, job, rf.file)
             if pending is not None:
                 results.append(pending.result())
             pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats, start)
@@ -874,6 +877,21 @@ def _quantizer(job: dict[str, Any]) -> SimpleNamespace:
     from dsv41_convert.convert.transform import quantizer_for
 
     return quantizer_for(job["device"])
+
+
+def _source_as_stamped(src: Path, job: dict[str, Any], file: str) -> None:
+    """OutputError where a source shard changed (size or modification time) since the run began, checked once a
+    rank file's bytes are all written and before it takes its name: a source replaced mid-run (`make-tiny
+    --overwrite`, a download fetching a shard again) gave rank files of two models, each committed, and a
+    manifest over them, exit 0 (an audit). The file stays partial; the run's record of the source makes
+    --resume refuse too."""
+    changed = differing(job["stamps"], source_stamps(src))
+    if changed:
+        raise OutputError(
+            f"{src}: {first_few(changed)} changed (size or modification time) while this run read it; {file} may "
+            "hold bytes of both versions and was not given its name: run again with --overwrite once the source "
+            "is as it should be"
+        )
 
 
 def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[str, Any], start: float) -> FileDone:

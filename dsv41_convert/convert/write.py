@@ -179,14 +179,19 @@ def write_rank_file(
     chunk_bytes: int = CHUNK_BYTES,
     stash_bytes: int = STASH_BYTES,
     on_commit: Callable[[int, str], None] | None = None,
+    before_commit: Callable[[str], None] | None = None,
     **resume_kw,
 ) -> tuple[int, str]:
     """Write `rf` to out/rf.file (via rf.file + ".partial"), fsync, rename. -> (size, sha256 hex)
 
     on_commit(size, sha256 hex): called once the file is in place, before its journal goes (`commit`).
+    before_commit(file name): called once every byte is written, before the file takes its name; raises to keep
+    it partial.
     `resume_kw` go to `write_partial` (plan_digest, resume, journal_bytes, stats, direct_io).
     """
     size, sha = write_partial(rf, src, out, quantizer, progress, chunk_bytes, stash_bytes, **resume_kw)
+    if before_commit is not None:
+        before_commit(rf.file)
     commit(out, rf.file, None if on_commit is None else lambda: on_commit(size, sha))
     return size, sha
 

@@ -26,6 +26,11 @@ def source_stamps(src: Path) -> Stamps:
     return {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(Path(src).glob("*.safetensors"))}
 
 
+def differing(before: Stamps, now: Stamps) -> list[str]:
+    """The shards whose size or time differ between two stamps of one source, added and removed ones too."""
+    return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
+
+
 def _record_path(out: Path) -> Path:
     return Path(out) / DONE_DIR / f"{PREFIX}{socket.gethostname()}.json"
 
@@ -49,6 +54,6 @@ def changed_since(out: Path, src: Path, stamps: Stamps) -> tuple[list[str], str 
         return [], None
     if not isinstance(doc, dict) or not isinstance(before := doc.get("files"), dict):
         return [], None
-    changed = sorted(n for n in set(before) | set(stamps) if before.get(n) != stamps.get(n))
+    changed = differing(before, stamps)
     elsewhere = None if doc.get("src") == str(Path(src).resolve()) else str(doc.get("src"))
     return changed, elsewhere

@@ -632,3 +632,34 @@ def test_streamed_reference_with_tp_options_is_refused_before_anything(src, tmp_
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--stream-layers", *extra)
     assert_clean_error(code, err, "--stream-layers computes the tp-1 reference: no --tp or --as-converted")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("command", [["shard", "--tp", "2"], ["export", "--format", "fp8"]])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_source_changed_during_the_run_gives_no_rank_file_and_no_manifest(tmp_path, command, workers):
+    """A source replaced mid-run (`make-tiny --overwrite`, a download fetching a shard again): the rank files
+    mixed two models, each committed, with a manifest over them, exit 0 (an audit). Now each file's source is
+    checked once its bytes are written, before it takes its name: exit 2 naming the shard, no file under its
+    name, no manifest; --resume refuses, --overwrite converts the source as it now is."""
+    src = make_tiny(tmp_path / "src", vision=False)
+    out = tmp_path / "out"
+    env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.005"}
+    name, *options = command
+    cmd = [*CLI, name, str(src), str(out), *options, "--workers", workers]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and list(out.glob("*.partial"))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten: same size, a later time
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert f"{shard.name} changed (size or modification time) while this run read it" in " ".join(err.split()), err
+    assert not (out / "manifest.json").exists()
+    assert not [p.name for p in out.glob("*.safetensors")]  # every file begun after the change's stamp
+    resume = subprocess.run([*CLI, name, str(src), str(out), *options, "--resume"], capture_output=True, text=True)
+    assert resume.returncode == 2 and "changed (size or modification time) since a run began" in resume.stderr
+    again = subprocess.run([*CLI, name, str(src), str(out), *options, "--overwrite"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
