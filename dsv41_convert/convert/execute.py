@@ -288,6 +288,7 @@ def _no_other_conversion(
     _refuse_strangers(out, sorted(set(strangers), key=lambda n: (not HF_SHARD.fullmatch(n), n)))
     if dry_run:
         return
+    interrupts.check()  # one postponed in the lock's wait or the checks: nothing removed (an audit: it was)
     if before_removing is not None:
         before_removing()
     for name in others:
@@ -532,6 +533,7 @@ def _replace_the_launchs_files(out: Path, plan: ConversionPlan, mine: list[RankF
     holds two conversions' rank files, whether the other processes run (a whole launch) or not (one process run
     again alone: an audit). New files of this plan (their records name it) are left alone."""
     digest = plan.digest()
+    interrupts.check()  # before the first removal, as in _no_other_conversion
     forget_stale(out, digest)
     old = [f for f in _kept(plan, mine) if (rec := read_done(out, f)) is not None and rec.get("plan_digest") != digest]
     _mark_replacing(out, [f for f in old if (out / f).is_file()])

@@ -774,17 +774,24 @@ def _interrupted_after(monkeypatch, module, name: str) -> None:
     monkeypatch.setattr(module, name, marked)
 
 
-@pytest.mark.parametrize("command", ["shard", "export"])
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (["shard", "--tp", "2"], ["shard", "--tp", "2"]),  # the same conversion: its own files replaced
+        (["shard", "--tp", "4"], ["shard", "--tp", "2"]),  # another conversion's files removed first
+        (["export", "--format", "bf16"], ["export", "--format", "bf16"]),
+        (["shard", "--tp", "2"], ["export", "--format", "bf16"]),
+    ],
+)
 def test_a_signal_during_the_output_checks_stops_the_overwrite_before_it_removes(src, tmp_path, monkeypatch, capsys,
-                                                                                command):  # fmt: skip
-    """The check after OUT's lock and the refusals (a signal in the lock's wait or the checks): without it an
-    --overwrite removed the conversion it replaces, then stopped. 130, OUT as it was."""
+                                                                                first, then):  # fmt: skip
+    """A signal postponed in the lock's wait or the checks: an --overwrite removed the conversion it replaces,
+    then stopped (another conversion's files even after the check meant for it: an audit). 130, OUT as it was."""
     out = tmp_path / "out"
-    options = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
-    assert run_cli(monkeypatch, capsys, command, str(src), str(out), *options)[0] == 0
+    assert run_cli(monkeypatch, capsys, first[0], str(src), str(out), *first[1:])[0] == 0
     before = tree(out)
-    _interrupted_after(monkeypatch, execute_mod, "_no_other_conversion")
-    code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *options, "--overwrite")
+    _interrupted_after(monkeypatch, execute_mod, "check_empty")
+    code, _, err = run_cli(monkeypatch, capsys, then[0], str(src), str(out), *then[1:], "--overwrite")
     assert code == 130, err
     assert tree(out) == before
 
