@@ -590,10 +590,13 @@ def reference_logits_cmd(
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
         report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
     for p in prompt_list if stream_layers else ():  # a longer list is cut to the steps asked for
-        if p.decode_ids is not None and len(p.decode_ids) > decode_steps + 1:
+        given = 0 if p.decode_ids is None else len(p.decode_ids)
+        if given and not decode_steps:  # no step runs, no draft starts: none is fed
+            report.warn(f"{p.origin or p.label}: {given} decode_ids, but --decode-steps 0 feeds none of them")
+        elif given > decode_steps + 1:
             report.warn(
-                f"{p.origin or p.label}: {len(p.decode_ids)} decode_ids, {decode_steps} decode steps feed the first "
-                f"{decode_steps + 1} (--decode-steps {len(p.decode_ids) - 1} feeds them all)"
+                f"{p.origin or p.label}: {given} decode_ids, {decode_steps} decode steps feed the first "
+                f"{decode_steps + 1} (--decode-steps {given - 1} feeds them all)"
             )
     if writes and (out.parent / "manifest.json").is_file():
         report.warn(

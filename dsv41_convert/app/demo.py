@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from dsv41_convert import interrupts
-from dsv41_convert.errors import OutputError
+from dsv41_convert import interrupts, torchrun
+from dsv41_convert.errors import ConfigError, OutputError
 from dsv41_convert.progress import Progress as ByteProgress
 
 Step = Callable[[str], None]
@@ -58,6 +58,8 @@ def run_demo(
     say = step or (lambda _m: None)
     tiny = ModelArgs.from_hf_dict(hf_config(PRESETS["tiny"], compressed_vocab_size=1, vision=False))
     check_tp(tiny, tp, "the demo's tiny model")  # before anything is written
+    if torchrun.world() not in (None, 1):  # a broken RANK/WORLD_SIZE pair is refused here too, not after make-tiny
+        raise ConfigError("demo runs in one process: run it without torchrun (RANK and WORLD_SIZE are set)")
     folder = Path(folder)
     src, out = folder / "src", folder / f"mp{tp}"
     if folder.exists() and any(folder.iterdir()):

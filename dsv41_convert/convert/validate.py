@@ -197,16 +197,17 @@ def require_block_dims(args: ModelArgs, config: Path, expert_dtype: str, quantiz
     and Engram's per-32 rows (`quantizes`) its head dim. An fp8-fp4 export of a bf16 source with
     moe_intermediate_size 48 wrote scales [out, 2] that the published layout calls [out, 1]: a checkpoint
     that plan, shard and export then refused (an audit)."""
-    dims = {"hidden_size": args.dim, "moe_intermediate_size": args.moe_inter_dim}
-    need = dims if expert_dtype == "fp8" or quantizes else {}
+    experts = "fp8 experts' 32x32 blocks" if expert_dtype == "fp8" else "fp4 experts' scale per 32 inputs"
+    need = []  # (key, value, what needs it)
+    if expert_dtype == "fp8" or quantizes:
+        need += [("hidden_size", args.dim, experts), ("moe_intermediate_size", args.moe_inter_dim, experts)]
     if quantizes and args.engram_layer_ids:
-        need = need | {"engram_head_dim": args.engram_head_dim}
-    bad = [f"{key} {value}" for key, value in need.items() if value % 32]
+        need.append(("engram_head_dim", args.engram_head_dim, "Engram's fp8 rows, a scale per 32"))
+    bad = [f"{key} {value} (for {what})" for key, value, what in need if value % 32]
     if bad:
-        what = "fp8 experts (32x32 blocks)" if expert_dtype == "fp8" else "fp4 experts and Engram's fp8 rows"
         raise PlanError(
-            f"{config}: {', '.join(bad)} not a multiple of 32: {what} need it (32-wide scale blocks along every "
-            "quantized dim); the model cannot be written in that format"
+            f"{config}: not a multiple of 32: {', '.join(bad)}; the published layout has no place for such "
+            "tensors, so the model cannot be written in that format"
         )
 
 

@@ -107,7 +107,8 @@ class VerifyResult:
     advice: str = ""  # INCONCLUSIVE: what would make the run decisive
     statistical: bool = False  # --statistical: statistical bounds accepted
     drafts_statistical: bool = False  # a PASS whose DSpark drafts only statistical bounds judged (--statistical)
-    # a PASS whose DSpark drafts nothing compared (a reference without decode steps), accepted by --statistical
+    # a PASS whose DSpark drafts nothing compared (a reference without decode steps), accepted by --statistical,
+    # beside a decisive check of the rest or beside statistical bounds only
     drafts_unchecked: bool = False
     unreached: list[str] = field(default_factory=list)  # parts of the model no prompt ran (not_run_by)
     # CONVERTED's files against its manifest.json: "held", "differs", "absent", or "another set" (of another tp)
@@ -423,7 +424,7 @@ def _verify_ranks(
     result.drafts_statistical = result.verdict == PASS and drafts and ran_drafts and drafts_uncovered(result.checks)
     result.unreached = not_run_by(ref.inputs, conv_args) + ([DRAFTS_UNREACHED] if uncovered and not ran_drafts else [])
     # what only --statistical let pass: `statistical` said false there, as for a PASS that checks decided (an audit)
-    result.drafts_unchecked = result.verdict == PASS and bool(result.decisive) and uncovered and not ran_drafts
+    result.drafts_unchecked = result.verdict == PASS and uncovered and not ran_drafts
     if result.verdict == INCONCLUSIVE:
         skipped = weight_digests.experts_stored_as(ranks) if result.weights == "partial" else ""
         result.advice = (

@@ -58,6 +58,8 @@ def render(result: VerifyResult) -> Group:
             how += "; the DSpark drafts compared by nothing (no decode steps), accepted by --statistical"
     elif result.verdict == "PASS":
         how = "statistical bounds only (--statistical)" + _bounded_held(result)
+        if result.drafts_unchecked:
+            how += "; the DSpark drafts compared by nothing (no decode steps)"
     elif result.held:  # INCONCLUSIVE: bit for bit, but the DSpark stages were compared by nothing
         how = f"held bit for bit: {', '.join(result.held)}, but no check compared the DSpark drafts"
     else:

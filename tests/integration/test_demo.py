@@ -109,3 +109,16 @@ def test_demo_exits_as_verify_does(verdict, code, tmp_path, monkeypatch, capsys)
     monkeypatch.setattr("dsv41_convert.app.demo.run_demo", lambda *a, **k: (Result(verdict), {"verify": 1.0}))
     got, out, _ = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "demo"), "--json")
     assert got == code and json.loads(out)["verdict"] == verdict
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0"}, {"RANK": "3", "WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2"}])
+def test_demo_in_a_launch_or_a_broken_one_is_refused_before_it_writes(env, tmp_path, monkeypatch, capsys):
+    """A broken RANK/WORLD_SIZE pair was refused only by the shard stage, after make-tiny had written the source
+    (an audit); a launch of several processes would each write one share. Exit 2, nothing written."""
+    from cli_run import run_cli
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "demo"))
+    assert code == 2 and ("RANK" in err or "torchrun" in err), err
+    assert not (tmp_path / "demo").exists()

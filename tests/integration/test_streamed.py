@@ -182,6 +182,10 @@ def test_cli_stream_layers_writes_the_reference(sources, tmp_path, monkeypatch, 
                               "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "1",
                               "--no-weight-digests", "--json")  # fmt: skip
     assert code == 0 and json.loads(stdout)["weight_digests"] == 0
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(tmp_path / "none.st"),
+                           "--stream-layers", "--prompts", str(tmp_path / "p.jsonl"), "--decode-steps", "0",
+                           "--no-weight-digests")  # fmt: skip
+    assert code == 0 and "p.jsonl:1: 3 decode_ids, but --decode-steps 0 feeds none of them" in err, err
     assert "weights" not in reffile.load(bare, 128).provenance
     fp4_only = tmp_path / "fp4-only.safetensors"
     code, stdout, _ = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(fp4_only),

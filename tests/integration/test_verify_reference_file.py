@@ -94,6 +94,12 @@ def test_only_ids_logits_logits_all_runs(work, tmp_path):
     console = Console(width=400, record=True, file=io.StringIO())
     console.print(render(result))
     assert "drafts compared by nothing (no decode steps), accepted by --statistical" in console.export_text()
+    # the same at tp 2 without the replay: statistical bounds only, the drafts compared by nothing either
+    conv2 = tmp_path / "mp2"
+    execute(build_plan(conv.parent / "src", 2), conv2)
+    result = verify(VerifyOptions(conv2, reference_logits=minimal, threads=1, statistical=True, replay=False))
+    doc = result.to_json()
+    assert result.verdict == "PASS" and result.decisive == [] and doc["statistical"] and doc["drafts_unchecked"]
     assert DRAFTS_UNREACHED in result.unreached and result.to_json()["unreached"] == result.unreached
     assert DRAFTS_UNREACHED not in verify(VerifyOptions(conv, reference_logits=ref, threads=1)).unreached
 
