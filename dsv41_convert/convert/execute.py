@@ -616,7 +616,7 @@ def execute(
             _remove_replaced(out, names)
         if not resume:  # refused before the first record: a plain run again is not refused as "not empty"
             _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(src))  # the side files come first
-        stamps = source_stamps(src)
+        stamps = _planned_stamps(plan, src)
         if resume or share:  # a share: the other shares' finished files count towards its manifest
             _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))
         record_stamps(out, src, stamps)
@@ -879,6 +879,19 @@ def _quantizer(job: dict[str, Any]) -> SimpleNamespace:
     from dsv41_convert.convert.transform import quantizer_for
 
     return quantizer_for(job["device"])
+
+
+def _planned_stamps(plan: ConversionPlan, src: Path) -> dict[str, list[int]]:
+    """SRC's stamps now, where they are those the plan read its headers under (OutputError otherwise: a shard
+    replaced while it was planned would be read at the old file's offsets)."""
+    stamps = source_stamps(src)
+    changed = differing(plan.stamps, stamps) if plan.stamps else []
+    if changed:
+        raise OutputError(
+            f"{src}: {first_few(changed)} changed (size or modification time) since this run read its headers; "
+            "nothing was written: run again once the source is as it should be"
+        )
+    return stamps
 
 
 def _source_as_stamped(src: Path, job: dict[str, Any], file: str) -> None:

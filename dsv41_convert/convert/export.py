@@ -37,6 +37,7 @@ from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.manifest import FRAGMENT_GLOB, MANIFEST, atomic_write
 from dsv41_convert.store.safetensors_header import nbytes, sort_key
+from dsv41_convert.store.source_stamps import source_stamps
 
 CONFIG = "config.json"
 E4M3, E8M0, BF16, I8 = "F8_E4M3", "F8_E8M0", "BF16", "I8"
@@ -65,6 +66,7 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     src = Path(src)
     require_regular_files(src)
     require_json_tokenizer_files(src)
+    stamps = source_stamps(src)  # before the headers (ConversionPlan.stamps)
     hf = load_json(src / CONFIG)
     if "text_config" not in hf:
         raise PlanError(
@@ -90,7 +92,9 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     total = sum(nbytes(t.dtype, t.shape) for f in shards for t in f.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map_out.items()))}
     config = output_config(hf, fmt)
-    plan = ConversionPlan(str(src.resolve()), 1, EXPERT_DTYPE[fmt], args.dtype, index_sha, config, tuple(shards))
+    plan = ConversionPlan(
+        str(src.resolve()), 1, EXPERT_DTYPE[fmt], args.dtype, index_sha, config, tuple(shards), stamps
+    )
     return ExportPlan(fmt, plan, config, index)
 
 

@@ -33,6 +33,7 @@ from dsv41_convert.convert.validate import (
 from dsv41_convert.errors import PlanError
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import layout_blocks
+from dsv41_convert.store.source_stamps import source_stamps
 
 INDEX = "model.safetensors.index.json"
 E4M3, E8M0, F4, BF16 = "F8_E4M3", "F8_E8M0", "F4", "BF16"
@@ -157,6 +158,9 @@ class ConversionPlan:
     index_sha256: str
     inference_config: dict[str, Any]  # the config.json written to OUT (an export plan: the HF config)
     files: tuple[RankFile, ...]
+    # each source shard's [size, mtime ns] as the plan found it, taken before its headers were read ({}: unknown);
+    # not in the digest (the same bytes from a copy are the same plan)
+    stamps: dict[str, list[int]] = field(default_factory=dict, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -298,6 +302,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
     src = Path(src)
     require_regular_files(src)
     require_json_tokenizer_files(src)
+    stamps = source_stamps(src)  # before the headers: a shard replaced while they are read is seen (execute)
     args = load_model_args(src / "config.json")
     check_tp(args, tp, str(src / "config.json"))
     index_sha, weight_map = read_index(src)
@@ -332,7 +337,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
         for rank, tensors in enumerate(per_rank)
     )
     out_args = args.to_inference_dict() | {"dtype": "fp8", "expert_dtype": "fp4" if expert_dtype == "fp4" else None}
-    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, files)
+    return ConversionPlan(str(src.resolve()), tp, expert_dtype, args.dtype, index_sha, out_args, files, stamps)
 
 
 def read_index(src: Path) -> tuple[str, dict[str, str] | None]:

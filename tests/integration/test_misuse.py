@@ -663,3 +663,24 @@ def test_a_source_changed_during_the_run_gives_no_rank_file_and_no_manifest(tmp_
     again = subprocess.run([*CLI, name, str(src), str(out), *options, "--overwrite"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["shard", "export"])
+def test_a_source_changed_between_planning_and_writing_is_refused_before_any_byte(tmp_path, kind):
+    """The run's baseline of the source's stamps was taken after the plan had read the headers: a shard
+    replaced in between was read at the old file's offsets (a review). The plan keeps the stamps it read
+    the headers under; the run compares them first."""
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.export import build_export_plan, export
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.errors import OutputError
+
+    src = make_tiny(tmp_path / "src", vision=False)
+    out = tmp_path / "out"
+    plan = build_plan(src, 2) if kind == "shard" else build_export_plan(src, "bf16")
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(OutputError, match=rf"{shard.name} changed \(size or modification time\) since this run read"):
+        execute(plan, out) if kind == "shard" else export(plan, out)
+    assert not [p.name for p in out.glob("*")] if out.exists() else True
