@@ -154,7 +154,7 @@ def write_manifest_from(
 ) -> Path:
     """manifest.json from known rank file records ({file: {size, sha256}}) and the hashes of `extra_files`."""
     files = {name: {"size": rec["size"], "sha256": rec["sha256"]} for name, rec in rank_files.items()}
-    for name in extra_files:
+    for name in sorted(extra_files):  # one order whoever writes it (a merge listed config.json first: an audit)
         path = out / name
         files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {

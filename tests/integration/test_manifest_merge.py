@@ -109,6 +109,8 @@ def test_merge_equals_a_full_run(runs, tmp_path, monkeypatch, capsys):
     full = json.loads((runs["full"] / "manifest.json").read_text())
     merged = json.loads((g / "manifest.json").read_text())
     assert merged["plan_digest"] == full["plan_digest"] and merged["options"] == full["options"]
+    # the same bytes as the full run's (a merge listed the side files in another order: an audit)
+    assert (g / "manifest.json").read_bytes() == (runs["full"] / "manifest.json").read_bytes()
     assert merged["source"]["index_sha256"] == full["source"]["index_sha256"]
     assert check_folder(g).ok
 
