@@ -589,15 +589,11 @@ def reference_logits_cmd(
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
         report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
-    for p in prompt_list if stream_layers else ():  # a longer list is cut to the steps asked for
-        given = 0 if p.decode_ids is None else len(p.decode_ids)
-        if given and not decode_steps:  # no step runs, no draft starts: none is fed
-            report.warn(f"{p.origin or p.label}: {given} decode_ids, but --decode-steps 0 feeds none of them")
-        elif given > decode_steps + 1:
-            report.warn(
-                f"{p.origin or p.label}: {given} decode_ids, {decode_steps} decode steps feed the first "
-                f"{decode_steps + 1} (--decode-steps {given - 1} feeds them all)"
-            )
+    if stream_layers:
+        from dsv41_convert.verify.streamed import unfed_decode_ids
+
+        for said in filter(None, (unfed_decode_ids(p, decode_steps) for p in prompt_list)):
+            report.warn(said)
     if writes and (out.parent / "manifest.json").is_file():
         report.warn(
             f"{out.parent} holds a manifest.json (a converted folder?): `check` will name {out.name} as a file it "

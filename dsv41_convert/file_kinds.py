@@ -4,6 +4,7 @@ audit found plan, verify and reference-logits waiting forever on one), a device 
 from __future__ import annotations
 
 import errno
+import stat
 from pathlib import Path
 
 SPECIAL = "a FIFO, a socket or a device"
@@ -22,13 +23,13 @@ def refuse_non_file(path: Path, error: type[Exception]) -> None:
     Nothing there is left to the caller, which says it in its own words."""
     path = Path(path)
     try:
-        path.stat()
+        mode = path.stat().st_mode
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise error(
                 f"{path}: not a regular file (a link that leads in a loop); put the file itself there"
             ) from None
         return
-    kind = "a folder" if path.is_dir() else special_kind(path)
+    kind = "a folder" if stat.S_ISDIR(mode) else None if stat.S_ISREG(mode) else SPECIAL
     if kind:
         raise error(f"{path}: not a regular file ({kind}); put the file itself there, or remove it")

@@ -885,7 +885,7 @@ def _planned_stamps(plan: ConversionPlan, src: Path) -> dict[str, list[int]]:
     """SRC's stamps now, where they are those the plan read its headers under (OutputError otherwise: a shard
     replaced while it was planned would be read at the old file's offsets)."""
     stamps = source_stamps(src)
-    changed = differing(plan.stamps, stamps) if plan.stamps else []
+    changed = differing(plan.stamps, stamps) if plan.stamps else []  # a plan from JSON has none
     if changed:
         raise OutputError(
             f"{src}: {first_few(changed)} changed (size or modification time) since this run read its headers; "

@@ -158,8 +158,8 @@ class ConversionPlan:
     index_sha256: str
     inference_config: dict[str, Any]  # the config.json written to OUT (an export plan: the HF config)
     files: tuple[RankFile, ...]
-    # each source shard's [size, mtime ns] as the plan found it, taken before its headers were read ({}: unknown);
-    # not in the digest (the same bytes from a copy are the same plan)
+    # each source shard's [size, mtime ns] as the plan found it, taken before its headers were read; {} for a plan
+    # read back from JSON (from_dict), which does not carry them; not in the digest (a copy's bytes: the same plan)
     stamps: dict[str, list[int]] = field(default_factory=dict, compare=False)
 
     @property

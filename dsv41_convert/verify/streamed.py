@@ -54,6 +54,21 @@ def fixed_decode_ids(prompt: Prompt, n_decode: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def unfed_decode_ids(prompt: Prompt, n_decode: int) -> str | None:
+    """A warning where `prompt` gives decode_ids that n_decode steps do not feed (fixed_decode_ids takes the
+    first n_decode + 1; none without a step), else None."""
+    given = 0 if prompt.decode_ids is None else len(prompt.decode_ids)
+    where = prompt.origin or prompt.label
+    if given and not n_decode:  # no step runs, no draft starts
+        return f"{where}: {given} decode_ids, but --decode-steps 0 feeds none of them"
+    if given > n_decode + 1:
+        return (
+            f"{where}: {given} decode_ids, {n_decode} decode steps feed the first {n_decode + 1} "
+            f"(--decode-steps {given - 1} feeds them all)"
+        )
+    return None
+
+
 def compute_streamed_reference(
     src: Path,
     prompts: list[Prompt],
