@@ -857,7 +857,10 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
         return report.print_json(summary)
     report.line(summary["manifest"])
     if summary.get("already_merged"):
-        report.info("already written by the share that finished last (no fragment left); `check` verifies it")
+        report.info(
+            "already written by the share that finished last (no fragment left); every file it lists checked against "
+            "it (size and sha256)"
+        )
         return
     report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
 

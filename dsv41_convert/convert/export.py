@@ -192,20 +192,20 @@ def _before(src: Path, out: Path) -> list[str]:
 
 
 def not_carried(src: Path) -> list[str]:
-    """SRC's top-level files that an export does not write (it writes the weights, config.json, the index and
-    the tokenizer files): generation_config.json, a chat template, a model card; hidden files left out, and
-    the records of a run of ours (an earlier export's manifest.json, a share's fragment): copied into OUT,
-    SRC's manifest made `check OUT` fail."""
+    """SRC's top-level files and folders that an export does not write (it writes the weights, config.json,
+    the index and the tokenizer files): generation_config.json, a chat template, a model card, the published
+    repository's encoding/ (its chat encoding) and inference/ folders, named "NAME/" (they went unnamed: an
+    audit); hidden ones left out, and the records of a run of ours (an earlier export's manifest.json, a
+    share's fragment): copied into OUT, SRC's manifest made `check OUT` fail."""
     written = {CONFIG, INDEX, MANIFEST, *SIDECARS}
-    return sorted(
+    entries = [p for p in Path(src).iterdir() if not p.name.startswith(".")]
+    folders = [f"{p.name}/" for p in entries if p.is_dir()]
+    files = [
         p.name
-        for p in Path(src).iterdir()
-        if p.is_file()
-        and not p.name.startswith(".")
-        and p.suffix != ".safetensors"
-        and p.name not in written
-        and not fnmatch(p.name, FRAGMENT_GLOB)
-    )
+        for p in entries
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in written and not fnmatch(p.name, FRAGMENT_GLOB)
+    ]
+    return sorted(files + folders)
 
 
 def _after(ep: ExportPlan, out: Path) -> list[str]:

@@ -58,7 +58,7 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest_from,
 )
-from dsv41_convert.store.manifest_check import read_manifest, unlisted
+from dsv41_convert.store.manifest_check import check_folder, read_manifest
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
@@ -236,7 +236,7 @@ def _merge(
 ) -> dict[str, Any]:
     frags = read_fragments(out)
     if not frags and (out / MANIFEST).is_file():  # the shares finished together: each saw every file done
-        return _already_merged(out)
+        return _already_merged(out, progress)
     _nothing_to_merge(out)  # again under the lock: a share may have merged and removed them meanwhile
     first_name, first = next(iter(frags.items()))
     exported = [f for f in frags.values() if f["options"].get("format") is not None]
@@ -245,7 +245,9 @@ def _merge(
         and (out / MANIFEST).is_file()
         and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported)
     ):
-        return _already_merged(out)  # an export its last share finished: the fragments are its shares' records
+        return _already_merged(
+            out, progress
+        )  # an export its last share finished: the fragments are its shares' records
     _not_an_export(out, frags)
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
@@ -361,26 +363,21 @@ def _side_records(
     return side, unchecked
 
 
-def _already_merged(out: Path) -> dict[str, Any]:
+def _already_merged(out: Path, progress: Progress | None) -> dict[str, Any]:
     """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge), once
-    its files are there with the sizes it lists and no other .safetensors is (`check` hashes them); an
-    OutputError names each that is not (a manifest of another conversion, copied in)."""
-    manifest = read_manifest(out)
-    problems = unlisted(out, manifest)
-    for name, rec in manifest["files"].items():
-        path = out / name
-        if not path.is_file():
-            problems.append(f"{name}: listed in {MANIFEST} but missing")
-        elif path.stat().st_size != rec["size"]:
-            problems.append(f"{name}: {path.stat().st_size} bytes, {MANIFEST} lists {rec['size']}")
+    its files hold the sizes and sha256 it lists and no other .safetensors is there, as a merge checks them
+    (it compared sizes only: a changed byte, an edited config passed, exit 0; an audit); an OutputError names
+    each that does not (a manifest of another conversion, copied in; a file changed since)."""
+    problems = check_folder(out, progress).problems
     if problems:
         raise OutputError(
             f"{out}: holds a {MANIFEST} and no fragments, but the folder is not the conversion it describes: "
             + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "")
-            + f" (a {MANIFEST} of another conversion? gather the fragments and rank files, remove it, merge again)"
+            + f" (a {MANIFEST} of another conversion, or files changed since? gather the fragments and rank files, "
+            "remove it, merge again)"
         )
-    rank_files = [f for f in manifest["files"] if f.endswith(".safetensors")]
+    rank_files = [f for f in read_manifest(out)["files"] if f.endswith(".safetensors")]
     return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],
             "already_merged": True}  # fmt: skip
 

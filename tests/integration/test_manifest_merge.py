@@ -234,6 +234,14 @@ def test_a_folder_whose_last_share_wrote_the_manifest_needs_no_merge(runs, tmp_p
     assert got["already_merged"] and got["manifest"] == str(out / "manifest.json")
     assert sorted(got["rank_files"]) == [f"model{r}-mp4.safetensors" for r in range(4)]
     assert (out / "manifest.json").read_bytes() == before
+    for name, offset in (("model2-mp4.safetensors", -1), ("config.json", 2)):  # same sizes, one byte other
+        path = out / name
+        data = bytearray(original := path.read_bytes())
+        data[offset] ^= 1
+        path.write_bytes(data)
+        code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))  # it compared sizes only: exit 0
+        assert code == 2 and f"{name}: sha256 " in err and "corrupt?" in err, err
+        path.write_bytes(original)
     (out / "manifest.json").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))
     assert code == 2 and "no manifest-fragment-*.json files" in err
@@ -485,7 +493,7 @@ def test_a_manifest_of_another_conversion_is_not_reported_as_merged(runs, tmp_pa
     execute(build_plan(runs["src"], 2), tp2)
     shutil.copy(tp2 / "manifest.json", g / "manifest.json")
     code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
-    assert code == 2 and "not the conversion it describes" in err and "model0-mp2.safetensors: listed" in err, err
+    assert code == 2 and "not the conversion it describes" in err and "model0-mp2.safetensors: missing" in err, err
     assert "model0-mp4.safetensors: in the folder but not in manifest.json" in err
 
 

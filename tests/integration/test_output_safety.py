@@ -350,12 +350,14 @@ def test_export_names_the_source_files_it_does_not_carry(src, tmp_path, monkeypa
     assert code == 0 and "not carried" not in err
     (source / "generation_config.json").write_text('{"temperature": 0.6}')
     (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "encoding").mkdir()  # the published repository's chat encoding (no chat_template in its tokenizer)
+    (source / "encoding" / "encoding.py").write_text("")
+    (source / ".cache").mkdir()
     code, out, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "b"), "--format", "fp8",
                              "--json")  # fmt: skip
-    assert (
-        code == 0 and f"{source}: not carried into {tmp_path / 'b'}: chat_template.jinja, generation_config.json" in err
-    )
-    assert json.loads(out)["not_carried"] == ["chat_template.jinja", "generation_config.json"]
+    named = "chat_template.jinja, encoding/, generation_config.json"
+    assert code == 0 and f"{source}: not carried into {tmp_path / 'b'}: {named}" in " ".join(err.split()), err
+    assert json.loads(out)["not_carried"] == ["chat_template.jinja", "encoding/", "generation_config.json"]
     # an earlier export as SRC: its manifest.json is a record of its own files, not one to carry (copied
     # into OUT as the warning said, it made `check OUT` fail)
     code, out, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "b"), str(tmp_path / "c"), "--format",
