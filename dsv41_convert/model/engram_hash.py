@@ -278,6 +278,18 @@ class NgramHashState(nn.Module):
             "cache", torch.full((args.max_batch_size, args.max_seq_len), DEAD, dtype=torch.int64), persistent=False
         )
 
+    def _require_mapped(self, input_ids: torch.Tensor) -> None:
+        """ConfigError where an id lies past the token map, which covers the tokenizer's ids: a vocabulary padded
+        past the tokenizer (a fine-tune's resize_token_embeddings) whose extra ids reach the model, in a prompt
+        or as a greedy choice (upstream fails there with an IndexError, as this did: an audit)."""
+        top = int(input_ids.max()) if input_ids.numel() else 0
+        if top >= len(self.token_map):
+            raise ConfigError(
+                f"token id {top} reached the Engram hash, whose token map covers the tokenizer's "
+                f"{len(self.token_map)} ids only (tokenizer.json has fewer ids than the config's vocab_size): "
+                "give prompts of the tokenizer's ids; a greedy choice there means the head's padded rows win"
+            )
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hash ids of the n-grams ending at each new position; positions before `start_pos` must
@@ -289,6 +301,7 @@ class NgramHashState(nn.Module):
         """
         bsz, seqlen = input_ids.shape
         n = self.max_ngram_size
+        self._require_mapped(input_ids)
         ids = self.token_map[input_ids]
         if token_mask is not None:
             ids = ids.masked_fill(~token_mask, DEAD)

@@ -11,7 +11,8 @@ verify/streamed.py for the rule when they are absent). Blank lines and lines sta
 The defaults are token ids, so they need no tokenizer: three prompts of 40 tokens each, longer than
 the tiny preset's 16-token sliding window and its 4-token candidate blocks, so compressed attention,
 the indexer and the candidate selection all take part. The ids are drawn from a fixed generator and
-avoid the top of the vocabulary (the image and DSpark noise tokens live there).
+avoid the top of the vocabulary (the image and DSpark noise tokens live there). A model with Engram layers
+takes only the ids its tokenizer has (prompt_id_bound): its token map covers no more.
 """
 
 from __future__ import annotations
@@ -68,11 +69,27 @@ def _require_unicode(value: object, what: str, path: bool = False) -> None:
             raise VerifyInputError(f"{what} holds a NUL character, which no file name holds")
 
 
-def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> list[Prompt]:
+def prompt_id_bound(vocab_size: int, engram: bool, tokenizer_path: Path | None) -> tuple[int, str]:
+    """The ids a prompt may hold, [0, bound), and what bounds them: the vocabulary, or for a model with Engram
+    layers (`engram`) the tokenizer where it has fewer ids: the Engram hash maps each id through a token map
+    built from the tokenizer, which covers no more (a vocabulary padded past the tokenizer, as a fine-tune's
+    resize_token_embeddings(..., pad_to_multiple_of=64) leaves it: the built-in prompts drew ids past it and
+    the model ended in an IndexError; an audit)."""
+    if not engram or tokenizer_path is None or not Path(tokenizer_path).is_file():
+        return vocab_size, "the vocabulary"
+    have = _tokenizer(tokenizer_path, str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+    if have >= vocab_size:
+        return vocab_size, "the vocabulary"
+    return have, f"the {have} ids of {tokenizer_path}, which the Engram token map covers (vocab_size is {vocab_size})"
+
+
+def load_prompts(
+    path: Path, tokenizer_path: Path | None, vocab_size: int, bound_by: str = "the vocabulary"
+) -> list[Prompt]:
     """Read a JSONL prompt file; text lines need `tokenizer_path` (a tokenizer.json).
 
     Raises VerifyInputError naming the file and line for malformed lines, unknown keys, ids outside
-    [0, vocab_size), and text without a tokenizer.
+    [0, vocab_size) (`bound_by` says what that bound is: prompt_id_bound), and text without a tokenizer.
     """
     path = Path(path)
     refuse_non_file(path, VerifyInputError)  # a FIFO waited for a writer forever (an audit)
@@ -138,7 +155,7 @@ def load_prompts(path: Path, tokenizer_path: Path | None, vocab_size: int) -> li
             prompts[-1] = replace(prompts[-1], decode_ids=tuple(decode_ids))
         bad = [t for t in (*prompts[-1].input_ids, *(decode_ids or ())) if not 0 <= t < vocab_size]
         if bad:
-            raise VerifyInputError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+            raise VerifyInputError(f"{where}: token ids {bad[:5]} outside [0, {vocab_size}): {bound_by}")
     if not prompts:
         raise VerifyInputError(f"{path}: no prompts in the file")
     return prompts

@@ -25,7 +25,7 @@ from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.arithmetic import arithmetic
 from dsv41_convert.verify.launch import launch, tell, told_each
-from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts
+from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts, prompt_id_bound
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import (
     ModelInput,
@@ -67,9 +67,10 @@ def read_prompts(
     """The built-in prompts, or those of `prompts_file`. feeds_decode_ids: the run feeds a prompt's decode_ids
     to its decode steps (the streamed reference); elsewhere they are refused, since the decode steps feed the
     model's own greedy choices and they would be ignored (`verify --reference SRC` did: an audit)."""
+    bound, bound_by = prompt_id_bound(args.vocab_size, bool(args.engram_layer_ids), tokenizer_json)
     if prompts_file is None:
-        return default_prompts(args.vocab_size)
-    prompts = load_prompts(prompts_file, tokenizer_json, args.vocab_size)
+        return default_prompts(bound)
+    prompts = load_prompts(prompts_file, tokenizer_json, bound, bound_by)
     fixed = [p.origin or p.label for p in prompts if p.decode_ids is not None]
     if fixed and not feeds_decode_ids:
         raise VerifyInputError(

@@ -313,3 +313,36 @@ def test_fault_hf_config_not_the_sources(work):
     assert f"hf config: {conv / 'hf_config.json'} differs from" in "\n".join(result.failures)
     assert all(s.max_abs == 0 for s in result.twin.values())  # the logits could not tell
     assert "a side file, not a weight" in result.localization.note
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_verifies_on_the_tokenizers_ids(tmp_path):
+    """A fine-tune's resize_token_embeddings(..., pad_to_multiple_of=64): vocab_size and the embedding and head
+    rows grow past the tokenizer's ids. It converts; the built-in prompts drew ids past the tokenizer, and the
+    Engram hash (its token map covers the tokenizer's ids) ended verify in an IndexError (an audit). The
+    prompts now stay within the tokenizer, and an id past it is refused naming it."""
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.errors import ConfigError
+    from dsv41_convert.model.engram_hash import EngramLayout, NgramHashState
+
+    src, padded, grown = tmp_path / "src", TINY.vocab_size + 64, []
+    write_checkpoint(src, TINY, seed=0, quantized=False, vision=False)
+    for shard in src.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        for name, t in tensors.items():
+            if t.shape[0] == TINY.vocab_size and (name.endswith(("embed.weight", "head.weight"))):
+                tensors[name] = torch.cat([t, t[:64]])  # copies: a greedy tie goes to the lower id
+                grown.append(name)
+        save_file(tensors, str(shard))
+    assert len(grown) >= 2, grown
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["vocab_size"] = padded
+    (src / "config.json").write_text(json.dumps(config))
+    conv = tmp_path / "mp2"
+    execute(build_plan(src, 2), conv)
+    result = verify(VerifyOptions(conv, reference=src, n_decode=1, threads=1))
+    assert result.ok, result.failures
+    args = load_model_args(conv / "config.json").with_runtime(max_batch_size=1, max_seq_len=64)
+    assert args.vocab_size == padded
+    hashes = NgramHashState(args, EngramLayout.from_args(args), conv / "tokenizer.json")
+    with pytest.raises(ConfigError, match=rf"token id {TINY.vocab_size} reached the Engram hash"):
+        hashes(torch.tensor([[5, TINY.vocab_size]]), 0)

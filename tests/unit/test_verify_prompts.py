@@ -34,14 +34,14 @@ def test_jsonl_ids_and_text(tmp_path):
     [
         ("not json", r"p.jsonl:1: not a JSON object"),
         (json.dumps({"input_ids": [1], "text": "x"}), r"exactly one of"),
-        (json.dumps({"input_ids": [1, 600]}), r"\[600\] outside the vocabulary"),
+        (json.dumps({"input_ids": [1, 600]}), r"\[600\] outside \[0, 512\): the vocabulary"),
         (json.dumps({"ids": [1]}), r"unknown keys \['ids'\]"),
         (json.dumps({"input_ids": []}), r"non-empty list"),
         (json.dumps({"input_ids": [1], "image": "a.png"}), r"image goes with a text prompt"),
         (json.dumps({"text": "hi"}), r"needs tokenizer.json"),
         (json.dumps({"input_ids": [1], "decode_ids": []}), r"decode_ids must be a non-empty list"),
         (json.dumps({"input_ids": [1], "decode_ids": [3, "x"]}), r"decode_ids must be a non-empty list"),
-        (json.dumps({"input_ids": [1], "decode_ids": [3, 512]}), r"\[512\] outside the vocabulary"),
+        (json.dumps({"input_ids": [1], "decode_ids": [3, 512]}), r"\[512\] outside \[0, 512\): the vocabulary"),
         (json.dumps({"input_ids": [True, 2, 3]}), r"input_ids must be a non-empty list of integers"),
         (json.dumps({"input_ids": [1], "decode_ids": [False]}), r"decode_ids must be a non-empty list"),
         (json.dumps({"text": "hi", "image": ""}), r"p.jsonl:1: image must be a path string"),  # was "Is a directory"
@@ -139,3 +139,23 @@ def test_a_decompression_bomb_is_an_input_error(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 4096 pixels: over twice the limit, as the bomb was
     with pytest.raises(ValueError, match="decompression-bomb limit"):
         open_image(tmp_path / "big.png")
+
+
+def test_a_model_with_engram_takes_only_its_tokenizers_ids(tmp_path):
+    """A vocabulary padded past the tokenizer (576 rows, 512 ids): a model with Engram layers maps each id through
+    the tokenizer's token map, so the prompts' ids stay below 512, and a prompt file's id past it is refused
+    naming the tokenizer; a model without Engram, or a tokenizer as long as the vocabulary, keeps vocab_size."""
+    from dsv41_convert.verify.prompts import prompt_id_bound
+
+    tokenizer = tmp_path / "tokenizer.json"
+    build_tokenizer(512).save(str(tokenizer))
+    bound, bound_by = prompt_id_bound(576, True, tokenizer)
+    assert bound == 512 and str(tokenizer) in bound_by
+    assert prompt_id_bound(576, False, tokenizer) == (576, "the vocabulary")
+    assert prompt_id_bound(512, True, tokenizer) == (512, "the vocabulary")
+    assert prompt_id_bound(576, True, None) == (576, "the vocabulary")
+    assert all(t < 512 - 8 for p in default_prompts(bound) for t in p.input_ids)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [5, 540]}) + "\n")
+    assert load_prompts(tmp_path / "p.jsonl", tokenizer, 576)[0].input_ids == (5, 540)
+    with pytest.raises(VerifyInputError, match=r"\[540\] outside \[0, 512\): the 512 ids of .*tokenizer.json"):
+        load_prompts(tmp_path / "p.jsonl", tokenizer, bound, bound_by)
