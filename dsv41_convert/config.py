@@ -93,7 +93,28 @@ HF_VISION_TO_ARGS: dict[str, str] = {
 
 # Keys that carry no ModelArgs field. A value given here is the only one the model supports;
 # None means any value is accepted (provenance only).
-HF_TEXT_FIXED: dict[str, Any] = {
+# What a framework's save_pretrained adds to a config for its own use (transformers writes the dtype and its
+# version into every sub-config, the run's settings where a model class sets them): the weights mean the same.
+HF_BOOKKEEPING: dict[str, Any] = dict.fromkeys(
+    (
+        "_name_or_path",
+        "_attn_implementation_autoset",
+        "_commit_hash",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
+)
+HF_TEXT_FIXED: dict[str, Any] = HF_BOOKKEEPING | {
     "model_type": None,
     "num_key_value_heads": 1,
     "hidden_act": "silu",
@@ -107,16 +128,11 @@ HF_TEXT_FIXED: dict[str, Any] = {
     "rope_scaling": None,  # handled through HF_ROPE_TO_ARGS
 }
 HF_ROPE_FIXED: dict[str, Any] = {"rope_type": "yarn"}
-HF_VISION_FIXED: dict[str, Any] = {"model_type": None}
-HF_TOP_FIXED: dict[str, Any] = {
+HF_VISION_FIXED: dict[str, Any] = HF_BOOKKEEPING | {"model_type": None}
+HF_TOP_FIXED: dict[str, Any] = HF_BOOKKEEPING | {
     "architectures": None,
     "model_type": None,
-    "dtype": None,
-    "torch_dtype": None,
-    "transformers_version": None,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
+    "tie_word_embeddings": False,  # transformers 5 writes it at the top
     "image_token_id": None,  # -> image_token_id
     "quantization_config": None,
     "text_config": None,
@@ -416,7 +432,11 @@ def _object_or_none(data: dict[str, Any], key: str, source: str) -> dict[str, An
 def _check_keys(data: dict[str, Any], fixed: dict[str, Any], mapped: dict[str, str], where: str) -> None:
     unknown = sorted(set(data) - set(fixed) - set(mapped))
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; add them to dsv41_convert/config.py if the format changed")
+        raise ConfigError(
+            f"{where}: unknown keys {unknown}: a key this tool does not know may change what the weights mean, so "
+            "the config is refused (where a framework added it for its own use, remove it; where the published "
+            "format gained it, this version predates it)"
+        )
     for key, expected in fixed.items():
         if expected is not None and key in data and data[key] != expected:
             raise ConfigError(f"{where}: {key} = {data[key]!r}, this model supports only {expected!r}")

@@ -261,3 +261,39 @@ def test_dims_the_output_blocks_cannot_tile_are_refused_naming_the_config(tmp_pa
     for command, *options in kept:  # nothing is quantized: any dims
         code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(tmp_path / "kept"), *options)
         assert code == 0, err
+
+
+def test_a_config_a_framework_saved_again_converts_the_same_and_unknown_keys_are_refused(
+    src, tmp_path, monkeypatch, capsys
+):
+    """A fine-tune's config.json re-saved by transformers carries its bookkeeping (its version, the dtype in every
+    sub-config, use_cache, the token ids, the run's name): refused before as "unknown keys ... add them to
+    dsv41_convert/config.py" (an audit). The weights mean the same: the export's shards are byte-identical. A key
+    that may change their meaning is still refused, and the message no longer sends a user into the source."""
+    resaved = tmp_path / "resaved"
+    resaved.mkdir()
+    for p in src.iterdir():
+        (resaved / p.name).write_bytes(p.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config.update(_name_or_path="/ckpt/ft-7", use_cache=False, tie_word_embeddings=False, transformers_version="5.1")
+    config["text_config"].update(torch_dtype="bfloat16", pad_token_id=1, output_router_logits=False,
+                                 router_aux_loss_coef=0.001, _attn_implementation_autoset=True)  # fmt: skip
+    config["vision_config"]["torch_dtype"] = "bfloat16"
+    (resaved / "config.json").write_text(json.dumps(config, indent=2))
+    for folder in (src, resaved):
+        code, _, err = run_cli(monkeypatch, capsys, "export", str(folder), str(tmp_path / f"{folder.name}-out"),
+                               "--format", "fp8")  # fmt: skip
+        assert code == 0, err
+    shards = sorted(p.name for p in (tmp_path / "src-out").glob("*.safetensors"))
+    assert shards and all(
+        (tmp_path / "src-out" / n).read_bytes() == (tmp_path / "resaved-out" / n).read_bytes() for n in shards
+    )
+    meaningful = (("text_config", "rope_parameters", {"rope_type": "yarn"}), (None, "tie_word_embeddings", True))
+    for where, key, value in meaningful:
+        edited = json.loads(json.dumps(config))
+        (edited[where] if where else edited)[key] = value
+        (resaved / "config.json").write_text(json.dumps(edited))
+        code, _, err = run_cli(monkeypatch, capsys, "export", str(resaved), str(tmp_path / "no"), "--format", "fp8")
+        flat = " ".join(err.split())
+        assert code == 2 and key in flat and "config.json" in flat and "dsv41_convert/config.py" not in flat, err
+    assert not (tmp_path / "no").exists()
