@@ -146,8 +146,8 @@ def _outputs(sources: dict[str, Source], canon: str, fmt: str) -> list[OutTensor
     action = export_action(rule.op, s.dtype, fmt, f"{s.file}: tensor {s.name}")
     if action == "copy":
         return [OutTensor(s.name, s.dtype, s.shape, pattern, action, (_read(s),))]
-    if action == "as_published":
-        dtype = rule.src[0]
+    if action in ("as_published", "as_bf16"):
+        dtype = rule.src[0] if action == "as_published" else BF16
         return [OutTensor(s.name, dtype, s.shape, pattern, "copy" if s.dtype == dtype else "cast", (_read(s),))]
     out, inp = s.shape
     block = (1, 32) if rule.op is Op.ENGRAM_ROWS else (32, 32)

@@ -297,3 +297,29 @@ def test_a_config_a_framework_saved_again_converts_the_same_and_unknown_keys_are
         flat = " ".join(err.split())
         assert code == 2 and key in flat and "config.json" in flat and "dsv41_convert/config.py" not in flat, err
     assert not (tmp_path / "no").exists()
+
+
+def test_an_f32_fine_tune_exports_to_bf16_as_the_bf16_checkpoint_does(tmp_path, monkeypatch, capsys):
+    """A fine-tune saved in float32: `export --format bf16` kept every F32 tensor F32 (twice the bytes, under a
+    config saying bfloat16; an audit). Its tensors now go out in the dtype the bf16 format gives them, the
+    published one for float tensors (F32 where published) and BF16 for the weights it quantizes: with
+    bf16-exact values, the same bytes as the bf16 checkpoint's export."""
+    cfg = tiny_config(quantized=False, vision=False)
+    tensors = source_tensors(cfg)
+    bf16 = write_ckpt(tmp_path / "bf16", tensors, cfg)
+    f32 = write_ckpt(tmp_path / "f32", {n: t.float() for n, t in tensors.items()}, cfg)
+    for folder in (bf16, f32):
+        code, _, err = run_cli(monkeypatch, capsys, "export", str(folder), str(tmp_path / f"{folder.name}-out"),
+                               "--format", "bf16")  # fmt: skip
+        assert code == 0, err
+    names = sorted(p.name for p in (tmp_path / "bf16-out").glob("*.safetensors"))
+    assert names == sorted(p.name for p in (tmp_path / "f32-out").glob("*.safetensors"))
+    for name in names:
+        assert (tmp_path / "bf16-out" / name).read_bytes() == (tmp_path / "f32-out" / name).read_bytes(), name
+    from safetensors import safe_open
+
+    dtypes = set()
+    for name in names:
+        with safe_open(str(tmp_path / "f32-out" / name), "pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16", "F32"}  # the published F32 ones (head, hc_*, biases...) stay F32
