@@ -84,8 +84,9 @@ def write_ckpt(folder: Path, tensors: dict[str, torch.Tensor], cfg: dict, n_file
         weight_map.update(dict.fromkeys(part, file))
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg, tokenizer = _with_tokenizer(cfg)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": {}}}')  # no real vocab
+    tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text("{}")
     return folder
 
@@ -93,3 +94,21 @@ def write_ckpt(folder: Path, tensors: dict[str, torch.Tensor], cfg: dict, n_file
 def make_tiny(folder: Path, quantized: bool = True, vision: bool = True, seed: int = 0) -> Path:
     cfg = tiny_config(quantized, vision)
     return write_ckpt(folder, source_tensors(cfg, seed), cfg)
+
+
+def _with_tokenizer(cfg: dict):
+    """A word-level tokenizer with one token per id of the config's vocabulary whose Engram token map folds to the
+    config's engram_compressed_vocab_size C (id i decodes to i // C spaces and "t{i % C}", which normalize alike),
+    and the config (C lowered to the vocabulary where it exceeds it): plan checks a source's tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    cfg = copy.deepcopy(cfg)
+    text = cfg["text_config"]
+    vocab = text["vocab_size"] if isinstance(text.get("vocab_size"), int) and text["vocab_size"] > 0 else 256
+    folded = text.get("engram_compressed_vocab_size")
+    folded = min(folded, vocab) if isinstance(folded, int) and folded > 0 else vocab
+    if text.get("engram_layer_ids"):
+        text["engram_compressed_vocab_size"] = folded
+    words = {" " * (i // folded) + f"t{i % folded}": i for i in range(vocab)}
+    return cfg, Tokenizer(WordLevel(words, unk_token="t0"))

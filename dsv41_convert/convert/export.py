@@ -29,6 +29,7 @@ from dsv41_convert.convert.rules import Op, scale_name, weight_name
 from dsv41_convert.convert.validate import (
     Source,
     gather_sources,
+    require_engram_tokenizer,
     require_json_tokenizer_files,
     require_regular_files,
     validate_sources,
@@ -78,6 +79,7 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     sources = gather_sources(src, weight_map)
     quantizes = fmt != "bf16" and args.dtype != "fp8"
     validate_sources(sources, args, 1, src / CONFIG, "fp8" if fmt == "fp8" else "fp4", quantizes)
+    require_engram_tokenizer(src, args)
     files = sorted({s.file for s in sources.values()})
     by_file: dict[str, list[str]] = {f: [] for f in files}
     for canon in sorted(sources):

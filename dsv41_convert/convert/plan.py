@@ -26,6 +26,7 @@ from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.validate import (
     Source,
     gather_sources,
+    require_engram_tokenizer,
     require_json_tokenizer_files,
     require_regular_files,
     validate_sources,
@@ -308,6 +309,7 @@ def _build_plan(src: Path, tp: int, expert_dtype: str) -> ConversionPlan:
     index_sha, weight_map = read_index(src)
     sources = gather_sources(src, weight_map)
     n_experts = validate_sources(sources, args, tp, src / "config.json", expert_dtype)
+    require_engram_tokenizer(src, args)
     if args.expert_dtype == "fp8" and expert_dtype == "fp4":
         raise PlanError(
             f"{src}: its routed experts are fp8 (config.json quantization_config.expert_dtype 'fp8', an `export "

@@ -16,6 +16,7 @@ from pathlib import Path
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import published_layout, routed_expert_layout
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
+from dsv41_convert.engram_tokens import load_token_map, pad_compressed_id
 from dsv41_convert.errors import NOT_JSON, PlanError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
@@ -66,6 +67,17 @@ def require_json_tokenizer_files(src: Path) -> None:
         if not isinstance(data, dict) or (name == "tokenizer.json" and "model" not in data):
             what = "no `model` object" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
             raise PlanError(f"{path}: not a readable {name} ({what}); put the checkpoint's own back")
+
+
+def require_engram_tokenizer(src: Path, args: ModelArgs) -> None:
+    """ConfigError where SRC's tokenizer.json is not the one its Engram layers were trained with: its compressed
+    token map (engram_tokens.py) must have engram_compressed_vocab_size ids and hold the pad id. Shard and export
+    copied another one (a fine-tune that added a token) beside the weights, exit 0, and only verify or inference
+    refused the result (an audit). A source without one is warned of where the files are copied."""
+    path = Path(src) / "tokenizer.json"
+    if not args.engram_layer_ids or not path.is_file():
+        return
+    pad_compressed_id(load_token_map(path, args.engram_compressed_vocab_size), args.engram_pad_id, str(path))
 
 
 @dataclass(slots=True)  # not frozen: 96k of them in the real checkpoint, built twice as fast; never mutated

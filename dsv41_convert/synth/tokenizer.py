@@ -219,7 +219,7 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
 def fit_compressed_size(vocab_size: int, compressed_size: int, specials: Mapping[str, int] | None = None) -> Tokenizer:
     """A build_tokenizer(vocab_size, folded, specials) whose Engram token map has exactly `compressed_size`
     ids (a real config's engram_compressed_vocab_size); raises ValueError when no fold count gets there."""
-    from dsv41_convert.model.engram_hash import compressed_token_map
+    from dsv41_convert.engram_tokens import compressed_token_map
 
     folded = 0
     for _ in range(8):

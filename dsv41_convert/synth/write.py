@@ -27,8 +27,8 @@ from tokenizers import Tokenizer
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import FileTensor, Param, catalogue, file_tensors, group_order
 from dsv41_convert.convert.transform import to_bytes
+from dsv41_convert.engram_tokens import compressed_token_map
 from dsv41_convert.errors import PlanError
-from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.progress import Progress as ProgressFn
 from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.store.publish import publish

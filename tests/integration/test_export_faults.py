@@ -323,3 +323,25 @@ def test_an_f32_fine_tune_exports_to_bf16_as_the_bf16_checkpoint_does(tmp_path, 
         with safe_open(str(tmp_path / "f32-out" / name), "pt") as f:
             dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"BF16", "F32"}  # the published F32 ones (head, hc_*, biases...) stay F32
+
+
+@pytest.mark.parametrize("command", [["shard", "--tp", "2"], ["export", "--format", "fp8-fp4"], ["plan", "--tp", "2"]])
+def test_a_tokenizer_the_engram_layers_were_not_trained_with_is_refused_before_any_byte(
+    src, tmp_path, monkeypatch, capsys, command
+):
+    """A fine-tune that added a token to the tokenizer: its compressed Engram token map has another size than the
+    config's engram_compressed_vocab_size, so the Engram hashes of the converted model read other rows. shard and
+    export copied it beside the weights (exit 0, a manifest) and only verify or inference refused them (an
+    audit); plan refuses it now, naming the file, before any byte."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|tool_call|>"])
+    tokenizer.save(str(src / "tokenizer.json"))
+    name, *options = command
+    out = [str(tmp_path / "out")] if name != "plan" else []
+    code, _, err = run_cli(monkeypatch, capsys, name, str(src), *out, *options)
+    flat = " ".join(err.split())
+    assert code == 2 and f"{src / 'tokenizer.json'}: its compressed Engram token map has" in flat, err
+    assert "does not belong to this checkpoint" in flat
+    assert not (tmp_path / "out").exists()

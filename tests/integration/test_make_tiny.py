@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 from dsv41_convert.cli import app, main
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.catalogue import Fmt, catalogue, file_tensors
+from dsv41_convert.engram_tokens import compressed_token_map
 from dsv41_convert.errors import OutputError
-from dsv41_convert.model.engram_hash import compressed_token_map
 from dsv41_convert.quant import encode_fp8_blocks, encode_mxfp4
 from dsv41_convert.quant.fp4 import as_int8
 from dsv41_convert.synth.presets import TINY, hf_config

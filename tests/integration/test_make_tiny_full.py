@@ -13,7 +13,7 @@ from cli_run import run_cli
 from reference_src import REFERENCE
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.model.engram_hash import load_token_map
+from dsv41_convert.engram_tokens import load_token_map
 from dsv41_convert.store.safetensors_header import read_header
 from dsv41_convert.synth.staged import MARK
 

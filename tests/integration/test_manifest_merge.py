@@ -297,7 +297,7 @@ def other_shares(runs, tmp_path_factory) -> dict[str, Path]:
     `tok` with another tokenizer.json, `no_tc` without tokenizer_config.json; `no_tc_a` ranks 0,3 of it."""
     root = tmp_path_factory.mktemp("other")
     tok = shutil.copytree(runs["src"], root / "src_tok")
-    (tok / "tokenizer.json").write_text(json.dumps({"x": 1, "model": {"type": "BPE", "vocab": {}}}))
+    (tok / "tokenizer.json").write_text(json.dumps(json.loads((tok / "tokenizer.json").read_text()), indent=1))
     no_tc = shutil.copytree(runs["src"], root / "src_no_tc")
     (no_tc / "tokenizer_config.json").unlink()
     shares = {"tok": root / "tok", "no_tc": root / "no_tc", "no_tc_a": root / "no_tc_a"}

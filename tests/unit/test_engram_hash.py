@@ -11,14 +11,9 @@ import torch
 from reference_data import REAL_CONFIG
 
 from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.engram_tokens import compressed_token_map, load_token_map
 from dsv41_convert.errors import ConfigError
-from dsv41_convert.model.engram_hash import (
-    EngramLayout,
-    NgramHashState,
-    compressed_token_map,
-    hash_multipliers,
-    load_token_map,
-)
+from dsv41_convert.model.engram_hash import EngramLayout, NgramHashState, hash_multipliers
 from dsv41_convert.synth.presets import TINY, hf_config
 from dsv41_convert.synth.tokenizer import build_tokenizer
 

@@ -14,6 +14,7 @@ LAYERS = [
     "numbers",
     "file_kinds",
     "config",
+    "engram_tokens",
     "progress",
     "interrupts",
     "torchrun",

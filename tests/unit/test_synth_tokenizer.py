@@ -12,7 +12,7 @@ import pytest
 from reference_data import TOKENIZER_CONFIG
 from tokenizers import Tokenizer
 
-from dsv41_convert.model.engram_hash import compressed_token_map
+from dsv41_convert.engram_tokens import compressed_token_map
 from dsv41_convert.synth.hollow import hollow_tokenizer, real_config
 from dsv41_convert.synth.presets import PRESETS
 from dsv41_convert.synth.tokenizer import (
