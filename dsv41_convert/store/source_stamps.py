@@ -8,11 +8,9 @@ Per machine and source path (`OUT/.dsv41-convert/source-HOST.json`): the times o
 say nothing about this one's, so a folder gathered from several machines compares each record only where
 it was made. The plan digest stays free of them (shares on several machines must agree on it).
 
-Within one run the stamps also hold each shard's inode, link count and status-change time: a shard rewritten
-in place with its size and modification time put back (`cp -a` over it) or replaced by a rename keeps the
-first two but not these. A link added or removed (a hard link in OUT that the run replaces) changes the
-status-change time with the link count, and is no change. A chmod or chown is one (nothing tells it apart
-from a rewrite). The record kept across runs holds size and modification time only, so that a source folder
+Within one run the stamps also hold each shard's inode and status-change time: a shard rewritten in place
+with its size and modification time put back (`cp -a` over it) or replaced by a rename keeps the first two
+but not these. The record kept across runs holds size and modification time only, so that a source folder
 moved, or copied with `cp -a`, still matches it.
 """
 
@@ -24,31 +22,23 @@ from pathlib import Path
 
 from dsv41_convert.store.manifest import DONE_DIR, atomic_write
 
-Stamps = dict[str, list[int]]  # file name -> [size, mtime ns, inode, links, ctime ns]; a record: the first two
+Stamps = dict[str, list[int]]  # file name -> [size, mtime in ns, ctime in ns, inode]; a record: the first two
 RECORDED = 2  # the stamps' fields a record across runs keeps
-CHANGED = "changed (rewritten, replaced, or its mode or owner changed)"  # a run's errors on a shard whose stamps differ
+CHANGED = "changed (size, time or inode: rewritten or replaced)"  # how a run's errors name a shard whose stamps differ
 PREFIX = "source-"  # the records' names in OUT/.dsv41-convert: source-HOST.json
 
 
 def source_stamps(src: Path) -> Stamps:
-    """Size, modification time, inode, link count and status-change time of every weight shard (*.safetensors)
-    of `src`."""
+    """Size, modification time, status-change time and inode of every weight shard (*.safetensors) of `src`."""
     return {
-        p.name: [(st := p.stat()).st_size, st.st_mtime_ns, st.st_ino, st.st_nlink, st.st_ctime_ns]
+        p.name: [(st := p.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         for p in sorted(Path(src).glob("*.safetensors"))
     }
 
 
 def differing(before: Stamps, now: Stamps) -> list[str]:
     """The shards whose stamps differ between two stamps of one source, added and removed ones too."""
-    return sorted(n for n in set(before) | set(now) if not _same(before.get(n), now.get(n)))
-
-
-def _same(before: list[int] | None, now: list[int] | None) -> bool:
-    if before is None or now is None or before == now:
-        return before == now
-    linked = len(before) > 3 and before[:3] == now[:3] and before[3] != now[3]
-    return linked  # only a link added or removed: its status-change time moved with the count
+    return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
 
 
 def _record_path(out: Path) -> Path:
