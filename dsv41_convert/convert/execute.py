@@ -81,14 +81,7 @@ from dsv41_convert.store.manifest_merge import (
 )
 from dsv41_convert.store.plan_claims import claimed
 from dsv41_convert.store.rank_names import RANK_FILE
-from dsv41_convert.store.source_stamps import (
-    CHANGED,
-    changed_since,
-    differing,
-    record_changed,
-    record_stamps,
-    source_stamps,
-)
+from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps
 
 COMMON_FILES = (*SIDECARS, "config.json", HF_CONFIG)
 
@@ -443,10 +436,7 @@ def _check_source_unchanged(out: Path, src: Path, stamps: dict, kept: list[str] 
     if not changed:
         return
     if elsewhere is None:
-        what = (
-            f"{src}: {first_few(changed)} changed since a run began writing {out} (size or modification time, or "
-            "while that run read it)"
-        )
+        what = f"{src}: {first_few(changed)} changed (size or modification time) since a run began writing {out}"
     else:
         what = (
             f"{src}: a run here began from {elsewhere}, and {first_few(changed)} differ from its files (size or "
@@ -824,10 +814,9 @@ def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> F
     with _one_torch_thread(job):
         quantizer = _quantizer(job)
         ready = time.monotonic()
-        on_commit = partial(write_done, out, rf.file, plan_digest=job["digest"])
-        before_commit = partial(_source_as_stamped, src, out, job)
-        size, sha = write_rank_file(rf, src, out, quantizer, progress, on_commit=on_commit,
-                                    before_commit=before_commit, **_write_kw(job, stats))  # fmt: skip
+        size, sha = write_rank_file(rf, src, out, quantizer, progress, on_commit=partial(write_done, out, rf.file,
+                                    plan_digest=job["digest"]), before_commit=partial(_source_as_stamped, src, job),
+                                    **_write_kw(job, stats))  # fmt: skip
     add_seconds(stats["stages"], "start", ready - start)
     return _done(rf.file, size, sha, stats, start)
 
@@ -856,7 +845,7 @@ def _run_here(todo, src, out, job, progress) -> list[FileDone]:
         for rf in todo:
             start, stats = time.monotonic(), {}
             size, sha = write_partial(rf, src, out, _quantizer(job), progress, **_write_kw(job, stats))
-            _source_as_stamped(src, out, job, rf.file)
+            _source_as_stamped(src, job, rf.file)
             if pending is not None:
                 results.append(pending.result())
             pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats, start)
@@ -899,25 +888,24 @@ def _planned_stamps(plan: ConversionPlan, src: Path) -> dict[str, list[int]]:
     changed = differing(plan.stamps, stamps) if plan.stamps else []  # a plan from JSON has none
     if changed:
         raise OutputError(
-            f"{src}: {first_few(changed)} {CHANGED} since this run read its headers; nothing was written: run again "
-            "once the source is as it should be"
+            f"{src}: {first_few(changed)} changed (size or modification time) since this run read its headers; "
+            "nothing was written: run again once the source is as it should be"
         )
     return stamps
 
 
-def _source_as_stamped(src: Path, out: Path, job: dict[str, Any], file: str) -> None:
-    """OutputError where a source shard changed since the run began (source_stamps: also one rewritten in place
-    with its times put back), checked once a rank file's bytes are all written and before it takes its name: a
-    source replaced mid-run (`make-tiny --overwrite`, a download fetching a shard again) gave rank files of two
-    models, each committed, and a manifest over them, exit 0 (an audit). The file stays partial, and the run's
-    record of the source marks the changed shards, so that --resume refuses even where size and modification
-    time were put back (its partial holds bytes of the old source)."""
+def _source_as_stamped(src: Path, job: dict[str, Any], file: str) -> None:
+    """OutputError where a source shard changed (size or modification time) since the run began, checked once a
+    rank file's bytes are all written and before it takes its name: a source replaced mid-run (`make-tiny
+    --overwrite`, a download fetching a shard again) gave rank files of two models, each committed, and a
+    manifest over them, exit 0 (an audit). The file stays partial; the run's record of the source makes
+    --resume refuse too."""
     changed = differing(job["stamps"], source_stamps(src))
     if changed:
-        record_changed(out, src, job["stamps"], changed)
         raise OutputError(
-            f"{src}: {first_few(changed)} {CHANGED} while this run read it; {file} may hold bytes of both versions "
-            "and was not given its name: run again with --overwrite once the source is as it should be"
+            f"{src}: {first_few(changed)} changed (size or modification time) while this run read it; {file} may "
+            "hold bytes of both versions and was not given its name: run again with --overwrite once the source "
+            "is as it should be"
         )
 
 

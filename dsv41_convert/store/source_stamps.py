@@ -7,11 +7,6 @@ records cannot tell (they describe the output).
 Per machine and source path (`OUT/.dsv41-convert/source-HOST.json`): the times of another machine's copy
 say nothing about this one's, so a folder gathered from several machines compares each record only where
 it was made. The plan digest stays free of them (shares on several machines must agree on it).
-
-Within one run the stamps also hold each shard's inode and status-change time: a shard rewritten in place
-with its size and modification time put back (`cp -a` over it) or replaced by a rename keeps the first two
-but not these. The record kept across runs holds size and modification time only, so that a source folder
-moved, or copied with `cp -a`, still matches it.
 """
 
 from __future__ import annotations
@@ -22,22 +17,17 @@ from pathlib import Path
 
 from dsv41_convert.store.manifest import DONE_DIR, atomic_write
 
-Stamps = dict[str, list[int]]  # file name -> [size, mtime in ns, ctime in ns, inode]; a record: the first two
-RECORDED = 2  # the stamps' fields a record across runs keeps
-CHANGED = "changed (size, time or inode: rewritten or replaced)"  # how a run's errors name a shard whose stamps differ
+Stamps = dict[str, list[int]]  # file name -> [size, mtime in ns]
 PREFIX = "source-"  # the records' names in OUT/.dsv41-convert: source-HOST.json
 
 
 def source_stamps(src: Path) -> Stamps:
-    """Size, modification time, status-change time and inode of every weight shard (*.safetensors) of `src`."""
-    return {
-        p.name: [(st := p.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        for p in sorted(Path(src).glob("*.safetensors"))
-    }
+    """Size and modification time of every weight shard (*.safetensors) of `src`."""
+    return {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(Path(src).glob("*.safetensors"))}
 
 
 def differing(before: Stamps, now: Stamps) -> list[str]:
-    """The shards whose stamps differ between two stamps of one source, added and removed ones too."""
+    """The shards whose size or time differ between two stamps of one source, added and removed ones too."""
     return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
 
 
@@ -48,14 +38,8 @@ def _record_path(out: Path) -> Path:
 def record_stamps(out: Path, src: Path, stamps: Stamps) -> None:
     """Keep `stamps` of `src` in OUT for this machine."""
     (Path(out) / DONE_DIR).mkdir(exist_ok=True)
-    doc = {"src": str(Path(src).resolve()), "files": _recorded(stamps)}
+    doc = {"src": str(Path(src).resolve()), "files": stamps}
     atomic_write(_record_path(out), json.dumps(doc, indent=1).encode())
-
-
-def record_changed(out: Path, src: Path, stamps: Stamps, changed: list[str]) -> None:
-    """Keep `stamps` of `src` in OUT with the `changed` shards marked by stamps no file has, so that --resume
-    refuses to continue from the source as it is now, whatever its shards' times say."""
-    record_stamps(out, src, stamps | {name: [-1] * RECORDED for name in changed})
 
 
 def changed_since(out: Path, src: Path, stamps: Stamps) -> tuple[list[str], str | None]:
@@ -70,10 +54,6 @@ def changed_since(out: Path, src: Path, stamps: Stamps) -> tuple[list[str], str 
         return [], None
     if not isinstance(doc, dict) or not isinstance(before := doc.get("files"), dict):
         return [], None
-    changed = differing(_recorded(before), _recorded(stamps))
+    changed = differing(before, stamps)
     elsewhere = None if doc.get("src") == str(Path(src).resolve()) else str(doc.get("src"))
     return changed, elsewhere
-
-
-def _recorded(stamps: Stamps) -> Stamps:
-    return {name: list(s[:RECORDED]) if isinstance(s, list) else s for name, s in stamps.items()}
