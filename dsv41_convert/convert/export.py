@@ -124,8 +124,14 @@ def output_config(hf: dict[str, Any], fmt: str) -> dict[str, Any]:
             if quant is not None:
                 out[key] = quant
             continue
-        out[key] = value
-    return out
+        out[key] = _as_bf16_dtype(value) if isinstance(value, dict) else value
+    return _as_bf16_dtype(out)
+
+
+def _as_bf16_dtype(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` whose dtype keys (transformers' `dtype` / `torch_dtype`) say bfloat16, the float dtype every
+    format writes (an F32 fine-tune's config said float32 over BF16 weights: a review)."""
+    return {k: "bfloat16" if k in ("dtype", "torch_dtype") and isinstance(v, str) else v for k, v in config.items()}
 
 
 def _read(s: Source, ratio: int = 1) -> Read:

@@ -39,7 +39,8 @@ STORAGE = {"BF16": "float", "F32": "float", "F8_E4M3": "fp8", "I8": "fp4"}
 #   quant_fp4       -> MXFP4 (I8 pairs) + per-32 scale    requant_fp4     e4m3 decoded exactly, then quant_fp4
 EXPORT_ACTIONS: dict[tuple[Op, str], dict[str, str]] = {
     (Op.KEEP, "float"): {"bf16": "as_published", "fp8": "as_published", "fp8-fp4": "as_published"},
-    (Op.DROP, "float"): {"bf16": "copy", "fp8": "copy", "fp8-fp4": "copy"},  # mtp.K.embed/head: kept as in SRC
+    # mtp.K.embed/head (tied to the backbone's; shard drops them): kept, in their published dtype
+    (Op.DROP, "float"): {"bf16": "as_published", "fp8": "as_published", "fp8-fp4": "as_published"},
     (Op.FP8, "fp8"): {"bf16": "dequant_bf16", "fp8": "copy", "fp8-fp4": "copy"},
     (Op.FP8, "float"): {"bf16": "as_bf16", "fp8": "quant_fp8", "fp8-fp4": "quant_fp8"},
     # wo_a: bf16 only in the rank files; an HF checkpoint stores it as the published one does

@@ -303,19 +303,25 @@ def test_an_f32_fine_tune_exports_to_bf16_as_the_bf16_checkpoint_does(tmp_path, 
     """A fine-tune saved in float32: `export --format bf16` kept every F32 tensor F32 (twice the bytes, under a
     config saying bfloat16; an audit). Its tensors now go out in the dtype the bf16 format gives them, the
     published one for float tensors (F32 where published) and BF16 for the weights it quantizes: with
-    bf16-exact values, the same bytes as the bf16 checkpoint's export."""
+    bf16-exact values, the same bytes as the bf16 checkpoint's export, config.json included (it said float32
+    over BF16 weights: a review), and the MTP stages' tied embed/head a fine-tune saved (copied F32 before)."""
     cfg = tiny_config(quantized=False, vision=False)
+    cfg["text_config"]["torch_dtype"] = "bfloat16"  # as transformers saves a sub-config
     tensors = source_tensors(cfg)
+    tensors |= {"mtp.0.embed.weight": tensors["embed.weight"].clone(), "mtp.0.head.weight": tensors["head.weight"]}
     bf16 = write_ckpt(tmp_path / "bf16", tensors, cfg)
-    f32 = write_ckpt(tmp_path / "f32", {n: t.float() for n, t in tensors.items()}, cfg)
+    cfg32 = json.loads(json.dumps(cfg))
+    cfg32["dtype"] = cfg32["text_config"]["torch_dtype"] = "float32"
+    f32 = write_ckpt(tmp_path / "f32", {n: t.float() for n, t in tensors.items()}, cfg32)
     for folder in (bf16, f32):
         code, _, err = run_cli(monkeypatch, capsys, "export", str(folder), str(tmp_path / f"{folder.name}-out"),
                                "--format", "bf16")  # fmt: skip
         assert code == 0, err
     names = sorted(p.name for p in (tmp_path / "bf16-out").glob("*.safetensors"))
     assert names == sorted(p.name for p in (tmp_path / "f32-out").glob("*.safetensors"))
-    for name in names:
+    for name in [*names, "config.json"]:
         assert (tmp_path / "bf16-out" / name).read_bytes() == (tmp_path / "f32-out" / name).read_bytes(), name
+    assert json.loads((tmp_path / "f32-out" / "config.json").read_text())["text_config"]["torch_dtype"] == "bfloat16"
     from safetensors import safe_open
 
     dtypes = set()
