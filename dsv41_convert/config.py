@@ -121,7 +121,6 @@ HF_TEXT_FIXED: dict[str, Any] = HF_BOOKKEEPING | {
     "attention_bias": False,
     "attention_dropout": None,
     "initializer_range": None,
-    "use_cache": None,
     "tie_word_embeddings": False,
     "max_position_embeddings": None,
     "topk_method": None,

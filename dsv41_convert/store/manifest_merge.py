@@ -244,10 +244,8 @@ def _merge(
         exported
         and (out / MANIFEST).is_file()
         and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported)
-    ):
-        return _already_merged(
-            out, progress
-        )  # an export its last share finished: the fragments are its shares' records
+    ):  # an export its last share finished: the fragments are its shares' records
+        return _already_merged(out, progress)
     _not_an_export(out, frags)
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)

@@ -15,7 +15,7 @@ noise at 128799, inside the ordinary range.
 Vocab and merges are built here, in a fixed order, so the file is identical for identical
 arguments (no trainer, no hash-map order).
 
-The Engram compressed token map of this tokenizer is `model.engram_hash.compressed_token_map`.
+The Engram compressed token map of this tokenizer is `engram_tokens.compressed_token_map`.
 """
 
 from __future__ import annotations
