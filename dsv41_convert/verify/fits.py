@@ -6,6 +6,7 @@ otherwise end verify or reference-logits in an allocator's traceback."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
@@ -26,6 +27,15 @@ def machine_bytes(device: str) -> int:
     return torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
+def processes_on_this_host() -> int:
+    """The model processes that build their caches in this host's memory at once: a torchrun launch's
+    LOCAL_WORLD_SIZE, else every rank of the group (verify starts them all here); 1 outside a group."""
+    from dsv41_convert.model import parallel
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else parallel.world_size()
+
+
 def _window_key(config: Path) -> str:
     """The window's key as `config` spells it: the HF config.json nests it, the rank files' does not."""
     return HF_NAMES["window_size"] if "text_config" in load_json(config) else "window_size"
@@ -36,17 +46,20 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
     (convert.memory.cache_bytes) exceed all the memory of the host (where the model is built) or of `device`
     (where it runs): ConfigError naming `config` (the file `args` came from) and its window key where the
     window ring alone does, else VerifyInputError naming the positions (--max-seq-len, or a reference file's)."""
-    need = cache_bytes(args, args.max_batch_size, args.max_seq_len)
+    each = cache_bytes(args, args.max_batch_size, args.max_seq_len)
     for where in dict.fromkeys(("cpu", device)):
-        have = machine_bytes(where)
+        have, sharing = machine_bytes(where), processes_on_this_host() if where == "cpu" else 1
+        need = each * sharing
         if need <= have:
             continue
         rings = (args.n_layers + args.n_mtp_layers) * args.max_batch_size
         window = rings * args.window_size * args.head_dim * BF16
+        per = f" ({sharing} processes on this host, {each / GIB:,.1f} GiB each)" if sharing > 1 else ""
         said = (
-            f"the model's caches need {need / GIB:,.1f} GiB, more than all of {where}'s memory ({have / GIB:,.1f} GiB)"
+            f"the model's caches need {need / GIB:,.1f} GiB{per}, more than all of {where}'s memory "
+            f"({have / GIB:,.1f} GiB)"
         )
-        if window > have:
+        if window * sharing > have:
             raise ConfigError(
                 f"{config}: {said}: {_window_key(config)} = {args.window_size}: its KV rings alone are "
                 f"{window / GIB:,.1f} GiB ({rings} rings: a layer's each, at batch {args.max_batch_size})"

@@ -61,3 +61,23 @@ def test_a_model_moved_to_the_card_after_loading_is_checked_against_the_card(tmp
     _config(tmp_path, True)
     with pytest.raises(VerifyInputError, match="more than all of cuda's memory"):
         build_model(args, tmp_path, "cpu", runs_on="cuda")
+
+
+@pytest.mark.parametrize(("world", "local", "sharing"), [(4, None, 4), (8, "2", 2), (1, None, 1)])
+def test_the_ranks_on_one_host_are_added_up(tmp_path, monkeypatch, world, local, sharing):
+    """verify's tp ranks each build their caches in the host's memory at once (a torchrun launch: its
+    LOCAL_WORLD_SIZE of them): the check asked for one process's caches (a known gap until 2026-12-05)."""
+    from dsv41_convert.model import parallel
+
+    args = tiny_args().with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
+    each = cache_bytes(args, 1, 64)
+    monkeypatch.setattr(parallel, "world_size", lambda: world)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    if local is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: each * sharing)
+    fits.require_caches_fit(args, "cpu", _config(tmp_path, True))
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: each * sharing - 1)
+    said = f"{sharing} processes on this host" if sharing > 1 else "need"
+    with pytest.raises(VerifyInputError, match=said):
+        fits.require_caches_fit(args, "cpu", _config(tmp_path, True))
