@@ -123,7 +123,7 @@ HF_TEXT_FIXED: dict[str, Any] = HF_BOOKKEEPING | {
     "initializer_range": None,
     "tie_word_embeddings": False,
     "max_position_embeddings": None,
-    "topk_method": None,
+    "topk_method": "noaux_tc",  # the gate bias in the choice, as the model routes (HF's "greedy" leaves it out)
     "rope_scaling": None,  # handled through HF_ROPE_TO_ARGS
 }
 HF_ROPE_FIXED: dict[str, Any] = {"rope_type": "yarn"}
@@ -428,8 +428,16 @@ def _object_or_none(data: dict[str, Any], key: str, source: str) -> dict[str, An
     return value
 
 
+# keys a newer transformers writes in place of ones this format has: what to write back
+RENAMED = {"rope_parameters": "transformers 5's form of rope_scaling and rope_theta: write them back as a YaRN "
+           "rope_scaling object and rope_theta, as the published config has them"}  # fmt: skip
+
+
 def _check_keys(data: dict[str, Any], fixed: dict[str, Any], mapped: dict[str, str], where: str) -> None:
     unknown = sorted(set(data) - set(fixed) - set(mapped))
+    renamed = [f"{key}: {RENAMED[key]}" for key in unknown if key in RENAMED]
+    if renamed:
+        raise ConfigError(f"{where}: " + "; ".join(renamed))
     if unknown:
         raise ConfigError(
             f"{where}: unknown keys {unknown}: a key this tool does not know may change what the weights mean, so "
@@ -572,6 +580,11 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
         raise ConfigError(
             f"{source}: {name('dspark_noise_token_id')} = {noise!r}, not a token id (0..{vocab - 1}, "
             f"{name('vocab_size')})"
+        )
+    pad = values.get("engram_pad_id", 0)
+    if values.get("engram_layer_ids") and vocab > 0 and not 0 <= pad < vocab:  # read before the sequence
+        raise ConfigError(
+            f"{source}: {name('engram_pad_id')} = {pad!r}, not a token id (0..{vocab - 1}, {name('vocab_size')})"
         )
     if values.get("n_mtp_layers") and "dspark_target_layer_ids" in values and not values["dspark_target_layer_ids"]:
         raise ConfigError(

@@ -24,6 +24,7 @@ from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
 
+OTHER_FLOATS = ("F16", "F64")  # unquantized, but no dtype of this model: refused as such
 READ_WHOLE = ("config.json", INDEX_NAME, *SIDECARS)  # besides the shards
 
 MAX_LINES = 25
@@ -301,6 +302,11 @@ def _compare_layout(
             problems.append(
                 f"{s.file}: tensor {s.name}: found {s.dtype} {list(s.shape)}, "
                 f"expected {dtype} {list(shape)}{hint}; another revision or config?"
+            )
+        elif not quantized and s.dtype in OTHER_FLOATS and s.shape == shape:
+            problems.append(
+                f"{s.file}: tensor {s.name}: {s.dtype}, which this model's checkpoints never hold: save the "
+                "fine-tune's weights as BF16 (or F32)"
             )
         elif not quantized and (s.dtype not in ("BF16", "F32") or s.shape != shape):
             problems.append(

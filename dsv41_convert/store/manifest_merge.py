@@ -372,8 +372,8 @@ def _already_merged(out: Path, progress: Progress | None) -> dict[str, Any]:
             f"{out}: holds a {MANIFEST} and no fragments, but the folder is not the conversion it describes: "
             + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "")
-            + f" (a {MANIFEST} of another conversion, or files changed since? gather the fragments and rank files, "
-            "remove it, merge again)"
+            + f" (a {MANIFEST} of another conversion, or its files changed since it was written: restore them or "
+            "convert again; for gathered shares, remove it and merge their fragments again)"
         )
     rank_files = [f for f in read_manifest(out)["files"] if f.endswith(".safetensors")]
     return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],
