@@ -83,6 +83,20 @@ def prompt_id_bound(vocab_size: int, engram: bool, tokenizer_path: Path | None) 
     return have, f"the {have} ids of {tokenizer_path}, which the Engram token map covers (vocab_size is {vocab_size})"
 
 
+def ids_outside(ids, bound: int) -> list[int]:
+    """The ids of `ids` (ints, or an int tensor) outside [0, bound), in order."""
+    return [t for t in (int(i) for i in ids) if not 0 <= t < bound]
+
+
+def refuse_recorded_ids_past(runs: list[tuple[str, list[int]]], bound: int, bound_by: str, path: str) -> None:
+    """VerifyInputError naming `path` and the prompt where a reference file's ids (prompt and decode ids, per
+    label) lie past `bound` (prompt_id_bound): they reached the ranks and ended them there (an audit)."""
+    for label, ids in runs:
+        bad = ids_outside(ids, bound)
+        if bad:
+            raise VerifyInputError(f"{path}: {label}: token ids {bad[:5]} outside [0, {bound}): {bound_by}")
+
+
 def load_prompts(
     path: Path, tokenizer_path: Path | None, vocab_size: int, bound_by: str = "the vocabulary"
 ) -> list[Prompt]:
@@ -153,7 +167,7 @@ def load_prompts(
             prompts.append(Prompt(tuple(ids), f"line-{n}", text=text, image=image, origin=where))
         if decode_ids is not None:
             prompts[-1] = replace(prompts[-1], decode_ids=tuple(decode_ids))
-        bad = [t for t in (*prompts[-1].input_ids, *(decode_ids or ())) if not 0 <= t < vocab_size]
+        bad = ids_outside((*prompts[-1].input_ids, *(decode_ids or ())), vocab_size)
         if bad:
             raise VerifyInputError(f"{where}: token ids {bad[:5]} outside [0, {vocab_size}): {bound_by}")
     if not prompts:

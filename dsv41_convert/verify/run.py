@@ -38,7 +38,7 @@ from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
 from dsv41_convert.verify.metrics import Stats, compare, merge
-from dsv41_convert.verify.prompts import Prompt
+from dsv41_convert.verify.prompts import Prompt, prompt_id_bound, refuse_recorded_ids_past
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
 from dsv41_convert.verify.replay import replay_check, replay_threads
@@ -271,6 +271,13 @@ def _verify_ranks(
             )
         ref = reffile.load(Path(opts.reference_logits), 128, conv_args)  # every problem of the file, or none
         ref_name = str(opts.reference_logits)
+        tokenizer = conv / "tokenizer.json"
+        bound, bound_by = prompt_id_bound(
+            conv_args.vocab_size, bool(conv_args.engram_layer_ids), tokenizer if tokenizer.exists() else None
+        )
+        recorded = [(label, [*i.input_ids.tolist(), *r.decode_ids.tolist()]) for label, i, r in
+                    zip(ref.labels, ref.inputs, ref.runs, strict=True)]  # fmt: skip
+        refuse_recorded_ids_past(recorded, bound, bound_by, ref_name)
         if opts.stream_layers:
             _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused

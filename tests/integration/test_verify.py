@@ -346,3 +346,18 @@ def test_a_vocabulary_padded_past_the_tokenizer_verifies_on_the_tokenizers_ids(t
     hashes = NgramHashState(args, EngramLayout.from_args(args), conv / "tokenizer.json")
     with pytest.raises(ConfigError, match=rf"token id {TINY.vocab_size} reached the Engram hash"):
         hashes(torch.tensor([[5, TINY.vocab_size]]), 0)
+    # a reference file whose ids lie past the tokenizer: refused naming the file before a rank starts (the
+    # ranks ended on it, naming neither the file nor the prompt: an audit)
+    from safetensors import safe_open
+
+    from dsv41_convert.verify import reffile
+    from dsv41_convert.verify.reference import compute_reference
+
+    path = tmp_path / "ref.safetensors"
+    reffile.save(compute_reference(src, default_prompts(TINY.vocab_size, 1, 24), 1).reference, path)
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["input_ids"][0, 2] = TINY.vocab_size + 5
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(VerifyInputError, match=rf"{path}: .*token ids \[{TINY.vocab_size + 5}\] outside \[0, 512\)"):
+        verify(VerifyOptions(conv, reference_logits=path, threads=1))
