@@ -91,8 +91,8 @@ HF_VISION_TO_ARGS: dict[str, str] = {
     "max_wh_ratio": "vision_max_wh_ratio",
 }
 
-# Keys that carry no ModelArgs field. A value given here is the only one the model supports;
-# None means any value is accepted (provenance only).
+# Keys that carry no ModelArgs field. A value given here is the only one the model supports (a tuple: the
+# values it supports, null among them where that means the default); None means any value (provenance only).
 # What a framework's save_pretrained adds to a config for its own use (transformers writes the dtype and its
 # version into every sub-config, the run's settings where a model class sets them): the weights mean the same.
 HF_BOOKKEEPING: dict[str, Any] = dict.fromkeys(
@@ -123,7 +123,7 @@ HF_TEXT_FIXED: dict[str, Any] = HF_BOOKKEEPING | {
     "initializer_range": None,
     "tie_word_embeddings": False,
     "max_position_embeddings": None,
-    "topk_method": "noaux_tc",  # the gate bias in the choice, as the model routes (HF's "greedy" leaves it out)
+    "topk_method": ("noaux_tc", None),  # the gate bias in the choice, as the model routes (HF's "greedy" drops it)
     "rope_scaling": None,  # handled through HF_ROPE_TO_ARGS
 }
 HF_ROPE_FIXED: dict[str, Any] = {"rope_type": "yarn"}
@@ -445,8 +445,9 @@ def _check_keys(data: dict[str, Any], fixed: dict[str, Any], mapped: dict[str, s
             "format gained it, this version predates it)"
         )
     for key, expected in fixed.items():
-        if expected is not None and key in data and data[key] != expected:
-            raise ConfigError(f"{where}: {key} = {data[key]!r}, this model supports only {expected!r}")
+        allowed = expected if isinstance(expected, tuple) else (expected,)  # a tuple: any of these
+        if expected is not None and key in data and data[key] not in allowed:
+            raise ConfigError(f"{where}: {key} = {data[key]!r}, this model supports only {allowed[0]!r}")
 
 
 # fields the model divides by or sizes tensors with: 0 or less is no model

@@ -108,5 +108,7 @@ def pad_compressed_id(token_map: list[int], pad_id: int, source: str = "the toke
     """The compressed id of engram_pad_id (what look-back reads before the sequence and across an image);
     ConfigError where `source` (the tokenizer the map came from) has no such id."""
     if not 0 <= pad_id < len(token_map):
-        raise ConfigError(f"{source}: engram_pad_token_id {pad_id} (config.json) is outside its {len(token_map)} ids")
+        raise ConfigError(
+            f"{source}: the Engram pad token id {pad_id} (config.json) is outside its {len(token_map)} ids"
+        )
     return token_map[pad_id]

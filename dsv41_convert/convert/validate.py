@@ -277,6 +277,13 @@ def _same_layout(sources: dict[str, Source], args: ModelArgs) -> bool:
     return expected == sum(1 for s in sources.values() if s.expert is not None)
 
 
+def _unheld_dtype(s: Source) -> str:
+    return (
+        f"{s.file}: tensor {s.name}: {s.dtype}, which this model's checkpoints never hold: save the fine-tune's "
+        "weights as BF16 (or F32)"
+    )
+
+
 def _compare_layout(
     sources: dict[str, Source], layout: dict[str, tuple[str, tuple[int, ...]]], quantized: bool, problems: list[str]
 ) -> None:
@@ -286,7 +293,10 @@ def _compare_layout(
         problems.append(f"{name}: missing from the checkpoint; config.json implies {dtype} {list(shape)}")
     for name in sorted(set(sources) - set(layout)):
         s = sources[name]
-        if s.rule.op is Op.DROP:
+        if s.rule.op is Op.DROP:  # tied to the backbone's: shard drops it, export carries it
+            if s.dtype not in ("BF16", "F32"):
+                problems.append(_unheld_dtype(s) if s.dtype in OTHER_FLOATS else f"{s.file}: tensor {s.name}: "
+                                f"found {s.dtype}, expected BF16 or F32 (a tied MTP embed/head)")  # fmt: skip
             continue
         if not quantized and name.endswith(".scale"):
             problems.append(
@@ -304,10 +314,7 @@ def _compare_layout(
                 f"expected {dtype} {list(shape)}{hint}; another revision or config?"
             )
         elif not quantized and s.dtype in OTHER_FLOATS and s.shape == shape:
-            problems.append(
-                f"{s.file}: tensor {s.name}: {s.dtype}, which this model's checkpoints never hold: save the "
-                "fine-tune's weights as BF16 (or F32)"
-            )
+            problems.append(_unheld_dtype(s))
         elif not quantized and (s.dtype not in ("BF16", "F32") or s.shape != shape):
             problems.append(
                 f"{s.file}: tensor {s.name}: found {s.dtype} {list(s.shape)}, expected BF16 or F32 "

@@ -245,7 +245,7 @@ def _merge(
         and (out / MANIFEST).is_file()
         and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported)
     ):  # an export its last share finished: the fragments are its shares' records
-        return _already_merged(out, progress)
+        return _already_merged(out, progress, exported=True)
     _not_an_export(out, frags)
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
@@ -361,19 +361,25 @@ def _side_records(
     return side, unchecked
 
 
-def _already_merged(out: Path, progress: Progress | None) -> dict[str, Any]:
+def _already_merged(out: Path, progress: Progress | None, exported: bool = False) -> dict[str, Any]:
     """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge), once
     its files hold the sizes and sha256 it lists and no other .safetensors is there, as a merge checks them
     (it compared sizes only: a changed byte, an edited config passed, exit 0; an audit); an OutputError names
-    each that does not (a manifest of another conversion, copied in; a file changed since)."""
+    each that does not (a manifest of another conversion, copied in; a file changed since). exported: an export
+    its last share finished, whose fragments stay beside it (`manifest` merges no export's)."""
     problems = check_folder(out, progress).problems
     if problems:
+        advice = (
+            "restore them, or finish the export again with `export SRC OUT --format F --resume`"
+            if exported
+            else "restore them or convert again; for gathered shares, remove it and merge their fragments again"
+        )
+        held = "beside its shares' fragments" if exported else "and no fragments"
         raise OutputError(
-            f"{out}: holds a {MANIFEST} and no fragments, but the folder is not the conversion it describes: "
+            f"{out}: holds a {MANIFEST} {held}, but the folder is not the conversion it describes: "
             + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "")
-            + f" (a {MANIFEST} of another conversion, or its files changed since it was written: restore them or "
-            "convert again; for gathered shares, remove it and merge their fragments again)"
+            + f" (a {MANIFEST} of another conversion, or its files changed since it was written: {advice})"
         )
     rank_files = [f for f in read_manifest(out)["files"] if f.endswith(".safetensors")]
     return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],

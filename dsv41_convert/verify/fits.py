@@ -59,7 +59,7 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
             f"the model's caches need {need / GIB:,.1f} GiB{per}, more than all of {where}'s memory "
             f"({have / GIB:,.1f} GiB)"
         )
-        if window * sharing > have:
+        if window > have:  # one process's rings alone: the config's window is what is too large
             raise ConfigError(
                 f"{config}: {said}: {_window_key(config)} = {args.window_size}: its KV rings alone are "
                 f"{window / GIB:,.1f} GiB ({rings} rings: a layer's each, at batch {args.max_batch_size})"
@@ -67,4 +67,5 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
         raise VerifyInputError(
             f"{said} at batch {args.max_batch_size} and {args.max_seq_len:,} positions (--max-seq-len, or the "
             "reference file's): fewer positions, or shorter prompts and decode steps"
+            + (", or fewer ranks on this host" if sharing > 1 else "")
         )

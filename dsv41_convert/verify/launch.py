@@ -244,7 +244,7 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
     die_with.die_with_parent()  # the fork server, which dies with the verify process
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp))
-    os.environ.update(LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(tp))  # every rank on this host (fits.py)
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)

@@ -223,6 +223,13 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
     assert run_cli(monkeypatch, capsys, "check", str(tmp_path / "one"))[0] == 0
     code, out, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path / "one"), "--json")  # finished already
     assert code == 0 and json.loads(out)["already_merged"], err
+    shard = sorted((tmp_path / "one").glob("model-*.safetensors"))[0]
+    data = bytearray(original := shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(data)  # the advice fits an export: its fragments stay, and `manifest` merges none
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path / "one"))
+    assert code == 2 and "`export SRC OUT --format F --resume`" in " ".join(err.split()), err
+    shard.write_bytes(original)
     gathered = tmp_path / "gathered"
     gathered.mkdir()
     for rank in (0, 1):

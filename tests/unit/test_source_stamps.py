@@ -1,0 +1,50 @@
+"""store/source_stamps.py: what counts as a source shard changing, and what a record across runs matches."""
+
+from __future__ import annotations
+
+import os
+
+from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps
+
+
+def _source(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        (src / name).write_bytes(os.urandom(4096))
+    return src
+
+
+def test_a_later_time_or_another_size_is_a_change(tmp_path):
+    src = _source(tmp_path)
+    before = source_stamps(src)
+    st = (src / "a.safetensors").stat()
+    os.utime(src / "a.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with open(src / "b.safetensors", "ab") as f:
+        f.write(b"x")
+    assert differing(before, source_stamps(src)) == ["a.safetensors", "b.safetensors"]
+
+
+def test_shards_added_or_removed_are_changes(tmp_path):
+    src = _source(tmp_path)
+    before = source_stamps(src)
+    (src / "c.safetensors").write_bytes(b"x")
+    (src / "a.safetensors").unlink()
+    assert differing(before, source_stamps(src)) == ["a.safetensors", "c.safetensors"]
+
+
+def test_a_copy_keeping_the_times_matches_the_record_and_names_where_it_was_made(tmp_path):
+    """A folder copied with `cp -a` (or moved) resumes; the record says which folder it was made from."""
+    src, out = _source(tmp_path), tmp_path / "out"
+    out.mkdir()
+    record_stamps(out, src, source_stamps(src))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for shard in src.iterdir():
+        (copy / shard.name).write_bytes(shard.read_bytes())
+        st = shard.stat()
+        os.utime(copy / shard.name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert changed_since(out, copy, source_stamps(copy)) == ([], str(src.resolve()))
+    assert changed_since(out, src, source_stamps(src)) == ([], None)
+    (copy / "b.safetensors").write_bytes(os.urandom(4096))  # a second fine-tune of the layout
+    assert changed_since(out, copy, source_stamps(copy)) == (["b.safetensors"], str(src.resolve()))
