@@ -24,6 +24,7 @@ from dsv41_convert.store.manifest_merge import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
 
+UNQUANTIZED = ("BF16", "F32")  # the dtypes of an unquantized tensor of this model
 OTHER_FLOATS = ("F16", "F64")  # unquantized, but no dtype of this model: refused as such
 READ_WHOLE = ("config.json", INDEX_NAME, *SIDECARS)  # besides the shards
 
@@ -294,9 +295,12 @@ def _compare_layout(
     for name in sorted(set(sources) - set(layout)):
         s = sources[name]
         if s.rule.op is Op.DROP:  # tied to the backbone's: shard drops it, export carries it
-            if s.dtype not in ("BF16", "F32"):
-                problems.append(_unheld_dtype(s) if s.dtype in OTHER_FLOATS else f"{s.file}: tensor {s.name}: "
-                                f"found {s.dtype}, expected BF16 or F32 (a tied MTP embed/head)")  # fmt: skip
+            if s.dtype in OTHER_FLOATS:
+                problems.append(_unheld_dtype(s))
+            elif s.dtype not in UNQUANTIZED:
+                problems.append(
+                    f"{s.file}: tensor {s.name}: found {s.dtype}, expected BF16 or F32 (a tied MTP embed/head)"
+                )
             continue
         if not quantized and name.endswith(".scale"):
             problems.append(
@@ -315,7 +319,7 @@ def _compare_layout(
             )
         elif not quantized and s.dtype in OTHER_FLOATS and s.shape == shape:
             problems.append(_unheld_dtype(s))
-        elif not quantized and (s.dtype not in ("BF16", "F32") or s.shape != shape):
+        elif not quantized and (s.dtype not in UNQUANTIZED or s.shape != shape):
             problems.append(
                 f"{s.file}: tensor {s.name}: found {s.dtype} {list(s.shape)}, expected BF16 or F32 "
                 f"{list(shape)} (config.json has no quantization_config, so the source must be unquantized)"

@@ -12,6 +12,7 @@ from pathlib import Path
 from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
 from dsv41_convert.convert.memory import BF16, cache_bytes
 from dsv41_convert.errors import ConfigError, VerifyInputError
+from dsv41_convert.numbers import ascii_int
 from dsv41_convert.store.machine import physical_memory
 
 GIB = 1 << 30
@@ -32,8 +33,11 @@ def processes_on_this_host() -> int:
     LOCAL_WORLD_SIZE, else every rank of the group (verify starts them all here); 1 outside a group."""
     from dsv41_convert.model import parallel
 
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(local) if local.isdigit() and int(local) > 0 else parallel.world_size()
+    try:
+        local = ascii_int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:  # unset or not a number: the group's ranks
+        local = 0
+    return local if local > 0 else parallel.world_size()
 
 
 def _window_key(config: Path) -> str:

@@ -389,3 +389,8 @@ def test_an_f16_source_is_refused_as_a_dtype_the_model_never_holds(tmp_path, mon
     code, _, err = run_cli(monkeypatch, capsys, "plan", str(tmp_path / "f16"), "--tp", "2")
     for name in ("layers.0.attn.wq_a.weight", "mtp.0.embed.weight"):
         assert code == 2 and f"{name}: F16, which this model's checkpoints never hold" in err, err
+    tensors = source_tensors(cfg)
+    tensors["mtp.0.head.weight"] = tensors["head.weight"].to(torch.float8_e4m3fn)  # no float of this model either
+    write_ckpt(tmp_path / "fp8-head", tensors, cfg)
+    code, _, err = run_cli(monkeypatch, capsys, "plan", str(tmp_path / "fp8-head"), "--tp", "2")
+    assert code == 2 and "mtp.0.head.weight: found F8_E4M3, expected BF16 or F32 (a tied MTP embed/head)" in err, err
