@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import os
 import signal
 import sys
@@ -191,9 +190,6 @@ def plan_cmd(
     if with_headers and not as_json:
         raise PlanError("--with-headers goes with --json")
     folder = _local_source(src, tp)
-    # the process ends with this command, and the interpreter's last collection would trace the plan's ~500k
-    # objects (~60 ms); frozen at exit, they are skipped (plan holds nothing a finalizer must close)
-    atexit.register(gc.freeze)
     with collector_paused():  # the real plan's ~500k objects, none in a cycle: ~0.15 s of collector passes
         plan = build_plan(folder, tp, expert_dtype)
         memory = memory_figures(plan, load_model_args(folder / "config.json"))
@@ -1055,10 +1051,57 @@ def _command() -> list[str]:
     return [a for a in sys.argv[1:] if not a.startswith("-")][:1]
 
 
+def entry() -> None:
+    """The process's entry point (the `dsv41-convert` script, `python -m dsv41_convert.cli`, torchrun's
+    processes): main(), then the exit handlers, then the process ends with main's exit code, without the
+    interpreter's teardown. The teardown (its last collection, every module's, torch's destructors: tens to
+    hundreds of ms) runs after the interpreter has put the default signal handlers back, so a SIGTERM there
+    ended a finished run by the signal itself, without the line _late_signals_exit_at_once writes (CI: the
+    SIGTERM test of `export --workers 2`, once in about four runs). Registered before the command imports
+    anything that registers its own (multiprocessing, torch), _end_before_the_teardown runs after them."""
+    atexit.register(_end_before_the_teardown)
+    try:
+        main()
+    except SystemExit as exc:
+        _exit_code["code"] = _system_exit_code(exc.code)
+        raise
+    except KeyboardInterrupt:  # --debug: the traceback, then 130 (the interpreter would end by SIGINT)
+        _exit_code["code"] = INTERRUPTED
+        raise
+    except BaseException:  # --debug, or a bug: the traceback, then 1, as the interpreter's own
+        _exit_code["code"] = 1
+        raise
+
+
+_exit_code = {"code": 0}
+
+
+def _system_exit_code(code: object) -> int:
+    """sys.exit's argument as the interpreter turns it into an exit status: None 0, an int itself, anything
+    else (a message, printed) 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _end_before_the_teardown() -> NoReturn:
+    """The last exit handler: stdout and stderr flushed, the process ends with its exit code (120 where a flush
+    fails, as the interpreter's own)."""
+    code = _exit_code["code"]
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            code = code or 120
+    os._exit(code)
+
+
 def main() -> None:
-    """Entry point: ConvertError -> `error: ...` on stderr and exit 2, and so an OSError (the system refused a
-    path); a usage error -> Typer's usage message on stderr and exit 2; Ctrl-C -> exit 130, SIGTERM 143; with
-    --json each of these also one document on stdout; anything else keeps its traceback."""
+    """One command line's run (entry() adds the process's end): ConvertError -> `error: ...` on stderr and
+    exit 2, and so an OSError (the system refused a path); a usage error -> Typer's usage message on stderr
+    and exit 2; Ctrl-C -> exit 130, SIGTERM 143; with --json each of these also one document on stdout;
+    anything else keeps its traceback."""
     click_exceptions = _click_exceptions()
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # an ignored SIGTERM stays ignored
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
@@ -1175,4 +1218,4 @@ def _exit_now(code: int, what: str, signum, frame) -> NoReturn:
 
 
 if __name__ == "__main__":
-    main()
+    entry()

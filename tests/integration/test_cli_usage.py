@@ -309,3 +309,37 @@ def test_a_signal_after_the_result_never_exits_0_nor_writes_a_second_document(tm
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-500:])
     assert json.loads(proc.stdout)["src"] == str(src)  # one document: the result's
     assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
+
+
+SIGNAL_IN_THE_TEARDOWN = """
+import os, runpy, signal, sys, time
+how, sig = sys.argv.pop(1), signal.Signals[sys.argv.pop(1)]
+
+class SignalInTheTeardown:  # the interpreter's teardown deletes it, after putting the default handlers back
+    def __del__(self):
+        os.write(2, b"teardown reached\\n")
+        os.kill(os.getpid(), sig)
+        time.sleep(1)
+
+keep = SignalInTheTeardown()
+sys.argv[0] = "dsv41-convert"
+if how == "python -m":
+    runpy.run_module("dsv41_convert.cli", run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(how, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("how", ["python -m", "console script"])
+def test_a_finished_run_ends_before_the_interpreters_teardown(tmp_path, how, sig):
+    """The interpreter's teardown (its last collection, every module's, torch's destructors) runs with the
+    default signal handlers back: a SIGTERM there ended a finished `export --workers 2` by the signal itself
+    (-15, no line; CI, once in about four runs). The process now ends with its exit code after the exit
+    handlers, before any teardown: a signal planted there is never reached."""
+    how = how if how == "python -m" else entry_point()
+    cmd = [sys.executable, "-c", SIGNAL_IN_THE_TEARDOWN, how, sig, "make-tiny", str(tmp_path / "t"), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=default_sigint)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-500:])
+    assert "teardown reached" not in proc.stderr
+    assert json.loads(proc.stdout)["out"] == str(tmp_path / "t")  # flushed before the process ended
