@@ -682,12 +682,16 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
       dsv41-convert check ./mp8
       dsv41-convert check ./mp8 --json --workers 1
     """
+    from dsv41_convert.errors import first_few
+    from dsv41_convert.store.manifest import MANIFEST
     from dsv41_convert.store.manifest_check import check_folder
 
     with report.byte_progress(f"check {out}", quiet=as_json) as progress:
         result = check_folder(out, progress=progress, threads=workers or None)
     for problem in result.problems:
         report.error(problem)
+    if result.unchecked:
+        report.warn(f"{out}: not in {MANIFEST}, so not checked: {first_few(result.unchecked)}")
     if as_json:
         report.print_json(result.to_json())
     else:

@@ -25,13 +25,20 @@ class CheckResult:
     folder: str
     checked: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # one line per bad file, naming it
+    unchecked: list[str] = field(default_factory=list)  # other entries of the folder (`NAME/` a folder): see others
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {"folder": self.folder, "ok": self.ok, "checked": self.checked, "problems": self.problems}
+        return {
+            "folder": self.folder,
+            "ok": self.ok,
+            "checked": self.checked,
+            "problems": self.problems,
+            "unchecked": self.unchecked,
+        }
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -104,9 +111,25 @@ def check_folder(
     }
     result = CheckResult(str(folder))
     result.problems += unlisted(folder, manifest, tp, besides)
+    result.unchecked = others(folder, manifest, besides)
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)
     return result
+
+
+def others(folder: Path, manifest: dict[str, Any], besides: frozenset[str] = frozenset()) -> list[str]:
+    """The folder's other entries, neither listed, nor .safetensors (unlisted's), nor hidden (the run's own
+    state), nor named `besides`: files put beside the conversion (a generation_config.json, a model card, a
+    chat template folder as `NAME/`), which a loader may read but the manifest cannot vouch for."""
+    files = manifest["files"]
+    return [
+        f"{p.name}/" if p.is_dir() else p.name
+        for p in sorted(folder.iterdir())
+        if p.name not in files
+        and p.name not in (MANIFEST, *besides)
+        and not p.name.startswith(".")
+        and p.suffix != ".safetensors"
+    ]
 
 
 def unlisted(

@@ -89,6 +89,24 @@ def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path)
     assert sorted(result.checked) == ["config.json", "model0-mp2.safetensors"]
 
 
+def test_files_put_beside_the_conversion_are_named_as_unchecked(tmp_path, monkeypatch, capsys):
+    """A generation_config.json or a chat-template folder copied into an export after it finished: a loader
+    reads them, the manifest vouches for none, and `check` passed without a word. Now named on stderr and in
+    --json `unchecked` (folders as NAME/); the verdict stays the listed files' (exit 0); the run's own hidden
+    state and the manifest are not named."""
+    folder = _folder(tmp_path, {"model-00001-of-00001.safetensors": b"a" * 64, "config.json": b"{}"})
+    (folder / "generation_config.json").write_text("{}")
+    (folder / "encoding").mkdir()
+    (folder / ".dsv41-convert").mkdir()
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(folder), "--json")
+    assert code == 0 and json.loads(out)["unchecked"] == ["encoding/", "generation_config.json"]
+    assert f"{folder}: not in manifest.json, so not checked: encoding/, generation_config.json" in err
+    (folder / "generation_config.json").unlink()
+    (folder / "encoding").rmdir()
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(folder), "--json")
+    assert code == 0 and json.loads(out)["unchecked"] == [] and "not checked" not in err
+
+
 def test_a_manifest_of_a_huge_tp_is_one_line_at_once(tmp_path):
     """options.tp = 10**9 in a damaged manifest: `check` looped over a billion ranks (killed after 20 s)."""
     folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, "model1-mp2.safetensors": b"b" * 64})
