@@ -125,6 +125,8 @@ def fp4_to_fp8_bytes(packed: np.ndarray, s: np.ndarray, block: int = 32, name: s
     s8b_OG = np.repeat(np.repeat(s8b, FP8_BLOCK, 0)[:out], groups_per_block, 1)[:, : want[1]]
     k_OG = b_OG.astype(np.int16) - s8b_OG  # log2(fp4 scale / block scale), exact
     s8 = s8b.astype(np.uint8)
+    if packed.size == 0:
+        return np.zeros((out, inp), np.uint8), s8
     if block % 4 == 0 and inp % block == 0 and out and int(k_OG.min()) >= K_ALL_EXACT:
         return _cast_quads(packed, k_OG, block), s8
     kk_OG = np.maximum(k_OG.astype(np.int64), K_MIN) - K_MIN

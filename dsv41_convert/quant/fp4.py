@@ -86,7 +86,7 @@ def pack_nibbles(codes: Tensor) -> Tensor:
     require_dtype(codes, (torch.uint8,), "pack_nibbles codes")
     if codes.size(-1) % 2:
         raise ValueError(f"pack_nibbles: last dim must be even, got {list(codes.shape)}")
-    if sys.byteorder == "little" and codes.is_contiguous() and codes.device.type == "cpu":
+    if sys.byteorder == "little" and codes.is_contiguous() and codes.device.type == "cpu" and codes.numel():
         # each pair as one int16 (even element in the low byte): hi << 8 | lo -> hi << 4 | lo in the low
         # byte, in three passes over half as many elements instead of four strided ones
         pairs = codes.view(torch.int16) & 0x0F0F

@@ -194,6 +194,19 @@ def test_encode_mxfp4_non_finite_names_tensor(bad):
         encode_mxfp4(w, name="layers.0.ffn.experts.3.w1.weight")
 
 
+@pytest.mark.parametrize(("shape", "scales", "fp8_scales"), [((0, 64), (0, 2), (0, 2)), ((5, 0), (5, 0), (1, 0))])
+def test_an_empty_weight_quantizes_to_empty_bytes(shape, scales, fp8_scales):
+    """No rows, or rows of no elements: pack_nibbles' int16 view of no bytes raised a bare RuntimeError and
+    the fp4 -> fp8 cast a numpy ValueError (an audit); now empty codes and scales of the block grid's shape."""
+    from dsv41_convert.convert import transform
+
+    w = torch.ones(shape, dtype=torch.bfloat16)
+    codes, s = encode_mxfp4(w, 32, "t")
+    assert (tuple(codes.shape), tuple(s.shape)) == ((shape[0], shape[1] // 2), scales)
+    w8, s8 = transform.apply("quant_fp4_fp8", [w], transform.quantizer_for("cpu"), "t", "t", (32, 32))
+    assert (tuple(w8.shape), tuple(s8.shape), w8.dtype) == (shape, fp8_scales, torch.float8_e4m3fn)
+
+
 def test_encode_mxfp4_rejects_odd_last_dim():
     with pytest.raises(ValueError, match="even"):
         encode_mxfp4(torch.zeros(2, 33))
