@@ -1176,7 +1176,10 @@ def _main(click_exceptions) -> None:
 
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
         if torchrun.shared_rank() is None:
-            exc.show()
+            try:
+                exc.show()
+            except BrokenPipeError:  # its reader gone (`2>&1 | head -c1`): 141, not the traceback's 1 (an audit)
+                report.reader_gone(sys.stderr)
         else:  # processes sharing stderr: one line that says which (click's lines said no rank: an audit)
             report.error(f"{exc.format_message()} (see --help)")
         code = 2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code

@@ -219,6 +219,18 @@ def test_a_reader_that_goes_away_from_a_table_or_the_progress_is_exit_141_too(tm
     assert code == 141
 
 
+@pytest.mark.parametrize("args", [["plan", "SRC", "--tp", "0"], ["bogus"], ["plan"]])
+def test_a_usage_error_into_a_reader_gone_exits_141(tmp_path, args):
+    """`plan SRC --tp 0 2>&1 | head -c1`: click's usage message met the broken pipe and the run ended in a
+    traceback nobody could read, exit 1, "a check ran and failed" (an audit); now 141 as every other output."""
+    r, w = os.pipe()
+    os.close(r)
+    args = [str(tmp_path) if a == "SRC" else a for a in args]
+    with os.fdopen(w, "wb") as gone:
+        code = subprocess.run([entry_point(), *args], stdout=subprocess.DEVNULL, stderr=gone, timeout=60).returncode
+    assert code == 141
+
+
 def test_tables_in_a_pipe_keep_their_rows_whole(tmp_path):
     """`plan --tp 8 > plan.txt` (and verify's table in a CI log): rich assumed 80 columns where stdout is no
     terminal, so the rule column wrapped mid-pattern and verify's prompt labels were cut to `defaul…`."""
