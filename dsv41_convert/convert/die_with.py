@@ -41,15 +41,40 @@ def _received(*dups) -> SharedFiles:
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
-    """Send this process `sig` when its parent exits (Linux; elsewhere nothing)."""
+    """Send this process `sig` when its parent exits (Linux; elsewhere nothing). The parent is the process that
+    forked this one (_forked_by) where Python's os.fork made it: one that died before this call (a fork server
+    gone with its run between a rank's fork and its first line) has already handed this process to another,
+    and an orphan rank waited 10 minutes for its peers, holding the run's stdout (an audit)."""
     if sys.platform != "linux":
         return
     import ctypes
 
-    parent, pr_set_pdeathsig = os.getppid(), 1
+    parent, pr_set_pdeathsig = _forked_by.get("pid", os.getppid()), 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig)
     if os.getppid() != parent:  # it died before the line above
         os.kill(os.getpid(), sig)
+
+
+# "pid": in a process os.fork made after this module's import, the pid of the process that forked it (noted
+# there before the fork: asked in the child, it may be gone already); "forking": during a fork, in the parent
+_forked_by: dict[str, int] = {}
+
+
+def _before_a_fork() -> None:
+    _forked_by["forking"] = os.getpid()
+
+
+def _after_a_fork_in_the_parent() -> None:
+    _forked_by.pop("forking", None)
+
+
+def _after_a_fork_in_the_child() -> None:
+    _forked_by["pid"] = _forked_by.pop("forking")
+
+
+os.register_at_fork(
+    before=_before_a_fork, after_in_parent=_after_a_fork_in_the_parent, after_in_child=_after_a_fork_in_the_child
+)
 
 
 def start_fork_server() -> None:

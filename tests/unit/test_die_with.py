@@ -1,0 +1,71 @@
+"""die_with.die_with_parent: a process dies with the one that forked it, also where that one is gone already."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+
+# argv: the marker file, then "gone" (the forking process exits before the child asks to die with it) or
+# "alive" (it waits, and its child forks a grandchild that asks too: each has its own forker)
+_FORKED = """
+import os, sys, time
+from dsv41_convert.convert import die_with
+
+marker, case = sys.argv[1], sys.argv[2]
+
+def say(word):
+    with open(marker, "a") as f:
+        f.write(word + "\\n")
+
+me = os.getpid()
+child = os.fork()
+if child == 0:
+    if case == "gone":
+        deadline = time.monotonic() + 20
+        while os.getppid() == me and time.monotonic() < deadline:  # handed to another process
+            time.sleep(0.01)
+        say("asking")
+        die_with.die_with_parent()
+        say("survived")
+    else:
+        grandchild = os.fork()
+        if grandchild == 0:
+            die_with.die_with_parent()
+            say("grandchild survived")
+            os._exit(0)
+        os.waitpid(grandchild, 0)
+        die_with.die_with_parent()
+        say("child survived")
+    os._exit(0)
+if case == "alive":
+    os.waitpid(child, 0)
+"""
+
+
+def test_a_child_whose_forker_is_gone_dies_at_once(tmp_path):
+    """The race an audit met: a verify rank forked by the fork server, which died with its Ctrl-C'd run before
+    the rank's first line; the rank then saw another parent, set its death signal on that one, and waited 10
+    minutes for its peers holding the run's stdout. The parent is now the one that forked it, noted at the fork."""
+    marker = tmp_path / "said"
+    subprocess.run([sys.executable, "-c", _FORKED, str(marker), "gone"], check=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while "asking" not in _said(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # what it says after die_with_parent returns, it says within milliseconds
+    assert _said(marker) == ["asking"]
+
+
+def test_a_child_and_a_grandchild_whose_forkers_live_go_on(tmp_path):
+    marker = tmp_path / "said"
+    subprocess.run([sys.executable, "-c", _FORKED, str(marker), "alive"], check=True, timeout=60)
+    assert _said(marker) == ["grandchild survived", "child survived"]
+
+
+def _said(marker: Path) -> list[str]:
+    return marker.read_text().splitlines() if marker.exists() else []
