@@ -384,6 +384,9 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
         bad = [r for r in ranks if not 0 <= r < plan.tp]
         if bad:
             raise PlanError(f"--ranks {bad}: out of range for --tp {plan.tp} (0..{plan.tp - 1})")
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        if twice:  # a typo of another rank, as likely as not (1,1 for 1,2): that rank would go unwritten
+            raise PlanError(f"--ranks {twice}: given more than once; name each rank file to write once")
         files = [f for f in files if f.rank in set(ranks)]
     world, me = torchrun.world(env) or 1, torchrun.rank(env)
     return files[me::world] if world > 1 else files

@@ -167,6 +167,9 @@ def test_conflicting_or_empty_options(src, sharded, tmp_path, monkeypatch, capsy
     assert_clean_error(code, err, "--resume and --overwrite: pick one")
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "o2"), "--tp", "2", "--ranks", "")
     assert_clean_error(code, err, "--ranks ''")
+    # a rank twice (1,1 for 1,0): was written once without a word, the rank meant left unwritten (an audit)
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "o2"), "--tp", "2", "--ranks", "1,1")
+    assert_clean_error(code, err, "--ranks [1]: given more than once")
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before and not (tmp_path / "o2").exists()
 
 
