@@ -33,3 +33,13 @@ def refuse_non_file(path: Path, error: type[Exception]) -> None:
     kind = "a folder" if stat.S_ISDIR(mode) else None if stat.S_ISREG(mode) else SPECIAL
     if kind:
         raise error(f"{path}: not a regular file ({kind}); put the file itself there, or remove it")
+
+
+def refuse_unmakeable(path: Path, error: type[Exception]) -> None:
+    """`error` where `path` cannot be made because the nearest existing path above it is no folder (`afile/r`:
+    mkdir said "afile: File exists", an audit)."""
+    above = Path(path).parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise error(f"{above}: Not a directory, so {path} cannot be made in it")

@@ -51,6 +51,7 @@ from dsv41_convert.convert.write import (
     write_rank_file,
 )
 from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
+from dsv41_convert.file_kinds import refuse_unmakeable
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
@@ -203,6 +204,7 @@ def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
     out = _outside_source(src, out, "file")
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give the path of the file to write")
+    refuse_unmakeable(out, OutputError)
     _no_source_file_among(src, [out])
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: exists; pass --overwrite to replace it")

@@ -87,7 +87,10 @@ def _without_manifest(folder: Path) -> str:
     if any(folder.glob(FRAGMENT_GLOB)):
         return "it holds fragments of shares of the ranks: gather every share, then run `dsv41-convert manifest`"
     if (folder / DONE_DIR).is_dir():
-        return "an unfinished conversion (not every file is done); continue it with `shard` or `export` and --resume"
+        return (
+            f"an unfinished conversion ({MANIFEST} is the last file a run writes); continue it with `shard` or "
+            "`export` and --resume"
+        )
     return f"was {folder} written by `dsv41-convert shard` or `export`?"
 
 

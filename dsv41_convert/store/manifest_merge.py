@@ -210,7 +210,8 @@ def merge(
     """
     out = Path(out)
     if not out.is_dir():
-        raise OutputError(f"{out}: no such folder; gather the rank files and fragments of every machine in it")
+        what = "not a folder" if out.exists() else "no such folder"
+        raise OutputError(f"{out}: {what}; gather the rank files and fragments of every machine in a folder")
     # a source checkpoint, or any folder no run of ours ever held, gets no lock file (one being written does:
     # in use, said by the lock)
     if (out / INDEX_NAME).is_file() or not ((out / LOCK_NAME).exists() or (out / DONE_DIR).exists()):

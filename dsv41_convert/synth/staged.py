@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
+from dsv41_convert.file_kinds import refuse_unmakeable
 from dsv41_convert.store.lock import LOCK_NAME, hold
 from dsv41_convert.store.manifest import fsync_path
 
@@ -57,11 +58,7 @@ def check_out(out: Path, overwrite: bool) -> Path:
     if out.is_symlink() and not out.exists():
         raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a folder path")
     out = out.resolve() if out.is_symlink() else out.absolute()
-    above = out.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise OutputError(f"{above}: Not a directory, so {out} cannot be made in it")
+    refuse_unmakeable(out, OutputError)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder; give a folder path")
     entries = [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []

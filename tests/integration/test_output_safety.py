@@ -162,6 +162,15 @@ def test_check_of_an_unfinished_folder_says_how_to_finish_it(src, tmp_path, monk
     (out / "model1-mp2.safetensors.partial").write_bytes(b"x")
     code, _, err = run_cli(monkeypatch, capsys, "check", str(out))
     assert code == 2 and "an unfinished conversion (1 .partial file(s)" in err and "--resume" in err, err
+    # every file done but the manifest (the run stopped before its last step): said "not every file is done"
+    out = tmp_path / "whole"
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+    (out / "manifest.json").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(out))
+    assert code == 2 and "an unfinished conversion (manifest.json is the last file a run writes)" in err, err
+    # `manifest` of a file: "no such folder"
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out / "config.json"))
+    assert code == 2 and f"{out / 'config.json'}: not a folder" in err, err
 
 
 def test_demo_overwrite_replaces_only_a_folder_a_demo_wrote(tmp_path, monkeypatch, capsys):

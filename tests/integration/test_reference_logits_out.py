@@ -82,6 +82,18 @@ def test_out_that_is_a_folder_is_refused(src, tmp_path, monkeypatch, capsys):
     assert list(out.iterdir()) == []
 
 
+def test_out_under_a_file_is_refused_naming_the_file(src, tmp_path, monkeypatch, capsys):
+    """`reference-logits SRC afile/r.safetensors`: "afile: File exists" (mkdir's words; an audit), as make-tiny
+    says it now for both."""
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+    for command in (["reference-logits", str(src), str(tmp_path / "afile" / "r.safetensors")],
+                    ["make-tiny", str(tmp_path / "afile" / "t")]):  # fmt: skip
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        assert code == 2 and f"{tmp_path / 'afile'}: Not a directory, so {command[-1]} cannot be made in it" in err
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_an_image_that_is_no_image_is_named_by_file_and_line(src, tmp_path, monkeypatch, capsys):
     """It said `line-1: image ...: cannot identify image file <_io.BytesIO object at 0x...>`."""
     (tmp_path / "notes.txt").write_text("not a picture")
