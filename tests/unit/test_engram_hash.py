@@ -75,6 +75,23 @@ def test_token_map_size_mismatch_names_tokenizer_json(tmp_path, tokenizer):
         load_token_map(path, 99092)
 
 
+def test_a_tokenizer_is_folded_once_per_process_and_file_version(tmp_path, tokenizer, monkeypatch):
+    """A verify rank checks its plan's tokenizer.json, then its model reads it: 0.4 s each at the published
+    size. The second load is the first's map; a tokenizer.json written again is folded again."""
+    import dsv41_convert.engram_tokens as engram_tokens
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    expected, size = compressed_token_map(tokenizer)
+    folds = []
+    real = engram_tokens.compressed_token_map
+    monkeypatch.setattr(engram_tokens, "compressed_token_map", lambda t: folds.append(1) or real(t))
+    assert load_token_map(path, size) == expected and load_token_map(path, size) == expected and len(folds) == 1
+    text = path.read_text()
+    path.write_text(text + " ")  # another version of the file: same tokens, another size
+    assert load_token_map(path, size) == expected and len(folds) == 2
+
+
 def test_real_layout_rows_and_primes():
     args = load_model_args(REAL_CONFIG)
     layout = EngramLayout.from_args(args)
