@@ -483,9 +483,11 @@ def _require_space(out: Path, need: int) -> None:
     """OutputError unless OUT's device has `need` bytes free."""
     free = disk_free(out)
     if need > free:
+        need_said, free_said = f"{need / 1e9:.2f} GB", f"{free / 1e9:.2f} GB"
+        if need_said == free_said:  # "0.02 GB to write but only 0.02 GB free" (an audit): in bytes then
+            need_said, free_said = f"{need:,} bytes", f"{free:,} bytes"
         raise OutputError(
-            f"{out}: {need / 1e9:.2f} GB to write but only {free / 1e9:.2f} GB free on that device; "
-            "free space or choose another OUT"
+            f"{out}: {need_said} to write but only {free_said} free on that device; free space or choose another OUT"
         )
 
 

@@ -193,7 +193,11 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
     if exclusive:
         stale = [h for h in read_holders(_read_all(fd)) if h.mode == "exclusive"]
         os.ftruncate(fd, 0)
-    os.write(fd, holder.line())  # O_APPEND: shared holders' lines do not overwrite each other
+    try:
+        os.write(fd, holder.line())  # O_APPEND: shared holders' lines do not overwrite each other
+    except OSError as exc:  # a full disk: said with no path at all (an audit)
+        os.close(fd)
+        raise OutputError(f"{what}: cannot write the lock file {path.name} ({exc.strerror})") from exc
     return Lock(path, fd, exclusive, stale)
 
 

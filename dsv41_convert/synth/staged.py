@@ -123,9 +123,16 @@ def _move_in(stage: Path, out: Path) -> None:
         if p.is_file() and not p.is_symlink() and _SHARD.fullmatch(p.name.removesuffix(".partial")):
             p.unlink()
     fsync_path(out)  # the removals before the first new shard, also after a power loss
-    for name in sorted(new - {INDEX}):
-        os.replace(stage / name, out / name)
-    os.replace(stage / INDEX, out / INDEX)
+    try:
+        for name in sorted(new - {INDEX}):
+            os.replace(stage / name, out / name)
+        os.replace(stage / INDEX, out / INDEX)
+    except OSError as exc:  # said as the rename's error alone, OUT's state unsaid (an audit)
+        raise OutputError(
+            f"{out}: moving the new checkpoint in failed at {Path(exc.filename or '?').name} ({exc.strerror or exc}), "
+            f"after the old checkpoint's index and shards were removed: {out} holds no whole checkpoint; run "
+            "make-tiny again with --overwrite"
+        ) from exc
     for p in out.iterdir():  # what the old checkpoint had and this one has not; stale hidden folders
         if p.name not in new and p.name != LOCK_NAME and p != stage:
             if p.is_dir():

@@ -150,8 +150,16 @@ def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -
     except SafetensorError as exc:  # safetensors' own error for ENOSPC / EFBIG, not an OSError
         tmp.unlink(missing_ok=True)
         raise OutputError(f"{path}: cannot write the reference file ({exc}); nothing written") from exc
-    sort_metadata(tmp)  # the same run, the same file
-    publish(tmp, path)
+    try:
+        sort_metadata(tmp)  # the same run, the same file
+        publish(tmp, path)
+    except BaseException as exc:  # an fsync's or the rename's ENOSPC / EIO: the temporary was left (an audit)
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OutputError(
+                f"{path}: cannot write the reference file ({exc.strerror or exc}); nothing written"
+            ) from exc
+        raise
 
 
 def file_tensors(ref: Reference) -> dict[str, Tensor]:

@@ -182,7 +182,7 @@ def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
     from dsv41_convert.convert import execute as execute_mod
 
     monkeypatch.setattr(execute_mod, "disk_free", lambda path: 1000)
-    with pytest.raises(OutputError, match=r"GB to write but only 0\.00 GB free"):
+    with pytest.raises(OutputError, match=r" bytes to write but only 1,000 bytes free"):
         export(build_export_plan(src, "bf16"), tmp_path / "out")
     assert_nothing_finished(tmp_path / "out")
 

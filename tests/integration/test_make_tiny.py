@@ -257,6 +257,29 @@ def test_refuses_non_empty_out(fp8_dir, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_overwrite_that_fails_moving_in_says_the_old_checkpoint_is_gone(tmp_path, monkeypatch):
+    """A rename that fails (EIO) while the new shards move in, after the old index and shards went: the error
+    was the rename's alone (an audit), OUT holding part of a checkpoint. Now it says so and how to mend it."""
+    out = tmp_path / "tw"
+    write_checkpoint(out, TINY)
+    real = os.replace
+
+    def replace(a, b):
+        if Path(b).parent == out and Path(b).name.startswith("model-00005"):  # moving in, not the stage's own
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(a), None, str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OutputError) as info:
+        write_checkpoint(out, TINY, seed=1, overwrite=True)
+    said = str(info.value)
+    assert said.startswith(f"{out}: moving the new checkpoint in failed at model-00005") and "Input/output" in said
+    assert f"{out} holds no whole checkpoint; run make-tiny again with --overwrite" in said
+    monkeypatch.setattr(os, "replace", real)
+    write_checkpoint(out, TINY, seed=1, overwrite=True)  # as it says
+    assert (out / INDEX).is_file()
+
+
 def test_cli_json_summary(tmp_path):
     out = tmp_path / "cli"
     result = CliRunner().invoke(app, ["make-tiny", str(out), "--no-vision", "--shards", "1", "--json"])

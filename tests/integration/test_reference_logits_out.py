@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from cli_run import run_cli, run_cli_with_a_signal_in_an_import
 
+from dsv41_convert.store.lock import LOCK_NAME
 from dsv41_convert.verify import reffile
 
 
@@ -92,6 +93,34 @@ def test_out_under_a_file_is_refused_naming_the_file(src, tmp_path, monkeypatch,
         code, _, err = run_cli(monkeypatch, capsys, *command)
         assert code == 2 and f"{tmp_path / 'afile'}: Not a directory, so {command[-1]} cannot be made in it" in err
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("fails", ["fsync", "rename"])
+def test_a_disk_that_fails_at_the_fsync_or_the_rename_leaves_nothing(src, tmp_path, monkeypatch, capsys, fails):
+    """ENOSPC and EIO that a file system reports only at the fsync (ext4's delayed allocation, NFS) or at the
+    rename: `error: Input/output error` without a path, and OUT.PID.partial left (an audit). Now OUT is named
+    and nothing is left."""
+    import errno
+    import os
+
+    out = tmp_path / "refs" / "r.safetensors"
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        if fails == "fsync" and os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_fsync(fd)
+
+    def replace(a, b, **kw):
+        if fails == "rename" and str(a).endswith(".partial"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(a), None, str(b))
+        return real_replace(a, b, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--decode-steps", "0")
+    assert code == 2 and f"{out}: cannot write the reference file (Input/output error); nothing written" in err, err
+    assert [p.name for p in out.parent.iterdir() if p.name != LOCK_NAME] == []
 
 
 def test_an_image_that_is_no_image_is_named_by_file_and_line(src, tmp_path, monkeypatch, capsys):

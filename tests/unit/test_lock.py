@@ -31,6 +31,27 @@ def test_second_exclusive_holder_is_refused_with_the_holder_named(tmp_path, monk
     assert "UTC (dsv41-convert shard src out --tp 2)" in msg
 
 
+def test_a_lock_file_a_full_disk_cannot_take_is_named_and_left_unheld(tmp_path, monkeypatch):
+    """A folder on a full disk: every writing command said `error: No space left on device`, no path (an
+    audit: the holder's line written into the lock file failed unwrapped). Now the folder and the lock file
+    are named, and the lock is not held after it."""
+    real = os.write
+
+    def full(fd, data):
+        if data.startswith(b"{"):  # the holder's line
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(lock_mod.os, "write", full)
+    with pytest.raises(OutputError) as info:
+        with hold(tmp_path):
+            pass
+    assert str(info.value) == f"{tmp_path.resolve()}: cannot write the lock file {LOCK_NAME} (No space left on device)"
+    monkeypatch.setattr(lock_mod.os, "write", real)
+    with hold(tmp_path):
+        pass
+
+
 def test_exclusive_release_removes_the_file_and_frees_the_folder(tmp_path):
     with hold(tmp_path):
         (holder,) = read_holders((tmp_path / LOCK_NAME).read_bytes())
