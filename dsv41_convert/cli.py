@@ -21,7 +21,7 @@ import typer
 from dsv41_convert import interrupts, torchrun
 from dsv41_convert.app import options as opts
 from dsv41_convert.app import report
-from dsv41_convert.errors import ConvertError, RankFailedError
+from dsv41_convert.errors import ConvertError, RankFailedError, crash_line
 from dsv41_convert.store.machine import MAX_THREADS
 
 app = typer.Typer(
@@ -1186,11 +1186,15 @@ def _main(click_exceptions) -> None:
         if code == 2:
             _json_error(exc.format_message())
         sys.exit(code)
-    except Exception:
+    except Exception as exc:
         # after a signal, what fails is its doing: a module half-imported when the KeyboardInterrupt landed
         # (reference-logits at 0.5 s: numpy without `multiply`)
         if _debug["on"] or not interrupts.interrupted():
-            raise
+            if _debug["on"] or torchrun.shared_rank() is None:
+                raise
+            # processes sharing stdout: a crash is a document too, as verify's and reference-logits' are (a
+            # shard or export process left its traceback alone, no `exit_code` for a pipeline to read: an audit)
+            _run_failed(crash_line(exc))
         code = INTERRUPTED
     if interrupts.interrupted() and not _debug["on"]:
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check

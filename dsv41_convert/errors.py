@@ -65,3 +65,18 @@ def names_a_rank(message: str) -> bool:
 class RankFailedError(ConvertError):
     """A process of the run died (a rank or a writer worker: a signal, out of memory) or a rank lost its
     peers: the run failed, not its input. The CLI exits 1 with the message (and its --json document)."""
+
+
+def first_words(exc: BaseException, limit: int = 300) -> str:
+    """The first sentence of `exc`'s first line (gloo adds advice after it), at most `limit` characters."""
+    first = (str(exc).splitlines() or [""])[0]
+    return first.split(". ")[0][:limit]
+
+
+def crash_line(exc: BaseException) -> str:
+    """A failure that is not an input error (a crash), as one line for its message and document; its
+    traceback goes to stderr first. Call it where `exc` is being handled."""
+    import traceback
+
+    traceback.print_exc()
+    return f"{type(exc).__name__}: {first_words(exc)}"

@@ -260,7 +260,7 @@ def _by_rank(message: str) -> str:
 
 
 def info(message: str) -> None:
-    _console("stderr").print(plain(message), highlight=False)
+    _console("stderr").print(plain(_by_rank(message)), highlight=False)
 
 
 @contextmanager

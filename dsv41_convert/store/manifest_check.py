@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +122,10 @@ def check_folder(
 
 
 def others(folder: Path, manifest: dict[str, Any], besides: frozenset[str] = frozenset()) -> list[str]:
-    """The folder's other entries, neither listed, nor .safetensors (unlisted's), nor hidden (the run's own
-    state), nor named `besides`: files put beside the conversion (a generation_config.json, a model card, a
-    chat template folder as `NAME/`), which a loader may read but the manifest cannot vouch for."""
+    """The folder's other entries, neither listed, nor .safetensors (unlisted's), nor the runs' own records
+    (hidden ones, the shares' manifest fragments), nor named `besides`: files put beside the conversion (a
+    generation_config.json, a model card, a chat template folder as `NAME/`), which a loader may read but the
+    manifest cannot vouch for."""
     files = manifest["files"]
     return [
         f"{p.name}/" if p.is_dir() else p.name
@@ -132,6 +134,7 @@ def others(folder: Path, manifest: dict[str, Any], besides: frozenset[str] = fro
         and p.name not in (MANIFEST, *besides)
         and not p.name.startswith(".")
         and p.suffix != ".safetensors"
+        and not fnmatch(p.name, FRAGMENT_GLOB)
     ]
 
 

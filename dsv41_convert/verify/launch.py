@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from dsv41_convert import errors, interrupts, torchrun
 from dsv41_convert.convert import die_with
-from dsv41_convert.errors import ConvertError, RankFailedError, VerifyInputError
+from dsv41_convert.errors import ConvertError, RankFailedError, VerifyInputError, crash_line, first_words
 from dsv41_convert.progress import Progress
 
 T = TypeVar("T")
@@ -185,9 +185,9 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
         interrupts.check()
         if _peer_lost(exc):  # gloo says it as a RuntimeError (an audit: a traceback and no --json document)
             raise RankFailedError(
-                f"the torchrun launch lost a peer ({_first_words(exc)}); see the other processes' errors"
+                f"the torchrun launch lost a peer ({first_words(exc)}); see the other processes' errors"
             ) from None
-        raise RankFailedError(_crash(exc)) from exc
+        raise RankFailedError(crash_line(exc)) from exc
     finally:
         dist.destroy_process_group()
     return result if torchrun.rank() == 0 else None
@@ -280,20 +280,6 @@ def _save_in_tmp(obj: Any, path: Path, what: str) -> None:
         ) from None
 
 
-def _first_words(exc: BaseException, limit: int = 300) -> str:
-    """The first sentence of `exc`'s first line (gloo adds advice after it), at most `limit` characters."""
-    first = (str(exc).splitlines() or [""])[0]
-    return first.split(". ")[0][:limit]
-
-
-def _crash(exc: BaseException) -> str:
-    """A failure that is not an input error, as one line (its traceback goes to stderr first)."""
-    import traceback
-
-    traceback.print_exc()
-    return f"{type(exc).__name__}: {_first_words(exc)}"
-
-
 def _peer_lost(exc: BaseException) -> bool:
     """Whether `exc`, raised in a collective, says that a peer went away (gloo: "Connection closed by peer"
     as a RuntimeError; torch.distributed's DistError) rather than what went wrong here."""
@@ -307,11 +293,11 @@ def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
     """rank{rank}.error in `tmp`: the error's kind (a ConvertError's class, else RankFailedError; PEER_LOST for
     a peer gone), then its message. A crash (not a ConvertError) prints its traceback on stderr first."""
     if _peer_lost(exc):
-        kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({_first_words(exc)})"
+        kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({first_words(exc)})"
     elif isinstance(exc, ConvertError):
         kind, message = type(exc).__name__, str(exc)
     else:
-        kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {_crash(exc)}"
+        kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {crash_line(exc)}"
     part = tmp / f"rank{rank}.error.partial"  # whole or not there: a rank stopped mid-write left it empty
     try:
         part.write_text(f"{kind}\n{message}")

@@ -257,6 +257,34 @@ def test_shard_under_torchrun_prints_one_json_line_per_process(tmp_path):
                                                               (1, ["model1-mp2.safetensors"])]  # fmt: skip
 
 
+_CRASHES_IN = """
+import sys
+from dsv41_convert import cli
+from dsv41_convert.convert import execute
+
+def crash(*args, **kwargs):
+    raise RuntimeError("planted. Advice after the first sentence")
+
+execute.select_files = crash  # shard's and export's engine, before any byte
+sys.argv = ["dsv41-convert", *sys.argv[1:]]
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_a_crash_of_a_torchrun_process_is_a_document_too(src, tmp_path, command):
+    """A shard or export process of a torchrun launch that crashed (a bug) left only its traceback: no document
+    with its rank and `exit_code`, so a pipeline reading the documents saw no failure (an audit). Now the
+    traceback, then `error: rank 1: RuntimeError: planted` and its document, exit 1, as verify's."""
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    run = subprocess.run([sys.executable, "-c", _CRASHES_IN, command, str(src), str(tmp_path / "o"), *args,
+                          "--json"], env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert json.loads(run.stdout) == {"rank": 1, "ok": False, "exit_code": 1, "error": "RuntimeError: planted"}
+    assert "Traceback" in run.stderr and "error: rank 1: RuntimeError: planted" in run.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc")
 @pytest.mark.parametrize("victim", ["worker", "fork server"])

@@ -121,3 +121,19 @@ def test_an_error_that_names_its_rank_is_not_named_twice(monkeypatch):
     assert report._by_rank("rank 1: the launch lost a peer") == "rank 1: the launch lost a peer"
     assert report._by_rank("rank 0: a.safetensors: nan") == "rank 0: a.safetensors: nan"  # gathered from rank 0
     assert report._by_rank("a.safetensors: truncated") == "rank 1: a.safetensors: truncated"
+
+
+def test_every_line_on_stderr_names_its_torchrun_process(monkeypatch, capsys):
+    """Errors and warnings said their rank, the other lines on stderr not (`wrote 1 file(s) ... manifest:
+    pending` twice, from whom? an audit)."""
+    from dsv41_convert.app import report
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    report.info("wrote 1 file(s)")
+    report.warn("no tokenizer")
+    assert capsys.readouterr().err.splitlines() == ["rank 1: wrote 1 file(s)", "warning: rank 1: no tokenizer"]
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    report.info("wrote 1 file(s)")
+    assert capsys.readouterr().err == "wrote 1 file(s)\n"

@@ -98,6 +98,7 @@ def test_files_put_beside_the_conversion_are_named_as_unchecked(tmp_path, monkey
     (folder / "generation_config.json").write_text("{}")
     (folder / "encoding").mkdir()
     (folder / ".dsv41-convert").mkdir()
+    (folder / "manifest-fragment-mp2-r1.json").write_text("{}")  # a share's record, beside its last share's manifest
     code, out, err = run_cli(monkeypatch, capsys, "check", str(folder), "--json")
     assert code == 0 and json.loads(out)["unchecked"] == ["encoding/", "generation_config.json"]
     assert f"{folder}: not in manifest.json, so not checked: encoding/, generation_config.json" in err
