@@ -1062,7 +1062,8 @@ def entry() -> None:
     hundreds of ms) runs after the interpreter has put the default signal handlers back, so a SIGTERM there
     ended a finished run by the signal itself, without the line _late_signals_exit_at_once writes (CI: the
     SIGTERM test of `export --workers 2`, once in about four runs). Registered before the command imports
-    anything that registers its own (multiprocessing, torch), _end_before_the_teardown runs after them."""
+    anything that registers its own (multiprocessing, torch), _end_before_the_teardown runs after them; one
+    registered before entry() (a wrapper's, a .pth file's: subprocess coverage) does not run."""
     atexit.register(_end_before_the_teardown)
     try:
         main()
@@ -1194,7 +1195,11 @@ def _main(click_exceptions) -> None:
                 raise
             # processes sharing stdout: a crash is a document too, as verify's and reference-logits' are (a
             # shard or export process left its traceback alone, no `exit_code` for a pipeline to read: an audit)
-            _run_failed(crash_line(exc))
+            said = crash_line(exc)
+            if report.documents_written() != documents_before:  # after the result's: one document, stderr alone
+                report.error(said)
+                sys.exit(1)
+            _run_failed(said)
         code = INTERRUPTED
     if interrupts.interrupted() and not _debug["on"]:
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
@@ -1224,7 +1229,7 @@ def _late_signals_exit_at_once() -> None:
 
 
 def _exit_now(code: int, what: str, signum, frame) -> NoReturn:
-    os.write(2, f"error: {what} while the process ended, after its result\n".encode())
+    os.write(2, f"error: {torchrun.by_rank(what)} while the process ended, after its result\n".encode())
     os._exit(code)
 
 

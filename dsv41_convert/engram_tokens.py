@@ -71,7 +71,7 @@ def load_token_map(tokenizer_json: Path, expected_size: int) -> list[int]:
             "tokenizer.json (shard copies it from the source: put the source's beside the weights)"
         )
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, expected_size)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, expected_size)
     if key not in _LOADED:
         try:
             tokenizer = Tokenizer.from_file(str(tokenizer_json))

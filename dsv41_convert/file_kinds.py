@@ -4,6 +4,7 @@ audit found plan, verify and reference-logits waiting forever on one), a device 
 from __future__ import annotations
 
 import errno
+import os
 import stat
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def refuse_unmakeable(path: Path, error: type[Exception]) -> None:
     """`error` where `path` cannot be made because the nearest existing path above it is no folder (`afile/r`:
     mkdir said "afile: File exists", an audit)."""
     above = Path(path).parent
-    while not above.exists() and above != above.parent:
+    while not above.exists() and not above.is_symlink() and above != above.parent:
         above = above.parent
+    if above.is_symlink() and not above.exists():
+        raise error(f"{above}: a link to {os.readlink(above)}, which does not exist, so {path} cannot be made in it")
     if not above.is_dir():
         raise error(f"{above}: Not a directory, so {path} cannot be made in it")

@@ -1,4 +1,4 @@
-"""Numbers as a user or a file writes them: the digits 0-9 only."""
+"""Numbers as a user or a file writes them (the digits 0-9 only), and byte counts as a message says them."""
 
 import re
 
@@ -11,3 +11,13 @@ def ascii_int(text: str) -> int:
     if not re.fullmatch(r"-?[0-9]+", text):
         raise ValueError(f"{text!r}: expected an integer written in the digits 0-9")
     return int(text)
+
+
+def byte_amounts(*counts: int) -> list[str]:
+    """`counts` as a message compares them: GB at two decimals, or bytes where two would read the same or one
+    more than none would read 0.00 ("0.02 GB to write but only 0.02 GB free", "0.00 GB short": audits)."""
+    in_gb = [f"{n / 1e9:.2f} GB" for n in counts]
+    blurred = len(set(in_gb)) < len(in_gb) or any(
+        n and said == "0.00 GB" for n, said in zip(counts, in_gb, strict=True)
+    )
+    return [f"{n:,} bytes" for n in counts] if blurred else in_gb

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from dsv41_convert.errors import ConfigError
+from dsv41_convert.errors import ConfigError, names_a_rank
 
 
 def world(env: Mapping[str, str] | None = None) -> int | None:
@@ -54,3 +54,9 @@ def lacks_rendezvous(env: Mapping[str, str] | None = None) -> list[str]:
     if (world(env) or 1) <= 1:
         return []
     return [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+
+
+def by_rank(message: str) -> str:
+    """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
+    rank = shared_rank()  # a message that names a rank (its own, or one gathered from all) says it
+    return message if rank is None or names_a_rank(message) else f"rank {rank}: {message}"

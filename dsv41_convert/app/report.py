@@ -18,7 +18,6 @@ from contextlib import contextmanager, nullcontext
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from dsv41_convert import interrupts, torchrun
-from dsv41_convert.errors import names_a_rank
 from dsv41_convert.progress import Progress as ProgressFn
 
 if TYPE_CHECKING:
@@ -234,18 +233,18 @@ def line(text: str) -> None:
 
 
 def error(message: str) -> None:
-    _console("stderr").print(f"[bold red]error:[/] {plain(_by_rank(message))}", highlight=False)
+    _console("stderr").print(f"[bold red]error:[/] {plain(torchrun.by_rank(message))}", highlight=False)
 
 
 def warn(message: str) -> None:
-    _console("stderr").print(f"[yellow]warning:[/] {plain(_by_rank(message))}", highlight=False)
+    _console("stderr").print(f"[yellow]warning:[/] {plain(torchrun.by_rank(message))}", highlight=False)
 
 
 def error_at_once(message: str, code: int, as_json: bool) -> None:
     """`error: message` on stderr, and with `as_json` its document ({"ok": false, "exit_code": code, ...},
     one line) on stdout, each in one write(2) that takes no lock: for a process about to end with os._exit
     from a signal handler, whose main thread may hold the consoles' locks."""
-    os.write(2, f"error: {_by_rank(message)}\n".encode())
+    os.write(2, f"error: {torchrun.by_rank(message)}\n".encode())
     if as_json:
         document = (json.dumps(_ranked(error_document(message, code))) + "\n").encode()
         shared = torchrun.shared_rank() is not None
@@ -253,14 +252,8 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
             os.write(1, document)
 
 
-def _by_rank(message: str) -> str:
-    """`message` said by one process of a torchrun launch (they share stderr): which one says it."""
-    rank = torchrun.shared_rank()  # a message that names a rank (its own, or one gathered from all) says it
-    return message if rank is None or names_a_rank(message) else f"rank {rank}: {message}"
-
-
 def info(message: str) -> None:
-    _console("stderr").print(plain(_by_rank(message)), highlight=False)
+    _console("stderr").print(plain(torchrun.by_rank(message)), highlight=False)
 
 
 @contextmanager

@@ -69,7 +69,11 @@ def _after_a_fork_in_the_parent() -> None:
 
 
 def _after_a_fork_in_the_child() -> None:
-    _forked_by["pid"] = _forked_by.pop("forking")
+    forking = _forked_by.pop("forking", None)  # None: another thread's fork cleared it (then ask getppid)
+    if forking is None:
+        _forked_by.pop("pid", None)
+    else:
+        _forked_by["pid"] = forking
 
 
 os.register_at_fork(

@@ -52,6 +52,7 @@ from dsv41_convert.convert.write import (
 )
 from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
 from dsv41_convert.file_kinds import refuse_unmakeable
+from dsv41_convert.numbers import byte_amounts
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
@@ -201,10 +202,10 @@ def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
     only with --overwrite."""
     if out.is_symlink() and not out.exists():  # resolve() raised RuntimeError on a loop; a rename replaced the link
         raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a file path")
+    refuse_unmakeable(out, OutputError)  # as given: resolved, a dangling link above it would vanish
     out = _outside_source(src, out, "file")
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give the path of the file to write")
-    refuse_unmakeable(out, OutputError)
     _no_source_file_among(src, [out])
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: exists; pass --overwrite to replace it")
@@ -483,9 +484,7 @@ def _require_space(out: Path, need: int) -> None:
     """OutputError unless OUT's device has `need` bytes free."""
     free = disk_free(out)
     if need > free:
-        need_said, free_said = f"{need / 1e9:.2f} GB", f"{free / 1e9:.2f} GB"
-        if need_said == free_said:  # "0.02 GB to write but only 0.02 GB free" (an audit): in bytes then
-            need_said, free_said = f"{need:,} bytes", f"{free:,} bytes"
+        need_said, free_said = byte_amounts(need, free)
         raise OutputError(
             f"{out}: {need_said} to write but only {free_said} free on that device; free space or choose another OUT"
         )

@@ -80,6 +80,7 @@ from dsv41_convert.hub.local import (
     structure_problems,
     verify_local,
 )
+from dsv41_convert.numbers import byte_amounts
 from dsv41_convert.store.lock import hold
 from dsv41_convert.store.manifest import atomic_write
 
@@ -601,8 +602,10 @@ def _check_space(folder: Path, need: int, held: int, repo_id: str) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if need - held > free:
-        have = f" ({held / 1e9:.2f} GB of them already in partial files)" if held else ""
+        counts = [need, free, need - held - free] + ([held] if held else [])
+        need_said, free_said, short_said, *held_said = byte_amounts(*counts)
+        have = f" ({held_said[0]} of them already in partial files)" if held else ""
         raise DownloadError(
-            f"{repo_id}: {need / 1e9:.2f} GB to download into {folder}{have}, but only {free / 1e9:.2f} GB free "
-            f"there, {(need - held - free) / 1e9:.2f} GB short; free space or pick --local-dir on a larger disk"
+            f"{repo_id}: {need_said} to download into {folder}{have}, but only {free_said} free there, {short_said} "
+            "short; free space or pick --local-dir on a larger disk"
         )

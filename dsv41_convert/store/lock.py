@@ -52,6 +52,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41_convert import torchrun
 from dsv41_convert.errors import LockedError, OutputError
 from dsv41_convert.store.own_files import linked
 
@@ -167,10 +168,8 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
                 if waited < ORPHANS_WAIT_S:
                     if not told and waited > ORPHANS_NOTICE_S:
                         told = True
-                        sys.stderr.write(
-                            f"{what}: {_named(data)} ended; waiting for processes it started to exit "
-                            f"(up to {ORPHANS_WAIT_S:.0f} s)\n"
-                        )
+                        said = f"{what}: {_named(data)} ended; waiting for processes it started to exit"
+                        sys.stderr.write(f"{torchrun.by_rank(said)} (up to {ORPHANS_WAIT_S:.0f} s)\n")
                     time.sleep(BUSY_WAIT_S)
                     continue
                 raise LockedError(

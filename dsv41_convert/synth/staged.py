@@ -105,7 +105,7 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
                     "written by `dsv41-convert make-tiny`: its --overwrite replaces the checkpoint in this folder\n"
                 )
                 with interrupts.deferred():
-                    _move_in(stage, out)
+                    _move_in(stage, out, made)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
@@ -114,24 +114,35 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
-def _move_in(stage: Path, out: Path) -> None:
+def _move_in(stage: Path, out: Path, made: bool) -> None:
+    """The checkpoint in `stage` put in place in `out` (see the module docstring); `made`: this run made `out`
+    (a failure removes it again)."""
     new = {p.name for p in stage.iterdir()}
+    old = [
+        p
+        for p in out.iterdir()
+        if p.is_file() and not p.is_symlink() and _SHARD.fullmatch(p.name.removesuffix(".partial"))
+    ]
+    had_one = (out / INDEX).exists() or bool(old)
     (out / INDEX).unlink(missing_ok=True)  # no checkpoint here until the new index is in
     # nor a whole set of shard names without it (a loader takes model-k-of-n files without an index): a kill
     # between the renames left old and new shards under one set of names (an audit)
-    for p in out.iterdir():
-        if p.is_file() and not p.is_symlink() and _SHARD.fullmatch(p.name.removesuffix(".partial")):
-            p.unlink()
+    for p in old:
+        p.unlink()
     fsync_path(out)  # the removals before the first new shard, also after a power loss
     try:
         for name in sorted(new - {INDEX}):
             os.replace(stage / name, out / name)
         os.replace(stage / INDEX, out / INDEX)
     except OSError as exc:  # said as the rename's error alone, OUT's state unsaid (an audit)
+        failed = (
+            f"{out}: moving the new checkpoint in failed at {Path(exc.filename or '?').name} ({exc.strerror or exc})"
+        )
+        if made:  # staged() removes the folder it made
+            raise OutputError(f"{failed}; {out} is removed again: run make-tiny again") from exc
+        gone = ", after the old checkpoint's index and shards were removed" if had_one else ""
         raise OutputError(
-            f"{out}: moving the new checkpoint in failed at {Path(exc.filename or '?').name} ({exc.strerror or exc}), "
-            f"after the old checkpoint's index and shards were removed: {out} holds no whole checkpoint; run "
-            "make-tiny again with --overwrite"
+            f"{failed}{gone}: {out} holds no whole checkpoint; run make-tiny again with --overwrite"
         ) from exc
     for p in out.iterdir():  # what the old checkpoint had and this one has not; stale hidden folders
         if p.name not in new and p.name != LOCK_NAME and p != stage:

@@ -278,6 +278,14 @@ def test_overwrite_that_fails_moving_in_says_the_old_checkpoint_is_gone(tmp_path
     monkeypatch.setattr(os, "replace", real)
     write_checkpoint(out, TINY, seed=1, overwrite=True)  # as it says
     assert (out / INDEX).is_file()
+    # a first run into a new folder had no old checkpoint to lose, and the folder goes again (a review)
+    new = tmp_path / "new"
+    out = new
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OutputError) as info:
+        write_checkpoint(new, TINY)
+    assert str(info.value).endswith(f"(Input/output error); {new} is removed again: run make-tiny again")
+    assert not new.exists()
 
 
 def test_cli_json_summary(tmp_path):

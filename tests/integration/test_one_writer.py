@@ -265,7 +265,16 @@ from dsv41_convert.convert import execute
 def crash(*args, **kwargs):
     raise RuntimeError("planted. Advice after the first sentence")
 
-execute.select_files = crash  # shard's and export's engine, before any byte
+report_run = cli._report_run
+
+def crash_after(*args, **kwargs):
+    report_run(*args, **kwargs)
+    crash()
+
+if sys.argv.pop(1) == "before":
+    execute.select_files = crash  # shard's and export's engine, before any byte
+else:
+    cli._report_run = crash_after  # once the result's document is out
 sys.argv = ["dsv41-convert", *sys.argv[1:]]
 cli.entry()
 """
@@ -277,12 +286,22 @@ def test_a_crash_of_a_torchrun_process_is_a_document_too(src, tmp_path, command)
     with its rank and `exit_code`, so a pipeline reading the documents saw no failure (an audit). Now the
     traceback, then `error: rank 1: RuntimeError: planted` and its document, exit 1, as verify's."""
     args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
-    run = subprocess.run([sys.executable, "-c", _CRASHES_IN, command, str(src), str(tmp_path / "o"), *args,
+    run = subprocess.run([sys.executable, "-c", _CRASHES_IN, "before", command, str(src), str(tmp_path / "o"), *args,
                           "--json"], env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"}, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert run.returncode == 1, run.stderr
     assert json.loads(run.stdout) == {"rank": 1, "ok": False, "exit_code": 1, "error": "RuntimeError: planted"}
     assert "Traceback" in run.stderr and "error: rank 1: RuntimeError: planted" in run.stderr
+
+
+def test_a_crash_after_the_result_adds_no_second_document(src, tmp_path):
+    """One document per process: a crash once the result's is out is said on stderr alone (a review)."""
+    run = subprocess.run([sys.executable, "-c", _CRASHES_IN, "after", "shard", str(src), str(tmp_path / "o"), "--tp",
+                          "2", "--json"], env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 1 and "error: rank 1: RuntimeError: planted" in run.stderr, run.stderr
+    (document,) = [json.loads(line) for line in run.stdout.splitlines()]
+    assert document["rank"] == 1 and document["written"] == ["model1-mp2.safetensors"]
 
 
 @pytest.mark.slow

@@ -93,6 +93,13 @@ def test_out_under_a_file_is_refused_naming_the_file(src, tmp_path, monkeypatch,
         code, _, err = run_cli(monkeypatch, capsys, *command)
         assert code == 2 and f"{tmp_path / 'afile'}: Not a directory, so {command[-1]} cannot be made in it" in err
     assert (tmp_path / "afile").read_text() == "mine"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "dir")  # "dangling: File exists" (a review)
+    for command in (["reference-logits", str(src), str(tmp_path / "dangling" / "r.safetensors")],
+                    ["make-tiny", str(tmp_path / "dangling" / "t")]):  # fmt: skip
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        said = f"{tmp_path / 'dangling'}: a link to {tmp_path / 'nowhere' / 'dir'}, which does not exist, so"
+        assert code == 2 and said in err, err
+    assert not (tmp_path / "nowhere").exists()
 
 
 @pytest.mark.parametrize("fails", ["fsync", "rename"])

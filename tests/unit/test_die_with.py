@@ -69,3 +69,14 @@ def test_a_child_and_a_grandchild_whose_forkers_live_go_on(tmp_path):
 
 def _said(marker: Path) -> list[str]:
     return marker.read_text().splitlines() if marker.exists() else []
+
+
+def test_a_fork_whose_forker_was_not_noted_asks_the_kernel(monkeypatch):
+    """Two threads forking at once: one thread's after-fork hook in the parent may clear what the other's child
+    was to read. That child raised a KeyError in the hook and kept its forker's own forker (a review); now it
+    falls back to getppid."""
+    from dsv41_convert.convert import die_with
+
+    monkeypatch.setattr(die_with, "_forked_by", {"pid": 1})  # inherited from the forker's own fork
+    die_with._after_a_fork_in_the_child()
+    assert die_with._forked_by == {}

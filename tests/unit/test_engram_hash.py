@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import unicodedata
 
 import numpy as np
@@ -90,6 +91,11 @@ def test_a_tokenizer_is_folded_once_per_process_and_file_version(tmp_path, token
     text = path.read_text()
     path.write_text(text + " ")  # another version of the file: same tokens, another size
     assert load_token_map(path, size) == expected and len(folds) == 2
+    # rewritten in place with its size and modification time put back (cp -p, rsync -t): its change time moved
+    stamp = path.stat()
+    path.write_text(text + "\n")
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert load_token_map(path, size) == expected and len(folds) == 3
 
 
 def test_real_layout_rows_and_primes():

@@ -114,13 +114,13 @@ def test_a_document_in_pieces_under_torchrun_has_its_rank_first(capsys, monkeypa
 def test_an_error_that_names_its_rank_is_not_named_twice(monkeypatch):
     """A torchrun process's error that begins with its rank was said "rank 1: rank 1: ..." (an audit), and one
     gathered from another rank "rank 1: rank 0: ...", as if rank 1 blamed rank 0 (a re-check)."""
-    from dsv41_convert.app import report
+    from dsv41_convert import torchrun
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert report._by_rank("rank 1: the launch lost a peer") == "rank 1: the launch lost a peer"
-    assert report._by_rank("rank 0: a.safetensors: nan") == "rank 0: a.safetensors: nan"  # gathered from rank 0
-    assert report._by_rank("a.safetensors: truncated") == "rank 1: a.safetensors: truncated"
+    assert torchrun.by_rank("rank 1: the launch lost a peer") == "rank 1: the launch lost a peer"
+    assert torchrun.by_rank("rank 0: a.safetensors: nan") == "rank 0: a.safetensors: nan"  # gathered from rank 0
+    assert torchrun.by_rank("a.safetensors: truncated") == "rank 1: a.safetensors: truncated"
 
 
 def test_every_line_on_stderr_names_its_torchrun_process(monkeypatch, capsys):
