@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dsv41_convert.engram_tokens import read_tokenizer
 from dsv41_convert.errors import NOT_JSON, VerifyInputError
 from dsv41_convert.file_kinds import refuse_non_file
 
@@ -176,13 +177,11 @@ def load_prompts(
 
 
 def _tokenizer(path: Path | None, where: str):
-    from tokenizers import Tokenizer
-
     if path is None or not Path(path).is_file():
         missing = "the source has none" if path is None else f"not found at {path}"
         raise VerifyInputError(f"{where}: a text prompt needs tokenizer.json beside the weights; {missing}")
     try:
-        return Tokenizer.from_file(str(path))
+        return read_tokenizer(Path(path))
     except Exception as exc:  # tokenizers raises plain Exception subclasses for a bad file
         raise VerifyInputError(f"{path}: not a readable tokenizer.json ({exc})") from exc
 

@@ -98,6 +98,21 @@ def test_a_tokenizer_is_folded_once_per_process_and_file_version(tmp_path, token
     assert load_token_map(path, size) == expected and len(folds) == 3
 
 
+def test_a_tokenizer_json_is_parsed_once_per_process_and_file_version(tmp_path, tokenizer):
+    """verify's prompt bound, its text prompts and the Engram token map each parsed tokenizer.json (0.18 s a
+    parse at the published size): one parse now, and another for another version of the file."""
+    from dsv41_convert.engram_tokens import read_tokenizer
+    from dsv41_convert.verify.prompts import _tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    first = read_tokenizer(path)
+    assert _tokenizer(path, "prompts") is first and read_tokenizer(path) is first
+    path.write_text(path.read_text() + " ")
+    assert read_tokenizer(path) is not first
+    assert read_tokenizer(path).get_vocab_size() == first.get_vocab_size()
+
+
 def test_real_layout_rows_and_primes():
     args = load_model_args(REAL_CONFIG)
     layout = EngramLayout.from_args(args)
