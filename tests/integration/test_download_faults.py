@@ -205,7 +205,7 @@ def test_free_space_counts_the_bytes_partial_files_hold(hub, tmp_path, monkeypat
     (local / FIRST).unlink()
     partial.parent.mkdir(parents=True)
     partial.write_bytes(FILES[FIRST][:-100])
-    with pytest.raises(DownloadError, match=r"GB of them already in partial files\), but only"):
+    with pytest.raises(DownloadError, match=r" bytes of them already in partial files\), but only 10 bytes free"):
         fetch(hub, tmp_path)
 
 
