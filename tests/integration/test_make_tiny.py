@@ -447,9 +447,9 @@ def test_a_signal_while_the_files_move_in_waits_for_the_last(fp8_dir, tmp_path, 
     shutil.copytree(fp8_dir, out)
     real = staged._move_in
 
-    def signalled(stage, into):
+    def signalled(stage, into, made):
         interrupts.interrupt()  # the signal handler's call: raises at once unless deferred
-        real(stage, into)
+        real(stage, into, made)
 
     monkeypatch.setattr(staged, "_move_in", signalled)
     monkeypatch.setitem(interrupts._state, "interrupted", False)
