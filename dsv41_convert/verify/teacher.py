@@ -267,7 +267,7 @@ def judge(per_prompt: list[ModuleDeviations], labels: list[str]) -> Check:
         if not value <= ULPS_BOUND:  # NaN fails
             fails.append(f"teacher {key}: {_fmt(value)} bf16 ulps > {ULPS_BOUND:g} ({label})")
     exact = all(v == 0 for v, _ in worst_ulps.values()) and not flipped
-    worst = max(worst_ulps.items(), key=lambda kv: kv[1][0], default=None)
+    worst = max(worst_ulps.items(), key=lambda kv: math.inf if math.isnan(kv[1][0]) else kv[1][0], default=None)
     note = "each module on the reference's input, within measured reduction noise"
     if worst is not None:
         layers = len({k for d in per_prompt for k in d.flips})

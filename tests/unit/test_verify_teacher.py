@@ -33,6 +33,9 @@ def test_judge_fails_a_module_over_the_bound_and_too_many_indexer_flips():
     assert any(f.startswith("teacher layers.0.ffn: 9 bf16 ulps > 2 (b)") for f in failed.failures), failed.failures
     assert any(f.startswith("teacher layers.1.attn.indexer") for f in failed.failures), failed.failures
     assert judge([ModuleDeviations({"norm": float("nan")})], ["a"]).failures
+    # the summary's worst is the NaN module, not the largest number (it named layers.0.attn at 1 ulp: an audit)
+    nan = judge([ModuleDeviations({"layers.0.attn": 1.0, "layers.1.attn": float("nan"), "norm": 0.5})], ["a"])
+    assert "(worst: layers.1.attn nan ulps;" in nan.note, nan.note
     # a short prompt may still flip two positions; 10 % of a long one
     assert not judge([ModuleDeviations({}, {"layers.1.attn.indexer": 2}, 8)], ["a"]).failures
     assert judge([ModuleDeviations({}, {"layers.1.attn.indexer": 3}, 8)], ["a"]).failures
