@@ -960,8 +960,9 @@ def _run_failed(message: str) -> None:
 
 def _json_error(message: str, code: int = 2) -> None:
     """With --json: {"ok": false, "exit_code": code, "error": message} on stdout, where it can be written (the
-    error may be stdout's own: closed, a full disk; stderr has said it)."""
-    if "--json" in sys.argv[1:]:
+    error may be stdout's own: closed, a full disk; stderr has said it), and where this run has written no
+    document yet (one per run: after the result's, stderr alone says it)."""
+    if "--json" in sys.argv[1:] and report.documents_written() == _run["documents_before"]:
         try:
             report.print_json(report.error_document(message, code), after_a_signal=True)
         except OSError:
@@ -1144,8 +1145,11 @@ def _help_reader_gone_as_sigpipe() -> None:
     Console.on_broken_pipe = lambda self: report.reader_gone(self.file)  # type: ignore[method-assign]
 
 
+_run = {"documents_before": 0}  # report.documents_written() when this run began: main may run more than once
+
+
 def _main(click_exceptions) -> None:
-    documents_before = report.documents_written()  # main may run more than once in a process (tests, callers)
+    _run["documents_before"] = report.documents_written()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -1195,19 +1199,14 @@ def _main(click_exceptions) -> None:
                 raise
             # processes sharing stdout: a crash is a document too, as verify's and reference-logits' are (a
             # shard or export process left its traceback alone, no `exit_code` for a pipeline to read: an audit)
-            said = crash_line(exc)
-            if report.documents_written() != documents_before:  # after the result's: one document, stderr alone
-                report.error(said)
-                sys.exit(1)
-            _run_failed(said)
+            _run_failed(crash_line(exc))
         code = INTERRUPTED
     if interrupts.interrupted() and not _debug["on"]:
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         said, code = _how_stopped()
         report.error(said)
-        if report.documents_written() == documents_before:  # one document: after the result's, stderr only
-            _json_error(said, code)
+        _json_error(said, code)
     if not _late["registered"]:  # at the process's exit, not when main returns: a caller that goes on keeps its own
         _late["registered"] = True
         atexit.register(_late_signals_exit_at_once)
