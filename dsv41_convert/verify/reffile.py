@@ -147,18 +147,13 @@ def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -
     tmp.unlink(missing_ok=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-    except SafetensorError as exc:  # safetensors' own error for ENOSPC / EFBIG, not an OSError
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"{path}: cannot write the reference file ({exc}); nothing written") from exc
-    try:
         sort_metadata(tmp)  # the same run, the same file
         publish(tmp, path)
-    except BaseException as exc:  # an fsync's or the rename's ENOSPC / EIO: the temporary was left (an audit)
+    except BaseException as exc:  # ENOSPC / EIO at the write (safetensors' own error), the fsync or the rename
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise OutputError(
-                f"{path}: cannot write the reference file ({exc.strerror or exc}); nothing written"
-            ) from exc
+        if isinstance(exc, (SafetensorError, OSError)):
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise OutputError(f"{path}: cannot write the reference file ({reason}); nothing written") from exc
         raise
 
 
