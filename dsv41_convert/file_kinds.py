@@ -36,12 +36,19 @@ def refuse_non_file(path: Path, error: type[Exception]) -> None:
         raise error(f"{path}: not a regular file ({kind}); put the file itself there, or remove it")
 
 
+def nearest_existing(path: Path, *, links: bool = False) -> Path:
+    """`path`, or the nearest path above it that exists (links followed); with `links`, a link on the way
+    stops the walk too, dangling or not, so that the caller can name it. The root ends every walk."""
+    here = Path(path)
+    while not (here.exists() or (links and here.is_symlink())) and here != here.parent:
+        here = here.parent
+    return here
+
+
 def refuse_unmakeable(path: Path, error: type[Exception]) -> None:
     """`error` where `path` cannot be made because the nearest existing path above it is no folder (`afile/r`:
     mkdir said "afile: File exists", an audit)."""
-    above = Path(path).parent
-    while not above.exists() and not above.is_symlink() and above != above.parent:
-        above = above.parent
+    above = nearest_existing(Path(path).parent, links=True)
     if above.is_symlink() and not above.exists():
         raise error(f"{above}: a link to {os.readlink(above)}, which does not exist, so {path} cannot be made in it")
     if not above.is_dir():

@@ -51,7 +51,7 @@ from dsv41_convert.convert.write import (
     write_rank_file,
 )
 from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
-from dsv41_convert.file_kinds import refuse_unmakeable
+from dsv41_convert.file_kinds import nearest_existing, refuse_unmakeable
 from dsv41_convert.numbers import byte_amounts
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
@@ -463,9 +463,7 @@ def _check_source_unchanged(out: Path, src: Path, stamps: dict, kept: list[str] 
 def _require_writable(out: Path) -> None:
     """For --dry-run: OutputError where the run could not create OUT or its lock file (a read-only file
     system, no permission): the dry run said 0 where the run then failed (an audit)."""
-    here = out
-    while not here.exists() and here != here.parent:
-        here = here.parent
+    here = nearest_existing(out)
     if not os.access(here, os.W_OK | os.X_OK):
         raise OutputError(f"{out}: cannot write into {here} (a read-only file system, or no permission)")
 

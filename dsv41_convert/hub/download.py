@@ -45,6 +45,7 @@ from huggingface_hub.utils import WeakFileLock
 
 from dsv41_convert import interrupts
 from dsv41_convert.errors import DownloadError, first_few
+from dsv41_convert.file_kinds import nearest_existing
 from dsv41_convert.hub.fetch import (
     PARTIAL_DIR,
     fetch_file,
@@ -597,10 +598,7 @@ def _wait(threads: list[threading.Thread], timeout: float | None = None) -> None
 def _check_space(folder: Path, need: int, held: int, repo_id: str) -> None:
     """DownloadError unless `folder`'s disk has room for `need` bytes less the `held` bytes partial files
     there already hold."""
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(nearest_existing(folder)).free
     if need - held > free:
         counts = [need, free, need - held - free] + ([held] if held else [])
         need_said, free_said, short_said, *held_said = byte_amounts(*counts)

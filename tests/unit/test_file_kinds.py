@@ -1,0 +1,31 @@
+"""file_kinds.nearest_existing: the one walk up to the nearest existing path that the space, permission and
+"cannot be made" checks share."""
+
+from pathlib import Path
+
+import pytest
+
+from dsv41_convert.file_kinds import nearest_existing, refuse_unmakeable
+
+
+def test_the_walk_stops_at_the_path_itself_or_the_nearest_folder_above(tmp_path: Path):
+    (tmp_path / "a").mkdir()
+    assert nearest_existing(tmp_path / "a") == tmp_path / "a"
+    assert nearest_existing(tmp_path / "a" / "b" / "c") == tmp_path / "a"
+    assert nearest_existing(Path("/no-such-folder-here/x")) == Path("/")
+
+
+def test_a_dangling_link_stops_the_walk_only_where_asked(tmp_path: Path):
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    below = tmp_path / "link" / "x" / "y"
+    assert nearest_existing(below) == tmp_path  # disk_usage and access need a path that exists
+    assert nearest_existing(below, links=True) == tmp_path / "link"
+    with pytest.raises(ValueError, match=r"link: a link to .*nowhere, which does not exist, so .*y cannot be made"):
+        refuse_unmakeable(below, ValueError)
+
+
+def test_a_file_on_the_way_is_named(tmp_path: Path):
+    (tmp_path / "afile").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"afile: Not a directory, so .*afile/r cannot be made in it"):
+        refuse_unmakeable(tmp_path / "afile" / "r", ValueError)
+    refuse_unmakeable(tmp_path / "new" / "r", ValueError)  # a folder to be made under an existing one is fine
