@@ -114,3 +114,26 @@ def test_hc_split_sinkhorn_definition():
     # doubly stochastic after 20 rounds (columns exactly up to eps, rows closely)
     torch.testing.assert_close(comb.sum(-2), torch.ones(2, 5, hc), atol=1e-5, rtol=0)
     torch.testing.assert_close(comb.sum(-1), torch.ones(2, 5, hc), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize(("t", "want_p"), [(0.50390625, 0.60546875), (0.64453125, 0.5234375)])
+def test_sparse_attn_rounds_probabilities_to_bf16_against_the_max_of_64_indices(t, want_p):
+    """SPEC §5: online softmax in blocks of 64 indices, probabilities cast to bf16 before P.V. Indices 0..31
+    are a row of logit -t and value 1, index 32 a row of logit 0 and value 0, all in the first block of 64:
+    p = exp(-t) (fp32) is rounded to bf16 (`want_p`) in the numerator and kept in fp32 in the denominator, so
+    out = 32 bf16(p) / (1 + 32 p). An fp32 P, or a block of 32 (whose running max is -t when the first 32
+    arrive, so p = 1 then, rescaled in fp32), gives 32 p / (1 + 32 p): one bf16 ulp lower or higher here."""
+    q = torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)
+    q[..., 0] = 1
+    kv = torch.zeros(1, 2, 32, dtype=torch.bfloat16)
+    kv[0, 1, 0], kv[0, 1, 1] = -t, 1.0  # row 1: logit q . k = -t, value 1 in column 1
+    idxs = torch.full((1, 1, 64), -1, dtype=torch.int32)
+    idxs[0, 0, :32] = 1
+    idxs[0, 0, 32] = 0
+    p = float(torch.exp(torch.tensor(-t, dtype=torch.float32)))
+    assert float(torch.tensor(p).bfloat16()) == want_p
+    want = torch.tensor(32 * want_p / (1 + 32 * p)).bfloat16()
+    fp32_p = torch.tensor(32 * p / (1 + 32 * p)).bfloat16()
+    assert want != fp32_p  # the case tells the two apart
+    out = ref.sparse_attn(q, kv, torch.tensor([-torch.inf]), idxs, 1.0)
+    assert out[0, 0, 0, 1] == want

@@ -198,3 +198,28 @@ def test_act_quant_nan_stays_in_its_group():
     q, s = act_quant(x)
     assert s.float()[0, 0].item() == 2.0**-8 and math.isnan(s.float()[0, 1].item())
     assert not q.float()[0, :32].isnan().any() and q.float()[0, 32:].isnan().all()
+
+
+# --- planted faults that the tests above let through (mutation audit) --------------------------------
+
+
+def test_fp4_act_quant_e4m3_scale_is_the_quotient_amax_over_6_rounded():
+    """scale = e4m3(amax / 6) (SPEC §4): amax one float32 ulp below 6 * 1.1875 (e4m3's midpoint between 1.125
+    and 1.25) has a quotient just below the midpoint, so 1.125; amax * f32(1/6) lands on the midpoint
+    itself and ties to 1.25. Float32 activations only: a bf16 amax never lies this close to 6 * midpoint."""
+    amax = np.nextafter(np.float32(7.125), np.float32(0))
+    assert amax / 6 < 1.1875  # the quotient, exactly: below the midpoint
+    x = torch.zeros(2, 16)
+    x[0, 3] = float(amax)
+    x[1, 5] = -float(amax)
+    _, s = fp4_act_quant(x, 16, False, torch.float8_e4m3fn)
+    assert s.float()[:, 0].tolist() == [1.125, 1.125]
+
+
+@pytest.mark.parametrize("block", [8, 32, 64, 128])
+def test_fp4_act_quant_default_scale_dtype_is_e8m0_unless_block_16(block):
+    """None means e4m3 scales for block 16 (the compressed KV latent) and e8m0 for every other block."""
+    x = bf16_activations(2, 128, seed=block)
+    _, s = fp4_act_quant(x, block)
+    assert s.dtype == torch.float8_e8m0fnu
+    np.testing.assert_array_equal(s.float().numpy(), fp4_ref(x, block, False)[1])

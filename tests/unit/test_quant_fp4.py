@@ -245,3 +245,25 @@ def test_mxfp4_round_trip_bound_and_idempotence():
     assert bool(((d - w).abs() <= step).all())
     packed2, s2 = encode_mxfp4(d)
     assert torch.equal(decode_mxfp4(packed2, s2, dtype=torch.float32), d)
+
+
+# --- planted faults that the tests above let through (mutation audit) --------------------------------
+
+
+def test_encode_mxfp4_float16_input_matches_reference():
+    """float16 is an accepted input (FLOAT_INPUTS): its codes and scales are those of its float32 value, by
+    the loop reference (a bf16-only fast path applied to float16 would misread its bits)."""
+    gen = np.random.default_rng(9)
+    w = (gen.standard_normal((6, 96)) * np.exp2(gen.integers(-6, 6, (6, 1)))).astype(np.float16)
+    w[0, :8] = [6.0, -6.0, 0.25, 0.75, 1.75, 2.5, 3.5, 5.0]  # exact ties at scale 1
+    packed, s = encode_mxfp4(torch.from_numpy(w))
+    codes_ref, exps_ref = mxfp4_ref(w.astype(np.float32))
+    np.testing.assert_array_equal(unpack_nibbles(packed).numpy(), codes_ref)
+    np.testing.assert_array_equal(s.view(torch.uint8).numpy(), exps_ref + 127)
+
+
+def test_encode_mxfp4_odd_last_dim_names_the_tensor():
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.ffn\.experts\.3\.w1\.weight: encode_mxfp4 wants an even last dim"
+    ):
+        encode_mxfp4(torch.zeros(2, 33), name="layers.0.ffn.experts.3.w1.weight")

@@ -240,3 +240,51 @@ def test_round_trip_error_bound_and_idempotence(block):
     assert bool(((d - w).abs() <= bound).all())
     q2, s2 = encode_fp8_blocks(d, block)
     assert torch.equal(decode_fp8_blocks(q2, s2, dtype=torch.float32), d)
+
+
+# --- planted faults that the tests above let through (mutation audit) --------------------------------
+
+
+def test_encode_scale_of_amax_one_ulp_above_448_times_a_power_of_two_rounds_up():
+    """amax one float32 ulp above 448 * 2**k puts amax * f32(1/448) a hair above 2**k, where float32 log2
+    rounds to k exactly: a scale from ceil(log2(.)) would be 2**k and clip the block's largest value to 448.
+    SPEC §4: 2**ceil(log2(amax / qmax)) from the exponent bits, so 2**(k + 1), as encode_ref's frexp."""
+    ks = range(-22, 25)  # 448 * 2**-22 > 1e-4: above the amax floor
+    w = torch.zeros(32 * len(ks), 32)
+    for i, k in enumerate(ks):
+        w[32 * i, 5] = float(np.nextafter(np.float32(448.0 * 2.0**k), np.float32(np.inf)))
+        w[32 * i + 3, 7] = -(2.0**k)
+    q, s = encode_fp8_blocks(w)
+    q_ref, s_ref = encode_ref(w.numpy(), 32, 32)
+    np.testing.assert_array_equal(s.float().numpy(), s_ref)
+    np.testing.assert_array_equal(s.float().numpy()[:, 0], [2.0 ** (k + 1) for k in ks])
+    np.testing.assert_array_equal(bytes_of(q), q_ref)
+
+
+def test_decode_to_bfloat16_with_float32_scales_rounds_the_float32_product():
+    """value = f32(q) * f32(scale), then one cast to bf16: the scale is never rounded to bf16 first.
+    Expected: the product in float64 (exact for two float32 factors) rounded to float32, then to bf16."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randint(0, 256, (40, 70), generator=gen, dtype=torch.int32).to(torch.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38  # no NaN bytes
+    q = q.view(torch.float8_e4m3fn)
+    s = 1 + torch.rand(2, 3, generator=gen)  # float32 scales with full mantissas
+    values = torch.tensor([e4m3_value(int(b)) for b in q.view(torch.uint8).flatten()], dtype=torch.float64)
+    full = s.double().repeat_interleave(32, 0).repeat_interleave(32, 1)[:40, :70]
+    want = (values.view(40, 70) * full).float().bfloat16()
+    got = decode_fp8_blocks(q, s, (32, 32), torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float64, torch.int8, torch.uint8, torch.int32]
+)
+def test_encoders_refuse_inputs_that_are_not_float32_bfloat16_or_float16(dtype):
+    """An already-quantized (or integer) tensor handed to an encoder is a caller bug: re-quantizing e4m3
+    bytes silently would hide an fp8 wo_a or expert read as a float weight. Each encoder raises ValueError."""
+    from dsv41_convert.quant import act_quant, encode_mxfp4, fp4_act_quant
+
+    w = torch.ones(32, 64).to(dtype)
+    for encode in (encode_fp8_blocks, encode_mxfp4, act_quant, fp4_act_quant):
+        with pytest.raises(ValueError, match=str(dtype).removeprefix("torch.")):
+            encode(w)

@@ -384,3 +384,35 @@ def test_fp4_bytes_decode_equals_decode_mxfp4_on_random_bytes(out, inp, block, u
     same_bits(got[~nan], want[~nan])
     with pytest.raises(ValueError, match="does not fit weight"):
         fp4_bytes.decode_mxfp4_bf16(packed.numpy(), s[:, :-1].numpy(), block, "w")
+
+
+# --- planted faults that the tests above let through (mutation audit) --------------------------------
+
+
+@pytest.mark.parametrize(("out", "inp", "block"), [(5, 70, (1, 32)), (7, 45, (1, 32)), (40, 50, (32, 16))])
+def test_fp8_bytes_decode_of_non_square_blocks_with_a_ragged_edge(out, inp, block):
+    """Blocks of unequal sides over a weight that is not a multiple of them (the row-per-block grid's repeat
+    must expand rows by bo and columns by bi). Expected: each e4m3 value from its bit fields times 2**(b - 127)
+    of its own block, in float64 (exact for these scales), rounded once to bf16."""
+    from quant_reference import e4m3_value
+
+    gen = torch.Generator().manual_seed(out + inp)
+    q = torch.randint(0, 256, (out, inp), dtype=torch.int32, generator=gen).to(torch.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38
+    grid = (-(-out // block[0]), -(-inp // block[1]))
+    s = torch.randint(110, 145, grid, dtype=torch.int32, generator=gen).to(torch.uint8)
+    values = torch.tensor([e4m3_value(int(b)) for b in q.flatten()], dtype=torch.float64).view(out, inp)
+    exps = (s.long() - 127).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:out, :inp]
+    want = (values * torch.exp2(exps.double())).bfloat16().view(torch.uint16)
+    got = torch.from_numpy(fp8_bytes.decode_fp8_blocks_bf16(q.numpy(), s.numpy(), block, "w"))
+    same_bits(got, want)
+
+
+@pytest.mark.parametrize("block", [3, 5, 1])
+def test_fp4_bytes_refuses_an_odd_block(block):
+    """A packed byte holds two values, so an odd block would split bytes between scales; the numpy decoder
+    refuses it (ValueError naming the tensor) rather than give a byte one of its two scales."""
+    packed = torch.zeros(4, 15, dtype=torch.uint8)  # logical [4, 30]
+    s = torch.full((4, -(-30 // block)), 127, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=rf"w: scale .* \(block {block}\)"):
+        fp4_bytes.decode_mxfp4_bf16(packed.numpy(), s.numpy(), block, "w")

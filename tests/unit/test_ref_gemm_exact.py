@@ -239,3 +239,19 @@ def test_a_strided_weight():
     bp = _bytes((32, 40), g).T.view(torch.float4_e2m1fn_x2)
     bps = _scales((40, 2), g, "e8m0")
     _assert_same_bytes(ref.fp4_gemm(a, a_s, bp, bps, act_block_size=32), _spec_fp4_gemm(a, a_s, bp, bps, 32))
+
+
+@pytest.mark.parametrize(("k", "act_block"), [(256, 128), (512, 128), (128, 32)])
+def test_fp4_gemm_activation_scale_covers_its_own_k_columns(k, act_block):
+    """Each activation scale covers act_block consecutive K columns (act_block / 32 weight groups in a row).
+    Finite activations (the cases above put a NaN in every row once K >= 256, which hides any scale
+    mix-up) and a different scale per activation block."""
+    g = torch.Generator().manual_seed(k + act_block)
+    m, n = 6, 40
+    a = _e4m3((m, k), g, nan=False)
+    a_s = torch.exp2(torch.randint(-4, 5, (m, k // act_block), generator=g).float())
+    b = _bytes((n, k // 2), g).view(torch.float4_e2m1fn_x2)
+    b_s = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    out = ref.fp4_gemm(a, a_s, b, b_s, torch.float32, act_block_size=act_block)
+    assert not out.isnan().any()
+    _assert_same_bytes(out, _spec_fp4_gemm(a, a_s, b, b_s, act_block))
