@@ -132,8 +132,9 @@ def decode_fp8_blocks(
 ) -> Tensor:
     """Multiply each e4m3 block by its scale in float32, then cast (upstream's wo_a dequantization).
 
-    value = f32(q) * f32(scale), one rounding at the final cast to `dtype` (nearest-even); f32(q) comes
-    from a 256-entry table on the CPU (`e4m3_to_float`).
+    value = f32(q) * f32(scale), then the cast to `dtype` (nearest-even): one rounding with e8m0 scales (the
+    product is exact unless it overflows), two with float32 scales that are not powers of two (the float32
+    product first); f32(q) comes from a 256-entry table on the CPU (`e4m3_to_float`).
     `block` None infers it from the shapes (see `infer_block`).
 
     q: [out, in]                        float8_e4m3fn
