@@ -69,3 +69,20 @@ def test_a_changed_code_a_changed_norm_and_a_missing_tensor_are_reported(trips, 
     assert diffs["layers.0.attn_norm.weight"].verdict == DIFFERS
     assert diffs["layers.0.attn.wkv.weight"].why == "missing in B"
     assert len(diffs) == 3
+
+
+def test_a_nan_on_one_side_differs(trips, tmp_path):
+    """NaN equals NaN (the same tensor on both sides), never a number: a NaN code or norm weight in B is reported."""
+    dst = tmp_path / "nan"
+    shutil.copytree(trips["back"], dst)
+    for p in sorted(dst.glob("model-*.safetensors")):
+        t = load_file(p)
+        if "layers.0.attn.wq_a.weight" in t:
+            t["layers.0.attn.wq_a.weight"].view(torch.uint8)[3, 4] = 0x7F  # e4m3fn NaN
+        if "layers.0.attn_norm.weight" in t:
+            t["layers.0.attn_norm.weight"][0] = float("nan")
+        save_file(t, p)
+    diffs = {d.name: d for d in compare_checkpoints(trips["back"], dst)}
+    assert set(diffs) == {"layers.0.attn.wq_a.weight", "layers.0.attn_norm.weight"}, diffs
+    assert all(d.verdict == DIFFERS and d.why.startswith("1 of ") for d in diffs.values()), diffs
+    assert compare_checkpoints(dst, dst) == []

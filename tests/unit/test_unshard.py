@@ -338,3 +338,23 @@ def test_the_replica_comparison_reports_its_bytes_as_it_reads(shards, monkeypatc
     done = [d for _, d, _ in calls]
     assert done == sorted(done) and done[-1] == want
     assert len(done) > len([n for n in tensors if match_rule(n).split is Split.NONE])  # blocks, not tensors
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_rank_weights_reads_engram_rows_from_the_rank_that_holds_them(shards, tp):
+    """verify --stream-layers reads Engram rows straight from the rank files: rank r holds rows r*k .. (r+1)*k,
+    k = ceil(rows / tp), so each requested row (the last ones, next to the padding, included) is the merge's."""
+    from dsv41_convert.verify.rank_weights import RankWeights
+
+    names = [f"{ENGRAM}.weight", f"{ENGRAM}.scale"]
+    with RankFiles(shards[tp]) as ranks:
+        whole = unshard_tensors(ranks, names)
+    n = whole[names[0]].shape[0]
+    rows = torch.tensor(sorted({0, 1, n // 2, -(-n // tp), n - 2, n - 1}))
+    weights = RankWeights(shards[tp])
+    try:
+        got = weights.rows(names, rows)
+    finally:
+        weights.close()
+    for name in names:
+        assert torch.equal(_bytes(got[name]), _bytes(whole[name][rows])), name

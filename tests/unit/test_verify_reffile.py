@@ -289,6 +289,10 @@ DAMAGES = {
         _set("draft_logits", lambda t: t["draft_logits"].index_fill(2, torch.tensor([4]), -float("inf"))),
         "draft_logits: prompt 0, decode step 0, draft token 4: Inf",
     ),
+    "NaN in draft_confidence": (
+        _set("draft_confidence", lambda t: torch.zeros(2, 2, 5).index_fill(1, torch.tensor([1]), float("nan"))),
+        "draft_confidence: prompt 0, decode step 1: NaN (5 of 5 logits)",
+    ),
     # token types, labels, images
     "token type 7": (
         _set("token_types", lambda t: t["token_types"].index_fill(1, torch.tensor([2]), 7)),
@@ -304,6 +308,11 @@ DAMAGES = {
         "no token_types tensor for its image span",
     ),
     "format": (lambda t, m: m.__setitem__("format", "other/2"), "metadata format 'other/2'"),
+    # the tp the logits ran at and the tp its weights record is of come from one run: an edit otherwise
+    "tp beside another weights record": (
+        lambda t, m: m.update(tp="2", provenance='{"weights": {"tp": 1, "expert_dtype": "fp4", "ranks": [{}]}}'),
+        "metadata tp 2, but the weights it ran are recorded for tp 1 (provenance.weights.tp)",
+    ),
 }  # fmt: skip
 
 

@@ -85,3 +85,32 @@ def test_first_divergence_in_forward_order():
     assert first == "layers.1.attn"
     assert first_divergence([ref], [conv], 0.05)[0] == "layers.1"
     assert dict(errors)["layers.0"] == 0.0
+
+
+def test_first_divergence_takes_each_module_at_its_worst_prompt():
+    """A module that differs in one prompt only is the divergence, whichever prompt that is, and with the exact
+    mode's tolerance a last-bit difference is one; a NaN output diverges at any tolerance."""
+    from dsv41_convert.verify.thresholds import default_thresholds
+
+    keys = ["embed", "layers.0.attn", "layers.0.ffn", "layers.0", "norm"]
+    ref = {k: torch.ones(256, dtype=torch.bfloat16) for k in keys}  # one ulp: a relative error of 2**-8 / 16
+    one_ulp = ref["layers.0.ffn"].clone()
+    one_ulp[2] = torch.nextafter(one_ulp[2], torch.tensor(2.0, dtype=torch.bfloat16))
+    differs = dict(ref, **{"layers.0.ffn": one_ulp})
+    rtol = default_thresholds("exact").hidden_rtol
+    for prompts in ([ref, differs], [differs, ref]):
+        first, errors = first_divergence([ref, ref], prompts, rtol)
+        assert first == "layers.0.ffn" and dict(errors)["layers.0.ffn"] > 0, (first, errors)
+    nan = dict(ref, **{"layers.0.attn": torch.full((256,), float("nan"), dtype=torch.bfloat16)})
+    assert first_divergence([ref, ref], [ref, nan], 0.2)[0] == "layers.0.attn"
+
+
+def test_diff_names_a_nan_where_the_converter_wrote_a_number():
+    name = "layers.0.attn_norm.weight"
+    want = torch.ones(3).bfloat16()
+    got = want.clone()
+    got[1] = float("nan")
+    (d,) = diff_tensors([{name: got}, {name: want}], {name: want}, ())
+    assert d.ranks == (0,) and d.what.startswith("1 of 3 values differ"), d
+    both = torch.tensor([1.0, float("nan"), 1.0]).bfloat16()  # NaN where the converter wrote NaN: the same
+    assert diff_tensors([{name: both}, {name: both}], {name: both}, ()) == []

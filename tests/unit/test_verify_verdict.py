@@ -4,7 +4,17 @@ bit equality is named."""
 import torch
 
 from dsv41_convert.verify.arithmetic import arithmetic
-from dsv41_convert.verify.verdict import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, Check, advice, decide, exact_blockers
+from dsv41_convert.verify.verdict import (
+    EXIT_CODES,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    Check,
+    advice,
+    decide,
+    drafts_uncovered,
+    exact_blockers,
+)
 
 SAME = dict(ref_tp=2, ref_device="cpu", ref_threads=1, ref_torch=torch.__version__, ref_weights="converted")
 
@@ -48,3 +58,36 @@ def test_advice_names_the_ways_to_a_decisive_run():
     assert "--tp 4" in text and "tp-1 reference" in text and "--reference SRC" in text
     assert "--statistical" in text and "--as-converted" not in text
     assert "`reference-logits SRC OUT --tp 4 --as-converted`" in advice(4, False, bf16_source=True)
+
+
+def test_threads_differing_either_way_block_bit_equality():
+    assert "1 CPU threads per rank, this run 2" in _blockers(ref_threads=1, threads=2)[0]
+    assert "2 CPU threads per rank, this run 1" in _blockers(ref_threads=2, threads=1)[0]
+
+
+def test_one_failed_check_fails_the_run_beside_a_decisive_one():
+    """A check's failure decides whatever else held, without any statistical failure beside it (the replicas,
+    the weights record, the teacher's bound)."""
+    exact = Check("replay", True, True)
+    weights = Check("weights", False, True, ["weights: embed.weight on rank 1: sha256 ..."])
+    assert decide([exact, weights], [], False) == FAIL
+    assert decide([weights, exact], [], True, drafts=True) == FAIL
+
+
+def test_a_model_with_dspark_stages_needs_a_decisive_check_of_the_drafts():
+    """The teacher, or a reference without decode steps, never ran the DSpark stages: bit for bit equal, it
+    decides the backbone only, so the run is INCONCLUSIVE unless another decisive check covered the drafts."""
+    backbone = Check("teacher", True, False, covers_drafts=False)
+    no_decode = Check("reference", True, True, covers_drafts=False)
+    drafts = Check("weights", True, True)
+    assert decide([backbone], [], False, drafts=True) == INCONCLUSIVE
+    assert decide([backbone, no_decode], [], False, drafts=True) == INCONCLUSIVE
+    assert drafts_uncovered([backbone, no_decode])
+    assert decide([backbone], [], False, drafts=False) == PASS  # no stages to cover
+    # one decisive check of the drafts is enough, beside checks that do not cover them
+    assert decide([backbone, drafts], [], False, drafts=True) == PASS
+    assert decide([drafts, backbone], [], False, drafts=True) == PASS
+    assert not drafts_uncovered([backbone, drafts]) and not drafts_uncovered([drafts, no_decode])
+    # a check that covers the drafts but differs, not expected bit for bit, decides nothing
+    assert decide([backbone, Check("reference", False, False)], [], False, drafts=True) == INCONCLUSIVE
+    assert not drafts_uncovered([Check("reference", False, False)])  # nothing decisive held at all

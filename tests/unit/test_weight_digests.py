@@ -242,3 +242,59 @@ def test_a_malformed_experts_as_is_named(conversion, entry, said):
     record = dict(conversion[1][1]) | {"experts_as": entry}
     assert any(said in p for p in weight_digests.problems(record)), weight_digests.problems(record)
     assert weight_digests.problems(dict(conversion[1][1]) | {"experts_as": {"expert_dtype": "fp8", "sha256": {}}}) == []
+
+
+def test_a_changed_byte_on_the_last_rank_is_named(conversion, tmp_path):
+    """Every rank is compared, the last one too: the last byte of the vocabulary-split embedding is rank 1's
+    piece at tp 2 and the last tp-4 rank's in the cut."""
+    folder, records = conversion
+    name = "embed.weight"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    path = bad / "model1-mp2.safetensors"
+    tensors = load_file(str(path))
+    raw = tensors[name].view(torch.uint8).clone()
+    raw.view(-1)[-1] ^= 1
+    tensors[name] = raw.view(tensors[name].dtype)
+    save_file(tensors, str(path))
+    with RankFiles(bad) as ranks:
+        same_tp, _ = weight_digests.compare(records[2], ranks)
+        cut, _ = weight_digests.compare(records[4], ranks)
+        merged, _ = weight_digests.compare(records[1], ranks)
+    assert len(same_tp) == 1 and same_tp[0].startswith(f"{name} on rank 1: sha256 "), same_tp
+    assert len(cut) == 1 and cut[0].startswith(f"{name} in tp-4 rank 3: sha256 "), cut
+    assert len(merged) == 1 and merged[0].startswith(f"{name}: sha256 "), merged
+
+
+def test_a_record_naming_a_tensor_the_rank_files_lack_is_named(conversion):
+    """A record that lists a tensor the rank files do not hold (edited, or another model's) is not taken as held:
+    verify refuses such a record (exit 2), so the comparison must name the name."""
+    folder, records = conversion
+    extra = "layers.0.attn.wq_c.weight"
+    for tp in (2, 4):
+        ranks_record = [dict(r) for r in records[tp]["ranks"]]
+        ranks_record[-1][extra] = "0" * 64
+        with RankFiles(folder) as ranks:
+            found, _ = weight_digests.compare(weight_digests.record(ranks_record, "fp4"), ranks)
+        where = " on rank 1" if tp == 2 else " in tp-4 rank 3"
+        assert found == [f"{extra}{where}: {weight_digests.NOT_HELD}"], found
+
+
+def test_a_routed_expert_in_two_rank_files_is_named(conversion, tmp_path):
+    """fp8 experts compared with the record's `experts_as`: an expert is whole on its owner rank, so a second,
+    identical copy in another rank file is no conversion's, though both copies have the recorded digest."""
+    src = conversion[0].parent / "src"
+    execute(build_plan(src, 2, "fp8"), tmp_path / "mp2")
+    as_fp8 = _fp8_expert_digests(tmp_path / "mp2")
+    name = "layers.1.ffn.experts.0.w2.weight"
+    first, second = (tmp_path / "mp2" / f"model{r}-mp2.safetensors" for r in range(2))
+    owner, other = (first, second) if name in load_file(str(first)) else (second, first)
+    tensors = load_file(str(other))
+    tensors[name] = load_file(str(owner))[name]
+    save_file(tensors, str(other))
+    with RankFiles(tmp_path / "mp2") as ranks:
+        found, _ = weight_digests.compare(weight_digests.record(conversion[1][2]["ranks"], "fp4", as_fp8), ranks)
+    assert found == [f"{name}: in more than one rank file"], found
