@@ -257,7 +257,7 @@ def judge(per_prompt: list[ModuleDeviations], labels: list[str]) -> Check:
     flipped: set[str] = set()
     for label, dev in zip(labels, per_prompt, strict=True):
         for key, value in dev.ulps.items():
-            if key not in worst_ulps or not value <= worst_ulps[key][0]:  # NaN wins
+            if key not in worst_ulps or _badness(value) > _badness(worst_ulps[key][0]):
                 worst_ulps[key] = (value, label)
         for key, count in dev.flips.items():
             flipped |= {key} if count else set()
@@ -267,13 +267,19 @@ def judge(per_prompt: list[ModuleDeviations], labels: list[str]) -> Check:
         if not value <= ULPS_BOUND:  # NaN fails
             fails.append(f"teacher {key}: {_fmt(value)} bf16 ulps > {ULPS_BOUND:g} ({label})")
     exact = all(v == 0 for v, _ in worst_ulps.values()) and not flipped
-    worst = max(worst_ulps.items(), key=lambda kv: math.inf if math.isnan(kv[1][0]) else kv[1][0], default=None)
+    worst = max(worst_ulps.items(), key=lambda kv: _badness(kv[1][0]), default=None)
     note = "each module on the reference's input, within measured reduction noise"
     if worst is not None:
         layers = len({k for d in per_prompt for k in d.flips})
         note += f" (worst: {worst[0]} {_fmt(worst[1][0])} ulps; indexer choices differing in {len(flipped)} of"
         note += f" {layers} layers)"
     return Check("teacher", exact, False, fails, note, covers_drafts=False)
+
+
+def _badness(ulps: float) -> float:
+    """A deviation's rank among others: NaN the worst, whichever prompt it comes from (a later prompt's number
+    replaced an earlier NaN, and a run could pass: a mutation audit)."""
+    return math.inf if math.isnan(ulps) else ulps
 
 
 def _fmt(value: float) -> str:
