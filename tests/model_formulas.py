@@ -2,8 +2,13 @@
 dsv41_convert.model, float64 where the model's own rounding does not matter.
 
 rms:      RMSNorm in fp32, the weight applied before the one bf16 rounding.
-rope:     pairs (2k, 2k+1) of the last dim rotated by position * theta**(-2k/rd), from float64 angles.
+rope:     pairs (2k, 2k+1) of the last dim rotated by position * theta**(-2k/rd), from float64 angles
+          (or position * freqs[k] for given frequencies, e.g. yarn_freqs).
+yarn_freqs: theta**(-2k/rd) blended towards theta**(-2k/rd) / factor by YaRN's linear ramp, float64.
 e4m3_round_trip: per 32 values, scale 2**ceil(log2(amax / 448)) (amax floored at 1e-4), e4m3 codes.
+fp4_e4m3_round_trip: per 16 values, scale e4m3(amax / 6) (amax floored at 6 * 2**-9), e2m1 codes.
+compressed_latent: a kv source's compressed KV rows before their fp4 rounding: softmax-gated pooling
+          of each group of `ratio` tokens, RMSNorm, RoPE at the group's first token.
 attend:   softmax(q.k * scale) over the visible keys with the sink's exp in the denominator only, float64.
 """
 
@@ -20,10 +25,38 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (w.float() * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).bfloat16()
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
-    """x: [b, s, rd] or [b, s, h, rd]; pos: [s] positions -> x rotated, x's dtype."""
-    rd = x.size(-1)
+def yarn_freqs(
+    rd: int, theta: float, original_seq_len: int, factor: float, beta_fast: int, beta_slow: int
+) -> torch.Tensor:
+    """-> [rd/2] float64: pair k's frequency theta**(-2k/rd), YaRN-scaled when original_seq_len > 0.
+
+    d(turns) = rd * ln(original_seq_len / (2 pi turns)) / (2 ln theta) is the (fractional) pair index
+    whose wavelength fits `turns` times into the training context; lo = max(floor(d(beta_fast)), 0),
+    hi = min(ceil(d(beta_slow)), rd - 1), ramp_k = clamp((k - lo) / max(hi - lo, 1e-3), 0, 1):
+    ramp 0 (the fast pairs below lo) keeps the frequency, ramp 1 (the slow pairs from hi on) divides
+    it by `factor`, the pairs in between are blended linearly.
+    """
     freqs = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    if original_seq_len <= 0:
+        return freqs
+
+    def pair_for_turns(turns: float) -> float:
+        return rd * math.log(original_seq_len / (2 * math.pi * turns)) / (2 * math.log(theta))
+
+    lo = max(math.floor(pair_for_turns(beta_fast)), 0)
+    hi = min(math.ceil(pair_for_turns(beta_slow)), rd - 1)
+    ramp = ((torch.arange(rd // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+    return freqs * (1 - ramp) + freqs / factor * ramp
+
+
+def rope(
+    x: torch.Tensor, pos: torch.Tensor, theta: float, inverse: bool = False, freqs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [b, s, rd] or [b, s, h, rd]; pos: [s] positions -> x rotated, x's dtype.
+    freqs: [rd/2] the pairs' frequencies (yarn_freqs); None: theta**(-2k/rd)."""
+    rd = x.size(-1)
+    if freqs is None:
+        freqs = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
     ang = pos.double()[:, None] * freqs  # [s, rd/2]
     if x.dim() == 4:
         ang = ang[:, None]
@@ -34,9 +67,16 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, inverse: bool = False
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
-def rope_tail(x: torch.Tensor, rd: int, pos: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
+def rope_tail(
+    x: torch.Tensor,
+    rd: int,
+    pos: torch.Tensor,
+    theta: float,
+    inverse: bool = False,
+    freqs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """RoPE on the last rd dims of x only (the nope dims pass through)."""
-    return torch.cat([x[..., :-rd], rope(x[..., -rd:], pos, theta, inverse)], dim=-1)
+    return torch.cat([x[..., :-rd], rope(x[..., -rd:], pos, theta, inverse, freqs)], dim=-1)
 
 
 def e4m3_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -46,6 +86,54 @@ def e4m3_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
     codes = (xb / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     return (codes * scale).flatten(-2).bfloat16()
+
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code k's magnitude; even k = even mantissa
+
+
+def fp4_e4m3_round_trip(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """x: [..., n] -> [..., n] bf16: per `block` values, scale = e4m3(max(amax, 6 * 2**-9) / 6) and each
+    x / scale (float32, clamped to +-6) rounded to the nearest e2m1 magnitude, ties to the even code."""
+    xb = x.float().unflatten(-1, (-1, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0**-9)
+    scale = (amax / 6).clamp_max(448).to(torch.float8_e4m3fn).float()
+    v = (xb / scale).clamp(-6, 6).double()
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    # distance to every code, odd codes nudged up by far less than any real gap: a tie goes to the even code
+    dist = (v.abs().unsqueeze(-1) - grid).abs() + 1e-9 * (torch.arange(len(grid)) % 2)
+    mag = grid[dist.argmin(-1)]
+    return (torch.where(v < 0, -mag, mag) * scale).flatten(-2).bfloat16()
+
+
+def compressed_latent(
+    x: torch.Tensor,
+    wkv: torch.Tensor,
+    wgate: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    ratio: int,
+    rd: int,
+    freqs: torch.Tensor,
+) -> torch.Tensor:
+    """The compressed KV rows of x ([b, s, dim], positions 0..s-1) before their fp4 rounding.
+
+    Group j holds tokens j*ratio .. j*ratio + ratio - 1 (no overlap; an incomplete last group gives
+    no row). ratio 1: the row is wkv(x) in bf16. ratio > 1: per channel, a softmax over the group's
+    wgate(x) scores weights the group's wkv(x) values, summed (float64 here, fp32 in the model),
+    rounded to bf16. Then RMSNorm, and RoPE on the last rd dims at the group's first token j * ratio.
+    wkv, wgate: [d, dim]; freqs: [rd/2] -> [b, s // ratio, d] bf16
+    """
+    s = x.size(1)
+    full = s - s % ratio
+    kv = torch.nn.functional.linear(x[:, :full].double(), wkv.double())
+    if ratio == 1:
+        pooled = kv.bfloat16()
+    else:
+        score = torch.nn.functional.linear(x[:, :full].double(), wgate.double())
+        gate = score.unflatten(1, (-1, ratio)).softmax(dim=2)  # over the group's tokens, per channel
+        pooled = (kv.unflatten(1, (-1, ratio)) * gate).sum(dim=2).bfloat16()
+    pos = torch.arange(0, full, ratio)
+    return rope_tail(rms(pooled, norm_w, eps), rd, pos, 0.0, freqs=freqs)
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
