@@ -122,3 +122,19 @@ def test_demo_in_a_launch_or_a_broken_one_is_refused_before_it_writes(env, tmp_p
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "demo"))
     assert code == 2 and ("RANK" in err or "torchrun" in err), err
     assert not (tmp_path / "demo").exists()
+
+
+def test_demo_in_a_launch_of_one_process_is_not_refused_as_torchrun(tmp_path, monkeypatch, capsys):
+    """README: demo refuses a launch of several processes; `torchrun --nproc-per-node 1` (RANK 0, WORLD_SIZE 1)
+    runs it as one process would. Stopped here by its folder (not empty, no --overwrite), the check after
+    the launch's."""
+    from cli_run import run_cli
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "notes.txt").write_text("mine")
+    code, out, err = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "demo"))
+    assert code == 2 and f"{tmp_path / 'demo'}: not empty; pass --overwrite" in err, err
+    assert "torchrun" not in err and out == ""
+    assert [p.name for p in (tmp_path / "demo").iterdir()] == ["notes.txt"]

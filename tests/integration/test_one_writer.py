@@ -352,3 +352,26 @@ def test_the_processes_of_a_torchrun_launch_end_with_its_agent(src, tmp_path):
         assert time.monotonic() < deadline, "the ranks outlived their torchrun agent"
         time.sleep(0.1)
     assert not (out / "manifest.json").exists()
+
+
+def test_a_share_without_torchrun_rendezvous_says_it_writes_one_share(src, tmp_path, monkeypatch, capsys):
+    """RANK and WORLD_SIZE left in a shell, no torchrun (README): the run writes its share only, and says so on
+    stderr, naming the variables torchrun would have set; stdout keeps its one document."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--json")
+    assert code == 0, err
+    assert (
+        "warning: rank 1: RANK=1 and WORLD_SIZE=2 are set without MASTER_ADDR and MASTER_PORT (torchrun sets all "
+        "of them): this process writes share 1 of 2 of the rank files only" in err
+    ), err
+    summary = json.loads(stdout)
+    assert summary["rank"] == 1 and summary["written"] == ["model1-mp2.safetensors"]
+    assert not (out / "model0-mp2.safetensors").exists()
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "launched"), "--tp", "2")
+    assert code == 0 and "warning" not in err, err

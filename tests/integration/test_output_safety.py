@@ -231,6 +231,31 @@ def test_demo_overwrite_removes_only_what_the_demo_wrote(tmp_path, monkeypatch, 
     assert tree(theirs) == before
 
 
+def test_demo_overwrite_leaves_no_reference_of_the_earlier_demo(tmp_path, monkeypatch, capsys):
+    """--overwrite removes the earlier demo's conversions and its reference before the new one is made: a run
+    stopped after that (here its make-tiny step fails) leaves no reference of another checkpoint beside what
+    it wrote, for a later `verify DIR/mp2 --reference-logits DIR/ref-tp1.safetensors` to compare against."""
+    from dsv41_convert.app.demo import MARK, REFERENCE
+    from dsv41_convert.errors import OutputError
+
+    demo = tmp_path / "demo"
+    (demo / "mp2").mkdir(parents=True)
+    (demo / "mp2" / "model0-mp2.safetensors").write_bytes(b"earlier")
+    (demo / REFERENCE).write_bytes(b"earlier reference")
+    (demo / MARK).write_text(json.dumps({"wrote": ["mp2"]}) + "\n")
+    (demo / "mp3").mkdir()  # a user's, beside it
+    (demo / "mp3" / "x").write_text("mine\n")
+
+    def stopped(*args, **kw):
+        raise OutputError("stopped here")
+
+    monkeypatch.setattr("dsv41_convert.synth.write.write_checkpoint", stopped)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--overwrite")
+    assert code == 2 and "stopped here" in err, err
+    assert not (demo / REFERENCE).exists() and not (demo / "mp2").exists()
+    assert (demo / "mp3" / "x").read_text() == "mine\n"
+
+
 def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
     """A shard fetched again (or edited) in place, then --resume: the finished rank files were skipped,
     holding the old bytes, and `check` passed them."""

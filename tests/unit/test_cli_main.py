@@ -4,6 +4,7 @@ message (and a --json document), not a traceback or another cause's exit code (a
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import pytest
@@ -62,3 +63,46 @@ def test_a_usage_error_under_torchrun_says_which_process(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert exc.value.code == 2 and err.startswith("error: rank 1: No such option: --bogus"), err
     assert json.loads(out) == {"rank": 1, "ok": False, "exit_code": 2, "error": "No such option: --bogus"}
+
+
+@pytest.mark.parametrize(
+    ("handler", "said", "code"),
+    [(cli._sigint_as_interrupt, "interrupted", 130), (cli._sigterm_as_interrupt, "terminated (SIGTERM)", 143)],
+)
+def test_ctrl_c_and_sigterm_stop_the_run_where_they_land(monkeypatch, handler, said, code):
+    """Both handlers raise at once outside a deferred section (README: SIGTERM stops the run as Ctrl-C does),
+    are postponed inside one to its end, and leave the code and words of their own signal. A handler that only
+    recorded SIGTERM let a run whose main thread makes no check (make-tiny's shards, a model run) go on to
+    its end before exiting 143."""
+    monkeypatch.setitem(interrupts._state, "interrupted", False)
+    monkeypatch.setitem(interrupts._state, "depth", 0)
+    monkeypatch.setattr(cli, "_stopped_by", [])
+    monkeypatch.setattr(cli, "_arm_stop_watchdog", lambda seconds=None: None)  # no SIGALRM in the test process
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "verify", "x"])
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, sys._getframe())
+    assert cli._how_stopped() == (f"{said}; nothing was written", code)
+    monkeypatch.setitem(interrupts._state, "interrupted", False)
+    ran_on = []
+    with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+        handler(signal.SIGINT, sys._getframe())
+        ran_on.append("the rest of the section")
+    assert ran_on == ["the rest of the section"]
+
+
+@pytest.mark.parametrize(("raised", "code"), [(SystemExit("a message"), 1), (SystemExit(None), 0), (SystemExit(3), 3)])
+def test_the_process_ends_with_the_code_the_interpreter_would_give(monkeypatch, raised, code):
+    """entry() ends the process itself (os._exit, before the teardown) with main's exit code: sys.exit with a
+    message is 1, as the interpreter makes it, never 0."""
+    registered = []
+    monkeypatch.setattr(cli.atexit, "register", lambda fn, *args: registered.append(fn))
+    monkeypatch.setitem(cli._exit_code, "code", 0)
+
+    def main():
+        raise raised
+
+    monkeypatch.setattr(cli, "main", main)
+    with pytest.raises(SystemExit):
+        cli.entry()
+    assert registered == [cli._end_before_the_teardown]
+    assert cli._exit_code["code"] == code
