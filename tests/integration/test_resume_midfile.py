@@ -113,6 +113,27 @@ def test_resume_with_every_chunk_hashed_beside_its_write(bf16_src, clean, tmp_pa
     assert sum(q.calls.values()) < _total_calls(rf), "resume recomputed everything"
 
 
+def test_resume_inside_a_column_split_copy(tmp_path_factory, tmp_path):
+    """A published (fp8) source at tp 2: wo_b is copied by columns (each rank's half of every row). Interrupted
+    with a checkpoint inside it, the resumed file goes on from the journal's row, not from the tensor's first row
+    again, and ends byte-identical to an uninterrupted run."""
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import write_checkpoint
+
+    src = tmp_path_factory.mktemp("src") / "fp8"
+    write_checkpoint(src, PRESETS["tiny"], seed=3, quantized=True)
+    clean = tmp_path_factory.mktemp("clean") / "out"
+    execute(build_plan(src, 2), clean)
+    rf = build_plan(src, 2).files[1]
+    columns = [t for t in rf.tensors if t.action == "copy" and t.reads[0].c1 >= 0]
+    t = max(columns, key=lambda t: t.end - t.begin)
+    assert t.end - t.begin >= 4 * JOURNAL, (t.name, t.end - t.begin)
+    _interrupt(rf, src, tmp_path, (t.begin + t.end) / 2 / rf.nbytes)
+    stats, _ = _resume(rf, src, tmp_path)
+    assert t.begin < stats["resumed_from"] < t.end, (stats, t.name, t.begin, t.end)
+    assert (tmp_path / rf.file).read_bytes() == (clean / rf.file).read_bytes()
+
+
 def _total_calls(rf) -> int:
     return sum(math.ceil((t.reads[0].r1 - t.reads[0].r0) / _chunk_rows(t, CHUNK)) for t in rf.tensors
                if t.action.startswith("quant") and t.part == 0)  # fmt: skip

@@ -8,12 +8,13 @@ values and the header at once; key sets and a strict load are checked on top.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_convert import reference_convert
@@ -118,6 +119,27 @@ def test_bf16_source_gives_published_format(bf16_src, fp8_src, tmp_path):
         assert {k: (v.dtype, v.shape) for k, v in b.items()} == {k: (v.dtype, v.shape) for k, v in f.items()}
     cfg = json.loads((tmp_path / "b" / "config.json").read_text())
     assert (cfg["dtype"], cfg["expert_dtype"]) == ("fp8", "fp4")
+
+
+def test_f32_tensors_of_an_all_bf16_source_are_cast_up_to_f32(bf16_src, tmp_path):
+    """A fine-tune saved wholly in bfloat16, the tensors the published checkpoint keeps in F32 (attn_sink, hc_*,
+    the gate biases) included: shard writes those as F32, the values unchanged, as upstream does (SPEC §3), not
+    the BF16 bytes under an F32 entry nor as BF16."""
+    src = tmp_path / "src"
+    shutil.copytree(bf16_src, src)
+    recast = {}
+    for path in sorted(src.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if t.dtype == torch.float32:
+                tensors[name] = recast[name] = t.to(torch.bfloat16)
+        save_file(tensors, path)
+    assert any("attn_sink" in n for n in recast) and any(".hc_" in n for n in recast)
+    _shard(src, tmp_path / "out", 2, "fp4")
+    _check_against_reference(src, tmp_path / "out", 2, "fp4")
+    got = load_file(tmp_path / "out" / "model0-mp2.safetensors")
+    hc = next(n for n in recast if ".hc_" in n)  # replicated: rank 0 holds it whole
+    assert got[hc].dtype == torch.float32 and torch.equal(got[hc], recast[hc].float())
 
 
 def test_cli_shard_sidecars_and_manifest(fp8_src, tmp_path, monkeypatch, capsys):

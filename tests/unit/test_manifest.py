@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.manifest import atomic_write, finished, read_done, source_revision, write_done
+from dsv41_convert.store.manifest_check import check_folder
 
 
 def test_done_record_checks_size_sha_and_plan(tmp_path):
@@ -83,3 +85,51 @@ def test_atomic_write_names_its_file_when_the_disk_is_full(tmp_path, monkeypatch
         atomic_write(tmp_path / "manifest.json", b"{}")
     assert caught.value.filename == str(tmp_path / "manifest.json") and caught.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
+
+
+def _manifest_folder(folder: Path, files: dict[str, bytes], tp: int | None = None) -> None:
+    """`files` written, and a manifest.json recording each one's size and sha256, written here by hand."""
+    folder.mkdir()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    records = {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
+    manifest = {"format": "dsv41-convert manifest v1", "options": {"tp": tp}, "files": records}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+FILES = {
+    "config.json": b"{}",
+    "model0-mp2.safetensors": b"a" * 100,
+    "model1-mp2.safetensors": b"b" * 100,
+    "tokenizer.json": b"{ }",
+    "tokenizer_config.json": b"{  }",
+}
+
+
+@pytest.mark.parametrize("damaged", sorted(FILES))
+def test_check_compares_every_listed_file(tmp_path, damaged):
+    """Each file the manifest lists, the first and the last in name order included, is hashed and compared: one
+    byte changed in any of them (its size kept) is reported, naming it, and every other file is checked."""
+    _manifest_folder(tmp_path / "out", FILES, tp=2)
+    assert check_folder(tmp_path / "out").checked == sorted(FILES)
+    data = bytearray(FILES[damaged])
+    data[-1] ^= 1
+    (tmp_path / "out" / damaged).write_bytes(data)
+    result = check_folder(tmp_path / "out")
+    assert not result.ok
+    assert len(result.problems) == 1 and damaged in result.problems[0], result.problems
+    assert result.checked == sorted(set(FILES) - {damaged})
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_check_names_a_rank_file_its_manifest_leaves_out(tmp_path, rank):
+    """A tp-3 manifest that does not list one of its rank files (rank 0 too) fails the check, naming that file."""
+    files = {f"model{r}-mp3.safetensors": bytes([r]) * 10 for r in range(3)} | {"config.json": b"{}"}
+    _manifest_folder(tmp_path / "out", files, tp=3)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    gone = f"model{rank}-mp3.safetensors"
+    del manifest["files"][gone]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "out" / gone).unlink()
+    result = check_folder(tmp_path / "out")
+    assert not result.ok and [p for p in result.problems if p.startswith(f"{gone}:")], result.problems

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -129,6 +130,27 @@ def test_expert_stored_as_fp8_is_refused(src):
     with pytest.raises(
         PlanError, match=r"layers\.0\.ffn\.experts\.3\.w2\.weight: found F8_E4M3 \[64, 32\], expected I8"
     ):
+        build_plan(src, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "found", "expected"),
+    [
+        ("layers.0.attn.wq_a.weight", torch.bfloat16, "BF16", "F8_E4M3"),
+        ("layers.1.attn.attn_sink", torch.bfloat16, "BF16", "F32"),
+        ("layers.0.ffn.experts.3.w2.weight", torch.uint8, "U8", "I8"),
+    ],
+)
+def test_a_tensor_of_the_right_shape_but_another_dtype_is_refused(src, name, dtype, found, expected):
+    """A published checkpoint's tensor with its published shape but another dtype (an fp8 weight saved as bf16,
+    an F32 attn_sink as bf16, packed fp4 as U8) is refused naming it: planned, it was cast or copied as if it
+    were the published one."""
+
+    def change(t):
+        t[name] = t[name].view(torch.uint8).to(dtype) if dtype == torch.uint8 else t[name].to(dtype)
+
+    _rewrite(src, change)
+    with pytest.raises(PlanError, match=rf"{re.escape(name)}: found {found} \[[0-9, ]+\], expected {expected} \["):
         build_plan(src, 1)
 
 

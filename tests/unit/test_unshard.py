@@ -141,6 +141,27 @@ def test_missing_engram_padding_row(shards, tmp_path):
         unshard_tensors(bad, [f"{ENGRAM}.weight"])
 
 
+@pytest.mark.parametrize(("tp", "rows", "want"), [(4, 18, 19), (2, 39, 38)])
+def test_engram_pieces_of_equal_but_wrong_height_are_refused(shards, tmp_path, tp, rows, want):
+    """Every rank's piece of the 75-row table cut to (or padded to) another equal height: the pieces agree in
+    shape, but a tp-N conversion holds ceil(75 / N) rows each; merged anyway, the table's rows shift between
+    ranks (or its last rows are missing) without a word."""
+
+    def resize(t):
+        for kind, fill in (("weight", 0), ("scale", 127)):
+            name = f"{ENGRAM}.{kind}"
+            raw = t[name].view(torch.uint8)
+            grown = torch.full((rows, raw.shape[1]), fill, dtype=torch.uint8)
+            grown[: min(rows, raw.shape[0])] = raw[:rows]
+            t[name] = grown.view(t[name].dtype)
+
+    bad = _copy(shards, tp, tmp_path)
+    for rank in range(tp):
+        _edit(bad, rank, tp, resize)
+    with pytest.raises(ShardConsistencyError, match=rf"{ENGRAM}.weight: {rows} rows per rank, expected .*= {want}"):
+        unshard_tensors(bad, [f"{ENGRAM}.weight"])
+
+
 def test_engram_padding_not_the_fill(shards, tmp_path):
     bad = _copy(shards, 8, tmp_path)
     name = f"{ENGRAM}.weight"
