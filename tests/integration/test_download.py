@@ -144,6 +144,19 @@ def test_revision_pin_gets_that_revisions_bytes(hub, tmp_path, checkpoints, revi
     assert all("/resolve/" + C0 + "/" in e.path for e in hub.log if "/resolve/" in e.path)
 
 
+def test_verify_only_of_another_revision_than_the_folder_holds_is_refused(hub, tmp_path, checkpoints):
+    """--verify-only --revision main of a folder holding v0 checked v0's files against v0's record and said ok:
+    the folder is not the revision asked for."""
+    local = tmp_path / "local"
+    assert fetch(hub, tmp_path, local_dir=local, revision="v0").ok
+    assert (
+        dl.verify_local(REPO, local_dir=local, revision="v0").ok
+        and dl.verify_local(REPO, local_dir=local, revision=C0).ok
+    )
+    with pytest.raises(DownloadError, match=rf"holds revision v0 \(commit {C0}\), not main"):
+        dl.verify_local(REPO, local_dir=local, revision="main")
+
+
 def test_unknown_revision_is_a_clear_error(hub, tmp_path):
     with pytest.raises(DownloadError, match=r"revision 'nope' not found \(404\)"):
         fetch(hub, tmp_path, revision="nope")

@@ -63,6 +63,22 @@ def test_a_whole_partial_file_with_wrong_bytes_is_fetched_again(hub, tmp_path):
     assert report.ok and (local / SHARD1).read_bytes() == FILES1[SHARD1] and report.refetched == (SHARD1,)
 
 
+def test_a_partial_file_of_another_revision_is_not_continued(hub, tmp_path):
+    """A killed run at v0 left half of v0's shard in a partial file; a run at main (another shard of the same
+    name) fetches main's shard from byte 0, not v0's half plus the rest of main's (which fails its check and
+    costs a re-fetch), and removes v0's partial file."""
+    local = tmp_path / "local"
+    v0 = hub_fetch.fetch_record(HfApi(endpoint=hub.url), REPO, "v0", retries=0, backoff_s=0)
+    old = next(f for f in v0.files if f.path == SHARD1)
+    half = tiny_checkpoint(0)[SHARD1][: old.size // 2]
+    partial = hub_fetch.partial_path(local, old)
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(half)
+    report = fetch(hub, local_dir=local)
+    assert report.ok and (local / SHARD1).read_bytes() == FILES1[SHARD1] and report.refetched == ()
+    assert [g.range for g in hub.gets(SHARD1)] == [None] and not partial.exists()
+
+
 @pytest.mark.parametrize("failure", ["404", "interrupt"])
 def test_files_a_failed_run_put_in_place_are_the_downloads_own(hub, tmp_path, monkeypatch, failure):
     """A run that fails (a 404) or is stopped after some files recorded none of them as its own, so a later
@@ -96,6 +112,24 @@ def test_files_a_failed_run_put_in_place_are_the_downloads_own(hub, tmp_path, mo
     report = fetch(hub, revision="main", local_dir=local, overwrite=True)
     assert report.ok, report.problems
     assert not (local / "model.safetensors").exists() and (local / SHARD1).read_bytes() == FILES1[SHARD1]
+
+
+def test_a_failed_run_does_not_count_a_file_that_failed_its_check_as_its_own(hub, tmp_path):
+    """A run that fails (a 404 on z.json) after a file that failed its check (the Hub announces another
+    sha256 for model.safetensors): the record it leaves counts only the file it put in place right, so a file
+    the user then puts at model.safetensors is not the download's to replace."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    repo = hub.repos[REPO]
+    repo.commits[C0] = {"model.safetensors": save({"w": np.ones(4, np.float32)}), "config.json": b"{}", "z.json": b"{}"}
+    repo.announced["model.safetensors"] = {"sha256": "0" * 64}
+    repo.hidden.add("z.json")
+    local = tmp_path / "local"
+    with pytest.raises(DownloadError, match=r"z\.json"):
+        fetch(hub, revision="v0", local_dir=local, max_workers=1, repair_rounds=0)
+    assert json.loads((local / dl.RECORD_NAME).read_text())["fetched"] == ["config.json"]
+    assert not (local / "model.safetensors").exists()
 
 
 def test_a_listing_without_git_blob_ids_is_not_the_hubs(hub, tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ with other bytes than its sha256 says.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -187,6 +189,28 @@ def test_a_file_stopped_in_its_check_is_not_left_in_the_hf_cache(hub, tmp_path, 
     assert blob.is_file() is held_before and (link.exists() or link.is_symlink()) is held_before
 
 
+@pytest.mark.parametrize("into", ["local_dir", "hf_cache"])
+def test_a_fetched_file_that_fails_its_check_is_not_left_at_its_name(hub, tmp_path, into):
+    """fetch_file's promise: a file whose bytes are not those of its listing comes back as a Problem, with
+    nothing at its final name for plan or shard to take: in a --local-dir it is checked before the rename
+    (and its partial file, whole and wrong, is not kept to be continued); in the HF cache huggingface_hub names
+    it, and the check that fails removes the snapshot link and its blob."""
+    f = remote(hub, FIRST)
+    other = hashlib.sha256(b"another file's bytes").hexdigest()
+    local = tmp_path / "local" if into == "local_dir" else None
+    problem = hub_fetch.fetch_file(REPO, dataclasses.replace(f, sha256=other), C1, local_dir=local, cache_dir=None,
+                                   endpoint=hub.url, token=None, force=False, retries=0, backoff_s=0, progress=None,
+                                   stop=threading.Event())  # fmt: skip
+    served = hashlib.sha256(FILES[FIRST]).hexdigest()
+    assert (problem.path, problem.kind, problem.found, problem.expected) == (FIRST, "sha256", served, other)
+    if local is not None:
+        assert not (local / FIRST).exists() and not [p for p in local.rglob("*") if p.is_file()]
+    else:
+        storage = dl.storage_of(REPO, None)
+        link = storage / "snapshots" / C1 / FIRST
+        assert not link.exists() and not link.is_symlink() and not (storage / "blobs" / served).exists()
+
+
 # --- free space ---
 
 
@@ -207,6 +231,18 @@ def test_free_space_counts_the_bytes_partial_files_hold(hub, tmp_path, monkeypat
     partial.write_bytes(FILES[FIRST][:-100])
     with pytest.raises(DownloadError, match=r" bytes of them already in partial files\), but only 10 bytes free"):
         fetch(hub, tmp_path)
+
+
+def test_a_leftover_of_the_wrong_size_counts_in_the_space_needed(hub, tmp_path, monkeypatch):
+    """A file of an earlier run grown past its size is fetched again, so its bytes count in the free-space check
+    made before the first byte: on a full disk the run is refused there, not after it hashed the leftover."""
+    fetch(hub, tmp_path)
+    with open(tmp_path / "local" / SECOND, "ab") as f:
+        f.write(b"\0")
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
+    with pytest.raises(DownloadError, match=r"to download into .*, but only 10 bytes free"):
+        fetch(hub, tmp_path)
+    assert len(hub.gets(SECOND)) == 1
 
 
 # --- files over 50 GB ---
@@ -253,6 +289,23 @@ def test_a_file_still_wrong_after_the_refetches_is_deleted_and_reported(hub, tmp
     assert len(hub.gets(SECOND)) == 3
     assert list(tmp_path.rglob(FIRST)) and not list(tmp_path.rglob(SECOND))  # no partial file either
     assert not list(tmp_path.rglob("*.incomplete"))
+
+
+def test_a_file_that_stayed_wrong_is_not_recorded_as_the_downloads_own(hub, tmp_path):
+    """A file deleted as still wrong after the re-fetches was never put in the folder right, so the record does
+    not count it as the download's: a file the user then puts at its name is theirs, refused unless
+    --overwrite on the next run (when it was counted, the next run deleted it as a leftover of the wrong size)."""
+    hub.repos[REPO].announced[SECOND] = {"sha256": "0" * 64}
+    local = tmp_path / "local"
+    report = fetch(hub, tmp_path)
+    assert [(p.path, p.kind) for p in report.problems] == [(SECOND, "sha256")]
+    saved = json.loads((local / dl.RECORD_NAME).read_text())
+    assert saved["fetched"] == sorted(p for p in FILES if p != SECOND)
+    hub.repos[REPO].announced.clear()
+    (local / SECOND).write_bytes(b"the user's own notes")
+    with pytest.raises(DownloadError, match=rf"holds 1 file\(s\) that are not .*{SECOND}"):
+        fetch(hub, tmp_path)
+    assert (local / SECOND).read_bytes() == b"the user's own notes"
 
 
 def test_a_wrong_file_found_there_and_not_refetched_is_deleted(hub, tmp_path):

@@ -174,3 +174,21 @@ def test_sampled_sha256_tells_a_copy_from_another_file_of_its_size(tmp_path):
     (tmp_path / "small").write_bytes(b"abc")
     whole = hashlib.sha256((3).to_bytes(8, "little") + b"abc").hexdigest()
     assert file_digest.sampled_sha256(tmp_path / "small") == whole
+
+
+def test_a_longer_file_is_a_size_problem_found_without_reading_it(tmp_path):
+    """A file with bytes past its record's size (an append, another file put at its name) is a size problem,
+    told before a byte is hashed: with a digest recorded (else the whole file was hashed to call it corrupt),
+    and with the size alone (else it passed)."""
+    f = tmp_path / "model0-mp8.safetensors"
+    data = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    f.write_bytes(data + b"\0")
+    hashed = []
+    by_sha256 = Recorded(1000, hashlib.sha256(data).hexdigest(), "manifest")
+    assert difference(f, f.name, by_sha256, on_bytes=hashed.append) == Problem(
+        f.name, "size", "1001 bytes", "1000 bytes"
+    )
+    assert hashed == []
+    assert difference(f, f.name, Recorded(1000, None, "manifest")) == Problem(
+        f.name, "size", "1001 bytes", "1000 bytes"
+    )
