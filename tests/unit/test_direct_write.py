@@ -161,3 +161,25 @@ def test_write_error_reaches_the_caller(tmp_path, monkeypatch):
         finally:
             out.abort()
     assert info.value.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_short_writes_go_on_from_where_they_stopped(tmp_path, monkeypatch, direct):
+    """A pwrite that writes fewer bytes than asked (a file size limit, a nearly full disk): the rest goes to the
+    file right after them, whichever descriptor takes it."""
+    real = os.pwrite
+
+    def short(fd, data, offset):
+        data = memoryview(data).cast("B")
+        return real(fd, data[: max(1, len(data) // 2)], offset)
+
+    monkeypatch.setattr(direct_write.os, "pwrite", short)
+    data = os.urandom(7 * BLOCK + 5)
+    out = DirectAppender(tmp_path / "f.bin", direct=direct, piece_bytes=2 * BLOCK, depth=2)
+    try:
+        for at in range(0, len(data), 3000):
+            out.write(data[at : at + 3000])
+        out.close()
+    finally:
+        out.abort()
+    assert (tmp_path / "f.bin").read_bytes() == data

@@ -109,3 +109,16 @@ def test_a_hash_error_reaches_the_caller(tmp_path):
         raise AssertionError("the hasher's error was lost")
     finally:
         os.close(sink.fd)
+
+
+def test_padding_is_exactly_the_count_asked_for(tmp_path):
+    """fill() of a count that is no multiple of its chunk: the last piece is cut to what is left, so the file
+    and its sha256 hold `count` padding bytes and no more."""
+    path = tmp_path / "f.partial"
+    sink = Sink(path, "f", 4 + 10, lambda label, done, n: None, direct=False)
+    sink.write(memoryview(b"head"))
+    sink.fill(0xAB, 10, 4, "layers.0.attn.wq_a.weight")
+    sink.finish()
+    os.close(sink.fd)
+    want = b"head" + b"\xab" * 10
+    assert path.read_bytes() == want and sink.sha.hexdigest() == hashlib.sha256(want).hexdigest()

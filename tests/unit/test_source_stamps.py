@@ -48,3 +48,14 @@ def test_a_copy_keeping_the_times_matches_the_record_and_names_where_it_was_made
     assert changed_since(out, src, source_stamps(src)) == ([], None)
     (copy / "b.safetensors").write_bytes(os.urandom(4096))  # a second fine-tune of the layout
     assert changed_since(out, copy, source_stamps(copy)) == (["b.safetensors"], str(src.resolve()))
+
+
+def test_another_size_with_the_same_time_is_a_change(tmp_path):
+    """A shard cut short or replaced whose time was set back (touch -r, rsync -t of another copy, a restore
+    from backup): its size alone tells."""
+    src = _source(tmp_path)
+    before = source_stamps(src)
+    st = (src / "a.safetensors").stat()
+    os.truncate(src / "a.safetensors", st.st_size - 1)
+    os.utime(src / "a.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert differing(before, source_stamps(src)) == ["a.safetensors"]
