@@ -49,6 +49,14 @@ def yarn_freqs(
     return freqs * (1 - ramp) + freqs / factor * ramp
 
 
+def compressed_freqs(args) -> torch.Tensor:
+    """-> [rope_head_dim/2] float64: the compressed layers' frequencies (compress_rope_theta, YaRN) of ModelArgs."""
+    return yarn_freqs(
+        args.rope_head_dim, args.compress_rope_theta, args.original_seq_len, args.rope_factor, args.beta_fast,
+        args.beta_slow,
+    )  # fmt: skip
+
+
 def rope(
     x: torch.Tensor, pos: torch.Tensor, theta: float, inverse: bool = False, freqs: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.model import Transformer
+from dsv41_convert.model.attention import Attention
 from dsv41_convert.model.head import ParallelHead
-from dsv41_convert.model.layers import Linear
+from dsv41_convert.model.layers import Linear, dense_dtype
 from dsv41_convert.model.load import expected_tensors
 from dsv41_convert.quant.fp4 import encode_mxfp4
 from dsv41_convert.quant.fp8 import encode_fp8_blocks
@@ -178,3 +179,25 @@ def write_shards(sd: dict[str, torch.Tensor], args: ModelArgs, folder: Path, wor
 
 def with_runtime(args: ModelArgs, **kw) -> ModelArgs:
     return dataclasses.replace(args, **kw)
+
+
+def random_attention(
+    args: ModelArgs, layer_id: int, seed: int, norm_weights: dict[str, float] | None = None
+) -> Attention:
+    """Attention(layer_id) with random weights for the formula tests: matrices N(0, 1/in), norm weights
+    1 + 0.1 N(0, 1) (or, for a name in `norm_weights`, that value + 0.1 U(0, 1): far from 1, so that a dropped
+    norm shows), the sinks spread over -1 .. 3 (some heads lean hard on the sink)."""
+    with dense_dtype(args):
+        attn = Attention(layer_id, args)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name == "attn_sink":
+                p.copy_(torch.linspace(-1.0, 3.0, p.numel()))
+            elif name in (norm_weights or {}):
+                p.copy_(norm_weights[name] + 0.1 * torch.rand(p.shape, generator=gen))
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return attn

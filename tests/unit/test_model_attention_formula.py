@@ -14,28 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from model_formulas import assert_near, attend, e4m3_round_trip, grouped_out, rms, rope_tail
-from model_testing import tiny_args
+from model_testing import random_attention, tiny_args
 
 from dsv41_convert.model.attention import Attention
-from dsv41_convert.model.layers import dense_dtype
 
 ARGS = tiny_args(dtype="bf16", expert_dtype=None)
 SEQ = 12  # longer than the window (8): the window cuts in
 
 
 def _layer(seed: int) -> Attention:
-    with dense_dtype(ARGS):
-        attn = Attention(0, ARGS)  # layer 0: window only
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            if name == "attn_sink":
-                p.copy_(torch.linspace(-1.0, 3.0, p.numel()))  # some heads lean hard on the sink
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    return attn
+    return random_attention(ARGS, 0, seed)  # layer 0: window only
 
 
 def window_attention(attn: Attention, x: torch.Tensor) -> torch.Tensor:
@@ -81,17 +69,8 @@ def test_compressed_kv_lies_on_the_fp4_grid_of_its_own_16_values():
     """A kv source's cached compressed rows: per 16 values, e2m1 codes times one e4m3 scale that puts the
     block's largest magnitude at code 6 (scale = e4m3(amax / 6) rounds by under 6.25%, so amax / scale
     rounds to 6)."""
-    with dense_dtype(ARGS):
-        attn = Attention(3, ARGS)  # ratio 1, kv source
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            p.copy_(
-                (1 + 0.1 * torch.randn(p.shape, generator=gen))
-                if "norm" in name
-                else torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
-            )
-    x = torch.randn(2, SEQ, ARGS.dim, generator=gen).bfloat16()
+    attn = random_attention(ARGS, 3, seed=7)  # ratio 1, kv source
+    x = torch.randn(2, SEQ, ARGS.dim, generator=torch.Generator().manual_seed(8)).bfloat16()
     attn(x, 0)
     blocks = attn.compress_kv_cache[:2, :SEQ].float().unflatten(-1, (-1, 16))
     scale = blocks.abs().amax(-1, keepdim=True) / 6

@@ -21,39 +21,21 @@ import dataclasses
 
 import pytest
 import torch
-from model_formulas import assert_near, compressed_latent, fp4_e4m3_round_trip, yarn_freqs
-from model_testing import tiny_args
+from model_formulas import assert_near, compressed_freqs, compressed_latent, fp4_e4m3_round_trip
+from model_testing import random_attention, tiny_args
 
 from dsv41_convert.model import attention
 from dsv41_convert.model.attention import Attention
-from dsv41_convert.model.layers import dense_dtype
 
 ARGS = tiny_args(dtype="bf16", expert_dtype=None)
 SEQ = 13  # odd: at ratio 2 the last token's group is still open after the prefill
-FREQS = yarn_freqs(  # compressed layers: compress_rope_theta with YaRN (tests/unit/test_model_yarn_formula.py)
-    ARGS.rope_head_dim,
-    ARGS.compress_rope_theta,
-    ARGS.original_seq_len,
-    ARGS.rope_factor,
-    ARGS.beta_fast,
-    ARGS.beta_slow,
-)
+FREQS = compressed_freqs(ARGS)  # YaRN, as tests/unit/test_model_yarn_formula.py checks
 LAYERS = [1, 3]  # kv sources: ratio 2 (pooled through wgate), ratio 1 (wkv alone)
 
 
 def _layer(layer_id: int, seed: int) -> Attention:
-    with dense_dtype(ARGS):
-        attn = Attention(layer_id, ARGS)
+    attn = random_attention(ARGS, layer_id, seed, norm_weights={"compressor.norm.weight": 0.3})
     assert attn.is_kv_source
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            if name == "compressor.norm.weight":  # far from 1, so that a dropped norm shows
-                p.copy_(0.3 + 0.1 * torch.rand(p.shape, generator=gen))
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
     return attn
 
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from model_formulas import yarn_freqs
+from model_formulas import compressed_freqs, yarn_freqs
 from model_testing import tiny_args
 
 from dsv41_convert.model.attention import Attention
@@ -56,14 +56,7 @@ def test_yarn_frequencies_match_formula(schedule):
 
 
 def test_compressed_layers_rotate_with_yarn_window_layers_without():
-    yarn = yarn_freqs(
-        ARGS.rope_head_dim,
-        ARGS.compress_rope_theta,
-        ARGS.original_seq_len,
-        ARGS.rope_factor,
-        ARGS.beta_fast,
-        ARGS.beta_slow,
-    )
+    yarn = compressed_freqs(ARGS)
     plain = yarn_freqs(ARGS.rope_head_dim, ARGS.rope_theta, 0, ARGS.rope_factor, ARGS.beta_fast, ARGS.beta_slow)
     rd = ARGS.rope_head_dim
     assert not torch.allclose(yarn, ARGS.compress_rope_theta ** (-torch.arange(0, rd, 2).double() / rd))  # YaRN bites
