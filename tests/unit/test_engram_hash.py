@@ -267,3 +267,24 @@ def test_released_layout_matches_upstream_values():
     got = state(ids, 0, mask)
     assert got[0, :, 0, ::5].tolist() == UPSTREAM_LAYER1_EVERY5TH
     assert got[0, :, 1, ::7].tolist() == UPSTREAM_LAYER14_EVERY7TH
+
+
+def test_accents_and_case_fold_onto_one_compressed_id():
+    """A word tokenizer whose tokens differ only in accents and case: one compressed id for all of them (NFD then
+    accents stripped, lowercased), numbered in order of first appearance."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"e": 0, "é": 1, "E": 2, "É": 3, "x": 4, "è": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="x"))
+    assert compressed_token_map(tok) == ([0, 0, 0, 0, 1, 0], 2)
+
+
+def test_a_token_map_list_must_hold_exactly_the_configured_compressed_ids():
+    from dsv41_convert.engram_tokens import resolve_token_map
+
+    assert resolve_token_map([0, 1, 2, 1], 3) == [0, 1, 2, 1]
+    for short in ([0, 1, 1, 0], []):  # fewer ids than the hash tables are sized for
+        with pytest.raises(ConfigError, match=r"engram_compressed_vocab_size is 3"):
+            resolve_token_map(short, 3)
+    with pytest.raises(ConfigError, match=r"holds 4 compressed ids, engram_compressed_vocab_size is 3"):
+        resolve_token_map([0, 1, 2, 3], 3)

@@ -139,3 +139,45 @@ def test_truncated_data(tmp_path, state):
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(HeaderError, match="truncated rank file"):
         load_shards(Transformer(ARGS), tmp_path)
+
+
+def test_a_missing_gate_bias_is_refused(tmp_path, state):
+    """Every tensor is required, the MoE gate's fp32 bias as much as a weight (left out, it would stay at its
+    initial value and route otherwise)."""
+    sd = dict(state)
+    del sd["layers.0.ffn.gate.bias"]
+    _expect(tmp_path, sd, r"layers\.0\.ffn\.gate\.bias: missing from the shard \(model wants F32")
+
+
+def test_a_transposed_tensor_is_refused(tmp_path, state):
+    w = state["layers.0.attn.wo_a.weight"]
+    assert w.shape[0] != w.shape[1]
+    sd = dict(state, **{"layers.0.attn.wo_a.weight": w.t().contiguous()})
+    want, found = list(w.shape), list(w.t().shape)
+    _expect(tmp_path, sd, re.escape(f"layers.0.attn.wo_a.weight: found shape {found}, model wants {want}"))
+
+
+def test_in_memory_weights_must_be_complete(state):
+    from dsv41_convert.model.load import load_tensors
+
+    sd = dict(state)
+    del sd["norm.weight"]
+    with pytest.raises(PlanError, match=r"weights do not fit the model:\n  norm\.weight: missing"):
+        load_tensors(Transformer(ARGS), sd, "weights")
+
+
+def test_the_mtp_stages_tied_embed_and_head_are_listed_once():
+    """The DSpark stages share the backbone's embed and head: the rank files hold them once, under the
+    backbone's names, and nothing else is expected of the stages' tied copies."""
+    import dataclasses
+
+    from tiny_ckpt import tiny_config
+
+    from dsv41_convert.config import ModelArgs
+
+    args = ModelArgs.from_hf_dict(tiny_config(vision=False))
+    args = dataclasses.replace(args, engram_layer_ids=(), engram_num_embeddings=())  # no tokenizer needed
+    names = set(expected_tensors(Transformer(args)))
+    assert {"embed.weight", "head.weight"} <= names
+    for stage in range(args.n_mtp_layers):
+        assert not {f"mtp.{stage}.embed.weight", f"mtp.{stage}.head.weight"} & names

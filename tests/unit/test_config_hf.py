@@ -1,0 +1,121 @@
+"""ModelArgs from the nested HF config.json and from the inference config: every key the published config
+maps is required, every key nobody knows is refused (at every level), and the derived values follow the
+fields (a mutation audit found each of these untested)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from tiny_ckpt import REAL_CONFIG
+
+from dsv41_convert.config import ModelArgs
+from dsv41_convert.errors import ConfigError
+
+PUBLISHED = json.loads(REAL_CONFIG.read_text())
+# text_config keys of the published config that carry no ModelArgs field: the model supports one value of each
+# (or they are a framework's bookkeeping), so a config may leave them out
+TEXT_OPTIONAL = {
+    "attention_bias",
+    "attention_dropout",
+    "hidden_act",
+    "initializer_range",
+    "max_position_embeddings",
+    "model_type",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+    "topk_method",
+    "use_cache",
+}
+VISION_OPTIONAL = {"model_type"}
+
+
+def _published() -> dict:
+    return copy.deepcopy(PUBLISHED)
+
+
+def _required_paths() -> list[tuple[str, ...]]:
+    text, vision = PUBLISHED["text_config"], PUBLISHED["vision_config"]
+    paths = [("text_config", k) for k in sorted(set(text) - TEXT_OPTIONAL - {"rope_scaling"})]
+    paths += [("text_config", "rope_scaling", k) for k in sorted(set(text["rope_scaling"]) - {"rope_type"})]
+    paths += [("vision_config", k) for k in sorted(set(vision) - VISION_OPTIONAL)]
+    return [*paths, ("image_token_id",)]
+
+
+def _parent(cfg: dict, path: tuple[str, ...]) -> dict:
+    for key in path[:-1]:
+        cfg = cfg[key]
+    return cfg
+
+
+def test_the_published_config_reads():
+    args = ModelArgs.from_hf_dict(_published())
+    assert (args.dtype, args.expert_dtype, args.norm_topk_prob) == ("fp8", "fp4", True)
+    assert (args.beta_fast, args.beta_slow, args.original_seq_len, args.rope_factor) == (32, 1, 65536, 16)
+    assert args.image_token_id == 129264
+
+
+@pytest.mark.parametrize("path", _required_paths(), ids=lambda p: ".".join(p))
+def test_every_mapped_key_of_the_published_config_is_required(path):
+    """A key left out is refused, naming it: none is defaulted (norm_topk_prob, the YaRN settings, the vision
+    tower's sizes and image_token_id included), since a default may not be what the weights were trained with."""
+    cfg = _published()
+    del _parent(cfg, path)[path[-1]]
+    with pytest.raises(ConfigError, match=path[-1]):
+        ModelArgs.from_hf_dict(cfg)
+
+
+@pytest.mark.parametrize("path", [(k,) for k in sorted(TEXT_OPTIONAL)], ids=lambda p: p[0])
+def test_an_optional_text_key_may_be_left_out(path):
+    cfg = _published()
+    del cfg["text_config"][path[0]]
+    assert ModelArgs.from_hf_dict(cfg) == ModelArgs.from_hf_dict(_published())
+
+
+@pytest.mark.parametrize(
+    "where", [(), ("text_config",), ("text_config", "rope_scaling"), ("vision_config",), ("quantization_config",)]
+)
+@pytest.mark.parametrize("key", ["rope_parameters_v2", "modules_to_not_convert"])
+def test_an_unknown_key_is_refused_at_every_level(where, key):
+    cfg = _published()
+    _parent(cfg, (*where, key))[key] = None
+    with pytest.raises(ConfigError, match=f"unknown keys.*{key}"):
+        ModelArgs.from_hf_dict(cfg)
+
+
+def test_a_quantization_config_without_scale_fmt_is_refused():
+    cfg = _published()
+    del cfg["quantization_config"]["scale_fmt"]
+    with pytest.raises(ConfigError, match="scale_fmt None, expected 'ue8m0'"):
+        ModelArgs.from_hf_dict(cfg)
+
+
+def test_a_quantization_config_without_expert_dtype_keeps_the_experts_in_dtype():
+    """No expert_dtype: the experts are stored as the rest (fp8), as upstream's rank-file configs say it; not
+    the published fp4."""
+    cfg = _published()
+    del cfg["quantization_config"]["expert_dtype"]
+    args = ModelArgs.from_hf_dict(cfg)
+    assert (args.dtype, args.expert_dtype) == ("fp8", None)
+
+
+def test_the_mtp_stages_take_the_dspark_expert_counts_from_the_first_stage_on():
+    cfg = _published()
+    text = cfg["text_config"]
+    n_layers = text["num_hidden_layers"]
+    args = ModelArgs.from_hf_dict(cfg)
+    assert args.moe_config(n_layers - 1) == (384, 6)
+    for stage in range(text["num_nextn_predict_layers"]):
+        assert args.moe_config(n_layers + stage) == (128, 3)
+    text["dspark_n_routed_experts"] = text["dspark_num_experts_per_tok"] = 0  # unset: the backbone's
+    assert ModelArgs.from_hf_dict(cfg).moe_config(n_layers) == (384, 6)
+
+
+def test_an_inference_config_missing_any_field_is_refused_naming_it():
+    full = ModelArgs.from_hf_dict(_published()).to_inference_dict()
+    for key in sorted(set(full) - {"norm_topk_prob"}):
+        data = {k: v for k, v in full.items() if k != key}
+        with pytest.raises(ConfigError, match=rf"missing keys \['{key}'\]"):
+            ModelArgs.from_inference_dict(data)
+    assert ModelArgs.from_inference_dict({k: v for k, v in full.items() if k != "norm_topk_prob"}).norm_topk_prob
