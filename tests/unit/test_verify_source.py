@@ -31,3 +31,31 @@ def test_rank_state_is_the_rank_file(tmp_path, quantized, tp):
             g = got[name]
             assert g.dtype == w.dtype and g.shape == w.shape, name
             assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), name
+
+
+def test_the_reference_of_a_bf16_source_is_the_unquantized_model(tmp_path):
+    """A bf16 source's reference runs its bf16 weights (verify's quantized mode compares the conversion with
+    them), not the converter's fp8/fp4 output: no weight is quantized, so no scale is made for one."""
+    from dsv41_convert.verify.source import reference_state
+
+    fmt, state = reference_state(make_tiny(tmp_path / "src", quantized=False, vision=False))
+    assert fmt == "bf16"
+    for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wo_a.weight", "layers.0.ffn.experts.0.w1.weight"):
+        assert state[name].dtype == torch.bfloat16, name
+    assert [n for n in state if n.endswith(".scale")] == ["layers.1.engram.embed.scale"]  # fp8 in the source too
+
+
+@pytest.mark.parametrize(("expert_dtype", "want"), [("fp4", "fp4"), ("fp8", "fp8"), (None, "fp4")])
+def test_source_experts_follow_the_config(tmp_path, expert_dtype, want):
+    """export --format fp8 writes expert_dtype fp8: the reference must read those experts as fp8."""
+    import json
+
+    from tiny_ckpt import tiny_config
+
+    from dsv41_convert.verify.source import source_experts
+
+    cfg = tiny_config(quantized=expert_dtype is not None, vision=False)
+    if expert_dtype is not None:
+        cfg["quantization_config"]["expert_dtype"] = expert_dtype
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert source_experts(tmp_path) == want
