@@ -35,14 +35,15 @@ def test_rank_state_is_the_rank_file(tmp_path, quantized, tp):
 
 def test_the_reference_of_a_bf16_source_is_the_unquantized_model(tmp_path):
     """A bf16 source's reference runs its bf16 weights (verify's quantized mode compares the conversion with
-    them), not the converter's fp8/fp4 output: no weight is quantized, so no scale is made for one."""
+    them), not the converter's fp8/fp4 output: no Linear or expert weight is quantized. The Engram table is the
+    one exception (its row quantization is not one of the skipped actions): the only scale made."""
     from dsv41_convert.verify.source import reference_state
 
     fmt, state = reference_state(make_tiny(tmp_path / "src", quantized=False, vision=False))
     assert fmt == "bf16"
     for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wo_a.weight", "layers.0.ffn.experts.0.w1.weight"):
         assert state[name].dtype == torch.bfloat16, name
-    assert [n for n in state if n.endswith(".scale")] == ["layers.1.engram.embed.scale"]  # fp8 in the source too
+    assert [n for n in state if n.endswith(".scale")] == ["layers.1.engram.embed.scale"]
 
 
 @pytest.mark.parametrize(("expert_dtype", "want"), [("fp4", "fp4"), ("fp8", "fp8"), (None, "fp4")])
