@@ -1,12 +1,13 @@
 """The model's arithmetic written out in plain torch for the formula tests: no code shared with
-dsv41_convert.model, float64 where the model's own rounding does not matter.
+dsv41_convert.model, float64 where the model's own rounding does not matter; the number formats are
+tests/quant_reference.py's.
 
 rms:      RMSNorm in fp32, the weight applied before the one bf16 rounding.
 rope:     pairs (2k, 2k+1) of the last dim rotated by position * theta**(-2k/rd), from float64 angles
           (or position * freqs[k] for given frequencies, e.g. yarn_freqs).
 yarn_freqs: theta**(-2k/rd) blended towards theta**(-2k/rd) / factor by YaRN's linear ramp, float64.
-e4m3_round_trip: per 32 values, scale 2**ceil(log2(amax / 448)) (amax floored at 1e-4), e4m3 codes.
-fp4_e4m3_round_trip: per 16 values, scale e4m3(amax / 6) (amax floored at 6 * 2**-9), e2m1 codes.
+e4m3_round_trip: per 32 values, e4m3 codes times the power of two at or above amax / 448 (act_ref).
+fp4_e4m3_round_trip: per 16 values, e2m1 codes times the scale e4m3(amax / 6) (fp4_act_ref).
 compressed_latent: a kv source's compressed KV rows before their fp4 rounding: softmax-gated pooling
           of each group of `ratio` tokens, RMSNorm, RoPE at the group's first token.
 attend:   softmax(q.k * scale) over the visible keys with the sink's exp in the denominator only, float64.
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+from quant_reference import act_ref, e2m1_values, e4m3_values, fp4_act_ref
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,29 +91,22 @@ def rope_tail(
 
 
 def e4m3_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """x: [..., n] -> [..., n] bf16 on the e4m3 grid of its block's power-of-two scale."""
-    xb = x.float().unflatten(-1, (-1, block))
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
-    codes = (xb / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    return (codes * scale).flatten(-2).bfloat16()
-
-
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code k's magnitude; even k = even mantissa
+    """x: [..., n] -> [..., n] bf16 on the e4m3 grid of its block's power-of-two scale (quant_reference.act_ref)."""
+    codes, scales = act_ref(x, block, ue8m0=True)
+    return _dequantized(e4m3_values(codes), scales, block)
 
 
 def fp4_e4m3_round_trip(x: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """x: [..., n] -> [..., n] bf16: per `block` values, scale = e4m3(max(amax, 6 * 2**-9) / 6) and each
-    x / scale (float32, clamped to +-6) rounded to the nearest e2m1 magnitude, ties to the even code."""
-    xb = x.float().unflatten(-1, (-1, block))
-    amax = xb.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0**-9)
-    scale = (amax / 6).clamp_max(448).to(torch.float8_e4m3fn).float()
-    v = (xb / scale).clamp(-6, 6).double()
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
-    # distance to every code, odd codes nudged up by far less than any real gap: a tie goes to the even code
-    dist = (v.abs().unsqueeze(-1) - grid).abs() + 1e-9 * (torch.arange(len(grid)) % 2)
-    mag = grid[dist.argmin(-1)]
-    return (torch.where(v < 0, -mag, mag) * scale).flatten(-2).bfloat16()
+    """x: [..., n] -> [..., n] bf16: e2m1 codes times one e4m3 scale per `block` values
+    (quant_reference.fp4_act_ref)."""
+    codes, scales = fp4_act_ref(x, block, e4m3_scale=True)
+    return _dequantized(e2m1_values(codes), scales, block)
+
+
+def _dequantized(values: np.ndarray, scales: np.ndarray, block: int) -> torch.Tensor:
+    """values [..., n] times their block's scale [..., n/block] (exact in float64), as bf16."""
+    out = values.reshape(*scales.shape, block) * scales[..., None].astype(np.float64)
+    return torch.from_numpy(out.reshape(values.shape)).bfloat16()
 
 
 def compressed_latent(

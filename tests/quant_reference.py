@@ -103,6 +103,44 @@ def mxfp4_ref(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(w.shape), exps.reshape((*w.shape[:-1], n))
 
 
+def act_ref(x: torch.Tensor, block: int, ue8m0: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row activation quantization (upstream kernel.py act_quant) -> (e4m3 bytes [x.shape], float32 scales
+    [..., n/block]): amax floored at f32(1e-4), f32(amax * f32(1/448)) (rounded up to a power of two with
+    `ue8m0`), values divided in float32, RNE, saturating at 448."""
+    g = x.detach().float().numpy().reshape(*x.shape[:-1], -1, block)
+    amax = np.maximum(np.abs(g).max(-1), np.float32(1e-4))
+    s = (amax * np.float32(1 / 448)).astype(np.float32)
+    if ue8m0:
+        s = np.exp2(ceil_exp(s)).astype(np.float32)
+    v = (g / s[..., None]).astype(np.float32)  # float32 division, rounded once, as the kernel does
+    return e4m3_ref(v).reshape(x.shape), s
+
+
+def fp4_act_ref(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row fp4 activation quantization (upstream kernel.py fp4_act_quant) -> (e2m1 codes [x.shape], float32
+    scales [..., n/block]): with `e4m3_scale` scale = e4m3(f32(max(amax, 6 * 2**-9) / 6)), else the power of two
+    at or above f32(max(amax, 6 * 2**-126) * f32(1/6)); values divided in float32, RNE, clamped at 6."""
+    g = x.detach().float().numpy().reshape(*x.shape[:-1], -1, block)
+    amax = np.abs(g).max(-1)
+    if e4m3_scale:
+        q = (np.maximum(amax, np.float32(6 * 2.0**-9)) / np.float32(6)).astype(np.float32)
+        s = E4M3_POS[e4m3_ref(q)].astype(np.float32)  # q > 0: the byte is the table index
+    else:
+        s = np.exp2(ceil_exp(np.maximum(amax, np.float32(6 * 2.0**-126)) * np.float32(1 / 6))).astype(np.float32)
+    v = (g / s[..., None]).astype(np.float32)
+    return e2m1_ref(v).reshape(x.shape), s
+
+
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """float64 values of e4m3 bytes (no NaN byte among them)."""
+    return np.where(codes & 0x80, -1.0, 1.0) * E4M3_POS[codes & 0x7F]
+
+
+def e2m1_values(codes: np.ndarray) -> np.ndarray:
+    """float64 values of 4-bit e2m1 codes."""
+    return np.where(codes & 0x8, -1.0, 1.0) * MAGS[codes & 0x7]
+
+
 def fp8_blocks_ref(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """encode_ref as the published files hold it.
 

@@ -5,60 +5,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from quant_reference import act_ref, fp4_act_ref
 
 from dsv41_convert.quant import E2M1_VALUES, act_quant, fp4_act_quant, unpack_nibbles
 
-# --- independent reference (float32 numpy arithmetic, value tables from the bit layouts) -------------
-
-
-def e4m3_value(byte: int) -> float:
-    sign, exp, man = byte >> 7, (byte >> 3) & 0xF, byte & 0x7
-    mag = man * 2.0**-9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
-    return -mag if sign else mag
-
-
-E4M3_POS = np.array([e4m3_value(b) for b in range(0x7F)])
-E2M1_POS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def rne_ref(x: np.ndarray, grid: np.ndarray, sign_bit: int) -> np.ndarray:
-    """Codes of x rounded to the nearest grid value (ties to the even code), saturating at the grid's top."""
-    x = np.asarray(x, dtype=np.float64)
-    mag = np.minimum(np.abs(x), grid[-1])
-    hi = np.clip(np.searchsorted(grid, mag), 1, len(grid) - 1)
-    lo = hi - 1
-    dlo, dhi = mag - grid[lo], grid[hi] - mag
-    pick = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
-    return (pick | (np.signbit(x).astype(np.int64) << sign_bit)).astype(np.uint8)
-
-
-def pow2_ceil_ref(v: np.ndarray) -> np.ndarray:
-    m, e = np.frexp(np.asarray(v, dtype=np.float64))
-    return np.exp2(np.where(m == 0.5, e - 1, e)).astype(np.float32)
-
-
-def act_ref(x: torch.Tensor, block: int, ue8m0: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 bytes, float32 scales) per upstream: amax floor 1e-4, f32(amax * f32(1/448)), RNE, clamp 448."""
-    g = x.float().numpy().reshape(*x.shape[:-1], -1, block)
-    amax = np.maximum(np.abs(g).max(-1), np.float32(1e-4))
-    s = (amax * np.float32(1 / 448)).astype(np.float32)
-    if ue8m0:
-        s = pow2_ceil_ref(s)
-    v = (g / s[..., None]).astype(np.float32)  # float32 division, rounded once, as the kernel does
-    return rne_ref(v, E4M3_POS, 7).reshape(x.shape), s
-
-
-def fp4_ref(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(e2m1 codes, float32 scales): e8m0 path floors amax at 6*2**-126, e4m3 path at 6*2**-9."""
-    g = x.float().numpy().reshape(*x.shape[:-1], -1, block)
-    amax = np.abs(g).max(-1)
-    if e4m3_scale:
-        q = (np.maximum(amax, np.float32(6 * 2.0**-9)) / np.float32(6)).astype(np.float32)
-        s = E4M3_POS[rne_ref(q, E4M3_POS, 7)].astype(np.float32)  # q > 0: the code is the table index
-    else:
-        s = pow2_ceil_ref(np.maximum(amax, np.float32(6 * 2.0**-126)) * np.float32(1 / 6))
-    v = (g / s[..., None]).astype(np.float32)
-    return rne_ref(v, E2M1_POS, 3).reshape(x.shape), s
+# the independent reference: tests/quant_reference.py (float32 numpy arithmetic, value tables from the bit layouts)
 
 
 def bf16_activations(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -146,7 +97,7 @@ def test_act_quant_rejects_ragged_rows():
 def test_fp4_act_quant_matches_reference(block, sdt):
     x = bf16_activations(4, 3, 128, seed=block + 1)
     packed, s = fp4_act_quant(x, block, False, sdt)
-    codes_ref, s_ref = fp4_ref(x, block, sdt == torch.float8_e4m3fn)
+    codes_ref, s_ref = fp4_act_ref(x, block, sdt == torch.float8_e4m3fn)
     assert packed.dtype == torch.float4_e2m1fn_x2 and packed.shape == (4, 3, 64)
     assert s.dtype == sdt and s.shape == (4, 3, 128 // block)
     np.testing.assert_array_equal(unpack_nibbles(packed).numpy(), codes_ref)
@@ -222,4 +173,4 @@ def test_fp4_act_quant_default_scale_dtype_is_e8m0_unless_block_16(block):
     x = bf16_activations(2, 128, seed=block)
     _, s = fp4_act_quant(x, block)
     assert s.dtype == torch.float8_e8m0fnu
-    np.testing.assert_array_equal(s.float().numpy(), fp4_ref(x, block, False)[1])
+    np.testing.assert_array_equal(s.float().numpy(), fp4_act_ref(x, block, False)[1])
