@@ -945,16 +945,18 @@ def os_error_message(exc: OSError) -> str:
 def _input_error(message: str) -> None:
     """`error: message` on stderr, and with --json also {"ok": false, "exit_code": 2, "error": message} on
     stdout (a pipeline that reads stdout gets a document either way); exit 2."""
-    report.error(message)
-    _json_error(message)
+    with interrupts.held():
+        report.error(message)
+        _json_error(message)
     sys.exit(2)
 
 
 def _run_failed(message: str) -> None:
     """`error: message` and its --json document for a run that failed, not its input (a process of it died);
     exit 1."""
-    report.error(message)
-    _json_error(message, 1)
+    with interrupts.held():
+        report.error(message)
+        _json_error(message, 1)
     sys.exit(1)
 
 
@@ -1051,6 +1053,16 @@ def _how_stopped() -> tuple[str, int]:
     return interrupted_message(_command(), how), code
 
 
+def _say_stopped() -> int:
+    """The stopped run's last words (stderr, and its --json document where it wrote none), a second signal held
+    off while they are said; -> its exit code."""
+    said, code = _how_stopped()
+    with interrupts.held():
+        report.error(said)
+        _json_error(said, code)
+    return code
+
+
 def _command() -> list[str]:
     """The command's name, as [name] ([] before one): the first argument that is no option (--debug)."""
     return [a for a in sys.argv[1:] if not a.startswith("-")][:1]
@@ -1080,6 +1092,7 @@ def entry() -> None:
 
 
 _exit_code = {"code": 0}
+_run = {"documents_before": 0}  # report.documents_written() when this run began: main may run more than once
 
 
 def _system_exit_code(code: object) -> int:
@@ -1109,19 +1122,24 @@ def main() -> None:
     and exit 2; Ctrl-C -> exit 130, SIGTERM 143; with --json each of these also one document on stdout;
     anything else keeps its traceback."""
     click_exceptions = _click_exceptions()
+    _run["documents_before"] = report.documents_written()
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # an ignored SIGTERM stays ignored
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # and an ignored SIGINT
         signal.signal(signal.SIGINT, _sigint_as_interrupt)
-    interrupts.quiet_when_dropped()
-    _end_with_the_torchrun_agent()
-    if sys.stdout is None:  # started with it closed (`cmd >&-`): said before the work, not after hours of it
-        report.error("stdout: closed, so the results cannot be written; send it to a file or /dev/null instead")
-        sys.exit(2)
-    if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
-        _help_reader_gone_as_sigpipe()
     try:
+        interrupts.quiet_when_dropped()
+        _end_with_the_torchrun_agent()
+        if sys.stdout is None:  # started with it closed (`cmd >&-`): said before the work, not after hours of it
+            report.error("stdout: closed, so the results cannot be written; send it to a file or /dev/null instead")
+            sys.exit(2)
+        if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
+            _help_reader_gone_as_sigpipe()
         _main(click_exceptions)
+    except KeyboardInterrupt:  # a signal outside _main's own handling: in these first steps, or in its last ones
+        if _debug["on"]:
+            raise
+        sys.exit(_say_stopped())
     finally:
         _disarm_stop_watchdog()
 
@@ -1145,11 +1163,7 @@ def _help_reader_gone_as_sigpipe() -> None:
     Console.on_broken_pipe = lambda self: report.reader_gone(self.file)  # type: ignore[method-assign]
 
 
-_run = {"documents_before": 0}  # report.documents_written() when this run began: main may run more than once
-
-
 def _main(click_exceptions) -> None:
-    _run["documents_before"] = report.documents_written()
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
         code = app(standalone_mode=False)
@@ -1204,9 +1218,7 @@ def _main(click_exceptions) -> None:
     if interrupts.interrupted() and not _debug["on"]:
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
-        said, code = _how_stopped()
-        report.error(said)
-        _json_error(said, code)
+        code = _say_stopped()
     if not _late["registered"]:  # at the process's exit, not when main returns: a caller that goes on keeps its own
         _late["registered"] = True
         atexit.register(_late_signals_exit_at_once)

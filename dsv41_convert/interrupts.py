@@ -81,6 +81,19 @@ def deferred() -> Iterator[None]:
     check()
 
 
+@contextmanager
+def held() -> Iterator[None]:
+    """Interrupts inside wait, and are not raised at its end either: for a run's last words (its error line and
+    --json document), said once its ending is decided; the process ends right after with the code decided.
+    Torchrun's stop of a process that was saying its own error (its other process refused the same input a
+    moment earlier) ended it mid-line, exit 130 and no document (CI)."""
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+
+
 def quiet_when_dropped() -> None:
     """Install a sys.unraisablehook that says nothing of a KeyboardInterrupt of interrupt()'s that Python
     dropped (it printed "Exception ignored in: ... KeyboardInterrupt" under the run's own message): the next

@@ -873,7 +873,8 @@ def test_streamed_replay_judges_what_no_prompt_reads_as_the_whole_load_does(m):
 def test_verify_under_torchrun_against_another_tp_ends(m):
     """torchrun verify against a file of another tp hung (an audit): rank 1 ended with the first launch and
     rank 0 waited alone in the teacher check's second one. Under torchrun the teacher does not run; the
-    weights check decides, as every process's document says, and the stream-layers replay is refused."""
+    weights check decides, as every process's document says, and the stream-layers replay is refused; each process
+    says why it ended (CI: one stopped by torchrun while it said the same refusal ended with neither)."""
     import subprocess
     import sys
 
@@ -889,7 +890,10 @@ def test_verify_under_torchrun_against_another_tp_ends(m):
     res = subprocess.run([*launch, "--stream-layers"], capture_output=True, text=True, timeout=600)
     documents = [json.loads(line) for line in res.stdout.splitlines()]
     assert res.returncode != 0 and sorted(d["rank"] for d in documents) == [0, 1], res.stderr[-2000:]
-    assert all(d["exit_code"] == 2 and "runs in one process" in d["error"] for d in documents)
+    refused = [d["rank"] for d in documents if d["exit_code"] == 2 and "runs in one process" in d["error"]]
+    # the first to refuse ends the launch: torchrun stops the other (SIGTERM) unless it has refused too (CI)
+    stopped = [d["rank"] for d in documents if d["exit_code"] == 143 and "terminated (SIGTERM)" in d["error"]]
+    assert refused and sorted(refused + stopped) == [0, 1], documents
     launch[launch.index("verify") :] = [
         "reference-logits",
         str(m.src),

@@ -106,3 +106,59 @@ def test_the_process_ends_with_the_code_the_interpreter_would_give(monkeypatch, 
         cli.entry()
     assert registered == [cli._end_before_the_teardown]
     assert cli._exit_code["code"] == code
+
+
+def _sigterm_when_called(monkeypatch, module, name: str) -> None:
+    """`module.name` takes a SIGTERM (cli's own handler, as the signal would run it) on its first call, then
+    runs as before."""
+    original = getattr(module, name)
+    calls = []
+
+    def with_a_signal(*args, **kwargs):
+        if not calls:
+            calls.append(name)
+            cli._sigterm_as_interrupt(signal.SIGTERM, sys._getframe())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, with_a_signal)
+
+
+@pytest.fixture
+def no_signal_yet(monkeypatch):
+    monkeypatch.setitem(interrupts._state, "interrupted", False)
+    monkeypatch.setitem(interrupts._state, "depth", 0)
+    monkeypatch.setattr(cli, "_stopped_by", [])
+    monkeypatch.setattr(cli, "_arm_stop_watchdog", lambda seconds=None: None)  # no SIGALRM in the test process
+
+
+def test_a_signal_while_the_run_says_its_error_leaves_the_error_and_its_document(monkeypatch, capsys, no_signal_yet):
+    """CI: torchrun stopped rank 1 (SIGTERM) while it said the refusal rank 0 had just said and exited with; the
+    KeyboardInterrupt ended it mid-line, exit 130 and no document. The decided ending is said whole."""
+    from dsv41_convert.app import report
+    from dsv41_convert.errors import VerifyInputError
+
+    def app(standalone_mode=False):
+        raise VerifyInputError("--stream-layers runs in one process: run it without torchrun")
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "verify", "x", "--json"])
+    _sigterm_when_called(monkeypatch, report, "error")
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "runs in one process" in err and "terminated" not in err, err
+    assert json.loads(out) == {"ok": False, "exit_code": 2, "error": "--stream-layers runs in one process: "
+                               "run it without torchrun"}  # fmt: skip
+
+
+def test_a_signal_before_the_command_is_parsed_is_said_with_its_own_code(monkeypatch, capsys, no_signal_yet):
+    """A SIGTERM in main's first steps (the torchrun agent's watch set up, before Typer runs) escaped as a bare
+    KeyboardInterrupt: exit 130, no message, no document."""
+    monkeypatch.setattr(cli, "app", lambda standalone_mode=False: pytest.fail("the command ran"))
+    monkeypatch.setattr(sys, "argv", ["dsv41-convert", "verify", "x", "--json"])
+    _sigterm_when_called(monkeypatch, cli, "_end_with_the_torchrun_agent")
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    out, err = capsys.readouterr()
+    assert exc.value.code == 143 and "terminated (SIGTERM); nothing was written" in err, err
+    assert json.loads(out)["exit_code"] == 143
