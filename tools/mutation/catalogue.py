@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CATALOGUE = Path(__file__).with_name("catalogue.json")
-AREAS = ("quant", "convert", "verify", "model", "cli", "hub", "config", "loadrun")
+AREAS = ("quant", "convert", "verify", "model", "cli", "hub", "config", "loadrun", "stream", "export", "launch", "feed")
 
 
 @dataclass(frozen=True)
