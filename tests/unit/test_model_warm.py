@@ -202,3 +202,68 @@ def test_topk_buckets_cover_every_index_count(most):
     got = topk_buckets(most)
     assert got == sorted({_bucket(t) for t in range(1, most + 1)})
     assert all(topk_bucket(t) == _bucket(t) for t in range(1, 2 * most + 1))
+
+
+def test_max_topk_is_window_plus_the_larger_of_compressed_rows_and_draft_block():
+    """The index-count buckets to compile reach max_topk: a too small one leaves the largest sparse_attn buckets
+    to compile mid-forward, inside the collectives. Catches max_topk dividing by the largest compress ratio
+    (fewest compressed rows) instead of the smallest, and max_topk forgetting the DSpark draft block."""
+    from types import SimpleNamespace
+
+    base = dict(window_size=128, index_topk=512, max_seq_len=1024, dspark_block_size=0)
+    # ratio 4 gives 1024 // 4 = 256 compressed rows (under index_topk 512); ratio 128 would give only 8
+    assert max_topk(SimpleNamespace(**base, compress_ratios=(0, 4, 128, 4))) == 128 + 256
+    assert max_topk(SimpleNamespace(**base, compress_ratios=(0, 128))) == 128 + 8
+    # no compressed layers: only the window and a draft block of 16 rows
+    assert max_topk(SimpleNamespace(**{**base, "dspark_block_size": 16}, compress_ratios=(0, 0))) == 128 + 16
+    # a draft block larger than the compressed rows wins
+    assert max_topk(SimpleNamespace(**{**base, "dspark_block_size": 64}, compress_ratios=(0, 128))) == 128 + 64
+
+
+def test_the_compressed_kv_fp4_family_comes_from_the_kv_source_layers_only():
+    """Each layer's own families: an fp4_act_quant of head_dim with the compressed KV's block of 16 (e4m3
+    scales) exactly where the config names the layer a kv source. Catches the test on is_kv_source inverted
+    (the whole model's set hides it, since tiny has both kinds of layer)."""
+    args = tiny_args()
+    model = Transformer(args)
+    seen = set()
+    for i, layer in enumerate(model.layers):
+        fams = op_families(OneLayerModel(layer, args))
+        kv_fp4 = OpFamily("fp4_act_quant", (args.head_dim, 16)) in fams
+        assert kv_fp4 == (i in args.kv_source_layers), i
+        seen.add(kv_fp4)
+    assert seen == {True, False}
+
+
+def _warm_up_as_rank(monkeypatch, model: torch.nn.Module, rank: int, world: int) -> list:
+    """warm_up_kernels(model, "cuda") as rank `rank` of `world`: the families run, in order, and "barrier"."""
+    events: list = []
+    monkeypatch.setattr(warm_module, "run_family", lambda family, device: events.append(family))
+    monkeypatch.setattr(warm_module.parallel, "world_size", lambda: world)
+    monkeypatch.setattr(warm_module.parallel, "rank", lambda: rank)
+    monkeypatch.setattr(warm_module.parallel, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    assert warm_up_kernels(model, "cuda")["families"] == len(gemm_families(model)) + len(op_families(model))
+    return events
+
+
+def test_warm_up_shares_the_families_out_over_the_ranks_then_runs_them_all(monkeypatch):
+    """Before the barrier rank r runs the families r, r + world, ... (together the ranks compile each family
+    once); after it every rank runs every family (the peers' come out of TileLang's cache). Catches every
+    rank compiling the same share (the rest left to the forward pass, inside the collectives) and a missing
+    barrier (a rank running a family a peer is still compiling)."""
+    model = Transformer(tiny_args())
+    families = [*gemm_families(model), *op_families(model)]
+    world = 3
+    assert len(families) > world
+    first_passes: list[list] = []
+    for r in range(world):
+        events = _warm_up_as_rank(monkeypatch, model, r, world)
+        assert events.count("barrier") == 1, r
+        cut = events.index("barrier")
+        assert events[cut + 1 :] == families, r
+        first_passes.append(events[:cut])
+    compiled = [f for share in first_passes for f in share]
+    assert len(compiled) == len(families) and set(compiled) == set(families)  # each once, over all the ranks
+    assert all(abs(len(share) - len(families) / world) < 1 for share in first_passes)

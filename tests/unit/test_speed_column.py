@@ -7,6 +7,7 @@ from rich.progress import Progress, TransferSpeedColumn
 from dsv41_convert.app.speed_column import (
     MIN_SECONDS,
     STALL_SECONDS,
+    AmountColumn,
     MeanSpeedColumn,
     StallAwareTimeRemaining,
     Stalls,
@@ -121,3 +122,33 @@ def test_a_counting_bar_rate_is_in_items_its_mean_and_never_stalled():
     progress.get_time.now += STALL_SECONDS + 10  # the next prompt takes long
     assert speed.render(task).plain == f"{6 / (2.0001 + STALL_SECONDS + 10):.2g} units/s"
     assert "stalled" not in speed.render(task).plain and eta.render(task).plain != "-:--:--"
+
+
+def test_a_finished_bar_is_never_called_stalled():
+    """A bar that is done gets no new bytes, ever: it shows its mean rate, however long the others still run.
+    Catches the stall test forgetting `finished_time` (every done bar read "stalled" after STALL_SECONDS)."""
+    progress, task_id = bar([(0.0, 0), (1.0, 50 * MB), (2.0, 100 * MB)], total=100 * MB)
+    stalls = Stalls()
+    speed, eta = MeanSpeedColumn(stalls), StallAwareTimeRemaining(stalls)
+    task = progress.tasks[task_id]
+    assert speed.render(task).plain == "50.0 MB/s"  # 100 MB in 2 s
+    progress.get_time.now += STALL_SECONDS + 10
+    assert speed.render(task).plain == "50.0 MB/s" and eta.render(task).plain != "-:--:--"
+
+
+def test_a_counting_bar_shows_no_rate_in_its_first_moments():
+    """Two units 0.1 s after the start are no rate ("20 units/s" for units of minutes): as a byte bar, a counting
+    bar shows none before MIN_SECONDS. Catches the MIN_SECONDS test dropped for counting bars."""
+    progress, task_id = bar([(0.0, 0), (MIN_SECONDS / 5, 2)], total=11)
+    progress.update(task_id, noun="units")
+    task = progress.tasks[task_id]
+    assert task.elapsed is not None and 0 < task.elapsed < MIN_SECONDS
+    assert bar_speed(task) is None and MeanSpeedColumn().render(task).plain == ""
+
+
+def test_a_counting_bar_of_unknown_total_says_so():
+    """Catches the count's total rendered as "None" (or a float) instead of "?"."""
+    progress = Progress(get_time=Clock(), disable=True)
+    task_id = progress.add_task("prompts", total=None, noun="prompts")
+    progress.update(task_id, completed=3)
+    assert AmountColumn().render(progress.tasks[task_id]).plain == "3/? prompts"
