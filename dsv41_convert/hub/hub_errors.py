@@ -56,7 +56,7 @@ def with_retries(
             if err is None:
                 raise
             if is_transient(exc):
-                err = DownloadError(f"{err} (after {attempt + 1} attempts)")
+                err = DownloadError(f"{err} (after {attempt + 1} attempt{'s' if attempt else ''})")
             raise err from exc
     raise AssertionError("unreachable")  # the loop returns or raises
 

@@ -199,6 +199,8 @@ def test_with_retries_retries_only_transient():
 
     with pytest.raises(DownloadError, match=r"after 3 attempts"):
         with_retries(down, retries=2, backoff_s=0, on_error=lambda e: DownloadError("x: down"))
+    with pytest.raises(DownloadError, match=r"\(after 1 attempt\)$"):  # --retries 0 said "after 1 attempts"
+        with_retries(down, retries=0, backoff_s=0, on_error=lambda e: DownloadError("x: down"))
 
 
 def test_progress_bar_stand_in_forwards_bytes():
