@@ -80,3 +80,22 @@ def test_a_fork_whose_forker_was_not_noted_asks_the_kernel(monkeypatch):
     monkeypatch.setattr(die_with, "_forked_by", {"pid": 1})  # inherited from the forker's own fork
     die_with._after_a_fork_in_the_child()
     assert die_with._forked_by == {}
+
+
+def test_alive_tells_a_live_process_from_a_gone_one(monkeypatch):
+    """alive() is how a worker learns that its run is gone (execute._init_worker kills itself then). Bugs
+    guarded: a gone (reaped) process said to exist, so a worker of a killed run ran on holding its lock; and a
+    process of another user (kill says EPERM) said to be gone."""
+    import os
+
+    from dsv41_convert.convert import die_with
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    assert die_with.alive(os.getpid()) and not die_with.alive(child.pid)
+
+    def not_yours(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(die_with.os, "kill", not_yours)
+    assert die_with.alive(child.pid)  # it exists: only the signal was refused

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.memory import DEFAULT_SEQ, cache_bytes, memory_figures, tp1_tensors, widened
-from dsv41_convert.convert.plan import build_plan
+from dsv41_convert.convert.plan import ConversionPlan, ExpertRun, OutTensor, build_plan
 from dsv41_convert.model.load import expected_tensors
 from dsv41_convert.model.transformer import Transformer
 from dsv41_convert.synth.presets import MEDIUM, TINY, hf_config
@@ -113,3 +114,79 @@ def test_plan_does_not_import_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"memory"' in proc.stdout
+
+
+def _subset(plan: ConversionPlan, keep) -> ConversionPlan:
+    """`plan` with only the parts (tensors, expert runs) whose name or prefix `keep` accepts."""
+    files = []
+    for f in plan.files:
+        parts = tuple(p for p in f.parts if keep(p.prefix if type(p) is ExpertRun else p.name))
+        files.append(dataclasses.replace(f, parts=parts))
+    return dataclasses.replace(plan, files=tuple(files))
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory) -> tuple[ConversionPlan, ModelArgs]:
+    from tiny_ckpt import make_tiny
+
+    src = make_tiny(tmp_path_factory.mktemp("mem") / "src")
+    return build_plan(src, 1), load_model_args(src / "config.json")
+
+
+def test_verify_working_memory_is_the_largest_weight_dequantized_whole(tiny_plan):
+    """With no prompts (no logits, no hidden states) a rank's working memory is the largest fp8/fp4 weight
+    dequantized to float32 by the CPU kernels: 4 bytes a value. An Engram table is looked up row by row, never
+    dequantized whole. Bugs guarded: an fp8 weight counted at 2 bytes a value, and the Engram table counted
+    (here the largest quantized tensor of a rank holding it and one small fp8 weight)."""
+    plan, args = tiny_plan
+
+    def dequantized(t: OutTensor) -> int:  # values of the logical shape (an F4 shape counts values) x 4 bytes
+        if t.dtype not in ("F8_E4M3", "F4") or ".engram.embed." in t.name:
+            return 0
+        return 4 * math.prod(t.shape)
+
+    (rank,) = memory_figures(plan, args, prompts=0, tokens=0)["verify"]
+    assert rank["working"] == max(dequantized(t) for t in plan.files[0].tensors)
+    table, small = "layers.1.engram.embed.", "layers.0.attn.wkv.weight"
+    sub = _subset(plan, lambda name: name.startswith(table) or name == small)
+    shapes = {t.name: t.shape for t in sub.files[0].tensors}
+    assert math.prod(shapes[table + "weight"]) > math.prod(shapes[small])  # the table is the largest
+    (rank,) = memory_figures(sub, args, prompts=0, tokens=0)["verify"]
+    assert rank["working"] == 4 * math.prod(shapes[small])
+
+
+def test_streamed_largest_unit_is_the_one_with_the_highest_peak(tiny_plan):
+    """A unit's peak is its weights in the model plus its dense part again as read from the files (the
+    provider's buffer). The head (bf16 on disk, float32 in the model) holds the most bytes here, while layer
+    0's dense part (f32 and fp8 tensors, kept as they are) peaks higher: layer 0 is the largest unit. Bug
+    guarded: the largest unit chosen by its bytes, which reported the head and a peak 16 KiB short. In-model
+    bytes from the bundled model's own parameters."""
+    plan, args = tiny_plan
+    dense0 = ("layers.0.hc_attn_fn", "layers.0.hc_ffn_fn", "layers.0.attn.wq_b.weight")
+    sub = _subset(plan, lambda name: name == "head.weight" or name in dense0)
+    params = {name: p for name, (p, _) in expected_tensors(_meta_model(args, 1, DEFAULT_SEQ)).items()}
+    file_bytes = {t.name: t.end - t.begin for t in sub.files[0].tensors}
+    model_bytes = {name: params[name].numel() * params[name].element_size() for name in file_bytes}
+    head = model_bytes["head.weight"] + file_bytes["head.weight"]
+    layer0 = sum(model_bytes[n] + file_bytes[n] for n in dense0)
+    assert model_bytes["head.weight"] > sum(model_bytes[n] for n in dense0) and layer0 > head  # the two orders differ
+    s = memory_figures(sub, args, prompts=0, tokens=0)["streamed"]
+    assert s["largest_unit"] == "layers.0" and s["unit"] == sum(model_bytes[n] for n in dense0)
+    assert s["peak"] - s["caches"] - s["working"] == layer0
+
+
+@pytest.mark.parametrize(("prompts", "tokens", "reached"), [(1, 1, 2), (1, 2, 4), (3, 40, 8)])
+def test_streamed_unit_holds_the_experts_the_prompts_can_reach(tiny_plan, prompts, tokens, reached):
+    """Each prefill position routes to num_experts_per_tok (2) of the layer's 8 experts: 1 position reaches 2
+    of them, 2 positions 4, verify's 120 positions every one; all experts have the same bytes. Bug guarded:
+    the unit counting only the top-k experts (2 of 8) whatever the positions, half or a quarter of what the
+    streamed reference holds at its peak."""
+    plan, args = tiny_plan
+    assert (args.n_routed_experts, args.n_activated_experts) == (8, 2)
+    sub = _subset(plan, lambda name: name.startswith("layers.0."))
+    experts = sum(t.end - t.begin for t in sub.files[0].tensors if t.name.startswith("layers.0.ffn.experts."))
+    assert experts % 8 == 0
+    none = memory_figures(sub, args, prompts=0, tokens=0)["streamed"]
+    some = memory_figures(sub, args, prompts=prompts, tokens=tokens)["streamed"]
+    assert none["largest_unit"] == some["largest_unit"] == "layers.0"
+    assert some["unit"] - none["unit"] == experts // 8 * reached

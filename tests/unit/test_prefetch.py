@@ -239,3 +239,70 @@ def test_the_caller_hints_only_copied_tensors_with_the_prefetch_on(bf16_src, tmp
     write_rank_file(rf, bf16_src, tmp_path / "b", quantizer_for("cpu"))
     assert hinted and not computed & hinted  # copies still hinted, computed tensors not
     assert (tmp_path / "b" / rf.file).read_bytes() == (tmp_path / "a" / rf.file).read_bytes()
+
+
+def test_a_failed_piece_the_converter_passes_gives_its_budget_back(src, monkeypatch):
+    """Piece 0 runs past the end of the file (its read fails) and holds the whole budget; once the converter
+    moves on to tensor 1 (at), piece 1 is read ahead and served. Bug guarded: a failed piece passed without a
+    take keeping its bytes claimed, which stopped all read-ahead for the rest of the file."""
+    folder, data = src
+    rec = Recorder()
+    monkeypatch.setattr(prefetch, "pread_exact", rec)
+    pieces = [(0, "f.bin", 7 * PIECE, 2 * PIECE), (1, "f.bin", 0, PIECE)]
+    pf = Prefetch(folder, pieces, 2 * PIECE, threads=1)
+    try:
+        _settle(pf, rec, 1)
+        assert rec.reads == [7 * PIECE] and pf.claimed() == 2 * PIECE  # failed, its claim held until passed
+        pf.at(1)
+        _settle(pf, rec, 2)
+        assert rec.reads == [7 * PIECE, 0]
+        assert bytes(pf.take("f.bin", 0, PIECE)) == data[:PIECE] and pf.claimed() == 0
+    finally:
+        pf.close()
+
+
+def test_a_piece_passed_while_being_read_gives_its_budget_back(src, monkeypatch):
+    """The converter moves past piece 0 while a thread is still reading it: when that read ends its bytes are
+    no longer claimed, and piece 1 (the budget holds one piece) is read and served. Bug guarded: the claim of
+    a piece passed mid-read never given back, so nothing more was read ahead."""
+    folder, data = src
+    rec = Recorder(delay=0.3)
+    monkeypatch.setattr(prefetch, "pread_exact", rec)
+    pf = Prefetch(folder, [(0, "f.bin", 0, PIECE), (1, "f.bin", PIECE, PIECE)], PIECE, threads=1)
+    try:
+        deadline = time.monotonic() + 10
+        while not rec.inflight and time.monotonic() < deadline:
+            time.sleep(0.005)
+        pf.at(1)  # piece 0 is being read
+        _settle(pf, rec, 2)
+        assert rec.reads == [0, PIECE]
+        assert bytes(pf.take("f.bin", PIECE, PIECE)) == data[PIECE : 2 * PIECE] and pf.claimed() == 0
+    finally:
+        pf.close()
+
+
+def test_close_closes_the_source_files_it_opened(src, monkeypatch):
+    """A Prefetch is made per rank file and opens each source shard it reads; close() closes them. Bug
+    guarded: descriptors left open at close, one set more for every rank file a run writes."""
+    folder, _ = src
+    opened: list[int] = []
+    real_open = os.open
+
+    def record(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(prefetch.os, "open", record)
+    rec = Recorder()
+    monkeypatch.setattr(prefetch, "pread_exact", rec)
+    pf = Prefetch(folder, [(0, "f.bin", 0, PIECE), (1, "f.bin", PIECE, PIECE)], 2 * PIECE, threads=2)
+    try:
+        _settle(pf, rec, 2)
+        assert sorted(rec.reads) == [0, PIECE]
+    finally:
+        pf.close()
+    monkeypatch.undo()
+    assert len(opened) == 1  # one descriptor per file, shared by the threads
+    with pytest.raises(OSError):
+        os.fstat(opened[0])
