@@ -111,6 +111,7 @@ class Transformer(nn.Module):
         token_types: [b, s] int, -1 for text, >= 0 inside image spans (with `images`)
         all_logits:  logits of every position instead of the last
         hidden_states: if a dict, filled with this rank's per-module outputs (cloned):
+            "vision" [b, s, dim] (a model with a vision tower: the image spans' rows, see image_rows),
             "embed" [b, s, dim], "layers.{i}.attn" / "layers.{i}.ffn" [b, s, dim],
             "layers.{i}" [b, s, hc, dim], "norm" [b, s, dim], all bfloat16; and what a block needs
             besides its input to be run on its own (verify.teacher): "layers.{i}.pre_mix" [b, s, hc]
@@ -135,6 +136,8 @@ class Transformer(nn.Module):
                     raise ValueError("image spans must lie in the first prefill chunk (start_pos 0)")
                 self.merge_image_embeddings(images, h)
             if hidden_states is not None:
+                if self.vision is not None:
+                    hidden_states["vision"] = image_rows(h, image_mask)
                 hidden_states["embed"] = h.clone()
             h, pre_mix = to_streams(h, self.hc_mult)
             main_hiddens = []
@@ -192,6 +195,18 @@ def merge_image_spans(owner: nn.Module, images, h: torch.Tensor, encode) -> None
             span[types == IMAGE_NEW_LINE] = owner.image_newline.to(h.dtype)
             embeds = encode(img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
             span[types == IMAGE] = embeds.to(h.dtype)
+
+
+def image_rows(h: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows of h that image spans wrote (the tower's and aligner's output, the delimiters' embeddings), zeros
+    elsewhere: what the vision tower hands the backbone, apart from the token embeddings.
+
+    h: [b, s, dim] bfloat16 after merge_image_spans; image_mask: [b, s] bool or None (no image) -> [b, s, dim]
+    """
+    out = torch.zeros_like(h)
+    if image_mask is not None:
+        out[image_mask] = h[image_mask]
+    return out
 
 
 def to_streams(h: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:

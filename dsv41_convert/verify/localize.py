@@ -1,7 +1,8 @@
 """Where a failing conversion goes wrong: first the module, then (with the source at hand) the tensor.
 
-1. `first_divergence`: walk the prefill outputs of every module in forward order ("embed",
-   "layers.0.attn", "layers.0.ffn", "layers.0", ..., "norm") and name the first whose relative L2
+1. `first_divergence`: walk the prefill outputs of every module in forward order ("vision" where the
+   model has a vision tower, "embed", "layers.0.attn", "layers.0.ffn", "layers.0", ..., "norm") and name
+   the first whose relative L2
    error against the reference exceeds the mode's tolerance (0 in exact mode: the first bit that
    differs). Everything before it agrees, so the fault is in that module or its inputs' weights.
 2. `diff_tensors`: read every converted rank file, reassemble each tensor to its tp-1 form by its
@@ -31,6 +32,8 @@ _LAYER_KEY = re.compile(r"layers\.(\d+)(?:\.(engram|attn|ffn))?$")
 
 def module_order(key: str) -> tuple[int, int]:
     """Forward order of a hidden-state key."""
+    if key == "vision":  # the image spans' rows, before the token embeddings join them in "embed"
+        return (-2, 0)
     if key == "embed":
         return (-1, 0)
     m = _LAYER_KEY.match(key)
@@ -46,7 +49,7 @@ def first_divergence(
     [(module, worst relative error)] in forward order)"""
     common = set().union(*ref_hidden) & set().union(*conv_hidden)
     # the module outputs (Engram's too: the stream after it); pre_mix and the indexer's choice are teacher inputs
-    keys = sorted((k for k in common if k in ("embed", "norm") or _LAYER_KEY.match(k)), key=module_order)
+    keys = sorted((k for k in common if k in ("vision", "embed", "norm") or _LAYER_KEY.match(k)), key=module_order)
     errors = []
     first = None
     for key in keys:
@@ -60,6 +63,8 @@ def first_divergence(
 
 def scope(module: str, n_layers: int) -> tuple[str, ...]:
     """Name prefixes of the weights that produce `module`'s output (its own, its norm and mixes)."""
+    if module == "vision":
+        return ("vision.", "aligner.", "image_")
     if module == "embed":
         return ("embed.",)
     if module in ("norm", "head"):
@@ -83,7 +88,7 @@ def module_of(name: str, n_layers: int) -> str | None:
     """The first module, in forward order, whose `scope` holds the weight `name` (layers.1.attn.wkv.scale ->
     layers.1.attn, layers.3.ffn_norm.weight -> layers.3.ffn); None for a weight of no module's scope."""
     parts = ("engram", "attn", "ffn")
-    modules = ["embed", *(f"layers.{i}.{part}" for i in range(n_layers) for part in parts), "head", "mtp"]
+    modules = ["vision", "embed", *(f"layers.{i}.{part}" for i in range(n_layers) for part in parts), "head", "mtp"]
     return next((m for m in modules if name.startswith(scope(m, n_layers))), None)
 
 

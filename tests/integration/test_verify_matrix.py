@@ -480,7 +480,11 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     name = "vision.blocks.0.mlp.w1.weight"  # replicated: the same wrong value on every rank
     for rank in range(2):
         _edit(bad, rank, 2, lambda t: t.__setitem__(name, t[name] * 1.5))
-    assert _verify(bad, ref).verdict == "FAIL"
+    failed = _verify(bad, ref)
+    # the image rows are recorded apart from the token embeddings: the tower is named, not "embed" (an audit)
+    assert failed.verdict == "FAIL" and failed.localization.module == "vision", failed.localization
+    assert dict(failed.localization.module_errors)["vision"] > 0, failed.localization.module_errors
+    assert dict(failed.localization.module_errors)["embed"] > 0  # "embed" holds the image rows too
     # the limit, said: without an image prompt the tower never runs, so the same fault passes where no
     # manifest records the files (edited after their manifest, they fail its check), and the result names
     # what no prompt ran

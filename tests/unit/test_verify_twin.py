@@ -114,3 +114,32 @@ def test_diff_names_a_nan_where_the_converter_wrote_a_number():
     assert d.ranks == (0,) and d.what.startswith("1 of 3 values differ"), d
     both = torch.tensor([1.0, float("nan"), 1.0]).bfloat16()  # NaN where the converter wrote NaN: the same
     assert diff_tensors([{name: both}, {name: both}], {name: both}, ()) == []
+
+
+def test_the_vision_tower_is_its_own_module_before_the_embeddings():
+    """A vision tower fault was localized to "embed" (the image rows enter the stream there): the image spans'
+    rows are a module of their own, first in forward order, and its weights (tower, aligner, the delimiters'
+    embeddings) are its scope; the token embeddings stay "embed"."""
+    from dsv41_convert.verify.localize import module_of
+
+    keys = ["embed", "layers.0.attn", "vision", "norm"]
+    assert sorted(keys, key=module_order) == ["vision", "embed", "layers.0.attn", "norm"]
+    ref = {k: torch.ones(4) for k in keys}
+    both = dict(ref, vision=torch.ones(4) * 2, embed=torch.ones(4) * 2)
+    assert first_divergence([ref], [both], 0.0)[0] == "vision"
+    text_only = dict(ref, embed=torch.ones(4) * 2)  # the image rows agree: the token embeddings differ
+    assert first_divergence([ref], [text_only], 0.0)[0] == "embed"
+    for name in ("vision.blocks.0.mlp.w1.weight", "aligner.w2.weight", "image_newline", "image_start"):
+        assert module_of(name, 2) == "vision", name
+    assert module_of("embed.weight", 2) == "embed"
+
+
+def test_image_rows_keep_the_image_spans_and_zero_the_text():
+    """hidden["vision"]: the rows merge_image_spans wrote, zeros at text positions and for a text-only prompt."""
+    from dsv41_convert.model.transformer import image_rows
+
+    h = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3).bfloat16() + 1
+    mask = torch.tensor([[False, True, True, False, False], [False, False, False, False, True]])
+    rows = image_rows(h, mask)
+    assert torch.equal(rows[mask], h[mask]) and not rows[~mask].any()
+    assert not image_rows(h, None).any() and image_rows(h, None).shape == h.shape
