@@ -258,6 +258,17 @@ def test_engram_rows_from_rank_files(sources, tmp_path):
     assert torch.equal(got[name].view(torch.uint8), whole[rows].view(torch.uint8))
 
 
+def test_the_streamed_reference_records_what_its_weights_are(sources):
+    """reference-logits records its weights as reffile documents them: an fp8 source's are what every correct
+    conversion holds ("converted", so verify expects bit equality), a bf16 source's are the unquantized model
+    ("bf16", which no conversion reproduces): swapped, verify expects bit equality where none can hold, or
+    gives up the decisive check where it holds."""
+    prompt = default_prompts(TINY.vocab_size, count=1, length=8)
+    for dtype, weights in (("fp8", "converted"), ("bf16", "bf16")):
+        ref, _ = compute_streamed_reference(sources[dtype], prompt, 0, record_weights=False)
+        assert (ref.source_format, ref.weights) == (dtype, weights)
+
+
 def test_a_prompt_shorter_than_a_compress_group_is_refused(sources):
     from dsv41_convert.errors import VerifyInputError
     from dsv41_convert.verify.prompts import Prompt

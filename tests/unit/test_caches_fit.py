@@ -81,3 +81,33 @@ def test_the_ranks_on_one_host_are_added_up(tmp_path, monkeypatch, world, local,
     said = f"{sharing} processes on this host" if sharing > 1 else "need"
     with pytest.raises(VerifyInputError, match=said):
         fits.require_caches_fit(args, "cpu", _config(tmp_path, True))
+
+
+def test_a_card_holds_one_ranks_caches_and_the_host_those_of_every_rank(tmp_path, monkeypatch):
+    """tp 4 ranks on one host, each on its own card: the host builds all four ranks' caches, a card holds one
+    rank's. A card with room for exactly one passes; the host is asked too, and named when it is short."""
+    from dsv41_convert.model import parallel
+
+    args = tiny_args().with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
+    each = cache_bytes(args, 1, 64)
+    monkeypatch.setattr(parallel, "world_size", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    sizes = {"cpu": 4 * each, "cuda": each}
+    monkeypatch.setattr(fits, "machine_bytes", lambda device: sizes[device])
+    fits.require_caches_fit(args, "cuda", _config(tmp_path, True))
+    sizes.update(cpu=4 * each - 1, cuda=1 << 50)
+    with pytest.raises(VerifyInputError, match=r"more than all of cpu's memory.* or fewer ranks on this host$"):
+        fits.require_caches_fit(args, "cuda", _config(tmp_path, True))
+
+
+def test_the_window_rings_of_the_mtp_stages_count_toward_the_window_blamed(tmp_path, monkeypatch):
+    """Every layer holds a window ring, the MTP stages' included (6 + 3 here): memory just short of
+    all nine rings blames the config's window, naming the nine, though six alone would fit."""
+    ratios = (*tiny_args().compress_ratios, 0, 0, 0)  # the MTP stages' own entries
+    args = tiny_args(window_size=4096, n_mtp_layers=3, compress_ratios=ratios)
+    args = args.with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
+    assert (args.n_layers, args.n_mtp_layers) == (6, 3)
+    nine = 9 * args.window_size * args.head_dim * 2  # one bf16 row of head_dim per window position, per ring
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: nine - 1)
+    with pytest.raises(ConfigError, match=r"its KV rings alone are .* \(9 rings: a layer's each, at batch 1\)"):
+        fits.require_caches_fit(args, "cpu", _config(tmp_path, False))

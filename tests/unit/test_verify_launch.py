@@ -340,3 +340,261 @@ def test_a_torchrun_process_whose_peers_never_join_stops(how):
             "127.0.0.1) did not join"
         ), done.stdout + done.stderr
     assert took < 30, took
+
+
+# The parent's and each rank's bookkeeping, without spawning: the tests above that spawn ranks are `dist`, which
+# quick runs (and the mutation runner) leave out.
+
+
+def test_error_files_are_raised_as_the_first_failed_ranks_own_kind_naming_its_rank(tmp_path):
+    """What a spawned run raises from the ranks' error files: nothing where none failed (a run that succeeded);
+    rank 0's own error where rank 0 failed; never a peer-lost file (it only says its peer went away) over the
+    failed rank's; the error's own class (its exit code), prefixed by the rank that met it."""
+    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.verify import launch as launch_module
+
+    launch_module._raise_rank_error(tmp_path, 2)  # no files: every rank succeeded
+    (tmp_path / "rank0.error").write_text("PeerLost\nrank 0 of 2: lost a peer (Connection closed by peer)")
+    (tmp_path / "rank1.error").write_text("VerifyInputError\nprompt 3: too long")
+    with pytest.raises(VerifyInputError, match=r"^rank 1: prompt 3: too long$"):
+        launch_module._raise_rank_error(tmp_path, 2)
+    (tmp_path / "rank0.error").write_text("PlanError\nlayers.0.attn.wq_b.weight: missing")
+    with pytest.raises(PlanError, match=r"^rank 0: layers.0.attn.wq_b.weight: missing$"):
+        launch_module._raise_rank_error(tmp_path, 2)
+
+
+def test_a_rank_that_lost_its_peer_leaves_a_peer_lost_file_and_a_crash_is_not_one(tmp_path):
+    """A rank whose peer died sees gloo's RuntimeError ("Connection closed by peer") or a DistError: its file
+    must say only that (PEER_LOST), so that the failed peer's error is the one raised; a RuntimeError of its own
+    (out of memory) is a crash of this rank, and an input error keeps its class."""
+    from dsv41_convert.errors import RankFailedError
+    from dsv41_convert.verify import launch as launch_module
+
+    def left(exc: Exception, rank: int) -> list[str]:
+        launch_module._leave_error(exc, rank, 3, tmp_path)
+        return (tmp_path / f"rank{rank}.error").read_text().split("\n", 1)
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    assert left(gloo, 0) == ["PeerLost", "rank 0 of 3: lost a peer ([../gloo/transport/tcp/pair.cc:534] Connection "
+                                         "closed by peer [127.0.0.1]:4242)"]  # fmt: skip
+    assert left(torch.distributed.DistError("store timed out"), 1)[0] == "PeerLost"
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    assert left(oom, 2) == [RankFailedError.__name__, "rank 2 of 3: RuntimeError: DefaultCPUAllocator: can't allocate "
+                                                      "memory"]  # fmt: skip
+    assert left(PlanError("layers.1.ffn.gate.weight: planted"), 2) == ["PlanError", "layers.1.ffn.gate.weight: planted"]
+
+
+def test_how_a_rank_ended_names_the_signal_and_a_kill_as_out_of_memory():
+    """The kernel's out-of-memory killer sends SIGKILL (9): the message says so; SIGTERM (15) is not memory."""
+    from dsv41_convert.verify import launch as launch_module
+
+    assert launch_module._how_ended(-9) == "ended by SIGKILL (out of memory?)"
+    assert launch_module._how_ended(-15) == "ended by SIGTERM"
+    assert launch_module._how_ended(3) == "ended with exit code 3"
+
+
+class _Rank:
+    """The part of a multiprocessing.Process that _stop uses: a rank that ignores SIGTERM unless `obeys`."""
+
+    def __init__(self, obeys: bool, alive: bool = True):
+        self.obeys, self.alive, self.calls = obeys, alive, []
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.calls.append("terminate")
+        self.alive = self.alive and not self.obeys
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+        self.alive = False
+
+    def join(self, timeout: float | None = None) -> None:
+        self.calls.append("join")
+
+
+def test_stopping_the_ranks_terminates_each_and_kills_those_that_ignore_it():
+    """After a failure or a Ctrl-C every live rank gets SIGTERM, and one still alive after the grace gets
+    SIGKILL: a rank left running held the run's exit (it waited for it forever)."""
+    from dsv41_convert.verify import launch as launch_module
+
+    obeys, ignores, gone = _Rank(True), _Rank(False), _Rank(True, alive=False)
+    launch_module._stop([obeys, ignores, gone], grace_s=0.0)
+    assert obeys.calls == ["terminate", "join"] and not obeys.alive
+    assert ignores.calls == ["terminate", "join", "kill", "join"] and not ignores.alive
+    assert gone.calls == []
+
+
+def test_told_each_tells_every_item_before_it_and_the_total_after_the_last():
+    """Progress of verify's prompts: i done before item i (not i + 1: a prompt still running shown done), and
+    all done after the last (without it the progress stopped one short of its total)."""
+    from dsv41_convert.verify import launch as launch_module
+
+    told: list[tuple[str, int, int]] = []
+    with launch_module._telling(lambda *event: told.append(event)):
+        assert list(launch_module.told_each("prompts", ["a", "b", "c"])) == ["a", "b", "c"]
+    assert told == [("prompts", 0, 3), ("prompts", 1, 3), ("prompts", 2, 3), ("prompts", 3, 3)]
+
+
+def test_the_told_file_is_relayed_once_per_whole_line(tmp_path):
+    """A spawned rank 0 appends a JSON line per `tell`; the launching process reads what was added since its
+    last read: a line still being written waits for the next read, and no line is relayed twice."""
+    from dsv41_convert.verify import launch as launch_module
+
+    told: list[tuple[str, int, int]] = []
+    path = tmp_path / launch_module.TOLD
+    relay = launch_module._ToldFile(path, lambda *event: told.append(event))
+    relay.relay()  # nothing written yet
+    writer = launch_module._ToldFile(path)
+    writer.write("prompts", 0, 2)
+    with path.open("a") as f:
+        f.write('["prompts", 1,')  # half a line: the rank is writing it
+    relay.relay()
+    assert told == [("prompts", 0, 2)]
+    with path.open("a") as f:
+        f.write(" 2]\n")
+    writer.write("prompts", 2, 2)
+    relay.relay()
+    relay.relay()
+    assert told == [("prompts", 0, 2), ("prompts", 1, 2), ("prompts", 2, 2)]
+
+
+def test_threads_per_rank_share_the_cores(monkeypatch):
+    """tp ranks on one host share its cores (oversubscribed torch threads spin): cores // tp, at least 1."""
+    from dsv41_convert.verify import launch as launch_module
+
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 8)
+    assert [launch_module.default_threads(tp) for tp in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: None)
+    assert launch_module.default_threads(2) == 1
+
+
+def test_spawned_ranks_are_started_with_the_gloo_backend_and_the_threads_asked(tmp_path, monkeypatch):
+    """What launch hands each spawned rank, without spawning: tp, the backend of the device (gloo on CPU),
+    the target and the threads given (else cores // tp); rank 0's result file comes back."""
+    import torch.multiprocessing as mp
+
+    from dsv41_convert.verify import launch as launch_module
+
+    started = {}
+
+    class Ranks:
+        processes = ()
+
+        def join(self, timeout=None) -> bool:
+            return True
+
+    def start_processes(fn, args, nprocs, join, start_method):
+        started.update(fn=fn, args=args, nprocs=nprocs, start_method=start_method)
+        tmp = Path(args[5])
+        assert torch.load(tmp / "payload.pt", weights_only=False) == {"n": 7}
+        torch.save("rank 0's result", tmp / "rank0.pt")
+        return Ranks()
+
+    monkeypatch.setattr(mp, "start_processes", start_processes)
+    monkeypatch.setattr(launch_module.die_with, "start_fork_server", lambda: None)
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 8)
+    assert launch(sum_of_ranks, {"n": 7}, 2, "cpu", threads=3) == "rank 0's result"
+    tp, _port, backend, device, target, _tmp, threads = started["args"]
+    assert (tp, backend, device, target, threads, started["nprocs"]) == (2, "gloo", "cpu", sum_of_ranks, 3, 2)
+    assert started["fn"] is launch_module._spawned and started["start_method"] == "forkserver"
+    launch(sum_of_ranks, {"n": 7}, 2, "cpu")
+    assert started["args"][6] == 4
+
+
+def _in_a_torchrun_launch_of_one(monkeypatch) -> None:
+    """The environment torchrun gives the one process of `torchrun --nproc-per-node 1`."""
+    from dsv41_convert.verify import launch as launch_module
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch_module._free_port()))
+
+
+def rank_and_group(payload: int) -> tuple:
+    from dsv41_convert.verify.launch import tell
+
+    tell("step", 1, 1)
+    return payload, dist.get_rank(), dist.get_world_size()
+
+
+def test_a_torchrun_process_joins_its_group_returns_rank_0s_result_and_leaves(monkeypatch):
+    """Under torchrun this process is a rank: the target runs inside the launch's group, rank 0 returns its
+    result and tells its progress, and the group is torn down after (a second launch in the same process, as
+    the tests run, would find one initialised)."""
+    _in_a_torchrun_launch_of_one(monkeypatch)
+    told: list[tuple[str, int, int]] = []
+    assert launch(rank_and_group, 5, 1, "cpu", progress=lambda *event: told.append(event)) == (5, 0, 1)
+    assert told == [("step", 1, 1)]
+    assert not dist.is_initialized()
+
+
+def plan_error(_payload) -> None:
+    raise PlanError("layers.0.attn.wq_b.weight: planted")
+
+
+def test_a_torchrun_process_raises_its_input_error_as_itself(monkeypatch):
+    """An input error met under torchrun keeps its class (exit 2 with its message), not a RankFailedError."""
+    _in_a_torchrun_launch_of_one(monkeypatch)
+    with pytest.raises(PlanError, match=r"^layers.0.attn.wq_b.weight: planted$"):
+        launch(plan_error, None, 1, "cpu")
+    assert not dist.is_initialized()
+
+
+def test_a_torchrun_launch_of_another_size_than_tp_is_refused(monkeypatch):
+    """torchrun of 2 processes with --tp 1 or --tp 4: each rank would load another tp's files (or wait for
+    peers that never come); refused before anything starts, fewer processes than --tp as more."""
+    from dsv41_convert.errors import VerifyInputError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for tp in (1, 4):
+        with pytest.raises(VerifyInputError, match=rf"torchrun started 2 ranks but --tp is {tp}"):
+            launch(no_group, None, tp, "cpu")
+
+
+def test_a_torchrun_group_that_cannot_form_stops_before_the_target(monkeypatch):
+    """init_process_group failing in the joining thread (a MASTER_PORT no launch sets): its error is raised
+    here, and the target never runs outside a group."""
+    _in_a_torchrun_launch_of_one(monkeypatch)
+    monkeypatch.setenv("MASTER_PORT", "not-a-port")
+    with pytest.raises(ValueError, match="not-a-port"):
+        launch(lambda _payload: pytest.fail("the target ran without its group"), None, 1, "cpu")
+    assert not dist.is_initialized()
+
+
+def test_a_spawned_rank_0_leaves_its_result_and_progress_and_a_failing_rank_its_error(tmp_path, monkeypatch):
+    """The body of a spawned rank, run here as the one rank of a group of 1: rank 0 writes its result and what
+    it tells into the launch's folder; a rank whose target fails leaves its error file and exits 1 at once."""
+    import os
+
+    from dsv41_convert.verify import launch as launch_module
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # restored after: the rank sets them
+    monkeypatch.setattr(launch_module.die_with, "die_with_parent", lambda: None)
+    exits: list[int] = []
+
+    def exit_(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    threads = torch.get_num_threads()
+    try:
+        torch.save(5, tmp_path / "payload.pt")
+        launch_module._spawned(0, 1, launch_module._free_port(), "gloo", "cpu", rank_and_group, str(tmp_path), 1)
+        assert not dist.is_initialized()
+        assert torch.load(tmp_path / "rank0.pt", weights_only=False) == (5, 0, 1)
+        assert (tmp_path / launch_module.TOLD).read_text() == '["step", 1, 1]\n'
+        with pytest.raises(SystemExit):
+            launch_module._spawned(0, 1, launch_module._free_port(), "gloo", "cpu", plan_error, str(tmp_path), 1)
+        assert exits == [1]
+        assert (tmp_path / "rank0.error").read_text() == "PlanError\nlayers.0.attn.wq_b.weight: planted"
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()

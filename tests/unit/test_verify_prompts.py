@@ -159,3 +159,50 @@ def test_a_model_with_engram_takes_only_its_tokenizers_ids(tmp_path):
     assert load_prompts(tmp_path / "p.jsonl", tokenizer, 576)[0].input_ids == (5, 540)
     with pytest.raises(VerifyInputError, match=r"\[540\] outside \[0, 512\): the 512 ids of .*tokenizer.json"):
         load_prompts(tmp_path / "p.jsonl", tokenizer, bound, bound_by)
+
+
+def test_the_built_in_prompts_need_an_id_range_below_the_reserved_tail():
+    """Ids are drawn from [3, vocab_size - 8): a vocabulary of 11 leaves none (refused, not a torch error), one
+    of 12 leaves the id 3 alone."""
+    with pytest.raises(VerifyInputError, match=r"^vocab_size 11 is too small for the built-in prompts"):
+        default_prompts(11)
+    assert {t for p in default_prompts(12) for t in p.input_ids} == {3}
+
+
+@pytest.mark.parametrize("key", ["input_ids", "decode_ids"])
+def test_a_negative_token_id_is_refused(tmp_path, key):
+    """A negative id indexes the embedding from its end: the prompt ran on another token without a word."""
+    line = {"input_ids": [5, 6], key: [7, -1]} if key == "decode_ids" else {"input_ids": [5, -1]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(line) + "\n")
+    with pytest.raises(VerifyInputError, match=r"p.jsonl:1: token ids \[-1\] outside \[0, 512\): the vocabulary"):
+        load_prompts(tmp_path / "p.jsonl", None, 512)
+
+
+def test_a_reference_files_ids_past_the_bound_are_refused_naming_the_prompt():
+    """verify takes its prompts from the reference file: ids outside [0, bound) (prompt or decode ids) reached
+    the ranks and ended them in an IndexError (an audit)."""
+    from dsv41_convert.verify.prompts import refuse_recorded_ids_past
+
+    refuse_recorded_ids_past([("default-0", [0, 5, 511])], 512, "the vocabulary", "ref.safetensors")
+    runs = [("default-0", [1, 2]), ("default-1", [3, 600, -2, 4])]
+    said = r"^ref.safetensors: default-1: token ids \[600, -2\] outside \[0, 512\): the vocabulary$"
+    with pytest.raises(VerifyInputError, match=said):
+        refuse_recorded_ids_past(runs, 512, "the vocabulary", "ref.safetensors")
+
+
+def test_a_text_that_tokenizes_to_nothing_is_kept_only_beside_an_image(tmp_path):
+    """A tokenizer whose pre-tokenizer drops whitespace gives " " no token: alone that prompt is empty (refused),
+    beside an image it is the image's prompt."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": " ", "image": "a.png"}) + "\n")
+    (prompt,) = load_prompts(tmp_path / "p.jsonl", tmp_path / "tokenizer.json", 512)
+    assert prompt.input_ids == () and prompt.image == str((tmp_path / "a.png").resolve())
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": " "}) + "\n")
+    with pytest.raises(VerifyInputError, match=r"p.jsonl:1: text tokenizes to no tokens"):
+        load_prompts(tmp_path / "p.jsonl", tmp_path / "tokenizer.json", 512)
