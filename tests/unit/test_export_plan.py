@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny, source_tensors, tiny_config, write_ckpt
 
 from dsv41_convert.config import HF_QUANTIZATION_CONFIG
-from dsv41_convert.convert.export import build_export_plan, output_config, shard_name
+from dsv41_convert.convert.export import build_export_plan, not_carried, output_config, shard_name
 from dsv41_convert.convert.export_rules import EXPORT_ACTIONS, FORMATS
 from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.rules import RULES, Op
@@ -134,3 +134,61 @@ def test_fp8_experts_are_a_valid_source(tmp_path):
     write_ckpt(tmp_path / "pub", source_tensors(tiny_config()), cfg)
     with pytest.raises(PlanError, match=r"experts\.0\.w1\.weight: found I8 .* expected F8_E4M3"):
         build_export_plan(tmp_path / "pub", "bf16")
+
+
+def test_fp8_export_of_a_bf16_source_quantizes_its_experts_to_e4m3_blocks(srcs):
+    """A bf16 source's routed experts in `--format fp8` are e4m3 with 32x32 scales, as the fp8 format's experts
+    are from any source: an export that quantized them to MXFP4 (I8 pairs, a scale per 32 inputs) under a config
+    saying expert_dtype fp8 would write a checkpoint no loader of that format reads."""
+    dtypes = _dtypes(build_export_plan(srcs["bf16"], "fp8"))
+    out, inp = 64, 32  # w2 of the tiny config: [hidden_size, moe_intermediate_size]
+    blocks = (-(-out // 32), -(-inp // 32))
+    assert dtypes["layers.0.ffn.experts.3.w2.weight"] == ("F8_E4M3", (out, inp))
+    assert dtypes["layers.0.ffn.experts.3.w2.scale"] == ("F8_E8M0", blocks)
+
+
+def test_an_empty_format_is_refused_as_a_plan_error(srcs):
+    """`--format ""` is no format: it must be the PlanError naming the choices (exit 2), not a KeyError raised
+    from the format table with a traceback."""
+    with pytest.raises(PlanError, match=r"--format '': expected one of bf16, fp8, fp8-fp4"):
+        build_export_plan(srcs["fp8"], "")
+
+
+def test_fp8_export_of_a_published_source_whose_experts_cannot_make_32x32_blocks_is_refused(tmp_path):
+    """A published (fp4-expert) source with moe_intermediate_size 48: its experts cannot be cast to 32x32 e4m3
+    blocks, so `--format fp8` must be refused at plan time naming config.json's key; bf16 (nothing quantized)
+    and fp8-fp4 (the experts copied as they are) still plan. A plan validated as for fp4 experts let it through."""
+    cfg = tiny_config()
+    cfg["text_config"]["moe_intermediate_size"] = 48
+    src = write_ckpt(tmp_path / "src", source_tensors(cfg), cfg)
+    with pytest.raises(PlanError, match=r"not a multiple of 32: moe_intermediate_size 48 \(for fp8 experts"):
+        build_export_plan(src, "fp8")
+    assert build_export_plan(src, "bf16").plan.files and build_export_plan(src, "fp8-fp4").plan.files
+
+
+def test_config_keeps_the_sources_own_quantization_config():
+    """A source whose quantization_config differs from the published one (another key, another value) keeps it
+    in the fp8 and fp8-fp4 exports, with only expert_dtype set for the format: replaced by the published
+    default, the export's config.json would describe another quantization than its tensors hold."""
+    hf = tiny_config()
+    own = dict(hf["quantization_config"], modules_to_not_convert=["head"], activation_scheme="static")
+    hf["quantization_config"] = own
+    assert output_config(hf, "fp8")["quantization_config"] == dict(own, expert_dtype="fp8")
+    assert output_config(hf, "fp8-fp4")["quantization_config"] == dict(own, expert_dtype="fp4")
+
+
+def test_not_carried_names_only_the_source_files_an_export_does_not_write(tmp_path):
+    """not_carried lists SRC's top-level files and folders an export leaves behind, and nothing it writes or
+    that is a record of a run of ours: shards, config.json, the index, the tokenizer files, manifest.json, a
+    share's manifest fragment and hidden entries are not named (a fragment named there was said to be lost)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in (
+        "model-00001-of-00002.safetensors", "config.json", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json", "manifest.json", "manifest-fragment-mp2-r0.json", ".gitattributes",
+        "generation_config.json", "README.md",
+    ):  # fmt: skip
+        (src / name).write_text("{}")
+    for folder in (".cache", "encoding", "inference"):
+        (src / folder).mkdir()
+    assert not_carried(src) == ["README.md", "encoding/", "generation_config.json", "inference/"]

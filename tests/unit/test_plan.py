@@ -434,3 +434,18 @@ def test_no_candidate_source_layer_needs_no_candidate_block_size(tmp_path):
     cfg["text_config"] |= {"candidate_source_layer_id": -1, "candidate_block_size": 0}
     write_ckpt(tmp_path / "s", tensors, cfg)
     assert build_plan(tmp_path / "s", 2).files
+
+
+def test_plan_json_reads_name_the_tensors_the_files_hold_under_older_spellings(tmp_path):
+    """A checkpoint saved with the `model.` prefix (renamed as upstream convert.py does): every read in
+    `plan --json` must name the tensor its file holds, the prefixed name, routed experts included (written from
+    ExpertRuns without the dicts); naming the output's name there sent a pipeline to tensors no file has."""
+    cfg = tiny_config()
+    src = write_ckpt(tmp_path / "src", {f"model.{k}": v for k, v in source_tensors(cfg).items()}, cfg)
+    held = {p.name: set(read_header(p).tensors) for p in src.glob("*.safetensors")}
+    plan = build_plan(src, 2, "fp4")
+    text = plan.to_json()
+    reads = [r for f in json.loads(text)["files"] for t in f["tensors"] for r in t["reads"]]
+    assert any(".ffn.experts." in r["name"] for r in reads)
+    assert all(r["name"].startswith("model.") and r["name"] in held[r["file"]] for r in reads)
+    assert text == json.dumps(plan.to_dict(), separators=(",", ":"))

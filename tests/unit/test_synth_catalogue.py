@@ -10,7 +10,7 @@ import pytest
 from reference_data import REFERENCE as REF
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.convert.catalogue import catalogue, file_tensors
+from dsv41_convert.convert.catalogue import Fmt, catalogue, file_tensors
 from dsv41_convert.errors import PlanError
 from dsv41_convert.model.engram_hash import engram_table_rows, is_prime
 from dsv41_convert.synth.presets import MEDIUM, PRESETS, TINY, hf_config
@@ -167,3 +167,12 @@ def test_layer_shards(k):
 def test_layer_shards_out_of_range():
     with pytest.raises(PlanError, match="--shards 7"):
         plan_shards(_args(), True, 7)
+
+
+def test_quantized_linear_weights_are_drawn_jittered():
+    """Every fp8 and fp4 linear weight (routed experts included) is drawn with jitter, so its blocks get different
+    scale exponents as a real checkpoint's do; unjittered experts had one scale a tensor, and every test on
+    make-tiny's experts checked only that one exponent."""
+    quantized = [p for p in catalogue(_args()) if p.fmt in (Fmt.FP8, Fmt.FP4)]
+    assert any(".ffn.experts." in p.name for p in quantized)
+    assert all(p.init.jitter for p in quantized), [p.name for p in quantized if not p.init.jitter][:3]

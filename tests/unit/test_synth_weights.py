@@ -140,3 +140,38 @@ def test_plain_formats():
     assert torch.equal(param_tensors(f32, 0, True)["layers.0.hc_attn_base"], draw(f32, 0))
     assert torch.equal(param_tensors(bf, 0, False)["norm.weight"], draw(bf, 0).bfloat16())
     assert torch.equal(param_tensors(bf, 0, True)["norm.weight"], draw(bf, 0).bfloat16())
+
+
+@pytest.mark.parametrize("std", [0.6, 0.045, 1.0])
+def test_engram_row_scales_are_those_quantizing_gaussian_rows_gives(std):
+    """make-tiny's Engram table (e4m3 rows, a scale per 32) draws its scale exponent from the std/scale ratio
+    of quantized Gaussian rows of 32, not of 32x32 tiles (larger blocks hold larger maxima): its unjittered
+    scales must be the most common scale that encoding Gaussian rows of the same std gives."""
+    p = Param("layers.1.engram.embed", (256, 256), Fmt.FP8_ROWS, "engram.1", Init(std))
+    s = param_tensors(p, 0, True)[f"{p.name}.scale"]
+    g = torch.Generator().manual_seed(1)
+    _, real = encode_fp8_blocks(torch.randn(p.shape, generator=g) * std, block=(1, 32))
+    assert torch.equal(_bytes(s).unique(), _bytes(real).flatten().mode().values.view(1)), std
+
+
+@pytest.mark.parametrize("fmt", [Fmt.FP4, Fmt.FP8_ROWS])
+def test_jitter_is_one_power_of_two_per_32x32_tile_for_row_scales_too(fmt):
+    """Init.jitter multiplies each 32x32 block by one 2**k: for formats with a scale per 32 along each row, the
+    32 row scales of a tile share their exponent (drawn per row, a tile's rows had up to 3 scales and values
+    4x apart, which no jittered float weight quantizes to)."""
+    p = _p(shape=(128, 96), fmt=fmt)
+    s = _bytes(param_tensors(p, 0, True)[f"{p.name}.scale"])
+    assert tuple(s.shape) == (128, 3)
+    tiles = s.view(4, 32, 3)  # [row tile, row in tile, scale column]
+    assert bool((tiles == tiles[:, :1, :]).all())
+    assert len(s.unique()) > 1  # jittered: the tiles differ
+
+
+def test_the_smallest_std_drawn_is_one_the_encoders_give_back_and_smaller_ones_are_refused():
+    """The e4m3 encoder floors a block's amax at 1e-4, so a scale below 1e-4 / 240 (2**-22 and less) cannot be
+    the one it picks for the drawn codes: a draw at std 99 * 2**-21 (scale 2**-21, 240 * 2**-21 > 1e-4) must be
+    canonical, and std 3e-6 (scale 2**-25) must be refused naming the exponents, not drawn as bytes that quantizing
+    their own values does not give back."""
+    _assert_canonical(_p(std=99 * 2.0**-21, jitter=False))
+    with pytest.raises(ValueError, match="exponents"):
+        param_tensors(_p(std=3e-6, jitter=False), 0, True)
