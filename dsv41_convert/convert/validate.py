@@ -183,7 +183,8 @@ def validate_sources(
     quantizes the source, by default where it is unquantized), then every tensor against the config's layout
     and tp. -> (backbone experts, mtp experts)"""
     quantized = args.dtype == "fp8"
-    require_block_dims(args, config, expert_dtype, not quantized if quantizes is None else quantizes)
+    # a published-format source holds its experts and Engram rows with a scale per 32 inputs: as a quantizing output
+    require_block_dims(args, config, expert_dtype, quantized or (not quantized if quantizes is None else quantizes))
     # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
     if not (quantized and _same_layout(sources, args)):
         if quantized:
@@ -210,7 +211,8 @@ def require_block_dims(args: ModelArgs, config: Path, expert_dtype: str, quantiz
     quantized from an unquantized source their input dims (a per-32 scale along the input, two codes a byte),
     and Engram's per-32 rows (`quantizes`) its head dim. An fp8-fp4 export of a bf16 source with
     moe_intermediate_size 48 wrote scales [out, 2] that the published layout calls [out, 1]: a checkpoint
-    that plan, shard and export then refused (an audit)."""
+    that plan, shard and export then refused (an audit). A published-format source is held so too: one with
+    such dims had scales of a floored width that its bf16 export failed to decode mid-write (an audit)."""
     experts = "fp8 experts' 32x32 blocks" if expert_dtype == "fp8" else "fp4 experts' scale per 32 inputs"
     need = []  # (key, value, what needs it)
     if expert_dtype == "fp8" or quantizes:
@@ -221,7 +223,7 @@ def require_block_dims(args: ModelArgs, config: Path, expert_dtype: str, quantiz
     if bad:
         raise PlanError(
             f"{config}: not a multiple of 32: {', '.join(bad)}; the published layout has no place for such "
-            "tensors, so the model cannot be written in that format"
+            "tensors, so the model cannot be held in that format"
         )
 
 
