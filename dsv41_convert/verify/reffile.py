@@ -13,7 +13,8 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
     draft_confidence [B, T, K]       float32  (optional) the DSpark confidence head's output beside them
     token_types     [B, S]           int64    (optional) -1 text, 0..3 image span (image prompts)
     hidden.<module> [B, S, ...]      bfloat16 (optional) prefill outputs per module ("embed",
-                                              "layers.7.ffn", ...), for localization and teacher forcing
+                                              "layers.7.ffn", ...), for localization and teacher forcing;
+                                              "vision" (a vision tower): the image spans' rows, 0 elsewhere
     hidden.layers.<i>.pre_mix  [B, S, hc]         float32  (optional) the collapse weights block i hands on
     hidden.layers.<i>.engram   [B, S, hc, dim]    bfloat16 (optional) Engram layers: the stream after Engram
     hidden.layers.<i>.attn.indexer [B, S, k]      int64    (optional) index sources: the chosen compressed rows
