@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.convert.export import build_export_plan, export
-from dsv41_convert.verify.roundtrip import DIFFERS, SAME_VALUES, compare_checkpoints
+from dsv41_convert.verify.roundtrip import DIFFERS, SAME_VALUES, compare_checkpoints, non_canonical
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,58 @@ def test_a_nan_on_one_side_differs(trips, tmp_path):
     assert set(diffs) == {"layers.0.attn.wq_a.weight", "layers.0.attn_norm.weight"}, diffs
     assert all(d.verdict == DIFFERS and d.why.startswith("1 of ") for d in diffs.values()), diffs
     assert compare_checkpoints(dst, dst) == []
+
+
+def test_a_changed_scale_beside_an_unchanged_weight_differs(trips, tmp_path):
+    """A weight and its `.scale` are one value: a scale byte bumped (every value of its block doubled) while the codes
+    keep their bytes is reported under the weight's name, never as identical."""
+    dst = tmp_path / "scale"
+    shutil.copytree(trips["back"], dst)
+    for p in sorted(dst.glob("model-*.safetensors")):
+        t = load_file(p)
+        if "layers.0.attn.wq_a.scale" in t:
+            raw = t["layers.0.attn.wq_a.scale"].view(torch.uint8).clone()
+            raw[0, 0] += 1
+            t["layers.0.attn.wq_a.scale"] = raw.view(torch.float8_e8m0fnu)
+        save_file(t, p)
+    diffs = {d.name: d for d in compare_checkpoints(trips["back"], dst)}
+    assert set(diffs) == {"layers.0.attn.wq_a.weight"}, diffs
+    assert diffs["layers.0.attn.wq_a.weight"].verdict == DIFFERS
+
+
+def test_a_tensor_only_b_holds_is_reported(trips, tmp_path):
+    """A tensor B adds (a stray one, or one A lost) is reported as missing in A, as one B lacks is missing in B."""
+    dst = tmp_path / "extra"
+    shutil.copytree(trips["back"], dst)
+    first = sorted(dst.glob("model-*.safetensors"))[0]
+    t = load_file(first)
+    t["layers.0.attn.extra.weight"] = torch.ones(4, dtype=torch.bfloat16)
+    save_file(t, first)
+    diffs = compare_checkpoints(trips["back"], dst)
+    assert [(d.name, d.verdict, d.why) for d in diffs] == [("layers.0.attn.extra.weight", DIFFERS, "missing in A")]
+    assert [d.why for d in compare_checkpoints(dst, trips["back"])] == ["missing in B"]
+
+
+def test_an_fp4_block_whose_largest_code_is_half_the_maximum_is_non_canonical():
+    """SPEC §6: an e2m1 block is non-canonical when its largest magnitude is at most 3 (half of 6): exactly 3
+    counts; 4 does not. The nibble of 3.0 is 0b0101, of -3.0 0b1101, of 4.0 0b0110."""
+    scale = torch.full((3, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    q = torch.tensor([[0x55] * 16, [0xD5] * 16, [0x56] * 16], dtype=torch.uint8).view(torch.int8)
+    assert non_canonical(q, scale).tolist() == [[True], [True], [False]]
+
+
+def test_a_tensor_of_another_shape_differs_by_its_shape(trips, tmp_path):
+    """A norm weight one element shorter in B (same dtype): the report names both shapes; its values are not compared
+    (they cannot be, element by element)."""
+    dst = tmp_path / "shape"
+    shutil.copytree(trips["back"], dst)
+    length = 0
+    for p in sorted(dst.glob("model-*.safetensors")):
+        t = load_file(p)
+        if "layers.0.attn_norm.weight" in t:
+            length = t["layers.0.attn_norm.weight"].numel()
+            t["layers.0.attn_norm.weight"] = t["layers.0.attn_norm.weight"][:-1].clone()
+        save_file(t, p)
+    (diff,) = compare_checkpoints(trips["back"], dst)
+    assert diff.name == "layers.0.attn_norm.weight" and diff.verdict == DIFFERS
+    assert diff.why == f"A has torch.bfloat16 [{length}], B torch.bfloat16 [{length - 1}]"

@@ -379,3 +379,51 @@ def test_rank_weights_reads_engram_rows_from_the_rank_that_holds_them(shards, tp
         weights.close()
     for name in names:
         assert torch.equal(_bytes(got[name]), _bytes(whole[name][rows])), name
+
+
+def test_rank_weights_refuse_rank_files_whose_replicas_differ(shards, tmp_path):
+    """`reference-logits MP --stream-layers` over rank files that disagree on a replicated tensor would compute a
+    reference of rank 0's copy: RankWeights refuses the set, naming the tensor, before any unit is read."""
+    from dsv41_convert.verify.rank_weights import RankWeights
+
+    name = "layers.0.attn.wkv.scale"
+    bad = _copy(shards, 2, tmp_path)
+    _edit(bad, 1, 2, _bump(name))
+    with pytest.raises(VerifyInputError, match=rf"{bad}: the rank files are not one conversion \({name}"):
+        RankWeights(bad)
+    RankWeights(shards[2]).close()  # the set it was copied from is one conversion
+
+
+def test_rank_weights_refuse_a_folder_of_two_tp_sizes(shards, tmp_path):
+    """Rank files of tp 1 and tp 2 side by side: which set a reference ran is not known, so RankWeights names both
+    sizes instead of reading one."""
+    from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
+
+    both = _copy(shards, 2, tmp_path)
+    shutil.copy(shards[1] / "model0-mp1.safetensors", both)
+    with pytest.raises(VerifyInputError, match=r"rank files of several tp sizes \[1, 2\]; keep one set"):
+        RankWeights(both)
+    assert rank_file_tp(shards[2]) == 2 and rank_file_tp(shards[1]) == 1
+
+
+def test_rank_weights_read_each_ranks_rows_at_its_own_offsets(shards, tmp_path):
+    """Rank files need not share a layout: a longer header (other metadata; on the real model, expert numbers of
+    more digits) moves every tensor of one rank. Each Engram row is read at its own rank's offset."""
+    from dsv41_convert.verify.rank_weights import RankWeights
+
+    names = [f"{ENGRAM}.weight", f"{ENGRAM}.scale"]
+    moved = _copy(shards, 2, tmp_path)
+    path = moved / "model1-mp2.safetensors"
+    save_file(load_file(str(path)), str(path), metadata={"note": "x" * 200})
+    with RankFiles(shards[2]) as ranks:
+        whole = unshard_tensors(ranks, names)
+    n = whole[names[0]].shape[0]
+    rows = torch.tensor([0, n // 2 - 1, n // 2 + 1, n - 1])
+    weights = RankWeights(moved)
+    try:
+        assert weights.headers[1].tensors[names[0]].begin != weights.headers[0].tensors[names[0]].begin
+        got = weights.rows(names, rows)
+    finally:
+        weights.close()
+    for name in names:
+        assert torch.equal(_bytes(got[name]), _bytes(whole[name][rows])), name
