@@ -446,3 +446,57 @@ def test_a_prompt_near_the_length_limit_leaves_room_for_the_drafts(sources, tmp_
     assert code == 0, err
     a, b = (reffile.load(p, TINY.vocab_size).runs[0] for p in (whole, streamed))
     assert torch.equal(a.decode_logits, b.decode_logits) and torch.equal(a.draft_logits, b.draft_logits)
+
+
+@pytest.mark.slow  # 41 passes of the streamed model and 41 steps of the whole one (~7 s)
+def test_a_long_decode_from_the_shortest_prompt_is_bit_for_bit(sources):
+    """A 2-token prompt (the shortest streamable: one group of the largest compress ratio, 2) decoded for 40
+    steps, streamed and whole, bit for bit. At each even position from 18 on, a ratio-2 layer whose group is
+    incomplete ranks more than index_topk (8) compressed rows with the index keys layer 3 published at the
+    previous step, rows written during the decode (past the prompt): only a step that starts from the runtime
+    its previous step left has them. Planted faults it catches: every decode step started from the prefill's
+    runtime (which the 3-step tests cannot see: they read prompt rows only), a prompt exactly one group long
+    refused."""
+    from dsv41_convert.verify.prompts import Prompt
+
+    prompts = [Prompt((7, 300), "two")]
+    ref, _ = compute_streamed_reference(sources["bf16"], prompts, 40, record_weights=False)
+    assert ref.runs[0].decode_logits.shape == (40, TINY.vocab_size)
+    whole = whole_model_runs(sources["bf16"], prompts, 40, [r.decode_ids for r in ref.runs])
+    assert_bit_identical(ref.runs, whole)
+
+
+def test_an_image_prompt_reads_every_unit_ahead_and_the_tower_once(sources, tmp_path, monkeypatch):
+    """With an image prompt the vision unit runs at the prefill pass only, so the read-ahead order skips it at
+    the decode passes: every unit after the first is taken from a read ahead, and the tower's weights are read
+    once. CudaFeed's CUDA calls are stubbed as in test_read_ahead_bookkeeping_on_the_cpu. Planted fault it
+    catches: the read-ahead order listing the vision unit at every pass (its weights read again for nothing at
+    each decode pass, and the unit after it, the next pass's embed, read on demand)."""
+    from PIL import Image
+
+    from dsv41_convert.model import stream_feed, streamed
+    from dsv41_convert.verify.prompts import Prompt
+
+    takes: list[str] = []
+    vision_reads: list[str] = []
+
+    class Feed(stream_feed.CudaFeed):
+        def take(self, key, sizes, timing):
+            if key not in self.pending:
+                takes.append(key)
+            return super().take(key, sizes, timing)
+
+        def ahead(self, key, sizes):
+            if key.endswith(":vision"):
+                vision_reads.append(key)
+            return super().ahead(key, sizes)
+
+    Image.new("RGB", (60, 50), (30, 160, 90)).save(tmp_path / "a.png")
+    monkeypatch.setattr(stream_feed, "torch", _CpuTorch())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    monkeypatch.setattr(streamed, "HostFeed", lambda provider: Feed(provider, "cpu", readers=2))
+    prompts = [Prompt(tuple(range(5, 15)), "vl", image=str(tmp_path / "a.png"))]
+    ref, timings = compute_streamed_reference(sources["fp8"], prompts, 1, record_weights=False)
+    assert timings[0].unit == "vision" and ref.runs[0].decode_logits.shape == (1, TINY.vocab_size)
+    assert takes == ["0:vision"]  # the first unit only was read on demand
+    assert vision_reads == []  # read once, on demand, never again ahead

@@ -288,3 +288,38 @@ def test_a_token_map_list_must_hold_exactly_the_configured_compressed_ids():
             resolve_token_map(short, 3)
     with pytest.raises(ConfigError, match=r"holds 4 compressed ids, engram_compressed_vocab_size is 3"):
         resolve_token_map([0, 1, 2, 3], 3)
+
+
+def test_bucket_primes_start_at_the_vocab_size_itself_when_it_is_prime():
+    """The bucket counts are the primes >= engram_vocab_size (primes_above(vocab - 1)): a vocab size that is
+    itself prime is the first bucket. Planted fault it catches: primes_above starting one past its first
+    candidate (a prime vocab size skipped, every bucket range and table size shifted)."""
+    from itertools import islice
+
+    from dsv41_convert.model.engram_hash import bucket_primes, primes_above
+
+    def plain_primes(lo: int, count: int) -> list[int]:
+        out, n = [], lo
+        while len(out) < count:
+            if n > 1 and all(n % d for d in range(2, int(n**0.5) + 1)):
+                out.append(n)
+            n += 1
+        return out
+
+    assert list(islice(primes_above(10), 3)) == [11, 13, 17]
+    assert list(islice(primes_above(1), 4)) == [2, 3, 5, 7]
+    # vocab 101 (prime): layer 0 gets 101, 103 (n = 2) and 107, 109 (n = 3); layer 1 the next four
+    want = plain_primes(101, 8)
+    assert want[0] == 101
+    assert bucket_primes(2, 3, 2, 101) == ((tuple(want[0:2]), tuple(want[2:4])), (tuple(want[4:6]), tuple(want[6:8])))
+
+
+def test_the_first_id_past_the_token_map_is_refused(tokenizer, args):
+    """An id equal to the token map's length (one past its last entry) is a ConfigError naming the tokenizer,
+    like any larger id; the map's last id hashes. Planted fault it catches: the check written `top >
+    len(token_map)`, which let that id through to an IndexError in the lookup."""
+    state = NgramHashState(args, EngramLayout.from_args(args), tokenizer)
+    size = len(state.token_map)
+    assert state(torch.tensor([[3, size - 1]]), 0).shape[:2] == (1, 2)
+    with pytest.raises(ConfigError, match=rf"token id {size} reached the Engram hash"):
+        state(torch.tensor([[3, size]]), 0)

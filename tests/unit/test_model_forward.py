@@ -132,3 +132,17 @@ def test_planted_weight_error_moves_the_logits(model, ids, shards, tmp_path, ten
     _, good_logits, _ = model(ids)
     _, bad_logits, _ = bad(ids)
     assert (good_logits - bad_logits).abs().max() > 1e-3
+
+
+def test_captured_indexer_choice_is_int64(model, ids):
+    """hidden_states["layers.{i}.attn.indexer"] is int64, as Transformer.forward documents it (the indexer
+    itself returns int32), with the indexer's values. Planted fault it catches: the choice captured in the
+    indexer's own dtype (the reference file and verify.teacher then hold int32 where int64 is promised)."""
+    hs: dict[str, torch.Tensor] = {}
+    model(ids, hidden_states=hs)
+    keys = [k for k in hs if k.endswith(".attn.indexer")]
+    assert keys
+    for key in keys:
+        choice = hs[key]
+        assert choice.dtype == torch.int64, key
+        assert choice.shape[:2] == (2, SEQ) and int(choice.min()) >= -1 and int(choice.max()) >= 0, key

@@ -146,3 +146,73 @@ def test_prepare_vl_inputs_without_vision_tower():
     no_vision = ModelArgs.from_hf_dict(hf_config(TINY, compressed_vocab_size=405, vision=False))
     with pytest.raises(ValueError, match="no vision tower"):
         ip.prepare_vl_inputs([no_vision.image_token_id], [Image.new("RGB", (20, 20))], no_vision)
+
+
+def test_grid_plan_values_written_out(args):
+    """plan_image_grid on sizes worked by hand (tiny preset: patch 14, 3x3 patches per token, at most 64 span
+    tokens, min_pixels 126 * 126 = 15876). Planted faults it catches: the target size rounded instead of
+    ceiled to the patch, an image between min_pixels / 2 and min_pixels not scaled up, the budget fit choosing a
+    smaller grid than the largest that fits."""
+    # 300 x 200: ceil(300 / 14) = 22 and ceil(200 / 14) = 15 patches -> 308 x 210 px, 8 x 5 tokens,
+    # span 5 * (8 + 1) + 2 = 47 <= 64 (rounding would give 21 x 14 patches)
+    assert ip.plan_image_grid(300, 200, args) == (5, 8, 210, 308)
+    # 100 x 100 = 10000 px < 15876: scaled by sqrt(15876 / 10000) = 1.26 to 126 x 126 -> 9 x 9 patches, 3 x 3 tokens
+    assert ip.plan_image_grid(100, 100, args) == (3, 3, 126, 126)
+    # 2000 x 1000: 143 x 72 patches want a 48 x 24 grid, span 24 * 49 + 2 = 1178 > 64. The largest 2:1 grid that
+    # fits is 10 x 5 (span 5 * 11 + 2 = 57; 12 x 6 gives 6 * 13 + 2 = 80): 420 x 210 px, 30 x 15 patches
+    assert ip.plan_image_grid(2000, 1000, args) == (5, 10, 210, 420)
+
+
+def test_text_only_prompt_on_a_model_without_vision_passes_through():
+    """A model without a vision tower refuses image placeholders only: a text-only prompt comes back as it was
+    (types all TEXT, no images). Planted fault it catches: the refusal made unconditional on the model, which
+    broke every text prompt of a text-only checkpoint."""
+    no_vision = ModelArgs.from_hf_dict(hf_config(TINY, compressed_vocab_size=405, vision=False))
+    assert ip.prepare_vl_inputs([5, 6, 7], [], no_vision) == ([5, 6, 7], [-1, -1, -1], None)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P"])
+def test_a_non_rgb_pil_image_is_cut_as_its_rgb_conversion(args, mode):
+    """A PIL image in another mode (grayscale, with alpha, palette) is converted to RGB before it is cut: its
+    patches equal those of img.convert("RGB"). Planted fault it catches: a PIL image passed on unconverted
+    (its pixel array has no or four channels, and load_image failed on it)."""
+    img = Image.new("RGB", (60, 50))
+    img.putdata([((x * 9) % 256, (y * 11) % 256, (x + y) % 256) for y in range(50) for x in range(60)])
+    other = img.convert(mode)
+    want = ip.load_image(other.convert("RGB"), args)
+    got = ip.load_image(other, args)
+    assert got[1:] == want[1:] and torch.equal(got[0], want[0])
+
+
+def test_merge_image_spans_writes_each_slot_its_own_vector(args):
+    """merge_image_spans writes an image's span in place: IMAGE_START, IMAGE_NEW_LINE and IMAGE_END slots get
+    the owner's image_start / image_newline / image_end, the IMAGE slots the encoder's rows in row-major order;
+    encode gets the patch grid as (n_vit_h, n_vit_w); rows outside the span stay as they were. Planted faults it
+    catches: a delimiter given another delimiter's vector, the span shifted, the grid passed transposed."""
+    from types import SimpleNamespace
+
+    from dsv41_convert.model.transformer import merge_image_spans
+
+    dim, n_llm_h, n_llm_w, start = 4, 2, 3, 2
+    owner = SimpleNamespace(
+        image_start=torch.full((dim,), 100.0, dtype=torch.bfloat16),
+        image_end=torch.full((dim,), 200.0, dtype=torch.bfloat16),
+        image_newline=torch.full((dim,), 300.0, dtype=torch.bfloat16),
+    )
+    types = ip.image_token_types(n_llm_h, n_llm_w)  # S I I I N I I I N E
+    seq = start + types.numel() + 2
+    h = torch.arange(seq * dim, dtype=torch.float32).view(1, seq, dim).neg().bfloat16()  # distinct negative rows
+    before = h.clone()
+    calls = []
+
+    def encode(patches, n_vit_h, n_vit_w):
+        calls.append((n_vit_h, n_vit_w))
+        return (1 + torch.arange(n_llm_h * n_llm_w)).float()[:, None].expand(-1, dim)  # row t holds t + 1
+
+    img = ip.ImageInput(start, torch.zeros(6 * 9, 3, 14, 14), 6, 9, types)
+    merge_image_spans(owner, [[img]], h, encode)
+    assert calls == [(6, 9)]
+    want = [100, 1, 2, 3, 300, 4, 5, 6, 300, 200]
+    assert h[0, start : start + types.numel(), 0].tolist() == want
+    assert (h[0, start : start + types.numel()] == h[0, start : start + types.numel(), :1]).all()
+    assert torch.equal(h[0, :start], before[0, :start]) and torch.equal(h[0, start + types.numel() :], before[0, -2:])
