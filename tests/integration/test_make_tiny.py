@@ -93,6 +93,15 @@ def test_file_set_and_index(fp8_dir):
         assert (fp8_dir / file).stat().st_size == 8 + header_len + end
 
 
+def test_index_lists_the_tensors_in_name_order(fp8_dir):
+    """The published index lists weight_map by tensor name (as json.dumps of a sorted dict writes it), not by
+    file: make-tiny's follows, so its index bytes are the published shape (written in file order, the names of
+    each shard came in a run of their own)."""
+    weight_map = json.loads((fp8_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert list(weight_map) == sorted(weight_map)
+    assert len({weight_map[n] for n in weight_map}) == 14  # every shard is there, so order had files to mix
+
+
 def test_published_shard_grouping(fp8_dir):
     index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())["weight_map"]
     by_file: dict[str, set[str]] = {}

@@ -21,7 +21,7 @@ from dsv41_convert.errors import PlanError
 from dsv41_convert.hub.integrity import check_checkpoint
 from dsv41_convert.hub.local import verify_local
 from dsv41_convert.store import safetensors_header
-from dsv41_convert.store.index import shard_name_problem
+from dsv41_convert.store.index import bad_shard_names, shard_name_problem
 from dsv41_convert.store.manifest_check import check_folder
 
 SHARD = "model-00002-of-00003.safetensors"
@@ -35,6 +35,7 @@ SHARD = "model-00002-of-00003.safetensors"
         ("sub/../../x.safetensors", "points outside"),
         ("/data/x.safetensors", "absolute path"),
         ("C:\\x.safetensors", "absolute path"),
+        ("C:x.safetensors", "absolute path"),  # drive-relative: a file on drive C, not beside the index
         ("sub/x.safetensors", "path with folders"),
         ("sub\\x.safetensors", "path with folders"),
         (".", "folder itself"),
@@ -130,3 +131,19 @@ def test_held_twice_names_each_file_against_the_first_holder():
     files = [("a", ["x", "y"]), ("b", ["y", "z"]), ("c", None), ("d", ["x", "y", "w"])]
     assert held_twice(files) == {"b": {"a": ["y"]}, "d": {"a": ["x", "y"]}}
     assert held_twice([("a", ["x"]), ("b", ["y"])]) == {}
+
+
+def test_bad_shard_names_counts_the_tensors_of_each_bad_name():
+    """Each bad weight_map value is reported once, in index order, with the first tensor mapped to it and how
+    many are: the count stayed at 1 however many tensors an index sent outside the folder, which understated
+    a tampered index (3 tensors here, counted by hand)."""
+    weight_map = {
+        "embed.weight": "../x.safetensors",
+        "head.weight": "model-00001-of-00002.safetensors",
+        "norm.weight": "../x.safetensors",
+        "layers.0.attn_norm.weight": "/abs.safetensors",
+        "layers.0.ffn_norm.weight": "../x.safetensors",
+    }
+    found = [(b.name, b.example, b.count) for b in bad_shard_names(weight_map)]
+    assert found == [("'../x.safetensors'", "embed.weight", 3), ("'/abs.safetensors'", "layers.0.attn_norm.weight", 1)]
+    assert "for 3 tensor(s) (e.g. embed.weight)" in bad_shard_names(weight_map)[0].describe()

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.manifest import atomic_write, finished, read_done, source_revision, write_done
-from dsv41_convert.store.manifest_check import check_folder
+from dsv41_convert.store.manifest_check import check_folder, read_manifest
 
 
 def test_done_record_checks_size_sha_and_plan(tmp_path):
@@ -133,3 +134,58 @@ def test_check_names_a_rank_file_its_manifest_leaves_out(tmp_path, rank):
     (tmp_path / "out" / gone).unlink()
     result = check_folder(tmp_path / "out")
     assert not result.ok and [p for p in result.problems if p.startswith(f"{gone}:")], result.problems
+
+
+def test_check_names_the_rank_file_of_a_tp_1_manifest(tmp_path):
+    """A tp-1 manifest that lists no model0-mp1.safetensors, and a folder without it, fails the check naming it:
+    a tp-1 conversion is one rank file, and a check that skipped tp 1 passed a folder holding only config.json."""
+    _manifest_folder(tmp_path / "out", {"model0-mp1.safetensors": b"w" * 64, "config.json": b"{}"}, tp=1)
+    assert check_folder(tmp_path / "out").ok
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    del manifest["files"]["model0-mp1.safetensors"]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "out" / "model0-mp1.safetensors").unlink()
+    result = check_folder(tmp_path / "out")
+    assert not result.ok and [p for p in result.problems if p.startswith("model0-mp1.safetensors:")], result.problems
+
+
+@pytest.mark.parametrize(
+    ("files", "said"),
+    [
+        ({}, "no `files` object"),  # checked nothing, and said ok
+        ({"sub/../../x.safetensors": {"size": 1, "sha256": "0" * 64}}, "not a plain file name"),  # outside OUT
+        ({"sub/config.json": {"size": 2, "sha256": "0" * 64}}, "not a plain file name"),
+    ],
+)
+def test_read_manifest_refuses_an_empty_list_and_names_with_folders(tmp_path, files, said):
+    """manifest.json lists plain file names of OUT, at least one: a manifest listing none made `check` pass on any
+    folder, and a name with a folder part made it hash a file elsewhere (`sub/../../x` leaves OUT)."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "dsv41-convert manifest v1", "files": files}))
+    with pytest.raises(VerifyInputError, match=said):
+        read_manifest(tmp_path)
+
+
+def test_check_for_one_tp_names_an_unlisted_rank_file_of_that_tp(tmp_path):
+    """check_folder(tp=2) leaves out the rank files of other tps (another conversion beside this one), but a
+    tp-2 rank file in the folder that the manifest does not list is this conversion's problem: named. Leaving
+    out every rank file passed a manifest (one without options.tp) that forgot a rank."""
+    _manifest_folder(tmp_path / "out", {"model0-mp2.safetensors": b"a" * 10, "config.json": b"{}"}, tp=None)
+    (tmp_path / "out" / "model1-mp2.safetensors").write_bytes(b"b" * 10)
+    (tmp_path / "out" / "model0-mp4.safetensors").write_bytes(b"c" * 10)
+    result = check_folder(tmp_path / "out", tp=2)
+    assert [p.split(":")[0] for p in result.problems] == ["model1-mp2.safetensors"], result.problems
+
+
+def test_a_complete_manifest_of_many_ranks_passes_and_one_missing_many_is_one_line(tmp_path):
+    """A tp-32 manifest listing all 32 rank files passes (past 16 ranks the missing ones are summed up in one line,
+    and that summary once fired on tp alone: a complete folder refused); a tp-40 manifest listing 2 of its rank
+    files fails with that single line, naming the count 2."""
+    _manifest_folder(tmp_path / "a", {f"model{r}-mp32.safetensors": bytes([r]) for r in range(32)}, tp=32)
+    result = check_folder(tmp_path / "a")
+    assert result.ok and len(result.checked) == 32, result.problems
+    _manifest_folder(tmp_path / "b", {f"model{r}-mp40.safetensors": bytes([r]) for r in range(2)}, tp=40)
+    problems = check_folder(tmp_path / "b").problems
+    assert problems == [
+        "manifest.json says tp 40 but lists 2 of its rank files "
+        "(model2-mp40.safetensors, model3-mp40.safetensors, model4-mp40.safetensors, ... missing)"
+    ]

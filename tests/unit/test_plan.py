@@ -107,6 +107,40 @@ def test_split_that_cuts_scale_blocks(tmp_path):
         validate_sources(sources, ModelArgs.from_hf_dict(cfg), 8, tmp_path / "s" / "config.json")
 
 
+def test_a_dim_1_split_that_cuts_scale_blocks_is_named(src):
+    """The tensor-level check covers the tensors split along their input dim too: wo_b [64, 256] (o_groups 8 x
+    o_lora_rank 32 inputs, scale [2, 8]) over tp 16 gives 16 inputs per rank, half a 32-wide scale block. Only
+    dim-0 splits were checked, so wo_b's cut blocks passed (convert/tp.py refuses that tp from config.json
+    first; this is the check behind it, which names the tensor)."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    sources = gather_sources(src, index)
+    cfg = json.loads((src / "config.json").read_text())
+    assert sources["layers.0.attn.wo_b.weight"].shape == (64, 8 * 32)
+    with pytest.raises(PlanError, match=r"layers\.0\.attn\.wo_b\.weight: split of dim 1 \(256\) over --tp 16 cuts"):
+        validate_sources(sources, ModelArgs.from_hf_dict(cfg), 16, src / "config.json")
+
+
+@pytest.mark.parametrize("name", ["layers.0.attn.wq_a.weight", "layers.1.ffn.experts.3.w1.weight"])
+def test_an_unquantized_tensor_of_another_shape_is_refused(tmp_path, name):
+    """A bf16 source's tensor with the right dtype but a shape config.json does not imply (half its rows) is
+    refused naming it and both shapes: checking only the dtype of an unquantized source planned it as if it
+    had the shape config.json implies."""
+    src = make_tiny(tmp_path / "b", quantized=False)
+    cfg = json.loads((src / "config.json").read_text())
+    want = list(source_tensors(cfg)[name].shape)
+    half = [want[0] // 2, *want[1:]]
+
+    def change(t):
+        t[name] = t[name][: half[0]].clone()
+
+    _rewrite(src, change)
+    with pytest.raises(
+        PlanError,
+        match=rf"{re.escape(name)}: found BF16 {re.escape(str(half))}, expected BF16 or F32 {re.escape(str(want))}",
+    ):
+        build_plan(src, 1)
+
+
 def test_missing_tensor_named(src):
     _rewrite(src, lambda t: t.pop("layers.1.attn.wkv.weight"))
     with pytest.raises(PlanError, match=r"layers\.1\.attn\.wkv\.weight: missing from the checkpoint"):
@@ -434,6 +468,20 @@ def test_no_candidate_source_layer_needs_no_candidate_block_size(tmp_path):
     cfg["text_config"] |= {"candidate_source_layer_id": -1, "candidate_block_size": 0}
     write_ckpt(tmp_path / "s", tensors, cfg)
     assert build_plan(tmp_path / "s", 2).files
+
+
+def test_a_tensor_held_under_both_spellings_is_refused(tmp_path):
+    """A checkpoint holding a tensor under its name and under an older spelling that renames to it
+    (`model.embed.weight`, as upstream convert.py renames) holds two candidates for one output tensor: refused,
+    naming both. Taking the later one quietly converted whichever the file order put last."""
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    tensors["model.embed.weight"] = torch.zeros_like(tensors["embed.weight"])  # another value: which one is it?
+    src = write_ckpt(tmp_path / "src", tensors, cfg)
+    with pytest.raises(
+        PlanError, match=r"tensor (model\.)?embed\.weight renames to embed\.weight, which .* already has"
+    ):
+        build_plan(src, 1)
 
 
 def test_plan_json_reads_name_the_tensors_the_files_hold_under_older_spellings(tmp_path):

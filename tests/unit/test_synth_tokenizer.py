@@ -117,6 +117,16 @@ def test_tokenizer_config_is_shaped_as_published():
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and cfg["model_max_length"] == 1024
 
 
+def test_tokenizer_config_bytes_are_the_published_files():
+    """With the published model_max_length, json.dumps(tokenizer_config(...), indent=2, ensure_ascii=False) is
+    the published tokenizer_config.json byte for byte (its docstring's promise): a changed flag (an added
+    token's `normalized`) or key order gave make-tiny a tokenizer_config.json the real one is not."""
+    published = TOKENIZER_CONFIG.read_bytes()
+    length = json.loads(published)["model_max_length"]
+    ours = json.dumps(tokenizer_config(length), indent=2, ensure_ascii=False).encode("utf-8")
+    assert ours == published
+
+
 def _token_ids(node: Any, path: str = "") -> Iterator[tuple[str, int]]:
     """(dotted key, id) of every *_token_id anywhere in a nested config.json."""
     for key, value in node.items():
