@@ -945,19 +945,24 @@ def os_error_message(exc: OSError) -> str:
 def _input_error(message: str) -> None:
     """`error: message` on stderr, and with --json also {"ok": false, "exit_code": 2, "error": message} on
     stdout (a pipeline that reads stdout gets a document either way); exit 2."""
-    with interrupts.held():
-        report.error(message)
-        _json_error(message)
+    _say_ending(message, 2)
     sys.exit(2)
 
 
 def _run_failed(message: str) -> None:
     """`error: message` and its --json document for a run that failed, not its input (a process of it died);
     exit 1."""
+    _say_ending(message, 1)
+    sys.exit(1)
+
+
+def _say_ending(message: str, code: int) -> None:
+    """`error: message` on stderr and its --json document, a signal held off while they are said: torchrun's
+    stop of a process that was saying its own error (its other process refused the same input a moment
+    earlier) ended it mid-line, exit 130 and no document (CI)."""
     with interrupts.held():
         report.error(message)
-        _json_error(message, 1)
-    sys.exit(1)
+        _json_error(message, code)
 
 
 def _json_error(message: str, code: int = 2) -> None:
@@ -1054,12 +1059,9 @@ def _how_stopped() -> tuple[str, int]:
 
 
 def _say_stopped() -> int:
-    """The stopped run's last words (stderr, and its --json document where it wrote none), a second signal held
-    off while they are said; -> its exit code."""
+    """The stopped run's last words (_say_ending); -> its exit code."""
     said, code = _how_stopped()
-    with interrupts.held():
-        report.error(said)
-        _json_error(said, code)
+    _say_ending(said, code)
     return code
 
 

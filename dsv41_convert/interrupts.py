@@ -73,20 +73,16 @@ def check() -> None:
 @contextmanager
 def deferred() -> Iterator[None]:
     """Interrupts inside wait for a check(); one not yet raised by the end is raised there."""
-    _state["depth"] += 1
-    try:
+    with held():
         yield
-    finally:
-        _state["depth"] -= 1
     check()
 
 
 @contextmanager
 def held() -> Iterator[None]:
-    """Interrupts inside wait, and are not raised at its end either: for a run's last words (its error line and
-    --json document), said once its ending is decided; the process ends right after with the code decided.
-    Torchrun's stop of a process that was saying its own error (its other process refused the same input a
-    moment earlier) ended it mid-line, exit 130 and no document (CI)."""
+    """Interrupts inside wait, and are not raised at its end (deferred() raises them there): for a run's last
+    words (its error line and --json document), said once its ending is decided; the process ends right after
+    with the code decided (cli._say_ending)."""
     _state["depth"] += 1
     try:
         yield

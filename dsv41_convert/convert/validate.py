@@ -183,8 +183,9 @@ def validate_sources(
     quantizes the source, by default where it is unquantized), then every tensor against the config's layout
     and tp. -> (backbone experts, mtp experts)"""
     quantized = args.dtype == "fp8"
-    # a published-format source holds its experts and Engram rows with a scale per 32 inputs: as a quantizing output
-    require_block_dims(args, config, expert_dtype, quantized or (not quantized if quantizes is None else quantizes))
+    quantizes = not quantized if quantizes is None else quantizes
+    # a published-format source holds its experts and Engram rows with a scale per 32 inputs, as a quantizing output
+    require_block_dims(args, config, expert_dtype, quantized or quantizes)
     # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
     if not (quantized and _same_layout(sources, args)):
         if quantized:

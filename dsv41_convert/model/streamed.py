@@ -56,7 +56,13 @@ from dsv41_convert.model.load import bind_tensors, expected_tensors
 from dsv41_convert.model.runtime import SharedAttentionRuntime
 from dsv41_convert.model.stream_feed import CudaFeed, HostFeed, nbytes
 from dsv41_convert.model.stream_records import StreamPrompt, StreamResult, UnitTiming, WeightProvider
-from dsv41_convert.model.transformer import block_step, capture_block, image_rows, merge_image_spans, to_streams
+from dsv41_convert.model.transformer import (
+    block_step,
+    capture_block,
+    capture_embedding,
+    merge_image_spans,
+    to_streams,
+)
 from dsv41_convert.progress import counting
 from dsv41_convert.store.heap import release_freed_memory
 
@@ -354,9 +360,7 @@ class _Runner:
                 encoded = iter(self.image_embeds[p])
                 merge_image_spans(unit, [self.prompts[p].images], h, lambda *_, it=encoded: next(it))
             if s == 0 and self.capture:
-                if args.vision_enabled:
-                    self.hidden[p]["vision"] = image_rows(h, step.image_mask)
-                self.hidden[p]["embed"] = h.clone()
+                capture_embedding(self.hidden[p], h, step.image_mask, args.vision_enabled)
             step.h, step.pre_mix = to_streams(h, args.hc_mult)
             if self.drafts:
                 from dsv41_convert.model.mtp import embed_draft_block

@@ -136,9 +136,7 @@ class Transformer(nn.Module):
                     raise ValueError("image spans must lie in the first prefill chunk (start_pos 0)")
                 self.merge_image_embeddings(images, h)
             if hidden_states is not None:
-                if self.vision is not None:
-                    hidden_states["vision"] = image_rows(h, image_mask)
-                hidden_states["embed"] = h.clone()
+                capture_embedding(hidden_states, h, image_mask, self.vision is not None)
             h, pre_mix = to_streams(h, self.hc_mult)
             main_hiddens = []
             for i, layer in enumerate(self.layers):
@@ -195,6 +193,16 @@ def merge_image_spans(owner: nn.Module, images, h: torch.Tensor, encode) -> None
             span[types == IMAGE_NEW_LINE] = owner.image_newline.to(h.dtype)
             embeds = encode(img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
             span[types == IMAGE] = embeds.to(h.dtype)
+
+
+def capture_embedding(hidden: dict[str, torch.Tensor], h: torch.Tensor, image_mask, vision: bool) -> None:
+    """hidden["embed"] = h (cloned) and, for a model with a vision tower, hidden["vision"] = image_rows(h).
+
+    h: [b, s, dim] bfloat16 after merge_image_spans; image_mask: [b, s] bool or None
+    """
+    if vision:
+        hidden["vision"] = image_rows(h, image_mask)
+    hidden["embed"] = h.clone()
 
 
 def image_rows(h: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
