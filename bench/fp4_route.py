@@ -19,7 +19,7 @@ import functools
 import json
 
 import torch
-from bench_kernels import median_ms
+from bench_kernels import median_ms, queued_ms
 
 ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 NK = ((4096, 7168), (2304, 5120), (5120, 2304))
@@ -47,20 +47,6 @@ def fp8_rows(m: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     return act.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-
-
-def queued_ms(fn, reps=50, warm=3):
-    """GPU time per call of `reps` calls queued back to back."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:

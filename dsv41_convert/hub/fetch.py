@@ -23,7 +23,7 @@ from huggingface_hub.utils._runtime import is_xet_available  # same test hf_hub_
 from dsv41_convert.errors import DownloadError
 from dsv41_convert.hub.hub_errors import hub_error, with_retries
 from dsv41_convert.hub.integrity import Problem, Record, RemoteFile, repo_path_problem
-from dsv41_convert.hub.local import COMMIT, storage_of
+from dsv41_convert.hub.local import COMMIT
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, difference
 from dsv41_convert.store.own_files import open_own
@@ -126,7 +126,7 @@ def fetch_file(
             )
         if local_dir is not None and not by_xet:
             return _fetch_resumable(file, url, meta, Path(local_dir), token=token, progress=progress, stop=stop)
-        held = _held(repo_id, file, meta, local_dir, cache_dir)
+        bar = _bar_class(file.path, progress, stop)
         path = hf_hub_download(
             repo_id,
             file.path,
@@ -136,14 +136,16 @@ def fetch_file(
             endpoint=endpoint,
             token=token,
             force_download=force,
-            tqdm_class=_bar_class(file.path, progress, stop),
+            tqdm_class=bar,
         )
         try:
             problem = _check(Path(path), file, stop)
         except Stopped:
             # named by huggingface_hub, not checked: any other reader of the HF cache took a corrupt blob as the
-            # Hub's file (an audit: Ctrl-C during the hash of a bad transfer); one held before is left as it was
-            if not held:
+            # Hub's file (an audit: Ctrl-C during the hash of a bad transfer). Bytes this call did not transfer
+            # (held before, or finished by another process while this one waited on huggingface_hub's lock)
+            # are left as they were.
+            if bar.transfers:
                 remove_file(Path(path))
             raise
         if problem is not None:
@@ -158,14 +160,6 @@ def fetch_file(
             exc, repo_id=repo_id, revision=commit, path=file.path, endpoint=endpoint, folder=local_dir or cache_dir
         ),
     )
-
-
-def _held(repo_id: str, file: RemoteFile, meta: HfFileMetadata, local_dir: Path | None, cache_dir: Path | None) -> bool:
-    """Whether the bytes hf_hub_download is about to name are there already: the file in `local_dir`, or its
-    blob (named by its etag) in the HF cache, maybe another revision's."""
-    if local_dir is not None:
-        return (Path(local_dir) / file.path).exists()
-    return meta.etag is not None and (storage_of(repo_id, cache_dir) / "blobs" / meta.etag).exists()
 
 
 def remove_file(path: Path) -> None:
@@ -269,10 +263,16 @@ def _fetch_resumable(
 def _bar_class(label: str, progress: Progress | None, stop: threading.Event | None = None) -> type:
     """A tqdm stand-in for huggingface_hub that forwards (label, done, total) bytes to `progress`, and raises
     Stopped once `stop` is set: http_get updates its bar before it writes each chunk, so a stopped transfer
-    ends at a chunk boundary (its temporary or partial file a prefix of the file) and never completes."""
+    ends at a chunk boundary (its temporary or partial file a prefix of the file) and never completes.
+
+    The class's `transfers` counts the bars made from it: huggingface_hub makes one only where it transfers
+    bytes, never for a file or blob it finds in place."""
 
     class _Bar:
+        transfers = 0
+
         def __init__(self, *args: Any, total: int | None = None, initial: int = 0, **kwargs: Any) -> None:
+            type(self).transfers += 1
             self.total = int(total or 0)
             self.n = int(initial or 0)
             self._emit()

@@ -189,6 +189,31 @@ def test_a_file_stopped_in_its_check_is_not_left_in_the_hf_cache(hub, tmp_path, 
     assert blob.is_file() is held_before and (link.exists() or link.is_symlink()) is held_before
 
 
+def test_a_blob_another_process_finished_is_not_removed_when_this_check_is_stopped(hub, monkeypatch):
+    """Two downloads of one repo into one HF cache: the second waits on huggingface_hub's lock while the first
+    transfers the blob, then finds it in place. Ctrl-C during the second's check removed the first's blob (the
+    second had looked for it before its call, not found it, and took it for its own transfer)."""
+    f = remote(hub, FIRST)
+    fetch_once = {"local_dir": None, "cache_dir": None, "endpoint": hub.url, "token": None, "retries": 0,
+                  "backoff_s": 0, "progress": None, "stop": threading.Event()}  # fmt: skip
+    blob = dl.storage_of(REPO, None) / "blobs" / f.sha256
+    download = hub_fetch.hf_hub_download
+
+    def the_other_process_first(*args, **kwargs):
+        assert download(*args, **{**kwargs, "tqdm_class": None}) and blob.is_file()  # the first download's
+        return download(*args, **kwargs)
+
+    def stopped(*_args):
+        raise hub_fetch.Stopped
+
+    monkeypatch.setattr(hub_fetch, "hf_hub_download", the_other_process_first)
+    monkeypatch.setattr(hub_fetch, "_check", stopped)
+    with pytest.raises(hub_fetch.Stopped):
+        hub_fetch.fetch_file(REPO, f, C1, force=False, **fetch_once)
+    assert blob.is_file() and hashlib.sha256(blob.read_bytes()).hexdigest() == f.sha256
+    assert (dl.storage_of(REPO, None) / "snapshots" / C1 / FIRST).is_file()
+
+
 @pytest.mark.parametrize("into", ["local_dir", "hf_cache"])
 def test_a_fetched_file_that_fails_its_check_is_not_left_at_its_name(hub, tmp_path, into):
     """fetch_file's promise: a file whose bytes are not those of its listing comes back as a Problem, with
