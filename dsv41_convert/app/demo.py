@@ -100,7 +100,8 @@ def _clear_earlier_demo(folder: Path, out: Path) -> None:
     left to make-tiny's --overwrite, which replaces only its own files), after checking that none holds a file
     shard does not write, that `out` (this run's conversion) is absent or one of them, and that src/ is no
     link: --overwrite removed every mp<N>/ with shard's records (a user's own conversion too) and src/ with
-    whatever was in it, and wrote through a src/ link (audits). Nothing is removed where something is refused."""
+    whatever was in it, and wrote through a src/ link (audits); and that the reference's name is no folder. Nothing
+    is removed where something is refused."""
     from dsv41_convert.convert.execute import shard_writes
     from dsv41_convert.synth.staged import check_out
 
@@ -129,6 +130,12 @@ def _clear_earlier_demo(folder: Path, out: Path) -> None:
             )
     if (folder / "src").exists():
         check_out(folder / "src", overwrite=True)  # refuses a src/ holding what make-tiny does not write
+    ref = folder / REFERENCE
+    if ref.is_dir() and not ref.is_symlink():  # unlink below fails on it: after the conversions went (an audit)
+        raise OutputError(
+            f"{ref}: a folder, where the demo writes its reference file; --overwrite replaces only its own output: "
+            "move it, or choose another folder"
+        )
     for conv in conversions:
         if conv.is_dir() and not conv.is_symlink():
             shutil.rmtree(conv)

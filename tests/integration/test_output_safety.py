@@ -256,6 +256,25 @@ def test_demo_overwrite_leaves_no_reference_of_the_earlier_demo(tmp_path, monkey
     assert (demo / "mp3" / "x").read_text() == "mine\n"
 
 
+def test_demo_overwrite_with_a_folder_at_the_references_name_removes_nothing(tmp_path, monkeypatch, capsys):
+    """A folder of the user's at DIR/ref-tp1.safetensors (the name the demo writes its reference to): `demo DIR
+    --overwrite` removed the earlier demo's mp2/, then failed on that folder (`Is a directory`, exit 2): half of
+    the clearing done, against "nothing is removed where something is refused". Now refused first, naming it."""
+    from dsv41_convert.app.demo import MARK, REFERENCE
+
+    demo = tmp_path / "demo"
+    (demo / "mp2").mkdir(parents=True)
+    (demo / "mp2" / "model0-mp2.safetensors").write_bytes(b"earlier")
+    (demo / MARK).write_text(json.dumps({"wrote": ["mp2"]}) + "\n")
+    (demo / REFERENCE).mkdir()
+    (demo / REFERENCE / "mine.txt").write_text("mine\n")
+    before = tree(demo)
+    code, doc, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--overwrite", "--json")
+    assert code == 2 and json.loads(doc)["exit_code"] == 2, err
+    assert f"{demo / REFERENCE}:" in err, err
+    assert tree(demo) == before
+
+
 def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
     """A shard fetched again (or edited) in place, then --resume: the finished rank files were skipped,
     holding the old bytes, and `check` passed them."""
