@@ -306,7 +306,7 @@ def _verify_ranks(
     if opts.stream_layers:
         say(f"replay: {conv} merged back to tp 1 one unit at a time, run here (in place of a tp-{tp} run)")
         with shown(f"replay: {conv}") as bars:
-            out = _replayed_streamed(ranks, ref, opts.device, bars)
+            out = _replayed_streamed(ranks, ref, opts.device, bars, ref_name)
         seconds["replay"] = time.perf_counter() - t1
     else:
         say(f"converted: {conv} on {tp} rank(s) ({opts.device})" + (", beside its twin" if expected else ""))
@@ -503,13 +503,16 @@ def _streamable(opts: VerifyOptions, ref: reffile.Reference, ref_name: str) -> N
         )
 
 
-def _replayed_streamed(ranks: RankFiles, ref: reffile.Reference, device: str, bars) -> RankResult | LoadFailure:
+def _replayed_streamed(
+    ranks: RankFiles, ref: reffile.Reference, device: str, bars, ref_name: str
+) -> RankResult | LoadFailure:
     """The streamed replay's runs (verify.streamed.replay_streamed), or the reason the rank files do not run
-    as one tp-1 model (they do not merge, or a merged tensor does not fit the model)."""
+    as one tp-1 model (they do not merge, or a merged tensor does not fit the model); a prompt of the reference
+    it cannot run is an input error naming `ref_name`, the file."""
     from dsv41_convert.verify.streamed import replay_streamed
 
     try:
-        return RankResult(replay_streamed(ranks, ref, device, bars), None)
+        return RankResult(replay_streamed(ranks, ref, device, bars, ref_name), None)
     except (ShardConsistencyError, PlanError) as exc:
         return LoadFailure([(0, f"the rank files do not merge back to tp 1 and load: {exc}")])
 

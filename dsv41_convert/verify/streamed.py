@@ -152,23 +152,27 @@ def _check_manifest(folder: Path, progress: Progress | None, say: Callable[[str]
 
 
 def replay_streamed(
-    ranks: RankFiles, ref: Reference, device: str = "cpu", progress: Progress | None = None
+    ranks: RankFiles, ref: Reference, device: str = "cpu", progress: Progress | None = None, ref_name: str = ""
 ) -> list[PromptRun]:
     """verify's tp-1 replay one unit at a time: every prompt of the tp-1 reference `ref` through `ranks`
     merged back to tp 1 per unit (RankWeights over them), the decode steps fed the reference's decode_ids,
     so a correct conversion gives the reference's every logit bit for bit (as verify.replay's whole merged
     model would) while one unit is held, not the model. Raises ShardConsistencyError where the rank files
-    do not merge, VerifyInputError for a prompt or record the streamed model cannot run."""
+    do not merge, VerifyInputError for a prompt or record the streamed model cannot run (naming `ref_name`, the
+    file, where given)."""
     args = ranks.args.with_runtime(max_batch_size=1, max_seq_len=ref.max_seq_len, temperature=0.0)
     inputs = [attach_images(inp, args) for inp in ref.inputs]
-    _long_enough(ref.labels, inputs, args, " (--stream-layers; verify without it runs any length)")
+    where = f"{ref_name}: " if ref_name else ""
+    labels = [f"{where}prompt {label}" if where else label for label in ref.labels]
+    _long_enough(labels, inputs, args, " (--stream-layers; verify without it runs any length)")
     fit_merged(ranks, args)
     decode = []
     for label, run in zip(ref.labels, ref.runs, strict=True):
         if ref.n_decode and run.decode_ids.numel() < ref.n_decode + 1:
             raise VerifyInputError(
-                f"prompt {label}: the reference records {run.decode_ids.numel()} decode tokens for {ref.n_decode} "
-                "decode steps: the streamed replay feeds the reference's tokens; verify without --stream-layers"
+                f"{where}prompt {label}: the reference records {run.decode_ids.numel()} decode tokens for "
+                f"{ref.n_decode} decode steps: the streamed replay feeds the reference's tokens; verify without "
+                "--stream-layers"
             )
         decode.append(run.decode_ids[: ref.n_decode + 1] if ref.n_decode else torch.zeros(1, dtype=torch.int64))
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]

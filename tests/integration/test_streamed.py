@@ -281,6 +281,29 @@ def test_a_prompt_shorter_than_a_compress_group_is_refused(sources):
         compute_streamed_reference(sources["fp8"], [Prompt((5, 6, 7), "ok"), line], 1)
 
 
+def test_verify_stream_layers_names_the_reference_holding_a_prompt_too_short_to_stream(
+    sources, tmp_path, monkeypatch, capsys
+):
+    """A tp-1 reference of a 1-token prompt (verify without --stream-layers runs it): `verify MP --reference-logits
+    FILE --stream-layers` refused it with `line-1: a 1-token prompt: streaming needs 2 tokens ...`, naming only the
+    prompt's label, not the file that holds it (an input error names the file). Now FILE is named."""
+    from cli_run import run_cli
+
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+
+    mp2, ref = tmp_path / "mp2", tmp_path / "ref.safetensors"
+    execute(build_plan(sources["fp8"], 2), mp2)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [5]}) + "\n")
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(sources["fp8"]), str(ref), "--prompts",
+                           str(tmp_path / "p.jsonl"), "--decode-steps", "0", "--no-weight-digests")  # fmt: skip
+    assert code == 0, err
+    code, doc, err = run_cli(monkeypatch, capsys, "verify", str(mp2), "--reference-logits", str(ref), "--stream-layers",
+                             "--json")  # fmt: skip
+    error = json.loads(doc)["error"]
+    assert code == 2 and "1-token prompt" in error and error.startswith(f"{ref}: "), err
+
+
 def test_cli_stream_layers_refuses_tp(sources, tmp_path, monkeypatch, capsys):
     from cli_run import run_cli
 
