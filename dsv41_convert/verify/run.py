@@ -619,7 +619,11 @@ _WEIGHTS_HELD = (
 def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs, th: Thresholds, replay_runs):
     tp = ranks.tp
     loc = localize.Localization()
-    if isinstance(out, LoadFailure):
+    replicas = [f.removeprefix("replicas: ") for f in result.failures if f.startswith("replicas: ")]
+    if isinstance(out, LoadFailure) and replicas:  # the streamed merge refuses differing copies: they say where
+        loc.module = localize.module_of(replicas[0].split(":")[0], conv_args.n_layers)
+        loc.note = f"{replicas[0]} (the replicas check: bytes the rank files must agree on)"
+    elif isinstance(out, LoadFailure):
         loc.note = "the shards do not load into the model; see the load error"
     else:
         # against the twin or in the tp-1 replay the first differing bit counts; else the mode's tolerance
@@ -634,7 +638,6 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
             loc.module, loc.module_errors = localize.first_divergence(ref_hidden, conv_hidden, rtol)
         backbone_failed = any(not {"draft", "confidence"} & set(f.split(":")[0].split()) for f in result.failures)
         failed_sections = {f.split(":")[0].split()[-1] for f in result.failures} & set(SECTIONS)  # any run's
-        replicas = [f.removeprefix("replicas: ") for f in result.failures if f.startswith("replicas: ")]
         taught = [f.split(":")[0].removeprefix("teacher ") for f in result.failures if f.startswith("teacher ")]
         unmerged = [f.removeprefix("replay: ") for f in result.failures if f.startswith("replay: ")]
         weights = [f.split("weights: ", 1)[1] for f in result.failures if f.startswith(("twin weights: ", "weights: "))]
