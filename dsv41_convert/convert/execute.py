@@ -398,8 +398,9 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
 def check_destination(
     plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None = None
 ) -> list[RankFile]:
-    """What `execute` would refuse before writing, for --dry-run: --ranks, OUT, and under --resume the
-    records of another plan; nothing is locked, hashed or written. -> the rank files this process would write"""
+    """What `execute` would refuse before writing, for --dry-run: --ranks, OUT (also its free space, but under
+    --resume), and under --resume the records of another plan; nothing is locked, hashed or written.
+    -> the rank files this process would write"""
     if resume and overwrite:
         raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
     mine = select_files(plan, ranks)
@@ -417,6 +418,10 @@ def check_destination(
         if resume or others is not None:
             src = Path(plan.src)
             _check_source_unchanged(out, src, source_stamps(src), None if resume else _kept(plan, mine))
+    if not resume:  # as the run checks before its first byte (a resume's need is known once its files are hashed)
+        # --overwrite removes the replaced files first: credit every file OUT holds, so none the run takes is refused
+        held = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) if overwrite and out.is_dir() else 0
+        _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)) - held)
     return mine
 
 
@@ -479,8 +484,9 @@ def _side_bytes(src: Path) -> int:
 
 
 def _require_space(out: Path, need: int) -> None:
-    """OutputError unless OUT's device has `need` bytes free."""
-    free = disk_free(out)
+    """OutputError unless OUT's device (that of its nearest existing folder: a dry run makes none) has `need`
+    bytes free."""
+    free = disk_free(nearest_existing(out))
     if need > free:
         need_said, free_said = byte_amounts(need, free)
         raise OutputError(

@@ -71,12 +71,19 @@ def test_tokenizer_feeds_the_engram_map(hollow):
 
 
 def test_plan_and_dry_run_run_on_it(hollow, monkeypatch, capsys):
+    """The dry run plans the full layout; like the run, it refuses a disk without room for the 537 GB."""
+    import dsv41_convert.convert.execute as execute_mod
+
     out, _ = hollow
-    code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(out), str(out.parent / "mp8"), "--tp", "8",
-                                "--dry-run", "--json")  # fmt: skip
+    args = ("shard", str(out), str(out.parent / "mp8"), "--tp", "8", "--dry-run", "--json")
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 10**12)
+    code, stdout, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["tp"] == 8 and summary["total_bytes"] > 537e9  # wo_a to bf16, replicated tensors x 8
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 10**11)
+    code, stdout, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and "537.31 GB to write but only 100.00 GB free" in json.loads(stdout)["error"], err
     assert not (out.parent / "mp8").exists()
 
 

@@ -532,6 +532,22 @@ def test_dry_run_refuses_an_out_it_may_not_write(src, tmp_path, monkeypatch, cap
     assert not (parent / "new").exists()
 
 
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_dry_run_refuses_an_out_without_room_as_the_run_does(src, tmp_path, monkeypatch, capsys, command):
+    """`--dry-run` said 0 into a disk without room for the files, where the run then refused before its first
+    byte (`N bytes to write but only M bytes free`, exit 2): the dry run checked OUT's permissions, not its
+    free space (found on a 4 MiB tmpfs: the tiny checkpoint's 15 MB at tp 2)."""
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    out = tmp_path / "new" / "out"
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 1000)
+    for extra in (["--dry-run"], []):
+        code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, *extra)
+        assert code == 2 and "bytes to write but only 1,000 bytes free" in err, (extra, err)
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 1 << 40)  # room: the dry run still says 0
+    code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(tmp_path / "roomy"), *args, "--dry-run")
+    assert code == 0 and not (tmp_path / "roomy").exists(), err
+
+
 @pytest.mark.parametrize(
     ("first", "again", "removal"),
     [
