@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41_convert.file_kinds import special_kind
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.machine import usable_cores
 from dsv41_convert.store.threads import map_stoppable
@@ -125,7 +126,9 @@ class Problem:
 def difference(path: Path, name: str, rec: Recorded, on_bytes: Callable[[int], None] | None = None) -> Problem | None:
     """None when the file at `path` has the recorded size and digest; else the first thing that differs."""
     if not path.is_file():
-        found = "a folder" if path.is_dir() else "a broken link" if path.is_symlink() else "no file"
+        found = (
+            "a folder" if path.is_dir() else special_kind(path) or ("a broken link" if path.is_symlink() else "no file")
+        )
         return Problem(name, "missing", found, f"{rec.size} bytes")
     size = path.stat().st_size
     if size != rec.size:

@@ -1,6 +1,7 @@
 """store/file_digest.py: whole files against their records, several at once."""
 
 import hashlib
+import os
 import threading
 
 import numpy as np
@@ -50,6 +51,18 @@ def test_mismatch_names_the_file_and_what_differs(tmp_path):
     f.rmdir()
     f.symlink_to(tmp_path / "gone")
     assert mismatch(f, f.name, rec) == f"{f.name}: a broken link where fragment r3 lists a file of 1000 bytes"
+
+
+def test_a_fifo_at_a_listed_name_is_named_for_what_it_is(tmp_path):
+    """A FIFO (socket, device) where the record lists a file was reported as "missing (manifest lists N
+    bytes)", by `check`, `manifest` and `--resume` alike, though something is there: named for what it is,
+    as a folder and a broken link are."""
+    f = tmp_path / "tokenizer.json"
+    rec = Recorded(21513, "0" * 64, "manifest")
+    os.mkfifo(f)
+    assert (
+        mismatch(f, f.name, rec) == f"{f.name}: a FIFO, a socket or a device where manifest lists a file of 21513 bytes"
+    )
 
 
 def test_difference_compares_the_digest_the_record_has(tmp_path):
