@@ -676,7 +676,7 @@ def _execute_held(
     if resume:  # a run from the start checked every file's bytes in `execute`, before its first record
         _require_space(out, need + _side_bytes(src))
     if todo or sidecars:  # an export's `before` removes config.json and the index the manifest lists
-        forget_stale(out, digest)
+        forget_stale(out, digest, frozenset(f.file for f in todo))
     set_aside = _set_aside_tokenizer_files(src, out)
     extra = sidecars.before(src, out) if sidecars else write_sidecars(plan, src, out)
     t0 = time.monotonic()

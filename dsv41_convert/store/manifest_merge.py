@@ -183,17 +183,34 @@ def import_fragments(out: Path, plan_digest: str) -> list[str]:
     return recorded
 
 
-def forget_stale(out: Path, plan_digest: str) -> list[str]:
+def forget_stale(out: Path, plan_digest: str, rewriting: frozenset[str] = frozenset()) -> list[str]:
     """Before a run (re)writes rank files in `out`: remove manifest.json, which would describe files about
-    to change, and every fragment of another plan (an --overwrite replaces that conversion).
+    to change, every fragment of another plan (an --overwrite replaces that conversion), and each fragment of
+    this plan that records a file in `rewriting` (its record is of the bytes about to be replaced: a merge
+    would call the new file corrupt) where each of its other files has a done record of this plan here (the
+    folder's own record of it, which the run's manifest or fragment carries on; a fragment of a share gathered
+    from another machine, whose files have none, is kept).
     -> the names removed"""
     gone = [MANIFEST] if (out / MANIFEST).is_file() else []
     gone += [name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != plan_digest]
+    gone += [
+        name for name, frag in read_fragments(out).items() if name not in gone and _superseded(out, frag, rewriting)
+    ]
     for name in gone:
         (out / name).unlink(missing_ok=True)  # a share of the ranks beside us may have done it
     if gone:
         fsync_path(out)
     return gone
+
+
+def _superseded(out: Path, frag: dict[str, Any], rewriting: frozenset[str]) -> bool:
+    """Whether a fragment of this plan records a file in `rewriting` and each of its other files has a done
+    record of that plan in `out` (forget_stale)."""
+    files = frag["files"]
+    digest = frag.get("plan_digest")
+    return bool(rewriting & files.keys()) and all(
+        file in rewriting or (read_done(out, file) or {}).get("plan_digest") == digest for file in files
+    )
 
 
 def merge(

@@ -543,6 +543,26 @@ def test_a_rank_file_gathered_again_names_the_earlier_merges_record(runs, tmp_pa
     )
 
 
+def test_a_rewrite_drops_this_plans_fragments_that_record_the_old_bytes(runs, tmp_path, monkeypatch, capsys):
+    """Shares (or a torchrun launch) leave their fragments beside the manifest.json the last one wrote; a later
+    run that rewrote the files (--overwrite from another copy of one layout: one plan digest) removed the
+    manifest but kept the fragments, whose records were the old bytes: `manifest OUT` then refused the
+    consistent folder (exit 2), blaming the new done record as an earlier merge's. They go with the rewrite."""
+    out = tmp_path / "out"
+    execute(build_plan(runs["src"], 4), out, ranks=[0, 3])
+    execute(build_plan(runs["src"], 4), out, ranks=[1, 2])
+    assert (out / "manifest.json").is_file() and (out / "manifest-fragment-mp4-r0_3.json").is_file()
+    other = make_tiny(tmp_path / "other", seed=1)  # the same layout, other weights
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(other), str(out), "--tp", "4", "--overwrite")
+    assert code == 0, err
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(out))
+    assert code == 0, err
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    for r in range(4):
+        name = f"model{r}-mp4.safetensors"
+        assert files[name]["sha256"] == _sha256(out / name), name
+
+
 def test_a_share_with_other_options_is_refused_and_the_first_share_kept(tmp_path, monkeypatch, capsys):
     """Rank 0 with the default options, then rank 1 with --expert-dtype fp8 into the same OUT: exit 0, rank 0's
     fragment removed and its config.json replaced by the fp8 one, and `manifest` could not say what went

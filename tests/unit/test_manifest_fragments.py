@@ -109,6 +109,21 @@ def test_forget_stale_removes_the_manifest_and_other_plans_fragments_only(tmp_pa
     assert ours.is_file() and not theirs.exists() and not (tmp_path / "manifest.json").exists()
 
 
+def test_forget_stale_drops_this_plans_fragment_recording_a_rewritten_file_unless_it_is_a_gathered_share(tmp_path):
+    """A fragment of this plan recording a file the run rewrites holds the old bytes' record (a merge then
+    called the new file corrupt): it goes where its other files have done records of this plan here (the
+    folder's own shares), and stays where one has none (a share gathered from another machine: the only
+    record of that file)."""
+    (tmp_path / DONE_DIR).mkdir()
+    old = {name: _record(b"old " + name.encode()) for name in RANKS_2}
+    own = _fragment(tmp_path, "manifest-fragment-mp2-r0_1.json", "ours", RANKS_2, old)
+    other = _fragment(tmp_path, "manifest-fragment-mp2-r1.json", "ours", RANKS_2, {RANKS_2[1]: old[RANKS_2[1]]})
+    assert forget_stale(tmp_path, "ours", frozenset({RANKS_2[0]})) == []  # model1's only record is a fragment's
+    write_done(tmp_path, RANKS_2[1], old[RANKS_2[1]]["size"], old[RANKS_2[1]]["sha256"], "ours")
+    assert forget_stale(tmp_path, "ours", frozenset({RANKS_2[0]})) == [own.name]
+    assert other.is_file() and not own.exists()  # r1 records no file being rewritten
+
+
 def test_merge_of_two_shares_writes_their_records(tmp_path):
     """The hand-built folder the next test spoils merges: manifest.json lists both rank files and the side
     files with the sizes and sha256 hashlib gives."""
