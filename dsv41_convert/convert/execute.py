@@ -81,7 +81,7 @@ from dsv41_convert.store.manifest_merge import (
     read_fragments,
     write_fragment,
 )
-from dsv41_convert.store.plan_claims import claimed
+from dsv41_convert.store.plan_claims import claimed, live_claims
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps
 
@@ -412,7 +412,8 @@ def check_destination(
         check_empty(out, resume, overwrite, others)
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
         if others is not None:
-            _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None)
+            live = live_claims(out, plan.digest())  # the shares running now, as the run's claim sees them
+            _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live)
         if resume:
             _check_resumable(out, mine, plan.digest())
         if resume or others is not None:

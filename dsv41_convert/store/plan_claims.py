@@ -59,8 +59,15 @@ def _hold_shared(path: Path) -> int:
         os.close(fd)
 
 
-def _live_others(where: Path, digest: str) -> list[str]:
-    """The digests of other plans' claims in `where` that a process holds; the others are removed."""
+def live_claims(folder: Path, digest: str) -> list[str]:
+    """For a dry run: the digests of other plans whose claims in `folder` a process holds, as a share sees
+    them (claimed); no claim is made and none removed."""
+    where = Path(folder) / CLAIMS_DIR
+    return _live_others(where, digest, remove=False) if where.is_dir() else []
+
+
+def _live_others(where: Path, digest: str, remove: bool = True) -> list[str]:
+    """The digests of other plans' claims in `where` that a process holds; the others are removed (`remove`)."""
     live = []
     for path in where.iterdir():
         name = path.name
@@ -75,7 +82,8 @@ def _live_others(where: Path, digest: str) -> list[str]:
         except BlockingIOError:
             live.append(name[len(_PREFIX) : -len(_SUFFIX)])
         else:
-            path.unlink(missing_ok=True)  # its run ended without letting it go (killed)
+            if remove:
+                path.unlink(missing_ok=True)  # its run ended without letting it go (killed)
         finally:
             os.close(fd)
     return sorted(live)

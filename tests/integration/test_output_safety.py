@@ -720,6 +720,26 @@ def test_a_share_started_while_a_share_of_another_plan_runs_is_refused(src, tmp_
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
 
 
+def test_dry_run_of_a_share_refuses_a_running_share_of_another_plan_as_the_run_does(src, tmp_path, monkeypatch, capsys):
+    """`shard --ranks 1 --dry-run` beside a share of another plan still running (its claim held, no fragment
+    yet) said 0, where the run refuses it ("a share of another plan is being written into it now", exit 2):
+    found with a medium-preset share running. The dry run looks at the claims too, and removes none."""
+    from dsv41_convert.store.plan_claims import claimed
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = "0" * 64  # the plan of a share running now
+    said = f"a share of another plan is being written into it now (plan {other[:12]}"
+    with claimed(out, other):
+        for extra in (["--dry-run"], []):
+            code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "1", *extra)
+            assert code == 2 and said in err, (extra, err)
+    stale = out / ".dsv41-convert" / f"plan-{other}.claim"
+    stale.write_bytes(b"")  # a share killed: its claim held by none; the dry run passes and leaves it
+    code, _, err = shard(monkeypatch, capsys, str(src), str(out), "--tp", "2", "--ranks", "1", "--dry-run")
+    assert code == 0 and stale.exists(), err
+
+
 @pytest.mark.parametrize("command", ["shard", "export", "reference-logits"])
 @pytest.mark.parametrize("to", ["nowhere", "itself"])
 def test_out_a_link_to_nowhere_is_named_as_such(src, tmp_path, monkeypatch, capsys, command, to):
