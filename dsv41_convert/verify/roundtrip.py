@@ -7,8 +7,8 @@ below half the format's maximum, e4m3 <= 224 or e2m1 <= 3, which the encoder, gi
 stores with a smaller scale and larger codes) and which values differ only in the sign of a zero (the
 fp4 -> fp8 cast writes the e2m1 -0 as +0); or different values, with the largest difference.
 
-Catches: a tensor missing on one side, another dtype or shape, any changed value (decoded in float32,
-exact for these formats). Cannot tell: why two checkpoints with different values differ.
+Catches: a tensor missing on one side, another dtype or shape, any changed value (decoded in float64,
+exact for these formats and every scale byte). Cannot tell: why two checkpoints with different values differ.
 Reads one tensor at a time (pread, no mmap of whole shards).
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dsv41_convert.quant import E2M1_VALUES, decode_fp8_blocks, decode_mxfp4, infer_block
+from dsv41_convert.quant import E2M1_VALUES, e4m3_to_float, infer_block
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
-from dsv41_convert.quant.fp8 import pad_blocks
+from dsv41_convert.quant.fp4 import decode_e2m1_pairs
+from dsv41_convert.quant.fp8 import pad_blocks, unpad_blocks
 from dsv41_convert.store.safetensors_header import TensorInfo, pread_exact, read_header
 
 SAME_BYTES, SAME_VALUES, DIFFERS = "same bytes", "same values", "differs"
@@ -66,10 +67,20 @@ def _bits(t: Tensor) -> Tensor:
 
 
 def _decode(q: Tensor, s: Tensor) -> Tensor:
-    """Weight x scale in float32 (exact). q: e4m3 [out, in] or I8 [out, in/2]; s: its e8m0 scale."""
+    """Weight x scale in float64: exact for every code and scale byte (in float32, as the decoders multiply, a
+    block scaled near 2**127 overflows to inf, and two different values there compared equal: an audit).
+
+    q: [out, in] float8_e4m3fn, or [out, in/2] int8 (packed e2m1)
+    s: its float8_e8m0fnu scale: [ceil(out/bo), ceil(in/bi)], or [out, ceil(in/32)]
+    -> [out, in]  float64
+    """
+    s64 = s.float().double()  # every e8m0 byte is a float32 (2**-127 a subnormal, 255 NaN)
     if q.dtype == torch.int8:
-        return decode_mxfp4(q, s, 32, torch.float32)
-    return decode_fp8_blocks(q, s, None, torch.float32)
+        v = decode_e2m1_pairs(q).double()
+        inp = v.size(-1)
+        return unpad_blocks(pad_blocks(v, 1, 32) * s64[:, None, :, None], v.size(0), inp)
+    bo, bi = infer_block(q.shape, s.shape)
+    return unpad_blocks(pad_blocks(e4m3_to_float(q).double(), bo, bi) * s64[:, None, :, None], *q.shape)
 
 
 def non_canonical(q: Tensor, s: Tensor) -> Tensor:

@@ -141,3 +141,39 @@ def test_a_tensor_of_another_shape_differs_by_its_shape(trips, tmp_path):
     (diff,) = compare_checkpoints(trips["back"], dst)
     assert diff.name == "layers.0.attn_norm.weight" and diff.verdict == DIFFERS
     assert diff.why == f"A has torch.bfloat16 [{length}], B torch.bfloat16 [{length - 1}]"
+
+
+def _with_huge_scale(trips, dst: Path, weight: str, code: int) -> Path:
+    """A copy of the round trip whose `weight` has scale byte 254 (2**127) for its first block and `code` as its
+    first byte (an e4m3 code, or an I8 byte of two e2m1 nibbles)."""
+    shutil.copytree(trips["back"], dst)
+    scale = weight.removesuffix(".weight") + ".scale"
+    for p in sorted(dst.glob("model-*.safetensors")):
+        t = load_file(p)
+        if weight in t:
+            raw = t[scale].view(torch.uint8).clone()
+            raw[0, 0] = 254
+            t[scale] = raw.view(torch.float8_e8m0fnu)
+            t[weight].view(torch.uint8)[0, 0] = code
+            save_file(t, p)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("weight", "code_a", "code_b"),
+    [
+        ("layers.0.attn.wq_a.weight", 0x7E, 0x7D),  # e4m3 448 and 416
+        ("layers.0.ffn.experts.0.w1.weight", 0x77, 0x66),  # e2m1 pairs (6, 6) and (4, 4)
+    ],
+)
+def test_values_past_float32s_range_are_compared_exactly(trips, tmp_path, weight, code_a, code_b):
+    """A block whose e8m0 scale is 2**127 holds values past float32's largest (448 * 2**127, 6 * 2**127); shard and
+    export copy such blocks as they are (README), so a round trip may hold them. Decoded in float32, both sides
+    were inf, and a code changed there was reported as the same values ("only the sign of zeros differs")."""
+    assert 448 * 2.0**127 != 416 * 2.0**127 and 6 * 2.0**127 != 4 * 2.0**127  # Python floats: exact
+    a = _with_huge_scale(trips, tmp_path / "a", weight, code_a)
+    b = _with_huge_scale(trips, tmp_path / "b", weight, code_b)
+    diffs = {d.name: d for d in compare_checkpoints(a, b)}
+    assert set(diffs) == {weight}, diffs
+    assert diffs[weight].verdict == DIFFERS and "first at [0, 0]" in diffs[weight].why, diffs[weight]
+    assert compare_checkpoints(a, a) == []
