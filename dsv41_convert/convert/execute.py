@@ -83,7 +83,7 @@ from dsv41_convert.store.manifest_merge import (
 )
 from dsv41_convert.store.plan_claims import claimed, live_claims
 from dsv41_convert.store.rank_names import RANK_FILE
-from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps
+from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps, stamps_digest
 
 COMMON_FILES = (*SIDECARS, "config.json", HF_CONFIG)
 
@@ -331,7 +331,7 @@ def _remove_replaced(out: Path, files: list[str]) -> None:
     records (upstream generate.py) took for one (an audit). Their space is free for the new files too."""
     gone = [p for p in (out / f for f in files) if p.is_file()]
     for path in gone:
-        path.unlink()
+        path.unlink(missing_ok=True)  # a process of the same torchrun launch may have removed it (its own rank)
     if gone:
         fsync_path(out)
     for f in files:  # the files are gone: nothing left to take for a user's (a stale marker made one ours)
@@ -418,7 +418,12 @@ def check_destination(
             _check_resumable(out, mine, plan.digest())
         if resume or others is not None:
             src = Path(plan.src)
-            _check_source_unchanged(out, src, source_stamps(src), None if resume else _kept(plan, mine))
+            stamps = source_stamps(src)
+            kept = None if resume else _kept(plan, mine)
+            if kept is not None and overwrite and ranks is None:  # the launch's process removes these first
+                gone = set(_replaced_by_the_launch(out, plan, mine, stamps_digest(stamps)))
+                kept = [f for f in kept if f not in gone]
+            _check_source_unchanged(out, src, stamps, kept)
     if not resume:  # as the run checks before its first byte (a resume's need is known once its files are hashed)
         # --overwrite removes the replaced files first: credit every file OUT holds, so none the run takes is refused
         held = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) if overwrite and out.is_dir() else 0
@@ -538,18 +543,29 @@ def _same_plan_as_the_other_shares(
         )
 
 
-def _replace_the_launchs_files(out: Path, plan: ConversionPlan, mine: list[RankFile]) -> None:
+def _replace_the_launchs_files(out: Path, plan: ConversionPlan, mine: list[RankFile], source: str) -> None:
     """A process of a torchrun launch with --overwrite: the replaced conversion's files of the other processes'
-    ranks too (done records of another plan), and its manifest.json and fragments, so that the folder never
+    ranks too (`_replaced_by_the_launch`), and its manifest.json and fragments, so that the folder never
     holds two conversions' rank files, whether the other processes run (a whole launch) or not (one process run
-    again alone: an audit). New files of this plan (their records name it) are left alone."""
-    digest = plan.digest()
+    again alone: an audit). New files of this plan from this source (their records name both) are left alone."""
     interrupts.check()  # before the first removal, as in _no_other_conversion
-    forget_stale(out, digest)
-    old = [f for f in _kept(plan, mine) if (rec := read_done(out, f)) is not None and rec.get("plan_digest") != digest]
+    forget_stale(out, plan.digest())
+    old = _replaced_by_the_launch(out, plan, mine, source)
     _mark_replacing(out, [f for f in old if (out / f).is_file()])
     _forget_done(out, old)
     _remove_replaced(out, old)
+
+
+def _replaced_by_the_launch(out: Path, plan: ConversionPlan, mine: list[RankFile], source: str) -> list[str]:
+    """The other processes' rank files a process of a torchrun launch with --overwrite removes: done records of
+    another plan, or of this plan from another source (`source`, a stamps digest: another folder of one layout,
+    a second fine-tune, whose files a process checking before its peers refused as old: an audit)."""
+    digest = plan.digest()
+    return [
+        f
+        for f in _kept(plan, mine)
+        if (rec := read_done(out, f)) is not None and (rec.get("plan_digest") != digest or rec.get("source") != source)
+    ]
 
 
 def _check_resumable(out: Path, mine: list[RankFile], digest: str) -> None:
@@ -616,8 +632,9 @@ def execute(
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
         if share:
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
+        stamps = _planned_stamps(plan, src)
         if overwrite and share and ranks is None:
-            _replace_the_launchs_files(out, plan, mine)
+            _replace_the_launchs_files(out, plan, mine, stamps_digest(stamps))
         interrupts.check()  # nothing is removed after a Ctrl-C (a signal during the lock's wait, the checks)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _mark_replacing(out, [n for n in names if (out / n).is_file()])
@@ -627,7 +644,6 @@ def execute(
             _remove_replaced(out, names)
         if not resume:  # refused before the first record: a plain run again is not refused as "not empty"
             _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(src))  # the side files come first
-        stamps = _planned_stamps(plan, src)
         if resume or share:  # a share: the other shares' finished files count towards its manifest
             _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))
         record_stamps(out, src, stamps)
@@ -640,6 +656,7 @@ def execute(
             "journal": journal_bytes,
             "direct_io": direct_io,
             "stamps": stamps,
+            "source": stamps_digest(stamps),
         }
         lock_fds = lock.descriptors() + ([claim_fd] if claim_fd is not None else [])
         summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock_fds, ranks is not None)
@@ -825,9 +842,11 @@ def _job(rf: RankFile, src: Path, out: Path, job: dict[str, Any], progress) -> F
     with _one_torch_thread(job):
         quantizer = _quantizer(job)
         ready = time.monotonic()
-        size, sha = write_rank_file(rf, src, out, quantizer, progress, on_commit=partial(write_done, out, rf.file,
-                                    plan_digest=job["digest"]), before_commit=partial(_source_as_stamped, src, job),
-                                    **_write_kw(job, stats))  # fmt: skip
+        recorded = partial(write_done, out, rf.file, plan_digest=job["digest"], source=job["source"])
+        size, sha = write_rank_file(
+            rf, src, out, quantizer, progress, on_commit=recorded, before_commit=partial(_source_as_stamped, src, job),
+            **_write_kw(job, stats),
+        )  # fmt: skip
     add_seconds(stats["stages"], "start", ready - start)
     return _done(rf.file, size, sha, stats, start)
 
@@ -859,7 +878,7 @@ def _run_here(todo, src, out, job, progress) -> list[FileDone]:
             _source_as_stamped(src, job, rf.file)
             if pending is not None:
                 results.append(pending.result())
-            pending = committer.submit(_commit, out, rf.file, size, sha, job["digest"], stats, start)
+            pending = committer.submit(_commit, out, rf.file, size, sha, job, stats, start)
         results.append(pending.result())
     return results
 
@@ -920,8 +939,10 @@ def _source_as_stamped(src: Path, job: dict[str, Any], file: str) -> None:
         )
 
 
-def _commit(out: Path, file: str, size: int, sha: str, digest: str, stats: dict[str, Any], start: float) -> FileDone:
-    commit(out, file, partial(write_done, out, file, size, sha, digest))
+def _commit(
+    out: Path, file: str, size: int, sha: str, job: dict[str, Any], stats: dict[str, Any], start: float
+) -> FileDone:
+    commit(out, file, partial(write_done, out, file, size, sha, job["digest"], job["source"]))
     return _done(file, size, sha, stats, start)
 
 

@@ -89,9 +89,13 @@ def done_path(out: Path, file: str) -> Path:
     return out / DONE_DIR / f"{file}.done.json"
 
 
-def write_done(out: Path, file: str, size: int, sha256: str, plan_digest: str) -> None:
+def write_done(out: Path, file: str, size: int, sha256: str, plan_digest: str, source: str | None = None) -> None:
+    """`file` is finished: its size, sha256 and plan digest; `source`: the stamps digest of the source it was written
+    from (source_stamps.stamps_digest), where known (not for records a merge imports from another machine)."""
     (out / DONE_DIR).mkdir(exist_ok=True)
     record = {"file": file, "size": size, "sha256": sha256, "plan_digest": plan_digest}
+    if source is not None:
+        record["source"] = source
     atomic_write(done_path(out, file), json.dumps(record, indent=1).encode())
 
 

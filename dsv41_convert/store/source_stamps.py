@@ -11,6 +11,7 @@ it was made. The plan digest stays free of them (shares on several machines must
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 from pathlib import Path
@@ -24,6 +25,13 @@ PREFIX = "source-"  # the records' names in OUT/.dsv41-convert: source-HOST.json
 def source_stamps(src: Path) -> Stamps:
     """Size and modification time of every weight shard (*.safetensors) of `src`."""
     return {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(Path(src).glob("*.safetensors"))}
+
+
+def stamps_digest(stamps: Stamps) -> str:
+    """One name for a source as `stamps` saw it, kept in each done record a run writes: a record of another
+    digest was written from another folder of the layout (or the same one changed since), one of this digest
+    from these very files (or a copy keeping their times)."""
+    return hashlib.sha256(json.dumps(stamps, sort_keys=True).encode()).hexdigest()
 
 
 def differing(before: Stamps, now: Stamps) -> list[str]:

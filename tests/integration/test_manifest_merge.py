@@ -622,26 +622,25 @@ def test_one_torchrun_process_run_again_with_other_options_leaves_no_mix(runs, t
     assert check_folder(out).ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a torchrun --overwrite launch from another copy of one layout (one plan digest, other bytes) into a "
-    "conversion of the first: a process that checks the source stamps before its peer recorded the new ones "
-    "finds the peer's old rank files finished from the old source and refuses (exit 2; torchrun stops the "
-    "peer): the launch replaces the folder or fails by start order (3 of 5 real 2-process launches failed)",
-)
+@pytest.mark.parametrize("order", [("0", "1"), ("1", "0")])
 def test_a_torchrun_overwrite_launch_from_another_copy_of_the_layout_replaces_the_conversion(
-    runs, tmp_path, monkeypatch, capsys
+    runs, tmp_path, monkeypatch, capsys, order
 ):
     """README: each process of a torchrun launch with --overwrite removes the replaced conversion's rank files
-    and the whole launch replaces it. Its processes here run one after the other (a launch whose rank 1 starts
-    late): rank 0 refused the folder, because rank 1's files were finished from the first source."""
+    and the whole launch replaces it. Its processes here run one after the other (a launch whose other process
+    starts late): the first refused the folder (exit 2, and torchrun stopped its peer), because the peer's files
+    were finished from the first source, whose done records said only the plan, which both sources share. Its
+    dry run says what the run does."""
     other = make_tiny(tmp_path / "other", seed=1)  # the same layout (plan digest), other weights
     out, fresh = tmp_path / "out", tmp_path / "fresh"
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         assert run_cli(monkeypatch, capsys, "shard", str(runs["src"]), str(out), "--tp", "4")[0] == 0
-    for rank in ("0", "1"):
+    monkeypatch.setenv("RANK", order[0])
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(other), str(out), "--tp", "4", "--overwrite", "--dry-run")
+    assert code == 0, err
+    for rank in order:
         monkeypatch.setenv("RANK", rank)
         code, _, err = run_cli(monkeypatch, capsys, "shard", str(other), str(out), "--tp", "4", "--overwrite")
         assert code == 0, err
