@@ -67,8 +67,10 @@ def scope(module: str, n_layers: int) -> tuple[str, ...]:
         return ("vision.", "aligner.", "image_")
     if module == "embed":
         return ("embed.",)
-    if module in ("norm", "head"):
-        return ("norm.", "head.", f"layers.{n_layers - 1}.hc_")
+    if module == "norm":
+        return ("norm.", f"layers.{n_layers - 1}.hc_")
+    if module == "head":
+        return ("head.",)
     if module == "mtp":
         return ("mtp.",)
     m = _LAYER_KEY.match(module)
@@ -86,9 +88,17 @@ def scope(module: str, n_layers: int) -> tuple[str, ...]:
 
 def module_of(name: str, n_layers: int) -> str | None:
     """The first module, in forward order, whose `scope` holds the weight `name` (layers.1.attn.wkv.scale ->
-    layers.1.attn, layers.3.ffn_norm.weight -> layers.3.ffn); None for a weight of no module's scope."""
+    layers.1.attn, layers.3.ffn_norm.weight -> layers.3.ffn, norm.weight -> norm, as the hidden states name its
+    output); None for a weight of no module's scope."""
     parts = ("engram", "attn", "ffn")
-    modules = ["vision", "embed", *(f"layers.{i}.{part}" for i in range(n_layers) for part in parts), "head", "mtp"]
+    modules = [
+        "vision",
+        "embed",
+        *(f"layers.{i}.{part}" for i in range(n_layers) for part in parts),
+        "norm",
+        "head",
+        "mtp",
+    ]
     return next((m for m in modules if name.startswith(scope(m, n_layers))), None)
 
 

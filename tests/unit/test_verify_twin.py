@@ -134,6 +134,20 @@ def test_the_vision_tower_is_its_own_module_before_the_embeddings():
     assert module_of("embed.weight", 2) == "embed"
 
 
+def test_the_final_norm_and_the_head_are_named_apart_as_the_hidden_states_name_them():
+    """A norm.weight fault found by bytes (replicas, weights) was localized as "head", while one found through the
+    hidden states was "norm" (README's name): one tensor under two names. The final norm's weights are "norm", the
+    head's "head"; each module's scope lists its own."""
+    from dsv41_convert.verify.localize import module_of, scope
+
+    assert module_of("norm.weight", 2) == "norm"
+    assert module_of("head.weight", 2) == "head"
+    assert module_of("mtp.0.head.weight", 2) == "mtp"
+    assert "norm.weight".startswith(scope("norm", 2)) and not "head.weight".startswith(scope("norm", 2))
+    assert "head.weight".startswith(scope("head", 2)) and not "norm.weight".startswith(scope("head", 2))
+    assert "layers.1.hc_ffn_base".startswith(scope("norm", 2))  # the last layer's mix feeds the final norm
+
+
 def test_image_rows_keep_the_image_spans_and_zero_the_text():
     """hidden["vision"]: the rows merge_image_spans wrote, zeros at text positions and for a text-only prompt."""
     from dsv41_convert.model.transformer import image_rows
