@@ -86,6 +86,10 @@ def _without_manifest(folder: Path) -> str:
             "with `shard` or `export` and --resume"
         )
     if any(folder.glob(FRAGMENT_GLOB)):
+        export = _exported_by(folder)
+        if export is not None:  # `manifest` refuses an export's fragments (manifest_merge._not_an_export)
+            finish = finish_export(folder, *export)
+            return f"it holds fragments of shares of an export: gather every share's shards and fragments; {finish}"
         return "it holds fragments of shares of the ranks: gather every share, then run `dsv41-convert manifest`"
     if (folder / DONE_DIR).is_dir():
         return (
@@ -93,6 +97,28 @@ def _without_manifest(folder: Path) -> str:
             "`export` and --resume"
         )
     return f"was {folder} written by `dsv41-convert shard` or `export`?"
+
+
+def finish_export(out: Path, fmt: str, src: str) -> str:
+    """What finishes an export whose shares left fragments in `out` (`fmt`: its --format, `src`: its source)."""
+    return f"finish the export with `dsv41-convert export {src} {out} --format {fmt} --resume`"
+
+
+def _exported_by(folder: Path) -> tuple[str, str] | None:
+    """(--format, source path) of the first fragment in `folder` that an export's share wrote, None where none
+    did (an unreadable fragment is `manifest`'s to name)."""
+    for path in sorted(folder.glob(FRAGMENT_GLOB)):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, *NOT_JSON):
+            continue
+        options = data.get("options") if isinstance(data, dict) else None
+        fmt = options.get("format") if isinstance(options, dict) else None
+        if isinstance(fmt, str):
+            source = data.get("source")
+            src = source.get("path") if isinstance(source, dict) else None
+            return fmt, src if isinstance(src, str) and src else "SRC"
+    return None
 
 
 def check_folder(

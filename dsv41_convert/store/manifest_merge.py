@@ -58,7 +58,7 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest_from,
 )
-from dsv41_convert.store.manifest_check import check_folder, read_manifest
+from dsv41_convert.store.manifest_check import check_folder, finish_export, read_manifest
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
@@ -334,9 +334,8 @@ def _not_an_export(out: Path, frags: dict[str, dict[str, Any]]) -> None:
             src = (frag.get("source") or {}).get("path") or "SRC"
             raise OutputError(
                 f"{out / name}: a fragment of `export --format {fmt}`, not of `shard`: gather every share's shards "
-                f"and fragments here, then finish the export with `dsv41-convert export {src} {out} --format {fmt} "
-                "--resume` (it checks the gathered shards against their fragments, writes what is missing, "
-                "config.json, the index and manifest.json)"
+                f"and fragments here, then {finish_export(out, fmt, src)} (it checks the gathered shards against "
+                "their fragments, writes what is missing, config.json, the index and manifest.json)"
             )
 
 

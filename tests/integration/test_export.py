@@ -236,6 +236,9 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
         for p in (tmp_path / f"machine{rank}").iterdir():
             if p.is_file():
                 (gathered / p.name).write_bytes(p.read_bytes())
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(gathered))  # its advice: export's, not manifest's
+    finish = f"`dsv41-convert export {ckpts['pub'].resolve()} {gathered} --format {fmt} --resume`"
+    assert code != 0 and finish in " ".join((out + err).split()) and "dsv41-convert manifest" not in out + err
     code, _, err = run_cli(monkeypatch, capsys, "manifest", str(gathered))
     assert code == 2 and f"a fragment of `export --format {fmt}`, not of `shard`" in err, err
     assert f"`dsv41-convert export {ckpts['pub'].resolve()} {gathered} --format {fmt} --resume`" in err
