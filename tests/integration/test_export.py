@@ -206,6 +206,8 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
     (it writes no export's index: before, "hf_config.json: missing"), and `export --resume` finishes them:
     either way the same bytes as one run."""
     pub, fmt = str(ckpts["pub"]), "bf16"
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # not a torchrun launch, whatever ran in this process before
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))

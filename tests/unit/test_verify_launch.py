@@ -574,7 +574,8 @@ def test_a_spawned_rank_0_leaves_its_result_and_progress_and_a_failing_rank_its_
     from dsv41_convert.verify import launch as launch_module
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)  # restored after: the rank sets them
+        monkeypatch.setenv(name, "")  # recorded, so that undo removes what the rank sets (delenv of an absent
+        monkeypatch.delenv(name)  # name records nothing: MASTER_ADDR leaked into the tests after this one)
     monkeypatch.setattr(launch_module.die_with, "die_with_parent", lambda: None)
     exits: list[int] = []
 
