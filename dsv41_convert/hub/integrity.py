@@ -155,6 +155,9 @@ class Record:
             fetched = data.get("fetched")
             if fetched is not None and not (isinstance(fetched, list) and all(isinstance(p, str) for p in fetched)):
                 raise ValueError("fetched is not a list of file names")
+            for name in fetched or ():  # removed by --overwrite at another revision: never a path out of the folder
+                if (why := repo_path_problem(name)) is not None:
+                    raise ValueError(f"fetched {name!r}: {why}")
             return Record(
                 data["repo_id"], data["revision"], data["commit"], files, selections,
                 None if fetched is None else tuple(fetched),

@@ -398,3 +398,20 @@ def test_a_link_where_the_download_keeps_its_partial_files_is_not_written_throug
     assert fetch(hub, local_dir=local, overwrite=True).ok
     assert (outside / "dsv41-partial" / "sub" / "keep.partial").read_text() == "mine"
     assert not (local / link).is_symlink()
+
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../victim.txt"])
+def test_a_record_naming_a_fetched_file_out_of_the_folder_removes_nothing_there(hub, tmp_path, name):
+    """A record (copied, edited, a mirror's) whose `fetched` named a path out of the --local-dir: --overwrite
+    at another revision removed that file as one of the old revision's (--local-dir / an absolute path is
+    that path). The record is unreadable instead, and the file stays."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    local = tmp_path / "v41"
+    assert fetch(hub, local_dir=local, include=["config.json"]).ok
+    record = json.loads((local / dl.RECORD_NAME).read_text())
+    record["fetched"].append(str(victim) if name == "ABSOLUTE" else name)
+    (local / dl.RECORD_NAME).write_text(json.dumps(record))
+    with pytest.raises(DownloadError, match=r"unreadable download record .*fetched '.*victim.txt'"):
+        fetch(hub, local_dir=local, revision="v0", include=["config.json"], overwrite=True)
+    assert victim.read_bytes() == b"precious"

@@ -108,6 +108,8 @@ def test_record_keeps_what_was_fetched_and_refuses_names_out_of_the_folder(tmp_p
         ("abs", {"files": [{"path": "/etc/x", "size": 1}]}, "'/etc/x': not a relative path"),
         ("up", {"files": [{"path": "a/../../x", "size": 1}]}, r"'a/../../x': an empty, \. or \.\. part"),
         ("fetched", {"fetched": "x"}, "fetched is not a list of file names"),
+        ("fetched_abs", {"fetched": ["x", "/etc/x"]}, "fetched '/etc/x': not a relative path"),
+        ("fetched_up", {"fetched": ["../x"]}, r"fetched '\.\./x': an empty, \. or \.\. part"),
     ]:
         (tmp_path / f"{name}.json").write_text(json.dumps(data | change))
         with pytest.raises(DownloadError, match=rf"{name}.json: unreadable download record \(.*{said}"):
