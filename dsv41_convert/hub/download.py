@@ -244,6 +244,7 @@ def _download(
     record = dataclasses.replace(record, selections=selections, fetched=tuple(sorted(fetched_before | checked)))
 
     placed: set[str] = set()  # files this run put at their names, checked
+    moved: set[str] = set()  # files whose bytes this run transferred (the HF cache links a blob it holds)
 
     def fetch(batch: list[RemoteFile], force: bool) -> list[Problem]:
         def one(f: RemoteFile, stop: threading.Event) -> Problem | None:
@@ -260,6 +261,7 @@ def _download(
                 backoff_s=backoff_s,
                 progress=progress,
                 stop=stop,
+                on_transfer=lambda: moved.add(f.path),
             )
             if problem is None:
                 placed.add(f.path)
@@ -307,7 +309,7 @@ def _download(
         sum(f.size for f in files),
         checks_made(record, record.selections, "sizes, sha256 / git ids from the Hub, headers"),
         False,
-        fetched=tuple(f.path for f in missing),
+        fetched=tuple(f.path for f in missing if f.path in moved),
         refetched=tuple(refetched),
         problems=tuple(problems),
     )

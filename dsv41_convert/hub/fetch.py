@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -100,6 +101,7 @@ def fetch_file(
     backoff_s: float,
     progress: Progress | None,
     stop: threading.Event,
+    on_transfer: Callable[[], None] | None = None,
 ) -> Problem | None:
     """Download one file of the pinned commit and check it against `file` (size, then sha256 or git blob id).
 
@@ -108,6 +110,8 @@ def fetch_file(
     checked before it gets its name, and a run killed mid-file continues where it stopped. Everything else
     (the HF cache, files hf-xet fetches) goes through `hf_hub_download`, which names the file itself: it is
     checked right after, and deleted if wrong. Once `stop` is set, raises Stopped at the next chunk.
+    `on_transfer` is called where bytes were transferred (or an empty file made): not for a file or blob
+    huggingface_hub found in place (another cached revision's, or one another process fetched meanwhile).
     """
     url = hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint)
 
@@ -125,7 +129,10 @@ def fetch_file(
                 f"announced {file.size}; rerun (a proxy or mirror serving another file? HF_ENDPOINT?)"
             )
         if local_dir is not None and not by_xet:
-            return _fetch_resumable(file, url, meta, Path(local_dir), token=token, progress=progress, stop=stop)
+            problem = _fetch_resumable(file, url, meta, Path(local_dir), token=token, progress=progress, stop=stop)
+            if on_transfer is not None:
+                on_transfer()
+            return problem
         bar = _bar_class(file.path, progress, stop)
         path = hf_hub_download(
             repo_id,
@@ -138,6 +145,8 @@ def fetch_file(
             force_download=force,
             tqdm_class=bar,
         )
+        if (bar.transfers or file.size == 0) and on_transfer is not None:  # an empty one is made, without a bar
+            on_transfer()
         try:
             problem = _check(Path(path), file, stop)
         except Stopped:

@@ -192,6 +192,23 @@ def test_blobs_another_revision_holds_need_no_free_space(hub, tmp_path, monkeypa
         fetch(hub, revision="v0", cache_dir=cache)
 
 
+def test_files_linked_to_blobs_the_cache_holds_are_not_reported_fetched(hub, tmp_path):
+    """In the HF cache, a revision sharing its shards' blobs with a cached one gets them linked, not fetched
+    (README), yet the report's `fetched` (and "fetched N") listed every file of the revision: a config fix
+    said 510 GB fetched. It lists the files whose bytes came over the network, as the server saw them, and
+    an empty file it made (huggingface_hub asks the server for no bytes of one)."""
+    cache = tmp_path / "hf-home" / "hub"
+    assert fetch(hub, cache_dir=cache).ok
+    before = len(resolve_gets(hub))
+    files = FILES2 | {"empty.txt": b""}
+    hub.repos[REPO].commits["3" * 40] = files
+    report = fetch(hub, revision="3" * 40, cache_dir=cache)
+    new = sorted(p for p, data in files.items() if data not in FILES1.values())  # bytes no cached blob holds
+    assert new == ["config.json", "empty.txt"]
+    sent = sorted(e.path.rsplit("/", 1)[1] for e in resolve_gets(hub)[before:])
+    assert report.ok and sorted(report.fetched) == new and sent == ["config.json"]
+
+
 def test_a_page_that_is_no_json_is_an_error_naming_the_endpoint(hub, tmp_path, monkeypatch, capsys):
     """A proxy or captive portal answering the Hub API with HTML crashed with a JSONDecodeError traceback,
     exit 1 and no JSON. Now exit 2, one document naming the endpoint."""
