@@ -961,7 +961,8 @@ def _say_ending(message: str, code: int) -> None:
     stop of a process that was saying its own error (its other process refused the same input a moment
     earlier) ended it mid-line, exit 130 and no document (CI)."""
     with interrupts.held():
-        report.error(message)
+        with contextlib.suppress(OSError):  # stderr's own failure (a full disk): the document still says it
+            report.error(message)
         _json_error(message, code)
 
 

@@ -41,7 +41,7 @@ def _console(name: str) -> Console:
 
     if name == "stdout":
         _require_stdout()
-    console = Console(file=_NamedStdout() if name == "stdout" else None, stderr=name == "stderr", soft_wrap=True)
+    console = Console(file=_Named(name), stderr=name == "stderr", soft_wrap=True)
     # rich's own ends the run with exit 1 ("a check ran and failed"), and points stdout at /dev/null even
     # when stderr's reader went away (`cmd 2>&1 | head`)
     console.on_broken_pipe = functools.partial(reader_gone, console.file)
@@ -139,37 +139,61 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     except BrokenPipeError:
         reader_gone(sys.stdout)
     except OSError as exc:  # a full disk (> /dev/full): an input error naming stdout, not a traceback (an audit)
-        raise _stdout_failed(exc) from None
+        raise _stream_failed("stdout", exc) from None
 
 
-class _NamedStdout:
-    """sys.stdout as it is at each write (pytest swaps it), for the rich console of results: a write that fails
-    (a full disk) raises an OSError naming stdout, as `write` does (it said only "No space left on device")."""
+class _Named:
+    """sys.stdout or sys.stderr (`name`) as it is at each write (pytest swaps them), for a rich console: a write
+    that fails (a full disk) raises an OSError naming the stream, as `write` does (it said only "No space left
+    on device"; on stderr, the progress of `download 2>/dev/full`, the error saying so failed too: a traceback
+    nobody saw, exit 1, "a check failed", and no --json document)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
 
     def write(self, text: str) -> int:
-        return self._named(sys.stdout.write, text)
+        return self._named(self._stream().write, text)
 
     def flush(self) -> None:
-        self._named(sys.stdout.flush)
+        self._named(self._stream().flush)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(sys.stdout, name)
+        return getattr(self._stream(), name)
 
-    @staticmethod
-    def _named(call, *args):
+    def _stream(self) -> IO[str] | _Nowhere:
+        stream = getattr(sys, self._name)
+        return stream if stream is not None else _NOWHERE  # stderr closed (`2>&-`): nothing to say it on
+
+    def _named(self, call, *args):
         try:
             return call(*args)
         except BrokenPipeError:
             raise  # the console's on_broken_pipe: exit 141
         except OSError as exc:
-            raise _stdout_failed(exc) from None
+            raise _stream_failed(self._name, exc) from None
 
 
-def _stdout_failed(exc: OSError) -> OSError:
-    """The error for a write to stdout that failed: `exc` naming stdout; what is still buffered is pointed at
-    /dev/null, so that nothing fails again at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return OSError(exc.errno, exc.strerror, "stdout")
+class _Nowhere:
+    """A closed stream's stand-in: what is written is dropped."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+_NOWHERE = _Nowhere()
+
+
+def _stream_failed(name: str, exc: OSError) -> OSError:
+    """The error for a write to sys.stdout or sys.stderr (`name`) that failed: `exc` naming it; the stream is
+    pointed at /dev/null, so that nothing fails again at exit (nor the line on stderr that says so)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), getattr(sys, name).fileno())
+    return OSError(exc.errno, exc.strerror, name)
 
 
 def _require_stdout() -> None:

@@ -283,6 +283,29 @@ def test_a_stdout_that_cannot_be_written_is_an_error_naming_it(tmp_path, json_fl
         assert "error: stdout: No space left on device" in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["download", "check"])
+def test_a_stderr_that_cannot_be_written_is_an_error_naming_it(tmp_path, command):
+    """`download --json 2>/dev/full` (progress into a log on a full disk): the first progress line failed, then
+    the error saying so, on the same stderr: a traceback nobody saw, exit 1 ("a check failed") and no --json
+    document; an input error's own line failed the same way (`check` of a folder without a manifest). As for
+    stdout: exit 2, the document on stdout naming stderr, or the input error where that came first."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    src = tmp_path / "t"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    args = {"download": ["acme/tiny", "--local-dir", str(src), "--verify-only"], "check": [str(src)]}[command]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([entry_point(), command, *args, "--json"], stdout=subprocess.PIPE, stderr=full,
+                              text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, (proc.returncode, proc.stdout)
+    said = json.loads(proc.stdout)
+    assert said["ok"] is False and said["exit_code"] == 2
+    if command == "download":  # its progress, the first line on stderr
+        assert said["error"] == "stderr: No space left on device"
+    else:  # the input error itself, naming the file
+        assert said["error"].startswith(f"{src / 'manifest.json'}: ")
+
+
 def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     """`shard SRC OUT >&-`: said at the start, OUT not made."""
     src = tmp_path / "t"
