@@ -1,13 +1,13 @@
 """make-tiny's output folder: a checkpoint in place whole, or OUT as it was.
 
-OUT is made if missing (and removed again if the run fails) and held as every writer holds its folder
-(store/lock.py: a second run into it is refused). The files are written into a hidden folder inside OUT
-(`.make-tiny.partial-XXXX`: the same filesystem, whatever OUT is mounted on, and nothing written beside
-OUT) and moved in by rename at the end, with signals postponed: the old index and shards first removed,
-each new file put in place, the new index last (a folder without its index is no checkpoint to a loader,
-nor one with part of its shards), then the old files the new checkpoint does not have. A failure before
-that (a full disk: an error naming OUT; Ctrl-C; SIGTERM) removes the hidden folder and leaves OUT's files as
-they were; --overwrite needs room for both.
+OUT is made if missing, with any missing folders above it (all removed again if the run fails), and held as
+every writer holds its folder (store/lock.py: a second run into it is refused). The files are written into a
+hidden folder inside OUT (`.make-tiny.partial-XXXX`: the same filesystem, whatever OUT is mounted on, and
+nothing written beside OUT) and moved in by rename at the end, with signals postponed: the old index and
+shards first removed, each new file put in place, the new index last (a folder without its index is no
+checkpoint to a loader, nor one with part of its shards), then the old files the new checkpoint does not
+have. A failure before that (a full disk: an error naming OUT; Ctrl-C; SIGTERM) removes the hidden folder
+and leaves OUT's files as they were; --overwrite needs room for both.
 
 `--overwrite` replaces a folder that holds nothing but what make-tiny leaves there: its files by exact
 name (regular files; `.partial` ones of an interrupted run of before), its lock and its hidden folders, and
@@ -22,7 +22,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from dsv41_convert import interrupts
@@ -87,6 +87,7 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     an error (see the module docstring). An OSError while writing (a full disk) becomes an OutputError
     naming `out`."""
     out = check_out(Path(out), overwrite)
+    above = _missing_above(out)  # made with OUT (mkdir -p), removed with it on failure
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -111,7 +112,19 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         if made:
             shutil.rmtree(out, ignore_errors=True)
+            for folder in above:  # nearest first; one that something else wrote into meanwhile stays
+                with suppress(OSError):
+                    folder.rmdir()
         raise
+
+
+def _missing_above(out: Path) -> list[Path]:
+    """The folders above `out` that do not exist (mkdir -p makes them with it), nearest first."""
+    missing, here = [], out.parent
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    return missing
 
 
 def _move_in(stage: Path, out: Path, made: bool) -> None:

@@ -393,6 +393,37 @@ def test_a_failed_write_leaves_out_as_it_was(fp8_dir, tmp_path, monkeypatch):
     assert _listing(old) == before and sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
+def test_a_failed_write_removes_the_folders_it_made_above_out(tmp_path, monkeypatch):
+    """`make-tiny new/a/out` makes `new` and `new/a` too (mkdir -p); a run that failed (a full disk, Ctrl-C,
+    SIGTERM) removed `out` but left the empty `new/a` it had made (found by a bug hunt). The README promises
+    that a folder the run made is removed: every one of them goes, and a folder above OUT that was there
+    before stays, as does one that something else put a file in meanwhile."""
+    from dsv41_convert.synth import write as synth_write
+
+    def full_disk(out, shard, *args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(synth_write, "write_shard", full_disk)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(OutputError, match="No space left on device"):
+        write_checkpoint(tmp_path / "new" / "a" / "out", TINY, seed=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # neither new/a/out nor new/a nor new
+
+    (tmp_path / "there").mkdir()
+    with pytest.raises(OutputError, match="No space left on device"):
+        write_checkpoint(tmp_path / "there" / "b" / "out", TINY, seed=1)
+    assert sorted(p.name for p in (tmp_path / "there").iterdir()) == []  # kept, and empty again
+
+    def full_disk_after_a_note(out, shard, *args, **kw):
+        (tmp_path / "busy" / "note.txt").write_text("another writer's file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(synth_write, "write_shard", full_disk_after_a_note)
+    with pytest.raises(OutputError, match="No space left on device"):
+        write_checkpoint(tmp_path / "busy" / "c" / "out", TINY, seed=1)
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["note.txt"]  # c removed, busy and its file kept
+
+
 def test_overwrite_replaces_the_checkpoint_and_keeps_the_folder(fp8_dir, tmp_path):
     """With --overwrite the new checkpoint replaces the old one in OUT itself: the old files the new one has
     not are gone, nothing else is left in or beside OUT, and OUT is the same folder (inode, mode, group and
