@@ -111,11 +111,21 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
                 shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
         if made:
-            shutil.rmtree(out, ignore_errors=True)
-            for folder in above:  # nearest first; one that something else wrote into meanwhile stays
+            _remove_ours(out)
+            for folder in [out, *above]:  # nearest first; one that something else wrote into meanwhile stays
                 with suppress(OSError):
                     folder.rmdir()
         raise
+
+
+def _remove_ours(out: Path) -> None:
+    """What make-tiny leaves in `out` (see _left_by_us) removed; anything else put there during the run stays."""
+    with suppress(OSError):
+        for p in [p for p in out.iterdir() if _left_by_us(p)]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 def _missing_above(out: Path) -> list[Path]:
@@ -158,7 +168,9 @@ def _move_in(stage: Path, out: Path, made: bool) -> None:
             f"{failed}{gone}: {out} holds no whole checkpoint; run make-tiny again with --overwrite"
         ) from exc
     for p in out.iterdir():  # what the old checkpoint had and this one has not; stale hidden folders
-        if p.name not in new and p.name != LOCK_NAME and p != stage:
+        # make-tiny's own only: a file something else put in OUT during the run is kept (an `rm -r` of a
+        # folder of yours, exit 0, in a bug hunt)
+        if p.name not in new and p.name != LOCK_NAME and p != stage and _left_by_us(p):
             if p.is_dir():
                 shutil.rmtree(p)
             else:

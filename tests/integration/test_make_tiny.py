@@ -424,6 +424,55 @@ def test_a_failed_write_removes_the_folders_it_made_above_out(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["note.txt"]  # c removed, busy and its file kept
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_put_in_out_during_the_run_is_kept(fp8_dir, tmp_path, monkeypatch, overwrite):
+    """A file or folder that something else put in OUT while the run wrote (your notes, a copy landing there)
+    was removed with the old checkpoint's leftovers once the new one was in (`rm -r` of a folder of yours,
+    exit 0; found by a bug hunt): `--overwrite` "never removes a file it did not write" (--help), and
+    anything else there is kept (README). Only make-tiny's own leftovers go."""
+    from dsv41_convert.synth import write as synth_write
+
+    real = synth_write.write_shard
+    out = tmp_path / "out"
+    if overwrite:
+        shutil.copytree(fp8_dir, out)
+        (out / "model-00003-of-00014.safetensors.partial").write_bytes(b"half")  # a leftover of make-tiny's
+
+    def and_a_note(stage, shard, *args, **kw):
+        if not (out / "notes.txt").exists():
+            (out / "notes.txt").write_text("mine")
+            (out / "mine").mkdir()
+            (out / "mine" / "data.bin").write_bytes(b"\x01\x02")
+        return real(stage, shard, *args, **kw)
+
+    monkeypatch.setattr(synth_write, "write_shard", and_a_note)
+    summary = write_checkpoint(out, TINY, seed=1, layer_shards=2, overwrite=overwrite)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "mine" / "data.bin").read_bytes() == b"\x01\x02"
+    made = ["config.json", "tokenizer.json", "tokenizer_config.json", INDEX, MARK]
+    made += [f["file"] for f in summary["files"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*made, "notes.txt", "mine"])
+
+
+def test_a_failed_run_keeps_a_file_put_in_the_out_it_made(tmp_path, monkeypatch):
+    """A run that made OUT and then failed removed OUT with `rm -r`, also a file something else had put there
+    meanwhile (found by a bug hunt): only make-tiny's own files go, and OUT (and the folder made above it)
+    stay while they hold another's file."""
+    from dsv41_convert.synth import write as synth_write
+
+    out = tmp_path / "new" / "out"
+
+    def a_note_then_a_full_disk(stage, shard, *args, **kw):
+        (out / "notes.txt").write_text("mine")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(synth_write, "write_shard", a_note_then_a_full_disk)
+    with pytest.raises(OutputError, match="No space left on device"):
+        write_checkpoint(out, TINY, seed=1)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
 def test_overwrite_replaces_the_checkpoint_and_keeps_the_folder(fp8_dir, tmp_path):
     """With --overwrite the new checkpoint replaces the old one in OUT itself: the old files the new one has
     not are gone, nothing else is left in or beside OUT, and OUT is the same folder (inode, mode, group and
