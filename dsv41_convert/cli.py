@@ -234,7 +234,7 @@ def _plan_table(summary: dict) -> None:
     else:
         rows, unit = [(str(i + 1), r) for i, r in enumerate(summary["files"])], "shard"
         title = f"{summary['src']}  export --format {summary['format']}"
-    files = Table(title=title)
+    files = Table(title=escape(title))  # a folder named `x[b]y` printed as `xy` (markup)
     for col in (unit, "file", "tensors", "bytes"):
         files.add_column(col, justify="right" if col != "file" else "left")
     for key, r in rows:

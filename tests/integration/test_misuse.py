@@ -495,6 +495,24 @@ def test_brackets_in_a_path_are_printed_as_they_are(src, tmp_path, monkeypatch, 
     assert f"manifest: {out / 'manifest.json'}" in err and printed == "", err
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["plan", "--tp", "2"],
+        ["shard", "OUT", "--tp", "2", "--dry-run"],
+        ["export", "OUT", "--format", "bf16", "--dry-run"],
+    ],
+)
+def test_brackets_in_the_source_path_stay_in_the_plan_tables_title(src, tmp_path, monkeypatch, capsys, command):
+    """The title of the table `plan` and the dry runs print names SRC: a folder named `y[b]z` was shown as
+    `yz`, rich reading `[b]` as bold (and `[/]` in a name would end in a MarkupError)."""
+    folder = copy_of(src, tmp_path / "y[b]z")
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in command]
+    code, printed, err = run_cli(monkeypatch, capsys, args[0], str(folder), *args[1:])
+    assert code == 0, err
+    assert printed.splitlines()[0].startswith(f"{folder}  "), printed.splitlines()[0]
+
+
 _INTERRUPT_AFTER_A_WORKER_STARTS = """
 import sys
 import multiprocessing.process as mp_process
