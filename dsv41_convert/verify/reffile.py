@@ -47,12 +47,14 @@ verify run makes bit equality unexpected, so only statistical bounds then judge 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs
@@ -287,12 +289,15 @@ def validate_reference_file(path: Path, args: ModelArgs | None = None, default_m
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     refuse_non_file(path, VerifyInputError)
     try:
-        t = load_file(str(path))
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+        # its bytes, not its path: safetensors opens a path only as UTF-8 text, and refused a file in a folder
+        # whose name is not ("Path ... is not valid UTF-8"), which Linux allows
+        data = path.read_bytes()
+        t = load_bytes(data)
     except (OSError, SafetensorError) as exc:
-        raise VerifyInputError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return t, meta
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise VerifyInputError(f"{path}: not a readable safetensors file ({reason})") from exc
+    (n,) = struct.unpack("<Q", data[:8])  # a header load_bytes has read: its length and JSON are sound
+    return t, json.loads(data[8 : 8 + n]).get("__metadata__") or {}
 
 
 def _problems(

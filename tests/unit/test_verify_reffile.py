@@ -1,5 +1,6 @@
 """verify.reffile: the reference-logits file round-trips and rejects malformed files by name."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,20 @@ def test_round_trip_with_prompts_of_different_lengths(tmp_path):
         for key in ("logits_all", "decode_ids", "decode_logits", "draft_logits", "last"):
             assert torch.equal(getattr(want, key), getattr(got, key)), key
         assert torch.equal(want.hidden["embed"], got.hidden["embed"])
+
+
+def test_a_file_in_a_folder_whose_name_is_not_utf8_loads(tmp_path):
+    """Linux names are bytes: safetensors opens a path only as UTF-8 text, so verify refused a reference file in
+    a folder named b"bad\\xffname" ("not a readable safetensors file (Path ... is not valid UTF-8)"), exit 2,
+    though reference-logits had written it there."""
+    folder = tmp_path / os.fsdecode(b"bad\xffname")
+    inputs, runs = [ModelInput(torch.arange(5))], [_run(5, seed=3)]
+    reffile.save(reffile.Reference(inputs, runs, ["a"], 96, "fp8", "cpu"), folder / "r.safetensors")
+    assert reffile.validate_reference_file(folder / "r.safetensors") == []
+    back = reffile.load(folder / "r.safetensors", 128)
+    assert back.labels == ["a"] and back.max_seq_len == 96 and back.source_format == "fp8"
+    assert torch.equal(back.inputs[0].input_ids, torch.arange(5))
+    assert torch.equal(back.runs[0].logits_all, runs[0].logits_all)
 
 
 def test_saving_twice_in_two_processes_gives_the_same_bytes(tmp_path):
