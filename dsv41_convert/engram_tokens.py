@@ -87,7 +87,9 @@ def read_tokenizer(path: Path) -> Tokenizer:
 
     key = _version(Path(path))
     if key not in _TOKENIZERS:
-        tokenizer = Tokenizer.from_file(str(path))
+        # the bytes, not the path: the library takes a path only as UTF-8 text, so a folder whose name is not
+        # UTF-8 (a byte Linux allows) was "not a readable tokenizer.json"
+        tokenizer = Tokenizer.from_buffer(Path(path).read_bytes())
         _TOKENIZERS.clear()
         _TOKENIZERS[key] = tokenizer
     return _TOKENIZERS[key]

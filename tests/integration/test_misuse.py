@@ -513,6 +513,22 @@ def test_brackets_in_the_source_path_stay_in_the_plan_tables_title(src, tmp_path
     assert printed.splitlines()[0].startswith(f"{folder}  "), printed.splitlines()[0]
 
 
+def test_a_source_folder_whose_name_is_not_utf8_converts(src, sharded, tmp_path):
+    """Linux names are bytes: the tokenizers library takes a path only as UTF-8 text, so every command that
+    checks the Engram tokenizer refused a whole checkpoint in a folder named b"bad\\xffname" with "not a
+    readable tokenizer.json ('utf-8' codec can't encode character ...)", exit 2. The rank files are those of
+    the same checkpoint under a plain name, byte for byte."""
+    folder = copy_of(src, tmp_path / os.fsdecode(b"bad\xffname"))
+    proc = subprocess.run([*CLI, "plan", str(folder), "--tp", "2"], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / os.fsdecode(b"out\xff")
+    proc = subprocess.run([*CLI, "shard", str(folder), str(out), "--tp", "2"], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        name = f"model{rank}-mp2.safetensors"
+        assert (out / name).read_bytes() == (sharded / name).read_bytes(), name
+
+
 _INTERRUPT_AFTER_A_WORKER_STARTS = """
 import sys
 import multiprocessing.process as mp_process
