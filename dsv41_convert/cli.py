@@ -1136,6 +1136,7 @@ def main() -> None:
         if sys.stdout is None:  # started with it closed (`cmd >&-`): said before the work, not after hours of it
             report.error("stdout: closed, so the results cannot be written; send it to a file or /dev/null instead")
             sys.exit(2)
+        _paths_pass_through_stdout()
         if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
             _help_reader_gone_as_sigpipe()
         _main(click_exceptions)
@@ -1145,6 +1146,15 @@ def main() -> None:
         sys.exit(_say_stopped())
     finally:
         _disarm_stop_watchdog()
+
+
+def _paths_pass_through_stdout() -> None:
+    """A path that is not UTF-8 (Linux names are bytes; Python holds such a byte as a surrogate) is written to
+    stdout as its bytes, as a shell tool writes it: under a UTF-8 locale stdout is strict, and `check` of such a
+    folder ended its passing check in a UnicodeEncodeError traceback, exit 1 ("a check failed"), as did every
+    result naming such a path. The C locale's stdout does this already; stderr escapes them (backslashreplace)."""
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="surrogateescape")
 
 
 def _end_with_the_torchrun_agent() -> None:

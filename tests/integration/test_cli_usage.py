@@ -306,6 +306,22 @@ def test_a_stderr_that_cannot_be_written_is_an_error_naming_it(tmp_path, command
         assert said["error"].startswith(f"{src / 'manifest.json'}: ")
 
 
+def test_a_path_that_is_not_utf8_is_written_to_a_utf8_stdout_as_its_bytes(tmp_path):
+    """Under a UTF-8 locale Python's stdout is strict: `check` of a folder named b"out\\xff" passed its check
+    and then ended in a UnicodeEncodeError traceback, exit 1 ("a check failed"), as did make-tiny's result line.
+    PYTHONIOENCODING=utf-8:strict is that locale's stdout on a machine that has one installed."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    folder = tmp_path / os.fsdecode(b"src\xff")
+    made = subprocess.run([entry_point(), "make-tiny", str(folder)], capture_output=True, timeout=60, env=env)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout == bytes(tmp_path) + b"/src\xff\n"
+    out = tmp_path / os.fsdecode(b"out\xff")
+    subprocess.run([entry_point(), "shard", str(folder), str(out), "--tp", "2"], check=True, capture_output=True)
+    proc = subprocess.run([entry_point(), "check", str(out)], capture_output=True, timeout=60, env=env)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == b"ok: " + bytes(tmp_path) + b"/out\xff\n"
+
+
 def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     """`shard SRC OUT >&-`: said at the start, OUT not made."""
     src = tmp_path / "t"
