@@ -1174,6 +1174,19 @@ def _help_reader_gone_as_sigpipe() -> None:
     from rich.console import Console
 
     Console.on_broken_pipe = lambda self: report.reader_gone(self.file)  # type: ignore[method-assign]
+    write_buffer = Console._write_buffer
+
+    def named_stdout(self) -> None:  # `--help > /dev/full` said only "error: No space left on device"
+        try:
+            write_buffer(self)
+        except BrokenPipeError:
+            raise  # on_broken_pipe's
+        except OSError as exc:
+            if self.stderr:
+                raise
+            raise report.stream_failed("stdout", exc) from None
+
+    Console._write_buffer = named_stdout  # type: ignore[method-assign]
 
 
 def _main(click_exceptions) -> None:

@@ -139,7 +139,7 @@ def write(*pieces: str, after_a_signal: bool = False) -> None:
     except BrokenPipeError:
         reader_gone(sys.stdout)
     except OSError as exc:  # a full disk (> /dev/full): an input error naming stdout, not a traceback (an audit)
-        raise _stream_failed("stdout", exc) from None
+        raise stream_failed("stdout", exc) from None
 
 
 class _Named:
@@ -170,7 +170,7 @@ class _Named:
         except BrokenPipeError:
             raise  # the console's on_broken_pipe: exit 141
         except OSError as exc:
-            raise _stream_failed(self._name, exc) from None
+            raise stream_failed(self._name, exc) from None
 
 
 class _Nowhere:
@@ -189,7 +189,7 @@ class _Nowhere:
 _NOWHERE = _Nowhere()
 
 
-def _stream_failed(name: str, exc: OSError) -> OSError:
+def stream_failed(name: str, exc: OSError) -> OSError:
     """The error for a write to sys.stdout or sys.stderr (`name`) that failed: `exc` naming it; the stream is
     pointed at /dev/null, so that nothing fails again at exit (nor the line on stderr that says so)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), getattr(sys, name).fileno())

@@ -255,6 +255,18 @@ def test_help_into_a_reader_gone_exits_141():
         assert proc.returncode == 141, (args, proc.returncode, proc.stderr)
 
 
+def test_help_into_a_full_stdout_names_stdout():
+    """`dsv41-convert --help > /dev/full` said "error: No space left on device", naming nothing; the README
+    promises `error: stdout: ...` (exit 2) for a stdout that cannot be written, as every result has."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    for args in (["--help"], ["plan", "--help"]):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([entry_point(), *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
+        assert proc.stderr == "error: stdout: No space left on device\n", (args, proc.stderr)
+
+
 @pytest.mark.parametrize("json_flag", [["--json"], []])
 @pytest.mark.parametrize("stdout", ["full", "closed"])
 @pytest.mark.parametrize("tp", ["2", "3"])  # a result, and an input error
