@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -332,6 +334,31 @@ def test_a_path_that_is_not_utf8_is_written_to_a_utf8_stdout_as_its_bytes(tmp_pa
     proc = subprocess.run([entry_point(), "check", str(out)], capture_output=True, timeout=60, env=env)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == b"ok: " + bytes(tmp_path) + b"/out\xff\n"
+
+
+def test_a_signal_while_the_document_waits_on_a_full_pipe_leaves_it_whole(tmp_path):
+    """`plan --json | slow-reader`, SIGTERM while the document waits on the full pipe: the document was cut and
+    the error's appended (two, and no JSON), or (signal handled without raising) Python's buffered stream
+    dropped what the interrupted write had not taken, 117 KB from its middle. Now the document is whole, the
+    run exits 143 with its reason on stderr, and no second document (README: a signal after the result's
+    document)."""
+    if not os.path.exists("/proc/self/wchan"):
+        pytest.skip("no /proc/PID/wchan to see the writer wait on the pipe")
+    src = tmp_path / "t"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    cmd = [entry_point(), "plan", str(src), "--tp", "2", "--json"]
+    whole = subprocess.run(cmd, capture_output=True, check=True, timeout=60).stdout
+    assert len(whole) > 4 * 65536  # more than a pipe holds
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while "pipe_write" not in Path(f"/proc/{proc.pid}/wchan").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "plan never waited on the full pipe"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert out == whole, (len(out), len(whole))
+    assert err.decode().endswith("error: terminated (SIGTERM); nothing was written\n"), err
 
 
 def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
