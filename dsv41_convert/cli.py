@@ -1241,7 +1241,7 @@ def _main(click_exceptions) -> None:
             # shard or export process left its traceback alone, no `exit_code` for a pipeline to read: an audit)
             _run_failed(crash_line(exc))
         code = INTERRUPTED
-    if interrupts.interrupted() and not _debug["on"]:
+    if interrupts.interrupted():  # --debug too: a signal held off raised nothing to trace, and it exited 0
         code = INTERRUPTED  # the command ended as if none came: a signal during an import, or after its last check
     if code == INTERRUPTED:  # Typer's exit code for Ctrl-C (KeyboardInterrupt), returned in non-standalone mode
         code = _say_stopped()
