@@ -1220,7 +1220,9 @@ def _main(click_exceptions) -> None:
         code = INTERRUPTED
 
     except click_exceptions.ClickException as exc:  # non-standalone mode hands usage errors to the caller
-        if torchrun.shared_rank() is None:
+        if sys.stderr is None:  # closed (`2>&-`): click wrote the usage on stdout instead, before --json's document
+            pass
+        elif torchrun.shared_rank() is None:
             try:
                 exc.show()
             except BrokenPipeError:  # its reader gone (`2>&1 | head -c1`): 141, not the traceback's 1 (an audit)

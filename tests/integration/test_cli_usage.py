@@ -269,6 +269,18 @@ def test_help_into_a_full_stdout_names_stdout():
         assert proc.stderr == "error: stdout: No space left on device\n", (args, proc.stderr)
 
 
+@pytest.mark.parametrize("case", ["unknown option", "bad option value", "missing argument"])
+def test_a_usage_error_with_stderr_closed_is_one_document_on_stdout(case):
+    """`... --json 2>&-`: click writes its usage text to stdout where stderr is closed, so stdout held the usage
+    lines and then the error's document: no JSON for the pipeline that reads it."""
+    args, message = USAGE_ERRORS[case]
+    proc = subprocess.run([entry_point(), *args, "--json"], stdout=subprocess.PIPE, text=True, timeout=60,
+                          preexec_fn=lambda: os.close(2))  # fmt: skip
+    assert proc.returncode == 2
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and message in doc["error"], doc
+
+
 @pytest.mark.parametrize("json_flag", [["--json"], []])
 @pytest.mark.parametrize("stdout", ["full", "closed"])
 @pytest.mark.parametrize("tp", ["2", "3"])  # a result, and an input error
