@@ -1227,6 +1227,8 @@ def _main(click_exceptions) -> None:
                 exc.show()
             except BrokenPipeError:  # its reader gone (`2>&1 | head -c1`): 141, not the traceback's 1 (an audit)
                 report.reader_gone(sys.stderr)
+            except OSError as failed:  # stderr cannot be written (`2>>log` on a full disk): exit 2 all the same, not 1
+                report.stream_failed("stderr", failed)
         else:  # processes sharing stderr: one line that says which (click's lines said no rank: an audit)
             report.error(f"{exc.format_message()} (see --help)")
         code = 2 if isinstance(exc, click_exceptions.UsageError) else exc.exit_code

@@ -389,6 +389,29 @@ def test_a_signal_while_the_document_waits_on_a_full_pipe_leaves_it_whole(tmp_pa
     assert err.decode().endswith("error: terminated (SIGTERM); nothing was written\n"), err
 
 
+def test_a_stderr_that_cannot_be_written_is_an_input_error_not_a_failed_check(tmp_path):
+    """`2>>log` on a full disk: the first progress line's OSError went uncaught (its error line failed too), so
+    every command ended in exit 1, "a check ran and failed": `check` of sound files, an input error, a usage
+    error. Now exit 2 (an input error naming stderr, as stdout's), and with --json the document on stdout."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    src, out = tmp_path / "t", tmp_path / "mp2"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    subprocess.run([entry_point(), "shard", str(src), str(out), "--tp", "2"], check=True, capture_output=True)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        with open("/dev/full", "w") as full:
+            return subprocess.run([entry_point(), *args], stdout=subprocess.PIPE, stderr=full, text=True, timeout=60)
+
+    assert run("check", str(out)).returncode == 2
+    assert run("plan", str(src), "--bogus").returncode == 2
+    proc = run("plan", str(src), "--tp", "3", "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 2 and doc["exit_code"] == 2 and "cannot run at tp 3" in doc["error"], proc.stdout
+    proc = run("check", str(out), "--json")  # writes nothing on stderr: the check's own verdict
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True
+
+
 def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     """`shard SRC OUT >&-`: said at the start, OUT not made."""
     src = tmp_path / "t"
