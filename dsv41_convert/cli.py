@@ -1137,6 +1137,7 @@ def main() -> None:
             report.error("stdout: closed, so the results cannot be written; send it to a file or /dev/null instead")
             sys.exit(2)
         _paths_pass_through_stdout()
+        _no_width_of_zero()
         if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
             _help_reader_gone_as_sigpipe()
         _main(click_exceptions)
@@ -1155,6 +1156,15 @@ def _paths_pass_through_stdout() -> None:
     result naming such a path. The C locale's stdout does this already; stderr escapes them (backslashreplace)."""
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="surrogateescape")
+
+
+def _no_width_of_zero() -> None:
+    """COLUMNS=0 (`COLUMNS=$(tput cols)` where there is no terminal) is no width: rich printed every line at width
+    0, that is nothing, so results, errors and --help vanished and the run exited 0 or 2 without a word. Dropped,
+    the width is the terminal's, or report.PIPE_WIDTH for a file or a pipe."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) == 0:
+        del os.environ["COLUMNS"]
 
 
 def _end_with_the_torchrun_agent() -> None:

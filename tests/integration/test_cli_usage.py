@@ -412,6 +412,19 @@ def test_a_stderr_that_cannot_be_written_is_an_input_error_not_a_failed_check(tm
     assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True
 
 
+def test_columns_of_zero_prints_results_and_errors(tmp_path):
+    """COLUMNS=0 (`COLUMNS=$(tput cols)` without a terminal): rich printed every line at width 0, so make-tiny's
+    result (the folder, for a script to read), check's verdict, an input error and --help were all nothing."""
+    env = {**os.environ, "COLUMNS": "0"}
+    src = tmp_path / "t"
+    made = subprocess.run([entry_point(), "make-tiny", str(src)], capture_output=True, text=True, timeout=60, env=env)
+    assert made.returncode == 0 and made.stdout == f"{src}\n", made.stdout
+    proc = subprocess.run([entry_point(), "check", str(src)], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and f"error: {src / 'manifest.json'}: not found" in proc.stderr, proc.stderr
+    proc = subprocess.run([entry_point(), "--help"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and "make-tiny" in proc.stdout, proc.stdout
+
+
 def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     """`shard SRC OUT >&-`: said at the start, OUT not made."""
     src = tmp_path / "t"
