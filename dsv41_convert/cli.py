@@ -1199,6 +1199,19 @@ def _help_reader_gone_as_sigpipe() -> None:
     Console._write_buffer = named_stdout  # type: ignore[method-assign]
 
 
+def _command_context(argv: list[str]):
+    """A click context of the command `argv` names, for a usage error click's parser raised without one (an option
+    given without its value, `plan SRC --tp`: only the error line was shown, no usage line, no hint at --help);
+    None where argv names no command."""
+    group = typer.main.get_command(app)
+    top = group.make_context("dsv41-convert", [], resilient_parsing=True)
+    name = next((a for a in argv if not a.startswith("-")), None)
+    command = group.get_command(top, name) if name is not None else None
+    if command is None:
+        return top
+    return command.make_context(name, [], parent=top, resilient_parsing=True)
+
+
 def _main(click_exceptions) -> None:
     try:
         # in non-standalone mode click returns typer.Exit's code instead of exiting with it
@@ -1233,6 +1246,8 @@ def _main(click_exceptions) -> None:
         if sys.stderr is None:  # closed (`2>&-`): click wrote the usage on stdout instead, before --json's document
             pass
         elif torchrun.shared_rank() is None:
+            if isinstance(exc, click_exceptions.UsageError) and exc.ctx is None:
+                exc.ctx = _command_context(sys.argv[1:])
             try:
                 exc.show()
             except BrokenPipeError:  # its reader gone (`2>&1 | head -c1`): 141, not the traceback's 1 (an audit)

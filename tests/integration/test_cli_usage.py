@@ -65,11 +65,6 @@ def test_usage_error_prints_usage_and_exits_2(case):
     assert proc.stdout == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="click raises 'Option requires an argument' from its parser without a context, so click prints no usage "
-    "line and no --help hint; giving it one needs the command's context rebuilt after the parse failed",
-)
 def test_an_option_without_its_value_prints_usage_and_the_hint():
     """README, Commands: a usage error (an unknown option, a missing argument, a value the type refuses) prints
     the usage line, the error and a hint at --help. `plan SRC --tp` (the value left out, as a shell variable
