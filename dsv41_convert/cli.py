@@ -1187,14 +1187,9 @@ def _help_reader_gone_as_sigpipe() -> None:
     write_buffer = Console._write_buffer
 
     def named_stdout(self) -> None:  # `--help > /dev/full` said only "error: No space left on device"
-        try:
-            write_buffer(self)
-        except BrokenPipeError:
-            raise  # on_broken_pipe's
-        except OSError as exc:
-            if self.stderr:
-                raise
-            raise report.stream_failed("stdout", exc) from None
+        if self.stderr:
+            return write_buffer(self)
+        return report.named_call("stdout", write_buffer, self)
 
     Console._write_buffer = named_stdout  # type: ignore[method-assign]
 
@@ -1202,7 +1197,7 @@ def _help_reader_gone_as_sigpipe() -> None:
 def _command_context(argv: list[str]):
     """A click context of the command `argv` names, for a usage error click's parser raised without one (an option
     given without its value, `plan SRC --tp`: only the error line was shown, no usage line, no hint at --help);
-    None where argv names no command."""
+    the top-level group's where argv names no command."""
     group = typer.main.get_command(app)
     top = group.make_context("dsv41-convert", [], resilient_parsing=True)
     name = next((a for a in argv if not a.startswith("-")), None)

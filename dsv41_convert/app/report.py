@@ -167,12 +167,18 @@ class _Named:
         return stream if stream is not None else _NOWHERE  # stderr closed (`2>&-`): nothing to say it on
 
     def _named(self, call, *args):
-        try:
-            return call(*args)
-        except BrokenPipeError:
-            raise  # the console's on_broken_pipe: exit 141
-        except OSError as exc:
-            raise stream_failed(self._name, exc) from None
+        return named_call(self._name, call, *args)
+
+
+def named_call(name: str, call, *args):
+    """call(*args), a write to sys.stdout or sys.stderr (`name`): an OSError (a full disk) raised as one naming
+    the stream (stream_failed); a BrokenPipeError as it is (a console's on_broken_pipe: exit 141)."""
+    try:
+        return call(*args)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise stream_failed(name, exc) from None
 
 
 class _Nowhere:

@@ -633,8 +633,9 @@ def execute(
         if share:
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
         stamps = _planned_stamps(plan, src)
+        source = stamps_digest(stamps)  # kept in each done record this run writes
         if overwrite and share and ranks is None:
-            _replace_the_launchs_files(out, plan, mine, stamps_digest(stamps))
+            _replace_the_launchs_files(out, plan, mine, source)
         interrupts.check()  # nothing is removed after a Ctrl-C (a signal during the lock's wait, the checks)
         if overwrite:  # an --overwrite stopped half-way leaves no record of the replaced run: --resume continues it
             _mark_replacing(out, [n for n in names if (out / n).is_file()])
@@ -656,7 +657,7 @@ def execute(
             "journal": journal_bytes,
             "direct_io": direct_io,
             "stamps": stamps,
-            "source": stamps_digest(stamps),
+            "source": source,
         }
         lock_fds = lock.descriptors() + ([claim_fd] if claim_fd is not None else [])
         summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock_fds, ranks is not None)

@@ -192,10 +192,9 @@ def forget_stale(out: Path, plan_digest: str, rewriting: frozenset[str] = frozen
     from another machine, whose files have none, is kept).
     -> the names removed"""
     gone = [MANIFEST] if (out / MANIFEST).is_file() else []
-    gone += [name for name, frag in read_fragments(out).items() if frag.get("plan_digest") != plan_digest]
-    gone += [
-        name for name, frag in read_fragments(out).items() if name not in gone and _superseded(out, frag, rewriting)
-    ]
+    frags = read_fragments(out)
+    gone += [name for name, frag in frags.items() if frag.get("plan_digest") != plan_digest]
+    gone += [name for name, frag in frags.items() if name not in gone and _superseded(out, frag, rewriting)]
     for name in gone:
         (out / name).unlink(missing_ok=True)  # a share of the ranks beside us may have done it
     if gone:
