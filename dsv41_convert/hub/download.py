@@ -241,7 +241,10 @@ def _download(
         checked = _claim(place.folder, other, record, unclaimed, overwrite, max_workers, progress)
         _remove_stale_temporaries(Path(local_dir), files)
     selections = _union(record, ours.selections if ours else (), asked)
-    record = dataclasses.replace(record, selections=selections, fetched=tuple(sorted(fetched_before | checked)))
+    names = _other_names(record.revision, ours)
+    record = dataclasses.replace(
+        record, selections=selections, fetched=tuple(sorted(fetched_before | checked)), names=names
+    )
 
     placed: set[str] = set()  # files this run put at their names, checked
     moved: set[str] = set()  # files whose bytes this run transferred (the HF cache links a blob it holds)
@@ -425,6 +428,12 @@ def _union(record: Record, before: tuple[Selection, ...], asked: Selection) -> t
     if all(wanted(f.path, selections) for f in record.files):
         return (EVERY_FILE,)
     return selections
+
+
+def _other_names(revision: str, ours: Record | None) -> tuple[str, ...]:
+    """The names other than `revision` that earlier runs into the folder gave the same commit."""
+    earlier = () if ours is None else (*ours.names, ours.revision)
+    return tuple(sorted(set(earlier) - {revision}))
 
 
 def _save_record(record: Record, place: Place, local_dir: Path | None, cache_dir: Path | None) -> None:

@@ -116,6 +116,8 @@ class Record:
     # files a run put in the folder and found right (theirs to replace); None: a record from before
     # 2026-12-05, which counted every selected file as fetched
     fetched: tuple[str, ...] | None = None
+    # the other names earlier runs into the folder gave this commit (a tag, then its hash): each still names it
+    names: tuple[str, ...] = ()
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +131,8 @@ class Record:
         }
         if self.fetched is not None:
             data["fetched"] = sorted(self.fetched)
+        if self.names:
+            data["names"] = list(self.names)
         # a temporary of this process's own: the ranks of a torchrun launch resolve one repo into one HF cache
         # at once, and with one temporary name they renamed it from under each other (FileNotFoundError) or
         # installed it empty (an audit)
@@ -158,9 +162,12 @@ class Record:
             for name in fetched or ():  # removed by --overwrite at another revision: never a path out of the folder
                 if (why := repo_path_problem(name)) is not None:
                     raise ValueError(f"fetched {name!r}: {why}")
+            names = data.get("names", [])
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise ValueError("names is not a list of revision names")
             return Record(
                 data["repo_id"], data["revision"], data["commit"], files, selections,
-                None if fetched is None else tuple(fetched),
+                None if fetched is None else tuple(fetched), tuple(names),
             )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DownloadError(

@@ -172,7 +172,7 @@ def verify_local(
     record = Record.load(place.record)
     if record is not None and record.repo_id != repo_id:
         raise DownloadError(f"{place.folder}: holds {record.repo_id} (per {place.record.name}), not {repo_id}")
-    if record is not None and revision is not None and revision not in (record.revision, record.commit):
+    if record is not None and revision is not None and revision not in (record.revision, record.commit, *record.names):
         raise DownloadError(
             f"{place.folder}: holds revision {record.revision} (commit {record.commit}), not {revision}; "
             "download that revision into another folder"

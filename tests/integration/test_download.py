@@ -157,11 +157,6 @@ def test_verify_only_of_another_revision_than_the_folder_holds_is_refused(hub, t
         dl.verify_local(REPO, local_dir=local, revision="main")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the record keeps one revision name: a later run at the same commit spelled otherwise (its hash) "
-    "replaces it, and --verify-only --revision with the first name is refused as another revision",
-)
 def test_verify_only_by_a_name_an_earlier_run_used_for_the_same_commit(hub, tmp_path):
     """`--revision v0` into a folder, then `--revision <v0's commit> --include config.json` (the same commit):
     `--verify-only --revision v0` said the folder "holds revision <hash> ..., not v0; download that revision
@@ -171,6 +166,8 @@ def test_verify_only_by_a_name_an_earlier_run_used_for_the_same_commit(hub, tmp_
     assert fetch(hub, tmp_path, local_dir=local, revision=C0, include=["config.json"]).ok
     assert dl.verify_local(REPO, local_dir=local, revision=C0).ok
     assert dl.verify_local(REPO, local_dir=local, revision="v0").ok
+    with pytest.raises(DownloadError, match=r"not main"):  # a name no run used stays refused
+        dl.verify_local(REPO, local_dir=local, revision="main")
 
 
 def test_unknown_revision_is_a_clear_error(hub, tmp_path):

@@ -96,10 +96,10 @@ def test_record_round_trip(tmp_path):
 
 
 def test_record_keeps_what_was_fetched_and_refuses_names_out_of_the_folder(tmp_path):
-    """`fetched` round-trips (None: an older record, whose selections count); a record naming a file out of
+    """`fetched` and `names` round-trip (None: an older record, whose selections count); a record naming a file out of
     the folder, or whose `fetched` is not a list of names, is unreadable, not followed."""
     files = (RemoteFile("x", 1, None, "b" * 40), RemoteFile("sub/y", 2, "c" * 64, None))
-    record = Record("o/n", "main", "a" * 40, files, fetched=("x",))
+    record = Record("o/n", "main", "a" * 40, files, fetched=("x",), names=("v1",))
     record.save(tmp_path / "r.json")
     assert Record.load(tmp_path / "r.json") == record and record.ours() == {"x"}
     assert Record("o/n", "main", "a" * 40, files).ours() == {"x", "sub/y"}
@@ -110,6 +110,7 @@ def test_record_keeps_what_was_fetched_and_refuses_names_out_of_the_folder(tmp_p
         ("fetched", {"fetched": "x"}, "fetched is not a list of file names"),
         ("fetched_abs", {"fetched": ["x", "/etc/x"]}, "fetched '/etc/x': not a relative path"),
         ("fetched_up", {"fetched": ["../x"]}, r"fetched '\.\./x': an empty, \. or \.\. part"),
+        ("names", {"names": "v1"}, "names is not a list of revision names"),
     ]:
         (tmp_path / f"{name}.json").write_text(json.dumps(data | change))
         with pytest.raises(DownloadError, match=rf"{name}.json: unreadable download record \(.*{said}"):
