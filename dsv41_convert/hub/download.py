@@ -177,6 +177,11 @@ def download(
     the first byte otherwise.
     """
     if offline():
+        if overwrite:  # the check writes nothing: the option was ignored, silently (as --verify-only's, an audit)
+            raise DownloadError(
+                f"{repo_id}: HF_HUB_OFFLINE is set, so download only checks what is there and replaces nothing: "
+                "unset it to replace files, or drop --overwrite"
+            )
         report = verify_local(
             repo_id,
             revision=revision,

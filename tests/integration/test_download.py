@@ -268,6 +268,18 @@ def test_offline_download_checks_local_copy_without_network(hub, tmp_path, monke
         dl.resolve_source(REPO, local_dir=tmp_path / "local", endpoint=hub.url)
 
 
+def test_offline_download_refuses_overwrite_it_would_ignore(hub, tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE turns download into a check: `--overwrite` was ignored silently (the check ran, exit 0,
+    nothing replaced), where --verify-only --overwrite is refused. Now refused the same way, before any read."""
+    fetch(hub, tmp_path)
+    config = tmp_path / "local" / "config.json"
+    config.write_text("{}")  # a file of the user's that --overwrite would have replaced online
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DownloadError, match=r"HF_HUB_OFFLINE is set.*replaces nothing.*drop --overwrite"):
+        fetch(hub, tmp_path, overwrite=True)
+    assert config.read_text() == "{}"
+
+
 def test_verify_without_record_checks_headers_and_says_so(hub, tmp_path, checkpoints):
     fetch(hub, tmp_path)
     (tmp_path / "local" / dl.RECORD_NAME).unlink()
