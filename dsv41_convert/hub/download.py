@@ -69,6 +69,7 @@ from dsv41_convert.hub.local import (
     COMMIT,
     RECORD_NAME,
     DownloadReport,
+    NotCached,
     Place,
     Progress,
     check_repo_id,
@@ -131,6 +132,11 @@ def resolve_source(
             first = _checked_out(ref[0], download(ref[0], include=["config.json"], progress=progress, **where))
             check_config(first.folder / "config.json")
         report = download(ref[0], progress=progress, **where)
+    except NotCached as exc:  # download's advice names its --local-dir, which this command has not
+        raise DownloadError(
+            f"{src}: no such folder; as a Hub repo id: {exc.where}; download it first "
+            f"(`dsv41-convert download {ref[0]}`), or give the downloaded folder as SRC"
+        ) from exc
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc
     return _checked_out(ref[0], report).folder

@@ -131,6 +131,15 @@ def _cached_commit(repo_id: str, revision: str, cache_dir: Path | None) -> str |
     return ref.read_text().strip() if ref.is_file() else None
 
 
+class NotCached(DownloadError):
+    """A revision the HF cache does not hold, checked offline; `where` says which, without the advice, which
+    depends on the command (download's --local-dir, another command's SRC)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"{where}; download it first, or give the folder with --local-dir")
+        self.where = where
+
+
 def offline() -> bool:
     env = os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     return env or constants.HF_HUB_OFFLINE
@@ -161,10 +170,7 @@ def verify_local(
     else:
         commit = _cached_commit(repo_id, rev, cache_dir)
         if commit is None:
-            raise DownloadError(
-                f"{repo_id}@{rev}: not in the HF cache ({storage_of(repo_id, cache_dir)}); download it first, "
-                "or give the folder with --local-dir"
-            )
+            raise NotCached(f"{repo_id}@{rev}: not in the HF cache ({storage_of(repo_id, cache_dir)})")
         place = place_of(repo_id, commit, None, cache_dir)
     if not place.folder.is_dir():
         what = "not a folder" if place.folder.exists() else "no such folder"

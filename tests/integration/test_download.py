@@ -268,6 +268,20 @@ def test_offline_download_checks_local_copy_without_network(hub, tmp_path, monke
         dl.resolve_source(REPO, local_dir=tmp_path / "local", endpoint=hub.url)
 
 
+def test_offline_source_not_cached_advises_what_the_command_takes(tmp_path, monkeypatch):
+    """`plan owner/name` offline with the repo not in the HF cache advised "give the folder with --local-dir",
+    an option of `download` that plan, shard and export do not have; `download` keeps that advice."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf"
+    with pytest.raises(DownloadError) as raised:
+        dl.resolve_source(REPO, cache_dir=cache)
+    said = str(raised.value)
+    assert f"{REPO}: no such folder; as a Hub repo id: {REPO}@main: not in the HF cache" in said
+    assert f"`dsv41-convert download {REPO}`" in said and "as SRC" in said and "--local-dir" not in said
+    with pytest.raises(DownloadError, match=r"not in the HF cache .*; download it first, or give the folder with"):
+        dl.download(REPO, cache_dir=cache)
+
+
 def test_offline_download_refuses_overwrite_it_would_ignore(hub, tmp_path, monkeypatch):
     """HF_HUB_OFFLINE turns download into a check: `--overwrite` was ignored silently (the check ran, exit 0,
     nothing replaced), where --verify-only --overwrite is refused. Now refused the same way, before any read."""
