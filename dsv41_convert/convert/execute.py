@@ -58,6 +58,7 @@ from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.journal import journal_path
 from dsv41_convert.store.lock import hold, is_lock_entry
+from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import (
     DONE_DIR,
     FRAGMENT_GLOB,
@@ -613,13 +614,13 @@ def execute(
     mine = select_files(plan, ranks)
     check_output(src, out)
     interrupts.check()  # one postponed since an import (planning took seconds) stops the run before OUT is touched
-    out.mkdir(parents=True, exist_ok=True)
     # a share of the ranks (--ranks, a torchrun process) holds the folder shared and its own rank files
     # exclusively; a run of every rank holds the folder alone (store/lock.py)
     others = _others(plan, mine, ranks)
     share = others is not None
     names = [f.file for f in mine]
     with (
+        made_folder(out),  # a run refused before its first byte (no room) leaves no folder it made
         hold(out, shared=share, files=names if share else ()) as lock,
         claimed(out, plan.digest()) if share else nullcontext((None, [])) as (claim_fd, live_plans),
     ):

@@ -84,6 +84,7 @@ from dsv41_convert.hub.local import (
 )
 from dsv41_convert.numbers import byte_amounts
 from dsv41_convert.store.lock import hold
+from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import atomic_write
 
 GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
@@ -200,20 +201,14 @@ def download(
         )
         return report  # with its problems, as --verify-only: a check that fails, not an error
     check_repo_id(repo_id)
-    created = local_dir is not None and not Path(local_dir).exists()
-    if local_dir is not None:
-        Path(local_dir).mkdir(parents=True, exist_ok=True)
-    try:
-        with hold(Path(local_dir)) if local_dir is not None else contextlib.nullcontext():
-            return _download(
-                repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
-                backoff_s, repair_rounds, progress, overwrite,
-            )  # fmt: skip
-    except BaseException:
-        if created:  # a run refused before its first byte (no such repo, no file matches) leaves no folder
-            with contextlib.suppress(OSError):  # not empty: it wrote something
-                Path(local_dir).rmdir()
-        raise
+    with contextlib.ExitStack() as held:
+        if local_dir is not None:  # a run refused before its first byte (no such repo) leaves no folder it made
+            held.enter_context(made_folder(Path(local_dir)))
+            held.enter_context(hold(Path(local_dir)))
+        return _download(
+            repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
+            backoff_s, repair_rounds, progress, overwrite,
+        )  # fmt: skip
 
 
 def _download(

@@ -29,6 +29,7 @@ from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
 from dsv41_convert.file_kinds import refuse_unmakeable
 from dsv41_convert.store.lock import LOCK_NAME, hold
+from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import fsync_path
 
 INDEX = "model.safetensors.index.json"
@@ -87,35 +88,30 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     an error (see the module docstring). An OSError while writing (a full disk) becomes an OutputError
     naming `out`."""
     out = check_out(Path(out), overwrite)
-    above = _missing_above(out)  # made with OUT (mkdir -p), removed with it on failure
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        with hold(out):
-            check_out(out, overwrite)  # again, now that no other run writes here
-            stage = Path(tempfile.mkdtemp(prefix=STAGE, dir=out))
-            try:
+    with made_folder(out) as made:
+        try:
+            with hold(out):
+                check_out(out, overwrite)  # again, now that no other run writes here
+                stage = Path(tempfile.mkdtemp(prefix=STAGE, dir=out))
                 try:
-                    yield stage
-                except OSError as exc:
-                    if exc.filename is not None:
-                        raise
-                    said = f"{exc.strerror or exc} while writing the checkpoint"
-                    raise OutputError(f"{out}: {said}; {out} is as it was") from exc
-                (stage / MARK).write_text(
-                    "written by `dsv41-convert make-tiny`: its --overwrite replaces the checkpoint in this folder\n"
-                )
-                with interrupts.deferred():
-                    _move_in(stage, out, made)
-            finally:
-                shutil.rmtree(stage, ignore_errors=True)
-    except BaseException:
-        if made:
-            _remove_ours(out)
-            for folder in [out, *above]:  # nearest first; one that something else wrote into meanwhile stays
-                with suppress(OSError):
-                    folder.rmdir()
-        raise
+                    try:
+                        yield stage
+                    except OSError as exc:
+                        if exc.filename is not None:
+                            raise
+                        said = f"{exc.strerror or exc} while writing the checkpoint"
+                        raise OutputError(f"{out}: {said}; {out} is as it was") from exc
+                    (stage / MARK).write_text(
+                        "written by `dsv41-convert make-tiny`: its --overwrite replaces the checkpoint in this folder\n"
+                    )
+                    with interrupts.deferred():
+                        _move_in(stage, out, made)
+                finally:
+                    shutil.rmtree(stage, ignore_errors=True)
+        except BaseException:
+            if made:  # then made_folder removes OUT and the folders made above it, where nothing else came
+                _remove_ours(out)
+            raise
 
 
 def _remove_ours(out: Path) -> None:
@@ -126,15 +122,6 @@ def _remove_ours(out: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
-
-
-def _missing_above(out: Path) -> list[Path]:
-    """The folders above `out` that do not exist (mkdir -p makes them with it), nearest first."""
-    missing, here = [], out.parent
-    while not here.exists() and here != here.parent:
-        missing.append(here)
-        here = here.parent
-    return missing
 
 
 def _move_in(stage: Path, out: Path, made: bool) -> None:

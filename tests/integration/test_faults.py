@@ -306,13 +306,17 @@ def test_out_inside_src_and_nonempty_out(src, tmp_path):
 
 
 def test_not_enough_disk_up_front(src, tmp_path, monkeypatch):
+    """Refused before the first byte: no record in OUT (an audit: the source record left made the next plain run
+    "not empty"), and no OUT where the run made it, nor the folders it made above it (they were left empty)."""
     plan = build_plan(src, 2)
     monkeypatch.setattr(execute_mod, "disk_free", lambda path: 1000)
     with pytest.raises(OutputError, match=r" bytes to write but only 1,000 bytes free"):
-        execute_mod.execute(plan, tmp_path / "out")
-    assert_nothing_finished(tmp_path / "out")
-    # refused before any record (an audit: the source record left made the next plain run "not empty")
-    execute_mod.check_empty(tmp_path / "out", resume=False, overwrite=False)
+        execute_mod.execute(plan, tmp_path / "made" / "out")
+    assert not (tmp_path / "made").exists()
+    (tmp_path / "yours").mkdir()
+    with pytest.raises(OutputError, match=r" bytes to write but only 1,000 bytes free"):
+        execute_mod.execute(plan, tmp_path / "yours")
+    assert list((tmp_path / "yours").iterdir()) == []  # a folder that was there stays, as it was
 
 
 def test_room_for_the_rank_files_alone_is_not_enough(src, tmp_path, monkeypatch):
