@@ -57,7 +57,7 @@ from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.journal import journal_path
-from dsv41_convert.store.lock import hold, is_lock_entry
+from dsv41_convert.store.lock import hold, is_lock_entry, refuse_held
 from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import (
     DONE_DIR,
@@ -399,8 +399,9 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
 def check_destination(
     plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None = None
 ) -> list[RankFile]:
-    """What `execute` would refuse before writing, for --dry-run: --ranks, OUT (also its free space, but under
-    --resume), and under --resume the records of another plan; nothing is locked, hashed or written.
+    """What `execute` would refuse before writing, for --dry-run: --ranks, OUT (held by a running writer; its free
+    space, but under --resume), and under --resume the records of another plan; nothing is kept locked, hashed
+    or written.
     -> the rank files this process would write"""
     if resume and overwrite:
         raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
@@ -410,6 +411,7 @@ def check_destination(
     _require_writable(out)
     if out.is_dir():
         others = _others(plan, mine, ranks)
+        refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
         check_empty(out, resume, overwrite, others)
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
         if others is not None:

@@ -48,7 +48,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +146,9 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
             # nor removed (between a check and the removal another taker may have put its lock file there)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ENOENT and path.parent.name == FILE_LOCK_DIR and path.parent.parent.is_dir():
+                path.parent.mkdir(exist_ok=True)  # the last share to leave removed the file locks' folder
+                continue
             if exc.errno == errno.ELOOP:
                 raise OutputError(f"{what}: {path} is a link, not a lock file of ours; remove it") from exc
             raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
@@ -284,11 +287,52 @@ def hold(folder: Path, *, shared: bool = False, files: Iterable[str] = ()) -> It
         file_locks: dict[str, Lock] = {}
         if files:
             (folder / FILE_LOCK_DIR).mkdir(exist_ok=True)
+            # after the file locks (released first): the folder goes with the last of them, unless it holds more
+            # (the done records), so a share refused at its start leaves OUT as it found it
+            stack.callback(_remove_if_empty, folder / FILE_LOCK_DIR)
         for name in sorted(files):
             lock = take(folder / FILE_LOCK_DIR / f"{name}.lock", True, f"{where}/{name}")
             stack.callback(lock.release)
             file_locks[name] = lock
         yield FolderLock(folder, folder_lock, file_locks)
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with suppress(OSError):
+        folder.rmdir()
+
+
+def refuse_held(folder: Path, *, shared: bool = False, files: Iterable[str] = ()) -> None:
+    """For a --dry-run: the LockedError `hold(folder, shared=shared, files=files)` would raise now, where another
+    process holds the folder or one of the files; nothing is created or written, and no lock is kept. A lock
+    whose named holders are all gone (their workers end with them) is not a refusal: the run waits for it."""
+    folder = Path(folder)
+    where = str(folder.resolve())
+    _probe(folder / LOCK_NAME, not shared, where)
+    for name in sorted(files):
+        _probe(folder / FILE_LOCK_DIR / f"{name}.lock", True, f"{where}/{name}")
+
+
+def _probe(path: Path, exclusive: bool, what: str) -> None:
+    """LockedError where another process holds `path` against a lock of this kind (see `take`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:  # no lock file: nobody holds it (a link or worse is refused by the run in its own words)
+        return
+    try:
+        for _ in range(BUSY_TRIES):
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                return  # dropped with the descriptor
+            except BlockingIOError:
+                time.sleep(BUSY_WAIT_S)
+            except OSError:  # no locks on this file system: the run says so
+                return
+        data = _read_all(fd)
+        if not _orphaned(data):
+            raise LockedError(f"{what}: in use by {_who(data)}; wait for it to end or stop it")
+    finally:
+        os.close(fd)
 
 
 def is_lock_entry(name: str) -> bool:

@@ -121,8 +121,35 @@ def test_share_refuses_a_folder_with_foreign_files(src, tmp_path, monkeypatch, c
     (out / "notes.txt").write_text("mine")
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--ranks", "0")
     assert code == 2 and "files other than the other ranks' files (notes.txt)" in err
-    assert sorted(p.name for p in out.iterdir()) == [FILE_LOCK_DIR, "notes.txt"]  # the locks are gone
-    assert not list((out / FILE_LOCK_DIR).iterdir())
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # the locks are gone, and their folder
+
+
+def test_dry_run_refuses_what_the_run_would_find_held(src, tmp_path, monkeypatch, capsys):
+    """`shard --dry-run` / `export --dry-run` into an OUT another process is writing said the run would go
+    ahead, and the run itself was then refused (exit 2, "in use by"). The dry run now says so too, for a whole
+    run and for a share whose rank file is held; a share of other rank files beside a running share is no
+    conflict, and nothing is left locked or written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dry = ["--tp", "2", "--dry-run", "--json"]
+    with hold(out):
+        for command in (["shard", str(src), str(out), *dry], ["export", str(src), str(out), "--format", "bf16",
+                        "--dry-run", "--json"]):  # fmt: skip
+            code, stdout, err = run_cli(monkeypatch, capsys, *command)
+            assert code == 2 and f"error: {out.resolve()}: in use by pid {os.getpid()} on " in err, (command, err)
+            assert json.loads(stdout)["exit_code"] == 2
+    assert sorted(p.name for p in out.iterdir()) == []
+    with hold(out, shared=True, files=["model0-mp2.safetensors"]):
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *dry, "--ranks", "0")
+        assert code == 2 and f"{out.resolve()}/model0-mp2.safetensors: in use by pid {os.getpid()}" in err
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *dry)  # every rank: alone
+        assert code == 2 and f"error: {out.resolve()}: in use by pid {os.getpid()}" in err
+        code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *dry, "--ranks", "1")
+        assert code == 0, err
+        assert [r["file"] for r in json.loads(stdout)["ranks"]] == ["model1-mp2.safetensors"]
+    assert [p.name for p in out.iterdir()] == []  # the share's lock folder went with its last lock
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *dry)
+    assert code == 0, err
 
 
 def test_reference_logits_waits_for_nobody(src, tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ import pytest
 
 from dsv41_convert.errors import LockedError, OutputError
 from dsv41_convert.store import lock as lock_mod
-from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME, hold, read_holders
+from dsv41_convert.store.lock import FILE_LOCK_DIR, LOCK_NAME, hold, read_holders, refuse_held, take
 
 
 def test_second_exclusive_holder_is_refused_with_the_holder_named(tmp_path, monkeypatch):
@@ -254,3 +254,44 @@ def test_a_dead_runs_processes_holding_the_lock_too_long_are_reported(tmp_path, 
                 pass
     finally:
         os.kill(worker, signal.SIGKILL)
+
+
+def test_the_file_locks_folder_goes_with_the_last_share(tmp_path):
+    """A share refused at its start (another share's rank file, foreign files in OUT) left an empty
+    `.dsv41-convert` behind, and the next plain run was refused as "not empty (.dsv41-convert)". The folder
+    goes with the last file lock now, unless it holds more (a done record); a share whose folder another
+    share's exit removed between its making it and its lock makes it again."""
+    with hold(tmp_path, shared=True, files=["model0-mp2.safetensors"]):
+        with hold(tmp_path, shared=True, files=["model1-mp2.safetensors"]):
+            pass
+        assert (tmp_path / FILE_LOCK_DIR / "model0-mp2.safetensors.lock").is_file()  # the first share's stays
+    assert list(tmp_path.iterdir()) == []
+    with hold(tmp_path, shared=True, files=["model0-mp2.safetensors"]):
+        (tmp_path / FILE_LOCK_DIR / "model0-mp2.safetensors.done.json").write_text("{}")
+    assert [p.name for p in (tmp_path / FILE_LOCK_DIR).iterdir()] == ["model0-mp2.safetensors.done.json"]
+    (tmp_path / "other").mkdir()
+    lock = take(tmp_path / "other" / FILE_LOCK_DIR / "x.lock", True, "x")  # its folder gone meanwhile
+    lock.release()
+    assert (tmp_path / "other" / FILE_LOCK_DIR).is_dir()
+    with pytest.raises(OutputError, match="cannot create the lock file"):  # a lock file of a missing folder
+        take(tmp_path / "missing" / "x.lock", True, "x")
+
+
+def test_refuse_held_says_what_hold_would_without_holding(tmp_path):
+    """A --dry-run's probe: LockedError where `hold` would raise it, and nothing created or kept locked."""
+    refuse_held(tmp_path)
+    refuse_held(tmp_path, shared=True, files=["model0-mp2.safetensors"])
+    assert list(tmp_path.iterdir()) == []
+    with hold(tmp_path, shared=True, files=["model0-mp2.safetensors"]):
+        refuse_held(tmp_path, shared=True, files=["model1-mp2.safetensors"])  # a share beside it: no conflict
+        with pytest.raises(LockedError, match=rf"{tmp_path.resolve()}/model0-mp2.safetensors: in use by pid"):
+            refuse_held(tmp_path, shared=True, files=["model0-mp2.safetensors"])
+        with pytest.raises(LockedError, match=rf"{tmp_path.resolve()}: in use by pid {os.getpid()}"):
+            refuse_held(tmp_path)
+        with hold(tmp_path, shared=True, files=["model1-mp2.safetensors"]):  # the probes kept nothing locked
+            pass
+    with hold(tmp_path):
+        with pytest.raises(LockedError, match=rf"{tmp_path.resolve()}: in use by pid {os.getpid()}"):
+            refuse_held(tmp_path, shared=True, files=["model1-mp2.safetensors"])
+    with hold(tmp_path):  # free again
+        pass
