@@ -4,6 +4,7 @@ process conflict exactly as two processes would; dead holders are real processes
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -295,3 +296,21 @@ def test_refuse_held_says_what_hold_would_without_holding(tmp_path):
             refuse_held(tmp_path, shared=True, files=["model1-mp2.safetensors"])
     with hold(tmp_path):  # free again
         pass
+
+
+def test_refuse_held_lets_a_lock_of_a_dead_runs_workers_be(tmp_path):
+    """A lock whose named holders are all gone is held only by their workers, which end with them: the run waits
+    for it (up to ORPHANS_WAIT_S) and goes ahead, so its dry run does not refuse it; a live holder is refused."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    line = {"pid": dead.pid, "host": socket.gethostname(), "command": "gone", "started": "x", "mode": "exclusive"}
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the dead run's worker, sharing its descriptor
+        refuse_held(tmp_path)
+        os.write(fd, (json.dumps(line | {"pid": os.getpid()}) + "\n").encode())
+        with pytest.raises(LockedError, match=rf"in use by pid {os.getpid()} on "):
+            refuse_held(tmp_path)
+    finally:
+        os.close(fd)
