@@ -195,3 +195,27 @@ def test_not_carried_names_only_the_source_files_an_export_does_not_write(tmp_pa
     for folder in (".cache", "encoding", "inference"):
         (src / folder).mkdir()
     assert not_carried(src) == ["README.md", "encoding/", "generation_config.json", "inference/"]
+
+
+def test_bf16_export_writes_each_float_tensor_in_the_catalogs_dtype(tmp_path):
+    """Guards the README's list of what the bf16 format keeps in F32: an F32 fine-tune's float tensors come out in
+    the dtype the published catalog gives each (F32 only for attn_sink, the gate biases and hc_*; head, embed and
+    the norms as BF16), and every quantized weight as BF16. The README once listed `head` among the F32 ones; the
+    published checkpoint stores head.weight as BF16 [129280, 5120], and so does the export."""
+    import re
+
+    from reference_data import CATALOG
+
+    want = {}
+    for row in json.loads(CATALOG.read_text()):
+        if row["pattern"].endswith(".scale"):
+            continue
+        rx = re.escape(row["pattern"]).replace(r"\{\}", r"\d+")
+        want[rx] = "BF16" if row["dtype"] in ("F8_E4M3", "I8") else row["dtype"]
+    cfg = tiny_config(quantized=False)
+    f32 = {n: t.float() for n, t in source_tensors(cfg).items()}  # every float tensor saved as F32
+    got = _dtypes(build_export_plan(write_ckpt(tmp_path / "f32", f32, cfg), "bf16"))
+    assert got["head.weight"][0] == "BF16" and got["layers.0.hc_attn_fn"][0] == "F32"
+    for name, (dtype, _) in got.items():
+        hits = [d for rx, d in want.items() if re.fullmatch(rx, name)]
+        assert hits == [dtype], (name, dtype, hits)
