@@ -504,6 +504,14 @@ def _fits(annotation: str, value: Any) -> bool:
     return isinstance(value, _SCALARS[annotation])
 
 
+INT64_MAX = 2**63 - 1  # the largest size or position a tensor can have (torch's and safetensors' int64/u64)
+
+
+def _past_int64(value: Any) -> bool:
+    """Whether `value` is an int (a bool is none) whose magnitude no tensor size or position reaches."""
+    return type(value) is int and abs(value) > INT64_MAX
+
+
 def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> None:
     """ConfigError naming the first ModelArgs value of the wrong JSON type, or a size that is not positive.
 
@@ -512,6 +520,14 @@ def check_values(values: dict[str, Any], source: str, names: dict[str, str]) -> 
         if name in _FIELD_TYPES and not _fits(_FIELD_TYPES[name], value):
             raise ConfigError(
                 f"{source}: {names.get(name, name)} = {value!r} ({type(value).__name__}), expected {_FIELD_TYPES[name]}"
+            )
+        # an int past any tensor's size (JSON allows 10**400) was a traceback (OverflowError) where plan's memory
+        # figures or the catalogue's init scales turned it into a float (an audit)
+        big = next((v for v in (value if isinstance(value, (list, tuple)) else (value,)) if _past_int64(v)), None)
+        if big is not None:
+            raise ConfigError(
+                f"{source}: {names.get(name, name)} holds a {len(str(abs(big)))}-digit number, expected at most "
+                f"2**63 - 1 ({INT64_MAX})"
             )
     for name in POSITIVE_FIELDS:
         if name in values and values[name] <= 0:

@@ -110,6 +110,29 @@ def test_json_files_that_are_no_json_object(src, tmp_path, monkeypatch, capsys, 
     _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / name}: ", message)
 
 
+HUGE = 10**400  # JSON allows it; no tensor size or position reaches 2**63
+
+
+@pytest.mark.parametrize(
+    ("key", "edit"),
+    [
+        ("sliding_window", lambda t: HUGE),
+        ("moe_intermediate_size", lambda t: HUGE),
+    ],
+    ids=["sliding_window", "moe_intermediate_size"],
+)
+def test_config_sizes_past_any_tensor_are_refused(src, tmp_path, monkeypatch, capsys, key, edit):
+    """A config.json int past 2**63 - 1 is a clean error naming the key: `plan` ended in a traceback
+    (OverflowError) printing its memory table for a sliding_window of 10**400, and plan, shard and export all did
+    building the catalogue for such a moe_intermediate_size."""
+    bad = copy_of(src, tmp_path / "bad")
+    edit_config(bad, lambda c: c["text_config"].update({key: edit(c["text_config"])}) or c)
+    digits = len(str(HUGE))  # 401: the message counts the number's digits
+    _every_reader_refuses(
+        bad, tmp_path / "out", monkeypatch, capsys, f"text_config.{key} holds a {digits}-digit number", "2**63 - 1"
+    )
+
+
 def _every_reader_refuses(bad: Path, out: Path, monkeypatch, capsys, *needles: str) -> None:
     """plan, shard and export of the source `bad` each a clean error with `needles`; nothing made at `out`."""
     for command in (["plan", str(bad), "--tp", "2"], ["shard", str(bad), str(out), "--tp", "2"],
