@@ -13,6 +13,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from dsv41_convert.config import INT64_MAX
 from dsv41_convert.errors import NOT_JSON, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress
@@ -61,10 +62,18 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if not isinstance(files, dict) or not files:
         raise VerifyInputError(f"{path}: no `files` object listing the output files")
     for name, rec in files.items():
-        ok = isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get("sha256"), str)
+        ok = is_record(rec)
         if not ok or not name or "/" in name or name.startswith("."):
             raise VerifyInputError(f"{path}: entry {name!r} is not a plain file name with size and sha256")
     return data
+
+
+def is_record(rec: Any) -> bool:
+    """Whether `rec` is a file's record of a manifest or a fragment: {"size": a file size, "sha256": str}. A size
+    below 0 was reported as a file that differs (exit 1), and one past any file's (10**400) ended `check` and
+    `manifest` in a traceback (OverflowError) showing its progress (an audit): either is a damaged manifest."""
+    size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (None, None)
+    return type(size) is int and 0 <= size <= INT64_MAX and isinstance(digest, str)
 
 
 def our_manifest(folder: Path) -> dict[str, Any] | None:

@@ -59,6 +59,7 @@ from dsv41_convert.store.manifest import (
     write_manifest_from,
 )
 from dsv41_convert.store.manifest_check import check_folder, finish_export, read_manifest
+from dsv41_convert.store.manifest_check import is_record as _is_record
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
@@ -134,11 +135,6 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
             raise OutputError(f"{path}: {problem}; copy it again from the machine that wrote it")
         frags[path.name] = data
     return frags
-
-
-def _is_record(rec: Any) -> bool:
-    size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (None, None)
-    return isinstance(size, int) and not isinstance(size, bool) and size >= 0 and isinstance(digest, str)
 
 
 def _bad_entries(frag: dict[str, Any]) -> str:

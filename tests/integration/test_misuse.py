@@ -377,6 +377,23 @@ def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path
     assert code == 2 and out == ""
 
 
+@pytest.mark.parametrize("size", [-1, 10**400, True], ids=["negative", "past-any-file", "bool"])
+@pytest.mark.parametrize("command", ["check", "manifest"])
+def test_a_manifest_recording_no_file_size_is_refused_as_damaged(sharded, tmp_path, monkeypatch, capsys, size, command):
+    """A manifest.json whose `size` of a file is no file size is damaged, an input error naming the manifest and
+    the entry (exit 2), as any entry without a size is: a size of 10**400 ended `check` and `manifest` in a
+    traceback (OverflowError) drawing the byte progress, and -1 or true was reported as a file that differs
+    (exit 1) by `check`. The folder is left as it was."""
+    bad = copy_of(sharded, tmp_path / "bad")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["files"]["model0-mp2.safetensors"]["size"] = size
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    before = {p.name: p.read_bytes() for p in bad.iterdir() if p.is_file()}
+    code, _, err = run_cli(monkeypatch, capsys, command, str(bad))
+    assert_clean_error(code, err, f"{bad / 'manifest.json'}: entry 'model0-mp2.safetensors'")
+    assert {p.name: p.read_bytes() for p in bad.iterdir() if p.is_file()} == before
+
+
 @pytest.mark.parametrize("index", [True, False])
 def test_manifest_of_a_source_folder_writes_nothing_there(src, tmp_path, monkeypatch, capsys, index):
     """`manifest SRC` on a Hugging Face checkpoint (nothing to merge) says what the folder is and leaves it
