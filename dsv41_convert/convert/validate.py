@@ -35,13 +35,22 @@ def require_regular_files(src: Path) -> None:
     """PlanError naming each file of SRC a conversion reads whole (config.json, the index, the shards, the
     tokenizer files) that is a FIFO, a socket or a device: reading one blocked `plan` and `shard` until they
     were killed (an audit); and a tokenizer file that is a folder (it was said to be missing, then failed
-    the copy after OUT was made). Other folders and broken links in those names are named where they are read."""
+    the copy after OUT was made); and a link at the index's or a tokenizer file's name that leads nowhere (to no
+    file, or in a loop: such a name is read only where it exists, so the index's check of the files was skipped and
+    the tokenizer said to be missing, exit 0: an audit). Other folders and broken links in those names (config.json,
+    the shards) are named where they are read."""
     src = Path(src)
     if not src.is_dir():
         return
     folders = [name for name in SIDECARS if (src / name).is_dir()]
     if folders:
         raise PlanError(f"{src}: {first_few(folders)}: a folder where the tokenizer file belongs")
+    broken = [name for name in (INDEX_NAME, *SIDECARS) if (src / name).is_symlink() and not (src / name).exists()]
+    if broken:
+        raise PlanError(
+            f"{src}: {first_few(broken)}: a link that leads to no file (its target is missing, or it leads in a "
+            "loop); put the file itself there, or remove the link"
+        )
     special = [
         p.name
         for p in sorted(src.iterdir())

@@ -142,6 +142,19 @@ def _every_reader_refuses(bad: Path, out: Path, monkeypatch, capsys, *needles: s
     assert not out.exists()
 
 
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("target", ["gone", "loop"])
+def test_a_link_to_no_file_at_the_index_or_a_tokenizer_is_named(src, tmp_path, monkeypatch, capsys, name, target):
+    """A link at the index's or a tokenizer file's name that leads to no file (a deleted blob of the HF cache, a
+    link to itself) is a clean error naming it (exit 2), and nothing is made at OUT: plan, shard and export took it
+    for no file there, skipping the index's check of the shards (exit 0) or converting without the tokenizer with a
+    warning that said the source has none."""
+    bad = copy_of(src, tmp_path / "bad")
+    (bad / name).unlink()
+    (bad / name).symlink_to(bad / name if target == "loop" else tmp_path / "nowhere" / name)
+    _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad}: {name}: a link that leads to no file")
+
+
 def test_an_output_the_system_refuses_is_an_error_not_a_traceback(src, tmp_path, monkeypatch, capsys):
     (tmp_path / "a_file").write_text("x")
     for command in (
