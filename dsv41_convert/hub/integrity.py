@@ -29,6 +29,7 @@ from pathlib import Path
 from huggingface_hub.utils import filter_repo_objects
 
 from dsv41_convert.errors import DownloadError, HeaderError, first_few
+from dsv41_convert.file_kinds import SPECIAL
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
@@ -303,7 +304,10 @@ def _check_whole(
       `_check_index`'s);
     - without it: several shards (or one whose name says "of n" > 1), each shard the names' k-of-n count
       that is not there, and a shard of another count;
-    - a tensor in two files (duplicate; `shard` refuses it).
+    - a tensor in two files (duplicate; `shard` refuses it);
+    - anything but a file at a `*.safetensors` name at the top of `root` that the index does not name (a folder,
+      a link to no file, a FIFO): `shard` reads every such entry and refuses it, where the files' lists passed
+      it ("no other *.safetensors", exit 0: an audit).
     The shards are the `*.safetensors` of `paths` at the top of `root`, which is what `shard` reads. What it
     cannot find: a shard dropped from both the index and the folder, a tensor dropped from both the index
     and its shard, and any file but config.json and the weights that is gone (the tokenizer).
@@ -314,8 +318,20 @@ def _check_whole(
     top = sorted(p for p in paths if "/" not in p and p.endswith(".safetensors") and (root / p).is_file())
     if not top and not has_index:
         problems.append(Problem("model.safetensors", "missing", "no *.safetensors file", WEIGHTS))
+    named = set() if weight_map is None else {shard for shard in weight_map.values() if isinstance(shard, str)}
+    for entry in sorted(root.glob("*.safetensors")):  # every entry so named, as `shard` lists them
+        what = _not_a_file(entry)
+        if what is not None and entry.name not in named:  # a shard the index names: _check_index says it is missing
+            problems.append(
+                Problem(
+                    entry.name,
+                    "extra",
+                    what,
+                    f"a shard file or nothing of that name: `shard` reads every *.safetensors here; move {entry.name} "
+                    "out",
+                )
+            )
     if weight_map is not None:
-        named = {shard for shard in weight_map.values() if isinstance(shard, str)}
         for rel in top:
             if rel not in named:
                 problems.append(
@@ -339,6 +355,17 @@ def _check_whole(
                 )
             )
     return problems + _duplicates(top, names)
+
+
+def _not_a_file(path: Path) -> str | None:
+    """What stands at `path` in place of a regular file (links followed); None for a file or nothing there."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "a folder"
+    if path.is_symlink() and not path.exists():
+        return "a link that leads to no file (its target is missing, or it leads in a loop)"
+    return SPECIAL if path.exists() else None
 
 
 def _check_shard_names(top: list[str]) -> list[Problem]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -84,6 +85,17 @@ FAULTS = {  # fault -> (plant it, (file, kind) it must report)
     "a *.safetensors the index does not name": (_unindexed, ("extra.safetensors", "extra")),
     "a copy of a shard under another name": (_stray_copy, ("model-00002-of-00004.safetensors", "duplicate")),
     "one tensor in two shards": (_tensor_twice, (S3, "duplicate")),
+    # not files, which `shard` lists among the *.safetensors and refuses: the files' lists left them out (exit 0)
+    "a folder named *.safetensors": (lambda f: (f / "extra.safetensors").mkdir(), ("extra.safetensors", "extra")),
+    "a link to no file named *.safetensors": (
+        lambda f: (f / "extra.safetensors").symlink_to(f / "gone.safetensors"),
+        ("extra.safetensors", "extra"),
+    ),
+    "a link loop named *.safetensors": (
+        lambda f: (f / "extra.safetensors").symlink_to(f / "extra.safetensors"),
+        ("extra.safetensors", "extra"),
+    ),
+    "a FIFO named *.safetensors": (lambda f: os.mkfifo(f / "extra.safetensors"), ("extra.safetensors", "extra")),
 }
 
 
