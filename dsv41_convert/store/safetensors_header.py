@@ -26,6 +26,7 @@ from dsv41_convert.errors import NOT_JSON, HeaderError
 from dsv41_convert.store.rank_names import RANK_FILE
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers too
+U64_MAX = 2**64 - 1  # safetensors reads each dimension as an unsigned 64-bit int and refuses a larger one
 
 # safetensors' Dtype enum, in declaration order; save_file sorts tensors by this, descending
 DTYPE_ORDER = (
@@ -199,8 +200,9 @@ def _entries(path: str, data: dict, start: int) -> list[TensorInfo]:
                     for v in shape:
                         bits *= v
                     if type(begin) is int and type(end) is int and 0 <= begin <= end and (end - begin) * 8 == bits:
-                        append(TensorInfo(name, dtype, tuple(shape), start + begin, start + end))
-                        continue
+                        if bits or max(shape, default=0) <= U64_MAX:  # a zero-size tensor's other dims: _entry
+                            append(TensorInfo(name, dtype, tuple(shape), start + begin, start + end))
+                            continue
         append(_entry(path, name, spec, start))
     return out
 
@@ -223,6 +225,10 @@ def _entry(path: str, name: str, spec: object, start: int) -> TensorInfo:
         raise HeaderError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
     if not _naturals(shape):
         raise HeaderError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative ints")
+    if max(shape, default=0) > U64_MAX:  # only a zero-size tensor gets here with one: its bytes bound the rest
+        raise HeaderError(
+            f"{path}: tensor {name}: shape has a dimension past 2**64 - 1, which safetensors cannot read; corrupt file?"
+        )
     if not (_naturals(offs) and len(offs) == 2):
         raise HeaderError(f"{path}: tensor {name}: data_offsets {offs!r} is not [begin, end]")
     try:
