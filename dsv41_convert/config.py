@@ -479,6 +479,7 @@ PART_SIZES: dict[str, tuple[str, ...]] = {
         "vision_inter_dim",
         "vision_patch_size",
         "vision_downsample_ratio",
+        "vision_max_n_token",  # 0: an image prompt was "math domain error", named by the image (an audit)
     ),
     "engram_layer_ids": ("engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size"),
     "n_mtp_layers": ("dspark_markov_rank", "dspark_block_size"),

@@ -159,6 +159,11 @@ def prepare_vl_inputs(
         )
     if placeholders and not args.vision_enabled:
         raise ValueError("the prompt has images but the model has no vision tower (vision_n_layers == 0)")
+    if placeholders and not 0 <= args.image_token_id < args.vocab_size:  # a span's ids are embedded (then replaced)
+        raise ValueError(  # -1 was a traceback (IndexError in the embedding), past the vocabulary an Engram error
+            f"config.json's image_token_id {args.image_token_id} is not a token id (0..{args.vocab_size - 1}): "
+            "every position of an image span holds it"
+        )
     ids: list[int] = []
     types: list[int] = []
     inputs: list[ImageInput] = []

@@ -133,6 +133,44 @@ def test_config_sizes_past_any_tensor_are_refused(src, tmp_path, monkeypatch, ca
     )
 
 
+def _reference_of_an_image_prompt(bad: Path, tmp_path: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """reference-logits of `bad` with one text-and-image prompt: -> (exit code, stderr); no reference is left."""
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(tmp_path / "a.png")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "hello", "image": "a.png"}) + "\n")
+    ref = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(
+        monkeypatch, capsys, "reference-logits", str(bad), str(ref), "--prompts", str(tmp_path / "p.jsonl")
+    )
+    assert not ref.exists()
+    return code, err
+
+
+@pytest.mark.parametrize("token", [-1, 256], ids=["-1", "the vocabulary's size"])
+def test_an_image_prompt_needs_an_image_token_inside_the_vocabulary(src, tmp_path, monkeypatch, capsys, token):
+    """Every position of an image span holds image_token_id, which is embedded before the image replaces it: with
+    an id outside the vocabulary (256 ids here) reference-logits of an image prompt ended in a traceback
+    (IndexError in the embedding) for -1, and for an id past the vocabulary in an error blaming the prompts'
+    token ids for the Engram hash. Both are now an input error naming the prompt, the image and the key."""
+    bad = copy_of(src, tmp_path / "bad")
+    edit_config(bad, lambda c: c.update(image_token_id=token) or c)
+    code, err = _reference_of_an_image_prompt(bad, tmp_path, monkeypatch, capsys)
+    assert_clean_error(code, err, "p.jsonl:1: image ", f"image_token_id {token} is not a token id (0..255)")
+
+
+def test_a_vision_tower_without_room_for_an_image_is_refused(src, tmp_path, monkeypatch, capsys):
+    """max_image_tokens 0 in a model with a vision tower (a zero size of a part the model has): plan, shard and
+    export took it, and reference-logits of an image prompt said `image ...: math domain error`, naming the
+    image, not the key. Now every reader refuses it naming the key."""
+    bad = copy_of(src, tmp_path / "bad")
+    edit_config(bad, lambda c: c["vision_config"].update(max_image_tokens=0) or c)
+    message = "vision_config.max_image_tokens = 0, expected a positive number"
+    code, err = _reference_of_an_image_prompt(bad, tmp_path, monkeypatch, capsys)
+    assert_clean_error(code, err, f"{bad / 'config.json'}: ", message)
+    _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / 'config.json'}: ", message)
+
+
 def _every_reader_refuses(bad: Path, out: Path, monkeypatch, capsys, *needles: str) -> None:
     """plan, shard and export of the source `bad` each a clean error with `needles`; nothing made at `out`."""
     for command in (["plan", str(bad), "--tp", "2"], ["shard", str(bad), str(out), "--tp", "2"],
