@@ -898,8 +898,8 @@ def export_cmd(
 
     ep = build_export_plan(_local_source(src), fmt)
     if dry_run:
-        check_destination(ep.plan, out, resume, overwrite)
-        summary = summarize_export(ep)
+        mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite)}
+        summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("shards")
     _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")

@@ -246,13 +246,15 @@ def export(
     return {"format": ep.format, **summary}
 
 
-def summarize_export(ep: ExportPlan) -> dict[str, Any]:
-    """Per output shard: file, tensors, bytes, tensors per rule and action (the --dry-run table)."""
+def summarize_export(ep: ExportPlan, mine: set[str] | None = None) -> dict[str, Any]:
+    """Per output shard (of `mine`, the files this process writes: a torchrun share's; else all): file,
+    tensors, bytes, tensors per rule and action (the --dry-run table), and the bytes of those shards."""
     plan = ep.plan
+    files = [f for f in plan.files if mine is None or f.file in mine]
     return {
         "src": plan.src,
         "format": ep.format,
         "source_format": plan.source_format,
-        "total_bytes": plan.total_bytes,
-        "files": [file_summary(f) for f in plan.files],
+        "total_bytes": sum(f.nbytes for f in files),
+        "files": [file_summary(f) for f in files],
     }

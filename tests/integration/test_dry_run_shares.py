@@ -1,0 +1,49 @@
+"""`--dry-run` of one share (RANK and WORLD_SIZE, as torchrun sets them): it lists what that process's run
+writes, no more, for `shard` and `export` alike; the share's real run is the measure (its `written` and the
+files it leaves)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_run import run_cli
+from tiny_ckpt import make_tiny
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("dry-share") / "src")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize(
+    ("command", "listed"), [(["shard", "--tp", "4"], "ranks"), (["export", "--format", "bf16"], "files")]
+)
+def test_a_shares_dry_run_lists_the_files_its_run_writes(src, tmp_path, monkeypatch, capsys, rank, command, listed):
+    """Guards against `export --dry-run` under RANK/WORLD_SIZE listing every output shard (all of SRC's,
+    with their total) while the share's run writes only its half; `shard --dry-run` lists its share's ranks."""
+    out = tmp_path / "out"
+    verb, *options = command
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
+    assert code == 0, err
+    every = json.loads(dry)[listed]  # the files of the whole run
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a share left in the shell, not a launch: the run still writes it
+    monkeypatch.setenv("RANK", str(rank))
+    code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
+    assert code == 0, err
+    planned = json.loads(dry)
+    code, ran, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--json")
+    assert code == 0, err
+    written = json.loads(ran)["written"]
+    assert 0 < len(written) < len(every)  # a share: some of the files, not all
+    assert sorted(f["file"] for f in planned[listed]) == sorted(written)
+    for f in planned[listed]:
+        assert f["bytes"] == (out / f["file"]).stat().st_size, f["file"]
+    assert planned["total_bytes"] == sum((out / name).stat().st_size for name in written)
