@@ -894,11 +894,11 @@ def export_cmd(
       dsv41-convert export ./finetuned-bf16 ./finetuned-fp8-fp4 --format fp8-fp4 --resume
     """
     from dsv41_convert.convert.execute import check_destination
-    from dsv41_convert.convert.export import build_export_plan, export, not_carried, summarize_export
+    from dsv41_convert.convert.export import RECORDS, build_export_plan, export, not_carried, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
     if dry_run:
-        mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite)}
+        mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("shards")

@@ -251,14 +251,15 @@ def _no_other_conversion(
     remove: bool,
     dry_run: bool = False,
     before_removing: Callable[[], None] | None = None,
-) -> None:
+) -> list[str]:
     """A folder holds one conversion. What OUT holds of another (rank files of another tp, or an export's
     shards and index beside rank files, or rank files and hf_config.json beside an export's shards, and
     their .partial files) is removed with its records where `remove` (--overwrite, the folder held alone),
     else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files.
     Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed or written over,
     by --overwrite or --resume: an OutputError names them. dry_run: the same refusals, nothing removed.
-    before_removing: called once the refusals are passed, before the first file is removed."""
+    before_removing: called once the refusals are passed, before the first file is removed.
+    -> the names of the other conversion's files it removed (dry_run: would remove)"""
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {HF_CONFIG}
@@ -278,7 +279,7 @@ def _no_other_conversion(
         _refuse_strangers(out, sorted(n for n in mine if (out / n).is_file() and not _written_by_us(out, n)
                                       and n not in listed and (out / n).stat().st_size != size[n]))  # fmt: skip
     if not others:
-        return
+        return []
     if not remove:
         what = f"tp {plan.tp} rank files" if shard_plan else "an export"
         raise OutputError(
@@ -291,7 +292,7 @@ def _no_other_conversion(
     strangers = [n for n in others if n not in ours and (n not in foreign or not ours)]
     _refuse_strangers(out, sorted(set(strangers), key=lambda n: (not HF_SHARD.fullmatch(n), n)))
     if dry_run:
-        return
+        return others
     interrupts.check()  # one postponed in the lock's wait or the checks: nothing removed (an audit: it was)
     if before_removing is not None:
         before_removing()
@@ -299,6 +300,7 @@ def _no_other_conversion(
         file = name.removesuffix(".partial")
         for path in (out / name, done_path(out, file), journal_path(out, file)):
             path.unlink(missing_ok=True)
+    return others
 
 
 def _a_run_of_ours_was_here(out: Path) -> bool:
@@ -397,11 +399,17 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
 
 
 def check_destination(
-    plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None = None
+    plan: ConversionPlan,
+    out: Path,
+    resume: bool,
+    overwrite: bool,
+    ranks: list[int] | None = None,
+    records: tuple[str, ...] = (),
 ) -> list[RankFile]:
     """What `execute` would refuse before writing, for --dry-run: --ranks, OUT (held by a running writer; its free
     space, but under --resume), and under --resume the records of another plan; nothing is kept locked, hashed
     or written.
+    records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process would write"""
     if resume and overwrite:
         raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
@@ -409,11 +417,14 @@ def check_destination(
     out = Path(out)
     check_output(Path(plan.src), out)
     _require_writable(out)
+    replaced = [f.file for f in mine]  # what an --overwrite removes before it checks the space (execute)
     if out.is_dir():
         others = _others(plan, mine, ranks)
         refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
         check_empty(out, resume, overwrite, others)
-        _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
+        replaced += _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
+        if others is None:  # the folder held alone: the finished run's records go first (_forget_records)
+            replaced += [MANIFEST, *records]
         if others is not None:
             live = live_claims(out, plan.digest())  # the shares running now, as the run's claim sees them
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live)
@@ -426,10 +437,12 @@ def check_destination(
             if kept is not None and overwrite and ranks is None:  # the launch's process removes these first
                 gone = set(_replaced_by_the_launch(out, plan, mine, stamps_digest(stamps)))
                 kept = [f for f in kept if f not in gone]
+                replaced += gone
             _check_source_unchanged(out, src, stamps, kept)
     if not resume:  # as the run checks before its first byte (a resume's need is known once its files are hashed)
-        # --overwrite removes the replaced files first: credit every file OUT holds, so none the run takes is refused
-        held = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) if overwrite and out.is_dir() else 0
+        # --overwrite removes the replaced files first: credit those, and only those (a user's file beside them
+        # stays, and so do the other shares' files: crediting every file OUT held passed a run that then refused)
+        held = sum(p.stat().st_size for p in {out / n for n in replaced} if p.is_file()) if overwrite else 0
         _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)) - held)
     return mine
 

@@ -41,6 +41,7 @@ from dsv41_convert.store.safetensors_header import nbytes, sort_key
 from dsv41_convert.store.source_stamps import source_stamps
 
 CONFIG = "config.json"
+RECORDS = (CONFIG, INDEX)  # the files that say an export is finished, written last (Sidecars.records)
 E4M3, E8M0, BF16, I8 = "F8_E4M3", "F8_E8M0", "BF16", "I8"
 
 
@@ -238,7 +239,7 @@ def export(
 
     -> execute's summary, plus format
     """
-    sidecars = Sidecars(_before, partial(_after, ep), {"format": ep.format}, records=(CONFIG, INDEX))
+    sidecars = Sidecars(_before, partial(_after, ep), {"format": ep.format}, records=RECORDS)
     summary = execute(
         ep.plan, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
         sidecars=sidecars, **engine_kw,

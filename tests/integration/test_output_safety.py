@@ -549,6 +549,36 @@ def test_dry_run_refuses_an_out_without_room_as_the_run_does(src, tmp_path, monk
 
 
 @pytest.mark.parametrize(
+    ("first", "again"),
+    [(["shard", "--tp", "2"], ["shard", "--tp", "4"]), (["export", "--format", "fp8"], ["export", "--format", "bf16"])],
+    ids=["shard", "export"],
+)
+def test_dry_run_of_an_overwrite_credits_only_the_files_it_removes(src, tmp_path, monkeypatch, capsys, first, again):
+    """`--overwrite --dry-run` counted every file OUT held as room the run frees, a user's file beside the
+    conversion too (found: a 10 MB notes file on a 30 MB tmpfs), and said 0 where the run, which removes only
+    the replaced conversion, then refused ("N bytes to write but only M bytes free", exit 2). Here a disk whose
+    free space is what OUT's files leave of it, a 1 GiB (sparse) file of the user's among them, and room for
+    half the new files once the old are gone: the run refuses, and the dry run must say so first."""
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    assert run_cli(monkeypatch, capsys, first[0], str(src), str(out), *first[1:])[0] == 0
+    assert run_cli(monkeypatch, capsys, again[0], str(src), str(ref), *again[1:])[0] == 0
+    new = sum(p.stat().st_size for p in ref.glob("*.safetensors"))  # what the overwrite writes, measured
+    notes = out / "notes.bin"
+    notes.touch()
+    os.truncate(notes, 1 << 30)
+    capacity = (1 << 30) + new // 2
+
+    def disk_free(path) -> int:  # the disk holds OUT's files alone
+        return max(0, capacity - sum(p.stat().st_size for p in out.rglob("*") if p.is_file()))
+
+    monkeypatch.setattr(execute_mod, "disk_free", disk_free)
+    for extra in (["--dry-run"], []):
+        code, _, err = run_cli(monkeypatch, capsys, again[0], str(src), str(out), *again[1:], "--overwrite", *extra)
+        assert code == 2 and "bytes to write but only" in err, (extra, err)
+    assert notes.stat().st_size == 1 << 30  # the user's file stays
+
+
+@pytest.mark.parametrize(
     ("first", "again", "removal"),
     [
         (["shard", "--tp", "2"], ["shard", "--tp", "2", "--expert-dtype", "fp8"], "_remove_replaced"),
