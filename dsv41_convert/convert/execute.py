@@ -443,7 +443,7 @@ def check_destination(
         # --overwrite removes the replaced files first: credit those, and only those (a user's file beside them
         # stays, and so do the other shares' files: crediting every file OUT held passed a run that then refused)
         held = sum(p.stat().st_size for p in {out / n for n in replaced} if p.is_file()) if overwrite else 0
-        _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)) - held)
+        _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)), held)
     return mine
 
 
@@ -505,10 +505,10 @@ def _side_bytes(src: Path) -> int:
     return sum(size(n) for n in SIDECARS) + 2 * size("config.json") + size(INDEX_NAME)
 
 
-def _require_space(out: Path, need: int) -> None:
+def _require_space(out: Path, need: int, freed: int = 0) -> None:
     """OutputError unless OUT's device (that of its nearest existing folder: a dry run makes none) has `need`
-    bytes free."""
-    free = disk_free(nearest_existing(out))
+    bytes free, counting the `freed` bytes of files the run removes first (a dry run's --overwrite)."""
+    free = disk_free(nearest_existing(out)) + freed
     if need > free:
         need_said, free_said = byte_amounts(need, free)
         raise OutputError(

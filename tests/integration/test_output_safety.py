@@ -572,9 +572,12 @@ def test_dry_run_of_an_overwrite_credits_only_the_files_it_removes(src, tmp_path
         return max(0, capacity - sum(p.stat().st_size for p in out.rglob("*") if p.is_file()))
 
     monkeypatch.setattr(execute_mod, "disk_free", disk_free)
+    said = []
     for extra in (["--dry-run"], []):
         code, _, err = run_cli(monkeypatch, capsys, again[0], str(src), str(out), *again[1:], "--overwrite", *extra)
         assert code == 2 and "bytes to write but only" in err, (extra, err)
+        said.append(err.split(" bytes to write")[0].rsplit(" ", 1)[-1])
+    assert said[0] == said[1]  # the bytes the run writes, not those less the removed files' (the dry run said so)
     assert notes.stat().st_size == 1 << 30  # the user's file stays
 
 
