@@ -283,7 +283,7 @@ def shard_cmd(
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers in the digits 0-9, like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
     if dry_run:
-        mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list)}
+        mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("rank files")
@@ -898,7 +898,7 @@ def export_cmd(
 
     ep = build_export_plan(_local_source(src), fmt)
     if dry_run:
-        mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS)}
+        mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("shards")

@@ -398,6 +398,17 @@ def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, s
     return files[me::world] if world > 1 else files
 
 
+def check_device(device: str) -> None:
+    """PlanError unless the run can compute on `device` (--device): cpu, or cuda where torch sees a card."""
+    if device not in ("cpu", "cuda"):
+        raise PlanError(f"--device {device!r}: expected cpu or cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PlanError("--device cuda: torch sees no CUDA device here; use --device cpu")
+
+
 def check_destination(
     plan: ConversionPlan,
     out: Path,
@@ -405,14 +416,16 @@ def check_destination(
     overwrite: bool,
     ranks: list[int] | None = None,
     records: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> list[RankFile]:
-    """What `execute` would refuse before writing, for --dry-run: --ranks, OUT (held by a running writer; its free
-    space, but under --resume), and under --resume the records of another plan; nothing is kept locked, hashed
-    or written.
+    """What `execute` would refuse before writing, for --dry-run: --ranks, --device, OUT (held by a running writer;
+    its free space, but under --resume), and under --resume the records of another plan; nothing is kept locked,
+    hashed or written.
     records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process would write"""
     if resume and overwrite:
         raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
+    check_device(device)
     mine = select_files(plan, ranks)
     out = Path(out)
     check_output(Path(plan.src), out)
@@ -619,13 +632,7 @@ def execute(
     src, out = Path(plan.src), Path(out)
     if resume and overwrite:
         raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
-    if device not in ("cpu", "cuda"):
-        raise PlanError(f"--device {device!r}: expected cpu or cuda")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise PlanError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    check_device(device)
     mine = select_files(plan, ranks)
     check_output(src, out)
     interrupts.check()  # one postponed since an import (planning took seconds) stops the run before OUT is touched

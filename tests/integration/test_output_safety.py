@@ -548,6 +548,24 @@ def test_dry_run_refuses_an_out_without_room_as_the_run_does(src, tmp_path, monk
     assert code == 0 and not (tmp_path / "roomy").exists(), err
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda"])
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_dry_run_refuses_a_device_as_the_run_does(src, tmp_path, monkeypatch, capsys, command, device):
+    """`--device gpu --dry-run` (and `--device cuda` where torch sees no card) said 0 and printed the plan, where
+    the run refuses the value (exit 2, README: `error: --device 'gpu': expected cpu or cuda`)."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the run takes --device cuda")
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    said = "--device 'gpu': expected cpu or cuda" if device == "gpu" else "--device cuda: torch sees no CUDA device"
+    for extra in (["--dry-run"], []):
+        out = tmp_path / f"out{len(extra)}"
+        code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, "--device", device, *extra)
+        assert code == 2 and said in err, (extra, err)
+        assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("first", "again"),
     [(["shard", "--tp", "2"], ["shard", "--tp", "4"]), (["export", "--format", "fp8"], ["export", "--format", "bf16"])],
