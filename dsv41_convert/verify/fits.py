@@ -1,12 +1,17 @@
-"""Whether the model's runtime caches can exist on this machine, asked before they are allocated.
+"""Whether the model's runtime caches, and a prompt's prefill, can exist on this machine, asked before the
+model is built.
 
 The model sizes its window KV ring by the config's `sliding_window` and its Engram token map by the
 vocabulary, whatever the prompts: a config value far beyond the published one (a window of 10**12 rows) would
-otherwise end verify or reference-logits in an allocator's traceback."""
+otherwise end verify or reference-logits in an allocator's traceback. A prompt's prefill makes, per index
+layer, the scores of every query against every compressed position: quadratic in the prompt's length (a
+100,000-token prompt on make-tiny: 80 GB, an allocator's traceback after minutes of compute)."""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
@@ -73,3 +78,31 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
             "reference file's): fewer positions, or shorter prompts and decode steps"
             + (", or fewer ranks on this host" if sharing > 1 else "")
         )
+
+
+def prefill_scores_shape(args: ModelArgs, seq: int, tp: int = 1) -> tuple[int, int, int, int] | None:
+    """The indexer's scores in a prefill of `seq` positions on one of `tp` ranks, at the index layer of the least
+    compress ratio: [1, seq, index_n_heads / tp, seq / ratio] bfloat16 (model/indexer.py); None without index
+    layers. One tensor of the prefill, so a lower bound of its peak: what it refuses cannot run at all."""
+    ratios = [max(1, args.compress_ratios[layer]) for layer in args.index_source_layers if layer < args.n_layers]
+    return (1, seq, args.index_n_heads // tp, seq // min(ratios)) if ratios else None
+
+
+def require_prompts_fit(args: ModelArgs, device: str, prompts: Sequence[tuple[str, int]], tp: int = 1) -> None:
+    """VerifyInputError naming the longest of `prompts` (label, positions) whose prefill's indexer scores alone
+    exceed all the memory of `device` (the ranks' shares together where they share the host's memory, "cpu")."""
+    if not prompts:
+        return
+    label, seq = max(prompts, key=lambda p: p[1])
+    shape = prefill_scores_shape(args, seq, tp)
+    if shape is None:
+        return
+    sharing = tp if device == "cpu" else 1
+    need, have = math.prod(shape) * BF16 * sharing, machine_bytes(device)
+    if need <= have:
+        return
+    per = f" on each of {tp} ranks" if tp > 1 else ""
+    raise VerifyInputError(
+        f"{label}: a prompt of {seq:,} positions: its prefill's indexer scores alone ({list(shape)} bfloat16{per}) "
+        f"need {need / GIB:,.1f} GiB, more than all of {device}'s memory ({have / GIB:,.1f} GiB): shorten it"
+    )

@@ -10,7 +10,7 @@ rank holding only its own slices: `reference-logits SRC OUT --tp N` saves its ou
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from dsv41_convert.model import parallel
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.arithmetic import arithmetic
+from dsv41_convert.verify.fits import require_prompts_fit
 from dsv41_convert.verify.launch import launch, tell, told_each
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts, prompt_id_bound
 from dsv41_convert.verify.reffile import Reference
@@ -43,6 +44,11 @@ from dsv41_convert.verify.source import plan_state, reference_state, source_expe
 DEFAULT_DECODE_STEPS = 3
 PROMPTS = counting("prompts", "prompts")  # the bar of the prompts run (launch.tell)
 SEQ_ALIGN = 64
+
+
+def prompt_lengths(prompts: Sequence[Prompt], inputs: Sequence[ModelInput]) -> list[tuple[str, int]]:
+    """Each prompt's name for messages (its file and line where it has them) and its positions in the model."""
+    return [(p.origin or p.label, len(i.input_ids)) for p, i in zip(prompts, inputs, strict=True)]
 
 
 def pick_max_seq_len(prompt_lengths: list[int], n_decode: int, requested: int | None, drafts: int = 0) -> int:
@@ -106,6 +112,7 @@ def compute_reference(
     inputs = [model_input(p, args) for p in prompts]
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
+    require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src)
     model = build_model(args, src, "cpu", runs_on=device)
@@ -179,6 +186,7 @@ def compute_reference_ranks(
     check_tp(args, tp, str(src / "config.json"))  # here, not in each rank after the launch
     inputs = [model_input(p, args) for p in prompts]
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
+    require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads, bars)

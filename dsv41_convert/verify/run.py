@@ -37,6 +37,7 @@ from dsv41_convert.store.manifest_check import check_folder, our_manifest, recor
 from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
+from dsv41_convert.verify.fits import require_prompts_fit
 from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.prompts import Prompt, prompt_id_bound, refuse_recorded_ids_past
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
@@ -278,6 +279,9 @@ def _verify_ranks(
         recorded = [(label, [*i.input_ids.tolist(), *r.decode_ids.tolist()]) for label, i, r in
                     zip(ref.labels, ref.inputs, ref.runs, strict=True)]  # fmt: skip
         refuse_recorded_ids_past(recorded, bound, bound_by, ref_name)
+        lengths = [(f"{ref_name}: prompt {label}", len(i.input_ids))
+                   for label, i in zip(ref.labels, ref.inputs, strict=True)]  # fmt: skip
+        require_prompts_fit(conv_args, opts.device, lengths, 1 if opts.stream_layers else tp)
         if opts.stream_layers:
             _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused

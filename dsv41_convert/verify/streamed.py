@@ -30,10 +30,10 @@ from dsv41_convert.progress import Progress
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder
 from dsv41_convert.verify import provenance, weight_digests
-from dsv41_convert.verify.fits import require_caches_fit
+from dsv41_convert.verify.fits import require_caches_fit, require_prompts_fit
 from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
-from dsv41_convert.verify.reference import _recorded, pick_max_seq_len
+from dsv41_convert.verify.reference import _recorded, pick_max_seq_len, prompt_lengths
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, draft_block, model_input
 from dsv41_convert.verify.source import SourceWeights, source_experts
@@ -99,6 +99,7 @@ def compute_streamed_reference(
     seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     require_caches_fit(args, device, src / "config.json")
+    require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
     say(f"reference: {src} layer by layer (tp 1, {len(prompts)} prompts, {n_decode} decode steps)")
