@@ -39,7 +39,25 @@ def module_order(key: str) -> tuple[int, int]:
     m = _LAYER_KEY.match(key)
     if m:
         return (int(m.group(1)), {"engram": 0, "attn": 1, "ffn": 2, None: 3}[m.group(2)])
+    if key == "head":  # the logits, computed from the final norm's output
+        return (1 << 30, 1)
     return (1 << 30, 0)  # "norm"
+
+
+_TEACHER_PART = re.compile(r"(layers\.\d+)\.(attn\.indexer|pre_mix)$")
+
+
+def module_of_output(key: str) -> str:
+    """The module whose output a teacher-check key measures: "logits" -> "head" (the head runs on the
+    reference's final norm), "layers.1.attn.indexer" -> "layers.1.attn" (its top-k is part of the attention),
+    "layers.1.pre_mix" -> "layers.1.ffn" (the collapse weights the block hands on come from its FFN side's hc
+    mixing, `layers.1.hc_ffn_*`, which `module_of` names so); any other key is a module's own name."""
+    if key == "logits":
+        return "head"
+    m = _TEACHER_PART.match(key)
+    if m:
+        return f"{m.group(1)}.{'attn' if m.group(2) == 'attn.indexer' else 'ffn'}"
+    return key
 
 
 def first_divergence(

@@ -672,7 +672,7 @@ def _localize(result, ref, out, expected, ranks: RankFiles, conv_args: ModelArgs
             loc.module = localize.module_of(unmerged[0].split(":")[0], conv_args.n_layers)
             loc.note = f"the rank files do not merge back to tp 1: {unmerged[0]}"
         elif taught:
-            loc.module = min(taught, key=localize.module_order)
+            loc.module = min(map(localize.module_of_output, taught), key=localize.module_order)
             loc.note = "the first module the teacher check failed"
         elif not exact_pair and ref.tp != tp:
             loc.module = None

@@ -227,6 +227,41 @@ def test_a_reference_of_another_tp_is_not_localized_from_reduction_noise():
     assert same.module == "layers.1.ffn"
 
 
+@pytest.mark.parametrize(
+    ("teacher_failures", "module"),
+    [
+        (["teacher logits: 4.47 bf16 ulps > 2 (line-1)"], "head"),
+        (["teacher layers.1.attn.indexer: top-k differs at 5 of 24 positions (line-1)"], "layers.1.attn"),
+        (["teacher layers.1.pre_mix: 4.83 bf16 ulps > 2 (line-1)"], "layers.1.ffn"),
+        (
+            [
+                "teacher layers.0.attn.indexer: top-k differs at 5 of 24 positions (line-1)",
+                "teacher layers.1.attn: 12.1 bf16 ulps > 2 (line-1)",
+            ],
+            "layers.0.attn",
+        ),
+        (
+            ["teacher norm: 3 bf16 ulps > 2 (line-1)", "teacher layers.0.pre_mix: 3 bf16 ulps > 2 (line-1)"],
+            "layers.0.ffn",
+        ),
+        (["teacher logits: 3 bf16 ulps > 2 (line-1)", "teacher norm: 3 bf16 ulps > 2 (line-1)"], "norm"),
+    ],
+)
+def test_a_teacher_failure_is_localized_to_a_module_of_the_readme(teacher_failures, module):
+    """The teacher check measures outputs that are not modules of their own: the logits (the head's output, the
+    head run on the reference's final norm), an indexer's top-k (part of its layer's attention) and the pre_mix
+    collapse weights a block hands on (its FFN side's hc mixing: `layers.i.hc_ffn_*`, layers.i.ffn's scope).
+    The module named was that key itself ("first diverging module: logits", "layers.1.attn.indexer",
+    "layers.2.pre_mix" through the CLI, measured on make-tiny with the replay off: a head byte, indexer.wq_b's rows
+    reversed, hc_ffn_base[0] x4), none of the README's modules, and sorted after every layer (module_order knew
+    none of them), so an indexer of layer 0 lost to layer 1's attention. Expected: the README's module in
+    forward order."""
+    failures = [*teacher_failures, "last: kl_max 0.9 > 0.5"]
+    loc = _localized(failures, _hidden(), ref_tp=1, tp=2)
+    assert loc.module == module, loc
+    assert loc.note.startswith("the first module the teacher check failed"), loc
+
+
 def test_a_weights_comparison_that_skipped_the_routed_experts_is_not_decisive(monkeypatch):
     """The reference's digests compared for every tensor but the routed experts (stored in another dtype here):
     the check holds for what it compared, but a PASS cannot rest on it."""
