@@ -10,6 +10,7 @@ the stream after Engram, and each index source's top-k choice.
 
 The prefill runs the whole model once on every rank, with hooks that replace, as each module returns,
 its output by the reference's (after keeping its own for the comparison):
+    vision                       the image spans' rows of embed's output, compared apart (an image prompt)
     embed                        own output kept (after image spans are merged); block 0 gets the reference's
     layers.i.engram              input: the reference's stream before layer i; output forced
     layers.i (block)             input: the reference's stream and pre_mix; output and pre_mix forced
@@ -39,6 +40,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.model.block import make_identity_pre_mix
 from dsv41_convert.model.load import load_shards
+from dsv41_convert.model.transformer import image_rows
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify.reffile import Reference
@@ -211,6 +213,8 @@ def forced_prefill(
     finally:
         for hook in hooks:
             hook.remove()
+    if types is not None and "vision" in ref:  # the image spans' rows apart, as the reference recorded them
+        own["vision"] = image_rows(own["embed"], types >= 0)
     out = ModuleDeviations(positions=ids.shape[1])
     for key, got in own.items():
         if key.endswith(".indexer"):

@@ -503,6 +503,41 @@ def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
     assert blind.weights == "not recorded"
 
 
+def test_the_teacher_names_a_vision_fault_the_vision_module(m):
+    """A vision MLP weight x1.5 on both ranks of tp 2, the replay off, against a tp-1 file of one image prompt
+    without weight digests: the teacher check decides the FAIL. It compared the embedding's output with the
+    image spans merged in and named the module `embed` (the CLI said "first diverging module: embed"); the
+    README names such a fault `vision` (the image spans' rows, recorded apart), as the replay does. The
+    teacher now compares those rows apart, and a correct set keeps them within the bound."""
+    image_mod = pytest.importorskip("PIL.Image")
+    src = m.root / "src-vision"
+    if not src.exists():
+        write_checkpoint(src, TINY, seed=0, quantized=True, vision=True)
+    img = image_mod.new("RGB", (64, 48))
+    img.putdata([((x * 3) % 256, (y * 11) % 256, (x + y) % 256) for y in range(48) for x in range(64)])
+    img.save(m.root / "img-teacher.png")
+    prompts_file = m.root / "vision-teacher.jsonl"
+    prompts_file.write_text(json.dumps({"text": "what is this", "image": str(m.root / "img-teacher.png")}) + "\n")
+    ref = m.root / "ref-vision-teacher-tp1.safetensors"
+    torch.set_num_threads(1)
+    prompts = load_prompts(prompts_file, src / "tokenizer.json", TINY.vocab_size)
+    reffile.save(compute_reference_ranks(src, prompts, 1, 1, None, "cpu", False, 1), ref)
+    undigested = _without_weight_digests(ref)
+    conv = m.shard(2, src=src, tag="vision")
+    clean = _verify(conv, undigested, replay=False)
+    assert clean.verdict == "INCONCLUSIVE" and not clean.failures, clean.failures
+    bad = m.root / "vision-teacher-bad-mp2"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(conv, bad)
+    (bad / "manifest.json").unlink()
+    name = "vision.blocks.0.mlp.w1.weight"  # replicated: the same wrong value on every rank
+    for rank in range(2):
+        _edit(bad, rank, 2, lambda t: t.__setitem__(name, t[name] * 1.5))
+    failed = _verify(bad, undigested, replay=False)
+    assert failed.verdict == "FAIL" and any(f.startswith("teacher vision:") for f in failed.failures), failed.failures
+    assert failed.localization.module == "vision", failed.localization
+
+
 def test_the_twin_compares_every_weight_also_where_no_prompt_reaches(m):
     """A check of logits sees only the weights its prompts run: an Engram row no n-gram of the prompt hashes
     to, bumped on its rank after the conversion, fails the manifest check (its rank file's sha256); without
