@@ -381,9 +381,12 @@ def _replica_disagreement(ranks: RankFiles, name: str, copies: dict[int, TensorI
     """Which ranks hold which copy of replicated tensor `name` (read again, whole: only on a failure), saying
     which rank is the odd one where one copy is the others' majority. Comparing with rank 0 alone blamed
     every other rank for a copy damaged on rank 0."""
+    missing = sorted(r for r, info in copies.items() if info is None)
+    if missing:  # no copy there to compare: "ranks 0 and 1 hold different copies" where rank 1 held none
+        return f"{name}: replicated, but missing from rank files {missing} (every rank must hold a copy)"
     groups: dict[tuple, list[int]] = {}
     for r, info in copies.items():
-        key = ("none",) if info is None else (info.dtype, tuple(info.shape), piece_sha256(ranks, r, info))
+        key = (info.dtype, tuple(info.shape), piece_sha256(ranks, r, info))
         groups.setdefault(key, []).append(r)
     held = sorted(groups.values(), key=len, reverse=True)
     if len(held) == 2 and len(held[1]) == 1 and len(held[0]) > 1:

@@ -115,6 +115,26 @@ def test_the_odd_replica_is_named_also_on_rank_0(shards, tmp_path):
         ]
 
 
+def test_a_replica_missing_from_a_rank_is_named_missing(shards, tmp_path):
+    """A replicated tensor deleted from rank 1 of a tp-2 set was reported "ranks 0 and 1 hold different copies"
+    (rank 1 holds none); at tp 4, from rank 2, as one of "2 different copies". It is named missing, with its
+    ranks, as the merge names a missing piece of a split tensor."""
+    name = "layers.1.ffn_norm.weight"
+    two = _copy(shards, 2, tmp_path)
+    _edit(two, 1, 2, lambda t: t.pop(name))
+    with RankFiles(two) as ranks:
+        assert [m for m in replica_mismatches(ranks) if m.startswith(name)] == [
+            f"{name}: replicated, but missing from rank files [1] (every rank must hold a copy)"
+        ]
+    four = _copy(shards, 4, tmp_path)
+    _edit(four, 2, 4, lambda t: t.pop(name))
+    _edit(four, 3, 4, lambda t: t.pop(name))
+    with RankFiles(four) as ranks:
+        assert [m for m in replica_mismatches(ranks) if m.startswith(name)] == [
+            f"{name}: replicated, but missing from rank files [2, 3] (every rank must hold a copy)"
+        ]
+
+
 def test_expert_on_the_wrong_rank(shards, tmp_path):
     bad = _copy(shards, 2, tmp_path)
     name = "layers.0.ffn.experts.1.w1.weight"  # 8 experts, tp 2: rank 0 owns 0..3
@@ -227,7 +247,7 @@ def test_replica_mismatches_names_every_damaged_replica_and_rank(shards, tmp_pat
         found = replica_mismatches(ranks)
     assert found == [
         "layers.0.attn_norm.weight: replicated, but rank 2's copy differs from the other 3 ranks'",
-        "layers.1.ffn_norm.weight: replicated, but rank 3's copy differs from the other 3 ranks'",
+        "layers.1.ffn_norm.weight: replicated, but missing from rank files [3] (every rank must hold a copy)",
         "norm.weight: replicated, but rank 1's copy differs from the other 3 ranks'",
     ]
 
