@@ -25,6 +25,7 @@ import torch
 
 from dsv41_convert import interrupts, torchrun
 from dsv41_convert.errors import ConfigError, OutputError
+from dsv41_convert.file_kinds import refuse_unmakeable
 from dsv41_convert.progress import Progress as ByteProgress
 
 Step = Callable[[str], None]
@@ -62,6 +63,7 @@ def run_demo(
         raise ConfigError("demo runs in one process: run it without torchrun (RANK and WORLD_SIZE are set)")
     folder = Path(folder)
     src, out = folder / "src", folder / f"mp{tp}"
+    refuse_unmakeable(src, OutputError)  # DIR a link to nothing, or a file: mkdir said only "File exists"
     if folder.exists() and any(folder.iterdir()):
         if not overwrite:
             raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")

@@ -351,6 +351,20 @@ def test_demo_refuses_a_tp_before_writing_anything(tmp_path, monkeypatch, capsys
     assert not (tmp_path / "d").exists()
 
 
+def test_demo_into_a_link_to_nothing_or_a_file_is_named(tmp_path, monkeypatch, capsys):
+    """`demo DIR` where DIR is a link to a path that does not exist said only "DIR: File exists" (mkdir's
+    words); shard, export and make-tiny name the link and its target. Now demo does too, and a file at DIR is
+    named as no folder; nothing is written."""
+    dang = tmp_path / "dang"
+    dang.symlink_to(tmp_path / "gone")
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(dang))
+    assert_clean_error(code, err, f"{dang}: a link to {tmp_path / 'gone'}, which does not exist")
+    (tmp_path / "afile").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "afile"))
+    assert_clean_error(code, err, f"{tmp_path / 'afile'}: Not a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dang"] and not (tmp_path / "gone").exists()
+
+
 def test_made_files_have_the_mode_of_a_new_file(tmp_path, monkeypatch, capsys):
     old = os.umask(0o027)
     try:
