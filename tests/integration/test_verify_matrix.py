@@ -449,31 +449,41 @@ def test_teacher_fails_each_fault_in_its_module(m, fault, tp, module):
     assert any(f.startswith(f"teacher {module}:") for f in teacher), teacher
 
 
-def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
+def _image_reference(m, name: str, text: str, pixel) -> tuple[Path, Path, Path]:
+    """The vision source (made once) and a tp-1 reference file of one prompt: `text` and a 64 x 48 image, whose
+    pixel (x, y) is pixel(x, y), saved as m.root/NAME.png. -> (source, reference file, image)"""
     image_mod = pytest.importorskip("PIL.Image")
     src = m.root / "src-vision"
     if not src.exists():
         write_checkpoint(src, TINY, seed=0, quantized=True, vision=True)
     img = image_mod.new("RGB", (64, 48))
-    img.putdata([((x * 7) % 256, (y * 5) % 256, (x * y) % 256) for y in range(48) for x in range(64)])
-    img.save(m.root / "img.png")
-    prompts_file = m.root / "vision.jsonl"
-    prompts_file.write_text(json.dumps({"text": "what is in the picture", "image": str(m.root / "img.png")}) + "\n")
-    ref = m.root / "ref-vision-tp1.safetensors"
+    img.putdata([pixel(x, y) for y in range(48) for x in range(64)])
+    image = m.root / f"{name}.png"
+    img.save(image)
+    prompts_file = m.root / f"{name}.jsonl"
+    prompts_file.write_text(json.dumps({"text": text, "image": str(image)}) + "\n")
+    ref = m.root / f"ref-{name}-tp1.safetensors"
     torch.set_num_threads(1)
     prompts = load_prompts(prompts_file, src / "tokenizer.json", TINY.vocab_size)
     reffile.save(compute_reference_ranks(src, prompts, 1, 1, None, "cpu", False, 1), ref)
+    return src, ref, image
+
+
+def test_vision_prompt_passes_by_replay_and_a_vision_fault_fails(m):
+    pixel = lambda x, y: ((x * 7) % 256, (y * 5) % 256, (x * y) % 256)
+    src, ref, image = _image_reference(m, "img", "what is in the picture", pixel)
     conv = m.shard(2, src=src, tag="vision")
     result = _verify(conv, ref)
     assert result.verdict == "PASS" and result.decisive == ["weights", "replay"], (result.failures, result.checks)
     assert result.unreached == []
     # the file records the image's sha256: another image at its path (rewritten, another machine) made this
     # correct conversion FAIL ("top1 0.000 < 1", an audit); now the file is refused, naming the image
-    kept = (m.root / "img.png").read_bytes()
-    img.rotate(180).save(m.root / "img.png")
+    kept = image.read_bytes()
+    image_mod = pytest.importorskip("PIL.Image")
+    image_mod.open(image).rotate(180).save(image)
     with pytest.raises(VerifyInputError, match=r"img\.png': not the image this file was computed with"):
         _verify(conv, ref)
-    (m.root / "img.png").write_bytes(kept)
+    image.write_bytes(kept)
     bad = m.root / "vision-bad-mp2"
     shutil.rmtree(bad, ignore_errors=True)
     shutil.copytree(conv, bad)
@@ -509,19 +519,8 @@ def test_the_teacher_names_a_vision_fault_the_vision_module(m):
     image spans merged in and named the module `embed` (the CLI said "first diverging module: embed"); the
     README names such a fault `vision` (the image spans' rows, recorded apart), as the replay does. The
     teacher now compares those rows apart, and a correct set keeps them within the bound."""
-    image_mod = pytest.importorskip("PIL.Image")
-    src = m.root / "src-vision"
-    if not src.exists():
-        write_checkpoint(src, TINY, seed=0, quantized=True, vision=True)
-    img = image_mod.new("RGB", (64, 48))
-    img.putdata([((x * 3) % 256, (y * 11) % 256, (x + y) % 256) for y in range(48) for x in range(64)])
-    img.save(m.root / "img-teacher.png")
-    prompts_file = m.root / "vision-teacher.jsonl"
-    prompts_file.write_text(json.dumps({"text": "what is this", "image": str(m.root / "img-teacher.png")}) + "\n")
-    ref = m.root / "ref-vision-teacher-tp1.safetensors"
-    torch.set_num_threads(1)
-    prompts = load_prompts(prompts_file, src / "tokenizer.json", TINY.vocab_size)
-    reffile.save(compute_reference_ranks(src, prompts, 1, 1, None, "cpu", False, 1), ref)
+    pixel = lambda x, y: ((x * 3) % 256, (y * 11) % 256, (x + y) % 256)
+    src, ref, _ = _image_reference(m, "img-teacher", "what is this", pixel)
     undigested = _without_weight_digests(ref)
     conv = m.shard(2, src=src, tag="vision")
     clean = _verify(conv, undigested, replay=False)
