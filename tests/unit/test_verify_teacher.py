@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from dsv41_convert.verify import reffile
-from dsv41_convert.verify.teacher import ModuleDeviations, bf16_ulps, judge
+from dsv41_convert.verify.runner import ModelInput
+from dsv41_convert.verify.teacher import ModuleDeviations, bf16_ulps, forced_prefill, judge
 from dsv41_convert.verify.verdict import FAIL, INCONCLUSIVE, PASS, decide
 
 
@@ -116,3 +117,45 @@ def test_the_check_applies_only_where_every_prompt_has_its_hidden_states():
     assert not teacher.applies(ref(full, partial), args, "cpu")
     assert not teacher.applies(ref(partial, full), args, "cpu")
     assert not teacher.applies(ref(full, full), args, "cuda")  # bounds measured on the CPU
+
+
+class _EmbedOnly(torch.nn.Module):
+    """A model of no layers, as forced_prefill drives one: embed, then the final norm (an identity) and logits
+    that are the normed rows' sums."""
+
+    hc_mult = 1
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.embed = torch.nn.Embedding.from_pretrained(table)
+        self.layers = torch.nn.ModuleList()
+        self.norm = torch.nn.Identity()
+
+    def forward(self, ids, start_pos, images, types, all_logits=False):
+        h = self.norm(self.embed(ids))
+        return None, h.float().sum(-1, keepdim=True), None
+
+
+def test_the_image_rows_are_measured_apart_as_vision():
+    """A prompt with an image span: the embedding's image rows are compared with the reference's `vision` rows
+    apart (a fault of the tower was charged to `embed`: an audit), a text row's deviation is not `vision`'s,
+    and without an image no `vision` is measured."""
+    table = torch.arange(1, 13, dtype=torch.float32).reshape(4, 3).to(torch.bfloat16)
+    ids = torch.tensor([0, 1, 2, 3])
+    types = torch.tensor([-1, 0, 0, -1])  # positions 1 and 2: the image span
+    rows = table[ids]
+    image = torch.zeros_like(rows)
+    image[1:3] = rows[1:3]
+    inp = ModelInput(ids, types)
+    bumped = image.clone()
+    bumped[1, 0] = bumped[1, 0] * 2
+    got = forced_prefill(_EmbedOnly(table), inp, {"embed": rows, "norm": rows, "vision": bumped}, None, "cpu")
+    assert got.ulps["vision"] > 0 and got.ulps["embed"] == 0 and got.ulps["norm"] == 0
+    same = forced_prefill(_EmbedOnly(table), inp, {"embed": rows, "norm": rows, "vision": image}, None, "cpu")
+    assert same.ulps["vision"] == 0
+    text = rows.clone()
+    text[0, 0] = text[0, 0] * 2  # a text row: the embedding's, not the tower's
+    off = forced_prefill(_EmbedOnly(table), inp, {"embed": text, "norm": rows, "vision": image}, None, "cpu")
+    assert off.ulps["embed"] > 0 and off.ulps["vision"] == 0
+    plain = forced_prefill(_EmbedOnly(table), ModelInput(ids), {"embed": rows, "norm": rows}, None, "cpu")
+    assert "vision" not in plain.ulps
