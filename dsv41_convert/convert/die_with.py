@@ -86,11 +86,19 @@ def start_fork_server() -> None:
     only) that it serves this process: with this module first in its preload it then dies with this
     process, and so does every process it forks that calls die_with_parent."""
     import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
 
+    # Ctrl-C reaches the server too (one process group): it starts with SIGINT blocked, a mask an exec keeps,
+    # until this module, its first preload, has set its quiet handler; one that landed while its interpreter
+    # started printed "Fatal Python error: init_import_site ... KeyboardInterrupt" under the run's message. The
+    # resource tracker first: its start unblocks SIGINT in this thread when it ends.
+    multiprocessing.resource_tracker.ensure_running()
     os.environ[RUN_ENV] = str(os.getpid())
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         del os.environ[RUN_ENV]
 
 
@@ -143,3 +151,4 @@ if os.environ.get(RUN_ENV) == str(os.getppid()):  # the fork server of a run, st
     # their own (execute._init_worker): exit 130 at once and quietly, nothing begun; a KeyboardInterrupt
     # there printed multiprocessing's "Process ForkServerProcess-N: Traceback ..." under the run's message
     signal.signal(signal.SIGINT, _exit_on_interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # start_fork_server blocked it for the start

@@ -99,3 +99,43 @@ def test_alive_tells_a_live_process_from_a_gone_one(monkeypatch):
 
     monkeypatch.setattr(die_with.os, "kill", not_yours)
     assert die_with.alive(child.pid)  # it exists: only the signal was refused
+
+
+# the run's fork server, while its interpreter starts (site, before its preloads): says so, then takes its time
+_SLOW_SERVER_START = """
+import os, time
+if os.environ.get("DSV41_CONVERT_FORK_SERVER_OF") == str(os.getppid()):
+    open(os.environ["SERVER_STARTING"], "w").close()
+    time.sleep(1.0)
+"""
+
+_SIGNAL_THE_STARTING_SERVER = """
+import multiprocessing as mp, os, signal, time
+from dsv41_convert.convert.die_with import fork_server_pid, start_fork_server
+ctx = mp.get_context("forkserver")
+ctx.set_forkserver_preload(["dsv41_convert.convert.die_with"])
+start_fork_server()
+deadline = time.monotonic() + 60
+while not os.path.exists(os.environ["SERVER_STARTING"]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.kill(fork_server_pid(), signal.SIGINT)
+_, status = os.waitpid(fork_server_pid(), 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_ctrl_c_while_the_fork_server_starts_ends_it_quietly(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group, the run's fork server too. One that landed while
+    the server's interpreter started (site, its first imports: before die_with, its first preload, sets its
+    quiet handler) printed "Fatal Python error: init_import_site ... Traceback ... KeyboardInterrupt" under the
+    run's own message (`export --format fp8-fp4` of a bf16 source, Ctrl-C a second in, on the loaded dev box).
+    The server now starts with SIGINT blocked until that handler is set: it exits 130 without a word."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_SERVER_START)
+    env = dict(os.environ, SERVER_STARTING=str(tmp_path / "starting"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    res = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_THE_STARTING_SERVER], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert (res.returncode, res.stdout.split(), res.stderr) == (0, ["130"], ""), res.stderr
