@@ -145,8 +145,13 @@ def _exit_on_interrupt(signum, frame) -> None:
     os._exit(130)  # a SystemExit raised inside a weakref callback (an import's) was printed and dropped
 
 
-if os.environ.get(RUN_ENV) == str(os.getppid()):  # the fork server of a run, started by that run
+_serves = os.environ.pop(RUN_ENV, None)  # for the server's start only: none of the processes it forks is one
+if _serves is not None:  # the fork server of a run, started by that run
+    # the run, not getppid(): a run killed while this interpreter started left it an orphan that asked nothing,
+    # served the worker the run had queued, and both held the run's stdout and stderr for ever; now it dies
+    _forked_by["pid"] = int(_serves)
     die_with_parent()
+    _forked_by.pop("pid")
     # what Ctrl-C does in the processes the server forks (it restores this after each fork) until they set
     # their own (execute._init_worker): exit 130 at once and quietly, nothing begun; a KeyboardInterrupt
     # there printed multiprocessing's "Process ForkServerProcess-N: Traceback ..." under the run's message

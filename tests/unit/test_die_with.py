@@ -139,3 +139,56 @@ def test_ctrl_c_while_the_fork_server_starts_ends_it_quietly(tmp_path):
         [sys.executable, "-c", _SIGNAL_THE_STARTING_SERVER], capture_output=True, text=True, timeout=120, env=env
     )
     assert (res.returncode, res.stdout.split(), res.stderr) == (0, ["130"], ""), res.stderr
+
+
+# the run: starts its fork server and asks it for a worker (queued while the server still starts), then waits
+_RUN_ASKING_FOR_A_WORKER = """
+import multiprocessing as mp, time
+from dsv41_convert.convert.die_with import fork_server_pid, start_fork_server
+ctx = mp.get_context("forkserver")
+ctx.set_forkserver_preload(["dsv41_convert.convert.die_with"])
+start_fork_server()
+print(fork_server_pid(), flush=True)
+ctx.Process(target=time.sleep, args=(600,)).start()
+time.sleep(600)
+"""
+
+
+def test_a_fork_server_whose_run_was_killed_while_it_started_dies(tmp_path):
+    """kill -9 of a run while its fork server's interpreter still started (before die_with, its first preload,
+    asked to die with the run): the server, an orphan by then, asked nothing, served the worker the run had
+    queued, and both lived on holding the run's stdout and stderr, so a caller reading them to their end
+    (`subprocess.run(..., capture_output=True)`, `| tee`) waited for ever (`shard --workers 2` killed half a
+    second in). The server now dies at once where the run that started it is gone."""
+    import os
+    import signal
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_SERVER_START)
+    env = dict(os.environ, SERVER_STARTING=str(tmp_path / "starting"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    run = subprocess.Popen([sys.executable, "-c", _RUN_ASKING_FOR_A_WORKER], stdout=subprocess.PIPE, env=env)
+    try:
+        server = int(run.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "starting").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        run.kill()
+        run.wait(30)
+        deadline = time.monotonic() + 20
+        while _exists(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _exists(server), "the fork server outlived its killed run"
+    finally:
+        run.kill()
+        run.wait(30)
+        run.stdout.close()
+        if _exists(server):
+            os.kill(server, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie: the server, an orphan, is reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
