@@ -13,7 +13,7 @@ The package, bottom to top (imports point downward only):
     hub/       the Hugging Face Hub client
     verify/    the logit check
     synth/     make-tiny checkpoints
-    app/, cli.py   the command line
+    app/, cli.py, console.py   the command line (console.py: the console script, which loads cli.py)
 """
 
 __version__ = "0.1.0"

@@ -492,3 +492,45 @@ def test_a_finished_run_ends_before_the_interpreters_teardown(tmp_path, how, sig
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-500:])
     assert "teardown reached" not in proc.stderr
     assert json.loads(proc.stdout)["out"] == str(tmp_path / "t")  # flushed before the process ended
+
+
+SLOW_TYPER = """
+import os, time
+open(os.environ["LOADING_MARK"], "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_ctrl_c_while_the_command_line_loads_ends_it_by_the_signal_without_a_traceback(tmp_path, ignored):
+    """README: a signal in the first fraction of a second, while the command line's own modules load, ends the
+    process by the signal itself. A SIGINT there printed Python's KeyboardInterrupt traceback first (found by a
+    helper's crash-consistency hunt). The console script now loads them with SIGINT at its default: the process
+    ends by the signal, nothing on stderr; a SIGINT the shell ignored (a background job) stays ignored there.
+    typer's import is made to wait here (a `typer` package first on PYTHONPATH), so the signal lands in it."""
+    (tmp_path / "typer").mkdir()
+    (tmp_path / "typer" / "__init__.py").write_text(SLOW_TYPER)
+    mark = tmp_path / "loading"
+    env = dict(os.environ, LOADING_MARK=str(mark), PYTHONPATH=str(tmp_path))
+
+    def start() -> None:
+        default_sigint()
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen([entry_point(), "--help"], env=env, stderr=subprocess.PIPE, text=True, preexec_fn=start)
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mark.exists(), proc.communicate(timeout=5)
+        proc.send_signal(signal.SIGINT)
+        if ignored:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=1)
+            return
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGINT and err == "", (proc.returncode, err[-500:])
+    finally:
+        proc.kill()
+        proc.communicate()

@@ -28,6 +28,7 @@ LAYERS = [
     "synth",
     "app",
     "cli",
+    "console",
 ]
 
 
