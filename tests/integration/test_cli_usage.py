@@ -508,17 +508,21 @@ def test_ctrl_c_while_the_command_line_loads_ends_it_by_the_signal_without_a_tra
     helper's crash-consistency hunt). The console script now loads them with SIGINT at its default: the process
     ends by the signal, nothing on stderr; a SIGINT the shell ignored (a background job) stays ignored there.
     typer's import is made to wait here (a `typer` package first on PYTHONPATH), so the signal lands in it."""
+    assert "from dsv41_convert.console import entry" in Path(entry_point()).read_text()  # what pip installed
     (tmp_path / "typer").mkdir()
     (tmp_path / "typer" / "__init__.py").write_text(SLOW_TYPER)
     mark = tmp_path / "loading"
-    env = dict(os.environ, LOADING_MARK=str(mark), PYTHONPATH=str(tmp_path))
+    tree = str(Path(__file__).resolve().parents[2])  # the package under test, as the console script imports it
+    env = dict(os.environ, LOADING_MARK=str(mark), PYTHONPATH=os.pathsep.join([str(tmp_path), tree]))
+    script = "import sys; sys.argv[0] = 'dsv41-convert'; from dsv41_convert.console import entry; entry()"
 
     def start() -> None:
         default_sigint()
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    proc = subprocess.Popen([entry_point(), "--help"], env=env, stderr=subprocess.PIPE, text=True, preexec_fn=start)
+    proc = subprocess.Popen([sys.executable, "-c", script, "--help"], env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=start)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
