@@ -54,6 +54,7 @@ from dsv41_convert.store.manifest import (
     atomic_write,
     fsync_path,
     read_done,
+    remove_stale_temporaries,
     source_info,
     write_done,
     write_manifest_from,
@@ -230,6 +231,8 @@ def merge(
         _nothing_to_merge(out)
     interrupts.check()  # one postponed since an import: before the lock and the hashes (an audit: it merged)
     with hold(out):
+        # the temporary of a merge killed while it wrote the manifest: `check` listed it as unchecked ever after
+        remove_stale_temporaries(out, lambda name: name == MANIFEST)
         return _merge(out, progress, shares_agree)
 
 

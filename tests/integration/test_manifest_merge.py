@@ -115,6 +115,19 @@ def test_merge_equals_a_full_run(runs, tmp_path, monkeypatch, capsys):
     assert check_folder(g).ok
 
 
+def test_a_killed_merges_temporary_is_removed_by_the_next(runs, tmp_path, monkeypatch, capsys):
+    """kill -9 of `manifest` while it wrote manifest.json left manifest.json.PID.partial, which the next merge
+    kept and `check` listed as unchecked ever after (found by a helper's crash-consistency hunt). The next merge
+    (it holds the folder alone) removes it; a file of the user's of that shape but another name stays."""
+    g = _gather(tmp_path / "g", runs["a"], runs["b"])
+    (g / "manifest.json.4242.partial").write_text('{"cut": ')
+    (g / "notes.4242.partial").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
+    assert code == 0, err
+    assert not (g / "manifest.json.4242.partial").exists() and (g / "notes.4242.partial").read_text() == "mine"
+    assert (g / "manifest.json").read_bytes() == (runs["full"] / "manifest.json").read_bytes()
+
+
 def test_resume_in_a_gathered_folder_writes_the_manifest(runs, tmp_path):
     g = _gather(tmp_path / "g", runs["a"], runs["b"])
     summary = execute(build_plan(runs["src"], 4), g, resume=True)
