@@ -457,7 +457,20 @@ def check_destination(
         # stays, and so do the other shares' files: crediting every file OUT held passed a run that then refused)
         held = sum(p.stat().st_size for p in {out / n for n in replaced} if p.is_file()) if overwrite else 0
         _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)), held)
-    return mine
+        return mine
+    done = _recorded_finished(out, [f.file for f in mine], plan.digest()) if out.is_dir() else set()
+    return [f for f in mine if f.file not in done]  # as the run skips them (it checks their sha256 too)
+
+
+def _recorded_finished(out: Path, files: list[str], digest: str) -> set[str]:
+    """For a --resume dry run: the files a done record of this plan (or a fragment of it, in a gathered folder)
+    says are finished, at the size it records. The run also hashes them, and writes again one that differs."""
+    sizes = {f: rec["size"] for frag in read_fragments(out).values() if frag.get("plan_digest") == digest
+             for f, rec in (frag.get("files") or {}).items()}  # fmt: skip
+    for f in files:
+        if (rec := read_done(out, f)) is not None and rec["plan_digest"] == digest:
+            sizes[f] = rec["size"]
+    return {f for f in files if f in sizes and (out / f).is_file() and (out / f).stat().st_size == sizes[f]}
 
 
 def _others(plan: ConversionPlan, mine: list[RankFile], ranks: list[int] | None) -> frozenset[str] | None:

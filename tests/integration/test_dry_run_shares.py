@@ -49,12 +49,6 @@ def test_a_shares_dry_run_lists_the_files_its_run_writes(src, tmp_path, monkeypa
     assert planned["total_bytes"] == sum((out / name).stat().st_size for name in written)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shard --resume --dry-run lists every rank of the share, also those a finished run left with a done "
-    "record, which the real --resume run skips after hashing them: the dry-run does not hash, and whether it "
-    "should (read every finished file) or list them apart (skipped if their sha256 matches) is a design choice",
-)
 def test_a_resume_dry_run_lists_only_the_ranks_its_run_writes(src, tmp_path, monkeypatch, capsys):
     """Guards against `shard --resume --dry-run` listing ranks 1 and 3, finished by an earlier `--ranks 1,3`
     run, among the ranks "this run would write" (README, `shard`), while the `--resume` run writes only 0 and 2."""
@@ -72,3 +66,29 @@ def test_a_resume_dry_run_lists_only_the_ranks_its_run_writes(src, tmp_path, mon
     written = json.loads(ran)["written"]
     assert sorted(written) == ["model0-mp4.safetensors", "model2-mp4.safetensors"]  # 1 and 3 skipped, as finished
     assert listed == [0, 2]
+
+
+def test_a_resume_dry_run_of_an_export_lists_what_the_other_share_left(src, tmp_path, monkeypatch, capsys):
+    """The same for `export --resume --dry-run` after one share of two: the shards the share finished are not
+    listed, the other share's are; and one whose bytes a done record no longer matches in size is listed again,
+    as the run writes it again."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, ran, err = run_cli(monkeypatch, capsys, "export", str(src), str(out), "--format", "bf16", "--json")
+    assert code == 0, err
+    first = json.loads(ran)["written"]
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    resume = ("export", str(src), str(out), "--format", "bf16", "--resume", "--json")
+    code, dry, err = run_cli(monkeypatch, capsys, *resume, "--dry-run")
+    assert code == 0, err
+    listed = sorted(f["file"] for f in json.loads(dry)["files"])
+    assert listed and not set(listed) & set(first)
+    with open(out / first[0], "ab") as cut:  # no longer the size its done record says
+        cut.write(b"x")
+    code, dry, err = run_cli(monkeypatch, capsys, *resume, "--dry-run")
+    assert sorted(f["file"] for f in json.loads(dry)["files"]) == sorted([*listed, first[0]])
+    code, ran, err = run_cli(monkeypatch, capsys, *resume)
+    assert code == 0, err
+    assert sorted(json.loads(ran)["written"]) == sorted([*listed, first[0]])
