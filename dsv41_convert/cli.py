@@ -94,9 +94,10 @@ def make_tiny(
             summary = write_hollow(out, overwrite=overwrite, progress=progress)
         if as_json:
             return report.print_json(summary)
+        apparent = sum(f["bytes"] for f in summary["files"])  # the shards' sizes, headers included
         report.info(
-            f"wrote {len(summary['files'])} sparse shards, {summary['n_tensors']} tensors, "
-            f"{summary['total_size']:,} bytes apparent, {summary['disk_bytes'] / 2**20:.1f} MiB on disk to {out}"
+            f"wrote {len(summary['files'])} sparse shards, {summary['n_tensors']} tensors, {apparent:,} bytes "
+            f"apparent ({summary['total_size']:,} of tensors), {summary['disk_bytes'] / 2**20:.1f} MiB on disk to {out}"
         )
         return report.line(summary["out"])
     if preset not in PRESETS:

@@ -87,6 +87,19 @@ def test_plan_and_dry_run_run_on_it(hollow, monkeypatch, capsys):
     assert not (out.parent / "mp8").exists()
 
 
+def test_its_summary_line_gives_the_apparent_size(hollow, monkeypatch, capsys):
+    """The line `make-tiny --preset full --sparse` ends with said "510,286,023,000 bytes apparent": the tensor
+    bytes (total_size), while the shards' apparent size, headers included, is 510,296,708,312 (README)."""
+    from dsv41_convert.synth import hollow as hollow_mod
+
+    out, summary = hollow
+    monkeypatch.setattr(hollow_mod, "write_hollow", lambda *args, **kw: summary)  # the fixture's run, not another
+    code, _, err = run_cli(monkeypatch, capsys, "make-tiny", str(out), "--preset", "full", "--sparse")
+    apparent = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert code == 0 and apparent == 510_296_708_312, err
+    assert f"{apparent:,} bytes apparent (510,286,023,000 of tensors)" in err, err
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
