@@ -28,7 +28,7 @@ from pathlib import Path
 from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
 from dsv41_convert.file_kinds import refuse_unmakeable
-from dsv41_convert.store.lock import LOCK_NAME, hold
+from dsv41_convert.store.lock import LOCK_NAME, hold, refuse_held
 from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import fsync_path
 
@@ -87,7 +87,12 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     """A fresh hidden folder inside `out` to write the checkpoint into, moved in when the block ends without
     an error (see the module docstring). An OSError while writing (a full disk) becomes an OutputError
     naming `out`."""
-    out = check_out(Path(out), overwrite)
+    try:
+        out = check_out(Path(out), overwrite)
+    except OutputError:
+        if Path(out).is_dir():  # another run writing there now: named as a held folder, not as "not empty"
+            refuse_held(Path(out))
+        raise
     with made_folder(out) as made:
         try:
             with hold(out):

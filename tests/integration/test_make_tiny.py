@@ -526,6 +526,22 @@ def test_a_second_run_into_out_is_refused_while_one_writes(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def test_a_second_run_without_overwrite_names_the_run_writing_there(tmp_path):
+    """A second make-tiny into an OUT another make-tiny was writing (holding it, its hidden stage folder inside)
+    was refused as "not empty; pass --overwrite", which that run's lock then refuses too; the README promises a
+    second writer the folder and the process that holds it."""
+    from dsv41_convert.errors import LockedError
+    from dsv41_convert.store.lock import hold
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with hold(out):
+        (out / ".make-tiny.partial-abcd1234").mkdir()  # the running run's stage
+        with pytest.raises(LockedError, match=f"{out}: in use by pid {os.getpid()}"):
+            write_checkpoint(out, TINY, vision=False, layer_shards=1)
+    assert [p.name for p in out.iterdir()] == [".make-tiny.partial-abcd1234"]  # the other run's, untouched
+
+
 def test_a_signal_while_the_files_move_in_waits_for_the_last(fp8_dir, tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM while the new files replace the old ones is postponed until the new index is in:
     OUT is then the whole new checkpoint, and the run still stops (KeyboardInterrupt) instead of going on."""
