@@ -141,7 +141,7 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
 def _bad_entries(frag: dict[str, Any]) -> str:
     """What is wrong with a fragment's lists ("" when nothing): rank_files must name a conversion's output
     files, plain .safetensors names in OUT (a shard's: model0-mpN ... model{N-1}-mpN, in rank order), files a
-    size and sha256 for some of them."""
+    size and sha256 for some of them, side_files only the SIDE_FILES."""
     names = frag["rank_files"]
     plain = all(isinstance(n, str) and n.endswith(".safetensors") and Path(n).name == n for n in names)
     if not names or not plain or len(set(names)) != len(names):
@@ -154,6 +154,9 @@ def _bad_entries(frag: dict[str, Any]) -> str:
     bad = [n for n, rec in frag["files"].items() if not _is_record(rec)]
     if bad:
         return f"files[{bad[0]!r}] is not a record of size and sha256"
+    odd = [str(n) for n in frag.get("side_files", {}) if n not in SIDE_FILES]
+    if odd:  # write_fragment records SIDE_FILES only
+        return f"side_files lists {first_few(odd)}, not a side file a share writes ({', '.join(SIDE_FILES)})"
     return ""
 
 

@@ -469,12 +469,13 @@ def _edit_fragment(folder: Path, name: str, fn) -> None:
         (lambda f: f.pop("options"), "options is not an object"),
         (lambda f: f.__setitem__("source", "x"), "source is not an object"),
         (lambda f: f.__setitem__("plan_digest", 7), "plan_digest is not a string"),
+        (lambda f: f["side_files"].__setitem__("../x.json", f["side_files"]["config.json"]), "side_files lists ../x"),
     ],
 )
 def test_a_malformed_fragment_is_named_by_merge_and_resume(runs, tmp_path, monkeypatch, capsys, edit, found):
     """Before: a record without sha256 merged a corrupt rank file (size-only), a record of another type was a
     traceback (merge and shard --resume), a shortened rank_files wrote a 3-rank manifest, a path in it hashed
-    a file outside OUT."""
+    a file outside OUT, and a side file no share writes (a path outside OUT) recorded by one fragment merged."""
     g = _gather(tmp_path / "g", runs["a"], runs["b"])
     _edit_fragment(g, "manifest-fragment-mp4-r1_2.json", edit)
     code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
