@@ -192,13 +192,15 @@ def file_tensors(ref: Reference) -> dict[str, Tensor]:
             if inp.token_types is not None:
                 types[row, : lengths[row]] = inp.token_types
         out["token_types"] = types
-    for key in runs[0].hidden:
+    # a prompt shorter than the compress ratio runs no indexer and records none: every prompt's keys are
+    # written (those of the first alone lost the others' or found one missing: an audit), its row all padding
+    for key in dict.fromkeys(k for run in runs for k in run.hidden):
         # a module's output may be wider for a longer prompt (the indexer keeps min(index_topk, n // ratio)
         # rows per position): the widest sets the size, the others are padded
-        tail = [max(d) for d in zip(*(run.hidden[key].shape[1:] for run in runs), strict=True)]
+        held = [(row, run.hidden[key]) for row, run in enumerate(runs) if key in run.hidden]
+        tail = [max(d) for d in zip(*(part.shape[1:] for _, part in held), strict=True)]
         h = torch.full((b, s, *tail), INDEXER_PAD if key.endswith(".indexer") else 0, dtype=hidden_dtype(key))
-        for row, run in enumerate(runs):
-            part = run.hidden[key]
+        for row, part in held:
             h[(row, slice(0, lengths[row]), *(slice(0, d) for d in part.shape[1:]))] = part
         out[f"hidden.{key}"] = h
     return out
@@ -245,7 +247,7 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
                 decode_logits=t["decode_logits"][row] if n_dec else torch.empty(0, vocab),
                 draft_logits=t["draft_logits"][row] if "draft_logits" in t else None,
                 draft_confidence=t["draft_confidence"][row] if "draft_confidence" in t else None,
-                hidden={k[7:]: _unpadded(k, v[row, :n]) for k, v in t.items() if k.startswith("hidden.")},
+                hidden=_row_hidden(t, row, n),
                 last=logits[row],
             )
         )
@@ -497,6 +499,13 @@ def _lengths_fit(t, meta, b: int, s: int, dims: _Dims, default_max_seq_len: int)
                 f"the file says {max_seq_len}"
             )
     return out[:MAX_PER_RULE] + _more(len(out), "prompts too long for max_seq_len")
+
+
+def _row_hidden(t: dict[str, Tensor], row: int, n: int) -> dict[str, Tensor]:
+    """Prompt `row`'s hidden states (its `n` positions), without an indexer it did not run: a row all
+    INDEXER_PAD is a prompt shorter than the compress ratio, which recorded none (file_tensors)."""
+    out = {k[7:]: _unpadded(k, v[row, :n]) for k, v in t.items() if k.startswith("hidden.")}
+    return {k: v for k, v in out.items() if not (k.endswith(".indexer") and v.dim() >= 2 and v.shape[-1] == 0)}
 
 
 def _unpadded(key: str, h: Tensor) -> Tensor:

@@ -40,6 +40,27 @@ def test_round_trip_with_prompts_of_different_lengths(tmp_path):
         assert torch.equal(want.hidden["embed"], got.hidden["embed"])
 
 
+@pytest.mark.parametrize("short_first", [False, True], ids=["short-last", "short-first"])
+def test_a_prompt_too_short_for_an_indexer_keeps_the_others_indexer_choices(tmp_path, short_first):
+    """A prompt shorter than the compress ratio runs no indexer, so its run records no `layers.i.attn.indexer`
+    (teacher.required_keys asks for none). The file's hidden states were those of the first prompt's keys: with
+    the short prompt last, `reference-logits --prompts` died with `KeyError: 'layers.1.attn.indexer'` (exit 1,
+    a traceback, nothing written); with it first, the other prompts' indexer choices were dropped without a
+    word, so the teacher check could not apply. Every prompt's record is kept; the short one stays without it."""
+    chosen = torch.tensor([[0, -1], [1, 0], [1, 2], [0, 2]])  # [S, k] int64, 4 positions, the model's rows
+    runs = [_run(4, seed=1), _run(1, seed=2)]
+    runs[0].hidden["layers.1.attn.indexer"] = chosen
+    inputs = [ModelInput(torch.arange(4)), ModelInput(torch.arange(1) + 7)]
+    if short_first:
+        runs, inputs = runs[::-1], inputs[::-1]
+    reffile.save(reffile.Reference(inputs, runs, ["a", "b"], 96, "fp8", "cpu"), tmp_path / "r.safetensors")
+    back = reffile.load(tmp_path / "r.safetensors", 128)
+    for want, got in zip(runs, back.runs, strict=True):
+        assert sorted(got.hidden) == sorted(want.hidden)
+        for key, value in want.hidden.items():
+            assert torch.equal(got.hidden[key], value), key
+
+
 def test_a_file_in_a_folder_whose_name_is_not_utf8_loads(tmp_path):
     """Linux names are bytes: safetensors opens a path only as UTF-8 text, so verify refused a reference file in
     a folder named b"bad\\xffname" ("not a readable safetensors file (Path ... is not valid UTF-8)"), exit 2,
