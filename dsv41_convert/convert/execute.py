@@ -409,6 +409,19 @@ def check_device(device: str) -> None:
             raise PlanError("--device cuda: torch sees no CUDA device here; use --device cpu")
 
 
+def check_options(
+    plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None, device: str
+) -> list[RankFile]:
+    """PlanError for what a run and its --dry-run refuse before looking into OUT: --resume with --overwrite,
+    --device, --ranks, OUT inside the source (or the source inside OUT). -> the rank files this process writes"""
+    if resume and overwrite:
+        raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
+    check_device(device)
+    mine = select_files(plan, ranks)
+    check_output(Path(plan.src), Path(out))
+    return mine
+
+
 def check_destination(
     plan: ConversionPlan,
     out: Path,
@@ -423,12 +436,8 @@ def check_destination(
     hashed or written.
     records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process would write"""
-    if resume and overwrite:
-        raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
-    check_device(device)
-    mine = select_files(plan, ranks)
+    mine = check_options(plan, out, resume, overwrite, ranks, device)
     out = Path(out)
-    check_output(Path(plan.src), out)
     _require_writable(out)
     replaced = [f.file for f in mine]  # what an --overwrite removes before it checks the space (execute)
     if out.is_dir():
@@ -643,11 +652,7 @@ def execute(
     workers: local processes; 0 picks them from cores, memory and the files to write (workers.py).
     """
     src, out = Path(plan.src), Path(out)
-    if resume and overwrite:
-        raise PlanError("--resume and --overwrite: pick one (--resume continues OUT's run, --overwrite replaces it)")
-    check_device(device)
-    mine = select_files(plan, ranks)
-    check_output(src, out)
+    mine = check_options(plan, out, resume, overwrite, ranks, device)
     interrupts.check()  # one postponed since an import (planning took seconds) stops the run before OUT is touched
     # a share of the ranks (--ranks, a torchrun process) holds the folder shared and its own rank files
     # exclusively; a run of every rank holds the folder alone (store/lock.py)

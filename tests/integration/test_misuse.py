@@ -237,8 +237,11 @@ def test_rank_files_given_as_a_source(sharded, tmp_path, monkeypatch, capsys):
 def test_conflicting_or_empty_options(src, sharded, tmp_path, monkeypatch, capsys):
     out = copy_of(sharded, tmp_path / "out")
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume", "--overwrite")
-    assert_clean_error(code, err, "--resume and --overwrite: pick one")
+    for dry_run in ([], ["--dry-run"]):
+        code, _, err = run_cli(
+            monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", "--resume", "--overwrite", *dry_run
+        )
+        assert_clean_error(code, err, "--resume and --overwrite: pick one")
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "o2"), "--tp", "2", "--ranks", "")
     assert_clean_error(code, err, "--ranks ''")
     # a rank twice (1,1 for 1,0): was written once without a word, the rank meant left unwritten (an audit)
