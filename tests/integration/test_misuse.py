@@ -110,6 +110,22 @@ def test_json_files_that_are_no_json_object(src, tmp_path, monkeypatch, capsys, 
     _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / name}: ", message)
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_files_that_give_a_key_twice(src, tmp_path, monkeypatch, capsys, name):
+    """A key given twice in one object (the config's layer count, a tensor of the index's weight_map, each given
+    again with another value) was read as its last value by plan, shard and export, exit 0, without a word."""
+    bad = copy_of(src, tmp_path / "bad")
+    text = (bad / name).read_text()
+    if name == "config.json":
+        key = "num_hidden_layers"
+        text = text.replace(f'"{key}":', f'"{key}": 1, "{key}":', 1)
+    else:
+        key = next(iter(json.loads(text)["weight_map"]))
+        text = text.replace(f'"{key}":', f'"{key}": "model-00009-of-00009.safetensors", "{key}":', 1)
+    (bad / name).write_text(text)
+    _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / name}: ", f"gives {key!r} twice")
+
+
 HUGE = 10**400  # JSON allows it; no tensor size or position reaches 2**63
 
 
