@@ -858,9 +858,15 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
         return report.print_json(summary)
     report.line(summary["manifest"])
     if summary.get("already_merged"):
+        kept = summary.get("export_fragments")
+        left = (
+            f"{len(kept)} fragment(s) of its shares kept beside it, as an export's are; none merged"
+            if kept
+            else "no fragment left"
+        )
         report.info(
-            "already written by the share that finished last (no fragment left); every file it lists checked against "
-            "it (size and sha256)"
+            f"already written by the share that finished last ({left}); every file it lists checked against it "
+            "(size and sha256)"
         )
         return
     report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")

@@ -258,13 +258,13 @@ def _merge(
         return _already_merged(out, progress)
     _nothing_to_merge(out)  # again under the lock: a share may have merged and removed them meanwhile
     first_name, first = next(iter(frags.items()))
-    exported = [f for f in frags.values() if f["options"].get("format") is not None]
+    exported = {n: f for n, f in frags.items() if f["options"].get("format") is not None}
     if (
         exported
         and (out / MANIFEST).is_file()
-        and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported)
+        and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported.values())
     ):  # an export its last share finished: the fragments are its shares' records
-        return _already_merged(out, progress, exported=True)
+        return _already_merged(out, progress, exported=sorted(exported))
     _not_an_export(out, frags)
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
@@ -379,12 +379,13 @@ def _side_records(
     return side, unchecked
 
 
-def _already_merged(out: Path, progress: Progress | None, exported: bool = False) -> dict[str, Any]:
+def _already_merged(out: Path, progress: Progress | None, exported: list[str] | None = None) -> dict[str, Any]:
     """The summary of a folder whose last share wrote manifest.json itself (no fragments left to merge), once
     its files hold the sizes and sha256 it lists and no other .safetensors is there, as a merge checks them
     (it compared sizes only: a changed byte, an edited config passed, exit 0; an audit); an OutputError names
-    each that does not (a manifest of another conversion, copied in; a file changed since). exported: an export
-    its last share finished, whose fragments stay beside it (`manifest` merges no export's)."""
+    each that does not (a manifest of another conversion, copied in; a file changed since). exported: the
+    fragment names of an export its last share finished, which stay beside it (`manifest` merges no export's);
+    the summary lists them as `export_fragments` (the CLI said "no fragment left" beside them: an audit)."""
     problems = check_folder(out, progress).problems
     if problems:
         advice = (
@@ -401,7 +402,7 @@ def _already_merged(out: Path, progress: Progress | None, exported: bool = False
         )
     rank_files = [f for f in read_manifest(out)["files"] if f.endswith(".safetensors")]
     return {"out": str(out), "manifest": str(out / MANIFEST), "rank_files": rank_files, "fragments": [],
-            "already_merged": True}  # fmt: skip
+            "export_fragments": exported or [], "already_merged": True}  # fmt: skip
 
 
 def _other_revisions(frags: dict[str, dict[str, Any]]) -> list[str]:

@@ -225,6 +225,11 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
     assert run_cli(monkeypatch, capsys, "check", str(tmp_path / "one"))[0] == 0
     code, out, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path / "one"), "--json")  # finished already
     assert code == 0 and json.loads(out)["already_merged"], err
+    fragments = sorted(p.name for p in (tmp_path / "one").glob("manifest-fragment-*.json"))
+    assert json.loads(out)["export_fragments"] == fragments and fragments
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path / "one"))  # said "no fragment left"
+    said = " ".join(err.split())
+    assert code == 0 and "no fragment left" not in said and f"{len(fragments)} fragment(s) of its shares" in said, err
     shard = sorted((tmp_path / "one").glob("model-*.safetensors"))[0]
     data = bytearray(original := shard.read_bytes())
     data[-1] ^= 1
