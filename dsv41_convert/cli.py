@@ -334,6 +334,9 @@ def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None
     if as_json:
         report.print_json(summary)
         return
+    if summary.get("nothing_to_write"):
+        report.info(f"no {files} in this share (more processes than {files}): the other shares write them all")
+        return
     report.info(
         f"wrote {len(summary['written'])} {files}, {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
         f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; manifest: {manifest}"

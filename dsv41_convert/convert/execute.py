@@ -437,6 +437,8 @@ def check_destination(
     records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process would write"""
     mine = check_options(plan, out, resume, overwrite, ranks, device)
+    if not mine:  # a share holding no file: the run touches nothing (_nothing_to_write)
+        return []
     out = Path(out)
     _require_writable(out)
     replaced = [f.file for f in mine]  # what an --overwrite removes before it checks the space (execute)
@@ -653,6 +655,8 @@ def execute(
     """
     src, out = Path(plan.src), Path(out)
     mine = check_options(plan, out, resume, overwrite, ranks, device)
+    if not mine:  # a torchrun share of more processes than files: the others write them all, and may have
+        return _nothing_to_write(out)  # finished already (a share starting then was refused: "other files")
     interrupts.check()  # one postponed since an import (planning took seconds) stops the run before OUT is touched
     # a share of the ranks (--ranks, a torchrun process) holds the folder shared and its own rank files
     # exclusively; a run of every rank holds the folder alone (store/lock.py)
@@ -703,6 +707,15 @@ def execute(
         lock_fds = lock.descriptors() + ([claim_fd] if claim_fd is not None else [])
         summary = _execute_held(plan, src, out, mine, workers, progress, job, sidecars, lock_fds, ranks is not None)
     return summary | {"took_over": [h.describe() for h in lock.stale]}  # locks of runs that died holding them
+
+
+def _nothing_to_write(out: Path) -> dict[str, Any]:
+    """The summary of a share that holds no file of the plan: OUT untouched, nothing written or waited for."""
+    return {
+        "out": str(Path(out).resolve()), "written": [], "skipped": [], "workers": 0, "resumed": {}, "bytes": 0,
+        "seconds": 0.0, "gb_per_s": None, "manifest": None, "fragment": None, "set_aside": [], "timeline": [],
+        "took_over": [], "nothing_to_write": True,
+    }  # fmt: skip
 
 
 def _execute_held(

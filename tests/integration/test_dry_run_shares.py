@@ -92,3 +92,39 @@ def test_a_resume_dry_run_of_an_export_lists_what_the_other_share_left(src, tmp_
     code, ran, err = run_cli(monkeypatch, capsys, *resume)
     assert code == 0, err
     assert sorted(json.loads(ran)["written"]) == sorted([*listed, first[0]])
+
+
+@pytest.mark.parametrize("command", [["shard", "--tp", "2"], ["export", "--format", "bf16"]], ids=["shard", "export"])
+def test_a_share_of_no_file_writes_nothing_whenever_it_starts(src, tmp_path, monkeypatch, capsys, command):
+    """More processes than output files (torchrun's WORLD_SIZE past the rank files or shards): a share that holds
+    none and started after the others had finished was refused, exit 2 ("files other than the other ranks'
+    files (model.safetensors.index.json)"), so torchrun failed a complete run. Such a share now touches nothing
+    and says so, its dry run too, whether it starts first or last; the others' run is whole."""
+    out = tmp_path / "out"
+    verb, *options = command
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
+    assert code == 0, err
+    world = len(json.loads(dry)["ranks" if verb == "shard" else "files"]) + 1  # the last share holds no file
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+    def run_share(rank: int, *extra: str) -> dict:
+        monkeypatch.setenv("RANK", str(rank))
+        code, doc, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, *extra, "--json")
+        assert code == 0, (rank, extra, err)
+        return json.loads(doc)
+
+    assert run_share(world - 1)["nothing_to_write"] and not out.exists()  # first: OUT not even made
+    for rank in range(world - 1):
+        assert run_share(rank)["written"]
+    assert (out / "manifest.json").is_file()
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    for extra in (["--dry-run"], []):  # last, after the others finished
+        doc = run_share(world - 1, *extra)
+        assert doc.get("total_bytes", 0) == 0 and not doc.get("written"), doc
+    assert doc["nothing_to_write"] and doc["manifest"] is None
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    monkeypatch.setenv("RANK", str(world - 1))
+    code, _, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options)
+    assert code == 0 and "no " in err and "in this share" in err, err
