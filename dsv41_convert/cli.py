@@ -213,7 +213,7 @@ def _memory_table(memory: dict) -> None:
     table = Table(title=f"memory ({unit}), verify's default prompts: {p['count']} x {p['tokens']} tokens, "
                   f"{p['decode_steps']} decode steps")  # fmt: skip
     for col in ("rank", "weights", "caches", "working", "total"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for r in memory["verify"]:
         table.add_row(str(r["rank"]), gib(r["weights"]), gib(r["caches"]), gib(r["working"]), gib(r["total"]))
     s = memory["streamed"]
@@ -237,14 +237,16 @@ def _plan_table(summary: dict) -> None:
         title = f"{summary['src']}  export --format {summary['format']}"
     files = Table(title=escape(title))  # a folder named `x[b]y` printed as `xy` (markup)
     for col in (unit, "file", "tensors", "bytes"):
-        files.add_column(col, justify="right" if col != "file" else "left")
+        files.add_column(col, justify="left", overflow="fold") if col == "file" else files.add_column(
+            col, justify="right", no_wrap=True
+        )
     for key, r in rows:
         files.add_row(key, r["file"], str(r["tensors"]), f"{r['bytes']:,}")
     files.add_row("", "total", str(sum(r["tensors"] for _, r in rows)), f"{summary['total_bytes']:,}")
     rules = Table(title=escape(f"tensors per rule [action], per {unit}"))
     rules.add_column(escape("rule [action]"), overflow="fold")
     for key, _ in rows:
-        rules.add_column(key, justify="right")
+        rules.add_column(key, justify="right", no_wrap=True)
     for name in sorted({k for _, r in rows for k in r["rules"]}):
         rules.add_row(escape(name), *(str(r["rules"].get(name, 0)) for _, r in rows))
     report.stdout.print(files)

@@ -32,7 +32,10 @@ def render(result: VerifyResult) -> Group:
         caption="ref: against the reference; twin: against the converter's expected output on the same ranks",
     )
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("prompt", "vs", "section") else "right")
+        if col in ("prompt", "vs", "section"):
+            table.add_column(col, justify="left", overflow="fold")
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
     for p in result.prompts:
         for vs, sections in (("ref", p.sections), ("twin", p.twin)):
             for key in SECTIONS:

@@ -538,3 +538,22 @@ def test_ctrl_c_while_the_command_line_loads_ends_it_by_the_signal_without_a_tra
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_a_narrow_terminal_keeps_every_number_and_name_whole(tmp_path):
+    """`plan` in a terminal under ~60 columns cut its byte counts and file names to `67,162,215,6…` and
+    `model0-mp8.safe…` (a number that reads as another): numbers now keep their width, names fold onto lines."""
+    cli = [sys.executable, "-m", "dsv41_convert.cli"]
+    subprocess.run([*cli, "make-tiny", str(tmp_path / "t")], check=True, capture_output=True)
+    plan = [*cli, "plan", str(tmp_path / "t"), "--tp", "8"]
+    ranks = json.loads(subprocess.run([*plan, "--json"], capture_output=True, text=True, timeout=60).stdout)["files"]
+    res = subprocess.run(plan, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "50"})
+    assert res.returncode == 0, res.stderr
+    files_table = res.stdout.split("tensors per rule")[0]
+    assert "…" not in files_table, files_table
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in files_table.splitlines() if "│" in line]
+    for r in ranks:
+        row = next(i for i, c in enumerate(cells) if c[0] == str(r["rank"]))
+        assert cells[row][3] == f"{r['bytes']:,}", files_table
+        folded = cells[row][1] + "".join(c[1] for c in cells[row + 1 :] if not c[0])  # the name's further lines
+        assert folded.startswith(r["file"]), files_table
