@@ -547,7 +547,7 @@ def test_a_narrow_terminal_keeps_every_number_and_name_whole(tmp_path):
     subprocess.run([*cli, "make-tiny", str(tmp_path / "t")], check=True, capture_output=True)
     plan = [*cli, "plan", str(tmp_path / "t"), "--tp", "8"]
     ranks = json.loads(subprocess.run([*plan, "--json"], capture_output=True, text=True, timeout=60).stdout)["files"]
-    res = subprocess.run(plan, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "50"})
+    res = subprocess.run(plan, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "40"})
     assert res.returncode == 0, res.stderr
     files_table = res.stdout.split("tensors per rule")[0]
     assert "…" not in files_table, files_table
