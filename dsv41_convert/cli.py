@@ -285,12 +285,12 @@ def shard_cmd(
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers in the digits 0-9, like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
+    _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")  # a dry run's too
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("rank files")
-    _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
@@ -909,12 +909,12 @@ def export_cmd(
     from dsv41_convert.convert.export import RECORDS, build_export_plan, export, not_carried, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
+    _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")  # a dry run's too
     if dry_run:
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("shards")
-    _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")
     others = not_carried(Path(ep.plan.src))
     if others:
         report.warn(

@@ -348,8 +348,13 @@ def test_a_source_without_a_tokenizer_is_said_and_verify_names_what_is_missing(s
     bare = copy_of(src, tmp_path / "bare")
     (bare / "tokenizer.json").unlink()
     out = tmp_path / "out"
-    code, _, err = run_cli(monkeypatch, capsys, "shard", str(bare), str(out), "--tp", "2")
-    assert code == 0 and f"warning: {bare}: no tokenizer.json, so {out} will have none either" in err
+    for dry_run in (["--dry-run"], []):  # the dry run said nothing of it (an audit)
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(bare), str(out), "--tp", "2", *dry_run)
+        assert code == 0 and f"warning: {bare}: no tokenizer.json, so {out} will have none either" in err
+    code, _, err = run_cli(
+        monkeypatch, capsys, "export", str(bare), str(tmp_path / "hf"), "--format", "bf16", "--dry-run"
+    )
+    assert code == 0 and "no tokenizer.json" in err, err
     code, _, err = run_cli(monkeypatch, capsys, "export", str(bare), str(tmp_path / "hf"), "--format", "bf16")
     assert code == 0 and "no tokenizer.json" in err and "rank files" not in err, err  # an export writes none
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bare), str(tmp_path / "r.safetensors"))
