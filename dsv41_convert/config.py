@@ -560,16 +560,20 @@ SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # the gate's scores (model
 # fields the model divides by or takes a logarithm of (YaRN's betas: log(seq_len / (beta * 2 pi)))
 POSITIVE_FLOATS = ("rope_factor", "beta_fast", "beta_slow")
 THETAS = ("rope_theta", "compress_rope_theta")  # rope bases: the model divides by log(theta)
+# the vision tower's floats that must be positive where it is there: its rope base (1 / theta**x: NaN angles for
+# 0 or less) and the cap on an image's width/height ratio (None: no cap; 0 or less cut every image to width 0)
+VISION_POSITIVE = ("vision_rope_theta", "vision_max_wh_ratio")
 # floats where 0 means "off" or "none" and a negative value is no setting (swiglu_limit: no clamp)
 NON_NEGATIVE = ("norm_eps", "hc_eps", "swiglu_limit", "original_seq_len")
 
 
 def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, str]) -> None:
     """ConfigError naming a value that loads but that the model cannot run with: a float that is not finite
-    (json reads NaN and Infinity; written back, strict parsers refuse them), a theta or factor not positive,
-    an unknown score function, a noise token outside the vocabulary, the DSpark stages' layers and the candidate
-    blocks where those parts are there. An audit found each of these accepted by plan and shard,
-    then ending verify and reference-logits in a traceback (or a division by zero in the catalogue)."""
+    (json reads NaN and Infinity; written back, strict parsers refuse them), a theta or factor not positive
+    (the vision tower's rope base and width/height cap too), an unknown score function, a noise token outside
+    the vocabulary, the DSpark stages' layers and the candidate blocks where those parts are there. An audit
+    found each of these accepted by plan and shard, then ending verify and reference-logits in a traceback (or
+    a division by zero in the catalogue)."""
 
     def name(field_name: str) -> str:
         return names.get(field_name, field_name)
@@ -579,6 +583,9 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
             raise ConfigError(f"{source}: {name(key)} = {value!r}, expected a finite number")
     for key in POSITIVE_FLOATS:
         if key in values and values[key] <= 0:
+            raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected a positive number")
+    for key in VISION_POSITIVE if values.get("vision_n_layers") else ():
+        if values.get(key) is not None and values[key] <= 0:
             raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected a positive number")
     for key in THETAS:
         if key in values and values[key] <= 1:

@@ -187,6 +187,26 @@ def test_a_vision_tower_without_room_for_an_image_is_refused(src, tmp_path, monk
     _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / 'config.json'}: ", message)
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("rope_theta", 0), ("rope_theta", -5.0), ("max_wh_ratio", 0), ("max_wh_ratio", -1.0)],
+    ids=["rope_theta-0", "rope_theta-negative", "max_wh_ratio-0", "max_wh_ratio-negative"],
+)
+def test_a_vision_value_no_image_can_run_with_is_refused(src, tmp_path, monkeypatch, capsys, key, value):
+    """A vision rope base or width/height ratio of 0 or less in a model with a vision tower: plan, shard and
+    export took it, and reference-logits of an image prompt then blamed the source's weights for NaN logits
+    ('a NaN or Inf weight in the source, or an overflow': 1 / theta**x of a base of 0 or less) or the image
+    ('image ...: height and width must be > 0': every image cut to width 0). Now every reader refuses it
+    naming the key, as the README promises of a theta not positive. (The image token is moved into this
+    source's 256 ids, so that the image prompt reaches the vision tower.)"""
+    bad = copy_of(src, tmp_path / "bad")
+    edit_config(bad, lambda c: c["vision_config"].update({key: value}) or c.update(image_token_id=250) or c)
+    message = f"vision_config.{key} = {value!r}, expected a positive number"
+    code, err = _reference_of_an_image_prompt(bad, tmp_path, monkeypatch, capsys)
+    assert_clean_error(code, err, f"{bad / 'config.json'}: ", message)
+    _every_reader_refuses(bad, tmp_path / "out", monkeypatch, capsys, f"{bad / 'config.json'}: ", message)
+
+
 def _every_reader_refuses(bad: Path, out: Path, monkeypatch, capsys, *needles: str) -> None:
     """plan, shard and export of the source `bad` each a clean error with `needles`; nothing made at `out`."""
     for command in (["plan", str(bad), "--tp", "2"], ["shard", str(bad), str(out), "--tp", "2"],
