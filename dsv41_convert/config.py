@@ -8,12 +8,12 @@ in none of the tables is an error, and so is a missing one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv41_convert import strict_json
 from dsv41_convert.errors import NOT_JSON, ConfigError
 from dsv41_convert.file_kinds import refuse_non_file
 
@@ -623,19 +623,6 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
         )
 
 
-class _RepeatedKey(ValueError):
-    """A key given twice in one JSON object."""
-
-
-def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json's object_pairs_hook: the object as a dict, or _RepeatedKey naming a key it gives twice."""
-    data = dict(pairs)
-    if len(data) != len(pairs):
-        seen: set[str] = set()
-        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return data
-
-
 def load_json(path: Path) -> dict[str, Any]:
     """Read a JSON object from a file, naming it in the error. A FIFO, socket or device there is refused
     before it is opened: reading one blocked verify and reference-logits until they were killed (an audit).
@@ -643,8 +630,8 @@ def load_json(path: Path) -> dict[str, Any]:
     json and every reader built on it keep the last value without a word."""
     refuse_non_file(path, ConfigError)
     try:
-        data = json.loads(Path(path).read_text(), object_pairs_hook=_refuse_repeated_keys)
-    except _RepeatedKey as exc:
+        data = strict_json.loads(Path(path).read_text())
+    except strict_json.RepeatedKey as exc:
         raise ConfigError(f"{path}: gives {exc.args[0]!r} twice in one object; keep the one you mean") from None
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: not found") from exc

@@ -17,12 +17,12 @@ takes only the ids its tokenizer has (prompt_id_bound): its token map covers no 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from dsv41_convert import strict_json
 from dsv41_convert.engram_tokens import read_tokenizer
 from dsv41_convert.errors import NOT_JSON, VerifyInputError
 from dsv41_convert.file_kinds import refuse_non_file
@@ -121,7 +121,9 @@ def load_prompts(
             continue
         where = f"{path}:{n}"
         try:
-            obj = json.loads(line)
+            obj = strict_json.loads(line)
+        except strict_json.RepeatedKey as exc:
+            raise VerifyInputError(f"{where}: gives {exc.args[0]!r} twice; keep the one you mean") from None
         except NOT_JSON as exc:
             raise VerifyInputError(f"{where}: not a JSON object ({exc})") from exc
         if not isinstance(obj, dict):

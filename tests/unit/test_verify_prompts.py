@@ -47,6 +47,8 @@ def test_jsonl_ids_and_text(tmp_path):
         (json.dumps({"text": "hi", "image": ""}), r"p.jsonl:1: image must be a path string"),  # was "Is a directory"
         # past Python's int-string limit: json raises a plain ValueError, which was a traceback (an audit)
         ('{"input_ids": [5, ' + "9" * 5000 + "]}", r"p.jsonl:1: not a JSON object"),
+        # the first list was dropped without a word: json keeps a key's last value
+        ('{"input_ids": [5, 6], "input_ids": [7]}', r"p.jsonl:1: gives 'input_ids' twice"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path, line, match):
