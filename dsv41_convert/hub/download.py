@@ -297,7 +297,10 @@ def _download(
         # them): recorded only at the end, a run that failed or was stopped left them unowned (an audit)
         if placed:
             fetched_now = tuple(sorted(record.ours() | placed))
-            _save_record(dataclasses.replace(record, fetched=fetched_now), place, local_dir, cache_dir)
+            # unsaved where the disk that stopped the run is full: its error ("disk full", what to do) is
+            # the one to raise, and the next run claims those files by their hashes
+            with contextlib.suppress(OSError):
+                _save_record(dataclasses.replace(record, fetched=fetched_now), place, local_dir, cache_dir)
         raise
     refetched += [f.path for f in again if f.path not in refetched]
     missing += [f for f in again if f not in missing]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import threading
 from pathlib import Path
 
 import huggingface_hub.constants as hf_constants
@@ -252,6 +253,39 @@ def test_disk_full_during_transfer(hub, tmp_path, monkeypatch, in_cache):
     kw = {"local_dir": None, "cache_dir": tmp_path / "cache"} if in_cache else {}
     with pytest.raises(DownloadError, match=r"disk full .*ENOSPC"):
         fetch(hub, tmp_path, **kw)
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_disk_full_mid_download_is_said_so_when_the_record_cannot_be_saved_either(hub, tmp_path, monkeypatch, in_cache):
+    """A disk that fills up after some files were placed: the record naming them could not be saved either
+    (same disk), and that failure hid the one that stopped the download ("…/.dsv41-download.json: No space
+    left on device", without the advice): the error says disk full, and the files placed are kept."""
+    full = threading.Event()
+    real_http_get, real_hub_download, real_save = hub_fetch.http_get, hub_fetch.hf_hub_download, dl._save_record
+    shard = "model-00002-of-00002.safetensors"
+
+    def filling(real):
+        def call(*args, **kwargs):
+            if shard in str(args[0]) + str(args[1:2]):
+                full.set()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*args, **kwargs)
+
+        return call
+
+    def save(*args, **kwargs):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device", "record")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(hub_fetch, "http_get", filling(real_http_get))
+    monkeypatch.setattr(hub_fetch, "hf_hub_download", filling(real_hub_download))
+    monkeypatch.setattr(dl, "_save_record", save)
+    kw = {"local_dir": None, "cache_dir": tmp_path / "cache"} if in_cache else {}
+    with pytest.raises(DownloadError, match=r"disk full .*ENOSPC.*free space"):
+        fetch(hub, tmp_path, max_workers=1, **kw)
+    folder = tmp_path / "local" if not in_cache else next((tmp_path / "cache").glob("models--*/snapshots/*"))
+    assert (folder / "config.json").is_file()  # placed before the disk filled, kept
 
 
 def test_offline_download_checks_local_copy_without_network(hub, tmp_path, monkeypatch):
