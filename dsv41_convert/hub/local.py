@@ -178,7 +178,10 @@ def verify_local(
     record = Record.load(place.record)
     if record is not None and record.repo_id != repo_id:
         raise DownloadError(f"{place.folder}: holds {record.repo_id} (per {place.record.name}), not {repo_id}")
-    if record is not None and revision is not None and revision not in (record.revision, record.commit, *record.names):
+    # in the HF cache `revision` found the snapshot through refs/ (huggingface_hub's too: `hf download --revision
+    # v1` of the same commit) or is its hash: only a --local-dir's record says which names its files are of
+    named = local_dir is not None and revision is not None
+    if record is not None and named and revision not in (record.revision, record.commit, *record.names):
         raise DownloadError(
             f"{place.folder}: holds revision {record.revision} (commit {record.commit}), not {revision}; "
             "download that revision into another folder"

@@ -171,6 +171,23 @@ def test_verify_only_by_a_name_an_earlier_run_used_for_the_same_commit(hub, tmp_
         dl.verify_local(REPO, local_dir=local, revision="main")
 
 
+def test_verify_only_in_the_hf_cache_by_a_name_huggingface_hub_gave_the_commit(hub, tmp_path, monkeypatch):
+    """`download` of main into the HF cache, then huggingface_hub itself (`hf download --revision v1`, a
+    transformers load) fetched a file by a tag of the same commit, writing refs/v1: `--verify-only --revision
+    v1` (and `plan acme/tiny@v1` offline) said the snapshot "holds revision main (commit C), not v1; download
+    that revision into another folder", although refs/v1 is how it found that snapshot."""
+    from huggingface_hub import hf_hub_download
+
+    hub.repos[REPO].refs["v1"] = C1
+    cache = tmp_path / "cache"
+    assert fetch(hub, tmp_path, local_dir=None, cache_dir=cache).ok
+    hf_hub_download(REPO, "config.json", revision="v1", cache_dir=cache, endpoint=hub.url)
+    report = dl.verify_local(REPO, revision="v1", cache_dir=cache)
+    assert report.ok and report.commit == C1
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert dl.resolve_source(f"{REPO}@v1", cache_dir=cache) == report.folder
+
+
 def test_unknown_revision_is_a_clear_error(hub, tmp_path):
     with pytest.raises(DownloadError, match=r"revision 'nope' not found \(404\)"):
         fetch(hub, tmp_path, revision="nope")
