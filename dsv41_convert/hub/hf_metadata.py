@@ -29,12 +29,19 @@ class HubMetadata:
     """What huggingface_hub recorded of a folder's files.
 
     files: one RemoteFile per file it has a digest for (size: the file's own, the digest decides);
-    commits: the commits those files were downloaded at (local dir: from the metadata; cache: the snapshot's);
+    commit_of: path of each of those files -> the commit it was downloaded at (local dir: from its metadata;
+    cache: the snapshot's);
     where: where the digests came from, in words."""
 
     files: tuple[RemoteFile, ...]
-    commits: frozenset[str]
+    commit_of: dict[str, str]
     where: str
+
+    @property
+    def commits(self) -> frozenset[str]:
+        """The commits the files were downloaded at: several where `hf download --revision` runs of different
+        commits wrote into one folder."""
+        return frozenset(self.commit_of.values())
 
 
 def hub_metadata(folder: Path, paths: Iterable[str]) -> HubMetadata:
@@ -42,7 +49,7 @@ def hub_metadata(folder: Path, paths: Iterable[str]) -> HubMetadata:
     left out. A folder inside an HF cache's snapshots/ is read from its links, any other from .cache/."""
     folder = Path(folder)
     in_cache = folder.parent.name == "snapshots" and SHA1_HEX.fullmatch(folder.name) is not None
-    files, commits = [], set()
+    files, commit_of = [], {}
     for path in paths:
         found = _from_link(folder, path) if in_cache else _from_metadata_file(folder, path)
         if found is None:
@@ -50,9 +57,9 @@ def hub_metadata(folder: Path, paths: Iterable[str]) -> HubMetadata:
         commit, etag = found
         sha256, git_sha1 = (etag, None) if SHA256_HEX.fullmatch(etag) else (None, etag)
         files.append(RemoteFile(path, (folder / path).stat().st_size, sha256=sha256, git_sha1=git_sha1))
-        commits.add(commit or folder.name)
+        commit_of[path] = commit or folder.name
     where = "the HF cache's blob names" if in_cache else f"huggingface_hub's {METADATA_DIR.as_posix()}/*.metadata"
-    return HubMetadata(tuple(files), frozenset(commits), where)
+    return HubMetadata(tuple(files), commit_of, where)
 
 
 def _from_link(folder: Path, path: str) -> tuple[None, str] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub.hf_metadata import hub_metadata
+from dsv41_convert.hub.hf_metadata import HubMetadata, hub_metadata
 from dsv41_convert.hub.integrity import (
     CONFIG_NAME,
     EVERY_FILE,
@@ -232,6 +233,7 @@ def _verify_without_record(
             f"not {revision}"
         )
     problems = check_files(folder, hub.files, workers=workers, progress=progress, where=hub.where)
+    problems += _other_commits(hub)
     problems += drop_unwanted(check_checkpoint(folder, paths, whole=True), (asked,))
     nbytes = sum((folder / p).stat().st_size for p in paths)
     # without a record the revision's files are unknown: a whole checkpoint of the files the globs let through
@@ -255,6 +257,26 @@ def _verify_without_record(
         repo_id, revision or constants.DEFAULT_REVISION, commit, folder, len(paths), nbytes, checks, True,
         problems=tuple(_dedup(problems)),
     )  # fmt: skip
+
+
+def _other_commits(hub: HubMetadata) -> list[Problem]:
+    """A folder huggingface_hub filled at several commits (`hf download --revision v1 --include <a shard>` into
+    a folder of main) is no one revision, though each file matches its own ETag: one problem for each file
+    not of the commit most files were downloaded at (a tie: the greater hash)."""
+    if len(hub.commits) < 2:
+        return []
+    counts = Counter(hub.commit_of.values())
+    main, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    return [
+        Problem(
+            path,
+            "commit",
+            f"downloaded at commit {commit[:12]} (per {hub.where})",
+            f"commit {main[:12]}, as {n} other files: one revision",
+        )
+        for path, commit in sorted(hub.commit_of.items())
+        if commit != main
+    ]
 
 
 def own_path(rel: str) -> bool:

@@ -499,6 +499,24 @@ def test_verify_only_of_a_folder_huggingface_hub_downloaded_checks_its_hashes(hu
         assert "no download record, so no hashes" in blind.checks and blind.ok
 
 
+def test_verify_only_of_a_folder_huggingface_hub_filled_from_two_commits_is_no_one_revision(hub, tmp_path, checkpoints):
+    """`hf download` of main into a folder, then `hf download --revision v0 --include <a shard>` into it: each
+    file matched the ETag huggingface_hub kept of it, so `--verify-only` said ok (commit unknown, exit 0) of a
+    folder holding one shard of v0 among main's, and `shard` converted it. Each file of the fewer commit is a
+    problem naming both commits."""
+    from huggingface_hub import snapshot_download
+
+    folder = tmp_path / "hf"
+    snapshot_download(REPO, endpoint=hub.url, local_dir=folder)
+    odd = shards(checkpoints[C0])[0]
+    snapshot_download(REPO, revision="v0", endpoint=hub.url, local_dir=folder, allow_patterns=[odd])
+    assert (folder / odd).read_bytes() == checkpoints[C0][odd]
+    report = dl.verify_local(REPO, local_dir=folder)
+    assert [(p.path, p.kind) for p in report.problems] == [(odd, "commit")]
+    assert C0[:12] in report.problems[0].found and C1[:12] in report.problems[0].expected
+    assert report.commit is None and not report.ok
+
+
 @pytest.mark.parametrize("in_cache", [False, True])
 def test_verify_only_with_huggingface_hub_metadata_still_needs_a_whole_folder(hub, tmp_path, checkpoints, in_cache):
     """huggingface_hub's digests cover the files still there: a config.json deleted, or a shard copied in
