@@ -19,7 +19,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from dsv41_convert.errors import DownloadError
-from dsv41_convert.hub.hf_metadata import HubMetadata, hub_metadata
+from dsv41_convert.hub.hf_metadata import METADATA_DIR, HubMetadata, hub_metadata
 from dsv41_convert.hub.integrity import (
     CONFIG_NAME,
     EVERY_FILE,
@@ -189,7 +189,7 @@ def verify_local(
         )
     asked = Selection(tuple(include), tuple(exclude))
     if record is None:
-        return _verify_without_record(repo_id, revision, place.folder, asked, workers, progress)
+        return _verify_without_record(repo_id, revision, place.folder, asked, workers, progress, local_dir is None)
     selections = (asked,) if include or exclude else record.selections  # by default, what was downloaded
     files = selected(record.files, selections)
     if not files:  # a glob that matches nothing checked nothing: it said ok (an audit), as a typo would
@@ -218,15 +218,30 @@ def _verify_without_record(
     asked: Selection,
     workers: int,
     progress: Progress | None,
+    resolved: bool,
 ) -> DownloadReport:
     """A folder we did not download: the digests huggingface_hub left where it has them (hf_metadata.py),
     the headers, the index and that the folder is a whole checkpoint always (no list of files says what
     should be there: the index and the shard names do). Which ran, and what none can see, is said in
-    `checks`."""
+    `checks`.
+
+    resolved: `folder` was found by `revision` (the HF cache's refs/ or snapshot hash). Else (a --local-dir) a
+    `revision` is checked against the commits huggingface_hub's metadata names, so only a commit hash can be,
+    and only where there is such metadata: DownloadError otherwise (it said ok of a folder of another revision)."""
     paths = [p for p in _local_paths(folder) if asked.wants(p)]
     if not paths and (asked.include or asked.exclude):
         raise asked.matches_nothing(str(folder), then="; nothing to check")
     hub = hub_metadata(folder, paths)
+    if revision is not None and not resolved and not (COMMIT.fullmatch(revision) and hub.commits):
+        why = (
+            f"{hub.where} name commits, not branches or tags: give the commit hash"
+            if hub.commits
+            else f"nor any digest of huggingface_hub's (no {METADATA_DIR.as_posix()}/*.metadata): drop --revision"
+        )
+        raise DownloadError(
+            f"{folder}: no download record of ours, so whether it holds revision {revision} cannot be checked "
+            f"offline; {why}"
+        )
     if revision is not None and COMMIT.fullmatch(revision) and hub.commits - {revision}:
         raise DownloadError(
             f"{folder}: downloaded at commit {', '.join(sorted(hub.commits - {revision}))} (per {hub.where}), "

@@ -517,6 +517,27 @@ def test_verify_only_of_a_folder_huggingface_hub_filled_from_two_commits_is_no_o
     assert report.commit is None and not report.ok
 
 
+def test_verify_only_of_a_folder_without_record_by_a_revision_it_cannot_check_is_refused(hub, tmp_path):
+    """A --local-dir `hf download` filled at main (no record of ours): `--verify-only --revision v0` said "all
+    checks passed" with "revision": "v0" in its report, though v0 is another commit: huggingface_hub's
+    metadata names commits only, so a branch or tag cannot be checked offline. Refused, saying to give the
+    commit hash; the hash of the folder's commit still passes, without --revision too."""
+    from huggingface_hub import snapshot_download
+
+    folder = tmp_path / "hf"
+    snapshot_download(REPO, endpoint=hub.url, local_dir=folder)
+    for name in ("v0", "main"):  # "main" happens to be right: the check cannot tell either
+        with pytest.raises(DownloadError, match=rf"revision {name} cannot be checked offline.*commit hash"):
+            dl.verify_local(REPO, local_dir=folder, revision=name)
+    assert dl.verify_local(REPO, local_dir=folder, revision=C1).ok
+    assert dl.verify_local(REPO, local_dir=folder).ok
+    import shutil
+
+    shutil.rmtree(folder / ".cache")  # no metadata: not even a commit hash can be checked
+    with pytest.raises(DownloadError, match=rf"revision {C1}.*drop --revision"):
+        dl.verify_local(REPO, local_dir=folder, revision=C1)
+
+
 @pytest.mark.parametrize("in_cache", [False, True])
 def test_verify_only_with_huggingface_hub_metadata_still_needs_a_whole_folder(hub, tmp_path, checkpoints, in_cache):
     """huggingface_hub's digests cover the files still there: a config.json deleted, or a shard copied in
