@@ -306,6 +306,25 @@ def test_a_run_refused_before_its_first_byte_leaves_no_folder(hub, tmp_path, wha
     assert not local.exists()
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "a dangling link"])
+def test_a_local_dir_that_cannot_be_a_folder_is_named_before_any_request(hub, tmp_path, where):
+    """`--local-dir` at a file, under one, or at a link to nothing: download said only "afile: File exists"
+    or "Not a directory" (what mkdir said), where `shard` and `make-tiny` say what is wrong with the path."""
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"mine")
+    local = {"a file": afile, "under a file": afile / "v41", "a dangling link": tmp_path / "link"}[where]
+    if where == "a dangling link":
+        local.symlink_to(tmp_path / "gone")
+    said = {
+        "a file": "exists and is not a folder",
+        "under a file": "cannot be made",
+        "a dangling link": "does not exist",
+    }
+    with pytest.raises(DownloadError, match=said[where]):
+        dl.download(REPO, local_dir=local, endpoint=hub.url, retries=0)
+    assert afile.read_bytes() == b"mine" and not resolve_gets(hub) and not hub.log
+
+
 @pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.txt", "sub/../../outside.txt", "sub//x.txt"])
 def test_a_file_name_out_of_the_folder_is_refused_before_any_byte(hub, tmp_path, name):
     """A listing (a broken or hostile HF_ENDPOINT) naming an absolute path: `--local-dir` / path was that
