@@ -65,7 +65,7 @@ class DownloadReport:
     """What `download` or `verify_local` did and found. `problems` empty means every check passed."""
 
     repo_id: str
-    revision: str
+    revision: str | None  # as asked, or as recorded; None: not known (a --local-dir without our record)
     commit: str | None
     folder: Path
     files: int
@@ -269,7 +269,8 @@ def _verify_without_record(
         )
     commit = next(iter(hub.commits)) if len(hub.commits) == 1 else None
     return DownloadReport(
-        repo_id, revision or constants.DEFAULT_REVISION, commit, folder, len(paths), nbytes, checks, True,
+        repo_id, revision or (constants.DEFAULT_REVISION if resolved else None), commit, folder, len(paths), nbytes,
+        checks, True,
         problems=tuple(_dedup(problems)),
     )  # fmt: skip
 

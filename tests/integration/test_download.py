@@ -517,6 +517,21 @@ def test_verify_only_of_a_folder_huggingface_hub_filled_from_two_commits_is_no_o
     assert report.commit is None and not report.ok
 
 
+def test_verify_only_of_a_folder_without_record_reports_no_revision_it_does_not_know(hub, tmp_path):
+    """A --local-dir `hf download --revision v0` filled (no record of ours), checked without --revision: the
+    report said "revision": "main", a name nothing in the folder gives; it is null, beside the commit the
+    metadata names. In the HF cache, found through refs/main, it stays "main"."""
+    from huggingface_hub import snapshot_download
+
+    folder = tmp_path / "hf"
+    snapshot_download(REPO, revision="v0", endpoint=hub.url, local_dir=folder)
+    report = dl.verify_local(REPO, local_dir=folder)
+    assert report.ok and report.commit == C0 and report.revision is None
+    assert report.to_json()["revision"] is None
+    snapshot_download(REPO, endpoint=hub.url, cache_dir=tmp_path / "cache")
+    assert dl.verify_local(REPO, cache_dir=tmp_path / "cache").revision == "main"
+
+
 def test_verify_only_of_a_folder_without_record_by_a_revision_it_cannot_check_is_refused(hub, tmp_path):
     """A --local-dir `hf download` filled at main (no record of ours): `--verify-only --revision v0` said "all
     checks passed" with "revision": "v0" in its report, though v0 is another commit: huggingface_hub's
