@@ -118,7 +118,20 @@ def check_repo_id(repo_id: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as exc:
+        repo, at, rev = repo_id.partition("@")
+        if at and rev and _valid_repo_id(repo):  # plan/shard/export's SRC takes owner/name@rev; download does not
+            raise DownloadError(
+                f"{repo_id}: a revision goes in --revision here: `download {repo} --revision {rev}`"
+            ) from None
         raise DownloadError(f"{repo_id}: not a Hub repo id ({exc})") from None
+
+
+def _valid_repo_id(repo_id: str) -> bool:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return False
+    return True
 
 
 def storage_of(repo_id: str, cache_dir: Path | None) -> Path:

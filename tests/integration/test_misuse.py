@@ -247,6 +247,15 @@ def test_download_of_something_that_is_no_repo_id(tmp_path, monkeypatch, capsys,
     assert "downloading" not in err and not (tmp_path / "d").exists()
 
 
+def test_download_of_a_repo_id_with_its_revision_points_at_the_option(tmp_path, monkeypatch, capsys):
+    """`download org/m@v1` (the SRC syntax of plan, shard and export) said only "not a Hub repo id (Repo id must
+    use alphanumeric chars ...)"; it now names the option that takes the revision."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_cli(monkeypatch, capsys, "download", "org/m@v1", "--local-dir", str(tmp_path / "d"))
+    assert_clean_error(code, err, "org/m@v1: a revision goes in --revision here: `download org/m --revision v1`")
+    assert not (tmp_path / "d").exists()
+
+
 def test_verify_of_an_incomplete_or_empty_folder_is_an_input_error(src, sharded, tmp_path, monkeypatch, capsys):
     incomplete = copy_of(sharded, tmp_path / "incomplete")
     (incomplete / "model1-mp2.safetensors").unlink()
