@@ -15,6 +15,20 @@ from cli_run import run_cli
 from tiny_ckpt import make_tiny
 
 
+def _no_launch(monkeypatch) -> None:
+    """No torchrun variables, whatever ran in this process before."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _whole_runs_dry_run(monkeypatch, capsys, verb: str, src: Path, out: Path, options: list[str]) -> dict:
+    """`verb SRC OUT *options --dry-run --json` of one process, no launch: the whole run's files."""
+    _no_launch(monkeypatch)
+    code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
+    assert code == 0, err
+    return json.loads(dry)
+
+
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("dry-share") / "src")
@@ -29,11 +43,8 @@ def test_a_shares_dry_run_lists_the_files_its_run_writes(src, tmp_path, monkeypa
     with their total) while the share's run writes only its half; `shard --dry-run` lists its share's ranks."""
     out = tmp_path / "out"
     verb, *options = command
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
-    assert code == 0, err
-    every = json.loads(dry)[listed]  # the files of the whole run
+    dry = _whole_runs_dry_run(monkeypatch, capsys, verb, src, out, options)
+    every = dry[listed]  # the files of the whole run
     monkeypatch.setenv("WORLD_SIZE", "2")  # a share left in the shell, not a launch: the run still writes it
     monkeypatch.setenv("RANK", str(rank))
     code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
@@ -53,8 +64,7 @@ def test_a_resume_dry_run_lists_only_the_ranks_its_run_writes(src, tmp_path, mon
     """Guards against `shard --resume --dry-run` listing ranks 1 and 3, finished by an earlier `--ranks 1,3`
     run, among the ranks "this run would write" (README, `shard`), while the `--resume` run writes only 0 and 2."""
     out = tmp_path / "out"
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    _no_launch(monkeypatch)
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "4", "--ranks", "1,3")
     assert code == 0, err
     resume = ("shard", str(src), str(out), "--tp", "4", "--resume", "--json")
@@ -102,11 +112,8 @@ def test_a_share_of_no_file_writes_nothing_whenever_it_starts(src, tmp_path, mon
     and says so, its dry run too, whether it starts first or last; the others' run is whole."""
     out = tmp_path / "out"
     verb, *options = command
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    code, dry, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options, "--dry-run", "--json")
-    assert code == 0, err
-    world = len(json.loads(dry)["ranks" if verb == "shard" else "files"]) + 1  # the last share holds no file
+    dry = _whole_runs_dry_run(monkeypatch, capsys, verb, src, out, options)
+    world = len(dry["ranks" if verb == "shard" else "files"]) + 1  # the last share holds no file
     monkeypatch.setenv("WORLD_SIZE", str(world))
 
     def run_share(rank: int, *extra: str) -> dict:
