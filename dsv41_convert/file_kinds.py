@@ -53,3 +53,13 @@ def refuse_unmakeable(path: Path, error: type[Exception]) -> None:
         raise error(f"{above}: a link to {os.readlink(above)}, which does not exist, so {path} cannot be made in it")
     if not above.is_dir():
         raise error(f"{above}: Not a directory, so {path} cannot be made in it")
+
+
+def refuse_non_folder(path: Path, error: type[Exception]) -> None:
+    """`error` where `path`, a folder to write into, is a link to nothing or exists and is no folder (mkdir said
+    only "File exists" of either: an audit), or cannot be made (refuse_unmakeable)."""
+    if path.is_symlink() and not path.exists():
+        raise error(f"{path}: a link to {os.readlink(path)}, which does not exist; give a folder path")
+    if path.exists() and not path.is_dir():
+        raise error(f"{path}: exists and is not a folder; give a folder path")
+    refuse_unmakeable(path, error)

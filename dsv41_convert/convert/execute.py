@@ -51,7 +51,7 @@ from dsv41_convert.convert.write import (
     write_rank_file,
 )
 from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
-from dsv41_convert.file_kinds import nearest_existing, refuse_unmakeable
+from dsv41_convert.file_kinds import nearest_existing, refuse_non_folder, refuse_unmakeable
 from dsv41_convert.numbers import byte_amounts
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
@@ -166,11 +166,8 @@ def _folders_of(src: Path) -> dict[tuple[int, int], Path]:
 def check_output(src: Path, out: Path) -> None:
     """OUT must not be SRC or inside it, must hold none of SRC's files under another name, and must be a
     folder if it exists."""
-    if out.is_symlink() and not out.exists():  # mkdir said only "File exists" (an audit)
-        raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a folder path")
+    refuse_non_folder(out, OutputError)
     out = _outside_source(src, out, "folder")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder")
     if out.is_dir():
         _no_source_file_among(src, list(out.iterdir()))
 

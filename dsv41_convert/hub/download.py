@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
-import os
 import re
 import shutil
 import threading
@@ -46,7 +45,7 @@ from huggingface_hub.utils import WeakFileLock
 
 from dsv41_convert import interrupts
 from dsv41_convert.errors import DownloadError, first_few
-from dsv41_convert.file_kinds import nearest_existing, refuse_unmakeable
+from dsv41_convert.file_kinds import nearest_existing, refuse_non_folder
 from dsv41_convert.hub.fetch import (
     PARTIAL_DIR,
     fetch_file,
@@ -202,8 +201,8 @@ def download(
         )
         return report  # with its problems, as --verify-only: a check that fails, not an error
     check_repo_id(repo_id)
-    if local_dir is not None:
-        _can_be_folder(Path(local_dir))
+    if local_dir is not None:  # before any request (mkdir said only "File exists" of a file there)
+        refuse_non_folder(Path(local_dir), DownloadError)
     with contextlib.ExitStack() as held:
         if local_dir is not None:  # a run refused before its first byte (no such repo) leaves no folder it made
             held.enter_context(made_folder(Path(local_dir)))
@@ -212,18 +211,6 @@ def download(
             repo_id, revision, local_dir, include, exclude, max_workers, token, endpoint, cache_dir, retries,
             backoff_s, repair_rounds, progress, overwrite,
         )  # fmt: skip
-
-
-def _can_be_folder(local_dir: Path) -> None:
-    """DownloadError, before any request, unless `local_dir` is a folder or can be made one (mkdir said only
-    "File exists" of a file or a link to nothing there, "Not a directory" of a path under a file)."""
-    if local_dir.is_symlink() and not local_dir.exists():
-        raise DownloadError(
-            f"{local_dir}: a link to {os.readlink(local_dir)}, which does not exist; give a folder as --local-dir"
-        )
-    if local_dir.exists() and not local_dir.is_dir():
-        raise DownloadError(f"{local_dir}: exists and is not a folder; give a folder as --local-dir")
-    refuse_unmakeable(local_dir, DownloadError)
 
 
 def _download(

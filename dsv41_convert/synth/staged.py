@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dsv41_convert import interrupts
 from dsv41_convert.errors import OutputError
-from dsv41_convert.file_kinds import refuse_unmakeable
+from dsv41_convert.file_kinds import refuse_non_folder
 from dsv41_convert.store.lock import LOCK_NAME, hold, refuse_held
 from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import fsync_path
@@ -56,12 +56,8 @@ def _left_by_us(p: Path) -> bool:
 def check_out(out: Path, overwrite: bool) -> Path:
     """OutputError unless make-tiny may put a checkpoint at `out`. -> the folder it goes to, absolute (a
     link to a folder: that folder)"""
-    if out.is_symlink() and not out.exists():
-        raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a folder path")
+    refuse_non_folder(out, OutputError)
     out = out.resolve() if out.is_symlink() else out.absolute()
-    refuse_unmakeable(out, OutputError)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder; give a folder path")
     entries = [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []
     if entries and not overwrite:
         raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
