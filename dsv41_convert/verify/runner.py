@@ -76,7 +76,7 @@ def attach_images(inp: ModelInput, args: ModelArgs) -> ModelInput:
     if inp.image is None or inp.images is not None:
         return inp
     from dsv41_convert.errors import VerifyInputError
-    from dsv41_convert.model.image_processor import IMAGE_START, ImageInput, load_image, num_image_tokens
+    from dsv41_convert.model.image_processor import IMAGE_START, TEXT, ImageInput, image_token_types, load_image
 
     if inp.token_types is None:
         raise VerifyInputError(f"image {inp.image}: the reference file has no token_types for its prompt")
@@ -85,11 +85,21 @@ def attach_images(inp: ModelInput, args: ModelArgs) -> ModelInput:
     except (ValueError, OSError) as exc:
         raise VerifyInputError(f"image {inp.image}: {exc}") from exc
     starts = (inp.token_types == IMAGE_START).nonzero().flatten().tolist()
-    span = num_image_tokens(n_llm_h, n_llm_w)
-    if len(starts) != 1 or starts[0] + span > len(inp.token_types):
-        raise VerifyInputError(f"image {inp.image}: token_types hold no {span}-token image span")
-    types = inp.token_types[starts[0] : starts[0] + span]
-    image = ImageInput(starts[0], patches, n_vit_h, n_vit_w, types)
+    types = image_token_types(n_llm_h, n_llm_w)  # [span] int64, the span this model makes of the image
+    # the prompt's token types as this model makes them: text, then exactly this span (another grid's span of
+    # this length or longer, the reference run's other vision settings, was a rank's RuntimeError "shape
+    # mismatch" in merge_image_spans: an audit)
+    start = starts[0] if len(starts) == 1 else -1
+    fits = 0 <= start and start + types.numel() <= len(inp.token_types)
+    expected = torch.full_like(inp.token_types, TEXT)
+    if fits:
+        expected[start : start + types.numel()] = types
+    if not fits or not torch.equal(inp.token_types, expected):
+        raise VerifyInputError(
+            f"image {inp.image}: token_types hold no {types.numel()}-token image span of the {n_llm_h}x{n_llm_w} "
+            "grid this model cuts it into (did the reference run other vision settings in config.json?)"
+        )
+    image = ImageInput(start, patches, n_vit_h, n_vit_w, types)
     return ModelInput(inp.input_ids, inp.token_types, [image], inp.image)
 
 

@@ -74,3 +74,38 @@ def test_drafts_follow_each_step_from_the_token_it_chose():
 def test_a_teacher_one_token_short_is_refused():
     with pytest.raises(ValueError, match="teacher holds 3 tokens, 3 decode steps feed 4"):
         run_prompt(Recorder(), PROMPT, 3, torch.tensor([7, 9, 2]))
+
+
+def test_a_recorded_image_span_of_another_grid_is_refused_naming_the_image(tmp_path):
+    """attach_images: a reference file whose token_types hold an image span of another grid than this model cuts
+    the image into (the reference ran other vision settings: an older file without provenance, or another
+    implementation's) is refused naming the image; it was a rank's RuntimeError "shape mismatch" traceback (exit 1)
+    where the span was as long as this model's or longer."""
+    from PIL import Image
+
+    from dsv41_convert.config import ModelArgs
+    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.model.image_processor import IMAGE_END, image_token_types, load_image, num_image_tokens
+    from dsv41_convert.synth.presets import TINY, hf_config
+    from dsv41_convert.verify.runner import attach_images
+
+    args = ModelArgs.from_hf_dict(hf_config(TINY, compressed_vocab_size=405))
+    path = tmp_path / "a.png"
+    Image.new("RGB", (200, 150), (10, 20, 30)).save(path)
+    _, _, _, n_llm_h, n_llm_w = load_image(path, args)
+    ours = image_token_types(n_llm_h, n_llm_w)
+
+    def recorded(span: torch.Tensor) -> ModelInput:
+        types = torch.cat([torch.full((3,), -1), span])
+        ids = torch.cat([torch.tensor([5, 6, 7]), torch.full((span.numel(),), args.image_token_id)])
+        return ModelInput(ids, types, None, str(path))
+
+    assert attach_images(recorded(ours), args).images[0].types.tolist() == ours.tolist()  # this model's own span
+    longer = image_token_types(n_llm_h + 1, n_llm_w)  # the reference's grid had one row more
+    rows = next(h for h in range(1, 64) if h != n_llm_h and n_llm_h * (n_llm_w + 1) % h == 0)
+    same_length = image_token_types(rows, n_llm_h * (n_llm_w + 1) // rows - 1)  # another grid, as long a span
+    assert same_length.numel() == num_image_tokens(n_llm_h, n_llm_w) and not torch.equal(same_length, ours)
+    assert longer[-1] == IMAGE_END
+    for span in (longer, same_length):
+        with pytest.raises(VerifyInputError, match=rf"image {path}: .*{n_llm_h}x{n_llm_w}"):
+            attach_images(recorded(span), args)
