@@ -77,6 +77,13 @@ def read_prompts(
     if prompts_file is None:
         return default_prompts(bound)
     prompts = load_prompts(prompts_file, tokenizer_json, bound, bound_by)
+    placed = [p.origin or p.label for p in prompts if args.image_token_id in p.input_ids]
+    if placed:  # it ran as a text token, and beside "image" was "2 image placeholders, got 1 images" (an audit)
+        raise VerifyInputError(
+            f"{placed[0]}: holds token id {args.image_token_id}, config.json's image_token_id (the image "
+            'placeholder), which only an image span holds: give the image as "image" (its span goes after the '
+            "text) and take the placeholder out"
+        )
     fixed = [p.origin or p.label for p in prompts if p.decode_ids is not None]
     if fixed and not feeds_decode_ids:
         raise VerifyInputError(

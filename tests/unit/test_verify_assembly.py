@@ -72,11 +72,30 @@ def test_decode_ids_go_only_with_a_run_that_feeds_them(tmp_path):
     them, refused elsewhere (the decode steps would feed the model's own choices and ignore them)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"input_ids": [5, 6, 7], "decode_ids": [8, 9]}\n')
-    args = SimpleNamespace(vocab_size=64, engram_layer_ids=())
+    args = SimpleNamespace(vocab_size=64, engram_layer_ids=(), image_token_id=62)
     (fed,) = reference.read_prompts(prompts, None, args, feeds_decode_ids=True)
     assert fed.input_ids == (5, 6, 7) and fed.decode_ids == (8, 9)
     with pytest.raises(VerifyInputError, match=r"decode_ids go with `reference-logits --stream-layers`"):
         reference.read_prompts(prompts, None, args)
+
+
+def test_a_prompt_holding_the_image_placeholder_is_refused_naming_its_line(tmp_path):
+    """config.json's image_token_id in a prompt's text (the placeholder upstream puts in a chat prompt) or ids: without
+    "image" it ran as a text token, which no inference runs (upstream refuses a placeholder without its image), and
+    beside "image" it was "prompt has 2 image placeholders (id 510), got 1 images" for one placeholder and one image
+    (the image goes after the text)."""
+    from dsv41_convert.synth.tokenizer import build_tokenizer
+
+    build_tokenizer(512).save(str(tmp_path / "tokenizer.json"))
+    args = SimpleNamespace(vocab_size=512, engram_layer_ids=(), image_token_id=510)
+    lines = ['{"input_ids": [5, 6, 7]}', '{"text": "see <\uff5cdeepseek_image\uff5c> here"}', '{"input_ids": [5, 510]}']
+    for line in lines[1:]:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(f"{lines[0]}\n{line}\n")
+        with pytest.raises(VerifyInputError, match=r"prompts.jsonl:2: .*token id 510, config.json's image_token_id"):
+            reference.read_prompts(prompts, tmp_path / "tokenizer.json", args)
+    prompts.write_text(lines[0] + "\n")
+    assert reference.read_prompts(prompts, tmp_path / "tokenizer.json", args)[0].input_ids == (5, 6, 7)
 
 
 def test_a_reference_of_a_bf16_sources_converted_weights_records_them_as_converted(tmp_path, monkeypatch):
