@@ -277,8 +277,9 @@ def validate_reference_file(path: Path, args: ModelArgs | None = None, default_m
     from draft_logits or the model's DSpark block), each message naming the tensor that sets the size;
     a vocabulary other than the model's; ids outside it; lengths that disagree with input_ids' padding;
     prompts plus decode steps longer than max_seq_len; NaN or Inf in any logits tensor (tensor, prompt,
-    position); token types outside -1..3; labels and images that are not one string per prompt, and
-    image files that are not there. Cannot catch: logits that are finite and well-shaped but wrong.
+    position); token types outside -1..3; labels and images that are not one string per prompt, image
+    files that are not there, and image prompts for a model without a vision tower. Cannot catch: logits that
+    are finite and well-shaped but wrong.
     """
     path = Path(path)
     try:
@@ -356,7 +357,7 @@ def _problems(
     out += _lengths_fit(t, meta, b, s, dims, default_max_seq_len)
     out += non_finite(t)
     out += _token_types(t)
-    out += _metadata_lists(meta, t, b)
+    out += _metadata_lists(meta, t, b, args)
     out += _recorded_fields(meta)
     return out
 
@@ -559,7 +560,9 @@ def _token_types(t: dict[str, Tensor]) -> list[str]:
     return out + _more(int(bad.sum()), "token_types outside -1 .. 3")
 
 
-def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[str]:
+def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int, args: ModelArgs | None) -> list[str]:
+    """Labels, images and image digests: one string per prompt, each image there, unchanged, with its token
+    types, and a vision tower in the model (`args`; None: not checked) to run it."""
     out = []
     lists = {}
     for key in ("labels", "images", "image_sha256"):
@@ -582,6 +585,11 @@ def _metadata_lists(meta: dict[str, str], t: dict[str, Tensor], b: int) -> list[
             out.append(
                 f"metadata images[{row}] = {image!r}: not the image this file was computed with (sha256 "
                 f"{digests[row][:12]}...): restore it, or compute the reference again"
+            )
+        if image and args is not None and not args.vision_enabled:  # its ranks ended in a ZeroDivisionError
+            out.append(
+                f"metadata images[{row}] = {image!r}: an image prompt, but the model has no vision tower "
+                "(vision_config in config.json)"
             )
         if image and "token_types" not in t:
             out.append(f"metadata images[{row}] = {image!r}, but there is no token_types tensor for its image span")

@@ -169,7 +169,8 @@ DAMAGES = {
     ),
     "all at once": (
         lambda t, m: [f(t, m) for f in (_id_9999, _nan_logits, _decode_b_v, _missing_image)],
-        ["4 problem(s)", "id 9999", "NaN", "decode_logits has shape [2, 512]", "no such file"],
+        # the image prompt is a problem twice: its image is not there, and this source has no vision tower
+        ["5 problem(s)", "id 9999", "NaN", "decode_logits has shape [2, 512]", "no such file", "no vision tower"],
     ),
 }
 

@@ -382,6 +382,24 @@ def test_drafts_for_a_model_without_dspark(tmp_path):
     assert any("the model has no DSpark stages" in p for p in _problems(tmp_path, args=args))
 
 
+def test_an_image_prompt_for_a_model_without_a_vision_tower(tmp_path):
+    """A file of an image prompt (without provenance: an older file, another implementation's) against a model
+    without a vision tower is a problem of the file, named by the image; its ranks ended in a traceback,
+    ZeroDivisionError in the image's grid plan (patch size 0), exit 1."""
+    import dataclasses
+
+    def image_prompt(t, m):
+        m["images"] = f'["", "{__file__}"]'
+        t["token_types"][1, :3] = torch.tensor([0, 1, 3])
+
+    vision = [p for p in _problems(tmp_path, image_prompt) if "vision tower" in p]
+    assert vision == []
+    args = dataclasses.replace(_args(), vision_n_layers=0, vision_patch_size=0)
+    problems = _problems(tmp_path, image_prompt, args=args)
+    assert any(f"metadata images[1] = '{__file__}': an image prompt, but the model has no vision tower" in p
+               for p in problems), problems  # fmt: skip
+
+
 def test_unreadable_file_is_one_problem(tmp_path):
     (tmp_path / "x").write_bytes(b"\xff" * 64)
     problems = reffile.validate_reference_file(tmp_path / "x")
