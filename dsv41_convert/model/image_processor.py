@@ -100,15 +100,19 @@ def plan_image_grid(width, height, args: ModelArgs) -> tuple[int, int, int, int]
     return n_llm_h, n_llm_w, target_h, target_w
 
 
+def read_image_file(path: Path) -> bytes:
+    """The encoded bytes of the image file at `path`; ValueError naming it where it is no regular file."""
+    refuse_non_file(Path(path), ValueError)  # a FIFO waited for a writer forever (an audit)
+    return Path(path).read_bytes()
+
+
 def open_image(source: ImageSource) -> PILImage.Image:
     """An RGB PIL image from a PIL image, a file path or encoded bytes."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
-    if not isinstance(source, bytes):
-        refuse_non_file(Path(source), ValueError)  # a FIFO waited for a writer forever (an audit)
-    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    data = source if isinstance(source, bytes) else read_image_file(Path(source))
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.convert("RGB")

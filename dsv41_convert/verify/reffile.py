@@ -138,7 +138,8 @@ def save(ref: Reference, path: Path, tensors: dict[str, Tensor] | None = None) -
         "weights": ref.weights,
         "labels": json.dumps(ref.labels),
         "images": json.dumps([i.image or "" for i in inputs]),
-        "image_sha256": json.dumps([sha256_file(Path(i.image)) if i.image else "" for i in inputs]),
+        # the digest of the bytes the run read (the file may have changed since), else of the file now
+        "image_sha256": json.dumps([(i.image_sha256 or sha256_file(Path(i.image))) if i.image else "" for i in inputs]),
     }
     if ref.provenance is not None:
         meta["provenance"] = json.dumps(ref.provenance, sort_keys=True)

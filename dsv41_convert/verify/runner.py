@@ -17,6 +17,7 @@ Per prompt, with S prompt positions, T decode steps, K draft tokens, V vocab:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class ModelInput:
     token_types: Tensor | None = None  # [S] int64, -1 for text
     images: list | None = None  # ImageInput list of this row
     image: str | None = None  # the image's path, for the reference file
+    image_sha256: str | None = None  # of the bytes `images` were cut from (the file may change during the run)
 
 
 @dataclass
@@ -59,15 +61,17 @@ def model_input(prompt: Prompt, args: ModelArgs) -> ModelInput:
     ids = torch.tensor(prompt.input_ids, dtype=torch.int64)
     if prompt.image is None:
         return ModelInput(ids)
-    from dsv41_convert.model.image_processor import prepare_vl_inputs
+    from dsv41_convert.model.image_processor import prepare_vl_inputs, read_image_file
 
     try:
-        full, types, images = prepare_vl_inputs([*prompt.input_ids, args.image_token_id], [Path(prompt.image)], args)
+        data = read_image_file(Path(prompt.image))  # read once: the reference file records these bytes' digest
+        full, types, images = prepare_vl_inputs([*prompt.input_ids, args.image_token_id], [data], args)
     except (ValueError, OSError) as exc:
         from dsv41_convert.errors import VerifyInputError
 
         raise VerifyInputError(f"{prompt.origin or prompt.label}: image {prompt.image}: {exc}") from exc
-    return ModelInput(torch.tensor(full), torch.tensor(types), images, prompt.image)
+    digest = hashlib.sha256(data).hexdigest()
+    return ModelInput(torch.tensor(full), torch.tensor(types), images, prompt.image, digest)
 
 
 def attach_images(inp: ModelInput, args: ModelArgs) -> ModelInput:

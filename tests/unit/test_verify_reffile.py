@@ -446,3 +446,31 @@ def test_the_runtime_length_counts_the_drafts_after_the_last_step():
     with pytest.raises(VerifyInputError, match=r"--max-seq-len 44: .* and the DSpark drafts after the last needs 48"):
         pick_max_seq_len([40], 3, 44, draft_block(args))
     assert pick_max_seq_len([40], 3, 48, draft_block(args)) == 48
+
+
+def test_the_image_digest_is_of_the_bytes_the_run_cut_its_patches_from(tmp_path):
+    """An image replaced while the reference ran (the real model's runs take hours): the file recorded the digest
+    of the new image, read at the save, beside logits of the old one, so verify passed the digest check and
+    replayed the new image, FAILing a correct conversion at `vision`. The digest is now taken of the bytes the
+    patches were cut from, and verify refuses the replaced image instead."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from PIL import Image
+
+    from dsv41_convert.verify.prompts import Prompt
+    from dsv41_convert.verify.runner import model_input
+
+    args = dataclasses.replace(_args(), image_token_id=250)  # tiny_config's is the real one, past its vocabulary
+    path = tmp_path / "a.png"
+    Image.new("RGB", (60, 40), (10, 20, 30)).save(path)
+    ran = hashlib.sha256(path.read_bytes()).hexdigest()
+    inp = model_input(Prompt((5, 6, 7), "a", text="x", image=str(path)), args)
+    Image.new("RGB", (60, 40), (200, 20, 30)).save(path)  # replaced during the run
+    ref = reffile.Reference([inp], [_run(len(inp.input_ids), vocab=args.vocab_size)], ["a"], 128, "fp8", "cpu")
+    reffile.save(ref, tmp_path / "r.safetensors")
+    _, meta = reffile._read(tmp_path / "r.safetensors")
+    assert json.loads(meta["image_sha256"]) == [ran]
+    problems = reffile.validate_reference_file(tmp_path / "r.safetensors")
+    assert any("not the image this file was computed with" in p for p in problems), problems
