@@ -300,6 +300,11 @@ def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     except (OSError, SafetensorError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise VerifyInputError(f"{path}: not a readable safetensors file ({reason})") from exc
+    except KeyError as exc:  # a dtype safetensors.torch maps to no torch dtype here (F4, F8_E8M0): a traceback
+        raise VerifyInputError(
+            f"{path}: holds {exc.args[0]} tensors, which no reference-logits file does (a rank file or a checkpoint "
+            "shard?); give the file `dsv41-convert reference-logits` wrote"
+        ) from exc
     (n,) = struct.unpack("<Q", data[:8])  # a header load_bytes has read: its length and JSON are sound
     return t, json.loads(data[8 : 8 + n]).get("__metadata__") or {}
 

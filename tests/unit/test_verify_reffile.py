@@ -1,6 +1,8 @@
 """verify.reffile: the reference-logits file round-trips and rejects malformed files by name."""
 
+import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -398,6 +400,25 @@ def test_an_image_prompt_for_a_model_without_a_vision_tower(tmp_path):
     problems = _problems(tmp_path, image_prompt, args=args)
     assert any(f"metadata images[1] = '{__file__}': an image prompt, but the model has no vision tower" in p
                for p in problems), problems  # fmt: skip
+
+
+def _raw_safetensors(path: Path, dtype: str, shape: list[int], nbytes: int) -> Path:
+    """A safetensors file of one tensor `w` of `dtype` (a name safetensors.torch may not map), `nbytes` zeros."""
+    header = json.dumps({"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(nbytes))
+    return path
+
+
+@pytest.mark.parametrize(("dtype", "shape", "nbytes"), [("F4", [2, 4], 4), ("F8_E8M0", [2, 2], 4)])
+def test_a_rank_file_given_as_the_reference_is_named_not_a_traceback(tmp_path, dtype, shape, nbytes):
+    """`verify MP --reference-logits MP/model0-mp2.safetensors` (a rank file, or a checkpoint shard, for the
+    reference: both hold F4 or F8_E8M0 tensors, which safetensors.torch cannot load here) ended in a traceback
+    (KeyError: 'F4'); it is an input error naming the file and the dtype, and validation's one problem."""
+    path = _raw_safetensors(tmp_path / "model0-mp2.safetensors", dtype, shape, nbytes)
+    with pytest.raises(VerifyInputError, match=rf"model0-mp2.safetensors: .*{dtype}.*reference-logits"):
+        reffile.load(path, 128)
+    problems = reffile.validate_reference_file(path)
+    assert len(problems) == 1 and dtype in problems[0], problems
 
 
 def test_unreadable_file_is_one_problem(tmp_path):
