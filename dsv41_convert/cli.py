@@ -556,7 +556,7 @@ def reference_logits_cmd(
 
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.execute import check_output_file
-    from dsv41_convert.store.lock import hold
+    from dsv41_convert.store.lock import hold, refuse_held
     from dsv41_convert.store.manifest import remove_stale_temporaries
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads
@@ -566,6 +566,7 @@ def reference_logits_cmd(
     threads = threads or default_threads(tp)
     if device == "cpu":
         torch.set_num_threads(threads)  # tp 1 runs in this process
+    refuse_held(src)  # a run writing into SRC (shard into a folder of rank files, download): files not final
     args = load_model_args(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args, stream_layers)
@@ -682,16 +683,18 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
     """Check every file listed in OUT/manifest.json (size, then sha256) without running the model; several
     files at once (--workers).
 
-    Exit 1 naming each missing, resized or corrupt file.
+    Exit 1 naming each missing, resized or corrupt file; exit 2 while a run writes into OUT, naming it.
 
     Examples:
       dsv41-convert check ./mp8
       dsv41-convert check ./mp8 --json --workers 1
     """
     from dsv41_convert.errors import first_few
+    from dsv41_convert.store.lock import refuse_held
     from dsv41_convert.store.manifest import MANIFEST
     from dsv41_convert.store.manifest_check import check_folder
 
+    refuse_held(out)  # a run writing into OUT (a share too): its files are not final, nor its manifest's absence
     with report.byte_progress(f"check {out}", quiet=as_json) as progress:
         result = check_folder(out, progress=progress, threads=workers or None)
     for problem in result.problems:

@@ -305,7 +305,9 @@ def _remove_if_empty(folder: Path) -> None:
 def refuse_held(folder: Path, *, shared: bool = False, files: Iterable[str] = ()) -> None:
     """For a --dry-run: the LockedError `hold(folder, shared=shared, files=files)` would raise now, where another
     process holds the folder or one of the files; nothing is created or written, and no lock is kept. A lock
-    whose named holders are all gone (their workers end with them) is not a refusal: the run waits for it."""
+    whose named holders are all gone (their workers end with them) is not a refusal: the run waits for it.
+    For a reader (`check`, `verify`, `reference-logits` of rank files), `refuse_held(folder)`: any run writing
+    into the folder, a share too, is named (its files may be half-written, removed or replaced meanwhile)."""
     folder = Path(folder)
     where = str(folder.resolve())
     _probe(folder / LOCK_NAME, not shared, where)

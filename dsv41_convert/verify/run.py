@@ -32,6 +32,7 @@ from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.progress import Progress as ByteProgress
+from dsv41_convert.store.lock import refuse_held
 from dsv41_convert.store.manifest import MANIFEST
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
 from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
@@ -215,6 +216,7 @@ def verify(
         raise VerifyInputError("--stream-layers goes with --reference-logits FILE (a tp-1 file), not --reference SRC")
     if not conv.is_dir():
         raise VerifyInputError(f"{conv}: {'not a folder' if conv.exists() else 'no such folder'}")
+    refuse_held(conv)  # a run writing there: a rank file not yet renamed was "missing", one replaced a FAIL
     special = [p.name for p in sorted(conv.iterdir()) if special_kind(p)]  # reading one waits forever
     if special:
         raise VerifyInputError(f"{conv}: {first_few(special)}: not a regular file ({SPECIAL}); remove it")

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -151,3 +152,31 @@ def test_our_manifest_answers_only_for_a_well_formed_one_of_ours(tmp_path):
     assert our_manifest(folder) is None
     (folder / "manifest.json").unlink()
     assert our_manifest(folder) is None and our_manifest(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a-run", "a-share"])
+def test_a_folder_a_run_is_writing_is_named_in_use_by_every_reader(tmp_path, monkeypatch, capsys, shared):
+    """check, verify and reference-logits of rank files, while `shard` (or one share of it, `--ranks`) writes into
+    the folder: check said "manifest.json: not found; an unfinished conversion ...; continue it with `shard` ...
+    --resume" (a second writer, refused), or, once a run had removed a finished set's manifest.json, named the
+    files it was replacing as missing (exit 1); verify named a rank file not yet renamed as missing. Each reader
+    now names the run that holds the folder (exit 2), as a second writer is told, and reads it once it ends."""
+    from dsv41_convert.store.lock import hold
+
+    (tmp_path / "mp2").mkdir()
+    folder = _folder(tmp_path / "mp2", {"model0-mp2.safetensors": b"a" * 64, "config.json": b"{}"})
+    files = ["model1-mp2.safetensors"] if shared else []
+    ref = tmp_path / "ref.safetensors"
+    with hold(folder, shared=shared, files=files):
+        for args in (
+            ["check", str(folder)],
+            ["check", str(folder), "--json"],
+            ["verify", str(folder), "--reference-logits", str(ref)],
+            ["reference-logits", str(folder), str(tmp_path / "out.safetensors"), "--stream-layers"],
+        ):
+            code, out, err = run_cli(monkeypatch, capsys, *args)
+            assert code == 2 and f"{folder.resolve()}: in use by pid {os.getpid()}" in err, (args, err)
+            assert "Traceback" not in err
+            assert "--json" not in args or json.loads(out)["exit_code"] == 2
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert code == 0, err
