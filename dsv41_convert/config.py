@@ -630,7 +630,7 @@ def load_json(path: Path) -> dict[str, Any]:
     json and every reader built on it keep the last value without a word."""
     refuse_non_file(path, ConfigError)
     try:
-        data = strict_json.loads(Path(path).read_text())
+        data = strict_json.loads(Path(path).read_text(encoding="utf-8"))
     except strict_json.RepeatedKey as exc:
         raise ConfigError(f"{path}: gives {exc.args[0]!r} twice in one object; keep the one you mean") from None
     except FileNotFoundError as exc:

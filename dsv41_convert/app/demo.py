@@ -71,7 +71,7 @@ def run_demo(
         _clear_earlier_demo(folder, out)
     folder.mkdir(parents=True, exist_ok=True)
     mark = {"note": "written by `dsv41-convert demo`; its --overwrite removes only these", "wrote": [out.name]}
-    (folder / MARK).write_text(json.dumps(mark) + "\n")
+    (folder / MARK).write_text(json.dumps(mark) + "\n", encoding="utf-8")
     seconds = {}
     t = time.perf_counter()
     say(f"1/4 make-tiny {src} (seed {seed}, fp8/fp4)")
@@ -108,7 +108,7 @@ def _clear_earlier_demo(folder: Path, out: Path) -> None:
     from dsv41_convert.synth.staged import check_out
 
     try:
-        wrote = json.loads((folder / MARK).read_text())["wrote"]
+        wrote = json.loads((folder / MARK).read_text(encoding="utf-8"))["wrote"]
     except (OSError, ValueError, KeyError, TypeError):  # none, or a demo's of before 2026-12-05: a line of text
         raise OutputError(
             f"{folder}: not a folder an earlier demo wrote (no {MARK} listing its output; a demo before 2026-12-05 "

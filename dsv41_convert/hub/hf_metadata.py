@@ -75,7 +75,7 @@ def _from_link(folder: Path, path: str) -> tuple[None, str] | None:
 def _from_metadata_file(folder: Path, path: str) -> tuple[str, str] | None:
     """(commit, ETag) from the file's .metadata, else None (none, unreadable, or not in the known format)."""
     try:
-        lines = (folder / METADATA_DIR / f"{path}.metadata").read_text().splitlines()
+        lines = (folder / METADATA_DIR / f"{path}.metadata").read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
         return None
     if len(lines) < 2 or not SHA1_HEX.fullmatch(lines[0].strip()) or not _is_digest(lines[1].strip()):

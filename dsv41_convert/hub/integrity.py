@@ -146,7 +146,7 @@ class Record:
         if not path.is_file():
             return None
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
             files = tuple(RemoteFile(**f) for f in data["files"])
             if "selections" in data:
                 selections = tuple(Selection(tuple(s["include"]), tuple(s["exclude"])) for s in data["selections"])
@@ -259,7 +259,7 @@ def check_checkpoint(root: Path, paths: Iterable[str], *, whole: bool = False) -
 def _check_index(root: Path, names: dict[str, set[str] | None]) -> tuple[list[Problem], dict | None]:
     """-> (problems, the weight_map, or None where it is unreadable)"""
     try:
-        weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        weight_map = json.loads((root / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return [Problem(INDEX_NAME, "index", f"unreadable ({exc})", "JSON with a weight_map")], None
     if not isinstance(weight_map, dict):

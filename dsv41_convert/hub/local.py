@@ -142,7 +142,7 @@ def _cached_commit(repo_id: str, revision: str, cache_dir: Path | None) -> str |
     if COMMIT.fullmatch(revision):
         return revision
     ref = storage_of(repo_id, cache_dir) / "refs" / revision
-    return ref.read_text().strip() if ref.is_file() else None
+    return ref.read_text(encoding="utf-8").strip() if ref.is_file() else None
 
 
 class NotCached(DownloadError):

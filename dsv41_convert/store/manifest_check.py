@@ -50,7 +50,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise VerifyInputError(f"{folder}: {'not a folder' if Path(folder).exists() else 'no such folder'}")
     refuse_non_file(path, VerifyInputError)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise VerifyInputError(f"{path}: not found; {_without_manifest(Path(folder))}") from exc
     except (OSError, *NOT_JSON) as exc:
@@ -118,7 +118,7 @@ def _exported_by(folder: Path) -> tuple[str, str] | None:
     did (an unreadable fragment is `manifest`'s to name)."""
     for path in sorted(folder.glob(FRAGMENT_GLOB)):
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, *NOT_JSON):
             continue
         options = data.get("options") if isinstance(data, dict) else None

@@ -113,7 +113,7 @@ def read_fragments(out: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(Path(out).glob(FRAGMENT_GLOB)):
         refuse_non_file(path, OutputError)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, *NOT_JSON) as exc:
             raise OutputError(
                 f"{path}: not readable JSON ({exc}); copy it again from the machine that wrote it"

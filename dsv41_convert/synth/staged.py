@@ -103,7 +103,9 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
                         said = f"{exc.strerror or exc} while writing the checkpoint"
                         raise OutputError(f"{out}: {said}; {out} is as it was") from exc
                     (stage / MARK).write_text(
-                        "written by `dsv41-convert make-tiny`: its --overwrite replaces the checkpoint in this folder\n"
+                        "written by `dsv41-convert make-tiny`: its --overwrite replaces the checkpoint in this "
+                        "folder\n",
+                        encoding="utf-8",
                     )
                     with interrupts.deferred():
                         _move_in(stage, out, made)

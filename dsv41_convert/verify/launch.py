@@ -143,7 +143,7 @@ def _raise_rank_error(tmp: Path, tp: int) -> None:
     none did (a rank killed: out of memory, a signal; its peers' PEER_LOST files only say they lost it)."""
     for rank in range(tp):
         err = tmp / f"rank{rank}.error"
-        kind, _, message = err.read_text().partition("\n") if err.exists() else (PEER_LOST, "", "")
+        kind, _, message = err.read_text(encoding="utf-8").partition("\n") if err.exists() else (PEER_LOST, "", "")
         if kind and kind != PEER_LOST:  # an empty one (written before the rename was whole): none
             named = tp == 1 or errors.names_a_rank(message)  # errors the target gathered name their ranks
             raise getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
@@ -300,7 +300,7 @@ def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
         kind, message = RankFailedError.__name__, f"rank {rank} of {tp}: {crash_line(exc)}"
     part = tmp / f"rank{rank}.error.partial"  # whole or not there: a rank stopped mid-write left it empty
     try:
-        part.write_text(f"{kind}\n{message}")
+        part.write_text(f"{kind}\n{message}", encoding="utf-8")
         os.replace(part, tmp / f"rank{rank}.error")
     except OSError:
         pass  # the parent says how the rank ended
@@ -346,7 +346,7 @@ class _ToldFile:
         self.path, self.progress, self.offset = path, progress, 0
 
     def write(self, label: str, done: int, total: int) -> None:
-        with self.path.open("a") as f:
+        with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps([label, done, total]) + "\n")
 
     def relay(self) -> None:

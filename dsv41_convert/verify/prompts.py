@@ -109,7 +109,8 @@ def load_prompts(
     path = Path(path)
     refuse_non_file(path, VerifyInputError)  # a FIFO waited for a writer forever (an audit)
     try:
-        lines = path.read_text().split("\n")  # JSON lines end at \n only (splitlines broke U+2028 inside a string)
+        # JSON is UTF-8 whatever the locale; its lines end at \n only (splitlines broke U+2028 inside a string)
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as exc:
         raise VerifyInputError(f"{path}: cannot read the prompt file ({exc})") from exc
     except UnicodeDecodeError as exc:

@@ -208,3 +208,27 @@ def test_a_text_that_tokenizes_to_nothing_is_kept_only_beside_an_image(tmp_path)
     (tmp_path / "p.jsonl").write_text(json.dumps({"text": " "}) + "\n")
     with pytest.raises(VerifyInputError, match=r"p.jsonl:1: text tokenizes to no tokens"):
         load_prompts(tmp_path / "p.jsonl", tmp_path / "tokenizer.json", 512)
+
+
+def test_a_utf8_prompt_file_reads_the_same_under_an_ascii_locale(tmp_path):
+    """JSON is UTF-8 whatever the locale: under LC_ALL=C without Python's UTF-8 mode (a container, a cron job)
+    a prompt file with `héllo` was refused as "not UTF-8 text at byte 11" (read in the locale's encoding)."""
+    import os
+    import subprocess
+    import sys
+
+    build_tokenizer(512).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "héllo wörld, 日本"}, ensure_ascii=False) + "\n", "utf-8")
+    read = (
+        "import sys; from dsv41_convert.verify.prompts import load_prompts; "
+        "p = load_prompts(sys.argv[1], sys.argv[2], 512)[0]; "
+        "print(p.text.encode('unicode_escape').decode(), p.input_ids)"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0", "PYTHONPATH": root}
+    args = [str(tmp_path / "p.jsonl"), str(tmp_path / "tokenizer.json")]
+    ascii_locale = subprocess.run([sys.executable, "-c", read, *args], capture_output=True, text=True, env=env)
+    env.update(LC_ALL="C.UTF-8", PYTHONUTF8="1")
+    utf8 = subprocess.run([sys.executable, "-c", read, *args], capture_output=True, text=True, env=env)
+    assert ascii_locale.returncode == 0 and utf8.returncode == 0, ascii_locale.stderr + utf8.stderr
+    assert ascii_locale.stdout == utf8.stdout and "\\xe9" in utf8.stdout
