@@ -203,8 +203,9 @@ def _config_fits_rank_files(ranks: RankFiles, args: ModelArgs) -> None:
 def verify(
     opts: VerifyOptions, progress: Progress | None = None, shown: Callable[[str], Shown] | None = None
 ) -> VerifyResult | None:
-    """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError for
-    unusable inputs (exit 2); a mismatch, including a shard that does not load, is a failed result.
+    """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError / HeaderError
+    for unusable inputs (exit 2; a rank file whose header does not parse or tile its bytes among them); a
+    mismatch, including a rank file a rank fails to load, is a failed result.
     shown(title): a context giving a progress (progress.Progress) for the manifest and weights checks, which
     read every rank file, and for the prompts rank 0 runs (app/report.byte_progress)."""
     say = progress or (lambda _msg: None)
