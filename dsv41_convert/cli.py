@@ -557,7 +557,7 @@ def reference_logits_cmd(
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.execute import check_output_file
     from dsv41_convert.store.lock import hold, refuse_held
-    from dsv41_convert.store.manifest import remove_stale_temporaries
+    from dsv41_convert.store.manifest import remove_stale_temporaries, temporary_stem
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads
     from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
@@ -608,7 +608,7 @@ def reference_logits_cmd(
     with hold(out.parent) if writes else contextlib.nullcontext():
         check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
         if writes:  # OUT.PID.partial of a run that died while saving (reffile.save's temporary), nothing else
-            remove_stale_temporaries(out.parent, lambda name: name == out.name)
+            remove_stale_temporaries(out.parent, lambda name: name == temporary_stem(out.name))
         if stream_layers:
             from dsv41_convert.verify.streamed import compute_streamed_reference
 

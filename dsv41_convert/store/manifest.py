@@ -46,23 +46,35 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 _TEMPORARY = re.compile(r"(.+)\.\d+\.partial")  # temporary_of's NAME.PID.partial
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs)
+_SUFFIX_ROOM = len(".4194304.partial")  # the longest .PID.partial: Linux's pid_max is at most 2**22
+
+
+def temporary_stem(name: str) -> str:
+    """`name` as its temporary NAME.PID.partial holds it: whole, or cut at a character so that the temporary
+    fits NAME_MAX bytes whatever the PID (a reference file named with 252 bytes was computed, then refused at
+    the save: "...safetensors.27654.partial: File name too long")."""
+    while len(os.fsencode(name)) + _SUFFIX_ROOM > NAME_MAX:
+        name = name[:-1]
+    return name
 
 
 def temporary_of(path: Path) -> Path:
     """This process's temporary for `path` (atomic_write's, the reference file's): NAME.PID.partial beside it,
-    since the processes of a torchrun launch write the same files."""
-    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+    since the processes of a torchrun launch write the same files; NAME is temporary_stem's."""
+    return path.with_name(f"{temporary_stem(path.name)}.{os.getpid()}.partial")
 
 
 def temporary_target(name: str) -> str | None:
-    """NAME when `name` is a temporary NAME.PID.partial (temporary_of's), else None."""
+    """NAME when `name` is a temporary NAME.PID.partial (temporary_of's; NAME is the target's temporary_stem),
+    else None."""
     found = _TEMPORARY.fullmatch(name)
     return found.group(1) if found else None
 
 
 def remove_stale_temporaries(folder: Path, ours: Callable[[str], bool]) -> list[str]:
     """Delete atomic_write's temporaries left by a run that died while writing a small file: in the record
-    folder all of them, in `folder` those whose target `ours` names (anything else of that shape is a
+    folder all of them, in `folder` those whose target's temporary_stem `ours` names (anything else of that shape is a
     user's: `thesis.2024.partial`). A rank file's own NAME.partial is resume state: kept. Only for a writer
     that holds the folder alone (store/lock.py), so none is another writer's. -> the names deleted"""
     gone = []

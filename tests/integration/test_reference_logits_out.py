@@ -4,6 +4,7 @@ the same bytes (the metadata's key order is fixed: store.safetensors_header.sort
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from cli_run import run_cli, run_cli_with_a_signal_in_an_import
 
+from dsv41_convert.store import manifest
 from dsv41_convert.store.lock import LOCK_NAME
 from dsv41_convert.verify import reffile
 
@@ -61,6 +63,23 @@ def test_a_users_file_at_the_old_temporarys_name_is_kept(src, tmp_path, monkeypa
     assert run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--decode-steps", "1")[0] == 0
     assert (tmp_path / "ref.safetensors.partial").read_bytes() == b"precious" and out.stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors", "ref.safetensors.partial"]
+
+
+def test_a_name_near_the_longest_a_folder_takes_is_written(src, tmp_path, monkeypatch, capsys):
+    """A name of 252 bytes (a file name may have 255) was computed, then refused at the save: its temporary
+    NAME.PID.partial was too long ("...safetensors.27654.partial: File name too long", exit 2, after the whole
+    compute). The temporary's name is cut to fit; one of a run that died while saving is still removed."""
+    out = tmp_path / ("r" * 240 + ".safetensors")
+    once = ("reference-logits", str(src), str(out), "--decode-steps", "1")
+    code, _, err = run_cli(monkeypatch, capsys, *once)
+    assert code == 0, err
+    assert len(reffile.load(out, 128).runs) > 0
+    mine = manifest.temporary_of(out).name
+    assert len(mine) <= 255 and str(os.getpid()) in mine
+    stale = tmp_path / mine.replace(f".{os.getpid()}.", ".4242.")
+    stale.write_bytes(b"a run that died while saving")
+    assert run_cli(monkeypatch, capsys, *once, "--overwrite")[0] == 0
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 
 @pytest.mark.parametrize("where", ["ref.safetensors", "new/sub/ref.safetensors"])
