@@ -351,15 +351,26 @@ def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None
 # --- commands: verify, reference-logits, check, demo ---
 
 
-ConvertedArg = Annotated[Path, typer.Argument(help="Folder written by `shard`: rank files, config.json, tokenizer.")]
+ConvertedArg = Annotated[
+    Path, typer.Argument(parser=opts.given_path, help="Folder written by `shard`: rank files, config.json, tokenizer.")
+]
 ReferenceOpt = Annotated[
-    Path | None, typer.Option("--reference", help="Source checkpoint: reference logits at tp 1, computed here.")
+    Path | None,
+    typer.Option(
+        "--reference", parser=opts.given_path, help="Source checkpoint: reference logits at tp 1, computed here."
+    ),
 ]
 ReferenceLogitsOpt = Annotated[
-    Path | None, typer.Option("--reference-logits", help="File written by `reference-logits` (safetensors).")
+    Path | None,
+    typer.Option(
+        "--reference-logits", parser=opts.given_path, help="File written by `reference-logits` (safetensors)."
+    ),
 ]
 PromptsOpt = Annotated[
-    Path | None, typer.Option("--prompts", help='JSONL: {"input_ids": [...]} or {"text": "..."}, optional "image".')
+    Path | None,
+    typer.Option(
+        "--prompts", parser=opts.given_path, help='JSONL: {"input_ids": [...]} or {"text": "..."}, optional "image".'
+    ),
 ]
 VerifyTpOpt = Annotated[
     int | None, typer.Option("--tp", parser=opts.whole_number(1), help="Rank count (default: from the rank files).")
@@ -432,7 +443,7 @@ AsConvertedOpt = Annotated[
     bool,
     typer.Option("--as-converted", help="bf16 source: run the converter's quantized output, so verify can be exact."),
 ]
-DemoDirArg = Annotated[Path, typer.Argument(help="Working folder (created).")]
+DemoDirArg = Annotated[Path, typer.Argument(parser=opts.given_path, help="Working folder (created).")]
 
 
 @app.command("verify")
@@ -502,7 +513,7 @@ def verify_cmd(
 @app.command("reference-logits")
 def reference_logits_cmd(
     src: opts.LocalSrcArg,
-    out: Annotated[Path, typer.Argument(help="Output .safetensors file.")],
+    out: Annotated[Path, typer.Argument(parser=opts.given_path, help="Output .safetensors file.")],
     prompts: PromptsOpt = None,
     device: opts.DeviceOpt = "cpu",
     tp: RefTpOpt = 1,
@@ -748,7 +759,9 @@ def demo_cmd(
 
 RepoIdArg = Annotated[str, typer.Argument(help="Hub repo id: owner/name.")]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit (default: main).")]
-LocalDirOpt = Annotated[Path | None, typer.Option("--local-dir", help="Put the files here, not in the HF cache.")]
+LocalDirOpt = Annotated[
+    Path | None, typer.Option("--local-dir", parser=opts.given_path, help="Put the files here, not in the HF cache.")
+]
 IncludeOpt = Annotated[list[str] | None, typer.Option("--include", help="Only files matching this glob; repeatable.")]
 ExcludeOpt = Annotated[list[str] | None, typer.Option("--exclude", help="Skip files matching this glob; repeatable.")]
 WorkersOpt = Annotated[

@@ -44,18 +44,31 @@ def finite_number(least: float, most: float | None = None) -> Callable[[str], fl
     return parse
 
 
+def given_path(value: str | Path) -> Path:
+    """The parser of a path argument or option: the path as given, unless it is empty. An empty one ("$OUT" of
+    a variable left unset) was the current folder: shard, export, make-tiny and demo wrote into it, download
+    --local-dir fetched a checkpoint into it, plan and check read it, all without a word."""
+    if str(value) == "":
+        raise typer.BadParameter("'': an empty path; give the path (. for the current folder)")
+    return Path(value)
+
+
 SrcArg = Annotated[
     Path,
-    typer.Argument(help=r"Source checkpoint folder (config.json, index, shards) or Hub repo id owner/name\[@rev]."),
+    typer.Argument(
+        parser=given_path,
+        help=r"Source checkpoint folder (config.json, index, shards) or Hub repo id owner/name\[@rev].",
+    ),
 ]
 LocalSrcArg = Annotated[
     Path,
     typer.Argument(
+        parser=given_path,
         help="Checkpoint folder: Hugging Face format (config.json, index, shards), or rank files (model{r}-mp{N}, "
-        "with --stream-layers)."
+        "with --stream-layers).",
     ),
 ]
-OutArg = Annotated[Path, typer.Argument(help="Output folder.")]
+OutArg = Annotated[Path, typer.Argument(parser=given_path, help="Output folder.")]
 TpOpt = Annotated[int, typer.Option("--tp", parser=whole_number(1), help="Number of tensor-parallel ranks.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 OverwriteOpt = Annotated[

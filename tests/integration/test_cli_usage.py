@@ -50,6 +50,13 @@ USAGE_ERRORS = {
     "a bound that passes anything": (["verify", "a", "--max-kl-mean", "inf"], "'inf': expected a finite number"),
     "a bound past its range": (["verify", "a", "--min-cos", "1.5"], "'1.5': expected a finite number >= -1 and <= 1"),
     "an option the mode ignores": (["download", "a/b", "--verify-only", "--overwrite"], "drop --overwrite"),
+    # "$OUT" of an unset variable: an empty path was the current folder, written into without a word (an audit)
+    "an empty output folder": (["shard", "a", ""], "'': an empty path"),
+    "an empty folder to make": (["make-tiny", ""], "'': an empty path"),
+    "an empty demo folder": (["demo", ""], "'': an empty path"),
+    "an empty source": (["plan", ""], "'': an empty path"),
+    "an empty --local-dir": (["download", "a/b", "--local-dir", "", "--verify-only"], "'': an empty path"),
+    "an empty reference file": (["verify", "a", "--reference-logits", ""], "'': an empty path"),
 }
 
 
