@@ -45,11 +45,20 @@ def finite_number(least: float, most: float | None = None) -> Callable[[str], fl
 
 
 def given_path(value: str | Path) -> Path:
-    """The parser of a path argument or option: the path as given, unless it is empty. An empty one ("$OUT" of
-    a variable left unset) was the current folder: shard, export, make-tiny and demo wrote into it, download
-    --local-dir fetched a checkpoint into it, plan and check read it, all without a word."""
-    if str(value) == "":
+    """The parser of a path argument or option: the path as given, unless it is empty, or begins with a ~ the
+    shell left as it is. An empty one ("$OUT" of a variable left unset) was the current folder: shard, export,
+    make-tiny and demo wrote into it, download --local-dir fetched a checkpoint into it, plan and check read it,
+    all without a word. A shell expands ~ at a word's start only: `--local-dir=~/v41` fetched the checkpoint
+    into a folder named ~ under the current one. Such a path is taken where its first name exists here."""
+    text = str(value)
+    if text == "":
         raise typer.BadParameter("'': an empty path; give the path (. for the current folder)")
+    first = text.split("/", 1)[0]
+    if first.startswith("~") and not (Path(first).exists() or Path(first).is_symlink()):
+        raise typer.BadParameter(
+            f"{text!r}: ~ is not expanded here (a shell expands it unquoted at a word's start, not in quotes or "
+            f"after --option=): give the path itself (--option ~/x, $HOME/x), or ./{text} for a folder named {first}"
+        )
     return Path(value)
 
 

@@ -574,3 +574,17 @@ def test_verify_only_with_huggingface_hub_metadata_still_needs_a_whole_folder(hu
     ]
     assert "whole checkpoint" in verdict.checks
     assert "not checked: whether files besides config.json and the weights are missing" in verdict.checks
+
+
+def test_a_local_dir_the_shell_left_unexpanded_is_refused_before_any_byte(hub, tmp_path, monkeypatch):
+    """`--local-dir=~/models/tiny`: a shell expands ~ at a word's start only, not after `=`, and the checkpoint
+    went into a folder named `~` under the current one (for V4.1-Flash, 510 GB beside the user's files, where
+    `rm -rf ~` then takes their home). Refused as a usage error naming the path; nothing is made."""
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    said = CliRunner().invoke(app, ["download", REPO, "--local-dir=~/models/tiny"])
+    assert said.exit_code == 2 and "'~/models/tiny': ~ is not expanded here" in said.output, said.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    (tmp_path / "~").mkdir()  # a folder of that name, as given: the path is taken
+    assert CliRunner().invoke(app, ["download", REPO, "--local-dir=~/t"]).exit_code == 0
+    assert (tmp_path / "~" / "t" / "config.json").is_file()
