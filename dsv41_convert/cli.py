@@ -568,6 +568,7 @@ def reference_logits_cmd(
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.execute import check_output_file
     from dsv41_convert.store.lock import hold, refuse_held
+    from dsv41_convert.store.made_folder import made_folder
     from dsv41_convert.store.manifest import remove_stale_temporaries, temporary_stem
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads
@@ -613,10 +614,15 @@ def reference_logits_cmd(
             f"{out.parent} holds a manifest.json (a converted folder?): `check` will name {out.name} as a file it "
             "does not list (verify with this reference ignores it there)"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not writes:
+        out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start, so a second writer is refused before minutes
-    # of compute, and torchrun's ranks do not contend
-    with hold(out.parent) if writes else contextlib.nullcontext():
+    # of compute, and torchrun's ranks do not contend; the folders it made for OUT go again where nothing is
+    # saved (Ctrl-C, non-finite outputs, a full disk: they stayed, empty)
+    with (
+        made_folder(out.parent) if writes else contextlib.nullcontext(),
+        hold(out.parent) if writes else contextlib.nullcontext(),
+    ):
         check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
         if writes:  # OUT.PID.partial of a run that died while saving (reffile.save's temporary), nothing else
             remove_stale_temporaries(out.parent, lambda name: name == temporary_stem(out.name))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from cli_run import run_cli, run_cli_with_a_signal_in_an_import
 
+from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store import manifest
-from dsv41_convert.store.lock import LOCK_NAME
 from dsv41_convert.verify import reffile
 
 
@@ -82,6 +82,26 @@ def test_a_name_near_the_longest_a_folder_takes_is_written(src, tmp_path, monkey
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, VerifyInputError])
+def test_a_run_that_saves_nothing_leaves_no_folder_it_made(src, tmp_path, monkeypatch, capsys, stop):
+    """README: an output folder a run made, and the folders it made above it, left empty by a run stopped
+    before its first byte, is removed again. reference-logits into new/sub/ref.safetensors, stopped in the
+    compute (Ctrl-C; an input error such as non-finite outputs, "nothing written"), left new/sub/ behind."""
+
+    def compute_stops(*_args, **_kwargs):
+        raise stop("stopped in the compute")
+
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", compute_stops)
+    out = tmp_path / "new" / "sub" / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out))
+    assert code == (130 if stop is KeyboardInterrupt else 2), err
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()  # a folder that was there stays, and so does the lock's absence
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(tmp_path / "kept" / "r.st"))
+    assert code in (2, 130) and [p.name for p in tmp_path.iterdir()] == ["kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
 @pytest.mark.parametrize("where", ["ref.safetensors", "new/sub/ref.safetensors"])
 def test_out_inside_the_source_is_refused_and_nothing_is_created(src, where, monkeypatch, capsys):
     before = _listing(src)
@@ -125,7 +145,7 @@ def test_out_under_a_file_is_refused_naming_the_file(src, tmp_path, monkeypatch,
 def test_a_disk_that_fails_at_the_fsync_or_the_rename_leaves_nothing(src, tmp_path, monkeypatch, capsys, fails):
     """ENOSPC and EIO that a file system reports only at the fsync (ext4's delayed allocation, NFS) or at the
     rename: `error: Input/output error` without a path, and OUT.PID.partial left (an audit). Now OUT is named
-    and nothing is left."""
+    and nothing is left, nor the folder made for it."""
     import errno
     import os
 
@@ -146,7 +166,7 @@ def test_a_disk_that_fails_at_the_fsync_or_the_rename_leaves_nothing(src, tmp_pa
     monkeypatch.setattr(os, "replace", replace)
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--decode-steps", "0")
     assert code == 2 and f"{out}: cannot write the reference file (Input/output error); nothing written" in err, err
-    assert [p.name for p in out.parent.iterdir() if p.name != LOCK_NAME] == []
+    assert not out.parent.exists()  # the folder the run made for OUT went with the rest
 
 
 def test_an_image_that_is_no_image_is_named_by_file_and_line(src, tmp_path, monkeypatch, capsys):
