@@ -3,10 +3,12 @@ and a number that overflows to infinity is no finite bound."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import typer
 
-from dsv41_convert.app.options import finite_number, parse_workers, whole_number
+from dsv41_convert.app.options import finite_number, given_path, parse_workers, whole_number
 from dsv41_convert.store.machine import MAX_THREADS
 
 
@@ -39,3 +41,15 @@ def test_workers_is_auto_or_a_count_of_at_least_one():
     for value in ("0", "Auto", "-2", "two"):
         with pytest.raises(typer.BadParameter, match="expected a number >= 1 in the digits 0-9 or auto"):
             parse_workers(value)
+
+
+def test_a_path_is_taken_as_given_but_empty_or_with_an_unexpanded_tilde(tmp_path, monkeypatch):
+    """given_path: "" (a variable left unset) was the current folder; `~/x` after `--option=` a folder named ~."""
+    monkeypatch.chdir(tmp_path)
+    assert given_path("a/b") == Path("a/b") and given_path(".") == Path(".")
+    with pytest.raises(typer.BadParameter, match="an empty path"):
+        given_path("")
+    with pytest.raises(typer.BadParameter, match="~ is not expanded here"):
+        given_path("~/models")
+    (tmp_path / "~").mkdir()
+    assert given_path("~/models") == Path("~/models")  # a folder of that name is there: taken
