@@ -13,6 +13,7 @@ LAYERS = [
     "errors",
     "numbers",
     "file_kinds",
+    "strict_json",
     "config",
     "engram_tokens",
     "progress",
