@@ -593,6 +593,11 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
     for key in NON_NEGATIVE:
         if key in values and values[key] < 0:
             raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected 0 or more")
+    if values.get("n_shared_experts", 1) != 1:  # model/moe.py builds one shared expert per MoE, as upstream's asserts
+        raise ConfigError(
+            f"{source}: {name('n_shared_experts')} = {values['n_shared_experts']!r}, this model supports only 1 (one "
+            "shared expert per MoE layer, moe_intermediate_size wide)"
+        )
     if "score_func" in values and values["score_func"] not in SCORE_FUNCS:
         raise ConfigError(f"{source}: {name('score_func')} = {values['score_func']!r}, expected one of {SCORE_FUNCS}")
     if values.get("hc_sinkhorn_iters", 1) < 1:

@@ -389,6 +389,9 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("engram_layer_ids", [-1], r"engram_layer_ids \[-1\]: \[-1\] not a backbone layer"),
         # zeros that crashed plan or the model with a ZeroDivisionError traceback (an audit)
         ("n_shared_experts", 0, "text_config.n_shared_experts = 0, expected a positive number"),
+        # plan and shard took 2 (the catalogue sized one shared expert twice as wide), then reference-logits and
+        # verify ended in a ValueError traceback from the model's MoE: the model has exactly one shared expert
+        ("n_shared_experts", 2, r"text_config.n_shared_experts = 2, this model supports only 1 \(one shared expert"),
         ("engram_n_heads", 0, r"engram_n_heads = 0, expected a positive number \(text_config.engram_layer_ids"),
         ("engram_max_ngram_size", 1, "engram_max_ngram_size = 1, expected 2 or more"),
         ("dspark_markov_rank", 0, "dspark_markov_rank = 0, expected a positive number"),
