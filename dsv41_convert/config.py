@@ -370,6 +370,19 @@ class ModelArgs:
                 raise ConfigError(
                     f"{source}: index source layer {layer} must be a backbone layer with compress_ratio > 0"
                 )
+        # a compressed layer reads the compressed KV and the chosen rows the last kv / index source at or before it
+        # published (model/attention.py): with none there reference-logits and verify died in a TypeError traceback
+        for key, sources in (
+            ("kv_source_layer_ids", self.kv_source_layers),
+            ("index_source_layer_ids", self.index_source_layers),
+        ):
+            first = min(sources, default=self.n_layers)
+            reader = next((i for i in range(first) if self.compress_ratios[i]), None)
+            if reader is not None:
+                raise ConfigError(
+                    f"{source}: layer {reader} has compress_ratio {self.compress_ratios[reader]} but no {key} layer "
+                    f"at or before it ({list(sources)}): a compressed layer reads what the last one before it wrote"
+                )
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
         if self.dtype not in ("fp8", "bf16"):

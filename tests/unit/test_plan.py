@@ -402,6 +402,10 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         # values that loaded, then crashed verify and reference-logits (or plan itself) with a traceback, or
         # came back out as NaN/Infinity in the rank files' config.json (an audit)
         ("dspark_target_layer_ids", [], "text_config.dspark_target_layer_ids is empty"),
+        # a compressed layer reads the compressed KV and the chosen rows of the last kv / index source layer at or
+        # before it: none there ended reference-logits and verify in a TypeError traceback ('NoneType' object ...)
+        ("kv_source_layer_ids", [2], r"layer 1 has compress_ratio 2 but no kv_source_layer_ids layer at or before"),
+        ("index_source_layer_ids", [2], r"layer 1 has compress_ratio 2 but no index_source_layer_ids layer at or"),
         ("scoring_func", "banana", r"text_config.scoring_func = 'banana', expected one of \('softmax'"),
         ("dspark_noise_token_id", 100000, r"dspark_noise_token_id = 100000, not a token id \(0..255"),
         ("dspark_noise_token_id", -5, "dspark_noise_token_id = -5, not a token id"),
