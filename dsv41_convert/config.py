@@ -415,6 +415,11 @@ class ModelArgs:
                 raise ConfigError(
                     f"{source}: {key} {list(layers)}: {outside} not a backbone layer (0..{self.n_layers - 1})"
                 )
+            # each is one module or one capture: a repeat gave two Engram tables one name, or a main_proj wider
+            # than the captures it multiplies (fp8_gemm's "differ in K" traceback in reference-logits and verify)
+            repeated = sorted({i for i in layers if layers.count(i) > 1})
+            if repeated:
+                raise ConfigError(f"{source}: {key} {list(layers)}: {repeated} given more than once")
 
 
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(ModelArgs)}  # field -> its annotation

@@ -387,6 +387,9 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("qk_rope_head_dim", 7, "qk_rope_head_dim 7 must be even"),
         ("dspark_target_layer_ids", [1, 60], r"dspark_target_layer_ids \[1, 60\]: \[60\] not a backbone layer"),
         ("engram_layer_ids", [-1], r"engram_layer_ids \[-1\]: \[-1\] not a backbone layer"),
+        # main_proj is len(targets) x dim wide, but the model captures each layer once: a repeated target ended
+        # reference-logits and verify in a ValueError traceback from fp8_gemm ("differ in K")
+        ("dspark_target_layer_ids", [2, 2], r"dspark_target_layer_ids \[2, 2\]: \[2\] given more than once"),
         # zeros that crashed plan or the model with a ZeroDivisionError traceback (an audit)
         ("n_shared_experts", 0, "text_config.n_shared_experts = 0, expected a positive number"),
         # plan and shard took 2 (the catalogue sized one shared expert twice as wide), then reference-logits and
