@@ -362,6 +362,12 @@ class ModelArgs:
             )
         if any(r not in (0, 1, 2, 4) for r in self.compress_ratios):
             raise ConfigError(f"{source}: compress_ratios {self.compress_ratios} holds unsupported ratios")
+        stages = list(self.compress_ratios[self.n_layers :])
+        if any(stages):  # model/mtp.py: the DSpark stages attend over the window only
+            raise ConfigError(
+                f"{source}: compress_ratios {list(self.compress_ratios)}: the DSpark stages' entries {stages} (after "
+                f"the {self.n_layers} backbone layers) must be 0; the stages attend over the window only"
+            )
         for layer in self.kv_source_layers:
             if not 0 <= layer < self.n_layers or self.compress_ratios[layer] == 0:
                 raise ConfigError(f"{source}: kv source layer {layer} must be a backbone layer with compress_ratio > 0")

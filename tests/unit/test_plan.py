@@ -405,6 +405,9 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         # values that loaded, then crashed verify and reference-logits (or plan itself) with a traceback, or
         # came back out as NaN/Infinity in the rank files' config.json (an audit)
         ("dspark_target_layer_ids", [], "text_config.dspark_target_layer_ids is empty"),
+        # the DSpark stages attend over the window only: a ratio above 0 there ended reference-logits and verify in a
+        # bare AssertionError traceback from the stage's forward
+        ("compress_ratios", [0, 2, 1, 1, 0], r"compress_ratios \[0, 2, 1, 1, 0\]: the DSpark stages' entries \[1, 0\]"),
         # a compressed layer reads the compressed KV and the chosen rows of the last kv / index source layer at or
         # before it: none there ended reference-logits and verify in a TypeError traceback ('NoneType' object ...)
         ("kv_source_layer_ids", [2], r"layer 1 has compress_ratio 2 but no kv_source_layer_ids layer at or before"),
