@@ -389,6 +389,13 @@ class ModelArgs:
                     f"{source}: layer {reader} has compress_ratio {self.compress_ratios[reader]} but no {key} layer "
                     f"at or before it ({list(sources)}): a compressed layer reads what the last one before it wrote"
                 )
+        # only an indexer publishes candidate blocks; every index layer after candidate_source_layer reads them
+        readers = [i for i in self.index_source_layers if 0 <= self.candidate_source_layer < i]
+        if readers and self.candidate_source_layer not in self.index_source_layers:
+            raise ConfigError(
+                f"{source}: candidate_source_layer_id = {self.candidate_source_layer} is no index_source_layer_ids "
+                f"layer, yet the index layers {readers} after it read its candidate blocks"
+            )
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
         if self.dtype not in ("fp8", "bf16"):

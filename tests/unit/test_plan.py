@@ -400,6 +400,9 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("dspark_markov_rank", 0, "dspark_markov_rank = 0, expected a positive number"),
         ("candidate_block_size", 0, r"candidate_block_size = 0, expected a positive number \(a candidate source"),
         ("candidate_source_layer_id", 99, "candidate_source_layer_id = 99: not a backbone layer"),
+        # only an indexer publishes candidate blocks; the index layers after a layer without one read None (a
+        # TypeError traceback in reference-logits and verify)
+        ("candidate_source_layer_id", 0, r"candidate_source_layer_id = 0 is no index_source_layer_ids layer, yet"),
         ("vision_config.hidden_size", 0, "vision_config.hidden_size = 0, expected a positive number"),
         ("vision_config.num_attention_heads", 0, "vision_config.num_attention_heads = 0, expected a positive"),
         # values that loaded, then crashed verify and reference-logits (or plan itself) with a traceback, or
