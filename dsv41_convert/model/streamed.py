@@ -155,7 +155,10 @@ class _Runner:
         self.buffers: dict[tuple[str, int], dict[str, Tensor]] = {}  # (unit, prompt) -> its caches between passes
         self.layout = None
         self.engram_ids: dict[int, Tensor] = {}
-        self.drafts = args.dspark_block_size > 0 and any(len(p.decode_ids) > 1 for p in prompts)
+        # no drafts without stages, whatever dspark_block_size says (as verify.runner.draft_block): a model without
+        # DSpark stages was refused, "the model wants mtp.-1.norm.weight"
+        has_stages = args.n_mtp_layers > 0 and args.dspark_block_size > 0
+        self.drafts = has_stages and any(len(p.decode_ids) > 1 for p in prompts)
         self.logits: list[dict[str, list[Tensor]]] = [{"dec": [], "draft": [], "conf": []} for _ in prompts]
         if args.engram_layer_ids:
             self._hash(tokenizer)

@@ -60,6 +60,26 @@ def test_streamed_equals_whole_model_bit_for_bit(sources, dtype):
     assert_bit_identical(ref.runs, whole)
 
 
+def test_streamed_model_without_dspark_stages_equals_whole_model(tmp_path):
+    """A variant without DSpark stages (num_nextn_predict_layers 0, dspark_block_size still set) streams without
+    drafts: it was refused, 'the model wants mtp.-1.norm.weight, which the source does not provide'."""
+    import dataclasses
+
+    from dsv41_convert.synth.write import write_checkpoint
+
+    preset = dataclasses.replace(
+        TINY, name="no-mtp", n_mtp_layers=0, compress_ratios=TINY.compress_ratios[:6], dspark_target_layer_ids=()
+    )
+    src = tmp_path / "no-mtp"
+    write_checkpoint(src, preset, quantized=True, vision=False)
+    prompts = default_prompts(TINY.vocab_size, count=1)
+    ref, timings = compute_streamed_reference(src, prompts, 2)
+    assert [t.unit for t in timings] == ["embed", *(f"layers.{i}" for i in range(6)), "head"]
+    assert ref.runs[0].draft_logits is None
+    whole = whole_model_runs(src, prompts, 2, [r.decode_ids for r in ref.runs])
+    assert_bit_identical(ref.runs, whole)
+
+
 @pytest.mark.slow
 def test_streamed_image_prompt_bit_for_bit(sources, tmp_path):
     from PIL import Image
