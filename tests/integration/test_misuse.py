@@ -237,6 +237,9 @@ def test_an_output_the_system_refuses_is_an_error_not_a_traceback(src, tmp_path,
     ):
         code, _, err = run_cli(monkeypatch, capsys, *command)
         assert_clean_error(code, err, str(tmp_path / "a_file"), "Not a directory")
+    # the system's own refusal, from the first look at OUT (an OSError, not one of our checks)
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / ("x" * 300)))
+    assert_clean_error(code, err, "File name too long")
 
 
 @pytest.mark.parametrize("repo", ["a/b/c", "../x"])
