@@ -11,13 +11,22 @@ class RepeatedKey(ValueError):
     """A key given twice in one JSON object: args[0] is the key."""
 
 
+def first_repeated(pairs: list[tuple[str, Any]]) -> str | None:
+    """The first key that `pairs` (one JSON object's, in order) gives a second time, or None."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
 def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json's object_pairs_hook: the object as a dict, or RepeatedKey naming a key it gives twice."""
-    data = dict(pairs)
-    if len(data) != len(pairs):
-        seen: set[str] = set()
-        raise RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return data
+    key = first_repeated(pairs)
+    if key is not None:
+        raise RepeatedKey(key)
+    return dict(pairs)
 
 
 def loads(text: str | bytes) -> Any:

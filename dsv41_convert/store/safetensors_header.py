@@ -24,6 +24,7 @@ from typing import Any
 
 from dsv41_convert.errors import NOT_JSON, HeaderError
 from dsv41_convert.store.rank_names import RANK_FILE
+from dsv41_convert.strict_json import first_repeated
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers too
 U64_MAX = 2**64 - 1  # safetensors reads each dimension as an unsigned 64-bit int and refuses a larger one
@@ -89,9 +90,8 @@ def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json's object_pairs_hook: a dict, or a _Repeats naming the first key given twice in it, or in an object
     inside it (as "'dtype' of tensor 't'"); read_header refuses a header whose top object is a _Repeats."""
     data = dict(pairs)
-    if len(data) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+    key = first_repeated(pairs)
+    if key is not None:
         return _repeats(data, _top_key(key))
     for key, value in pairs:
         if isinstance(value, _Repeats):
