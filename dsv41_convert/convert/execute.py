@@ -62,7 +62,10 @@ from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import (
     DONE_DIR,
     FRAGMENT_GLOB,
+    HF_CONFIG,
     MANIFEST,
+    SIDE_FILES,
+    SIDECARS,
     atomic_write,
     done_path,
     finished,
@@ -75,8 +78,6 @@ from dsv41_convert.store.manifest import (
 )
 from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import (
-    HF_CONFIG,
-    SIDECARS,
     forget_stale,
     import_fragments,
     read_fragments,
@@ -85,8 +86,6 @@ from dsv41_convert.store.manifest_merge import (
 from dsv41_convert.store.plan_claims import claimed, live_claims
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps, stamps_digest
-
-COMMON_FILES = (*SIDECARS, "config.json", HF_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -267,7 +266,7 @@ def _no_other_conversion(
         and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
     )
     if not _a_run_of_ours_was_here(out):  # what has our names is not ours
-        ours_by_name = (*mine, *COMMON_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
+        ours_by_name = (*mine, *SIDE_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
         _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
     else:  # a file at one of this plan's names that no record of ours names is not ours either (an audit: a
         # user's file at a shard's name, after a killed run, was written over by --resume); one of exactly the
@@ -376,7 +375,7 @@ def shard_writes(name: str) -> bool:
 def _common_output(name: str) -> bool:
     """Written by every share of a conversion into one folder (atomic_write's temporaries included)."""
     name = temporary_target(name) or name
-    return name in (DONE_DIR, MANIFEST, *COMMON_FILES) or fnmatch(name, FRAGMENT_GLOB)
+    return name in (DONE_DIR, MANIFEST, *SIDE_FILES) or fnmatch(name, FRAGMENT_GLOB)
 
 
 def select_files(plan: ConversionPlan, ranks: list[int] | None, env: dict[str, str] | None = None) -> list[RankFile]:

@@ -20,7 +20,7 @@ from dsv41_convert.engram_tokens import load_token_map, pad_compressed_id
 from dsv41_convert.errors import NOT_JSON, PlanError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
-from dsv41_convert.store.manifest_merge import SIDECARS
+from dsv41_convert.store.manifest import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
 from dsv41_convert.store.safetensors_header import read_header
 

@@ -26,6 +26,10 @@ DONE_DIR = ".dsv41-convert"
 MANIFEST = "manifest.json"
 FRAGMENT_GLOB = "manifest-fragment-*.json"  # what a share of the ranks leaves instead (manifest_merge.py)
 FORMAT = "dsv41-convert manifest v1"
+SIDECARS = ("tokenizer.json", "tokenizer_config.json")
+HF_CONFIG = "hf_config.json"  # the source's HF config.json, as shard copies it beside the rank files
+REQUIRED_SIDECARS = ("config.json", HF_CONFIG)  # beside every shard conversion's rank files
+SIDE_FILES = (*REQUIRED_SIDECARS, *SIDECARS)
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -18,7 +18,8 @@ from dsv41_convert.errors import NOT_JSON, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
-from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST
+from dsv41_convert.store.index import INDEX_NAME
+from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST, REQUIRED_SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 
@@ -176,15 +177,23 @@ def others(folder: Path, manifest: dict[str, Any], besides: frozenset[str] = fro
 def unlisted(
     folder: Path, manifest: dict[str, Any], checked_tp: int | None = None, besides: frozenset[str] = frozenset()
 ) -> list[str]:
-    """What the manifest should list and does not: a rank file of its own tp (a shard manifest), and any
-    .safetensors file in the folder (another conversion's, or one copied in): verify would load or ask about
-    it, so a folder holding it is not the conversion the manifest describes. checked_tp: rank files of
-    another tp are left out (a verify run picked that tp's set), and so are the files named `besides`."""
+    """What the manifest should list and does not: a rank file of its own tp and the configs beside them (a shard
+    manifest), an export's config.json and index, and any .safetensors file in the folder (another
+    conversion's, or one copied in): verify would load or ask about it, so a folder holding it is not the
+    conversion the manifest describes. checked_tp: rank files of another tp are left out (a verify run picked
+    that tp's set), and so are the files named `besides`."""
     files = manifest["files"]
     tp = recorded_tp(manifest)
     problems = []
     if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0:
         problems += _missing_ranks(folder, files, tp)
+    problems += [
+        f"{name}: {kind} writes it, not listed in {MANIFEST}"
+        + ("" if (folder / name).exists() else " nor in the folder")
+        for kind, names in _written_by(manifest, tp)
+        for name in names
+        if name not in files
+    ]
     problems += [
         f"{p.name}: in the folder but not in {MANIFEST} (another conversion's file?)"
         for p in sorted(folder.glob("*.safetensors"))
@@ -194,6 +203,17 @@ def unlisted(
         and not (checked_tp and (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) != checked_tp)
     ]
     return problems
+
+
+def _written_by(manifest: dict[str, Any], tp: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """(which run, the files besides its weights that it always writes) for a shard or export manifest: a
+    manifest edited to drop config.json let `check` pass a config.json changed after the run (an audit)."""
+    if tp is not None:
+        return [("a shard conversion", REQUIRED_SIDECARS)]
+    options = manifest.get("options")
+    if isinstance(options, dict) and isinstance(options.get("format"), str):
+        return [("an export", ("config.json", INDEX_NAME))]
+    return []
 
 
 def recorded_tp(manifest: dict[str, Any]) -> Any:

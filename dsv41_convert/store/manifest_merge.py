@@ -51,6 +51,9 @@ from dsv41_convert.store.manifest import (
     DONE_DIR,
     FRAGMENT_GLOB,
     MANIFEST,
+    REQUIRED_SIDECARS,
+    SIDE_FILES,
+    SIDECARS,
     atomic_write,
     fsync_path,
     read_done,
@@ -64,10 +67,6 @@ from dsv41_convert.store.manifest_check import is_record as _is_record
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
-SIDECARS = ("tokenizer.json", "tokenizer_config.json")
-HF_CONFIG = "hf_config.json"  # the source's HF config.json, as shard copies it beside the rank files
-REQUIRED_SIDECARS = ("config.json", HF_CONFIG)
-SIDE_FILES = (*REQUIRED_SIDECARS, *SIDECARS)
 COPY_IT = "; copy it from the machine that wrote it"
 
 

@@ -34,8 +34,8 @@ from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.file_digest import SHA256_HEX, sampled_sha256, sha256_file
+from dsv41_convert.store.manifest import HF_CONFIG, SIDECARS
 from dsv41_convert.store.manifest_check import our_manifest
-from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.verify import weight_digests
 

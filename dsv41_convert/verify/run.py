@@ -33,9 +33,8 @@ from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, 
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.lock import refuse_held
-from dsv41_convert.store.manifest import MANIFEST
+from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
-from dsv41_convert.store.manifest_merge import HF_CONFIG, SIDECARS
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
 from dsv41_convert.verify.fits import require_prompts_fit

@@ -88,9 +88,14 @@ def test_atomic_write_names_its_file_when_the_disk_is_full(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+CONFIGS = {"config.json": b"{}", "hf_config.json": b"{ }"}  # beside the rank files of every shard conversion
+
+
 def _manifest_folder(folder: Path, files: dict[str, bytes], tp: int | None = None) -> None:
-    """`files` written, and a manifest.json recording each one's size and sha256, written here by hand."""
+    """`files` written, and a manifest.json recording each one's size and sha256, written here by hand; with a tp
+    (a shard conversion's manifest), CONFIGS too where `files` does not give them."""
     folder.mkdir()
+    files = CONFIGS | files if tp else files
     for name, data in files.items():
         (folder / name).write_bytes(data)
     records = {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}
@@ -100,6 +105,7 @@ def _manifest_folder(folder: Path, files: dict[str, bytes], tp: int | None = Non
 
 FILES = {
     "config.json": b"{}",
+    "hf_config.json": b"{ }",
     "model0-mp2.safetensors": b"a" * 100,
     "model1-mp2.safetensors": b"b" * 100,
     "tokenizer.json": b"{ }",
@@ -134,6 +140,32 @@ def test_check_names_a_rank_file_its_manifest_leaves_out(tmp_path, rank):
     (tmp_path / "out" / gone).unlink()
     result = check_folder(tmp_path / "out")
     assert not result.ok and [p for p in result.problems if p.startswith(f"{gone}:")], result.problems
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "gone"),
+    [("shard", {"tp": 2}, n) for n in CONFIGS]
+    + [("export", {"format": "bf16"}, n) for n in ("config.json", "model.safetensors.index.json")],
+)
+def test_check_names_a_config_its_manifest_leaves_out(tmp_path, kind, options, gone):
+    """A shard manifest edited to drop config.json or hf_config.json, or an export's to drop config.json or its
+    index, fails the check naming the file, there or not: such a manifest passed `check` (exit 0, a warning)
+    with the config changed after the run, which verify and a loader then read."""
+    files = {"model0-mp2.safetensors": b"a", "model1-mp2.safetensors": b"b", "model.safetensors.index.json": b"{}"}
+    _manifest_folder(tmp_path / "out", CONFIGS | files)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest["options"] = options
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    assert check_folder(tmp_path / "out").ok
+    del manifest["files"][gone]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "out" / gone).write_text('{"norm_eps": 0.5}')
+    problems = check_folder(tmp_path / "out").problems
+    assert problems == [
+        f"{gone}: {'a shard conversion' if kind == 'shard' else 'an export'} writes it, not listed in manifest.json"
+    ]
+    (tmp_path / "out" / gone).unlink()
+    assert check_folder(tmp_path / "out").problems == [problems[0] + " nor in the folder"]
 
 
 def test_check_names_the_rank_file_of_a_tp_1_manifest(tmp_path):
@@ -182,7 +214,7 @@ def test_a_complete_manifest_of_many_ranks_passes_and_one_missing_many_is_one_li
     files fails with that single line, naming the count 2."""
     _manifest_folder(tmp_path / "a", {f"model{r}-mp32.safetensors": bytes([r]) for r in range(32)}, tp=32)
     result = check_folder(tmp_path / "a")
-    assert result.ok and len(result.checked) == 32, result.problems
+    assert result.ok and len(result.checked) == 32 + len(CONFIGS), result.problems
     _manifest_folder(tmp_path / "b", {f"model{r}-mp40.safetensors": bytes([r]) for r in range(2)}, tp=40)
     problems = check_folder(tmp_path / "b").problems
     assert problems == [
