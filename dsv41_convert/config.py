@@ -389,6 +389,14 @@ class ModelArgs:
                     f"{source}: layer {reader} has compress_ratio {self.compress_ratios[reader]} but no {key} layer "
                     f"at or before it ({list(sources)}): a compressed layer reads what the last one before it wrote"
                 )
+            # and reads it at its own ratio: another ratio there ran, its positions read at the wrong ratio (an audit)
+            for i, ratio in enumerate(self.compress_ratios[: self.n_layers]):
+                owner = max((s for s in sources if s <= i), default=None)
+                if ratio and owner is not None and self.compress_ratios[owner] != ratio:
+                    raise ConfigError(
+                        f"{source}: layer {i} has compress_ratio {ratio} but reads what {key} layer {owner} wrote "
+                        f"at compress_ratio {self.compress_ratios[owner]}: a layer and its source share one ratio"
+                    )
         # only an indexer publishes candidate blocks; every index layer after candidate_source_layer reads them
         readers = [i for i in self.index_source_layers if 0 <= self.candidate_source_layer < i]
         if readers and self.candidate_source_layer not in self.index_source_layers:

@@ -415,6 +415,9 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         # before it: none there ended reference-logits and verify in a TypeError traceback ('NoneType' object ...)
         ("kv_source_layer_ids", [2], r"layer 1 has compress_ratio 2 but no kv_source_layer_ids layer at or before"),
         ("index_source_layer_ids", [2], r"layer 1 has compress_ratio 2 but no index_source_layer_ids layer at or"),
+        # and reads it at its own ratio: a source of another ratio ran, reading positions at the wrong ratio
+        ("kv_source_layer_ids", [1], r"layer 2 has compress_ratio 1 but reads what kv_source_layer_ids layer 1 wrote"),
+        ("index_source_layer_ids", [1], r"layer 2 has compress_ratio 1 but reads what index_source_layer_ids layer 1"),
         ("scoring_func", "banana", r"text_config.scoring_func = 'banana', expected one of \('softmax'"),
         ("dspark_noise_token_id", 100000, r"dspark_noise_token_id = 100000, not a token id \(0..255"),
         ("dspark_noise_token_id", -5, "dspark_noise_token_id = -5, not a token id"),
