@@ -6,6 +6,12 @@ Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m dsv41_convert.cli` (torchrun's form): loaded as the console script loads it
+    from dsv41_convert.console import entry as _console_entry
+
+    _console_entry()
+    raise SystemExit
+
 import atexit
 import contextlib
 import functools
@@ -1326,7 +1332,3 @@ def _late_signals_exit_at_once() -> None:
 def _exit_now(code: int, what: str, signum, frame) -> NoReturn:
     os.write(2, f"error: {torchrun.by_rank(what)} while the process ended, after its result\n".encode())
     os._exit(code)
-
-
-if __name__ == "__main__":
-    entry()

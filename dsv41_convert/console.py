@@ -1,4 +1,5 @@
-"""The `dsv41-convert` console script: the command line loaded with Ctrl-C at its default.
+"""The `dsv41-convert` console script (and `python -m dsv41_convert.cli`, which comes here first): the command line
+loaded with Ctrl-C at its default.
 
 A SIGINT that lands while the command line's modules load (typer, rich: a fraction of a second; before any
 work) ends the process by the signal itself, as README says, where Python's handler printed a

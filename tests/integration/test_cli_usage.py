@@ -508,13 +508,16 @@ time.sleep(60)
 """
 
 
+@pytest.mark.parametrize("how", ["console script", "python -m"])
 @pytest.mark.parametrize("ignored", [False, True])
-def test_ctrl_c_while_the_command_line_loads_ends_it_by_the_signal_without_a_traceback(tmp_path, ignored):
+def test_ctrl_c_while_the_command_line_loads_ends_it_by_the_signal_without_a_traceback(tmp_path, ignored, how):
     """README: a signal in the first fraction of a second, while the command line's own modules load, ends the
     process by the signal itself. A SIGINT there printed Python's KeyboardInterrupt traceback first (found by a
     helper's crash-consistency hunt). The console script now loads them with SIGINT at its default: the process
     ends by the signal, nothing on stderr; a SIGINT the shell ignored (a background job) stays ignored there.
-    typer's import is made to wait here (a `typer` package first on PYTHONPATH), so the signal lands in it."""
+    typer's import is made to wait here (a `typer` package first on PYTHONPATH), so the signal lands in it.
+    `python -m dsv41_convert.cli` (torchrun's form, one traceback per rank) printed the traceback still (a helper's
+    interrupt hunt): it now loads the command line the same way."""
     assert "from dsv41_convert.console import entry" in Path(entry_point()).read_text()  # what pip installed
     (tmp_path / "typer").mkdir()
     (tmp_path / "typer" / "__init__.py").write_text(SLOW_TYPER)
@@ -522,13 +525,14 @@ def test_ctrl_c_while_the_command_line_loads_ends_it_by_the_signal_without_a_tra
     tree = str(Path(__file__).resolve().parents[2])  # the package under test, as the console script imports it
     env = dict(os.environ, LOADING_MARK=str(mark), PYTHONPATH=os.pathsep.join([str(tmp_path), tree]))
     script = "import sys; sys.argv[0] = 'dsv41-convert'; from dsv41_convert.console import entry; entry()"
+    command = ["-c", script] if how == "console script" else ["-m", "dsv41_convert.cli"]
 
     def start() -> None:
         default_sigint()
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "-c", script, "--help"], env=env, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, *command, "--help"], env=env, stderr=subprocess.PIPE, text=True,
                             preexec_fn=start)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
