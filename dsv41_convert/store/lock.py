@@ -54,7 +54,7 @@ from pathlib import Path
 
 from dsv41_convert import torchrun
 from dsv41_convert.errors import LockedError, OutputError
-from dsv41_convert.store.own_files import linked
+from dsv41_convert.store.own_files import NEW_FILE, linked
 
 LOCK_NAME = ".dsv41-convert.lock"
 FILE_LOCK_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
@@ -144,7 +144,7 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
         try:
             # a link planted at its name is not followed (an exclusive taker truncates what it opened: an audit),
             # nor removed (between a check and the removal another taker may have put its lock file there)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, NEW_FILE)
         except OSError as exc:
             if exc.errno == errno.ENOENT and path.parent.name == FILE_LOCK_DIR and path.parent.parent.is_dir():
                 path.parent.mkdir(exist_ok=True)  # the last share to leave removed the file locks' folder

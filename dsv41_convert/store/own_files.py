@@ -9,6 +9,8 @@ import os
 import stat
 from pathlib import Path
 
+NEW_FILE = 0o666  # less the umask, as open() gives (publish.new_file_mode): 0o644 ignored a umask 002's group write
+
 
 def linked(st: os.stat_result) -> bool:
     """Whether an lstat result is a link: symbolic, or a regular file with more than one name."""
@@ -26,7 +28,7 @@ def remove_link(path: Path) -> None:
 
 
 def open_own(path: Path, flags: int) -> int:
-    """os.open(path, flags | O_CREAT | O_NOFOLLOW, 0o644), a link at `path` (`linked`) removed first; O_NOFOLLOW
+    """os.open(path, flags | O_CREAT | O_NOFOLLOW, NEW_FILE), a link at `path` (`linked`) removed first; O_NOFOLLOW
     makes a symbolic link put there in between an error, not a target written. -> the fd"""
     remove_link(path)
-    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, NEW_FILE)

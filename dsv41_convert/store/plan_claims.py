@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dsv41_convert.store.own_files import remove_link
+from dsv41_convert.store.own_files import NEW_FILE, remove_link
 
 CLAIMS_DIR = ".dsv41-convert"  # the done records' folder (manifest.DONE_DIR)
 _PREFIX, _SUFFIX = "plan-", ".claim"
@@ -49,7 +49,7 @@ def _hold_shared(path: Path) -> int:
     again). -> the descriptor"""
     while True:
         remove_link(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, NEW_FILE)
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a look or a removal (an exclusive try, let go at once)
         try:
             if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:

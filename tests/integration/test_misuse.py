@@ -433,6 +433,21 @@ def test_made_files_have_the_mode_of_a_new_file(tmp_path, monkeypatch, capsys):
     assert modes == {0o640}  # safetensors' save_file alone makes 0600
 
 
+def test_every_file_shard_and_export_write_has_the_mode_of_a_new_file(src, tmp_path, monkeypatch, capsys):
+    """umask 002 (a group's shared folder): every file shard and export write (rank files, manifest, records,
+    locks) is group-writable, as make-tiny's and reference-logits' files are; they were made 0644 whatever the
+    umask, so another member of the group could not take the folder's lock to --resume a stopped run."""
+    old = os.umask(0o002)
+    try:
+        shard = run_cli(monkeypatch, capsys, "shard", str(src), str(tmp_path / "s"), "--tp", "2")[0]
+        export = run_cli(monkeypatch, capsys, "export", str(src), str(tmp_path / "e"), "--format", "bf16")[0]
+    finally:
+        os.umask(old)
+    assert (shard, export) == (0, 0)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert {name for name, mode in modes.items() if mode not in (0o664, 0o775)} == set()
+
+
 @pytest.mark.slow
 def test_ctrl_c_of_the_run_alone_stops_every_worker_at_once_and_resume_finishes(src, sharded, tmp_path):
     """`kill -INT` of the run (not its process group): before, the workers ran on, finished their files
