@@ -85,7 +85,7 @@ from dsv41_convert.hub.local import (
 from dsv41_convert.numbers import byte_amounts
 from dsv41_convert.store.lock import hold
 from dsv41_convert.store.made_folder import made_folder
-from dsv41_convert.store.manifest import atomic_write
+from dsv41_convert.store.manifest import atomic_write_changed
 
 GRACE_S = 1.0  # after Ctrl-C, how long the transfers get to reach a chunk boundary before the run leaves them
 REPO_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?")
@@ -455,7 +455,7 @@ def _save_record(record: Record, place: Place, local_dir: Path | None, cache_dir
         # the HF cache, as snapshot_download does: remember what the branch or tag pointed to, for offline use
         ref = storage_of(record.repo_id, cache_dir) / "refs" / record.revision
         ref.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(ref, record.commit.encode())
+        atomic_write_changed(ref, record.commit.encode())
 
 
 def _blob_held(place: Place, file: RemoteFile) -> bool:

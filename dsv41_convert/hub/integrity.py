@@ -33,7 +33,7 @@ from dsv41_convert.file_kinds import SPECIAL
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
-from dsv41_convert.store.manifest import atomic_write
+from dsv41_convert.store.manifest import atomic_write_changed
 from dsv41_convert.store.safetensors_header import read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -121,7 +121,6 @@ class Record:
     names: tuple[str, ...] = ()
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "format": 2,
             "repo_id": self.repo_id,
@@ -137,7 +136,8 @@ class Record:
         # a temporary of this process's own: the ranks of a torchrun launch resolve one repo into one HF cache
         # at once, and with one temporary name they renamed it from under each other (FileNotFoundError) or
         # installed it empty (an audit)
-        atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_changed(path, (json.dumps(data, indent=1) + "\n").encode())
 
     @staticmethod
     def load(path: Path) -> Record | None:

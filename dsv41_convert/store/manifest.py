@@ -49,6 +49,17 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
+def atomic_write_changed(path: Path, data: bytes) -> None:
+    """atomic_write, unless `path` already holds `data`: a file that is right is left as it is (a download's
+    record and ref in an HF cache that holds the download whole, mounted read-only: its second run failed)."""
+    try:
+        if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+            return
+    except OSError:
+        pass  # unreadable: written, and atomic_write's error names it
+    atomic_write(path, data)
+
+
 _TEMPORARY = re.compile(r"(.+)\.\d+\.partial")  # temporary_of's NAME.PID.partial
 NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs)
 _SUFFIX_ROOM = len(".4194304.partial")  # the longest .PID.partial: Linux's pid_max is at most 2**22

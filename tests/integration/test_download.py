@@ -72,6 +72,22 @@ def test_second_run_fetches_nothing(hub, tmp_path):
     assert report.ok and report.fetched == () and after == before
 
 
+def test_second_run_of_a_complete_download_in_the_hf_cache_writes_nothing(hub, tmp_path):
+    """A shared HF cache that holds the download whole, mounted read-only: a second `download` checks it and
+    writes nothing; it rewrote the record and the branch's ref, and on a read-only cache failed with
+    "...json.PID.partial: Read-only file system" where --verify-only passed."""
+    kw = {"local_dir": None, "cache_dir": tmp_path / "cache"}
+    fetch(hub, tmp_path, **kw)
+    folder = tmp_path / "cache"
+
+    def files() -> dict[str, tuple[int, int]]:
+        return {str(p): (p.lstat().st_ino, p.lstat().st_mtime_ns) for p in folder.rglob("*")}
+
+    before = files()
+    assert fetch(hub, tmp_path, **kw).ok
+    assert files() == before
+
+
 @pytest.mark.parametrize("in_cache", [False, True])
 def test_interrupted_transfer_resumes_by_range(hub, tmp_path, checkpoints, monkeypatch, in_cache):
     monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 1024)  # so bytes reach the disk before the cut
