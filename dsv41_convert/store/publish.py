@@ -12,11 +12,12 @@ from pathlib import Path
 
 from dsv41_convert import interrupts
 from dsv41_convert.store.manifest import fsync_path
+from dsv41_convert.store.own_files import NEW_FILE
 
 
 def new_file_mode() -> int:
-    """0o666 less the process's umask: the mode open() gives a new file."""
-    return 0o666 & ~_umask()
+    """NEW_FILE (0o666) less the process's umask: the mode open() gives a new file."""
+    return NEW_FILE & ~_umask()
 
 
 def new_folder_mode() -> int:
