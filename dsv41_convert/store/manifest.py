@@ -34,7 +34,8 @@ SIDE_FILES = (*REQUIRED_SIDECARS, *SIDECARS)
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write via a temporary name, fsync, rename: the file is either absent, old or complete. An OSError
-    names `path` (a full disk said only "No space left on device": an audit), and the temporary is removed."""
+    names `path` (a full disk said only "No space left on device", a read-only folder named the temporary
+    NAME.PID.partial: audits), and the temporary is removed."""
     tmp = temporary_of(path)
     try:
         with open(open_own(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
@@ -42,10 +43,8 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
+    except OSError as exc:  # named as the file it writes: its temporary's name meant nothing to a user
         tmp.unlink(missing_ok=True)
-        if exc.filename is not None:
-            raise
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 

@@ -72,16 +72,18 @@ def test_atomic_write_never_writes_through_a_link_at_its_temporarys_name(tmp_pat
         "config.json", "precious.txt"]  # fmt: skip
 
 
-def test_atomic_write_names_its_file_when_the_disk_is_full(tmp_path, monkeypatch):
-    """A full disk while writing manifest.json said only "No space left on device" (an audit): the error
-    names the file, and no temporary is left."""
+@pytest.mark.parametrize("where", ["fsync", "replace"])
+def test_atomic_write_names_its_file_when_the_disk_is_full(tmp_path, monkeypatch, where):
+    """A full disk while writing manifest.json said only "No space left on device" (an audit), and an error the
+    system gave naming the temporary (a read-only folder: "manifest.json.4242.partial: Read-only file system", a
+    helper's hunt) named a file the user never saw: the error names the file, and no temporary is left."""
     import errno
     import os
 
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device", *([str(args[0])] if where == "replace" else []))
 
-    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.setattr(os, where, full)
     with pytest.raises(OSError) as caught:
         atomic_write(tmp_path / "manifest.json", b"{}")
     assert caught.value.filename == str(tmp_path / "manifest.json") and caught.value.errno == errno.ENOSPC
