@@ -38,6 +38,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import pad_byte
 from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
+from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress, Tally
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.store.file_digest import sha256_of_blocks
@@ -68,6 +69,8 @@ def rank_tp(folder: Path, tp: int | None = None) -> int:
         raise VerifyInputError(f"{folder}: rank files for tp {found}; pass --tp to pick one")
     tp = tp if tp is not None else found[0]
     missing = [rank_file_name(r, tp) for r in range(tp) if r not in sets[tp]]
+    for name in missing:  # a folder at the name was said "missing", where check said what it is (an audit)
+        refuse_non_file(folder / name, VerifyInputError)
     if missing:
         raise VerifyInputError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}")
     stray = [rank_file_name(r, tp) for r in sorted(sets[tp]) if r >= tp]

@@ -204,6 +204,16 @@ def test_missing_rank_file(shards, tmp_path):
         unshard_tensors(bad, ["norm.weight"])
 
 
+def test_a_folder_at_a_rank_files_name_is_named_a_folder(shards, tmp_path):
+    """A folder where rank 3's file should be was reported "missing model3-mp4.safetensors" while `check` said "a
+    folder": both now say what is there, exit 2 (a helper's verify hunt)."""
+    bad = _copy(shards, 4, tmp_path)
+    (bad / "model3-mp4.safetensors").unlink()
+    (bad / "model3-mp4.safetensors").mkdir()
+    with pytest.raises(VerifyInputError, match=r"model3-mp4\.safetensors: not a regular file \(a folder\)"):
+        unshard_tensors(bad, ["norm.weight"])
+
+
 def test_a_rank_past_the_tp_is_refused(shards, tmp_path):
     """model4-mp4 (a copy of another rank dropped in) was ignored: verify passed the folder without a word."""
     import shutil
