@@ -90,8 +90,7 @@ def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json's object_pairs_hook: a dict, or a _Repeats naming the first key given twice in it, or in an object
     inside it (as "'dtype' of tensor 't'"); read_header refuses a header whose top object is a _Repeats."""
     data = dict(pairs)
-    key = first_repeated(pairs)
-    if key is not None:
+    if len(data) != len(pairs) and (key := first_repeated(pairs)) is not None:
         return _repeats(data, _top_key(key))
     for key, value in pairs:
         if isinstance(value, _Repeats):
