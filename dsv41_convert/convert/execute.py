@@ -284,8 +284,12 @@ def _no_other_conversion(
             "--overwrite (alone) to replace them"
         )
     ours = {n for n in others if _written_by_us(out, n)}
-    # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files
-    strangers = [n for n in others if n not in ours and (n not in foreign or not ours)]
+    # e.g. a downloaded checkpoint: --overwrite replaces our conversions, nobody else's files. A foreign side
+    # file goes with our rank files or shards, or alone where OUT holds our records and no such file at all:
+    # what a run stopped before its first one (an input error) left (an audit: --resume said "pass
+    # --overwrite" and --overwrite refused it)
+    alone = all(n in foreign for n in others)
+    strangers = [n for n in others if n not in ours and (n not in foreign or not (ours or alone))]
     _refuse_strangers(out, sorted(set(strangers), key=lambda n: (not HF_SHARD.fullmatch(n), n)))
     if dry_run:
         return others

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from cli_run import default_sigint, done_records, partial_sizes, run_cli
+from safetensors.torch import load_file, save_file
 from tiny_ckpt import make_tiny
 
 from dsv41_convert.store.manifest import DONE_DIR
@@ -897,3 +899,24 @@ def test_a_source_changed_between_planning_and_writing_is_refused_before_any_byt
     with pytest.raises(OutputError, match=rf"{shard.name} changed \(size or modification time\) since this run read"):
         execute(plan, out) if kind == "shard" else export(plan, out)
     assert not [p.name for p in out.glob("*")] if out.exists() else True
+
+
+def test_overwrite_replaces_what_a_shard_stopped_by_an_input_error_left(src, tmp_path):
+    """A shard stopped by an input error (a NaN weight) before its first rank file leaves config.json,
+    hf_config.json and the tokenizer files in OUT. `export --resume` there said "pass --overwrite to replace
+    them", and `export --overwrite` then refused hf_config.json as a file "no dsv41-convert run wrote there"
+    (shard had written it): the user was sent in a circle. --overwrite now replaces it."""
+    bad = copy_of(src, tmp_path / "bad")
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "layers.0.attn.wq_a.weight"
+    tensors = load_file(bad / index[name])
+    tensors[name].view(torch.uint8).view(-1)[5] = 0x7F  # e4m3 NaN
+    save_file(tensors, bad / index[name])
+    out = tmp_path / "out"
+    res = subprocess.run([*CLI, "shard", str(bad), str(out), "--tp", "2"], capture_output=True, text=True)
+    assert res.returncode == 2 and "found nan" in res.stderr, res.stderr
+    assert (out / "hf_config.json").is_file() and not list(out.glob("model*-mp2*"))
+    res = subprocess.run([*CLI, "export", str(src), str(out), "--format", "bf16", "--overwrite"], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    assert not (out / "hf_config.json").exists()
+    assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
