@@ -199,7 +199,7 @@ def validate_sources(
     if not (quantized and _same_layout(sources, args)):
         if quantized:
             _require_scales(sources)
-        _check_expert_count(sources, args)
+        _check_expert_count(sources, args, config)
         layout = published_layout(args)
         if not quantized:  # an unquantized source has no scales and holds experts unpacked
             layout = {
@@ -209,7 +209,7 @@ def validate_sources(
             }
         problems: list[str] = []
         _compare_layout(sources, layout, quantized, problems)
-        _raise(problems, "checkpoint does not match config.json")
+        _raise(problems, f"{config.parent}: checkpoint does not match {config.name}")
     n_experts = _expert_counts(sources)
     _check_splits(sources, tp, quantized)
     return n_experts
@@ -252,7 +252,7 @@ def _require_scales(sources: dict[str, Source]) -> None:
     )
 
 
-def _check_expert_count(sources: dict[str, Source], args: ModelArgs) -> None:
+def _check_expert_count(sources: dict[str, Source], args: ModelArgs, config: Path) -> None:
     """PlanError where config.json's routed experts make more tensors than the checkpoint holds in all: the
     layout of 2,000,000 experts per layer was built to list what is missing, for minutes (an audit)."""
     quantized = args.dtype == "fp8"  # an unquantized source holds no scales (counting them refused every one)
@@ -263,8 +263,9 @@ def _check_expert_count(sources: dict[str, Source], args: ModelArgs) -> None:
     if expected > len(sources):
         held = sum(1 for s in sources.values() if s.expert is not None)
         raise PlanError(
-            f"checkpoint does not match config.json: its routed experts (n_routed_experts {args.n_routed_experts}"
-            f", dspark_n_routed_experts {args.dspark_n_routed_experts}) make {expected:,} tensors; the checkpoint "
+            f"{config.parent}: checkpoint does not match {config.name}: its routed experts (n_routed_experts "
+            f"{args.n_routed_experts}, dspark_n_routed_experts {args.dspark_n_routed_experts}) make {expected:,} "
+            "tensors; the checkpoint "
             f"holds {held:,} routed-expert tensors of {len(sources):,} in all"
         )
 

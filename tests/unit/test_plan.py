@@ -142,9 +142,12 @@ def test_an_unquantized_tensor_of_another_shape_is_refused(tmp_path, name):
 
 
 def test_missing_tensor_named(src):
+    """A tensor missing from every file is named, and so is the checkpoint's folder (the message named neither the
+    folder nor the config it was checked against: a helper's fine-tune workflow hunt)."""
     _rewrite(src, lambda t: t.pop("layers.1.attn.wkv.weight"))
-    with pytest.raises(PlanError, match=r"layers\.1\.attn\.wkv\.weight: missing from the checkpoint"):
+    with pytest.raises(PlanError, match=r"layers\.1\.attn\.wkv\.weight: missing from the checkpoint") as caught:
         build_plan(src, 1)
+    assert str(caught.value).startswith(f"{src}: checkpoint does not match config.json: 1 problem(s)")
 
 
 def test_extra_tensor_named(src):
