@@ -6,10 +6,15 @@ Exit codes: 0 success, 1 verification ran and found a mismatch, 2 usage or input
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m dsv41_convert.cli` (torchrun's form): loaded as the console script loads it
-    from dsv41_convert.console import entry as _console_entry
+if __name__ == "__main__":  # `python -m dsv41_convert.cli` (torchrun's form): this module loaded under its own
+    # name with Ctrl-C at its default, as the console script loads it (console.py), and run from there
+    import importlib
 
-    _console_entry()
+    from dsv41_convert.interrupts import default_sigint
+
+    with default_sigint():
+        _cli = importlib.import_module(__spec__.name)
+    _cli.entry()
     raise SystemExit
 
 import atexit

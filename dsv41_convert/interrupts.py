@@ -27,12 +27,33 @@ stops it all the same. Nothing in a process that took one is meant to write agai
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
 _state = {"depth": 0, "interrupted": False}
+
+
+@contextmanager
+def default_sigint() -> Iterator[None]:
+    """SIGINT at its default while the block runs, then Python's handler again: the command line's modules (typer,
+    rich: a fraction of a second, before any work) load so, and a Ctrl-C there ends the process by the signal,
+    where Python's handler printed a KeyboardInterrupt traceback over half a screen first. An ignored SIGINT (a
+    job a script started in the background) or another handler stays as it is, and so does a thread's but the
+    main one's (only that one may set a handler)."""
+    python_s = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    if python_s:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        if python_s:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def interrupt(frame: FrameType | None = None) -> None:
