@@ -204,16 +204,6 @@ def test_missing_rank_file(shards, tmp_path):
         unshard_tensors(bad, ["norm.weight"])
 
 
-def test_a_folder_at_a_rank_files_name_is_named_a_folder(shards, tmp_path):
-    """A folder where rank 3's file should be was reported "missing model3-mp4.safetensors" while `check` said "a
-    folder": both now say what is there, exit 2 (a helper's verify hunt)."""
-    bad = _copy(shards, 4, tmp_path)
-    (bad / "model3-mp4.safetensors").unlink()
-    (bad / "model3-mp4.safetensors").mkdir()
-    with pytest.raises(VerifyInputError, match=r"model3-mp4\.safetensors: not a regular file \(a folder\)"):
-        unshard_tensors(bad, ["norm.weight"])
-
-
 def test_a_rank_past_the_tp_is_refused(shards, tmp_path):
     """model4-mp4 (a copy of another rank dropped in) was ignored: verify passed the folder without a word."""
     import shutil
@@ -224,11 +214,13 @@ def test_a_rank_past_the_tp_is_refused(shards, tmp_path):
         unshard_tensors(bad, ["norm.weight"])
 
 
-def test_a_folder_named_like_a_rank_file_is_missing_not_present(shards, tmp_path):
+def test_a_folder_named_like_a_rank_file_is_no_rank_file_and_named_a_folder(shards, tmp_path):
+    """A folder at rank 1's name is not taken for its file; it was reported "missing model1-mp2.safetensors"
+    while `check` said "a folder": both now say what is there, exit 2 (a helper's verify hunt)."""
     bad = _copy(shards, 2, tmp_path)
     (bad / "model1-mp2.safetensors").unlink()
     (bad / "model1-mp2.safetensors").mkdir()
-    with pytest.raises(VerifyInputError, match=r"missing model1-mp2\.safetensors"):
+    with pytest.raises(VerifyInputError, match=r"model1-mp2\.safetensors: not a regular file \(a folder\)"):
         RankFiles(bad)
 
 

@@ -15,6 +15,8 @@ from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.manifest import FORMAT
 from dsv41_convert.store.manifest_check import check_folder, our_manifest
 
+CONFIGS = {"config.json": b"{}", "hf_config.json": b"{ }"}  # what a shard conversion writes beside its rank files
+
 
 def _folder(tmp_path, files: dict[str, bytes]):
     for name, data in files.items():
@@ -73,7 +75,7 @@ def test_check_cli_reports_the_same_at_any_workers_and_refuses_zero(tmp_path, mo
 def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path):
     """A manifest of tp 2 that lists rank 0 only, and a safetensors file nobody listed (another tp's rank
     file dropped in): both were passed as long as the listed files matched."""
-    folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, "config.json": b"{}"})
+    folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, **CONFIGS})
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 2}}))
     (folder / "model0-mp4.safetensors").write_bytes(b"b" * 64)
@@ -87,7 +89,7 @@ def test_a_rank_file_the_manifest_leaves_out_and_a_stray_one_are_named(tmp_path)
     assert check_folder(folder).problems[0] == (
         "model1-mp2.safetensors: a tp-2 conversion's rank file (manifest.json says tp 2), not listed in it"
     )
-    assert sorted(result.checked) == ["config.json", "model0-mp2.safetensors"]
+    assert sorted(result.checked) == ["config.json", "hf_config.json", "model0-mp2.safetensors"]
 
 
 def test_files_put_beside_the_conversion_are_named_as_unchecked(tmp_path, monkeypatch, capsys):
@@ -111,7 +113,7 @@ def test_files_put_beside_the_conversion_are_named_as_unchecked(tmp_path, monkey
 
 def test_a_manifest_of_a_huge_tp_is_one_line_at_once(tmp_path):
     """options.tp = 10**9 in a damaged manifest: `check` looped over a billion ranks (killed after 20 s)."""
-    folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, "model1-mp2.safetensors": b"b" * 64})
+    folder = _folder(tmp_path, {"model0-mp2.safetensors": b"a" * 64, "model1-mp2.safetensors": b"b" * 64, **CONFIGS})
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 10**9}}))
     problems = check_folder(folder).problems
@@ -123,7 +125,7 @@ def test_a_manifest_of_a_huge_tp_is_one_line_at_once(tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 16}}))  # 16 missing: each named
     assert len(check_folder(folder).problems) == 16
     (tmp_path / "late").mkdir()
-    late = _folder(tmp_path / "late", {f"model{r}-mp40.safetensors": b"x" for r in range(20, 40)})
+    late = _folder(tmp_path / "late", {f"model{r}-mp40.safetensors": b"x" for r in range(20, 40)} | CONFIGS)
     manifest = json.loads((late / "manifest.json").read_text())
     (late / "manifest.json").write_text(json.dumps(manifest | {"options": {"tp": 40}}))  # ranks 20..39 listed
     assert check_folder(late).problems == [
