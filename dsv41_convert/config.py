@@ -377,22 +377,21 @@ class ModelArgs:
                     f"{source}: index source layer {layer} must be a backbone layer with compress_ratio > 0"
                 )
         # a compressed layer reads the compressed KV and the chosen rows the last kv / index source at or before it
-        # published (model/attention.py): with none there reference-logits and verify died in a TypeError traceback
+        # published (model/attention.py), at its own ratio: with none there reference-logits and verify died in a
+        # TypeError traceback; with another ratio there they ran, reading its positions at the wrong ratio (audits)
+        compressed = [(i, ratio) for i, ratio in enumerate(self.compress_ratios[: self.n_layers]) if ratio]
         for key, sources in (
             ("kv_source_layer_ids", self.kv_source_layers),
             ("index_source_layer_ids", self.index_source_layers),
         ):
-            first = min(sources, default=self.n_layers)
-            reader = next((i for i in range(first) if self.compress_ratios[i]), None)
-            if reader is not None:
-                raise ConfigError(
-                    f"{source}: layer {reader} has compress_ratio {self.compress_ratios[reader]} but no {key} layer "
-                    f"at or before it ({list(sources)}): a compressed layer reads what the last one before it wrote"
-                )
-            # and reads it at its own ratio: another ratio there ran, its positions read at the wrong ratio (an audit)
-            for i, ratio in enumerate(self.compress_ratios[: self.n_layers]):
+            for i, ratio in compressed:
                 owner = max((s for s in sources if s <= i), default=None)
-                if ratio and owner is not None and self.compress_ratios[owner] != ratio:
+                if owner is None:
+                    raise ConfigError(
+                        f"{source}: layer {i} has compress_ratio {ratio} but no {key} layer at or before it "
+                        f"({list(sources)}): a compressed layer reads what the last one before it wrote"
+                    )
+                if self.compress_ratios[owner] != ratio:
                     raise ConfigError(
                         f"{source}: layer {i} has compress_ratio {ratio} but reads what {key} layer {owner} wrote "
                         f"at compress_ratio {self.compress_ratios[owner]}: a layer and its source share one ratio"
