@@ -187,11 +187,11 @@ def unlisted(
     problems = []
     if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0:
         problems += _missing_ranks(folder, files, tp)
+    run, always = _always_written(manifest, tp)
     problems += [
-        f"{name}: {kind} writes it, not listed in {MANIFEST}"
+        f"{name}: {run} writes it, not listed in {MANIFEST}"
         + ("" if (folder / name).exists() else " nor in the folder")
-        for kind, names in _written_by(manifest, tp)
-        for name in names
+        for name in always
         if name not in files
     ]
     problems += [
@@ -205,15 +205,16 @@ def unlisted(
     return problems
 
 
-def _written_by(manifest: dict[str, Any], tp: Any) -> list[tuple[str, tuple[str, ...]]]:
-    """(which run, the files besides its weights that it always writes) for a shard or export manifest: a
-    manifest edited to drop config.json let `check` pass a config.json changed after the run (an audit)."""
+def _always_written(manifest: dict[str, Any], tp: Any) -> tuple[str, tuple[str, ...]]:
+    """(which run, the files besides its weights that it always writes) for a shard or export manifest, else
+    ("", ()): a manifest edited to drop config.json let `check` pass a config.json changed after the run (an
+    audit)."""
     if tp is not None:
-        return [("a shard conversion", REQUIRED_SIDECARS)]
+        return "a shard conversion", REQUIRED_SIDECARS
     options = manifest.get("options")
     if isinstance(options, dict) and isinstance(options.get("format"), str):
-        return [("an export", ("config.json", INDEX_NAME))]
-    return []
+        return "an export", ("config.json", INDEX_NAME)
+    return "", ()
 
 
 def recorded_tp(manifest: dict[str, Any]) -> Any:
