@@ -20,6 +20,7 @@ if __name__ == "__main__":  # `python -m dsv41_convert.cli` (torchrun's form): t
 import atexit
 import contextlib
 import functools
+import inspect
 import os
 import signal
 import sys
@@ -521,7 +522,11 @@ def verify_cmd(
         raise typer.Exit(EXIT_CODES[result.verdict])
 
 
-@app.command("reference-logits")
+@app.command(
+    "reference-logits",
+    short_help="Compute reference logits from SRC (once, on --tp ranks) and save them, with what decides bit "
+    "equality, for `verify --reference-logits`.",
+)
 def reference_logits_cmd(
     src: opts.LocalSrcArg,
     out: Annotated[Path, typer.Argument(parser=opts.given_path, help="Output .safetensors file.")],
@@ -972,6 +977,17 @@ def export_cmd(
 
 
 # --- end of commands ---
+
+
+def _one_line_summaries() -> None:
+    """The command list of `--help` shows each command's first docstring paragraph, and typer's rich list
+    keeps its single line breaks (ragged lines at any width): give each command that paragraph on one line."""
+    for info in app.registered_commands:
+        if info.short_help is None and info.callback is not None and info.callback.__doc__:
+            info.short_help = " ".join(inspect.cleandoc(info.callback.__doc__).split("\n\n")[0].split())
+
+
+_one_line_summaries()
 
 
 def _click_exceptions():

@@ -119,6 +119,18 @@ def test_src_help_says_what_each_command_takes():
     assert "repo id" not in proc.stdout and "or rank files" in proc.stdout
 
 
+def test_command_list_gives_each_command_one_line_when_wide():
+    """typer's rich command list kept the docstrings' single line breaks: reference-logits, check and demo ran
+    over ragged lines at any width (an audit). At 300 columns each command's summary is its one line."""
+    proc = subprocess.run([entry_point(), "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "300", "NO_COLOR": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    panel = proc.stdout.split("Commands")[1].split("\u2570")[0].splitlines()[1:]
+    rows = [line.strip("\u2502 ").split()[0] for line in panel if line.strip("\u2502 ")]
+    assert rows == ["make-tiny", "plan", "shard", "verify", "reference-logits", "check", "demo", "download",
+                    "manifest", "export"], proc.stdout  # fmt: skip
+
+
 def test_input_error_still_exits_2_with_error_line(tmp_path):
     proc = run_entry_point("make-tiny", str(tmp_path / "t"), "--preset", "nosuch")
     assert proc.returncode == 2
