@@ -37,15 +37,18 @@ def require_regular_files(src: Path) -> None:
     were killed (an audit); and a tokenizer file that is a folder (it was said to be missing, then failed
     the copy after OUT was made); and a link at the index's or a tokenizer file's name that leads nowhere (to no
     file, or in a loop: such a name is read only where it exists, so the index's check of the files was skipped and
-    the tokenizer said to be missing, exit 0: an audit). Other folders and broken links in those names (config.json,
-    the shards) are named where they are read."""
+    the tokenizer said to be missing, exit 0: an audit), or at a shard's name (said "No such file or directory" of a
+    name `ls` lists). Other folders and a broken config.json link are named where they are read."""
     src = Path(src)
     if not src.is_dir():
         return
     folders = [name for name in SIDECARS if (src / name).is_dir()]
     if folders:
         raise PlanError(f"{src}: {first_few(folders)}: a folder where the tokenizer file belongs")
-    broken = [name for name in (INDEX_NAME, *SIDECARS) if (src / name).is_symlink() and not (src / name).exists()]
+    shards = sorted(p.name for p in src.iterdir() if p.name.endswith(".safetensors"))
+    broken = [
+        name for name in (INDEX_NAME, *SIDECARS, *shards) if (src / name).is_symlink() and not (src / name).exists()
+    ]
     if broken:
         raise PlanError(
             f"{src}: {first_few(broken)}: a link that leads to no file (its target is missing, or it leads in a "

@@ -218,13 +218,16 @@ def _every_reader_refuses(bad: Path, out: Path, monkeypatch, capsys, *needles: s
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name", ["model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "model-00002-of-00003.safetensors"],
+)
 @pytest.mark.parametrize("target", ["gone", "loop"])
 def test_a_link_to_no_file_at_the_index_or_a_tokenizer_is_named(src, tmp_path, monkeypatch, capsys, name, target):
-    """A link at the index's or a tokenizer file's name that leads to no file (a deleted blob of the HF cache, a
-    link to itself) is a clean error naming it (exit 2), and nothing is made at OUT: plan, shard and export took it
-    for no file there, skipping the index's check of the shards (exit 0) or converting without the tokenizer with a
-    warning that said the source has none."""
+    """A link at the index's, a tokenizer file's or a shard's name that leads to no file (a deleted blob of the HF
+    cache, a link to itself) is a clean error naming it (exit 2), and nothing is made at OUT: plan, shard and export
+    took it for no file there, skipping the index's check of the shards (exit 0) or converting without the tokenizer
+    with a warning that said the source has none; a shard's was "No such file or directory" of a name `ls` lists."""
     bad = copy_of(src, tmp_path / "bad")
     (bad / name).unlink()
     (bad / name).symlink_to(bad / name if target == "loop" else tmp_path / "nowhere" / name)
