@@ -19,9 +19,10 @@ def special_kind(path: Path) -> str | None:
 
 
 def refuse_non_file(path: Path, error: type[Exception]) -> None:
-    """`error` naming `path` where it is a FIFO, a socket, a device, a folder or a link that leads in a loop,
-    before anything opens it (a folder was "No such device (os error 19)", a loop "No such file": an audit).
-    Nothing there is left to the caller, which says it in its own words."""
+    """`error` naming `path` where it is a FIFO, a socket, a device, a folder or a link that leads in a loop or
+    to no file, before anything opens it (a folder was "No such device (os error 19)", a loop "No such file", a
+    link to a deleted file "missing": audits). Nothing there is left to the caller, which says it in its own
+    words."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -29,6 +30,11 @@ def refuse_non_file(path: Path, error: type[Exception]) -> None:
         if exc.errno == errno.ELOOP:
             raise error(
                 f"{path}: not a regular file (a link that leads in a loop); put the file itself there"
+            ) from None
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            raise error(
+                f"{path}: not a regular file (a link that leads to no file: its target is missing); put the file "
+                "itself there, or remove the link"
             ) from None
         return
     kind = "a folder" if stat.S_ISDIR(mode) else None if stat.S_ISREG(mode) else SPECIAL

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41_convert.file_kinds import SPECIAL, nearest_existing, refuse_unmakeable, special_kind
+from dsv41_convert.file_kinds import SPECIAL, nearest_existing, refuse_non_file, refuse_unmakeable, special_kind
 
 
 def test_the_walk_stops_at_the_path_itself_or_the_nearest_folder_above(tmp_path: Path):
@@ -53,3 +53,15 @@ def test_special_kind_names_only_fifos_sockets_and_devices(tmp_path: Path):
     for name in ["folder.safetensors", "file.safetensors", "dangling", "missing"]:
         assert special_kind(tmp_path / name) is None, name
     assert special_kind(tmp_path / "pipe.safetensors") == SPECIAL == "a FIFO, a socket or a device"
+
+
+def test_refuse_non_file_names_a_link_to_no_file_and_leaves_nothing_to_the_caller(tmp_path: Path):
+    """A link to a deleted file was left to the caller, which said "missing" or "No such file" of a name `ls`
+    lists (verify of a rank file linked to a moved file: an audit); nothing at all is still the caller's."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"dangling: not a regular file \(a link that leads to no file"):
+        refuse_non_file(tmp_path / "dangling", ValueError)
+    (tmp_path / "file").write_bytes(b"")
+    (tmp_path / "good").symlink_to(tmp_path / "file")
+    for name in ["missing", "file", "good"]:
+        refuse_non_file(tmp_path / name, ValueError)

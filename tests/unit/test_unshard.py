@@ -222,6 +222,10 @@ def test_a_folder_named_like_a_rank_file_is_no_rank_file_and_named_a_folder(shar
     (bad / "model1-mp2.safetensors").mkdir()
     with pytest.raises(VerifyInputError, match=r"model1-mp2\.safetensors: not a regular file \(a folder\)"):
         RankFiles(bad)
+    (bad / "model1-mp2.safetensors").rmdir()  # a link to a moved file was "missing" too
+    (bad / "model1-mp2.safetensors").symlink_to(tmp_path / "moved.safetensors")
+    with pytest.raises(VerifyInputError, match=r"model1-mp2\.safetensors: not a regular file \(a link that leads"):
+        RankFiles(bad)
 
 
 def test_replica_mismatches_names_every_damaged_replica_and_rank(shards, tmp_path):

@@ -141,9 +141,11 @@ def test_a_folder_or_a_loop_of_links_is_named_for_what_it_is(tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(VerifyInputError, match=r"a: not a regular file \(a link that leads in a loop\)"):
         reffile.load(tmp_path / "a", 128)
-    (tmp_path / "c").symlink_to(tmp_path / "gone")  # nothing there: the reader's own words
-    with pytest.raises(VerifyInputError, match=r"c: not a readable safetensors file \(No such file"):
+    (tmp_path / "c").symlink_to(tmp_path / "gone")
+    with pytest.raises(VerifyInputError, match=r"c: not a regular file \(a link that leads to no file"):
         reffile.load(tmp_path / "c", 128)
+    with pytest.raises(VerifyInputError, match=r"d: not a readable safetensors file \(No such file"):
+        reffile.load(tmp_path / "d", 128)  # nothing there: the reader's own words
 
 
 def test_what_decides_bit_equality_round_trips(tmp_path):
