@@ -6,8 +6,8 @@
 Makes the preset (no vision), `shard --tp N`, `reference-logits --stream-layers` (the tp-1 file a model
 larger than the machine gets), then, in a subprocess each: `verify --stream-layers` and `verify` (the N
 ranks and the tp-1 replay in the launching process). Reports wall seconds, the verdict and its decisive
-checks, verify's own per-check seconds, and the peak RSS of the largest single process (ru_maxrss of the
-children: the launching process for the replay; a rank for the N-rank run), with the machine and date.
+checks, verify's own per-check seconds, and the peak RSS of the largest single process (ru_maxrss of each
+child from wait4: the launching process for the replay; a rank for the N-rank run), with the machine and date.
 
 --preset full: the published layout at full size, hollow (`make-tiny --preset full --sparse`, all zeros),
 its tp-N rank files written as shard would write them, without their zeros (tests/hollow_ranks.py: no
@@ -22,9 +22,9 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,15 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def timed(*args: str) -> tuple[float, dict, float]:
-    """-> (wall seconds, the --json document, this child's peak RSS in GiB)"""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t = time.perf_counter()
-    res = subprocess.run([*CLI, *args, "--json"], capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if res.returncode not in (0, 3):
-        raise SystemExit(f"{' '.join(args)}: exit {res.returncode}\n{res.stderr[-2000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, json.loads(res.stdout), (peak if peak > before else float("nan")) / 2**20
+    """-> (wall seconds, the --json document, this child's peak RSS in GiB: the largest of it and the
+    processes it reaped, from its own rusage; RUSAGE_CHILDREN's is the largest child so far, any run's)"""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen([*CLI, *args, "--json"], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
+    if proc.returncode not in (0, 3):
+        raise SystemExit(f"{' '.join(args)}: exit {proc.returncode}\n{stderr[-2000:]}")
+    return wall, json.loads(stdout), usage.ru_maxrss / 2**20  # KiB -> GiB
 
 
 def main() -> None:
