@@ -1,13 +1,13 @@
 """The I/O side of `shard --device cuda` of a bf16 source, emulated on a machine without a GPU: the
-Prefetch on, CUDA's 64 MiB row blocks, and quantizers that return empty outputs of the right shapes and
-dtypes (no compute, no H2D/D2H), so what remains is the converting thread's own reads, hints, copies and
-hand-overs, the Prefetch threads and the Sink. The bytes written are not meaningful; the times and the
+Prefetch on, CUDA's 64 MiB row blocks, and quantizers that return zero outputs of the right shapes and
+dtypes (no compute beyond a memset, no H2D/D2H), so what remains is the converting thread's own reads, hints,
+copies and hand-overs, the Prefetch threads and the Sink. The bytes written are not meaningful; the times and the
 stages show which of those holds the caller up.
 
     python bench/bench_io_path.py SRC OUT [--tp 2] [--make-source]
 
 --make-source writes SRC first: the medium preset's bf16 layout (13.13 GB) with every tensor's bytes a
-repeated 64 MiB random block (seconds, not make-tiny's minutes; the values may be NaN, which the empty
+repeated 64 MiB random block (seconds, not make-tiny's minutes; the values may be NaN, which the stand-in
 quantizers never look at). Prints one JSON line: wall, CPU seconds, peak RSS, stages (summed over files).
 """
 
@@ -35,15 +35,24 @@ from dsv41_convert.convert import stream, write  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
 
 
+# zeros, not torch.empty: the converter checks every encoding it writes (transform._require_finite_encoding),
+# and leftover bytes of an empty tensor read as NaN or infinite blocks; a memset is far below a quantization
 def encode_fp8_blocks(w, block=(32, 32), scale_fmt="ue8m0", name=""):
+    """w: [out, in] bf16 -> ([out, in] float8_e4m3fn, [ceil(out/b0), ceil(in/b1)] float8_e8m0fnu), all zero bytes"""
     scales = (math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1]))
-    return torch.empty(w.shape, dtype=torch.float8_e4m3fn), torch.empty(scales, dtype=torch.float8_e8m0fnu)
+    return torch.zeros(w.shape, dtype=torch.uint8).view(torch.float8_e4m3fn), _zero_scales(scales)
 
 
 def encode_mxfp4(w, block=32, name=""):
+    """w: [..., in] bf16 -> ([..., in/2] float4_e2m1fn_x2, [..., ceil(in/block)] float8_e8m0fnu), all zero bytes"""
     rows = w.shape[:-1]
-    packed = torch.empty((*rows, w.shape[-1] // 2), dtype=torch.float4_e2m1fn_x2)
-    return packed, torch.empty((*rows, math.ceil(w.shape[-1] / block)), dtype=torch.float8_e8m0fnu)
+    packed = torch.zeros((*rows, w.shape[-1] // 2), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    return packed, _zero_scales((*rows, math.ceil(w.shape[-1] / block)))
+
+
+def _zero_scales(shape: tuple[int, ...]) -> torch.Tensor:
+    """e8m0 bytes 0 (2**-127): finite, unlike the byte 255 (NaN) an empty tensor may hold."""
+    return torch.zeros(shape, dtype=torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def make_source(src: Path) -> None:
