@@ -18,6 +18,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -51,6 +52,16 @@ def worst_module(devs: list[teacher.ModuleDeviations]) -> tuple[str, float]:
     return best
 
 
+def verify_matrix() -> ModuleType:
+    """tests/integration/test_verify_matrix.py, with tests/ on the path too, as pytest runs it: its imports
+    reach the other tests' helpers (test_verify_reference_file, cli_run)."""
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path[:0] = [str(tests / "integration"), str(tests)]
+    import test_verify_matrix
+
+    return test_verify_matrix
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref-device", default="cpu")
@@ -75,9 +86,7 @@ def main() -> None:
                 result[f"correct tp{tp} {experts}"] = worst
                 print(f"correct tp {tp} {experts} experts:", json.dumps({k: round(v, 3) for k, v in worst.items()}))
         if opts.faults:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-            import test_verify_matrix as matrix
-
+            matrix = verify_matrix()
             (root / "matrix").mkdir()
             m = matrix.Matrix(root / "matrix")
             prompts = load_prompts(m.prompts_file, None, TINY.vocab_size)
