@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from bench_shard import _median_run, evict, measure, warm  # noqa: E402
 
+from dsv41_convert.synth.staged import MARK  # noqa: E402
+
 FORMATS = ("bf16", "fp8", "fp8-fp4", "bf16 -> fp8-fp4")
 
 
@@ -138,8 +140,9 @@ def _run_peer(command: str, src: Path, out: Path) -> dict:
 
 
 def _compare(a: Path, b: Path) -> list[str]:
-    """Names of the files of `a` (shards, index, config, tokenizer) that differ in `b`."""
-    names = [p.name for p in sorted(a.iterdir()) if p.is_file()]
+    """Names of the files of `a` (shards, index, config, tokenizer) that differ in `b`; not make-tiny's mark,
+    which marks a folder make-tiny wrote and is no part of the checkpoint (export does not copy it)."""
+    names = [p.name for p in sorted(a.iterdir()) if p.is_file() and p.name != MARK]
     return [n for n in names if not (b / n).is_file() or not filecmp.cmp(a / n, b / n, shallow=False)]
 
 
