@@ -7,7 +7,9 @@ reference check is exact), against the tp-1 file (the N-rank run plus the tp-1 r
 `--reference SRC` (twin), and against the tp-1 file with `--no-replay` (teacher). "ranks only" is the
 N-rank run inside the tp-1 verify (its `converted` seconds plus reading the file): what verify cost
 before the replay existed. Wall times of the CLI in a
-subprocess (Python and torch start-up included), best of --repeat; prints a Markdown table.
+subprocess (Python and torch start-up included), best of --repeat; prints a Markdown table. --baseline DIR
+times that checkout's verify the same way: every CLI runs as `python -P -m dsv41_convert.cli` with PYTHONPATH
+set to its checkout (this one, or DIR), wherever the bench is started from.
 """
 
 from __future__ import annotations
@@ -21,20 +23,24 @@ import sys
 import time
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export import _cli  # noqa: E402
 
 
-def run(*args: str, env: dict | None = None) -> tuple[float, dict]:
+def run(*args: str, code: Path = ROOT) -> tuple[float, dict]:
+    """Wall seconds and the --json document of `dsv41-convert ARGS --json`, the CLI of checkout `code` (-P: not
+    the package of the working directory, which `-m` would put first, whatever PYTHONPATH says)."""
     t = time.perf_counter()
-    res = subprocess.run([*CLI, *args, "--json"], capture_output=True, text=True, env=env)
+    res = subprocess.run([*_cli(code), *args, "--json"], capture_output=True, text=True)
     wall = time.perf_counter() - t
     if res.returncode not in (0, 3):
         raise SystemExit(f"{' '.join(args)}: exit {res.returncode}\n{res.stderr[-2000:]}")
     return wall, json.loads(res.stdout)
 
 
-def best(repeat: int, *args: str, env: dict | None = None) -> tuple[float, dict]:
-    runs = [run(*args, env=env) for _ in range(repeat)]
+def best(repeat: int, *args: str, code: Path = ROOT) -> tuple[float, dict]:
+    runs = [run(*args, code=code) for _ in range(repeat)]
     return min(runs, key=lambda r: r[0])
 
 
@@ -51,14 +57,14 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     src = a.root / f"src-{a.preset}"
     if not src.exists():
-        subprocess.run([*CLI, "make-tiny", str(src), "--preset", a.preset, "--no-vision"], check=True)
+        subprocess.run([*_cli(ROOT), "make-tiny", str(src), "--preset", a.preset, "--no-vision"], check=True)
     ref1 = a.root / "ref-tp1.safetensors"
     t_ref1, _ = best(a.repeat, "reference-logits", str(src), str(ref1), "--overwrite", *th)
     rows = [f"| reference-logits --tp 1 | {t_ref1:.1f} s | |"]
     for tp in [int(x) for x in a.tps.split(",")]:
         out = a.root / f"mp{tp}"
         if not out.exists():
-            subprocess.run([*CLI, "shard", str(src), str(out), "--tp", str(tp)], check=True, capture_output=True)
+            subprocess.run([*_cli(ROOT), "shard", str(src), str(out), "--tp", str(tp)], check=True, capture_output=True)
         ref_n = a.root / f"ref-tp{tp}.safetensors"
         t_refn, _ = best(a.repeat, "reference-logits", str(src), str(ref_n), "--tp", str(tp), "--overwrite", *th)
         t_same, j_same = best(a.repeat, "verify", str(out), "--reference-logits", str(ref_n), *th)
@@ -66,8 +72,8 @@ def main() -> None:
         t_src, j_src = best(a.repeat, "verify", str(out), "--reference", str(src), *th)
         t_tf, j_tf = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), "--no-replay", *th)
         if a.baseline:
-            env = os.environ | {"PYTHONPATH": str(a.baseline)}
-            t_old, j_old = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), *th, env=env)
+            old = a.baseline.resolve()
+            t_old, j_old = best(a.repeat, "verify", str(out), "--reference-logits", str(ref1), *th, code=old)
             rows.append(f"| before: verify mp{tp} vs tp-1 file ({a.baseline}) | {t_old:.1f} s | ok {j_old['ok']} |")
         s = j_rep["seconds"]
         ranks_only = t_rep - s.get("replay", 0.0)
