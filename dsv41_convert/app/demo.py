@@ -107,12 +107,19 @@ def _clear_earlier_demo(folder: Path, out: Path) -> None:
     from dsv41_convert.convert.execute import shard_writes
     from dsv41_convert.synth.staged import check_out
 
-    try:
-        wrote = json.loads((folder / MARK).read_text(encoding="utf-8"))["wrote"]
-    except (OSError, ValueError, KeyError, TypeError):  # none, or a demo's of before 2026-12-05: a line of text
+    mark = folder / MARK
+    if not mark.is_file():
         raise OutputError(
-            f"{folder}: not a folder an earlier demo wrote (no {MARK} listing its output; a demo before 2026-12-05 "
-            "wrote none); --overwrite replaces only such a folder: choose an empty or new one, or remove it yourself"
+            f"{folder}: not a folder an earlier demo wrote (no {MARK} listing its output); --overwrite replaces only "
+            "such a folder: choose an empty or new one, or remove it yourself"
+        )
+    try:
+        wrote = json.loads(mark.read_text(encoding="utf-8"))["wrote"]
+    except (OSError, ValueError, KeyError, TypeError):  # a demo's of before 2026-12-05: a line of text, no list
+        raise OutputError(
+            f"{mark}: no list of the conversions a demo wrote (a demo before 2026-12-05 left a line of text that "
+            "names none); --overwrite replaces only a listed demo's output: choose an empty or new folder, or remove "
+            "this one yourself"
         ) from None
     conversions = [folder / name for name in wrote if re.fullmatch(r"mp\d+", str(name))]
     if (out.exists() or out.is_symlink()) and out not in conversions:

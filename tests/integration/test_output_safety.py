@@ -966,3 +966,18 @@ def test_a_signal_while_the_pool_starts_hands_out_no_job(src, tmp_path, monkeypa
     assert code == 130, err
     assert handed == []
     assert not [p.name for p in out.iterdir() if p.name.startswith("model")]
+
+
+def test_demo_overwrite_names_an_older_demos_mark_as_such(tmp_path, monkeypatch, capsys):
+    """A demo of 2026-12-04 left DIR/.dsv41-demo as a line of text (no list of its conversions); --overwrite said
+    "no .dsv41-demo" beside the file (a user's upgrade): it refuses naming the file as an older demo's."""
+    proj = tmp_path / "proj"
+    (proj / "mp2").mkdir(parents=True)
+    (proj / "mp2" / "config.json").write_text("{}\n")
+    (proj / "ref-tp1.safetensors").write_bytes(b"x")
+    mark = proj / ".dsv41-demo"
+    mark.write_text("written by `dsv41-convert demo`: src/, mp*/ and ref-tp1.safetensors are its output\n")
+    before = tree(proj)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(proj), "--tp", "2", "--overwrite")
+    assert code == 2 and f"{mark}: " in err and "no .dsv41-demo" not in err and "before 2026-12-05" in err, err
+    assert tree(proj) == before
