@@ -64,7 +64,7 @@ from dsv41_convert.store.manifest import (
 )
 from dsv41_convert.store.manifest_check import check_folder, finish_export, read_manifest
 from dsv41_convert.store.manifest_check import is_record as _is_record
-from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
+from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name, rank_files_in
 
 FRAGMENT_FORMAT = "dsv41-convert manifest fragment v1"
 COPY_IT = "; copy it from the machine that wrote it"
@@ -242,7 +242,14 @@ def _nothing_to_merge(out: Path) -> None:
     """OutputError when `out` holds neither fragments nor a manifest (nothing `manifest` could do there)."""
     if any(out.glob(FRAGMENT_GLOB)) or (out / MANIFEST).is_file():
         return
-    what = " (a Hugging Face checkpoint: `shard` reads it)" if (out / INDEX_NAME).is_file() else ""
+    what = ""
+    if (out / INDEX_NAME).is_file():
+        what = " (a Hugging Face checkpoint: `shard` reads it)"
+    elif rank_files_in(out) and not (out / DONE_DIR).exists():
+        what = (
+            " (rank files no dsv41-convert run wrote, e.g. upstream convert.py's: `manifest` records only the files"
+            " of `shard` shares; `shard` SRC OUT writes a set with its manifest, `verify` checks these without one)"
+        )
     raise OutputError(
         f"{out}: no {FRAGMENT_GLOB} files{what}; copy the fragment each `shard --ranks` run left in its OUT, "
         "with its rank files, into this folder"

@@ -233,6 +233,16 @@ def test_no_fragment_is_an_error(tmp_path, monkeypatch, capsys):
     assert code == 2 and "no manifest-fragment-*.json files" in err
 
 
+def test_rank_files_no_run_of_ours_wrote_are_named_as_such(tmp_path, monkeypatch, capsys):
+    """A folder upstream convert.py wrote (rank files, tokenizer, config.json; no record of a run of ours): the
+    refusal told the user to copy in the fragments of `shard --ranks` runs they never made."""
+    for name in ("model0-mp2.safetensors", "model1-mp2.safetensors", "config.json", "tokenizer.json"):
+        (tmp_path / name).write_bytes(b"x")
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(tmp_path))
+    assert code == 2 and "no manifest-fragment-*.json files" in err and "upstream convert.py" in err, err
+    assert "`shard` SRC OUT" in err and not (tmp_path / "manifest.json").exists()
+
+
 def test_a_folder_whose_last_share_wrote_the_manifest_needs_no_merge(runs, tmp_path, monkeypatch, capsys):
     """Shares that finish at the same moment each see every rank file done and each write manifest.json (no
     fragment left): `manifest` then reports that manifest (exit 0, `already_merged`) instead of failing for
