@@ -124,7 +124,9 @@ if has cli; then  # fresh processes, kernels already in the cache (run after str
   rm -rf $W/cli
   if [ -n "$OLD" ]; then
     drop
-    run cli_shard_old env PYTHONPATH=$OLD:$PYTHONPATH $C shard $W/m $W/cli --tp 2 --device $D --json
+    # -P: `-m` would put this checkout (the working directory) before $OLD on the path
+    run cli_shard_old env PYTHONPATH=$OLD:$PYTHONPATH python3 -P -m dsv41_convert.cli shard $W/m $W/cli --tp 2 \
+      --device $D --json
     rm -rf $W/cli
   fi
 fi
