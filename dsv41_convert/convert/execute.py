@@ -445,8 +445,8 @@ def check_destination(
     if out.is_dir():
         others = _others(plan, mine, ranks)
         refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
-        check_empty(out, resume, overwrite, others)
         replaced += _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
+        check_empty(out, resume, overwrite, others)  # after it, as in execute
         if others is None:  # the folder held alone: the finished run's records go first (_forget_records)
             replaced += [MANIFEST, *records]
         if others is not None:
@@ -668,13 +668,15 @@ def execute(
         hold(out, shared=share, files=names if share else ()) as lock,
         claimed(out, plan.digest()) if share else nullcontext((None, [])) as (claim_fd, live_plans),
     ):
-        check_empty(out, resume, overwrite, others)
         if not share:
             remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
         # what says the replaced run is finished goes before any of its files: a kill in the removals left a
         # manifest (and an export's index) listing files already gone (an audit)
         forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
+        # after it: files of our names that no run of ours wrote are named as such, not as "not empty", whose
+        # advice (--resume, --overwrite) both refuse for them (an audit: rank files upstream convert.py wrote)
+        check_empty(out, resume, overwrite, others)
         if share:
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
         stamps = _planned_stamps(plan, src)

@@ -316,8 +316,9 @@ def test_overwrite_never_replaces_files_with_our_names_that_no_run_of_ours_wrote
         (out / "model0-mp2.safetensors").write_bytes(b"upstream's rank file")
         args = ("shard", str(src), str(out), "--tp", "2", "--overwrite")
     before = tree(out)
-    resume = [a for a in args if a != "--overwrite"] + ["--resume"]  # an audit: --resume replaced them all
-    for command_line in ([*args], [*args, "--dry-run"], resume, [*resume, "--dry-run"]):
+    plain = [a for a in args if a != "--overwrite"]  # an audit: it said "pass --resume ... or --overwrite"
+    resume = [*plain, "--resume"]  # an audit: --resume replaced them all
+    for command_line in ([*args], [*args, "--dry-run"], resume, [*resume, "--dry-run"], plain, [*plain, "--dry-run"]):
         code, _, err = run_cli(monkeypatch, capsys, *command_line)
         assert code == 2 and "which no dsv41-convert run wrote there" in err and "not replaced" in err, err
         assert tree(out) == before
@@ -327,14 +328,16 @@ def test_overwrite_never_replaces_files_with_our_names_that_no_run_of_ours_wrote
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "tokenizer.json", "manifest.json"])
 def test_overwrite_never_replaces_side_files_no_run_of_ours_wrote(src, tmp_path, monkeypatch, capsys, command, name):
     """A folder of someone else's config, index or tokenizer (an audit): --overwrite replaced them without a
-    word, while a stranger's shard beside them was refused."""
+    word, while a stranger's shard beside them was refused. Without a flag the refusal names them too (it said
+    "not empty; pass --resume ... or --overwrite", which both refuse them)."""
     out = tmp_path / "theirs"
     out.mkdir()
     (out / name).write_text('{"mine": 1}')
     args = (
         ("export", str(src), str(out), "--format", "fp8-fp4") if command == "export" else ("shard", str(src), str(out))
     )
-    for extra in (["--overwrite"], ["--overwrite", "--dry-run"], ["--resume"], ["--resume", "--dry-run"]):
+    for extra in (["--overwrite"], ["--overwrite", "--dry-run"], ["--resume"], ["--resume", "--dry-run"], [],
+                  ["--dry-run"]):  # fmt: skip
         code, _, err = run_cli(monkeypatch, capsys, *args, *extra)
         assert code == 2 and f"holds {name}, which no dsv41-convert run wrote there" in err, err
     assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == '{"mine": 1}'
