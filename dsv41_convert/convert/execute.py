@@ -241,6 +241,39 @@ def _forget_records(out: Path, digest: str, sidecars: Sidecars | None) -> None:
         fsync_path(out)
 
 
+def _other_conversions_files(plan: ConversionPlan, out: Path) -> tuple[set[str], bool, list[str]]:
+    """-> (the plan's file names, whether they are rank files, the names in OUT of another conversion's files:
+    rank files or Hugging Face shards not of this plan, the index beside rank files or hf_config.json beside an
+    export, and their .partial files)"""
+    mine = {f.file for f in plan.files}
+    shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
+    foreign = {INDEX_NAME} if shard_plan else {HF_CONFIG}
+    others = sorted(
+        p.name
+        for p in out.iterdir()
+        if (n := p.name.removesuffix(".partial")) not in mine
+        and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
+    )
+    return mine, shard_plan, others
+
+
+def _refuse_files_not_ours(plan: ConversionPlan, out: Path) -> None:
+    """OutputError naming the files in OUT at our names (this plan's, another conversion's, the side files) that
+    no run of ours wrote: they are never removed or written over, by --overwrite or --resume. Checked before
+    "not empty", whose advice (--resume or --overwrite) both refuse for them (an audit: rank files upstream
+    convert.py wrote)."""
+    mine, _, others = _other_conversions_files(plan, out)
+    if not _a_run_of_ours_was_here(out):  # what has our names is not ours
+        ours_by_name = (*mine, *SIDE_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
+        _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
+    else:  # a file at one of this plan's names that no record of ours names is not ours either (an audit: a
+        # user's file at a shard's name, after a killed run, was written over by --resume); one of exactly the
+        # planned size is (a run of a version before 2026-12-05 killed between its rename and its record)
+        listed, size = _listed_by_our_records(out), {f.file: f.nbytes for f in plan.files}
+        _refuse_strangers(out, sorted(n for n in mine if (out / n).is_file() and not _written_by_us(out, n)
+                                      and n not in listed and (out / n).stat().st_size != size[n]))  # fmt: skip
+
+
 def _no_other_conversion(
     plan: ConversionPlan,
     out: Path,
@@ -252,28 +285,12 @@ def _no_other_conversion(
     shards and index beside rank files, or rank files and hf_config.json beside an export's shards, and
     their .partial files) is removed with its records where `remove` (--overwrite, the folder held alone),
     else an OutputError names it: left there, `check` passed it unlisted and verify loaded the wrong files.
-    Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed or written over,
-    by --overwrite or --resume: an OutputError names them. dry_run: the same refusals, nothing removed.
+    Files no run of ours wrote (no record, e.g. a downloaded checkpoint) are never removed or written over:
+    the caller refuses them first (_refuse_files_not_ours). dry_run: the same refusals, nothing removed.
     before_removing: called once the refusals are passed, before the first file is removed.
     -> the names of the other conversion's files it removed (dry_run: would remove)"""
-    mine = {f.file for f in plan.files}
-    shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
+    _, shard_plan, others = _other_conversions_files(plan, out)
     foreign = {INDEX_NAME} if shard_plan else {HF_CONFIG}
-    others = sorted(
-        p.name
-        for p in out.iterdir()
-        if (n := p.name.removesuffix(".partial")) not in mine
-        and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
-    )
-    if not _a_run_of_ours_was_here(out):  # what has our names is not ours
-        ours_by_name = (*mine, *SIDE_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
-        _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
-    else:  # a file at one of this plan's names that no record of ours names is not ours either (an audit: a
-        # user's file at a shard's name, after a killed run, was written over by --resume); one of exactly the
-        # planned size is (a run of a version before 2026-12-05 killed between its rename and its record)
-        listed, size = _listed_by_our_records(out), {f.file: f.nbytes for f in plan.files}
-        _refuse_strangers(out, sorted(n for n in mine if (out / n).is_file() and not _written_by_us(out, n)
-                                      and n not in listed and (out / n).stat().st_size != size[n]))  # fmt: skip
     if not others:
         return []
     if not remove:
@@ -445,8 +462,9 @@ def check_destination(
     if out.is_dir():
         others = _others(plan, mine, ranks)
         refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
+        _refuse_files_not_ours(plan, out)
+        check_empty(out, resume, overwrite, others)
         replaced += _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
-        check_empty(out, resume, overwrite, others)  # after it, as in execute
         if others is None:  # the folder held alone: the finished run's records go first (_forget_records)
             replaced += [MANIFEST, *records]
         if others is not None:
@@ -668,15 +686,14 @@ def execute(
         hold(out, shared=share, files=names if share else ()) as lock,
         claimed(out, plan.digest()) if share else nullcontext((None, [])) as (claim_fd, live_plans),
     ):
+        _refuse_files_not_ours(plan, out)
+        check_empty(out, resume, overwrite, others)
         if not share:
             remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
         # what says the replaced run is finished goes before any of its files: a kill in the removals left a
         # manifest (and an export's index) listing files already gone (an audit)
         forget = partial(_forget_records, out, plan.digest(), sidecars) if overwrite and not share else None
         _no_other_conversion(plan, out, overwrite and not share, before_removing=forget)
-        # after it: files of our names that no run of ours wrote are named as such, not as "not empty", whose
-        # advice (--resume, --overwrite) both refuse for them (an audit: rank files upstream convert.py wrote)
-        check_empty(out, resume, overwrite, others)
         if share:
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live_plans)
         stamps = _planned_stamps(plan, src)
