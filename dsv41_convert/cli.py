@@ -780,7 +780,10 @@ def demo_cmd(
 
 
 RepoIdArg = Annotated[str, typer.Argument(help="Hub repo id: owner/name.")]
-RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit (default: main).")]
+RevisionOpt = Annotated[
+    str | None,
+    typer.Option("--revision", parser=opts.given_revision, help="Branch, tag or commit (default: main)."),
+]
 LocalDirOpt = Annotated[
     Path | None, typer.Option("--local-dir", parser=opts.given_path, help="Put the files here, not in the HF cache.")
 ]

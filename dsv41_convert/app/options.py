@@ -62,6 +62,17 @@ def given_path(value: str | Path) -> Path:
     return Path(value)
 
 
+def given_revision(value: str) -> str:
+    """The parser of --revision: the branch, tag or commit as given, unless it is empty ("$REV" of a variable
+    left unset): that reached the Hub as a revision of no name, which answered "revision 'main' not found"
+    (main was there); offline it was checked as a revision named ''."""
+    if str(value) == "":
+        raise typer.BadParameter(
+            "'': an empty revision; give a branch, tag or commit, or leave --revision out for main"
+        )
+    return str(value)
+
+
 SrcArg = Annotated[
     Path,
     typer.Argument(

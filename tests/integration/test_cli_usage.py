@@ -57,6 +57,8 @@ USAGE_ERRORS = {
     "an empty source": (["plan", ""], "'': an empty path"),
     "an empty --local-dir": (["download", "a/b", "--local-dir", "", "--verify-only"], "'': an empty path"),
     "an empty reference file": (["verify", "a", "--reference-logits", ""], "'': an empty path"),
+    # "$REV" of an unset variable reached the Hub as a revision of no name: "revision 'main' not found (404)"
+    "an empty revision": (["download", "a/b", "--revision", "", "--verify-only"], "'': an empty revision"),
 }
 
 
