@@ -528,6 +528,7 @@ def verify_cmd(
     "equality, for `verify --reference-logits`.",
 )
 def reference_logits_cmd(
+    ctx: typer.Context,
     src: opts.LocalSrcArg,
     out: Annotated[Path, typer.Argument(parser=opts.given_path, help="Output .safetensors file.")],
     prompts: PromptsOpt = None,
@@ -688,6 +689,17 @@ def reference_logits_cmd(
     summary["weight_digests"] = sum(map(len, recorded["ranks"])) if recorded else 0  # tensors, over every rank
     experts_as = (recorded or {}).get("experts_as")  # the routed experts' tensors as the other expert dtype
     summary["weight_digests_experts_as"] = {experts_as["expert_dtype"]: len(experts_as["sha256"])} if experts_as else {}
+    unrecorded = {
+        "--weight-digests": (recorded, "they are of converted weights: an fp8 source, or --as-converted", "no weight"),
+        "--fp8-expert-digests": (
+            experts_as,
+            "they are of fp4 routed experts, with the weight digests",
+            "no fp8 expert",
+        ),
+    }
+    for flag, (got, why, what) in unrecorded.items():  # given and silently without effect: an audit
+        if opts.given_on_command_line(ctx, flag) and not got:
+            report.warn(f"{flag}: nothing recorded ({why}); verify against {out} compares {what} digests")
     if torch.device(device).type == "cuda" and tp == 1:  # this process ran the model
         summary["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
     if timings is not None:

@@ -44,6 +44,14 @@ def finite_number(least: float, most: float | None = None) -> Callable[[str], fl
     return parse
 
 
+def given_on_command_line(ctx: typer.Context, flag: str) -> bool:
+    """Whether the option whose on-form is `flag` (e.g. --weight-digests) was given as such on the command line,
+    not taken as its default."""
+    param = next(p for p in ctx.command.params if flag in p.opts)
+    source = ctx.get_parameter_source(param.name)
+    return getattr(source, "name", None) == "COMMANDLINE" and bool(ctx.params.get(param.name))
+
+
 def given_path(value: str | Path) -> Path:
     """The parser of a path argument or option: the path as given, unless it is empty, or begins with a ~ the
     shell left as it is. An empty one ("$OUT" of a variable left unset) was the current folder: shard, export,

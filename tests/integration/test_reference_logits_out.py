@@ -397,3 +397,25 @@ def test_a_window_no_memory_can_hold_is_refused_naming_the_config(src, tmp_path,
     said = f"{huge / 'config.json'}: the model's caches need"
     assert code == 2 and said in err and "text_config.sliding_window = 1000000000000" in err, err
     assert not out.exists()
+
+
+def test_a_digest_flag_given_that_records_nothing_is_warned(src, tmp_path, monkeypatch, capsys):
+    """--weight-digests given for a bf16 source without --as-converted, or --fp8-expert-digests given with
+    --no-weight-digests, recorded nothing without a word, and verify later said "weights: not recorded" (an
+    audit). Given so, each is warned; taken as the default, nothing is said."""
+    out = tmp_path / "ref.safetensors"
+    run = ["reference-logits", str(src), str(out), "--decode-steps", "1", "--overwrite"]
+    code, _, err = run_cli(monkeypatch, capsys, *run, "--no-weight-digests", "--fp8-expert-digests")
+    assert code == 0 and "warning: --fp8-expert-digests: nothing recorded (they are of fp4 routed experts" in err, err
+    assert "--weight-digests: nothing" not in err
+    for flags in ([], ["--weight-digests", "--fp8-expert-digests"]):  # recorded: nothing to say
+        code, _, err = run_cli(monkeypatch, capsys, *run, *flags)
+        assert code == 0 and "nothing recorded" not in err, err
+    bf16 = tmp_path / "bf16"
+    subprocess.run([sys.executable, "-m", "dsv41_convert.cli", "make-tiny", str(bf16), "--source-dtype", "bf16"],
+                   check=True, capture_output=True)  # fmt: skip
+    run[1] = str(bf16)
+    code, _, err = run_cli(monkeypatch, capsys, *run, "--weight-digests")
+    assert code == 0 and "warning: --weight-digests: nothing recorded (they are of converted weights" in err, err
+    code, _, err = run_cli(monkeypatch, capsys, *run)
+    assert code == 0 and "nothing recorded" not in err, err
