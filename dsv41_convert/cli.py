@@ -302,7 +302,7 @@ def shard_cmd(
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    _warn_of_a_share_without_torchrun("rank files")
+    _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
@@ -317,14 +317,17 @@ def shard_cmd(
 
 def _warn_of_a_share_without_torchrun(files: str) -> None:
     """A warning where RANK and WORLD_SIZE give this process a share but torchrun's rendezvous variables are
-    missing: variables left in the environment, not a launch, most likely (the run still writes its share)."""
+    missing: variables left in the environment, not a launch, most likely (the run still writes its share).
+    files: what is shared out ("rank files", "shards", or "--ranks rank files": a --ranks list given, which
+    the variables share out in turn)."""
     missing = torchrun.lacks_rendezvous()
     if missing:
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+        ranks_given = files.startswith("--ranks")
         report.warn(
             f"RANK={rank} and WORLD_SIZE={world} are set without {' and '.join(missing)} (torchrun sets all of "
             f"them): this process writes share {rank} of {world} of the {files} only; unset RANK and WORLD_SIZE "
-            "to write them all, or use --ranks for a share"
+            f"to write them all{'' if ranks_given else ', or use --ranks for a share'}"
         )
 
 

@@ -205,6 +205,11 @@ def test_a_share_without_torchrun_says_so(fp8_src, tmp_path, monkeypatch, capsys
     warned = "RANK=1 and WORLD_SIZE=2 are set without MASTER_ADDR and MASTER_PORT (torchrun sets all of them): this " \
         "process writes share 1 of 2 of the rank files only"  # fmt: skip
     assert (warned in err) is not launched, err
+    if not launched:  # with --ranks, the variables share out its list, and the advice is not to give it again
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(fp8_src), str(tmp_path / "out2"), "--tp", "4",
+                               "--ranks", "0,2")  # fmt: skip
+        assert code == 0 and "share 1 of 2 of the --ranks rank files only" in err and "use --ranks" not in err, err
+        assert sorted(p.name for p in (tmp_path / "out2").glob("*.safetensors")) == ["model2-mp4.safetensors"]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
