@@ -59,8 +59,8 @@ def check_out(out: Path, overwrite: bool) -> Path:
     refuse_non_folder(out, OutputError)
     out = out.resolve() if out.is_symlink() else out.absolute()
     entries = [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []
-    if entries and not overwrite:
-        raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
+    # what --overwrite refuses is refused first, without it too: "not empty; pass --overwrite" was said of a
+    # folder of a user's files or of real shards, where --overwrite then refused (an audit)
     foreign = sorted(p.name for p in entries if not _left_by_us(p))
     if foreign:
         raise OutputError(
@@ -75,6 +75,8 @@ def check_out(out: Path, overwrite: bool) -> Path:
             f"2026-12-04?); --overwrite replaces only make-tiny's own output: remove the folder yourself, or pick "
             "another"
         )
+    if entries and not overwrite:
+        raise OutputError(f"{out}: not empty; pass --overwrite to replace a checkpoint there, or pick a new folder")
     return out
 
 

@@ -266,6 +266,33 @@ def test_refuses_non_empty_out(fp8_dir, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("kind", ["foreign", "unmarked"])
+def test_without_overwrite_the_advice_is_one_overwrite_takes(fp8_dir, tmp_path, kind):
+    """A folder holding a user's file, or a copy of real shards (no mark), was refused "not empty; pass
+    --overwrite to replace a checkpoint there", and --overwrite then refused it too: without --overwrite the
+    refusal is the one --overwrite would give, and "pass --overwrite" is said only where it works."""
+    out = tmp_path / "out"
+    if kind == "foreign":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    else:
+        shutil.copytree(fp8_dir, out)
+        (out / MARK).unlink()
+    before = _listing(out)
+    with pytest.raises(OutputError) as without:
+        write_checkpoint(out, TINY, seed=1)
+    with pytest.raises(OutputError) as with_it:
+        write_checkpoint(out, TINY, seed=1, overwrite=True)
+    assert "pass --overwrite" not in str(without.value)
+    assert str(without.value) == str(with_it.value)
+    assert _listing(out) == before
+    made = tmp_path / "made"  # make-tiny's own checkpoint: --overwrite is advised, and replaces it
+    shutil.copytree(fp8_dir, made)
+    with pytest.raises(OutputError, match="not empty; pass --overwrite"):
+        write_checkpoint(made, TINY, seed=1)
+    write_checkpoint(made, TINY, seed=1, overwrite=True)
+
+
 def test_overwrite_that_fails_moving_in_says_the_old_checkpoint_is_gone(tmp_path, monkeypatch):
     """A rename that fails (EIO) while the new shards move in, after the old index and shards went: the error
     was the rename's alone (an audit), OUT holding part of a checkpoint. Now it says so and how to mend it."""
@@ -309,7 +336,7 @@ def test_cli_json_summary(tmp_path):
 
 def test_cli_errors_exit_2(tmp_path, monkeypatch, capsys):
     (tmp_path / "x").write_text("")
-    for extra, message in ([[], "not empty"], [["--overwrite", "--shards", "7"], "--shards 7"]):
+    for extra, message in ([[], "does not write (x)"], [["--overwrite", "--shards", "7"], "--shards 7"]):
         monkeypatch.setattr(sys, "argv", ["dsv41-convert", "make-tiny", str(tmp_path), *extra])
         with pytest.raises(SystemExit) as exc:
             main()
