@@ -65,10 +65,19 @@ def run_demo(
     src, out = folder / "src", folder / f"mp{tp}"
     refuse_unmakeable(src, OutputError)  # DIR a link to nothing, or a file: mkdir said only "File exists"
     if folder.exists() and any(folder.iterdir()):
+        # what --overwrite refuses is refused first, without it too: "not empty; pass --overwrite" was said of
+        # a folder of a user's files, where --overwrite then refused (an audit)
+        earlier = _earlier_demo(folder, out)
         if not overwrite:
-            raise OutputError(f"{folder}: not empty; pass --overwrite or choose another folder")
+            raise OutputError(
+                f"{folder}: not empty (an earlier demo's output); pass --overwrite to replace it, or choose another "
+                "folder"
+            )
         interrupts.check()  # one postponed since an import: the earlier demo stays (an audit: it was removed)
-        _clear_earlier_demo(folder, out)
+        for conv in earlier:
+            if conv.is_dir() and not conv.is_symlink():
+                shutil.rmtree(conv)
+        (folder / REFERENCE).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     mark = {"note": "written by `dsv41-convert demo`; its --overwrite removes only these", "wrote": [out.name]}
     (folder / MARK).write_text(json.dumps(mark) + "\n", encoding="utf-8")
@@ -97,13 +106,13 @@ def run_demo(
     return result, seconds
 
 
-def _clear_earlier_demo(folder: Path, out: Path) -> None:
-    """Remove the conversions and reference an earlier demo wrote in `folder` (its MARK lists them; src/ is
-    left to make-tiny's --overwrite, which replaces only its own files), after checking that none holds a file
-    shard does not write, that `out` (this run's conversion) is absent or one of them, and that src/ is no
-    link: --overwrite removed every mp<N>/ with shard's records (a user's own conversion too) and src/ with
-    whatever was in it, and wrote through a src/ link (audits); and that the reference's name is no folder. Nothing
-    is removed where something is refused."""
+def _earlier_demo(folder: Path, out: Path) -> list[Path]:
+    """The conversions an earlier demo wrote in `folder` (its MARK lists them), which --overwrite removes with
+    its reference (src/ is left to make-tiny's --overwrite, which replaces only its own files), once checked:
+    OutputError unless none holds a file shard does not write, `out` (this run's conversion) is absent or one
+    of them, src/ is no link and holds only make-tiny's files, and the reference's name is no folder:
+    --overwrite removed every mp<N>/ with shard's records (a user's own conversion too) and src/ with whatever
+    was in it, and wrote through a src/ link (audits). Removes nothing."""
     from dsv41_convert.convert.execute import shard_writes
     from dsv41_convert.synth.staged import check_out
 
@@ -145,7 +154,4 @@ def _clear_earlier_demo(folder: Path, out: Path) -> None:
             f"{ref}: a folder, where the demo writes its reference file; --overwrite replaces only its own output: "
             "move it, or choose another folder"
         )
-    for conv in conversions:
-        if conv.is_dir() and not conv.is_symlink():
-            shutil.rmtree(conv)
-    (folder / REFERENCE).unlink(missing_ok=True)
+    return conversions

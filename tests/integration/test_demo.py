@@ -135,6 +135,6 @@ def test_demo_in_a_launch_of_one_process_is_not_refused_as_torchrun(tmp_path, mo
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "notes.txt").write_text("mine")
     code, out, err = run_cli(monkeypatch, capsys, "demo", str(tmp_path / "demo"))
-    assert code == 2 and f"{tmp_path / 'demo'}: not empty; pass --overwrite" in err, err
+    assert code == 2 and f"{tmp_path / 'demo'}: not a folder an earlier demo wrote" in err, err
     assert "torchrun" not in err and out == ""
     assert [p.name for p in (tmp_path / "demo").iterdir()] == ["notes.txt"]

@@ -179,7 +179,9 @@ def test_demo_overwrite_replaces_only_a_folder_a_demo_wrote(tmp_path, monkeypatc
     (proj / "src" / "mypkg" / "code.py").write_text("print(1)\n")
     before = tree(proj)
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(proj), "--tp", "2")
-    assert code == 2 and "not empty" in err
+    # it said "not empty; pass --overwrite", which then refused the folder (an audit): the refusal --overwrite
+    # gives is given without it too
+    assert code == 2 and "not a folder an earlier demo wrote" in err and "pass --overwrite" not in err, err
     code, doc, err = run_cli(monkeypatch, capsys, "demo", str(proj), "--tp", "2", "--overwrite", "--json")
     assert code == 2 and "not a folder an earlier demo wrote" in err, err
     assert json.loads(doc)["exit_code"] == 2
@@ -191,6 +193,8 @@ def test_demo_overwrite_keeps_a_users_folder_beside_its_output(tmp_path, monkeyp
     mp2/); now only the conversions the demo wrote (shard's records in them)."""
     demo = tmp_path / "demo"
     assert run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1")[0] == 0
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1")
+    assert code == 2 and "an earlier demo's output); pass --overwrite" in err, err  # as it advises, below
     (demo / "mp3").mkdir()
     (demo / "mp3" / "x").write_text("mine\n")
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "4", "--threads", "1", "--overwrite")
@@ -218,6 +222,8 @@ def test_demo_overwrite_removes_only_what_the_demo_wrote(tmp_path, monkeypatch, 
     # removed mp2/ and the reference, then failed at its shard step, its mark naming mp4/ for the next one)
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "4", "--threads", "1", "--overwrite")
     assert code == 2 and "mp4: not a conversion an earlier demo wrote" in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "4", "--threads", "1")
+    assert code == 2 and "mp4: not a conversion an earlier demo wrote" in err and "pass --overwrite" not in err, err
     assert tree(demo) == before
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1", "--overwrite")
     assert code == 0, err
