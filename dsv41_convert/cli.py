@@ -147,16 +147,15 @@ def _local_source(src: Path, tp: int | None = None) -> Path:
         return src
     from dsv41_convert.config import load_model_args
     from dsv41_convert.convert.tp import check_tp
-    from dsv41_convert.hub.download import resolve_source, source_repo_ref
+    from dsv41_convert.hub.download import download_command, resolve_source, source_repo_ref
 
     repo_id, revision = source_repo_ref(src)  # neither a folder nor a repo id: said before a download starts
     if torchrun.shared_rank() is not None:
         from dsv41_convert.errors import DownloadError
 
-        pinned = f" --revision {revision}" if revision else ""
         raise DownloadError(
             f"{src}: a Hub repo id as SRC under torchrun: every process would download and hash the whole "
-            f"checkpoint; download it once first (`dsv41-convert download {repo_id}{pinned} --local-dir DIR`), "
+            f"checkpoint; download it once first (`{download_command(repo_id, revision, '--local-dir', 'DIR')}`), "
             "then give DIR as SRC"
         )
 

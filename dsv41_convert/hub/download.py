@@ -107,6 +107,13 @@ def source_repo_ref(src: str | Path) -> tuple[str, str | None]:
     return ref
 
 
+def download_command(repo_id: str, revision: str | None, *options: str) -> str:
+    """The `dsv41-convert download` command line that fetches `repo_id` at `revision` (None: main), as advice:
+    an owner/name@rev SRC advised a download without --revision, which fetched main."""
+    pinned = ("--revision", revision) if revision else ()
+    return " ".join(("dsv41-convert download", repo_id, *pinned, *options))
+
+
 def resolve_source(
     src: str | Path,
     *,
@@ -136,7 +143,7 @@ def resolve_source(
     except NotCached as exc:  # download's advice names its --local-dir, which this command has not
         raise DownloadError(
             f"{src}: no such folder; as a Hub repo id: {exc.where}; download it first "
-            f"(`dsv41-convert download {ref[0]}`), or give the downloaded folder as SRC"
+            f"(`{download_command(*ref)}`), or give the downloaded folder as SRC"
         ) from exc
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc

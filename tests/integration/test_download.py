@@ -347,6 +347,11 @@ def test_offline_source_not_cached_advises_what_the_command_takes(tmp_path, monk
     assert f"`dsv41-convert download {REPO}`" in said and "as SRC" in said and "--local-dir" not in said
     with pytest.raises(DownloadError, match=r"not in the HF cache .*; download it first, or give the folder with"):
         dl.download(REPO, cache_dir=cache)
+    # owner/name@rev: the advised download is of that revision (it named none: `download` fetched main, and the
+    # folder it advised giving as SRC was main's, not the revision asked for)
+    with pytest.raises(DownloadError) as raised:
+        dl.resolve_source(f"{REPO}@v2", cache_dir=cache)
+    assert f"`dsv41-convert download {REPO} --revision v2`" in str(raised.value)
 
 
 def test_offline_download_refuses_overwrite_it_would_ignore(hub, tmp_path, monkeypatch):
