@@ -77,12 +77,18 @@ def read_prompts(
     if prompts_file is None:
         return default_prompts(bound)
     prompts = load_prompts(prompts_file, tokenizer_json, bound, bound_by)
-    placed = [p.origin or p.label for p in prompts if args.image_token_id in p.input_ids]
+    placed = [p for p in prompts if args.image_token_id in p.input_ids]
     if placed:  # it ran as a text token, and beside "image" was "2 image placeholders, got 1 images" (an audit)
+        # an image goes with a text prompt only (load_prompts): input_ids told to add "image" were refused next
+        advice = (
+            'give the image as "image" (its span goes after the text) and take the placeholder out'
+            if placed[0].text is not None
+            else 'an image goes with a text prompt, not with input_ids: give the prompt as "text" without the '
+            'placeholder and the image as "image" (its span goes after the text), or take the placeholder out'
+        )
         raise VerifyInputError(
-            f"{placed[0]}: holds token id {args.image_token_id}, config.json's image_token_id (the image "
-            'placeholder), which only an image span holds: give the image as "image" (its span goes after the '
-            "text) and take the placeholder out"
+            f"{placed[0].origin or placed[0].label}: holds token id {args.image_token_id}, config.json's "
+            f"image_token_id (the image placeholder), which only an image span holds: {advice}"
         )
     fixed = [p.origin or p.label for p in prompts if p.decode_ids is not None]
     if fixed and not feeds_decode_ids:

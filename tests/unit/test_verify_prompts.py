@@ -232,3 +232,25 @@ def test_a_utf8_prompt_file_reads_the_same_under_an_ascii_locale(tmp_path):
     utf8 = subprocess.run([sys.executable, "-c", read, *args], capture_output=True, text=True, env=env)
     assert ascii_locale.returncode == 0 and utf8.returncode == 0, ascii_locale.stderr + utf8.stderr
     assert ascii_locale.stdout == utf8.stdout and "\\xe9" in utf8.stdout
+
+
+def test_a_placeholder_in_input_ids_is_told_what_takes_an_image(tmp_path):
+    """A prompt holding image_token_id was told 'give the image as "image" ... and take the placeholder out';
+    for an input_ids prompt that advice was refused next ("image goes with a text prompt, not with input_ids").
+    The advice now fits the prompt: input_ids are told to become text; a text keeps the former advice."""
+    from dsv41_convert.config import ModelArgs
+    from dsv41_convert.synth.presets import PRESETS, hf_config
+    from dsv41_convert.verify.reference import read_prompts
+
+    args = ModelArgs.from_hf_dict(hf_config(PRESETS["tiny"], compressed_vocab_size=1))
+    ph = args.image_token_id
+    tok = build_tokenizer(args.vocab_size)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"input_ids": [5, ph, 7]}) + "\n")
+    with pytest.raises(VerifyInputError) as said:
+        read_prompts(path, tmp_path / "tokenizer.json", args)
+    assert 'give the prompt as "text"' in str(said.value) and "with input_ids" in str(said.value)
+    path.write_text(json.dumps({"text": "hello " + tok.id_to_token(ph)}) + "\n")
+    with pytest.raises(VerifyInputError, match=r'give the image as "image" \(its span goes after the text\)'):
+        read_prompts(path, tmp_path / "tokenizer.json", args)
