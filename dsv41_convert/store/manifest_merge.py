@@ -165,9 +165,13 @@ def import_fragments(out: Path, plan_digest: str) -> list[str]:
     recorded = []
     for name, frag in read_fragments(out).items():
         if frag.get("plan_digest") != plan_digest:
+            # its rank files go with it: the fragment alone removed, they were refused next as no run's of ours
+            theirs = [f for f in sorted(frag["files"]) if (out / f).exists()]
+            with_them = f" and the rank files it lists ({first_few(theirs)})" if theirs else ""
             raise OutputError(
                 f"{out / name}: a fragment from a run with other options or another source (plan digest "
-                f"{str(frag.get('plan_digest'))[:12]}, now {plan_digest[:12]}); remove it or use --overwrite"
+                f"{str(frag.get('plan_digest'))[:12]}, now {plan_digest[:12]}); remove it{with_them}, or use "
+                "--overwrite"
             )
         listed = {}
         for file, rec in frag["files"].items():

@@ -211,6 +211,24 @@ def test_mixed_plans_are_an_error(runs, tmp_path, monkeypatch, capsys):
     assert not (g / "manifest.json").exists()
 
 
+def test_resume_beside_a_fragment_of_another_plan_says_what_to_remove(runs, tmp_path):
+    """`shard --resume` in a gathered folder holding a share of another plan said "remove it [the fragment] or
+    use --overwrite"; removed as told, the share's rank files were then refused as files no run of ours wrote
+    ("remove them yourself"). The advice names them too, and followed, the resume finishes the conversion."""
+    g = _gather(tmp_path / "g", runs["a"], runs["b_fp8"])
+    plan = build_plan(runs["src"], 4)
+    with pytest.raises(OutputError) as refused:
+        execute(plan, g, resume=True)
+    said = str(refused.value)
+    assert "manifest-fragment-mp4-r1_2.json: a fragment from a run with other options" in said, said
+    assert "model1-mp4.safetensors, model2-mp4.safetensors" in said, said
+    for name in ("manifest-fragment-mp4-r1_2.json", "model1-mp4.safetensors", "model2-mp4.safetensors"):
+        (g / name).unlink()  # as it says
+    summary = execute(plan, g, resume=True)
+    assert summary["written"] == ["model1-mp4.safetensors", "model2-mp4.safetensors"] and summary["manifest"]
+    assert _files(g) == _files(runs["full"])
+
+
 def test_a_fragment_that_is_a_fifo_is_refused_not_waited_on(runs, tmp_path):
     """A FIFO at a fragment's name: read whole, it blocks until a writer comes (the reads of the session's other
     FIFO audits); merge refuses it, naming it."""
