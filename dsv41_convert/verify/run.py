@@ -255,9 +255,10 @@ def _verify_ranks(
         if src_args.expert_dtype == "fp8" and conv_args.expert_dtype == "fp4":  # before minutes of reference
             raise VerifyInputError(
                 f"{src}: its routed experts are fp8 (an `export --format fp8` checkpoint) and {conv}'s are fp4: "
-                "no conversion of it holds these rank files; verify against the source they were made from, or "
-                "`export --format fp8-fp4` it first"
-            )
+                "no conversion of it holds these rank files; verify against the source they were made from (an "
+                "`export --format fp8-fp4` of this one holds its values, not the fp4 source's bytes: the fp4 -> "
+                "fp8 cast wrote e2m1 -0 as +0, and verify compares bytes)"
+            )  # it advised that export, and verify then FAILED a correct conversion against it (an audit)
         tokenizer = conv / "tokenizer.json"
         prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
         n_decode = DEFAULT_DECODE_STEPS if opts.n_decode is None else opts.n_decode

@@ -563,7 +563,15 @@ def test_verify_against_a_source_with_fp8_experts_is_refused_before_the_referenc
 
     monkeypatch.setattr("dsv41_convert.verify.run.compute_reference", no_compute)
     code, _, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference", str(fp8))
-    assert_clean_error(code, err, f"{fp8}: its routed experts are fp8", "export --format fp8-fp4")
+    assert_clean_error(code, err, f"{fp8}: its routed experts are fp8", "the source they were made from")
+    # it also advised "or `export --format fp8-fp4` it first": that export holds the source's values, not its
+    # bytes (the fp4 -> fp8 cast writes e2m1 -0 as +0), so verify against it FAILED this correct conversion
+    assert "it first" not in err, err
+    monkeypatch.undo()
+    back = tmp_path / "fp8-fp4"
+    subprocess.run([*CLI, "export", str(fp8), str(back), "--format", "fp8-fp4"], check=True, capture_output=True)
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference", str(back))
+    assert code == 1 and "twin weights" in out, out + err
 
 
 def test_an_edited_config_of_the_rank_files_is_named_not_the_reference(sharded, tmp_path, monkeypatch, capsys):
