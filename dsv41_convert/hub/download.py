@@ -145,6 +145,11 @@ def resolve_source(
             f"{src}: no such folder; as a Hub repo id: {exc.where}; download it first "
             f"(`{download_command(*ref)}`), or give the downloaded folder as SRC"
         ) from exc
+    except NoRoom as exc:  # the same: "pick --local-dir" was a usage error here
+        raise DownloadError(
+            f"{src}: no such folder; as a Hub repo id: {exc.where}; free space, or download it onto a larger disk "
+            f"(`{download_command(*ref, '--local-dir', 'DIR')}`) and give DIR as SRC"
+        ) from exc
     except DownloadError as exc:
         raise DownloadError(f"{src}: no such folder; as a Hub repo id: {exc}") from exc
     return _checked_out(ref[0], report).folder
@@ -632,7 +637,14 @@ def _check_space(folder: Path, need: int, held: int, repo_id: str) -> None:
         counts = [need, free, need - held - free] + ([held] if held else [])
         need_said, free_said, short_said, *held_said = byte_amounts(*counts)
         have = f" ({held_said[0]} of them already in partial files)" if held else ""
-        raise DownloadError(
-            f"{repo_id}: {need_said} to download into {folder}{have}, but only {free_said} free there, {short_said} "
-            "short; free space or pick --local-dir on a larger disk"
-        )
+        raise NoRoom(f"{repo_id}: {need_said} to download into {folder}{have}, but only {free_said} free there, "
+                     f"{short_said} short")  # fmt: skip
+
+
+class NoRoom(DownloadError):
+    """Too little disk for the download, said before it starts; `where` says so without the advice, which
+    depends on the command (download's --local-dir, another command's SRC), as local.NotCached."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"{where}; free space or pick --local-dir on a larger disk")
+        self.where = where

@@ -251,6 +251,20 @@ def test_disk_full_before_start(hub, tmp_path, monkeypatch):
     assert not (tmp_path / "local").exists()
 
 
+def test_disk_full_before_start_of_a_source_advises_what_the_command_takes(hub, tmp_path, monkeypatch):
+    """`plan owner/name` (shard, export) with too little disk for the download advised "pick --local-dir on a
+    larger disk", an option of `download` that these commands do not have (a usage error): they are told to
+    download it onto a larger disk and give that folder as SRC; `download` keeps its advice."""
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 100})())
+    with pytest.raises(DownloadError) as raised:
+        dl.resolve_source(REPO, endpoint=hub.url)
+    said = str(raised.value)
+    assert "only 100 bytes free there" in said and "pick --local-dir" not in said, said
+    assert f"`dsv41-convert download {REPO} --local-dir DIR`" in said and "give DIR as SRC" in said, said
+    with pytest.raises(DownloadError, match="short; free space or pick --local-dir on a larger disk"):
+        fetch(hub, tmp_path)
+
+
 def test_the_checks_said_are_the_checks_made(hub, tmp_path):
     """`--include "*.safetensors"` reported the index and whole-checkpoint checks, which need config.json and
     the index (an audit)."""
