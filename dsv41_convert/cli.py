@@ -301,7 +301,7 @@ def shard_cmd(
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files")
+    _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files", rank_list is None)
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
@@ -314,19 +314,19 @@ def shard_cmd(
         report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
 
 
-def _warn_of_a_share_without_torchrun(files: str) -> None:
+def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:
     """A warning where RANK and WORLD_SIZE give this process a share but torchrun's rendezvous variables are
     missing: variables left in the environment, not a launch, most likely (the run still writes its share).
     files: what is shared out ("rank files", "shards", or "--ranks rank files": a --ranks list given, which
-    the variables share out in turn)."""
+    the variables share out in turn). advise_ranks: --ranks is the way to a share (shard without it; export
+    has none: advised there, it was a usage error)."""
     missing = torchrun.lacks_rendezvous()
     if missing:
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
-        ranks_given = files.startswith("--ranks")
         report.warn(
             f"RANK={rank} and WORLD_SIZE={world} are set without {' and '.join(missing)} (torchrun sets all of "
             f"them): this process writes share {rank} of {world} of the {files} only; unset RANK and WORLD_SIZE "
-            f"to write them all{'' if ranks_given else ', or use --ranks for a share'}"
+            f"to write them all{', or use --ranks for a share' if advise_ranks else ''}"
         )
 
 
@@ -969,7 +969,7 @@ def export_cmd(
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    _warn_of_a_share_without_torchrun("shards")
+    _warn_of_a_share_without_torchrun("shards", False)
     others = not_carried(Path(ep.plan.src))
     if others:
         report.warn(

@@ -218,6 +218,7 @@ def test_torchrun_shares_of_an_export_finish_in_one_folder_or_gathered(ckpts, tm
                 assert "manifest: pending (not every shard is done yet)" in err and "fragment: " in err, err
                 assert f"`dsv41-convert export SRC OUT --format {fmt} --resume`" in err
                 assert "are set without MASTER_ADDR and MASTER_PORT" in err  # not a torchrun launch: warned
+                assert "--ranks" not in err  # export has no --ranks (the warning advised it: a usage error)
                 assert not (out / "config.json").exists() and not (out / "model.safetensors.index.json").exists()
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
