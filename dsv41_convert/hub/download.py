@@ -55,6 +55,7 @@ from dsv41_convert.hub.fetch import (
     remove_file,
     xet_refusal,
 )
+from dsv41_convert.hub.hub_errors import NoRoom
 from dsv41_convert.hub.integrity import (
     EVERY_FILE,
     Problem,
@@ -639,12 +640,3 @@ def _check_space(folder: Path, need: int, held: int, repo_id: str) -> None:
         have = f" ({held_said[0]} of them already in partial files)" if held else ""
         raise NoRoom(f"{repo_id}: {need_said} to download into {folder}{have}, but only {free_said} free there, "
                      f"{short_said} short")  # fmt: skip
-
-
-class NoRoom(DownloadError):
-    """Too little disk for the download, said before it starts; `where` says so without the advice, which
-    depends on the command (download's --local-dir, another command's SRC), as local.NotCached."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(f"{where}; free space or pick --local-dir on a larger disk")
-        self.where = where

@@ -82,6 +82,16 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+class NoRoom(DownloadError):
+    """Too little disk for the download, said before it starts or on ENOSPC while it writes; `where` says so
+    without the advice, which depends on the command (download's --local-dir, another command's SRC: it has
+    no --local-dir), as local.NotCached."""
+
+    def __init__(self, where: str, then: str = "") -> None:
+        super().__init__(f"{where}; free space or pick --local-dir on a larger disk{then}")
+        self.where = where
+
+
 def hub_error(
     exc: BaseException,
     *,
@@ -95,9 +105,9 @@ def hub_error(
     where = f"{repo_id}@{revision}" + (f": {path}" if path else "")
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return DownloadError(
-                f"{where}: disk full while writing into {folder or 'the HF cache'} (ENOSPC); "
-                "free space or pick --local-dir on a larger disk, then rerun: finished files are kept"
+            return NoRoom(
+                f"{where}: disk full while writing into {folder or 'the HF cache'} (ENOSPC)",
+                ", then rerun: finished files are kept",
             )
     for e in _chain(exc):
         if isinstance(e, OfflineModeIsEnabled):

@@ -302,6 +302,21 @@ def test_disk_full_during_transfer(hub, tmp_path, monkeypatch, in_cache):
         fetch(hub, tmp_path, **kw)
 
 
+def test_disk_full_during_the_download_of_a_source_advises_what_the_command_takes(hub, tmp_path, monkeypatch):
+    """As before the start (above): a disk that fills while `plan owner/name` (shard, export) downloads into the
+    HF cache advised "pick --local-dir on a larger disk", an option these commands lack (an audit)."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hub_fetch, "hf_hub_download", full)
+    with pytest.raises(DownloadError) as raised:
+        dl.resolve_source(REPO, endpoint=hub.url, cache_dir=tmp_path / "cache")
+    said = str(raised.value)
+    assert "disk full while writing into" in said and "(ENOSPC)" in said and "pick --local-dir" not in said, said
+    assert f"`dsv41-convert download {REPO} --local-dir DIR`" in said and "give DIR as SRC" in said, said
+
+
 @pytest.mark.parametrize("in_cache", [False, True])
 def test_disk_full_mid_download_is_said_so_when_the_record_cannot_be_saved_either(hub, tmp_path, monkeypatch, in_cache):
     """A disk that fills up after some files were placed: the record naming them could not be saved either
