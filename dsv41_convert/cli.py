@@ -591,7 +591,7 @@ def reference_logits_cmd(
     from dsv41_convert.store.manifest import remove_stale_temporaries, temporary_stem
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads
-    from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts
+    from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts, records_weight_digests
 
     backend_for(device)
     threads = threads or default_threads(tp)
@@ -621,8 +621,12 @@ def reference_logits_cmd(
         check_tp(args, tp, str(src / "config.json"))
         check_world(tp)
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
+    digested = weight_digests and records_weight_digests(src, args, as_converted, stream_layers)
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
-        report.warn(f"no prompt runs it, so verify against {out} cannot check it: {part}")
+        # verify compares the bytes of what the file records the digests of (a changed one fails), as its
+        # report says (`no prompt runs it (its weights compared byte for byte)`); it said `cannot check it`
+        checked = "compares only its weights' bytes, not what it computes" if digested else "cannot check it"
+        report.warn(f"no prompt runs it, so verify against {out} {checked}: {part}")
     if stream_layers:
         from dsv41_convert.verify.streamed import unfed_decode_ids
 

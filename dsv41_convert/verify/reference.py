@@ -156,6 +156,19 @@ def _recorded(device: str) -> dict:
     }
 
 
+def records_weight_digests(src: Path, args: ModelArgs, as_converted: bool, stream_layers: bool) -> bool:
+    """Whether `reference-logits SRC` (with --weight-digests) records the sha256 of the weights it runs, so
+    that verify compares every weight byte for byte, also those no prompt reaches: converted weights only (an
+    fp8 source, args.dtype "fp8" as ConversionPlan.source_format, or --as-converted), and with --stream-layers
+    not of a folder of rank files (their own tp-1 replay: streamed.compute_streamed_reference records none).
+    Known before the compute, from SRC's config.json (`args`) and file names."""
+    if stream_layers:
+        from dsv41_convert.verify.rank_weights import rank_file_tp
+
+        return args.dtype == "fp8" and rank_file_tp(src) is None
+    return args.dtype == "fp8" or as_converted
+
+
 @dataclass
 class RankReferenceJob:
     src: str

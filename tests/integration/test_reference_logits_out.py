@@ -181,8 +181,11 @@ def test_an_image_that_is_no_image_is_named_by_file_and_line(src, tmp_path, monk
 
 
 def test_no_image_prompt_for_a_vision_tower_is_warned_before_the_compute(src, tmp_path, monkeypatch, capsys):
-    """The default prompts are text: verify against the file could never check the vision tower (it reports
-    `unreached`); said here too, before the compute, while the prompts can still change."""
+    """The default prompts are text: verify against the file never checks what the vision tower computes (it
+    reports `unreached`); said here too, before the compute, while the prompts can still change. Where the
+    file records the weights' digests (an fp8 source) verify compares the tower's bytes and fails a changed one
+    (test_verify_matrix.py::test_vision_prompt_passes_by_replay_and_a_vision_fault_fails): the warning said
+    `cannot check it` there too."""
     out = tmp_path / "ref.safetensors"
     for json_flag in ([], ["--json"]):  # with --json too: on stderr, beside the document (it said nothing)
         with monkeypatch.context() as m:
@@ -190,7 +193,17 @@ def test_no_image_prompt_for_a_vision_tower_is_warned_before_the_compute(src, tm
             with pytest.raises(AssertionError, match="before the compute"):
                 run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), *json_flag)
         err = capsys.readouterr().err
-        assert f"warning: no prompt runs it, so verify against {out} cannot check it: vision tower and aligner" in err
+        assert (
+            f"warning: no prompt runs it, so verify against {out} compares only its weights' bytes, not what it "
+            "computes: vision tower and aligner" in err
+        )
+        assert "cannot check it" not in err
+    with monkeypatch.context() as m:  # no digests recorded: verify then reports it `not checked`
+        m.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+        with pytest.raises(AssertionError, match="before the compute"):
+            run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--no-weight-digests")
+    err = capsys.readouterr().err
+    assert f"warning: no prompt runs it, so verify against {out} cannot check it: vision tower and aligner" in err
     from PIL import Image
 
     Image.new("RGB", (64, 48), (90, 40, 200)).save(tmp_path / "a.png")
