@@ -331,12 +331,15 @@ def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:
 
 
 def _warn_without_tokenizer(folder: Path, then: str) -> None:
-    """A warning where `folder` has no tokenizer.json: the rank files are complete without it, but the model
-    is not (Engram's hashes and text prompts read it)."""
+    """A warning where `folder` (SRC of shard and export, OUT of manifest) has no tokenizer.json: the rank
+    files are complete without it, but the model is not (Engram's hashes and text prompts read it). The advice
+    is what lists it in OUT's manifest.json: "beside the weights", a tokenizer.json put beside the rank files
+    was left unchecked by `check` and refused by `manifest` (no share recorded it)."""
     if not (folder / "tokenizer.json").is_file():
         report.warn(
             f"{folder}: no tokenizer.json, {then}; verify and inference need the checkpoint's own "
-            "(Engram's hashes, text prompts): put the model's tokenizer.json beside the weights"
+            "(Engram's hashes, text prompts): put the model's tokenizer.json in SRC and convert into OUT again "
+            "with --resume (it copies it and lists it in manifest.json)"
         )
 
 

@@ -398,6 +398,30 @@ def test_a_source_without_a_tokenizer_is_said_and_verify_names_what_is_missing(s
     assert_clean_error(code, err, f"{bare / 'tokenizer.json'}: not found; this model has Engram layers")
 
 
+def test_the_advice_for_a_missing_tokenizer_lists_it_when_followed(src, tmp_path, monkeypatch, capsys):
+    """`manifest OUT` of shares converted from a source without tokenizer.json advised "put the model's
+    tokenizer.json beside the weights": put beside the rank files, `manifest OUT` then refused it (exit 2, "no
+    fragment records it (no share wrote it)") and `check` left it unchecked. The advice (shard's and export's
+    too) is what lists it: the tokenizer in SRC, the conversion into OUT again with --resume."""
+    bare = copy_of(src, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, rank in ((a, "0"), (b, "1")):
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(bare), str(out), "--tp", "2", "--ranks", rank)
+        assert code == 0, err
+    for name in ("model1-mp2.safetensors", "manifest-fragment-mp2-r1.json"):
+        (a / name).write_bytes((b / name).read_bytes())
+    code, _, err = run_cli(monkeypatch, capsys, "manifest", str(a))
+    advice = "put the model's tokenizer.json in SRC and convert into OUT again with --resume"
+    assert code == 0 and f"warning: {a}: no tokenizer.json, so the manifest lists none" in err and advice in err, err
+    (bare / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())  # as advised
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(bare), str(a), "--tp", "2", "--resume")
+    assert code == 0 and "warning" not in err, err
+    assert "tokenizer.json" in json.loads((a / "manifest.json").read_text())["files"]
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(a))
+    assert code == 0 and "not checked" not in err, err
+
+
 def test_an_unreadable_tokenizer_is_named(src, tmp_path, monkeypatch, capsys):
     bad = copy_of(src, tmp_path / "bad")
     (bad / "tokenizer.json").write_text("{not json")
