@@ -972,17 +972,17 @@ def export_cmd(
 
     ep = build_export_plan(_local_source(src), fmt)
     _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")  # a dry run's too
+    others = not_carried(Path(ep.plan.src))
+    if others:  # a dry run's too (it said nothing of them)
+        report.warn(
+            f"{ep.plan.src}: not carried into {out}: {', '.join(others)} (export writes the weights, config.json, "
+            "the index and the tokenizer files); copy them if the weight set needs them"
+        )
     if dry_run:
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     _warn_of_a_share_without_torchrun("shards", False)
-    others = not_carried(Path(ep.plan.src))
-    if others:
-        report.warn(
-            f"{ep.plan.src}: not carried into {out}: {', '.join(others)} (export writes the weights, config.json, "
-            "the index and the tokenizer files); copy them if the weight set needs them"
-        )
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
         summary = export(
             ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,

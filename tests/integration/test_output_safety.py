@@ -420,6 +420,11 @@ def test_export_names_the_source_files_it_does_not_carry(src, tmp_path, monkeypa
     named = "chat_template.jinja, encoding/, generation_config.json"
     assert code == 0 and f"{source}: not carried into {tmp_path / 'b'}: {named}" in " ".join(err.split()), err
     assert json.loads(out)["not_carried"] == ["chat_template.jinja", "encoding/", "generation_config.json"]
+    # the dry run said nothing of them (it warns of a missing tokenizer.json, as the run does)
+    code, out, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "d"), "--format", "fp8",
+                             "--dry-run")  # fmt: skip
+    assert code == 0 and f"{source}: not carried into {tmp_path / 'd'}: {named}" in " ".join(err.split()), err
+    assert not (tmp_path / "d").exists()
     # an earlier export as SRC: its manifest.json is a record of its own files, not one to carry (copied
     # into OUT as the warning said, it made `check OUT` fail)
     code, out, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "b"), str(tmp_path / "c"), "--format",
