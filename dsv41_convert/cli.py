@@ -972,7 +972,8 @@ def export_cmd(
 
     ep = build_export_plan(_local_source(src), fmt)
     _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")  # a dry run's too
-    others = not_carried(Path(ep.plan.src))
+    # what OUT lacks of them: copied in as the warning advises, a --resume named them again (an audit)
+    others = [name for name in not_carried(Path(ep.plan.src)) if not (out / name).exists()]
     if others:  # a dry run's too (it said nothing of them)
         report.warn(
             f"{ep.plan.src}: not carried into {out}: {', '.join(others)} (export writes the weights, config.json, "

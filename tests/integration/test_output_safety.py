@@ -431,6 +431,13 @@ def test_export_names_the_source_files_it_does_not_carry(src, tmp_path, monkeypa
                              "bf16", "--json")  # fmt: skip
     assert code == 0 and (tmp_path / "b" / "manifest.json").is_file(), err
     assert json.loads(out)["not_carried"] == [] and "not carried" not in err
+    # copied into OUT as advised, a --resume names only what OUT still lacks (it named them all again)
+    shutil.copy(source / "generation_config.json", tmp_path / "a")
+    shutil.copytree(source / "encoding", tmp_path / "a" / "encoding")
+    code, out, err = run_cli(monkeypatch, capsys, "export", str(source), str(tmp_path / "a"), "--format", "fp8",
+                             "--resume", "--json")  # fmt: skip
+    assert code == 0 and f"not carried into {tmp_path / 'a'}: chat_template.jinja (" in " ".join(err.split()), err
+    assert json.loads(out)["not_carried"] == ["chat_template.jinja"]
 
 
 def test_a_folder_copied_without_its_records_is_still_ours_by_its_manifest(src, tmp_path, monkeypatch, capsys):
