@@ -354,7 +354,10 @@ def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None
         report.print_json(summary)
         return
     if summary.get("nothing_to_write"):
-        report.info(f"no {files} in this share (more processes than {files}): the other shares write them all")
+        if torchrun.lacks_rendezvous():  # no launch (the share warning above): no other share runs (it said so)
+            report.info(f"no {files} in this share, so none written: without torchrun no other share writes them")
+        else:
+            report.info(f"no {files} in this share (more processes than {files}): the other shares write them all")
         return
     report.info(
         f"wrote {len(summary['written'])} {files}, {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "

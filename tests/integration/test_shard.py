@@ -210,6 +210,11 @@ def test_a_share_without_torchrun_says_so(fp8_src, tmp_path, monkeypatch, capsys
                                "--ranks", "0,2")  # fmt: skip
         assert code == 0 and "share 1 of 2 of the --ranks rank files only" in err and "use --ranks" not in err, err
         assert sorted(p.name for p in (tmp_path / "out2").glob("*.safetensors")) == ["model2-mp4.safetensors"]
+        monkeypatch.setenv("RANK", "3")  # a share of no file: no other share writes them either (it said they do)
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        code, _, err = run_cli(monkeypatch, capsys, "shard", str(fp8_src), str(tmp_path / "out3"), "--tp", "2")
+        assert code == 0 and "none written: without torchrun no other share writes them" in " ".join(err.split()), err
+        assert "the other shares write them all" not in err and not (tmp_path / "out3").exists()
 
 
 @pytest.mark.parametrize("workers", [1, 2])
