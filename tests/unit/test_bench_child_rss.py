@@ -4,6 +4,7 @@ e.g. `verify` after a larger `reference-logits` on a fresh WORK."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,9 +27,11 @@ def bench_verify_stream(monkeypatch):
 
 
 def test_a_smaller_run_after_a_larger_one_gets_its_own_peak(bench_verify_stream):
-    # sizes above this process's RSS: Linux counts the parent's resident pages at the child's exec in its peak
-    _, doc, big = bench_verify_stream.timed("480")
-    _, _, small = bench_verify_stream.timed("320")
+    # sizes above this process's RSS (over 1 GiB late in a whole test run): Linux counts the parent's resident
+    # pages at the child's exec in its peak
+    here = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20  # MiB
+    _, doc, big = bench_verify_stream.timed(str(here + 480))
+    _, _, small = bench_verify_stream.timed(str(here + 320))
     assert doc == {}
-    assert big > 480 / 1024
-    assert 320 / 1024 < small < big  # its own peak, not nan and not the earlier child's
+    assert big > (here + 480) / 1024
+    assert (here + 320) / 1024 < small < big  # its own peak, not nan and not the earlier child's
