@@ -204,6 +204,16 @@ def test_no_image_prompt_for_a_vision_tower_is_warned_before_the_compute(src, tm
             run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--no-weight-digests")
     err = capsys.readouterr().err
     assert f"warning: no prompt runs it, so verify against {out} cannot check it: vision tower and aligner" in err
+    # --stream-layers: of the fp8 source it records the digests; of a folder of rank files (their tp-1 replay) none
+    mp1 = tmp_path / "mp1"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(mp1), "--tp", "1")[0] == 0
+    for folder, said in ((src, "compares only its weights' bytes"), (mp1, "cannot check it")):
+        with monkeypatch.context() as m:
+            m.setattr("dsv41_convert.verify.streamed.compute_streamed_reference", _compute_fails)
+            with pytest.raises(AssertionError, match="before the compute"):
+                run_cli(monkeypatch, capsys, "reference-logits", str(folder), str(out), "--stream-layers")
+        err = capsys.readouterr().err
+        assert f"warning: no prompt runs it, so verify against {out} {said}" in " ".join(err.split()), (folder, err)
     from PIL import Image
 
     Image.new("RGB", (64, 48), (90, 40, 200)).save(tmp_path / "a.png")
