@@ -241,10 +241,10 @@ def _forget_records(out: Path, digest: str, sidecars: Sidecars | None) -> None:
         fsync_path(out)
 
 
-def _other_conversions_files(plan: ConversionPlan, out: Path) -> tuple[set[str], bool, list[str]]:
-    """-> (the plan's file names, whether they are rank files, the names in OUT of another conversion's files:
-    rank files or Hugging Face shards not of this plan, the index beside rank files or hf_config.json beside an
-    export, and their .partial files)"""
+def _other_conversions_files(plan: ConversionPlan, out: Path) -> tuple[set[str], bool, set[str], list[str]]:
+    """-> (the plan's file names, whether they are rank files, the side file of the other kind of conversion
+    (the index beside rank files, hf_config.json beside an export), the names in OUT of another conversion's
+    files: rank files or Hugging Face shards not of this plan, that side file, and their .partial files)"""
     mine = {f.file for f in plan.files}
     shard_plan = all(RANK_FILE.fullmatch(name) for name in mine)
     foreign = {INDEX_NAME} if shard_plan else {HF_CONFIG}
@@ -254,7 +254,7 @@ def _other_conversions_files(plan: ConversionPlan, out: Path) -> tuple[set[str],
         if (n := p.name.removesuffix(".partial")) not in mine
         and (RANK_FILE.fullmatch(n) or HF_SHARD.fullmatch(n) or n in foreign)
     )
-    return mine, shard_plan, others
+    return mine, shard_plan, foreign, others
 
 
 def _refuse_files_not_ours(plan: ConversionPlan, out: Path) -> None:
@@ -262,7 +262,7 @@ def _refuse_files_not_ours(plan: ConversionPlan, out: Path) -> None:
     no run of ours wrote: they are never removed or written over, by --overwrite or --resume. Checked before
     "not empty", whose advice (--resume or --overwrite) both refuse for them (an audit: rank files upstream
     convert.py wrote)."""
-    mine, _, others = _other_conversions_files(plan, out)
+    mine, _, _, others = _other_conversions_files(plan, out)
     if not _a_run_of_ours_was_here(out):  # what has our names is not ours
         ours_by_name = (*mine, *SIDE_FILES, INDEX_NAME, MANIFEST)  # rank files or shards, and the side files
         _refuse_strangers(out, sorted({*others, *(n for n in ours_by_name if (out / n).exists())}))
@@ -289,8 +289,7 @@ def _no_other_conversion(
     the caller refuses them first (_refuse_files_not_ours). dry_run: the same refusals, nothing removed.
     before_removing: called once the refusals are passed, before the first file is removed.
     -> the names of the other conversion's files it removed (dry_run: would remove)"""
-    _, shard_plan, others = _other_conversions_files(plan, out)
-    foreign = {INDEX_NAME} if shard_plan else {HF_CONFIG}
+    _, shard_plan, foreign, others = _other_conversions_files(plan, out)
     if not others:
         return []
     if not remove:
