@@ -935,8 +935,8 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
             else "no fragment left"
         )
         report.info(
-            f"already written by the share that finished last ({left}); every file it lists checked against it "
-            "(size and sha256)"
+            f"already written by the run of these files (a shared run: its share that finished last; {left}); "
+            "every file it lists checked against it (size and sha256)"
         )
         return
     report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
