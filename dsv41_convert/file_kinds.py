@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 SPECIAL = "a FIFO, a socket or a device"
+DANGLING = "a link that leads to no file (its target is missing, or it leads in a loop)"
 
 
 def special_kind(path: Path) -> str | None:

@@ -18,7 +18,7 @@ from dsv41_convert.convert.catalogue import published_layout, routed_expert_layo
 from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classify, has_scale, scale_name
 from dsv41_convert.engram_tokens import load_token_map, pad_compressed_id
 from dsv41_convert.errors import NOT_JSON, PlanError, first_few
-from dsv41_convert.file_kinds import SPECIAL, special_kind
+from dsv41_convert.file_kinds import DANGLING, SPECIAL, special_kind
 from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
 from dsv41_convert.store.manifest import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
@@ -50,10 +50,7 @@ def require_regular_files(src: Path) -> None:
         name for name in (INDEX_NAME, *SIDECARS, *shards) if (src / name).is_symlink() and not (src / name).exists()
     ]
     if broken:
-        raise PlanError(
-            f"{src}: {first_few(broken)}: a link that leads to no file (its target is missing, or it leads in a "
-            "loop); put the file itself there, or remove the link"
-        )
+        raise PlanError(f"{src}: {first_few(broken)}: {DANGLING}; put the file itself there, or remove the link")
     special = [
         p.name
         for p in sorted(src.iterdir())

@@ -29,7 +29,7 @@ from pathlib import Path
 from huggingface_hub.utils import filter_repo_objects
 
 from dsv41_convert.errors import DownloadError, HeaderError, first_few
-from dsv41_convert.file_kinds import SPECIAL
+from dsv41_convert.file_kinds import DANGLING, SPECIAL
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
@@ -364,7 +364,7 @@ def _not_a_file(path: Path) -> str | None:
     if path.is_dir():
         return "a folder"
     if path.is_symlink() and not path.exists():
-        return "a link that leads to no file (its target is missing, or it leads in a loop)"
+        return DANGLING
     return SPECIAL if path.exists() else None
 
 
