@@ -7,7 +7,8 @@ sha256 still match it, and continues an unfinished file from the last verified c
 journal (write.py, journal.py). manifest.json is written once every rank file of the plan is done;
 until then each run leaves a manifest fragment of the files done so far, which `dsv41-convert manifest`
 merges once the rank files of several machines are gathered in one folder (manifest_merge.py). In such
-a gathered folder `resume` takes the fragments' files as done too. A run that writes anything first
+a gathered folder `resume` takes the fragments' files as done too. A shard run that writes manifest.json
+removes the fragments it supersedes (an export keeps its shares'). A run that writes anything first
 removes manifest.json (and, under `overwrite`, fragments of another plan): no manifest outlives a change
 to the files it lists. OUT is locked before the first write (store/lock.py): a run of every rank holds it
 alone; a share of the ranks (`ranks`, a torchrun process) holds it shared and its own rank files alone.
@@ -78,6 +79,7 @@ from dsv41_convert.store.manifest import (
 )
 from dsv41_convert.store.manifest_check import our_manifest
 from dsv41_convert.store.manifest_merge import (
+    drop_superseded_fragments,
     forget_stale,
     import_fragments,
     read_fragments,
@@ -780,7 +782,14 @@ def _execute_held(
     manifest = fragment = None
     options = sidecars.options if sidecars else {"tp": plan.tp, "expert_dtype": plan.expert_dtype}
     options = options | {"device": device}
-    done = [f.file for f in plan.files if is_done_record(out, f.file, digest)]
+    # a shard's finished folder holds manifest.json and no fragment (an export keeps its shares' fragments beside
+    # its manifest: manifest_merge._already_merged names them)
+    drops_fragments = sidecars is None
+    done = _done_records(out, plan, digest)
+    if done and len(done) < len(plan.files):
+        fragment = str(write_fragment(out, plan, options, done).resolve())
+        if drops_fragments:  # a share that finished meanwhile wrote manifest.json before this fragment was
+            done = _done_records(out, plan, digest)  # there to remove: the set is complete, and this one ends it
     if len(done) == len(plan.files):
         # rank files written by other runs (gathered shares, or --ranks shares finishing in one folder, on
         # another host too, where source stamps do not reach: an audit) complete the set: they must be one
@@ -791,10 +800,11 @@ def _execute_held(
         if sidecars:
             extra += sidecars.after(out)
         manifest = str(write_manifest(out, plan, options, extra).resolve())  # absolute, as "out" (an audit)
+        if drops_fragments:
+            drop_superseded_fragments(out)
+            fragment = None
         for marker in (out / DONE_DIR).glob("*" + REPLACING):
             marker.unlink()
-    elif done:
-        fragment = str(write_fragment(out, plan, options, done).resolve())
     return {
         "out": str(out.resolve()),
         "written": [r.file for r in results],
@@ -809,6 +819,11 @@ def _execute_held(
         "set_aside": set_aside,  # tokenizer files of an earlier run that SRC lacks, moved out of the way
         "timeline": _timeline(results, t0),
     }
+
+
+def _done_records(out: Path, plan: ConversionPlan, digest: str) -> list[str]:
+    """The plan's files with a done record of this plan in `out` (this run's, other shares', imported ones)."""
+    return [f.file for f in plan.files if is_done_record(out, f.file, digest)]
 
 
 def _shares_agree(out: Path, tp: int, progress: Progress) -> None:

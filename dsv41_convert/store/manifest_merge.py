@@ -62,7 +62,7 @@ from dsv41_convert.store.manifest import (
     write_done,
     write_manifest_from,
 )
-from dsv41_convert.store.manifest_check import check_folder, finish_export, read_manifest
+from dsv41_convert.store.manifest_check import check_folder, finish_export, our_manifest, read_manifest
 from dsv41_convert.store.manifest_check import is_record as _is_record
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name, rank_files_in
 
@@ -203,6 +203,42 @@ def forget_stale(out: Path, plan_digest: str, rewriting: frozenset[str] = frozen
     if gone:
         fsync_path(out)
     return gone
+
+
+def drop_superseded_fragments(out: Path) -> list[str]:
+    """Once manifest.json is written: remove the fragments it supersedes (of its plan, each file they record
+    listed in it with that size and sha256), so that a finished folder holds the manifest and no fragment a
+    later `manifest OUT` would merge again (a side file the manifest lists and they do not, such as a tokenizer
+    a gathered folder's resume copied in, was refused there while `check` passed). The folder is put on the
+    disk first: a power cut leaves the manifest with or without them, never neither. A fragment that records
+    other bytes stays (a share gathered again: the next merge names it).
+    -> the names removed"""
+    gone = superseded(out, read_fragments(out))
+    if gone:
+        fsync_path(out)  # the manifest's rename first (atomic_write puts its bytes, not the folder's entry, there)
+        for name in gone:
+            (out / name).unlink(missing_ok=True)  # another share finishing at once may have done it
+        fsync_path(out)
+    return gone
+
+
+def superseded(out: Path, frags: dict[str, dict[str, Any]]) -> list[str]:
+    """The names of `frags` (read_fragments') that `out`'s manifest.json supersedes: of its plan, each file
+    they record listed in it with that size and sha256 ([] without a manifest of ours)."""
+    manifest = our_manifest(out)
+    if manifest is None:
+        return []
+    listed = manifest["files"]
+    return [
+        name
+        for name, frag in frags.items()
+        if frag.get("plan_digest") == manifest.get("plan_digest")
+        and all(_entry(listed.get(file)) == _entry(rec) for file, rec in frag["files"].items())
+    ]
+
+
+def _entry(rec: dict[str, Any] | None) -> tuple[Any, Any] | None:
+    return None if rec is None else (rec.get("size"), rec.get("sha256"))
 
 
 def _superseded(out: Path, frag: dict[str, Any], rewriting: frozenset[str]) -> bool:

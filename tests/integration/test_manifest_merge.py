@@ -588,13 +588,15 @@ def test_a_rank_file_gathered_again_names_the_earlier_merges_record(runs, tmp_pa
 
 
 def test_a_rewrite_drops_this_plans_fragments_that_record_the_old_bytes(runs, tmp_path, monkeypatch, capsys):
-    """Shares (or a torchrun launch) leave their fragments beside the manifest.json the last one wrote; a later
+    """Shares (or a torchrun launch) of an earlier version left their fragments beside the manifest.json the last
+    one wrote (now removed with it, but such folders exist); a later
     run that rewrote the files (--overwrite from another copy of one layout: one plan digest) removed the
     manifest but kept the fragments, whose records were the old bytes: `manifest OUT` then refused the
     consistent folder (exit 2), blaming the new done record as an earlier merge's. They go with the rewrite."""
     out = tmp_path / "out"
     execute(build_plan(runs["src"], 4), out, ranks=[0, 3])
     execute(build_plan(runs["src"], 4), out, ranks=[1, 2])
+    shutil.copy(runs["a"] / "manifest-fragment-mp4-r0_3.json", out)  # as an earlier version left it
     assert (out / "manifest.json").is_file() and (out / "manifest-fragment-mp4-r0_3.json").is_file()
     other = make_tiny(tmp_path / "other", seed=1)  # the same layout, other weights
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(other), str(out), "--tp", "4", "--overwrite")
@@ -695,3 +697,63 @@ def test_a_torchrun_overwrite_launch_from_another_copy_of_the_layout_replaces_th
     for r in range(4):
         name = f"model{r}-mp4.safetensors"
         assert _sha256(out / name) == _sha256(fresh / name), name
+
+
+# --- a finished folder holds manifest.json and no fragment: `manifest OUT`, `check` and `--resume` agree on it
+
+
+def _fragments(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("manifest-fragment-*.json"))
+
+
+@pytest.mark.parametrize("how", ["torchrun", "ranks"])
+def test_shares_finishing_in_one_folder_leave_no_fragment(runs, tmp_path, monkeypatch, capsys, how):
+    """A single-host torchrun launch (or --ranks shares into one folder): the share that finished first left
+    its fragment beside the manifest.json the last one wrote, and said "gather all ranks, then `dsv41-convert
+    manifest OUT`" where nothing was left to gather. The last share removes the fragments its manifest
+    supersedes; the first still leaves its own while the others run (what a gathering needs)."""
+    out = tmp_path / "out"
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for share, ranks in ((1, "1,3"), (0, "0,2")):
+        args = ["shard", str(runs["src"]), str(out), "--tp", "4"]
+        if how == "torchrun":
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            monkeypatch.setenv("RANK", str(share))
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        else:
+            args += ["--ranks", ranks]
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+        if share == 1:
+            assert _fragments(out) == ["manifest-fragment-mp4-r1_3.json"]
+    assert (out / "manifest.json").read_bytes() == (runs["full"] / "manifest.json").read_bytes()
+    assert _fragments(out) == [], "a fragment left beside the finished manifest"
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+def _without_tokenizer(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    (dest / "tokenizer.json").unlink()
+    return dest
+
+
+def test_a_resume_of_gathered_shares_leaves_no_fragment(runs, tmp_path, monkeypatch, capsys):
+    """Shares converted on two hosts from a source without tokenizer.json, gathered; the tokenizer put into
+    SRC, then `shard --resume` copies it and writes manifest.json listing it, but left the fragments:
+    `manifest OUT` then refused the folder ("tokenizer.json: no fragment records it") that `check` passed.
+    The resume removes the fragments once its manifest is written."""
+    src = _without_tokenizer(runs["src"], tmp_path / "src")
+    plan = build_plan(src, 4)
+    for ranks in ([0, 3], [1, 2]):
+        execute(plan, tmp_path / f"host{ranks[0]}", ranks=ranks)
+    g = _gather(tmp_path / "g", tmp_path / "host0", tmp_path / "host1")
+    shutil.copy(runs["src"] / "tokenizer.json", src / "tokenizer.json")
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(g), "--tp", "4", "--resume")
+    assert code == 0, err
+    assert "tokenizer.json" in _files(g) and _fragments(g) == []
+    assert run_cli(monkeypatch, capsys, "check", str(g))[0] == 0
+    code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
+    assert code == 0 and json.loads(out)["already_merged"], err
