@@ -928,10 +928,12 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
         return report.print_json(summary)
     report.line(summary["manifest"])
     if summary.get("already_merged"):
-        kept = summary.get("export_fragments")
+        kept, removed = summary.get("export_fragments"), summary.get("fragments_removed")
         left = (
             f"{len(kept)} fragment(s) of its shares kept beside it, as an export's are; none merged"
             if kept
+            else f"{len(removed)} fragment(s) left beside it, which it supersedes, removed"
+            if removed
             else "no fragment left"
         )
         report.info(
@@ -939,7 +941,10 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
             "every file it lists checked against it (size and sha256)"
         )
         return
-    report.info(f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)")
+    report.info(
+        f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)"
+        + (", which manifest.json supersedes: removed" if summary.get("fragments_removed") else "")
+    )
 
 
 # --- commands: export (Hugging Face-format checkpoints in another weight format) ---

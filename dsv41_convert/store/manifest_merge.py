@@ -14,7 +14,9 @@ them (a share run from another copy of the source may have another tokenizer.jso
 It is not a manifest (other name, other format: `check` refuses it). Once every rank file and fragment is
 gathered in one folder, `merge` checks each rank file's size and sha256 against the fragments, checks that
 all fragments (and done records) come from one plan, checks the side files (below), writes a done record
-for each file (so `shard --resume` there skips it) and writes manifest.json. `import_fragments` lets `shard
+for each file (so `shard --resume` there skips it), writes manifest.json and removes the fragments it
+supersedes (drop_superseded_fragments; also once `shard` writes manifest.json, and for fragments an earlier
+version left beside a manifest that lists their files as they record them). `import_fragments` lets `shard
 --resume` do the same (it writes the side files again from its own source, so it checks none).
 
 Also refused at merge: a fragment whose rank_files are not one conversion's output files or whose files are
@@ -311,6 +313,10 @@ def _merge(
         and all(f.get("plan_digest") == read_manifest(out).get("plan_digest") for f in exported.values())
     ):  # an export its last share finished: the fragments are its shares' records
         return _already_merged(out, progress, exported=sorted(exported))
+    if superseded(out, frags) == list(frags):  # left beside the manifest that finished them (an earlier version;
+        # a run killed before it removed them): merged again, a side file it lists and they do not (a tokenizer a
+        # gathered folder's resume copied in) was refused while `check` passed
+        return _already_merged(out, progress) | {"fragments_removed": drop_superseded_fragments(out)}
     _not_an_export(out, frags)
     digest = first.get("plan_digest")
     records: dict[str, tuple[dict[str, Any], str]] = {}  # file -> (size/sha256, where it came from)
@@ -368,7 +374,8 @@ def _merge(
         extra = [n for n in SIDE_FILES if n in side]
     path = write_manifest_from(out, first["source"], options, digest, rank_files, extra)
     return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags),
-            "side_files": sorted(side), "side_files_unchecked": unchecked}  # fmt: skip
+            "side_files": sorted(side), "side_files_unchecked": unchecked,
+            "fragments_removed": drop_superseded_fragments(out)}  # fmt: skip
 
 
 def _not_an_export(out: Path, frags: dict[str, dict[str, Any]]) -> None:

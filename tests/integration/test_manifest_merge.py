@@ -440,6 +440,9 @@ def test_a_side_file_no_share_wrote_is_an_error(runs, other_shares, tmp_path, mo
     code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
     assert code == 0 and "tokenizer_config.json" not in json.loads(out)["side_files"], err
     (g / "manifest.json").unlink()
+    for share in (other_shares["no_tc_a"], other_shares["no_tc"]):  # the merge removed them: gathered again
+        for frag in share.glob("manifest-fragment-*.json"):
+            shutil.copy(frag, g)
     shutil.copy(runs["src"] / "tokenizer_config.json", g)  # copied in by hand
     _refused(monkeypatch, capsys, g, "tokenizer_config.json: no fragment records it")
 
@@ -574,6 +577,7 @@ def test_a_rank_file_gathered_again_names_the_earlier_merges_record(runs, tmp_pa
     g = _gather(tmp_path / "g", runs["a"], runs["b"])
     code, _, err = run_cli(monkeypatch, capsys, "manifest", str(g))
     assert code == 0, err
+    shutil.copy(runs["b"] / "manifest-fragment-mp4-r1_2.json", g)  # the merge removed it: gathered again
     _edit_fragment(
         g, "manifest-fragment-mp4-r1_2.json", lambda f: f["files"]["model1-mp4.safetensors"].update(sha256="0" * 64)
     )
@@ -757,3 +761,28 @@ def test_a_resume_of_gathered_shares_leaves_no_fragment(runs, tmp_path, monkeypa
     assert run_cli(monkeypatch, capsys, "check", str(g))[0] == 0
     code, out, err = run_cli(monkeypatch, capsys, "manifest", str(g), "--json")
     assert code == 0 and json.loads(out)["already_merged"], err
+
+
+def test_manifest_beside_fragments_it_supersedes(runs, tmp_path, monkeypatch, capsys):
+    """A fragment left beside a complete manifest.json (a run of an earlier version, or one killed between
+    its manifest and the fragments' removal): `manifest OUT` merged the fragments again, and refused the
+    folder when the manifest listed a side file they did not (a tokenizer copied in by the resume that
+    finished it) while `check` passed. The manifest supersedes them: reported as written, checked as `check`
+    does, the fragments removed; `--resume` removes them too."""
+    src = _without_tokenizer(runs["src"], tmp_path / "src")
+    for ranks in ([0, 3], [1, 2]):
+        execute(build_plan(src, 4), tmp_path / f"host{ranks[0]}", ranks=ranks)
+    for how in ("manifest", "shard --resume"):
+        out = tmp_path / how.replace(" ", "_")
+        shutil.copytree(runs["full"], out)  # tokenizer.json listed
+        for host in ("host0", "host1"):
+            for frag in (tmp_path / host).glob("manifest-fragment-*.json"):
+                shutil.copy(frag, out)
+        before = (out / "manifest.json").read_bytes()
+        assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+        args = ["manifest", str(out)] if how == "manifest" else ["shard", str(runs["src"]), str(out), "--tp", "4",
+                                                                  "--resume"]  # fmt: skip
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, (how, err)
+        assert _fragments(out) == [] and (out / "manifest.json").read_bytes() == before, how
+        assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
