@@ -310,8 +310,14 @@ def shard_cmd(
     _report_run(summary, as_json, "file(s)", summary["manifest"] or "pending (not every rank is done yet)")
     if as_json:
         return
-    if summary.get("fragment"):
-        report.info(f"fragment: {summary['fragment']} (gather all ranks, then `dsv41-convert manifest OUT`)")
+    if summary.get("fragment"):  # kept until manifest.json is written (a share gathered elsewhere needs it)
+        finish = (
+            "the process of this launch that finishes last writes manifest.json and removes it"
+            if rank_list is None and torchrun.on_one_host()  # every share writes into this OUT
+            else "in one folder, the share that finishes last writes manifest.json and removes it; gathered "
+            "from several machines, `dsv41-convert manifest OUT` does"
+        )
+        report.info(f"fragment: {summary['fragment']} ({finish})")
 
 
 def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:

@@ -46,6 +46,14 @@ def shared_rank() -> int | None:
     return int(os.environ["RANK"]) if size is not None and size > 1 else None
 
 
+def on_one_host(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one of several of a torchrun launch that all run on this host (LOCAL_WORLD_SIZE,
+    which torchrun sets, equals WORLD_SIZE): they write into one OUT, and the last to finish completes it."""
+    env = os.environ if env is None else env
+    size = world(env)
+    return size is not None and size > 1 and env.get("LOCAL_WORLD_SIZE") == str(size)
+
+
 def lacks_rendezvous(env: Mapping[str, str] | None = None) -> list[str]:
     """Of MASTER_ADDR and MASTER_PORT, which torchrun sets beside RANK and WORLD_SIZE, those missing in a
     launch of several processes ([] outside one): RANK and WORLD_SIZE left in a shell or a job script

@@ -786,3 +786,26 @@ def test_manifest_beside_fragments_it_supersedes(runs, tmp_path, monkeypatch, ca
         assert code == 0, (how, err)
         assert _fragments(out) == [] and (out / "manifest.json").read_bytes() == before, how
         assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("how", ["torchrun", "ranks"])
+def test_the_first_share_says_who_finishes_the_folder(runs, tmp_path, monkeypatch, capsys, how):
+    """The first process of a single-host torchrun launch said "gather all ranks, then `dsv41-convert manifest
+    OUT`", though the last process writes manifest.json into the same OUT: it now says so; a --ranks share
+    (its peers may run on other machines) names both ways."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = ["shard", str(runs["src"]), str(tmp_path / "out"), "--tp", "4"]
+    if how == "torchrun":
+        for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+            monkeypatch.setenv(name, value)
+    else:
+        args += ["--ranks", "1,3"]
+    code, _, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and "fragment: " in err and "gather all ranks" not in err, err
+    if how == "torchrun":
+        assert "the process of this launch that finishes last writes manifest.json and removes it" in err, err
+        assert "dsv41-convert manifest OUT" not in err, err
+    else:
+        assert "in one folder, the share that finishes last writes manifest.json and removes it" in err, err
+        assert "gathered from several machines, `dsv41-convert manifest OUT` does" in err, err
