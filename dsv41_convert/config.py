@@ -245,6 +245,16 @@ class ModelArgs:
         return self.vision_n_layers > 0
 
     @property
+    def max_positions(self) -> int | None:
+        """The positions the model supports: its YaRN context, rope_scaling `factor` x
+        `original_max_position_embeddings` (rope_factor x original_seq_len; the published config's
+        max_position_embeddings, 16 x 65,536 = 1,048,576). None where YaRN is off (original_seq_len 0): the
+        config states no context."""
+        if self.original_seq_len <= 0:
+            return None
+        return math.floor(self.rope_factor * self.original_seq_len)
+
+    @property
     def n_all_layers(self) -> int:
         """Backbone layers plus MTP stages; MTP stage k is layer `n_layers + k`."""
         return self.n_layers + self.n_mtp_layers

@@ -44,6 +44,8 @@ from dsv41_convert.verify.source import plan_state, reference_state, source_expe
 DEFAULT_DECODE_STEPS = 3
 PROMPTS = counting("prompts", "prompts")  # the bar of the prompts run (launch.tell)
 SEQ_ALIGN = 64
+# where the model's positions limit comes from (ModelArgs.max_positions), for messages
+CONTEXT = "config.json's rope_scaling factor x original_max_position_embeddings, its max_position_embeddings"
 
 
 def prompt_lengths(prompts: Sequence[Prompt], inputs: Sequence[ModelInput]) -> list[tuple[str, int]]:
@@ -51,20 +53,35 @@ def prompt_lengths(prompts: Sequence[Prompt], inputs: Sequence[ModelInput]) -> l
     return [(p.origin or p.label, len(i.input_ids)) for p, i in zip(prompts, inputs, strict=True)]
 
 
-def pick_max_seq_len(prompt_lengths: list[int], n_decode: int, requested: int | None, drafts: int = 0) -> int:
+def pick_max_seq_len(
+    prompt_lengths: list[int], n_decode: int, requested: int | None, drafts: int = 0, limit: int | None = None
+) -> int:
     """The runtime max_seq_len both sides are built with (it sizes caches and decides whether YaRN
     is active, so reference and converted must agree): the request, or the longest prompt plus the
     decode steps and the positions of the drafts after the last (`drafts`: runner.draft_block) rounded up
-    to 64, at least 128."""
+    to 64, at least 128, at most `limit` (ModelArgs.max_positions: the positions the model supports; None: no
+    bound). A request or a need beyond `limit` is a VerifyInputError naming it: a --decode-steps or
+    --max-seq-len of 10**5 on make-tiny (256 positions) was accepted and ran until killed (an audit)."""
     need = positions_needed(max(prompt_lengths), n_decode, drafts)
+    after = " and the DSpark drafts after the last" if drafts and n_decode else ""
+    if limit is not None and requested is not None and requested > limit:
+        raise VerifyInputError(
+            f"--max-seq-len {requested:,}: more than the {limit:,} positions the model supports ({CONTEXT})"
+        )
+    if limit is not None and need > limit:
+        raise VerifyInputError(
+            f"the longest prompt ({max(prompt_lengths):,} positions) plus --decode-steps {n_decode:,}{after} needs "
+            f"{need:,} positions, more than the {limit:,} the model supports ({CONTEXT}): shorter prompts or fewer "
+            "decode steps"
+        )
     if requested is not None:
         if requested < need:
             raise VerifyInputError(
-                f"--max-seq-len {requested}: the longest prompt plus decode steps"
-                f"{' and the DSpark drafts after the last' if drafts and n_decode else ''} needs {need}"
+                f"--max-seq-len {requested}: the longest prompt plus decode steps{after} needs {need}"
             )
         return requested
-    return max(128, -(-need // SEQ_ALIGN) * SEQ_ALIGN)
+    auto = max(128, -(-need // SEQ_ALIGN) * SEQ_ALIGN)
+    return auto if limit is None else min(auto, limit)
 
 
 def read_prompts(
@@ -123,7 +140,9 @@ def compute_reference(
     say = progress or (lambda _msg: None)
     args = load_model_args(src / "config.json")
     inputs = [model_input(p, args) for p in prompts]
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
+    seq = pick_max_seq_len(
+        [len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args), args.max_positions
+    )
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
     say(f"reference: transforming {src} in memory (tp 1)")
@@ -211,7 +230,9 @@ def compute_reference_ranks(
     args = load_model_args(src / "config.json")
     check_tp(args, tp, str(src / "config.json"))  # here, not in each rank after the launch
     inputs = [model_input(p, args) for p in prompts]
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
+    seq = pick_max_seq_len(
+        [len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args), args.max_positions
+    )
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)

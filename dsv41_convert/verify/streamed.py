@@ -96,7 +96,9 @@ def compute_streamed_reference(
     args = load_model_args(src / "config.json")
     inputs: list[ModelInput] = [model_input(p, args) for p in prompts]
     _long_enough([p.origin or p.label for p in prompts], inputs, args, "")
-    seq = pick_max_seq_len([len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args))
+    seq = pick_max_seq_len(
+        [len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args), args.max_positions
+    )
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     require_caches_fit(args, device, src / "config.json")
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
