@@ -613,6 +613,9 @@ THETAS = ("rope_theta", "compress_rope_theta")  # rope bases: the model divides 
 VISION_POSITIVE = ("vision_rope_theta", "vision_max_wh_ratio")
 # floats where 0 means "off" or "none" and a negative value is no setting (swiglu_limit: no clamp)
 NON_NEGATIVE = ("norm_eps", "hc_eps", "swiglu_limit", "original_seq_len")
+# the most Sinkhorn rounds a hyper-connection runs per token and layer (the published model: 20, converged long
+# before): 10**9 was accepted, and reference-logits and verify then looped until killed (an audit)
+MAX_SINKHORN_ITERS = 1000
 
 
 def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, str]) -> None:
@@ -648,9 +651,10 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
         )
     if "score_func" in values and values["score_func"] not in SCORE_FUNCS:
         raise ConfigError(f"{source}: {name('score_func')} = {values['score_func']!r}, expected one of {SCORE_FUNCS}")
-    if values.get("hc_sinkhorn_iters", 1) < 1:
+    if not 1 <= values.get("hc_sinkhorn_iters", 1) <= MAX_SINKHORN_ITERS:
         raise ConfigError(
-            f"{source}: {name('hc_sinkhorn_iters')} = {values['hc_sinkhorn_iters']!r}, expected 1 or more"
+            f"{source}: {name('hc_sinkhorn_iters')} = {values['hc_sinkhorn_iters']!r}, expected 1 to "
+            f"{MAX_SINKHORN_ITERS:,} (the published: 20)"
         )
     vocab = values.get("vocab_size", 0)
     noise = values.get("dspark_noise_token_id", 0)

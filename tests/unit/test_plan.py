@@ -435,7 +435,9 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("rms_norm_eps", float("nan"), "rms_norm_eps = nan, expected a finite number"),
         ("rms_norm_eps", -1.0, "rms_norm_eps = -1.0, expected 0 or more"),
         ("swiglu_limit", -1.0, "swiglu_limit = -1.0, expected 0 or more"),
-        ("hc_sinkhorn_iters", 0, "hc_sinkhorn_iters = 0, expected 1 or more"),
+        ("hc_sinkhorn_iters", 0, "hc_sinkhorn_iters = 0, expected 1 to 1,000"),
+        # accepted, then each hyper-connection looped 10**9 times: reference-logits and verify ran until killed
+        ("hc_sinkhorn_iters", 10**9, r"hc_sinkhorn_iters = 1000000000, expected 1 to 1,000 \(the published: 20\)"),
         ("engram_vocab_size", 0, "engram_vocab_size = 0, expected a positive number"),
     ],
 )
