@@ -36,6 +36,9 @@ def select_candidate_blocks(
     -> [b, s, t] bool, True inside a kept block
     """
     t = scores.size(-1)
+    # a block wider than the positions is one block of them all (the same blocks kept): a candidate_block_size of
+    # 10**12 padded the scores to that width, an allocator's traceback (an audit)
+    block_size = max(1, min(block_size, t))
     padded = F.pad(scores, (0, -t % block_size), value=-torch.inf)
     block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [b, s, n]
     n_blocks = block_scores.size(-1)
