@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv41_convert.config import HF_QUANTIZATION_CONFIG
-from dsv41_convert.model.engram_hash import engram_table_rows
+from dsv41_convert.engram_buckets import engram_table_rows
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 

@@ -296,7 +296,7 @@ def test_bucket_primes_start_at_the_vocab_size_itself_when_it_is_prime():
     candidate (a prime vocab size skipped, every bucket range and table size shifted)."""
     from itertools import islice
 
-    from dsv41_convert.model.engram_hash import bucket_primes, primes_above
+    from dsv41_convert.engram_buckets import bucket_primes, primes_above
 
     def plain_primes(lo: int, count: int) -> list[int]:
         out, n = [], lo

@@ -11,8 +11,8 @@ from reference_data import REFERENCE as REF
 
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.catalogue import Fmt, catalogue, file_tensors
+from dsv41_convert.engram_buckets import engram_table_rows, is_prime
 from dsv41_convert.errors import PlanError
-from dsv41_convert.model.engram_hash import engram_table_rows, is_prime
 from dsv41_convert.synth.presets import MEDIUM, PRESETS, TINY, hf_config
 from dsv41_convert.synth.write import plan_shards
 

@@ -1,0 +1,62 @@
+"""Engram's bucket counts: the successive primes above `engram_vocab_size - 1`, one per (layer, n-gram size,
+head), and the table rows they add up to (no torch: config checks engram_num_embeddings against them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+# bases that make Miller-Rabin deterministic for every n < 3.3e24 (far above any bucket count)
+_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic primality test for the bucket counts (exact below 3.3e24)."""
+    if n < 2:
+        return False
+    for p in _MR_BASES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _MR_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def primes_above(start: int) -> Iterator[int]:
+    """The primes greater than `start`, in increasing order."""
+    n = start + 1
+    while True:
+        if is_prime(n):
+            yield n
+        n += 1
+
+
+def bucket_primes(
+    n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """primes[g][n - 2][head]: the bucket count of n-gram size n and `head` in Engram layer g.
+
+    One shared increasing sequence of primes above vocab_size - 1, handed out layer by layer, so a
+    prime is never reused by a later (layer, n-gram) row.
+    """
+    supply = primes_above(vocab_size - 1)
+    return tuple(
+        tuple(tuple(next(supply) for _ in range(n_heads)) for _ in range(max_ngram_size - 1)) for _ in range(n_layers)
+    )
+
+
+def engram_table_rows(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> tuple[int, ...]:
+    """Rows of each Engram layer's table (config engram_num_embeddings): the sum of its primes."""
+    return tuple(
+        sum(p for row in layer for p in row) for layer in bucket_primes(n_layers, max_ngram_size, n_heads, vocab_size)
+    )
