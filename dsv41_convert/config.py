@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert import strict_json
+from dsv41_convert.engram_buckets import engram_table_rows
 from dsv41_convert.errors import NOT_JSON, ConfigError
 from dsv41_convert.file_kinds import refuse_non_file
 
@@ -415,6 +416,17 @@ class ModelArgs:
             )
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
+        rows = engram_table_rows(
+            len(self.engram_layer_ids), self.engram_max_ngram_size, self.engram_n_heads, self.engram_vocab_size
+        )
+        # an n-gram's hash picks a row by these primes: a table of other rows read zeros for the hashes past its end
+        # (or never read its last rows), silently, in the reference and the converted model alike (an audit)
+        if tuple(self.engram_num_embeddings) != rows:
+            raise ConfigError(
+                f"{source}: engram_num_embeddings {list(self.engram_num_embeddings)}, but engram_vocab_size "
+                f"{self.engram_vocab_size}, engram_max_ngram_size {self.engram_max_ngram_size} and engram_n_heads "
+                f"{self.engram_n_heads} give tables of {list(rows)} rows (each layer's bucket primes summed)"
+            )
         if self.dtype not in ("fp8", "bf16"):
             raise ConfigError(f"{source}: dtype {self.dtype!r}, expected 'fp8' or 'bf16'")
         if self.expert_dtype not in ("fp4", "fp8", None):

@@ -315,15 +315,18 @@ def _plan_sha(plan: ConversionPlan) -> str:
 # Computed on main dd568fc, before plan's speed work: a faster plan must say exactly the same. Recomputed in
 # session 34 when the tiny config's dspark_noise_token_id became a token id (255, was 128799 of 256: refused
 # now); on the old config this code gives the old values, and the plans differ in that config value alone.
+# Recomputed in session 46 when the tiny config's Engram table became the rows its primes give (17: primes 2, 3,
+# 5, 7 of engram_vocab_size 2; was 75 rows of vocab 20, whose primes give 120: refused now); the plans differ in
+# those two config values and that table's shape alone.
 PINNED = {
-    (True, 1, "fp4"): "de2dcab4c372e9e9",
-    (True, 2, "fp8"): "38de241b5119807f",
-    (True, 4, "fp4"): "b8b83190b0d22124",
-    (True, 4, "fp8"): "7988d03f0c5f6fe0",
-    (False, 1, "fp8"): "028813caba56607d",
-    (False, 2, "fp4"): "cfda4fbe3c09b00b",
-    (False, 4, "fp4"): "d146ed1da05022c6",
-    (False, 4, "fp8"): "c907b8c0b810b204",
+    (True, 1, "fp4"): "018bcff113d943e8",
+    (True, 2, "fp8"): "bb61da91f3acafbd",
+    (True, 4, "fp4"): "de4c211038a03ef0",
+    (True, 4, "fp8"): "8f849414dd658fe0",
+    (False, 1, "fp8"): "dfe1de7f7644b6b5",
+    (False, 2, "fp4"): "36878407b835e044",
+    (False, 4, "fp4"): "228ca6c3bbe411e7",
+    (False, 4, "fp8"): "4164d7ab2d2ba5aa",
 }
 
 
@@ -439,6 +442,16 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         # accepted, then each hyper-connection looped 10**9 times: reference-logits and verify ran until killed
         ("hc_sinkhorn_iters", 10**9, r"hc_sinkhorn_iters = 1000000000, expected 1 to 1,000 \(the published: 20\)"),
         ("engram_vocab_size", 0, "engram_vocab_size = 0, expected a positive number"),
+        # an n-gram's hash picks a row by the primes above engram_vocab_size - 1: a table of other rows read zeros
+        # past its end in the reference and the converted model alike (both ran, exit 0: an audit)
+        (
+            "engram_vocab_size",
+            20,
+            r"engram_num_embeddings \[17\], but engram_vocab_size 20, engram_max_ngram_size 3 "
+            r"and engram_n_heads 2 give tables of \[120\] rows \(each layer's bucket primes summed\)",
+        ),
+        ("engram_vocab_size", 10**15, r"engram_vocab_size 1000000000000000, .* give tables of \[4000000000000474\]"),
+        ("engram_num_embeddings", [18], r"engram_num_embeddings \[18\], but .* give tables of \[17\] rows"),
     ],
 )
 def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):
