@@ -43,9 +43,12 @@ sys.path.insert(0, str(ROOT))
 
 from dsv41_convert.config import ModelArgs  # noqa: E402
 from dsv41_convert.convert.catalogue import published_layout  # noqa: E402
+from dsv41_convert.convert.tp import check_tp  # noqa: E402
+from dsv41_convert.errors import ConfigError, PlanError  # noqa: E402
 from dsv41_convert.store.safetensors_header import build_header, nbytes  # noqa: E402
 
 REAL_CONFIG = ROOT / "tests" / "data" / "reference" / "v41-flash.config.json"
+TP = 8  # every conversion the bench times writes this many ranks
 
 
 def bench_config(n_layers: int, n_experts: int = 384) -> dict:
@@ -61,6 +64,20 @@ def bench_config(n_layers: int, n_experts: int = 384) -> dict:
         dspark_noise_token_id=32767,  # a token of the vocabulary (config.py refuses one beyond it)
     )  # fmt: skip
     return cfg
+
+
+def expert_count(text: str) -> int:
+    """--experts: a routed expert count the bench's model can have and `shard --tp 8` can split (the tool's own
+    checks, before anything is written). Raises argparse.ArgumentTypeError naming the rule it breaks."""
+    try:
+        n = int(text)
+        where = f"{n} routed experts"
+        check_tp(ModelArgs.from_hf_dict(bench_config(3, n), where), TP, where)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    except (ConfigError, PlanError) as e:
+        raise argparse.ArgumentTypeError(f"{e} (a positive multiple of {TP}: 8, 16, 64, 384)") from None
+    return n
 
 
 def write_source(src: Path, gb: float, n_experts: int) -> int:
@@ -193,8 +210,8 @@ from pathlib import Path
 from reference_convert import reference_convert
 from safetensors.torch import save_file
 out = Path({out!r}); out.mkdir(parents=True, exist_ok=True)
-for r, sd in enumerate(reference_convert(Path({src!r}), 8)):
-    p = out / f"model{{r}}-mp8.safetensors"
+for r, sd in enumerate(reference_convert(Path({src!r}), {tp})):
+    p = out / f"model{{r}}-mp{tp}.safetensors"
     save_file(sd, p)
     fd = os.open(p, os.O_RDONLY); os.fsync(fd); os.close(fd)
 """
@@ -214,7 +231,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("work", type=Path)
     ap.add_argument("--gb", type=float, default=4.5)
-    ap.add_argument("--experts", type=int, default=384, help="routed experts per layer (V4.1-Flash: 384)")
+    per_layer = f"routed experts per layer, a multiple of {TP} (V4.1-Flash: 384)"
+    ap.add_argument("--experts", type=expert_count, default=384, help=per_layer)
     ap.add_argument("--workers", default="2", help="a number, or auto (this code's choice)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-in-ram", action="store_true")
@@ -242,7 +260,7 @@ def main() -> None:
             cps.append(measure(["sh", "-c", 'cp "$@" ' + str(work / "cp") + " && sync", "cp", *shards]))
             shutil.rmtree(work / "cp")
             prepare(src)
-            shard_cmd = ["shard", str(src), str(work / "out"), "--tp", "8", "--workers", str(a.workers), "--json"]
+            shard_cmd = ["shard", str(src), str(work / "out"), "--tp", str(TP), "--workers", str(a.workers), "--json"]
             shards_runs.append(measure([sys.executable, "-m", "dsv41_convert.cli", *shard_cmd]))
             out_bytes = sum(p.stat().st_size for p in (work / "out").glob("model*.safetensors"))
             shutil.rmtree(work / "out")
@@ -250,7 +268,7 @@ def main() -> None:
         in_ram = None
         if not a.skip_in_ram:
             prepare(src)
-            script = IN_RAM.format(tests=str(ROOT / "tests"), out=str(work / "ram"), src=str(src))
+            script = IN_RAM.format(tests=str(ROOT / "tests"), out=str(work / "ram"), src=str(src), tp=TP)
             in_ram = measure([sys.executable, "-c", script])
             shutil.rmtree(work / "ram")
     finally:
