@@ -8,10 +8,11 @@ writing one; --warm reads the source into the page cache before each run instead
 "source in page cache" case, where the run is CPU-bound on a fast disk).
 
 1. writes a published-format (fp8/fp4) checkpoint of at least --gb GB into WORK/src (real hidden sizes,
-   3 or more layers of --experts routed experts + 1 MTP stage of 16; random bytes: the conversion copies
-   and reinterprets, it never looks at values). With the real 384 experts (23.7 GB in 3 layers), routed
-   experts are most of the bytes and tp 8 writes 1.09x the input, near the real model's 1.05x; with
-   64 experts it writes 1.37x (replicated tensors weigh more);
+   3 or more layers of --experts routed experts + 1 MTP stage of 16; random bytes below 0x7F, finite in
+   every dtype: the conversion copies and reinterprets, looking at values only to refuse NaN and infinity).
+   With the real 384 experts (23.7 GB in 3 layers), routed experts are most of the bytes and tp 8 writes
+   1.09x the input, near the real model's 1.05x; with 64 experts it writes 1.37x (replicated tensors weigh
+   more);
 2. times, each from a cold page cache for its files (posix_fadvise DONTNEED, then sync):
    - `cp` of the shards + sync,
    - `dsv41-convert shard SRC OUT --tp 8` (it fsyncs every file),
@@ -80,6 +81,14 @@ def expert_count(text: str) -> int:
     return n
 
 
+def source_bytes(size: int) -> bytes:
+    """`size` random bytes, each below 0x7F: finite read at any offset as F8_E4M3 (NaN 0x7F / 0xFF), F8_E8M0
+    (NaN 0xFF), BF16 and F32 (the top byte's exponent bits never all ones); shard refuses a non-finite value it
+    copies (quant/byte_checks.first_nonfinite), so uniformly random bytes (NaN in every dtype) cannot be
+    converted. The I8 bytes of fp4 experts take any value."""
+    return np.random.default_rng(0).integers(0, 0x7F, size, dtype=np.uint8).tobytes()
+
+
 def write_source(src: Path, gb: float, n_experts: int) -> int:
     """A published-format checkpoint of at least `gb` GB (3 layers or more), one shard per layer. -> bytes"""
     n_layers = 3
@@ -97,9 +106,8 @@ def write_source(src: Path, gb: float, n_experts: int) -> int:
         if ".engram.embed." in name:
             key = "engram"
         groups.setdefault(key, []).append(name)
-    # one random pool, written at shifting offsets: the bytes only need to exist, and drawing 5 GB of
-    # random numbers would take longer than the benchmark
-    pool = np.random.default_rng(0).integers(0, 256, 2 * (64 << 20), dtype=np.uint8).tobytes()
+    # one pool, written at shifting offsets: drawing 5 GB of random numbers would take longer than the benchmark
+    pool = source_bytes(2 * (64 << 20))
     shift = 0
     weight_map = {}
     written = 0

@@ -22,3 +22,20 @@ def test_bench_shard_config_is_a_model_the_tool_runs(monkeypatch, n_layers):
 
     args = ModelArgs.from_hf_dict(bench_config(n_layers, 16), "bench_shard config")
     assert args.n_layers == n_layers and args.dspark_noise_token_id < args.vocab_size
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E8M0", "BF16", "F32"])
+def test_bench_shard_source_bytes_are_finite_in_every_dtype(monkeypatch, dtype):
+    """`bench_shard.py` without --src wrote uniformly random bytes (NaN in every dtype), and shard refuses a
+    non-finite value it copies (quant/byte_checks, session 23): every run ended in `found nan at index ...`.
+    The pool is written at shifting offsets, so every alignment of it must be finite."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_shard", None)
+    from bench_shard import source_bytes
+
+    from dsv41_convert.quant.byte_checks import first_nonfinite
+
+    pool = source_bytes(1 << 20)
+    assert len(pool) == 1 << 20
+    for shift in range(4):
+        assert first_nonfinite(pool[shift : shift + (1 << 19)], dtype) is None
