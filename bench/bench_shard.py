@@ -12,7 +12,11 @@ writing one; --warm reads the source into the page cache before each run instead
    every dtype: the conversion copies and reinterprets, looking at values only to refuse NaN and infinity).
    With the real 384 experts (23.7 GB in 3 layers), routed experts are most of the bytes and tp 8 writes
    1.09x the input, near the real model's 1.05x; with 64 experts it writes 1.37x (replicated tensors weigh
-   more);
+   more). The smallest run, `--experts 8 --gb 0`, writes 2.48 GB (tp 8 writes 4.55 GB of it).
+   Disk: WORK must hold the source and, beside it, its copy or tp 8's output (one at a time): 7.4 GB free
+   for the smallest run, 13.9 GB at 64 experts, 51 GB at the default 384 (2% and 256 MiB to spare; beside
+   --src, the larger of the two). Both sizes are planned first (tp 8's plan over a hollow copy's headers)
+   and a disk too small is refused before anything is written;
 2. times, each from a cold page cache for its files (posix_fadvise DONTNEED, then sync):
    - `cp` of the shards + sync,
    - `dsv41-convert shard SRC OUT --tp 8` (it fsyncs every file),
@@ -20,7 +24,7 @@ writing one; --warm reads the source into the page cache before each run instead
      every rank's dict, save_file each, fsync);
 3. records peak RSS: of the whole process tree (sampled every 0.1 s) and of the largest single process,
    and CPU seconds (user + system, the process and the children it reaped) per GB written;
-4. prints a JSON result and a markdown table row for docs/BENCHMARKS.md; deletes WORK unless --keep.
+4. prints a JSON result for docs/BENCHMARKS.md; deletes WORK unless --keep.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ sys.path.insert(0, str(ROOT))
 
 from dsv41_convert.config import ModelArgs  # noqa: E402
 from dsv41_convert.convert.catalogue import published_layout  # noqa: E402
+from dsv41_convert.convert.plan import build_plan  # noqa: E402
 from dsv41_convert.convert.tp import check_tp  # noqa: E402
-from dsv41_convert.errors import ConfigError, PlanError  # noqa: E402
+from dsv41_convert.errors import ConfigError, ConvertError, PlanError  # noqa: E402
 from dsv41_convert.store.safetensors_header import build_header, nbytes  # noqa: E402
 
 REAL_CONFIG = ROOT / "tests" / "data" / "reference" / "v41-flash.config.json"
@@ -89,8 +94,9 @@ def source_bytes(size: int) -> bytes:
     return np.random.default_rng(0).integers(0, 0x7F, size, dtype=np.uint8).tobytes()
 
 
-def write_source(src: Path, gb: float, n_experts: int) -> int:
-    """A published-format checkpoint of at least `gb` GB (3 layers or more), one shard per layer. -> bytes"""
+def write_source(src: Path, gb: float, n_experts: int, hollow: bool = False) -> int:
+    """A published-format checkpoint of at least `gb` GB (3 layers or more), one shard per layer; hollow: its
+    files sparse (headers only, the rest a hole: nothing but the headers on disk), for planning. -> bytes"""
     n_layers = 3
     while True:
         cfg = bench_config(n_layers, n_experts)
@@ -107,7 +113,7 @@ def write_source(src: Path, gb: float, n_experts: int) -> int:
             key = "engram"
         groups.setdefault(key, []).append(name)
     # one pool, written at shifting offsets: drawing 5 GB of random numbers would take longer than the benchmark
-    pool = source_bytes(2 * (64 << 20))
+    pool = b"" if hollow else source_bytes(2 * (64 << 20))
     shift = 0
     weight_map = {}
     written = 0
@@ -116,6 +122,10 @@ def write_source(src: Path, gb: float, n_experts: int) -> int:
         header, spans = build_header([(n, *layout[n]) for n in names])
         with open(src / file, "wb") as f:
             f.write(header)
+            if hollow:
+                f.truncate(max(end for _, _, end in spans))  # absolute offsets
+                f.seek(0, os.SEEK_END)
+                spans = []
             for _, begin, end in spans:
                 left = end - begin
                 while left:
@@ -127,6 +137,38 @@ def write_source(src: Path, gb: float, n_experts: int) -> int:
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
     return written
+
+
+def planned_bytes(scratch: Path, gb: float, n_experts: int, src: Path | None = None) -> tuple[int, int]:
+    """(bytes of the source: `src`'s shards, or those write_source(gb, n_experts) would write; bytes `shard --tp
+    8` writes of it: its own plan over the headers, of a hollow source written into `scratch` and removed)."""
+    if src is None:
+        write_source(scratch, gb, n_experts, hollow=True)
+    try:
+        folder = scratch if src is None else src
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        return size, build_plan(folder, TP).total_bytes
+    except ConvertError as e:
+        raise SystemExit(f"error: {e}") from None  # a --src shard cannot convert: said before any run
+    finally:
+        if src is None:
+            shutil.rmtree(scratch)
+
+
+def require_room(work: Path, source: int, output: int, write_source: bool) -> None:
+    """Raise SystemExit where WORK's disk cannot hold what the bench writes at once: the source (unless --src),
+    beside it `cp`'s copy of it, then tp 8's output (the all-in-RAM run's about as much), each removed before
+    the next; 2% and 256 MiB to spare (file system blocks, the journal, manifest)."""
+    peak = (source if write_source else 0) + max(source, output)
+    need = int(peak * 1.02) + (256 << 20)
+    free = shutil.disk_usage(work).free
+    if free < need:
+        what = f"the source, {source / 1e9:.2f} GB, then beside it" if write_source else "beside --src"
+        raise SystemExit(
+            f"{work}: {free / 1e9:.1f} GB free, the bench needs {need / 1e9:.1f} GB ({what} a copy of the source "
+            f"or tp {TP}'s output, {max(source, output) / 1e9:.2f} GB); choose a WORK on a larger disk"
+            + (", or fewer --experts" if write_source else "")
+        )
 
 
 def evict(*folders: Path) -> None:
@@ -257,6 +299,7 @@ def main() -> None:
     src = a.src.resolve() if a.src else work / "src"
     prepare = warm if a.warm else evict
     try:
+        require_room(work, *planned_bytes(work / "plan", a.gb, a.experts, a.src and src), write_source=not a.src)
         t0 = time.perf_counter()
         size = sum(p.stat().st_size for p in src.glob("*.safetensors")) if a.src else write_source(src, a.gb, a.experts)
         gen = time.perf_counter() - t0
