@@ -26,8 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_export import _cli
-from bench_shard import evict, measure, warm
+from bench_shard import _cli, evict, measure, warm
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,7 @@
 --old DIR: another checkout (a folder holding dsv41_convert/, e.g. `git archive <commit> | tar -x -C DIR`)
 whose CLI is timed in the same rounds (cp, this code, the old code; the order of the two alternates from
 round to round), and whose outputs must equal this code's: the sha256 of every file in the two
-manifest.json files are compared (`same_bytes_as_old`). Each CLI runs as `python -m dsv41_convert.cli`
+manifest.json files are compared (`same_bytes_as_old`). Each CLI runs as `python -P -m dsv41_convert.cli`
 with PYTHONPATH set to its checkout, so no console script or virtual environment is needed.
 
 The page cache: the source's pages are dropped before each run (posix_fadvise DONTNEED after a sync);
@@ -47,17 +47,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from bench_shard import _median_run, evict, measure, warm  # noqa: E402
+from bench_shard import _cli, _median_run, evict, measure, warm  # noqa: E402
 
 from dsv41_convert.synth.staged import MARK  # noqa: E402
 
 FORMATS = ("bf16", "fp8", "fp8-fp4", "bf16 -> fp8-fp4")
-
-
-def _cli(code: Path) -> list[str]:
-    """The CLI of the checkout `code`, whatever the caller's PYTHONPATH and working directory (-P: the working
-    directory is not put first on sys.path, as `-m` would)."""
-    return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
 
 
 WARM_SOURCE = False  # --warm: every run reads a source already in the page cache

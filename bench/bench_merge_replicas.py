@@ -8,7 +8,8 @@ Writes `make-tiny WORK/src --preset P --seed 0`, converts it as two shares (`sha
 the second half of the ranks, into two folders), hard-links both into WORK/gathered, reads the rank files once
 (cached), then per round removes manifest.json and the done records and times merge in this process, with the
 comparison and without (the order alternating). Prints wall and CPU seconds of each run, shares_agree alone,
-and the replicated share of the rank files' bytes.
+and the replicated share of the rank files' bytes. This checkout's code, wherever it is started from: the CLI
+as bench_shard.CLI (`python -P -m` with PYTHONPATH set to it), and in this process.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-from dsv41_convert.convert.rules import Split, match_rule
-from dsv41_convert.convert.unshard import RankFiles, shares_agree
-from dsv41_convert.store.manifest import DONE_DIR, MANIFEST
-from dsv41_convert.store.manifest_merge import merge
-from dsv41_convert.store.safetensors_header import nbytes
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))  # this checkout's package, in this process too
+from bench_shard import CLI  # noqa: E402
 
-CLI = [sys.executable, "-m", "dsv41_convert.cli"]
+from dsv41_convert.convert.rules import Split, match_rule  # noqa: E402
+from dsv41_convert.convert.unshard import RankFiles, shares_agree  # noqa: E402
+from dsv41_convert.store.manifest import DONE_DIR, MANIFEST  # noqa: E402
+from dsv41_convert.store.manifest_merge import merge  # noqa: E402
+from dsv41_convert.store.safetensors_header import nbytes  # noqa: E402
 
 
 def gathered(work: Path, preset: str, tp: int) -> Path:

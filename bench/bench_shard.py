@@ -3,6 +3,9 @@
     python bench/bench_shard.py /tmp/bench [--gb 4.5] [--experts 384] [--workers 2] [--repeat N] [--keep]
                                            [--skip-in-ram] [--src CKPT] [--warm]
 
+Every CLI run is this checkout's, wherever the bench is started from (`python -P -m dsv41_convert.cli` with
+PYTHONPATH set to it: `-m` alone runs the working directory's package first).
+
 --src CKPT uses an existing checkpoint (e.g. `make-tiny CKPT --preset medium --no-vision`; kept) instead of
 writing one; --warm reads the source into the page cache before each run instead of evicting it (the
 "source in page cache" case, where the run is CPU-bound on a fast disk).
@@ -55,6 +58,15 @@ from dsv41_convert.store.safetensors_header import build_header, nbytes  # noqa:
 
 REAL_CONFIG = ROOT / "tests" / "data" / "reference" / "v41-flash.config.json"
 TP = 8  # every conversion the bench times writes this many ranks
+
+
+def _cli(code: Path) -> list[str]:
+    """The CLI of the checkout `code`, whatever the caller's PYTHONPATH and working directory (-P: the working
+    directory is not put first on sys.path, as `-m` would)."""
+    return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
+
+
+CLI = _cli(ROOT)  # this checkout's, wherever the bench is started from
 
 
 def bench_config(n_layers: int, n_experts: int = 384) -> dict:
@@ -312,7 +324,7 @@ def main() -> None:
             shutil.rmtree(work / "cp")
             prepare(src)
             shard_cmd = ["shard", str(src), str(work / "out"), "--tp", str(TP), "--workers", str(a.workers), "--json"]
-            shards_runs.append(measure([sys.executable, "-m", "dsv41_convert.cli", *shard_cmd]))
+            shards_runs.append(measure([*CLI, *shard_cmd]))
             out_bytes = sum(p.stat().st_size for p in (work / "out").glob("model*.safetensors"))
             shutil.rmtree(work / "out")
         cp, ours = _median_run(cps), _median_run(shards_runs)

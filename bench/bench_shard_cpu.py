@@ -34,8 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_export import _bytes, _cli  # noqa: E402
-from bench_shard import evict, measure, warm  # noqa: E402
+from bench_export import _bytes  # noqa: E402
+from bench_shard import _cli, evict, measure, warm  # noqa: E402
 
 
 def _mode_flags(checkout: Path, command: str, mode: str) -> list[str] | None:

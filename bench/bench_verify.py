@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_export import _cli  # noqa: E402
+from bench_shard import _cli  # noqa: E402
 
 
 def run(*args: str, code: Path = ROOT) -> tuple[float, dict]:

@@ -14,6 +14,8 @@ its tp-N rank files written as shard would write them, without their zeros (test
 manifest), a reference of one prompt of --tokens ids with the weight digests but not the fp8 experts'
 (--no-fp8-expert-digests: 13 more minutes on a 2-core box), and `verify --stream-layers` only (the tp-N
 run would hold 537 GB).
+
+This checkout's CLI, wherever the bench is started from (bench_shard.CLI: `python -P -m` with PYTHONPATH set to it).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "dsv41_convert.cli"]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # this checkout's package, in this process too (tests/hollow_ranks.py)
+from bench_shard import CLI  # noqa: E402
 
 
 def timed(*args: str) -> tuple[float, dict, float]:

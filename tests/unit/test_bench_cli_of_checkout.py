@@ -1,0 +1,44 @@
+"""bench_shard.py, bench_merge_replicas.py and bench_verify_stream.py time THIS checkout's code, whatever the
+working directory and PYTHONPATH: they started the CLI as `python -m dsv41_convert.cli`, which runs the package
+of the working directory first (another checkout's, or none: "No module named dsv41_convert"), and
+bench_merge_replicas imported its in-process code from whatever PYTHONPATH or the virtualenv gave."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHES = ["bench_shard", "bench_merge_replicas", "bench_verify_stream"]
+
+
+@pytest.fixture
+def other_checkout(tmp_path):
+    """A folder holding another dsv41_convert, which cannot be imported (its submodules could come from
+    anywhere: a virtualenv's editable install serves them from the checkout it was made in)."""
+    (tmp_path / "dsv41_convert").mkdir()
+    (tmp_path / "dsv41_convert" / "__init__.py").write_text('raise ImportError("the other checkout")\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_the_bench_runs_this_checkouts_cli_from_another_checkouts_folder(name, other_checkout, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    sys.modules.pop(name, None)
+    bench = __import__(name)
+    done = subprocess.run([*bench.CLI, "--help"], cwd=other_checkout, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shard" in done.stdout
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_the_bench_imports_this_checkouts_package_beside_another_on_pythonpath(name, other_checkout):
+    env = os.environ | {"PYTHONPATH": str(other_checkout)}
+    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"]
+    done = subprocess.run(cmd, cwd=other_checkout, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
