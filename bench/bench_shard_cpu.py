@@ -72,6 +72,11 @@ def main() -> None:
     a = ap.parse_args()
     if (a.old is None) == (a.chunk_mib is None):
         ap.error("give --old or --chunk-mib")
+    if a.old is not None:  # "" is the working directory: often this checkout, whose rows would pass by construction
+        if not (a.old / "dsv41_convert").is_dir():
+            ap.error(f"--old {str(a.old)!r}: no dsv41_convert/ in it; give another checkout's root")
+        if a.old.resolve() == ROOT:
+            ap.error(f"--old {str(a.old)!r}: this checkout ({ROOT}), which the bench would compare with itself")
     a.work.mkdir(parents=True, exist_ok=True)
     out = a.work / "out"
     src_bytes = sum(p.stat().st_size for p in a.src.iterdir() if p.is_file())

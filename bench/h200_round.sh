@@ -166,7 +166,9 @@ if has ref; then
   cmp -s $W/ref1.safetensors $W/ref2.safetensors && say "ref_1 == ref_2 (cmp)" || say "ref_1 != ref_2"
   say "kernel cache: $(du -sh ~/.cache/dsv41-convert/tilelang 2>&1 | cut -f1)"
 fi
-if has shardio; then  # buffered against --direct-io on the host's CPUs, cold source, OLD required
+if has shardio && [ -z "$OLD" ]; then  # bench_shard_cpu.py --old "" would compare this code with itself
+  say "shardio needs OLD=<another checkout's root> (this code against it): not run"
+elif has shardio; then  # buffered against --direct-io on the host's CPUs, cold source, OLD required
   left=$((LIMIT - $(el)))
   timeout $left python3 bench/bench_shard_cpu.py $W/xg $W/sio --old "$OLD" --tp ${SHARD_TP:-8} \
     --workers ${WORKERS:-auto} --rounds ${ROUNDS:-2} $([ "${CACHED:-0}" = 1 ] || echo --cold) \
