@@ -20,6 +20,7 @@ import statistics
 import subprocess
 
 import torch
+from needs_cuda import require_cuda
 
 ROWS, COLS = 65536, 7168  # a 940 MB bf16 weight: ~0.3 ms per pass, launch costs small, far past L2
 GEMM_SHAPES = ((128, 4096, 7168), (4096, 4096, 7168))  # (M, N, K)
@@ -442,6 +443,7 @@ def main():
     parser.add_argument("--gemm-only", action="store_true", help="only the gemm table")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args()
+    require_cuda()
     with cf.ProcessPoolExecutor(args.workers) as pool:
         list(pool.map(_compile_one, compile_jobs(args.gemm_only)))
     try:

@@ -20,6 +20,7 @@ import json
 
 import torch
 from bench_kernels import median_ms, queued_ms
+from needs_cuda import require_cuda
 
 ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096)
 NK = ((4096, 7168), (2304, 5120), (5120, 2304))
@@ -53,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     args = parser.parse_args()
+    require_cuda()
     from dsv41_convert.kernels import fp4_gemm as fp4_mod
     from dsv41_convert.kernels.fp4_to_fp8 import cast_unchecked
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm

@@ -26,6 +26,7 @@ import json
 
 import torch
 from fp4_route import fp8_rows, fp8_weight, queued_ms
+from needs_cuda import require_cuda
 
 ROWS = (128, 512, 1024, 2048, 4096)
 NK = ((4096, 7168), (2304, 5120), (5120, 2304), (7168, 2048))
@@ -107,6 +108,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     args = parser.parse_args()
+    require_cuda()
     rows = [row for n, k in NK for row in one_weight(n, k)]
     if args.json:
         with open(args.json, "w") as f:

@@ -22,6 +22,7 @@ import time
 
 import torch
 from fp4_route import NK, fp8_and_fp4_weight, fp8_rows, queued_ms
+from needs_cuda import require_cuda
 
 ROWS = (16, 64, 128, 256)
 CALLS = 200
@@ -54,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     args = parser.parse_args()
+    require_cuda()
     from dsv41_convert.kernels import fp4_gemm as fp4_mod
     from dsv41_convert.kernels import fp8_gemm as fp8_mod
     from dsv41_convert.kernels.block_gemm import FP8_TILES, launcher, pick_tile

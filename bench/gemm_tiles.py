@@ -20,6 +20,7 @@ import json
 import torch
 from bench_kernels import median_ms
 from fp4_route import NK, queued_ms
+from needs_cuda import require_cuda
 
 ROWS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 2048)
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="fp8,fp4")
     parser.add_argument("--extra-tiles", default="", help="more fp8 tiles to time, e.g. 128x64x256,64x128x128")
     args = parser.parse_args()
+    require_cuda()
     from dsv41_convert.kernels import fp4_gemm, fp8_gemm, quant_ops
     from dsv41_convert.kernels.block_gemm import FP4_TILES, FP8_TILES, _sm_count, launcher, pick_tile
     from dsv41_convert.quant import act, fp8

@@ -19,6 +19,7 @@ import os
 
 import torch
 from bench_kernels import GEMM_SHAPES, median_ms
+from needs_cuda import require_cuda
 
 N, K = 4096, 7168
 OLD = {"scale_tma": False, "depth": 2, "scale_lut": False}  # main 8554f92's kernel
@@ -102,6 +103,7 @@ def main():
     parser.add_argument("--no-wrappers", action="store_true", help="time the variants only")
     parser.add_argument("--rows", default="", help="comma-separated M values (default: bench_kernels.GEMM_SHAPES)")
     args = parser.parse_args()
+    require_cuda()
     shapes = [(int(m), N, K) for m in args.rows.split(",")] if args.rows else GEMM_SHAPES
     wanted = [v for v in VARIANTS if not args.only or any(s in v[0] for s in args.only.split(","))]
     with cf.ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as pool:

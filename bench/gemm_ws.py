@@ -22,6 +22,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from needs_cuda import require_cuda
+
 VARIANTS = {
     "fp8ws128": dict(fp4=False, tile=(128, 128), stages=4),
     "fp8ws64": dict(fp4=False, tile=(64, 64), stages=4),
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel (into the disk cache)")
     parser.add_argument("--ptxas", action="store_true", help="ptxas's report of each variant (CPU, nvcc)")
     args = parser.parse_args()
+    require_cuda()
     names = args.variants.split(",")
     if args.ptxas:
         return ptxas(names)

@@ -19,6 +19,7 @@ import time
 import torch
 from fp4_route import fp8_and_fp4_weight, fp8_rows, queued_ms
 from gemm_host import cases, host_us
+from needs_cuda import require_cuda
 
 ROUNDS = 7
 REPS = 2000  # calls per piece that queues nothing
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--against")
     args = parser.parse_args()
+    require_cuda()
     if args.against:
         return against(args.against, args.json)
     from dsv41_convert.kernels import fp4_gemm as fp4_mod
