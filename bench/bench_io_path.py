@@ -7,8 +7,9 @@ stages show which of those holds the caller up.
     python bench/bench_io_path.py SRC OUT [--tp 2] [--make-source]
 
 --make-source writes SRC first: the medium preset's bf16 layout (13.13 GB) with every tensor's bytes a
-repeated 64 MiB random block (seconds, not make-tiny's minutes; the values may be NaN, which the stand-in
-quantizers never look at). Prints one JSON line: wall, CPU seconds, peak RSS, stages (summed over files).
+repeated 64 MiB block of random bytes below 0x7F (seconds, not make-tiny's minutes; finite as bf16 and f32,
+since the writer refuses a non-finite value it copies; the stand-in quantizers never look at them). Prints one
+JSON line: wall, CPU seconds, peak RSS, stages (summed over files).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import shutil
 import sys
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from bench_shard import evict  # noqa: E402
+from bench_shard import evict, source_bytes  # noqa: E402
 
 from dsv41_convert.convert import stream, write  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
@@ -61,7 +61,7 @@ def make_source(src: Path) -> None:
     from dsv41_convert.store.safetensors_header import build_header
     from dsv41_convert.synth.presets import PRESETS
 
-    block = os.urandom(64 << 20)
+    block = source_bytes(64 << 20)  # finite in every dtype
 
     def filled(out, shard, seed, quantized, progress=None):
         header, _ = build_header([(t.name, t.dtype, tuple(t.shape)) for t in shard.tensors])
