@@ -17,7 +17,7 @@
 4. with --shard-tp N, `shard WORK/pub OUT --tp N` the same way (the engine export shares), and with
    --peer CMD another converter's command in the same rounds, its rank files compared with ours;
 5. prints a JSON result (machine, date, load) for docs/BENCHMARKS.md, then a compact table; deletes WORK
-   unless --keep.
+   unless --keep (a WORK holding files that a bench's run did not leave is refused, not emptied).
 
 --old DIR: another checkout (a folder holding dsv41_convert/, e.g. `git archive <commit> | tar -x -C DIR`)
 whose CLI is timed in the same rounds (cp, this code, the old code; the order of the two alternates from
@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from bench_shard import _cli, _median_run, evict, measure, warm  # noqa: E402
+from bench_shard import _cli, _median_run, evict, fresh_work, measure, warm  # noqa: E402
 
 from dsv41_convert.synth.staged import MARK  # noqa: E402
 
@@ -211,11 +211,7 @@ def main() -> None:
     if "bf16 -> fp8-fp4" in formats and "bf16" not in formats:
         raise SystemExit("--formats: 'bf16 -> fp8-fp4' exports the bf16 export: list bf16 too")
     work = a.work
-    if a.src and a.src.resolve().is_relative_to(work.resolve()):
-        raise SystemExit(f"--src {a.src}: inside WORK {work}, which the bench deletes; choose another WORK")
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    fresh_work(work, a.src)
     codes = {"new": ROOT} | ({"old": a.old.resolve()} if a.old else {})
     pub = a.src.resolve() if a.src else work / "pub"
     result: dict = {

@@ -27,7 +27,8 @@ writing one; --warm reads the source into the page cache before each run instead
      every rank's dict, save_file each, fsync);
 3. records peak RSS: of the whole process tree (sampled every 0.1 s) and of the largest single process,
    and CPU seconds (user + system, the process and the children it reaped) per GB written;
-4. prints a JSON result for docs/BENCHMARKS.md; deletes WORK unless --keep.
+4. prints a JSON result for docs/BENCHMARKS.md; deletes WORK unless --keep (a WORK holding files that a
+   bench's run did not leave is refused, not emptied).
 """
 
 from __future__ import annotations
@@ -104,6 +105,26 @@ def source_bytes(size: int) -> bytes:
     copies (quant/byte_checks.first_nonfinite), so uniformly random bytes (NaN in every dtype) cannot be
     converted. The I8 bytes of fp4 experts take any value."""
     return np.random.default_rng(0).integers(0, 0x7F, size, dtype=np.uint8).tobytes()
+
+
+WORK_MARK = ".bench-work"  # in WORK: a bench's folder, which a later run may empty
+
+
+def fresh_work(work: Path, src: Path | None) -> None:
+    """Make WORK an empty folder of the bench's own (marked), where a run writes and which it deletes after.
+    Raises SystemExit, touching nothing, where --src lies inside WORK or WORK holds files a bench did not
+    write (no mark): a source or data of one's own, named by mistake."""
+    if src is not None and src.resolve().is_relative_to(work.resolve()):
+        raise SystemExit(f"--src {src}: inside WORK {work}, which the bench deletes; choose another WORK")
+    if work.exists():
+        if not work.is_dir() or (any(work.iterdir()) and not (work / WORK_MARK).is_file()):
+            raise SystemExit(
+                f"{work}: not a bench's folder (a file, or a folder holding files and no {WORK_MARK}, which a "
+                "bench's run leaves); the bench empties WORK and deletes it after: give a new or empty folder"
+            )
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work / WORK_MARK).touch()
 
 
 def write_source(src: Path, gb: float, n_experts: int, hollow: bool = False) -> int:
@@ -303,11 +324,7 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="source in the page cache for every run (else evicted)")
     a = ap.parse_args()
     work = a.work
-    if a.src and a.src.resolve().is_relative_to(work.resolve()):
-        raise SystemExit(f"--src {a.src}: inside WORK {work}, which the bench deletes; choose another WORK")
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    fresh_work(work, a.src)
     src = a.src.resolve() if a.src else work / "src"
     prepare = warm if a.warm else evict
     try:
