@@ -24,7 +24,8 @@ writing one; --warm reads the source into the page cache before each run instead
    - `cp` of the shards + sync,
    - `dsv41-convert shard SRC OUT --tp 8` (it fsyncs every file),
    - the all-in-RAM approach of upstream convert.py (tests/reference_convert.py: load everything, build
-     every rank's dict, save_file each, fsync);
+     every rank's dict, save_file each, fsync), unless --skip-in-ram; it holds about 1.4x the source, and
+     a source that would not fit in the memory available is refused before anything is written;
 3. records peak RSS: of the whole process tree (sampled every 0.1 s) and of the largest single process,
    and CPU seconds (user + system, the process and the children it reaped) per GB written;
 4. prints a JSON result for docs/BENCHMARKS.md; deletes WORK unless --keep (a WORK holding files that a
@@ -55,6 +56,7 @@ from dsv41_convert.convert.catalogue import published_layout  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
 from dsv41_convert.convert.tp import check_tp  # noqa: E402
 from dsv41_convert.errors import ConfigError, ConvertError, PlanError  # noqa: E402
+from dsv41_convert.store.machine import available_memory  # noqa: E402
 from dsv41_convert.store.safetensors_header import build_header, nbytes  # noqa: E402
 
 REAL_CONFIG = ROOT / "tests" / "data" / "reference" / "v41-flash.config.json"
@@ -204,6 +206,20 @@ def require_room(work: Path, source: int, output: int, write_source: bool) -> No
         )
 
 
+IN_RAM_PER_SOURCE_BYTE = 1.5  # the all-in-RAM run's peak RSS over the source's bytes: 1.42 measured (3.5 / 2.48 GB)
+
+
+def require_in_ram_fits(source: int) -> None:
+    """Raise SystemExit where the all-in-RAM run (the last, after every other run) would not fit in the memory
+    available now: killed there, it ended the bench without printing what it had measured."""
+    need, free = int(source * IN_RAM_PER_SOURCE_BYTE), available_memory()
+    if need > free:
+        raise SystemExit(
+            f"the all-in-RAM run holds the whole source and more, about {need / 1e9:.1f} GB here, and "
+            f"{free / 1e9:.1f} GB available: pass --skip-in-ram (or fewer --experts, a smaller --src)"
+        )
+
+
 def evict(*folders: Path) -> None:
     """Drop the page cache of every file under `folders` (clean pages only: sync first); with
     BENCH_DROP_CACHES=1 and as root, the whole page cache too (/proc/sys/vm/drop_caches: the file system's
@@ -328,7 +344,10 @@ def main() -> None:
     src = a.src.resolve() if a.src else work / "src"
     prepare = warm if a.warm else evict
     try:
-        require_room(work, *planned_bytes(work / "plan", a.gb, a.experts, a.src and src), write_source=not a.src)
+        size, out_planned = planned_bytes(work / "plan", a.gb, a.experts, a.src and src)
+        require_room(work, size, out_planned, write_source=not a.src)
+        if not a.skip_in_ram:
+            require_in_ram_fits(size)
         t0 = time.perf_counter()
         size = sum(p.stat().st_size for p in src.glob("*.safetensors")) if a.src else write_source(src, a.gb, a.experts)
         gen = time.perf_counter() - t0

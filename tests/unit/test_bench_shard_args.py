@@ -59,3 +59,21 @@ def test_the_source_size_and_output_are_planned_without_writing_bytes(bench_shar
     src_bytes, out_bytes = bench_shard.planned_bytes(tmp_path / "plan", 0, 8)
     assert round(src_bytes / 1e9, 3) == 2.478 and round(out_bytes / 1e9, 3) == 4.547  # one run's JSON
     assert not (tmp_path / "plan").exists()
+
+
+def test_an_in_ram_run_that_cannot_fit_is_refused_before_the_source_is_written(bench_shard, tmp_path, monkeypatch):
+    """The all-in-RAM run comes last and holds the whole source and more (3.5 GB for a 2.48 GB source): with
+    the default 384 experts (23.7 GB) on a 24 GiB box it was killed after the cp and shard runs, and the bench
+    ended in 'failed (-9)' without printing what it had measured. Now it says so before writing anything."""
+    work = tmp_path / "work"
+
+    def no_bytes(size):
+        raise AssertionError("the source's bytes were written")
+
+    monkeypatch.setattr(bench_shard, "source_bytes", no_bytes)
+    monkeypatch.setattr(bench_shard, "available_memory", lambda: 3 * 10**9, raising=False)
+    monkeypatch.setattr(sys, "argv", ["bench_shard.py", str(work), "--experts", "8", "--gb", "0"])
+    with pytest.raises(SystemExit) as e:
+        bench_shard.main()
+    assert "--skip-in-ram" in str(e.value) and "3.0 GB available" in str(e.value), e.value
+    assert not work.exists()
