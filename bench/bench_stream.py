@@ -4,7 +4,8 @@
 
 Without --src, writes the full-size hollow layout (`make-tiny WORK/hollow --preset full --sparse`, 510 GB
 apparent, ~20 MB on disk) and runs on it. Each command is a fresh CLI process under /usr/bin/time -v
-(torch import and planning included); prints one markdown row for docs/BENCHMARKS.md.
+(torch import and planning included), this checkout's CLI wherever the bench is started from (bench_shard.CLI);
+prints one markdown row for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ import json
 import platform
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))  # this checkout's package, in this process too
+from bench_shard import CLI  # noqa: E402
 
 
 def timed(cmd: list[str]) -> tuple[float, int, str]:
@@ -43,7 +50,7 @@ def main() -> None:
     if src is None:
         src = a.work / "hollow"
         if not (src / "model.safetensors.index.json").exists():
-            timed(["dsv41-convert", "make-tiny", str(src), "--preset", "full", "--sparse", "--overwrite", "--json"])
+            timed([*CLI, "make-tiny", str(src), "--preset", "full", "--sparse", "--overwrite", "--json"])
     vocab = json.loads((src / "config.json").read_text())["text_config"]["vocab_size"]
     lines = [
         json.dumps({"input_ids": [(1000 + 7919 * (p * a.tokens + i)) % (vocab - 16) + 3 for i in range(a.tokens)]})
@@ -61,7 +68,7 @@ def main() -> None:
     figure = memory_figures(tp1, args, a.prompts, a.tokens, a.decode_steps)["streamed"]
     del tp1
     out = a.work / "ref.safetensors"
-    cmd = ["dsv41-convert", "reference-logits", str(src), str(out), "--stream-layers", "--prompts", str(prompts),
+    cmd = [*CLI, "reference-logits", str(src), str(out), "--stream-layers", "--prompts", str(prompts),
            "--decode-steps", str(a.decode_steps), "--overwrite", "--json"]  # fmt: skip
     wall, rss, stdout = timed(cmd)
     s = json.loads(stdout)

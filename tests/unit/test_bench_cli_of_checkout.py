@@ -1,4 +1,5 @@
-"""bench_shard.py, bench_merge_replicas.py and bench_verify_stream.py time THIS checkout's code, whatever the
+"""bench_shard.py, bench_merge_replicas.py, bench_verify_stream.py and bench_stream.py time THIS checkout's code
+(bench_stream.py ran the `dsv41-convert` console script: the virtualenv's checkout, or none), whatever the
 working directory and PYTHONPATH: they started the CLI as `python -m dsv41_convert.cli`, which runs the package
 of the working directory first (another checkout's, or none: "No module named dsv41_convert"), and
 bench_merge_replicas imported its in-process code from whatever PYTHONPATH or the virtualenv gave."""
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ["bench_shard", "bench_merge_replicas", "bench_verify_stream"]
+BENCHES = ["bench_shard", "bench_merge_replicas", "bench_verify_stream", "bench_stream"]
 
 
 @pytest.fixture
