@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 from bench_shard import evict  # noqa: E402
+from needs_cuda import require_cuda  # noqa: E402
 
 from dsv41_convert.convert import stream, write  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--read-threads", type=int)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.device == "cuda":
+        require_cuda()
     if a.prefetch_mib is not None:
         write.PREFETCH_BYTES = a.prefetch_mib << 20
     if a.read_ahead_mib is not None:

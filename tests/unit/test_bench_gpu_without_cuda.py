@@ -26,3 +26,17 @@ def test_a_gpu_bench_without_cuda_says_so(name, tmp_path):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"{name}.py: needs a CUDA device" in done.stderr, done.stderr[-2000:]
+
+
+def test_bench_quant_stream_on_cuda_without_cuda_says_so_before_writing(tmp_path):
+    """Its default --device cuda, without CUDA: a traceback ('pin_memory=True requires a CUDA ...') after it
+    had copied the source and left OUT.warm behind."""
+    from tiny_ckpt import make_tiny
+
+    src = make_tiny(tmp_path / "src", quantized=False, vision=False)
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_quant_stream.py"), str(src), str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "bench_quant_stream.py: needs a CUDA device" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing written
