@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -22,10 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41_convert.convert.plan import build_plan
-from dsv41_convert.convert.write import COPIED
-from dsv41_convert.quant.byte_checks import first_nonfinite
-from dsv41_convert.store.safetensors_header import nbytes
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not PYTHONPATH's or a virtualenv's (another checkout)
+
+from dsv41_convert.convert.plan import build_plan  # noqa: E402
+from dsv41_convert.convert.write import COPIED  # noqa: E402
+from dsv41_convert.quant.byte_checks import first_nonfinite  # noqa: E402
+from dsv41_convert.store.safetensors_header import nbytes  # noqa: E402
 
 
 def copied_regions(src: Path, tp: int):

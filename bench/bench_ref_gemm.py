@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -18,8 +19,11 @@ from pathlib import Path
 
 import torch
 
-from dsv41_convert.kernels import ref
-from dsv41_convert.quant.act import act_quant
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not PYTHONPATH's or a virtualenv's (another checkout)
+
+from dsv41_convert.kernels import ref  # noqa: E402
+from dsv41_convert.quant.act import act_quant  # noqa: E402
 
 FP8_SHAPES = [(32768, 1280), (5120, 8192), (1280, 5120), (2304, 5120)]  # wq_b, wo_b, wq_a, shared w1
 FP4_SHAPES = [(2304, 5120), (5120, 2304)]  # routed expert w1 / w3, w2

@@ -25,10 +25,13 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dsv41_convert.convert.unshard import RankFiles
-from dsv41_convert.store.file_digest import hash_threads
-from dsv41_convert.verify import weight_digests
-from dsv41_convert.verify.source import SourceWeights, source_experts
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not PYTHONPATH's or a virtualenv's (another checkout)
+
+from dsv41_convert.convert.unshard import RankFiles  # noqa: E402
+from dsv41_convert.store.file_digest import hash_threads  # noqa: E402
+from dsv41_convert.verify import weight_digests  # noqa: E402
+from dsv41_convert.verify.source import SourceWeights, source_experts  # noqa: E402
 
 
 def timed(fn):

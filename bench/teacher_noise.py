@@ -22,13 +22,16 @@ from types import ModuleType
 
 import torch
 
-from dsv41_convert.convert.execute import execute
-from dsv41_convert.convert.plan import build_plan
-from dsv41_convert.synth.presets import TINY
-from dsv41_convert.synth.write import write_checkpoint
-from dsv41_convert.verify import teacher
-from dsv41_convert.verify.prompts import default_prompts, load_prompts
-from dsv41_convert.verify.reference import compute_reference_ranks
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not PYTHONPATH's or a virtualenv's (another checkout)
+
+from dsv41_convert.convert.execute import execute  # noqa: E402
+from dsv41_convert.convert.plan import build_plan  # noqa: E402
+from dsv41_convert.synth.presets import TINY  # noqa: E402
+from dsv41_convert.synth.write import write_checkpoint  # noqa: E402
+from dsv41_convert.verify import teacher  # noqa: E402
+from dsv41_convert.verify.prompts import default_prompts, load_prompts  # noqa: E402
+from dsv41_convert.verify.reference import compute_reference_ranks  # noqa: E402
 
 
 def worst_by_kind(devs: list[teacher.ModuleDeviations]) -> dict[str, float]:
