@@ -65,8 +65,10 @@ TP = 8  # every conversion the bench times writes this many ranks
 
 def _cli(code: Path) -> list[str]:
     """The CLI of the checkout `code`, whatever the caller's PYTHONPATH and working directory (-P: the working
-    directory is not put first on sys.path, as `-m` would)."""
-    return ["env", f"PYTHONPATH={code}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
+    directory is not put first on sys.path, as `-m` would). `code` goes before the caller's PYTHONPATH, which
+    stays after it (the GPU machine's TileLang is found there)."""
+    path = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return ["env", f"PYTHONPATH={path}", sys.executable, "-P", "-m", "dsv41_convert.cli"]
 
 
 CLI = _cli(ROOT)  # this checkout's, wherever the bench is started from

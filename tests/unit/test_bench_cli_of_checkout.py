@@ -46,3 +46,23 @@ def test_the_bench_imports_this_checkouts_package_beside_another_on_pythonpath(n
     done = subprocess.run(cmd, cwd=other_checkout, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
+
+
+def test_the_cli_keeps_the_callers_pythonpath_after_this_checkout(other_checkout, tmp_path, monkeypatch):
+    """The caller's PYTHONPATH stays, after this checkout: it replaced it, so the GPU machine's TileLang (on
+    PYTHONPATH there, .device/setup.sh) went missing for a CLI run a bench started."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "stand_in_for_tilelang.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(extra), str(other_checkout)]))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    sys.modules.pop("bench_shard", None)
+    cli = __import__("bench_shard")._cli(ROOT)
+    probe = [
+        *cli[: cli.index("-m")],
+        "-c",
+        "import dsv41_convert, stand_in_for_tilelang; print(dsv41_convert.__file__)",
+    ]
+    done = subprocess.run(probe, cwd=other_checkout, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()).resolve() == ROOT / "dsv41_convert" / "__init__.py"
