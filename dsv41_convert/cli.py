@@ -1110,6 +1110,9 @@ def _sigint_as_interrupt(signum, frame) -> None:
 
 
 STOP_GRACE_S = 30.0  # the longest the orderly stop after a signal may take (workers end within a chunk)
+# the least the watchdog re-armed at exit gives the interpreter's teardown (torch's takes up to a second on a busy
+# 2-core box): 0.1 s once the grace had passed ended a caller of main() that went on by SIGALRM at its exit (-14)
+EXIT_TEARDOWN_S = 5.0
 _watchdog: dict = {}  # while armed: "deadline" (time.monotonic()) and "previous" (the SIGALRM handler it replaced)
 
 
@@ -1134,7 +1137,7 @@ def _disarm_stop_watchdog() -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, _watchdog.pop("previous"))
     left = _watchdog.pop("deadline") - time.monotonic()
-    atexit.register(_arm_stop_watchdog, max(left, 0.1))
+    atexit.register(_arm_stop_watchdog, max(left, EXIT_TEARDOWN_S))
 
 
 def _stop_overran(signum, frame) -> None:

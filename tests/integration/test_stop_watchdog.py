@@ -113,3 +113,16 @@ def test_main_run_in_a_process_that_goes_on_leaves_no_watchdog_behind(tmp_path):
     done = subprocess.run([sys.executable, "-c", _SIGNALLED_IN_PROCESS, str(tmp_path / "t")], capture_output=True,
                           text=True, timeout=120, preexec_fn=default_sigint)  # fmt: skip
     assert (done.returncode, done.stdout) == (0, "main ended 143\nthe caller went on\n"), done.stderr
+
+
+def test_the_watchdog_at_exit_gives_the_teardown_a_few_seconds(tmp_path):
+    """A caller of main() that ends: the watchdog re-armed at its exit gave the interpreter's teardown what was
+    left of the grace when main returned (here under 1 s; 0.1 s at least), so a longer teardown (torch's, on a
+    busy box) was ended by it (exit 143, or SIGALRM once Python had reset its handlers: the test above failed
+    so under load). It gives EXIT_TEARDOWN_S at least."""
+    script = _SIGNALLED_IN_PROCESS.replace(
+        "sys.argv = [", "import atexit\natexit.register(time.sleep, 1.5)  # a slow teardown\nsys.argv = ["
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "t")], capture_output=True, text=True,
+                          timeout=120, preexec_fn=default_sigint)  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, "main ended 143\nthe caller went on\n"), done.stderr
