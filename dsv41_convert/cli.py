@@ -231,7 +231,7 @@ def _memory_table(memory: dict) -> None:
     table.add_row(
         "streamed", f"{gib(s['unit'])} ({s['largest_unit']})", gib(s["caches"]), gib(s["working"]), gib(s["peak"])
     )
-    report.stdout.print(table)
+    report.tables(table)
 
 
 def _plan_table(summary: dict) -> None:
@@ -260,8 +260,7 @@ def _plan_table(summary: dict) -> None:
         rules.add_column(key, justify="right", no_wrap=True)
     for name in sorted({k for _, r in rows for k in r["rules"]}):
         rules.add_row(escape(name), *(str(r["rules"].get(name, 0)) for _, r in rows))
-    report.stdout.print(files)
-    report.stdout.print(rules)
+    report.tables(files, rules)
 
 
 @app.command("shard")
@@ -531,7 +530,7 @@ def verify_cmd(
     if as_json:
         report.print_json(result.to_json())
     else:
-        report.stdout.print(render(result))
+        report.tables(render(result))
     if EXIT_CODES[result.verdict]:
         raise typer.Exit(EXIT_CODES[result.verdict])
 
@@ -800,7 +799,7 @@ def demo_cmd(
     if as_json:
         report.print_json(result.to_json() | {"stage_seconds": seconds})
     else:
-        report.stdout.print(render(result))
+        report.tables(render(result))
         report.info(", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()) + f"; total {sum(seconds.values()):.1f} s")
     raise typer.Exit(EXIT_CODES[result.verdict])
 

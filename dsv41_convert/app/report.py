@@ -268,6 +268,37 @@ def plain(text: str) -> str:
     return escape(text)
 
 
+FOLD_MIN = 4  # columns a folding column (a file name, a rule) keeps where a table is wider than the terminal
+
+
+def tables(*renderables: Any) -> None:
+    """Each renderable on stdout (a rich Table, or a Group holding tables: verify's), every table no narrower than
+    its no_wrap columns (the numbers) need, with FOLD_MIN columns for each folding one: where the terminal (or
+    COLUMNS) is narrower, at that width, and the terminal wraps its lines. rich cut such cells to fit: `plan --tp 8`
+    of the real layout in a 50-column terminal gave each rank's memory total as `63.…`, and at COLUMNS=20 the rank
+    table's bytes as `7,527…` and its file column a width of 0 (an audit)."""
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    console = _console("stdout")
+    wide = console.options.update_width(2**20)  # a cell's own width, not one cut to the terminal's
+
+    def widest(column) -> int:
+        return max(Measurement.get(console, wide, cell).maximum for cell in (column.header, *column.cells))
+
+    for renderable in renderables:
+        parts = renderable.renderables if isinstance(renderable, Group) else [renderable]
+        for table in (part for part in parts if isinstance(part, Table)):
+            _, right, _, left = table.padding
+            cells = sum(widest(c) if c.no_wrap else min(widest(c), FOLD_MIN) for c in table.columns)
+            borders = len(table.columns) - 1 + 2 * table.show_edge if table.box else 0
+            need = cells + len(table.columns) * (left + right) + borders
+            if need > console.width:
+                table.width = need
+        console.print(renderable)
+
+
 def line(text: str) -> None:
     """One result line on stdout (a path, a verdict), printed as it is."""
     _console("stdout").print(plain(text), highlight=False, soft_wrap=True)

@@ -582,3 +582,25 @@ def test_a_narrow_terminal_keeps_every_number_and_name_whole(tmp_path):
         assert cells[row][3] == f"{r['bytes']:,}", files_table
         folded = cells[row][1] + "".join(c[1] for c in cells[row + 1 :] if not c[0])  # the name's further lines
         assert folded.startswith(r["file"]), files_table
+
+
+def test_tables_narrower_than_their_numbers_cut_none(tmp_path):
+    """`plan` in a narrow terminal (or COLUMNS=20 in a script): rich cut the no_wrap cells to fit, each rank's
+    bytes to `7,527…` (the real layout's memory total at 50 columns: `63.…`), and gave the file column a width of
+    0, so neither the numbers nor the rank files' names could be read. The table is printed at the width its
+    numbers need (the terminal wraps its lines); the folding columns (file, rule) still fold."""
+    src = tmp_path / "t"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    planned = subprocess.run([entry_point(), "plan", str(src), "--tp", "2", "--json"],
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    files = json.loads(planned.stdout)["files"]
+    for columns in ("20", "50"):
+        res = subprocess.run([entry_point(), "plan", str(src), "--tp", "2"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "COLUMNS": columns, "NO_COLOR": "1"})  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        assert "…" not in res.stdout, (columns, res.stdout)
+        rows = res.stdout.split("\u2521")[1].split("\u2514")[0].splitlines()  # the rank table's body
+        cells = [line.split("\u2502") for line in rows if "\u2502" in line]
+        assert "".join(cell[2].strip() for cell in cells) == "".join(f["file"] for f in files) + "total", res.stdout
+        for f in files:
+            assert any(cell[4].strip() == f"{f['bytes']:,}" for cell in cells), (f, res.stdout)
