@@ -41,7 +41,8 @@ def _console(name: str) -> Console:
 
     if name == "stdout":
         _require_stdout()
-    console = Console(file=_Named(name), stderr=name == "stderr", soft_wrap=True)
+    # emoji=False: a path with `:100:` or `:a:` in it was printed with an emoji in their place (an audit)
+    console = Console(file=_Named(name), stderr=name == "stderr", soft_wrap=True, emoji=False)
     # rich's own ends the run with exit 1 ("a check ran and failed"), and points stdout at /dev/null even
     # when stderr's reader went away (`cmd 2>&1 | head`)
     console.on_broken_pipe = functools.partial(reader_gone, console.file)
@@ -262,7 +263,8 @@ def reader_gone(stream: IO[str]) -> NoReturn:
 
 def plain(text: str) -> str:
     """`text` as rich prints it literally: square brackets in a path or a tensor name are not markup (a
-    folder named `x[bold]y` was printed as `xy`, one with `[/]` in it ended in a MarkupError traceback)."""
+    folder named `x[bold]y` was printed as `xy`, one with `[/]` in it ended in a MarkupError traceback);
+    `:name:` emoji codes are left as they are by the consoles themselves (emoji=False)."""
     from rich.markup import escape
 
     return escape(text)

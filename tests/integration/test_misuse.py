@@ -726,6 +726,19 @@ def test_brackets_in_the_source_path_stay_in_the_plan_tables_title(src, tmp_path
     assert printed.splitlines()[0].startswith(f"{folder}  "), printed.splitlines()[0]
 
 
+@pytest.mark.parametrize("name", ["x:100:y", "run:a:b"])
+def test_emoji_codes_in_a_path_are_printed_as_they_are(src, tmp_path, monkeypatch, capsys, name):
+    """rich replaces `:name:` emoji codes: `make-tiny x:100:y` printed the folder, the result line a script reads,
+    as `x\U0001f4afy`, and every message and table title naming it the same (`run:a:b` as `run\U0001f170b`)."""
+    folder = tmp_path / name
+    code, printed, err = run_cli(monkeypatch, capsys, "make-tiny", str(folder))
+    assert code == 0 and printed == f"{folder}\n", printed
+    code, printed, err = run_cli(monkeypatch, capsys, "plan", str(folder), "--tp", "2")
+    assert code == 0 and printed.splitlines()[0].startswith(f"{folder}  "), printed.splitlines()[0]
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert_clean_error(code, err, f"{folder / 'manifest.json'}: not found; was {folder} written by")
+
+
 def test_a_source_folder_whose_name_is_not_utf8_converts(src, sharded, tmp_path):
     """Linux names are bytes: the tokenizers library takes a path only as UTF-8 text, so every command that
     checks the Engram tokenizer refused a whole checkpoint in a folder named b"bad\\xffname" with "not a
