@@ -302,8 +302,19 @@ def tables(*renderables: Any) -> None:
 
 
 def line(text: str) -> None:
-    """One result line on stdout (a path, a verdict), printed as it is."""
-    _console("stdout").print(plain(text), highlight=False, soft_wrap=True)
+    """One result line on stdout (a path, a verdict), written as it is, not rendered by rich: rich expanded a tab in
+    a folder's name to spaces and dropped a carriage return or a bell, so the line a script reads named a folder
+    that does not exist (an audit). A reader gone: exit 141; a write that fails: an error naming stdout."""
+    _require_stdout()
+    try:
+        named_call("stdout", _write_line, text)
+    except BrokenPipeError:
+        reader_gone(sys.stdout)
+
+
+def _write_line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def error(message: str) -> None:

@@ -739,6 +739,16 @@ def test_emoji_codes_in_a_path_are_printed_as_they_are(src, tmp_path, monkeypatc
     assert_clean_error(code, err, f"{folder / 'manifest.json'}: not found; was {folder} written by")
 
 
+@pytest.mark.parametrize("name", ["tab\tname", "cr\rname", "bell\aname"])
+def test_the_result_line_is_the_path_byte_for_byte(tmp_path, monkeypatch, capsys, name):
+    """The result on stdout (make-tiny's folder, check's verdict, download's folder, manifest's file) is what a
+    script reads: rich rendered it, expanding a tab in the folder's name to spaces and dropping a carriage return
+    or a bell, so the line named a folder that does not exist."""
+    folder = tmp_path / name
+    code, printed, _ = run_cli(monkeypatch, capsys, "make-tiny", str(folder))
+    assert code == 0 and printed == f"{folder}\n", repr(printed)
+
+
 def test_a_source_folder_whose_name_is_not_utf8_converts(src, sharded, tmp_path):
     """Linux names are bytes: the tokenizers library takes a path only as UTF-8 text, so every command that
     checks the Engram tokenizer refused a whole checkpoint in a folder named b"bad\\xffname" with "not a
