@@ -1392,5 +1392,9 @@ def _late_signals_exit_at_once() -> None:
 
 
 def _exit_now(code: int, what: str, signum, frame) -> NoReturn:
-    os.write(2, f"error: {torchrun.by_rank(what)} while the process ended, after its result\n".encode())
-    os._exit(code)
+    """The signal's line on stderr, then the exit with its code: a stderr that cannot take the line (a full disk,
+    closed) raised an OSError out of this handler before its exit, and the run ended with its own 0 (an audit)."""
+    try:
+        report.say_at_once(f"error: {torchrun.by_rank(what)} while the process ended, after its result\n")
+    finally:
+        os._exit(code)

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from dsv41_convert import interrupts, torchrun
@@ -329,12 +329,22 @@ def error_at_once(message: str, code: int, as_json: bool) -> None:
     """`error: message` on stderr, and with `as_json` its document ({"ok": false, "exit_code": code, ...},
     one line) on stdout, each in one write(2) that takes no lock: for a process about to end with os._exit
     from a signal handler, whose main thread may hold the consoles' locks."""
-    os.write(2, f"error: {torchrun.by_rank(message)}\n".encode())
+    say_at_once(f"error: {torchrun.by_rank(message)}\n")
     if as_json:
         document = (json.dumps(_ranked(error_document(message, code))) + "\n").encode()
         shared = torchrun.shared_rank() is not None
         with _stream_locked(1) if shared else nullcontext():  # not inside another rank's (_write_whole)
             os.write(1, document)
+
+
+def say_at_once(text: str) -> None:
+    """`text` on stderr in one write(2) that takes no lock (error_at_once), or nothing where it cannot be said:
+    a stderr closed when the process started (`2>&-`), whose descriptor 2 may since be a file of the run's
+    (OUT's lock file), or one that fails (a full disk)."""
+    if sys.stderr is None:
+        return
+    with suppress(OSError):
+        os.write(2, text.encode("utf-8", "backslashreplace"))
 
 
 def info(message: str) -> None:

@@ -481,6 +481,42 @@ def test_a_signal_after_the_result_never_exits_0_nor_writes_a_second_document(tm
     assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
 
 
+SIGNAL_AT_THE_EXIT = """
+import atexit, os, signal, sys
+from dsv41_convert import cli
+sig = signal.Signals[sys.argv.pop(1)]
+real = cli._main
+def _main(*args):  # an exit handler after _late_signals_exit_at_once's (registered at the end of _main)
+    atexit.register(lambda: os.kill(os.getpid(), sig))
+    real(*args)
+cli._main = _main
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize("stderr", ["full", "closed"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_at_the_exit_with_stderr_unwritable_does_not_exit_0(tmp_path, stderr, sig):
+    """A SIGTERM in the process's last moments, after the result, ends it with 143 and a line on stderr; where
+    that line could not be written (`2>/dev/full`, `2>&-`) the OSError left the handler before its exit, and the
+    process ended with the run's 0, as if no signal had come (README: a run that took one never exits 0)."""
+    if stderr == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    src = tmp_path / "t"
+    subprocess.run([entry_point(), "make-tiny", str(src)], check=True, capture_output=True)
+    cmd = [sys.executable, "-c", SIGNAL_AT_THE_EXIT, sig, "plan", str(src), "--tp", "2", "--json"]
+
+    def start() -> None:
+        default_sigint()
+        if stderr == "closed":
+            os.close(2)
+
+    with open(os.devnull if stderr == "closed" else "/dev/full", "wb") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, timeout=120, preexec_fn=start)
+    assert proc.returncode == (143 if sig == "SIGTERM" else 130), proc.returncode
+    assert json.loads(proc.stdout)["src"] == str(src)  # the one document: the result's
+
+
 SIGNAL_IN_THE_TEARDOWN = """
 import os, runpy, signal, sys, time
 how, sig = sys.argv.pop(1), signal.Signals[sys.argv.pop(1)]
