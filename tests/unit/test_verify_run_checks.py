@@ -69,6 +69,21 @@ def test_the_reference_check_is_exact_only_where_every_section_is():
     assert _reference_check(result, [], ref).failures == ["decode: max_abs 0.001 > 0"]
 
 
+def test_a_reference_check_not_expected_exact_carries_the_bounds_it_broke():
+    """Against a reference of another tp the reference check is judged by the statistical bounds: where they
+    broke (a NaN block scale: KL inf) the check carries those failures, so the report says `differs`, not
+    `held, not bit for bit` beside the FAIL they made."""
+    failures = ["last: kl_mean inf > 1", "twin last: max_abs 0.5 > 0"]
+    result = _result(failures)
+    result.overall = {"last": compare(_logits(), _logits(0.5))}
+    blocked = ["the reference ran at tp 1, this run at tp 2"]
+    check = _reference_check(result, blocked, SimpleNamespace(tp=1, device="cpu"))
+    assert check.failures == ["last: kl_mean inf > 1"] and not check.expected_exact and not check.decisive
+    held = _result([])
+    held.overall = {"last": compare(_logits(), _logits(0.5))}
+    assert _reference_check(held, blocked, SimpleNamespace(tp=1, device="cpu")).failures == []
+
+
 def test_the_reference_check_leaves_the_twins_failures_and_the_load_error_to_their_checks():
     """The reference check's failures are the comparison with the reference: the twin's own (and a load error)
     are reported by their checks, so the report says which check failed."""
