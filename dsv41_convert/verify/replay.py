@@ -28,7 +28,7 @@ from dsv41_convert.verify.launch import default_threads
 from dsv41_convert.verify.metrics import compare, merge
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import PromptRun, attach_images, build_model, load_state, run_prompt
-from dsv41_convert.verify.thresholds import SECTIONS
+from dsv41_convert.verify.thresholds import SECTIONS, Bound, judge
 from dsv41_convert.verify.verdict import Check, exact_blockers
 
 
@@ -65,12 +65,16 @@ def replay_threads(ref: Reference, threads: int | None) -> int:
 
 
 def replay_check(
-    ranks: RankFiles, ref: Reference, device: str, threads: int | None = None
+    ranks: RankFiles, ref: Reference, device: str, threads: int | None = None, bounds: dict[str, Bound] | None = None
 ) -> tuple[Check, list[PromptRun] | None]:
     """Run the replay and compare every section bit for bit.
 
     threads: CPU threads when the reference does not record its own (default: all cores, as a tp-1 run
              uses by default: reference-logits, upstream)
+    bounds:  {section: Bound}, the run's statistical bounds (verify's thresholds): where bit equality is not
+             expected (another torch, a bf16 reference) the replay is held to them, as the tp-N run is; a
+             broken one is a failure (a NaN replay said `held, not bit for bit`). None: such a replay decides
+             nothing either way
     -> (the "replay" Check, the replay's runs or None when the rank files could not be merged)
     """
     before = torch.get_num_threads()
@@ -102,6 +106,8 @@ def replay_check(
     if not exact and not blockers:
         fails = [f"replay {k}: max_abs {s.max_abs:.3g} > 0 (bit equality expected)" for k, s in worst.items()]
         fails = [f for f, s in zip(fails, worst.values(), strict=True) if s.max_abs != 0]
+    elif not exact and bounds is not None:
+        fails = [f"replay {k}: {msg}" for k, s in worst.items() for msg in judge(s, bounds[k])]
     note = "rank files merged to tp 1, run here: " + (
         "bit equality expected" if not blockers else "not bit-exact: " + "; ".join(blockers)
     )

@@ -8,6 +8,7 @@ import torch
 from dsv41_convert.verify import replay
 from dsv41_convert.verify.reffile import Reference
 from dsv41_convert.verify.runner import ModelInput, PromptRun
+from dsv41_convert.verify.thresholds import default_thresholds
 
 V, T, K = 6, 2, 3
 
@@ -83,6 +84,24 @@ def test_a_difference_not_expected_bit_for_bit_is_inexact_but_no_failure(monkeyp
     _one_ulp(runs[0].logits_all[-1])
     check = _replayed(monkeypatch, ref, runs)
     assert not check.exact and not check.expected_exact and not check.failures and not check.decisive
+
+
+def test_a_replay_not_expected_bit_for_bit_is_held_to_the_runs_bounds(monkeypatch):
+    """Against a reference no replay matches bit for bit (the unquantized bf16 model, another torch) the replay is
+    held to the run's statistical bounds, as the tp-N run is: NaN logits (a NaN norm weight in the rank files)
+    are a failure of the replay (it said `held, not bit for bit`); a last-bit difference is none."""
+    bounds = default_thresholds("quantized").bounds
+    ref = _reference()
+    ref.weights = "bf16"
+    runs = [_copy(r) for r in ref.runs]
+    _one_ulp(runs[0].logits_all[-1])
+    monkeypatch.setattr(replay, "replay_runs", lambda _ranks, _ref, _device: runs)
+    check, _ = replay.replay_check(None, ref, "cpu", None, bounds)
+    assert not check.exact and not check.expected_exact and not check.failures
+    runs[1].logits_all[-1] = float("nan")
+    check, _ = replay.replay_check(None, ref, "cpu", None, bounds)
+    assert not check.expected_exact and not check.decisive
+    assert any(f.startswith("replay last: ") for f in check.failures), check.failures
 
 
 def test_the_replay_runs_with_the_references_threads():

@@ -242,6 +242,23 @@ def test_a_reference_of_another_tp_is_not_localized_from_reduction_noise():
     assert same.module == "layers.1.ffn"
 
 
+def test_a_replay_held_to_bounds_is_not_localized_bit_for_bit():
+    """A replay that broke the statistical bounds against a reference no replay matches bit for bit (the bf16
+    model) differs from it everywhere by quantization: its first differing bit is no fault's module. Only a
+    replay expected bit for bit localizes at a tolerance of 0."""
+    failures = ["last: kl_mean inf > 1", "replay last: kl_mean inf > 1"]
+    result = _result(failures)
+    ref = SimpleNamespace(runs=[_run(hidden=_hidden())], tp=1)
+    out = RankResult([_run(hidden=_hidden(layers_1_ffn=1e-3))], None)
+    replayed = [_run(hidden=_hidden(embed=1e-6, layers_1_ffn=1e-3))]
+    args, th = SimpleNamespace(n_layers=2), default_thresholds("quantized")
+    result.checks = [Check("replay", False, False, ["replay last: kl_mean inf > 1"])]
+    loc = _localize(result, ref, out, None, SimpleNamespace(tp=2), args, th, replayed)
+    assert loc.module is None and loc.note.startswith("not localized: the reference ran at tp 1")
+    result.checks = [Check("replay", False, True, ["replay last: max_abs 0.1 > 0 (bit equality expected)"])]
+    assert _localize(result, ref, out, None, SimpleNamespace(tp=2), args, th, replayed).module == "embed"
+
+
 @pytest.mark.parametrize(
     ("teacher_failures", "module"),
     [
