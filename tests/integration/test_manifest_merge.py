@@ -738,6 +738,31 @@ def test_shares_finishing_in_one_folder_leave_no_fragment(runs, tmp_path, monkey
     assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
 
 
+def test_a_share_finishing_while_another_writes_its_fragment_leaves_none(runs, tmp_path, monkeypatch, capsys):
+    """Two shares ending at once: share "1,3" finds its own files done and not the others', and before it writes
+    its fragment, share "0,2" finishes the set (manifest.json, no fragment to remove yet). The fragment written
+    after that stayed beside the manifest; the share looks again once it is written, finds the set complete and
+    finishes the folder itself."""
+    from dsv41_convert.convert import execute as execute_module
+
+    out = tmp_path / "out"
+    real = execute_module.write_fragment
+    other_share = [sys.executable, "-m", "dsv41_convert.cli", "shard", str(runs["src"]), str(out), "--tp", "4",
+                   "--ranks", "0,2"]  # fmt: skip
+
+    def the_other_share_ends_first(*args, **kwargs):
+        done = subprocess.run(other_share, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert (out / "manifest.json").exists() and _fragments(out) == []
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(execute_module, "write_fragment", the_other_share_ends_first)
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(runs["src"]), str(out), "--tp", "4", "--ranks", "1,3")
+    assert code == 0, err
+    assert (out / "manifest.json").read_bytes() == (runs["full"] / "manifest.json").read_bytes()
+    assert _fragments(out) == [], "a fragment left beside the finished manifest"
+
+
 def _without_tokenizer(src: Path, dest: Path) -> Path:
     shutil.copytree(src, dest)
     (dest / "tokenizer.json").unlink()
