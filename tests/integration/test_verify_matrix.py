@@ -299,6 +299,29 @@ def test_bf16_source_quantized(m):
     assert result.verdict == "PASS" and result.decisive == ["weights", "replay"], result.checks
 
 
+def test_a_replay_not_expected_bit_for_bit_fails_on_nan_logits(m):
+    """Against the unquantized bf16 model no replay is bit-exact: the replay was judged by nothing and said
+    `held, not bit for bit` beside NaN logits (a NaN norm weight on every rank). verify hands it the run's
+    bounds, so the replay fails too, and is not localized bit for bit (that blamed the first module)."""
+    src = m.root / "src-bf16"
+    if not src.exists():
+        write_checkpoint(src, TINY, seed=0, quantized=False, vision=False)
+    conv = m.root / "bf16-nan-norm"
+    if conv.exists():
+        shutil.rmtree(conv)
+    shutil.copytree(m.shard(2, src=src, tag="bf16"), conv)
+
+    def nan_norm(t):
+        t["layers.1.ffn_norm.weight"] = t["layers.1.ffn_norm.weight"].clone().fill_(float("nan"))
+
+    for rank in range(2):
+        _edit(conv, rank, 2, nan_norm)
+    result = _verify(conv, m.reference("tp1", 2, src=src, tag="bf16"), statistical=True)
+    replay = next(c for c in result.checks if c.name == "replay")
+    assert result.verdict == "FAIL" and not replay.expected_exact, result.checks
+    assert any(f.startswith("replay ") for f in replay.failures), replay
+
+
 def _without_hidden(path: Path) -> Path:
     """A copy of a reference file without its hidden states (as another implementation might write it)."""
     out = path.with_name(path.stem + "-bare.safetensors")
