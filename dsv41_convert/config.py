@@ -354,6 +354,14 @@ class ModelArgs:
                 )
             if quant.get("scale_fmt") != "ue8m0":
                 raise ConfigError(f"{source}: scale_fmt {quant.get('scale_fmt')!r}, expected 'ue8m0'")
+            # the model quantizes each activation per block as it runs (act_quant): a "static" scheme's stored input
+            # scales were never read, and reference-logits and verify ran, exit 0, on another model than the config's
+            scheme = quant.get("activation_scheme", "dynamic")
+            if scheme != "dynamic":
+                raise ConfigError(
+                    f"{source}: quantization_config.activation_scheme {scheme!r}, expected 'dynamic' (activations "
+                    "are quantized per block as the model runs; a static scheme's stored input scales are not read)"
+                )
             kwargs["dtype"] = "fp8"
             kwargs["expert_dtype"] = quant.get("expert_dtype")
         check_values(kwargs, source, HF_NAMES)

@@ -452,6 +452,13 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ),
         ("engram_vocab_size", 10**15, r"engram_vocab_size 1000000000000000, .* give tables of \[4000000000000474\]"),
         ("engram_num_embeddings", [18], r"engram_num_embeddings \[18\], but .* give tables of \[17\] rows"),
+        # the model quantizes activations per block as it runs, whatever the config says: "static" (scales stored
+        # beside the weights, read instead) ran, exit 0, on a model other than the one the config describes
+        (
+            "quantization_config.activation_scheme",
+            "static",
+            r"quantization_config.activation_scheme 'static', expected 'dynamic' \(activations are quantized",
+        ),
     ],
 )
 def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):
