@@ -445,6 +445,15 @@ class ModelArgs:
             raise ConfigError(
                 f"{source}: qk_rope_head_dim {self.rope_head_dim} must be even and within head_dim {self.head_dim}"
             )
+        # the vision tower splits hidden_size into heads and rotates each head's two halves by a 2D RoPE, half the
+        # angles by the patch row, half by the column (model/vision.py): heads that do not divide it ended an image
+        # prompt in a view() traceback; a head of 2 ran, exit 0, rotated by angles of another size (an audit)
+        if self.vision_enabled and self.vision_dim % (4 * self.vision_n_heads):  # heads of a multiple of 4
+            raise ConfigError(
+                f"{source}: vision_config.hidden_size {self.vision_dim} in {self.vision_n_heads} heads "
+                f"(num_attention_heads) of {self.vision_dim / self.vision_n_heads:g}: each head's size must be a "
+                "multiple of 4 (a 2D RoPE rotates its halves, half the angles by the patch row, half by the column)"
+            )
         for layer in range(self.n_all_layers):
             routed, activated = self.moe_config(layer)
             if not 0 < activated <= routed:

@@ -459,6 +459,11 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
             "static",
             r"quantization_config.activation_scheme 'static', expected 'dynamic' \(activations are quantized",
         ),
+        # the vision tower splits hidden_size into heads and rotates each head's halves by the patch row and column:
+        # 3 heads of 32 ended reference-logits on an image prompt in a view() traceback; 16 heads of 2 ran, exit 0,
+        # rotating each head by a 2D RoPE of other sizes than its own
+        ("vision_config.num_attention_heads", 3, r"vision_config.hidden_size 32 in 3 heads \(num_attention_heads\)"),
+        ("vision_config.num_attention_heads", 16, r"hidden_size 32 in 16 heads .*: each head's size must be a"),
     ],
 )
 def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):
