@@ -441,10 +441,12 @@ class ModelArgs:
             raise ConfigError(f"{source}: expert_dtype {self.expert_dtype!r}, expected 'fp4', 'fp8' or none")
         if self.head_dim % self.o_groups or (self.n_heads * self.head_dim) % self.o_groups:
             raise ConfigError(f"{source}: n_heads * head_dim must divide into o_groups={self.o_groups}")
-        if not 0 < self.rope_head_dim <= self.head_dim or self.rope_head_dim % 2:
-            raise ConfigError(
-                f"{source}: qk_rope_head_dim {self.rope_head_dim} must be even and within head_dim {self.head_dim}"
-            )
+        rotated = {"head_dim": self.head_dim}  # the attention rotates the last qk_rope_head_dim dims of its heads
+        if self.index_source_layers:  # an indexer those of its own: wider, it changed no tensor, then a traceback
+            rotated["index_head_dim"] = self.index_head_dim  # in reference-logits and verify (an audit)
+        if not 0 < self.rope_head_dim <= min(rotated.values()) or self.rope_head_dim % 2:
+            within = " and ".join(f"{key} {dim}" for key, dim in rotated.items())
+            raise ConfigError(f"{source}: qk_rope_head_dim {self.rope_head_dim} must be even and within {within}")
         # the vision tower splits hidden_size into heads and rotates each head's two halves by a 2D RoPE, half the
         # angles by the patch row, half by the column (model/vision.py): heads that do not divide it ended an image
         # prompt in a view() traceback; a head of 2 ran, exit 0, rotated by angles of another size (an audit)

@@ -481,6 +481,23 @@ def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, 
         build_plan(tmp_path / "s", 1)
 
 
+def test_a_rope_wider_than_the_indexers_heads_is_refused(tmp_path):
+    """The indexer rotates the last qk_rope_head_dim dims of its own heads (index_head_dim wide): a wider rope
+    changes no tensor, so plan and shard took it, and reference-logits and verify ended in a RuntimeError
+    traceback ("shape '[1, 10, 16]' is invalid for input of size 240", make-tiny at 48; an audit)."""
+    from dsv41_convert.errors import ConfigError
+
+    cfg = tiny_config(quantized=True)
+    cfg["text_config"]["head_dim"] = 64
+    tensors = source_tensors(cfg)
+    cfg["text_config"]["qk_rope_head_dim"] = 48  # within head_dim 64, past index_head_dim 32
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    with pytest.raises(
+        ConfigError, match=r"qk_rope_head_dim 48 must be even and within head_dim 64 and index_head_dim"
+    ):
+        build_plan(tmp_path / "s", 1)
+
+
 def test_too_few_dspark_experts_name_both_counts(tmp_path):
     from dsv41_convert.errors import ConfigError
 
