@@ -642,6 +642,10 @@ THETAS = ("rope_theta", "compress_rope_theta")  # rope bases: the model divides 
 # the vision tower's floats that must be positive where it is there: its rope base (1 / theta**x: NaN angles for
 # 0 or less) and the cap on an image's width/height ratio (None: no cap; 0 or less cut every image to width 0)
 VISION_POSITIVE = ("vision_rope_theta", "vision_max_wh_ratio")
+# the shortest image span, START, one IMAGE, its NEWLINE and END (model/image_processor.py num_image_tokens(1, 1)):
+# a smaller vision_max_n_token fits no image (an image prompt ended in "math domain error" or, at 2 and 3, a grid
+# of 0 rows and a RuntimeError traceback in reference-logits and verify: an audit)
+MIN_IMAGE_SPAN = 4
 # floats where 0 means "off" or "none" and a negative value is no setting (swiglu_limit: no clamp)
 NON_NEGATIVE = ("norm_eps", "hc_eps", "swiglu_limit", "original_seq_len")
 # the most Sinkhorn rounds a hyper-connection runs per token and layer (the published model: 20, converged long
@@ -669,6 +673,11 @@ def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, 
     for key in VISION_POSITIVE if values.get("vision_n_layers") else ():
         if values.get(key) is not None and values[key] <= 0:
             raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected a positive number")
+    if values.get("vision_n_layers") and 0 < values.get("vision_max_n_token", MIN_IMAGE_SPAN) < MIN_IMAGE_SPAN:
+        raise ConfigError(
+            f"{source}: {name('vision_max_n_token')} = {values['vision_max_n_token']!r}, expected {MIN_IMAGE_SPAN} or "
+            "more (the shortest image span: START, one image token, its row's NEWLINE, END)"
+        )
     for key in THETAS:
         if key in values and values[key] <= 1:
             raise ConfigError(f"{source}: {name(key)} = {values[key]!r}, expected more than 1 (a rope base)")

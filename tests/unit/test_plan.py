@@ -464,6 +464,10 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         # rotating each head by a 2D RoPE of other sizes than its own
         ("vision_config.num_attention_heads", 3, r"vision_config.hidden_size 32 in 3 heads \(num_attention_heads\)"),
         ("vision_config.num_attention_heads", 16, r"hidden_size 32 in 16 heads .*: each head's size must be a"),
+        # an image span is START, a row of IMAGE and its NEWLINE, END: a budget of 1 ended an image prompt in "math
+        # domain error", one of 2 or 3 in a RuntimeError traceback (a grid of 0 rows) from reference-logits and verify
+        ("vision_config.max_image_tokens", 3, r"vision_config.max_image_tokens = 3, expected 4 or more \(the shortest"),
+        ("vision_config.max_image_tokens", 1, r"vision_config.max_image_tokens = 1, expected 4 or more"),
     ],
 )
 def test_a_config_the_model_cannot_run_is_refused_by_plan(tmp_path, key, value, said):

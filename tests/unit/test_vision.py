@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
 import pytest
 import torch
 
-from dsv41_convert.config import ModelArgs
+from dsv41_convert.config import MIN_IMAGE_SPAN, ModelArgs
 from dsv41_convert.model import image_processor as ip
 from dsv41_convert.model.vision import Aligner, ViT, vision_rope
 from dsv41_convert.synth.presets import TINY, hf_config
@@ -107,6 +108,13 @@ def test_grid_plan_fits_budget_and_minimum(args, size):
     assert ip.num_image_tokens(n_llm_h, n_llm_w) <= args.vision_max_n_token
     if w * h < args.vision_min_pixels:  # upscaled to at least min_pixels (up to rounding)
         assert th * tw >= args.vision_min_pixels * 0.98
+
+
+@pytest.mark.parametrize("size", [(50, 40), (300, 200), (200, 900), (2000, 60), (60, 2000)])
+def test_the_smallest_budget_the_config_allows_fits_every_image_in_one_token(args, size):
+    """config.MIN_IMAGE_SPAN is the span of a 1 x 1 grid, and every image fits that budget (below it, none did)."""
+    tight = dataclasses.replace(args, vision_max_n_token=MIN_IMAGE_SPAN)
+    assert ip.plan_image_grid(*size, tight)[:2] == (1, 1) and ip.num_image_tokens(1, 1) == MIN_IMAGE_SPAN
 
 
 def test_load_image_patches_and_gray_padding(args, tmp_path):
