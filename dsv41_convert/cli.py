@@ -31,8 +31,8 @@ from typing import Annotated, NoReturn
 import typer
 
 from dsv41_convert import interrupts, torchrun
+from dsv41_convert.app import help_width, report
 from dsv41_convert.app import options as opts
-from dsv41_convert.app import report
 from dsv41_convert.errors import ConvertError, RankFailedError, crash_line
 from dsv41_convert.store.machine import MAX_THREADS
 
@@ -1242,6 +1242,7 @@ def main() -> None:
         _no_width_of_zero()
         if "--help" in sys.argv[1:] or len(sys.argv) == 1:  # no command: the help, as --help
             _help_reader_gone_as_sigpipe()
+            help_width.fit(_command_context(sys.argv[1:]))
         _main(click_exceptions)
     except KeyboardInterrupt:  # a signal outside _main's own handling: in these first steps, or in its last ones
         if _debug["on"]:
