@@ -306,23 +306,45 @@ def line(text: str) -> None:
     a folder's name to spaces and dropped a carriage return or a bell, so the line a script reads named a folder
     that does not exist (an audit). A reader gone: exit 141; a write that fails: an error naming stdout."""
     _require_stdout()
+    _write_line("stdout", text)
+
+
+def _write_line(name: str, text: str) -> None:
+    """`text` and a newline on sys.stdout or sys.stderr (`name`) as it is: a reader gone, exit 141; a write that
+    fails, an OSError naming the stream."""
+    stream = getattr(sys, name)
+    if stream is None:  # stderr closed (`2>&-`): nothing to say it on
+        return
     try:
-        named_call("stdout", _write_line, text)
+        named_call(name, stream.write, text + "\n")
+        named_call(name, stream.flush)
     except BrokenPipeError:
-        reader_gone(sys.stdout)
-
-
-def _write_line(text: str) -> None:
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
+        reader_gone(stream)
 
 
 def error(message: str) -> None:
-    _console("stderr").print(f"[bold red]error:[/] {plain(torchrun.by_rank(message))}", highlight=False)
+    _say("error:", "bold red", message)
 
 
 def warn(message: str) -> None:
-    _console("stderr").print(f"[yellow]warning:[/] {plain(torchrun.by_rank(message))}", highlight=False)
+    _say("warning:", "yellow", message)
+
+
+def info(message: str) -> None:
+    _say("", "", message)
+
+
+def _say(label: str, style: str, message: str) -> None:
+    """`label message` on stderr. Into a file or a pipe (a log, a script's capture) the message is written as it
+    is, as `line` writes a result: rich expanded a tab in a path to spaces and dropped a carriage return or a bell,
+    so `error: <path>: ...` named a path that does not exist (an audit). In a terminal rich prints it, `label` in
+    `style`, beside a live progress display (a raw carriage return would send the cursor back over the line)."""
+    console = _console("stderr")
+    message = torchrun.by_rank(message)
+    if console.is_terminal:
+        console.print(f"[{style}]{label}[/] " if label else "", plain(message), sep="", highlight=False)
+    else:
+        _write_line("stderr", f"{label} {message}" if label else message)
 
 
 def error_at_once(message: str, code: int, as_json: bool) -> None:
@@ -347,10 +369,6 @@ def say_at_once(text: str) -> None:
         os.write(2, text.encode("utf-8", "backslashreplace"))
 
 
-def info(message: str) -> None:
-    _console("stderr").print(plain(torchrun.by_rank(message)), highlight=False)
-
-
 @contextmanager
 def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
     """A rich progress display with one bar per label, bytes (or items: progress.counting), speed
@@ -372,8 +390,8 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
         StallAwareTimeRemaining(stalls),
     )
     tasks: dict[str, TaskID] = {}
+    info(title)
     with Progress(*columns, console=_console("stderr"), transient=False) as progress:
-        progress.console.print(plain(title), highlight=False)
 
         def update(label: str, done: int, total: int) -> None:
             if label not in tasks:

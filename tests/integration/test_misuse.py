@@ -749,6 +749,22 @@ def test_the_result_line_is_the_path_byte_for_byte(tmp_path, monkeypatch, capsys
     assert code == 0 and printed == f"{folder}\n", repr(printed)
 
 
+@pytest.mark.parametrize("name", ["tab\tname", "cr\rname", "bell\aname", "x[bold]y:100:z"])
+def test_messages_on_stderr_name_the_path_byte_for_byte(src, tmp_path, name):
+    """An error, a warning or a line of progress on stderr (a log a script reads) went through rich, which expanded a
+    tab in the path to spaces and dropped a carriage return or a bell: `error: <path>: no such folder` named a path
+    that does not exist."""
+    folder = tmp_path / name
+    proc = subprocess.run([*CLI, "check", str(folder / "nope")], capture_output=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(f"\nerror: {folder / 'nope'}: no such folder\n".encode()), proc.stderr
+    out = tmp_path / f"out{name}"
+    proc = subprocess.run([*CLI, "shard", str(src), str(out), "--tp", "2"], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith(f"shard {src} -> {out} (tp 2)\n".encode()), proc.stderr
+    assert proc.stderr.endswith(f"manifest: {out / 'manifest.json'}\n".encode()), proc.stderr
+
+
 def test_a_source_folder_whose_name_is_not_utf8_converts(src, sharded, tmp_path):
     """Linux names are bytes: the tokenizers library takes a path only as UTF-8 text, so every command that
     checks the Engram tokenizer refused a whole checkpoint in a folder named b"bad\\xffname" with "not a
