@@ -383,7 +383,9 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
 
     stalls = Stalls()
     columns = (
-        TextColumn("[bold]{task.description}"),
+        # no markup: its emoji codes showed a file `a:100:b` as `a\U0001f4afb` (the consoles' emoji=False is not
+        # the markup's own)
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         AmountColumn(),
         MeanSpeedColumn(stalls),
@@ -396,7 +398,7 @@ def byte_progress(title: str, quiet: bool = False) -> Iterator[ProgressFn]:
         def update(label: str, done: int, total: int) -> None:
             if label not in tasks:
                 shown, noun = counted(label)
-                tasks[label] = progress.add_task(plain(shown), total=total, noun=noun)
+                tasks[label] = progress.add_task(shown, total=total, noun=noun)
             progress.update(tasks[label], completed=done, total=total)
 
         yield update

@@ -17,3 +17,12 @@ def test_a_counting_label_round_trips_and_a_byte_label_counts_no_noun():
     """A byte bar's noun is None (the columns test `noun is None`). Catches counted giving "" for a byte label."""
     assert counted(counting("pass 1/4 (prefill)", "units")) == ("pass 1/4 (prefill)", "units")
     assert counted("model0-mp8.safetensors") == ("model0-mp8.safetensors", None)
+
+
+def test_a_progress_label_is_shown_as_it_is(capsys):
+    """The bar's label went through rich markup: a file named `a:100:b` was shown as `a\U0001f4afb`."""
+    from dsv41_convert.app import report
+
+    with report.byte_progress("title") as progress:
+        progress("a:100:b[x]y", 1, 1)
+    assert "a:100:b[x]y " in capsys.readouterr().err
