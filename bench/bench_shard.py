@@ -55,6 +55,7 @@ from dsv41_convert.config import ModelArgs  # noqa: E402
 from dsv41_convert.convert.catalogue import published_layout  # noqa: E402
 from dsv41_convert.convert.plan import build_plan  # noqa: E402
 from dsv41_convert.convert.tp import check_tp  # noqa: E402
+from dsv41_convert.engram_buckets import engram_table_rows  # noqa: E402
 from dsv41_convert.errors import ConfigError, ConvertError, PlanError  # noqa: E402
 from dsv41_convert.store.machine import available_memory  # noqa: E402
 from dsv41_convert.store.safetensors_header import build_header, nbytes  # noqa: E402
@@ -74,6 +75,10 @@ def _cli(code: Path) -> list[str]:
 CLI = _cli(ROOT)  # this checkout's, wherever the bench is started from
 
 
+# one Engram table of about a million rows (1,000,134: the sum of its six bucket primes, which config.py checks)
+ENGRAM_VOCAB = 166_667
+
+
 def bench_config(n_layers: int, n_experts: int = 384) -> dict:
     cfg = copy.deepcopy(json.loads(REAL_CONFIG.read_text()))
     del cfg["vision_config"]
@@ -83,7 +88,8 @@ def bench_config(n_layers: int, n_experts: int = 384) -> dict:
         num_nextn_predict_layers=1,
         compress_ratios=[0, 2, 1] + [1] * (n_layers - 3) + [0], kv_source_layer_ids=[1, 2],
         index_source_layer_ids=[1, 2], candidate_source_layer_id=2, engram_layer_ids=[1],
-        engram_num_embeddings=[1_000_003], dspark_target_layer_ids=[n_layers - 1], dspark_n_routed_experts=16,
+        engram_vocab_size=ENGRAM_VOCAB, engram_num_embeddings=list(engram_table_rows(1, 4, 2, ENGRAM_VOCAB)),
+        dspark_target_layer_ids=[n_layers - 1], dspark_n_routed_experts=16,
         dspark_noise_token_id=32767,  # a token of the vocabulary (config.py refuses one beyond it)
     )  # fmt: skip
     return cfg
