@@ -107,6 +107,15 @@ def read_prompts(
             f"{placed[0].origin or placed[0].label}: holds token id {args.image_token_id}, config.json's "
             f"image_token_id (the image placeholder), which only an image span holds: {advice}"
         )
+    imaged = next((p for p in prompts if p.image is not None), None)
+    if imaged is not None and bound <= args.image_token_id < args.vocab_size:  # past the vocabulary: prepare_vl_inputs
+        # every position of its span holds the id, and the Engram hash maps each through the tokenizer's token map
+        # (masked only after): "token id ... reached the Engram hash ... give prompts of the tokenizer's ids" (an audit)
+        raise VerifyInputError(
+            f"{imaged.origin or imaged.label}: image {imaged.image}: config.json's image_token_id "
+            f"{args.image_token_id}, which every position of an image span holds, is past {bound_by}: use the "
+            "checkpoint's own tokenizer.json, which has the image token"
+        )
     fixed = [p.origin or p.label for p in prompts if p.decode_ids is not None]
     if fixed and not feeds_decode_ids:
         raise VerifyInputError(
