@@ -369,6 +369,7 @@ class ModelArgs:
             kwargs[name] = tuple(kwargs[name])
         args = cls(**kwargs)
         args.validate(source)
+        _one_context(text.get("max_position_embeddings"), args.max_positions, source)
         return args
 
     def validate(self, source: str) -> None:
@@ -651,6 +652,21 @@ NON_NEGATIVE = ("norm_eps", "hc_eps", "swiglu_limit", "original_seq_len")
 # the most Sinkhorn rounds a hyper-connection runs per token and layer (the published model: 20, converged long
 # before): 10**9 was accepted, and reference-logits and verify then looped until killed (an audit)
 MAX_SINKHORN_ITERS = 1000
+
+
+def _one_context(stated: Any, yarn: int | None, source: str) -> None:
+    """ConfigError where text_config.max_position_embeddings (`stated`) is a number other than the YaRN context
+    (`yarn`: rope_scaling factor x original_max_position_embeddings, ModelArgs.max_positions), the positions the
+    model and upstream use: a config that says it two ways (1024 against 4 x 64) was accepted and the first
+    ignored, and runs were bounded by a figure the refusal called its max_position_embeddings (an audit)."""
+    if yarn is None or stated is None or isinstance(stated, bool) or not isinstance(stated, int | float):
+        return
+    if stated != yarn:
+        raise ConfigError(
+            f"{source}: text_config.max_position_embeddings {stated:,}, but rope_scaling factor x "
+            f"original_max_position_embeddings gives {yarn:,} positions: the model's context said two ways (the "
+            "published config has them equal: 16 x 65,536 = 1,048,576)"
+        )
 
 
 def _check_runtime_values(values: dict[str, Any], source: str, names: dict[str, str]) -> None:

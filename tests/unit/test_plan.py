@@ -434,6 +434,14 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ("rope_scaling.beta_slow", 0, "rope_scaling.beta_slow = 0, expected a positive number"),
         ("rope_scaling.beta_fast", -1, "rope_scaling.beta_fast = -1, expected a positive number"),
         ("rope_scaling.factor", 0.0, "rope_scaling.factor = 0.0, expected a positive number"),
+        # the context said two ways: the first was ignored, runs bounded by the second (an audit)
+        (
+            "max_position_embeddings",
+            1024,
+            r"text_config.max_position_embeddings 1,024, but rope_scaling factor x "
+            r"original_max_position_embeddings gives 1,048,576 positions",
+        ),
+        ("rope_scaling.factor", 8, r"max_position_embeddings 1,048,576, but .* gives 524,288 positions"),
         ("hc_eps", float("inf"), "text_config.hc_eps = inf, expected a finite number"),
         ("rms_norm_eps", float("nan"), "rms_norm_eps = nan, expected a finite number"),
         ("rms_norm_eps", -1.0, "rms_norm_eps = -1.0, expected 0 or more"),
