@@ -177,7 +177,8 @@ def test_an_image_prompt_needs_an_image_token_inside_the_vocabulary(src, tmp_pat
     assert_clean_error(code, err, "p.jsonl:1: image ", f"image_token_id {token} is not a token id (0..255)")
 
 
-def test_an_image_prompt_needs_an_image_token_the_engram_tokenizer_has(src, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("token", [252, 250])  # 250: the first id past the tokenizer's
+def test_an_image_prompt_needs_an_image_token_the_engram_tokenizer_has(src, tmp_path, monkeypatch, capsys, token):
     """The Engram hash maps every position's id through the token map of tokenizer.json, an image span's too (as
     upstream's engram.py does): a vocabulary padded past the tokenizer (256 ids, the tokenizer's 250) with
     config.json's image_token_id 252 between them ended reference-logits of an image prompt in "token id 252
@@ -187,13 +188,17 @@ def test_an_image_prompt_needs_an_image_token_the_engram_tokenizer_has(src, tmp_
     from tokenizers.models import WordLevel
 
     bad = copy_of(src, tmp_path / "bad")
-    edit_config(bad, lambda c: c.update(image_token_id=252) or c)
+    edit_config(bad, lambda c: c.update(image_token_id=token) or c)
     folded = json.loads((bad / "config.json").read_text())["text_config"]["engram_compressed_vocab_size"]
     words = {" " * (i // folded) + f"t{i % folded}": i for i in range(250)}  # tiny_ckpt's tokenizer, 250 ids
     Tokenizer(WordLevel(words, unk_token="t0")).save(str(bad / "tokenizer.json"))
     code, err = _reference_of_an_image_prompt(bad, tmp_path, monkeypatch, capsys)
     assert_clean_error(
-        code, err, "p.jsonl:1: image ", "config.json's image_token_id 252", f"the 250 ids of {bad / 'tokenizer.json'}"
+        code,
+        err,
+        "p.jsonl:1: image ",
+        f"config.json's image_token_id {token}",
+        f"the 250 ids of {bad / 'tokenizer.json'}",
     )
     assert "give prompts of" not in err, err
 
