@@ -451,7 +451,8 @@ class ModelArgs:
         # the vision tower splits hidden_size into heads and rotates each head's two halves by a 2D RoPE, half the
         # angles by the patch row, half by the column (model/vision.py): heads that do not divide it ended an image
         # prompt in a view() traceback; a head of 2 ran, exit 0, rotated by angles of another size (an audit)
-        if self.vision_enabled and self.vision_dim % (4 * self.vision_n_heads):  # heads of a multiple of 4
+        # heads of a multiple of 4 (no heads at all: check_values' zero sizes)
+        if self.vision_enabled and self.vision_n_heads > 0 and self.vision_dim % (4 * self.vision_n_heads):
             raise ConfigError(
                 f"{source}: vision_config.hidden_size {self.vision_dim} in {self.vision_n_heads} heads "
                 f"(num_attention_heads) of {self.vision_dim / self.vision_n_heads:g}: each head's size must be a "

@@ -25,8 +25,8 @@ TINY_TEXT = {
     "num_attention_heads": 8, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_lora_rank": 32,
     "o_groups": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "compress_ratios": [0, 2, 1, 0, 0],
     "kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1, 2], "index_n_heads": 8, "index_head_dim": 32,
-    "index_topk": 4, "candidate_source_layer_id": 2, "engram_layer_ids": [1], "engram_num_embeddings": [17],
-    "engram_max_ngram_size": 3, "engram_vocab_size": 2, "engram_n_heads": 2, "engram_head_dim": 32,
+    "index_topk": 4, "candidate_source_layer_id": 2, "engram_layer_ids": [1], "engram_num_embeddings": [102],
+    "engram_max_ngram_size": 3, "engram_vocab_size": 18, "engram_n_heads": 2, "engram_head_dim": 32,
     "engram_compressed_vocab_size": 100, "num_nextn_predict_layers": 2, "dspark_target_layer_ids": [1, 2],
     "dspark_markov_rank": 32, "dspark_n_routed_experts": 8, "dspark_num_experts_per_tok": 2,
 }  # fmt: skip

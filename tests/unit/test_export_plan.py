@@ -70,11 +70,11 @@ def test_formats_write_the_dtypes_the_issue_asks_for(srcs):
     b16 = _dtypes(build_export_plan(srcs["fp8"], "bf16"))
     assert b16[f"{expert}.weight"] == ("BF16", (64, 32)) and f"{expert}.scale" not in b16
     assert b16[f"{wo_a}.weight"][0] == "BF16" and f"{wo_a}.scale" not in b16
-    assert b16[f"{engram}.weight"] == ("BF16", (17, 32)) and not any(n.endswith(".scale") for n in b16)
+    assert b16[f"{engram}.weight"] == ("BF16", (102, 32)) and not any(n.endswith(".scale") for n in b16)
     assert b16["layers.0.attn_norm.weight"][0] == "BF16" and b16["layers.0.hc_attn_fn"][0] == "F32"
     fp8 = _dtypes(build_export_plan(srcs["fp8"], "fp8"))
     assert fp8[f"{expert}.weight"] == ("F8_E4M3", (64, 32)) and fp8[f"{expert}.scale"] == ("F8_E8M0", (2, 1))
-    assert fp8[f"{wo_a}.weight"][0] == "F8_E4M3" and fp8[f"{engram}.scale"] == ("F8_E8M0", (17, 1))
+    assert fp8[f"{wo_a}.weight"][0] == "F8_E4M3" and fp8[f"{engram}.scale"] == ("F8_E8M0", (102, 1))
     for kind in ("fp8", "bf16"):
         fp4 = _dtypes(build_export_plan(srcs[kind], "fp8-fp4"))
         assert fp4[f"{expert}.weight"] == ("I8", (64, 16)) and fp4[f"{expert}.scale"] == ("F8_E8M0", (64, 1))

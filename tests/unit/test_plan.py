@@ -315,18 +315,18 @@ def _plan_sha(plan: ConversionPlan) -> str:
 # Computed on main dd568fc, before plan's speed work: a faster plan must say exactly the same. Recomputed in
 # session 34 when the tiny config's dspark_noise_token_id became a token id (255, was 128799 of 256: refused
 # now); on the old config this code gives the old values, and the plans differ in that config value alone.
-# Recomputed in session 46 when the tiny config's Engram table became the rows its primes give (17: primes 2, 3,
-# 5, 7 of engram_vocab_size 2; was 75 rows of vocab 20, whose primes give 120: refused now); the plans differ in
+# Recomputed in session 46 when the tiny config's Engram table became the rows its primes give (102: primes 19,
+# 23, 29, 31 of engram_vocab_size 18; was 75 rows of vocab 20, whose primes give 120: refused now); the plans differ in
 # those two config values and that table's shape alone.
 PINNED = {
-    (True, 1, "fp4"): "018bcff113d943e8",
-    (True, 2, "fp8"): "bb61da91f3acafbd",
-    (True, 4, "fp4"): "de4c211038a03ef0",
-    (True, 4, "fp8"): "8f849414dd658fe0",
-    (False, 1, "fp8"): "dfe1de7f7644b6b5",
-    (False, 2, "fp4"): "36878407b835e044",
-    (False, 4, "fp4"): "228ca6c3bbe411e7",
-    (False, 4, "fp8"): "4164d7ab2d2ba5aa",
+    (True, 1, "fp4"): "dd8046065419cfad",
+    (True, 2, "fp8"): "388b470e5fcda896",
+    (True, 4, "fp4"): "08e47e290b0621f0",
+    (True, 4, "fp8"): "ae4a62de5395e0ea",
+    (False, 1, "fp8"): "00556541b0cf0e80",
+    (False, 2, "fp4"): "a4145168d7d2a4b2",
+    (False, 4, "fp4"): "8311ac9beb048874",
+    (False, 4, "fp8"): "27701c1bd0375c13",
 }
 
 
@@ -455,11 +455,11 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         (
             "engram_vocab_size",
             20,
-            r"engram_num_embeddings \[17\], but engram_vocab_size 20, engram_max_ngram_size 3 "
+            r"engram_num_embeddings \[102\], but engram_vocab_size 20, engram_max_ngram_size 3 "
             r"and engram_n_heads 2 give tables of \[120\] rows \(each layer's bucket primes summed\)",
         ),
         ("engram_vocab_size", 10**15, r"engram_vocab_size 1000000000000000, .* give tables of \[4000000000000474\]"),
-        ("engram_num_embeddings", [18], r"engram_num_embeddings \[18\], but .* give tables of \[17\] rows"),
+        ("engram_num_embeddings", [103], r"engram_num_embeddings \[103\], but .* give tables of \[102\] rows"),
         # the model quantizes activations per block as it runs, whatever the config says: "static" (scales stored
         # beside the weights, read instead) ran, exit 0, on a model other than the one the config describes
         (

@@ -19,7 +19,7 @@ from dsv41_convert.convert.plan import build_plan
 from dsv41_convert.convert.unshard import RankFiles, replica_mismatches, unshard_names, unshard_tensors
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError
 
-ENGRAM = "layers.1.engram.embed"  # 17 rows (primes 2, 3, 5, 7): tp 4 pads 3 rows, tp 8 pads 7
+ENGRAM = "layers.1.engram.embed"  # 102 rows (primes 19, 23, 29, 31): tp 4 and tp 8 pad 2 rows
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_named_tensors_only(shards):
     names = ["layers.0.attn.wo_b.weight", f"{ENGRAM}.scale", "layers.2.ffn.experts.5.w2.weight"]
     got = unshard_tensors(shards[4], names)
     assert list(got) == names
-    assert got[f"{ENGRAM}.scale"].shape[0] == 17
+    assert got[f"{ENGRAM}.scale"].shape[0] == 102
 
 
 def _copy(shards, tp: int, tmp_path: Path) -> Path:
@@ -161,10 +161,10 @@ def test_missing_engram_padding_row(shards, tmp_path):
         unshard_tensors(bad, [f"{ENGRAM}.weight"])
 
 
-@pytest.mark.parametrize(("tp", "rows", "want"), [(4, 4, 5), (2, 10, 9)])
+@pytest.mark.parametrize(("tp", "rows", "want"), [(4, 25, 26), (2, 52, 51)])
 def test_engram_pieces_of_equal_but_wrong_height_are_refused(shards, tmp_path, tp, rows, want):
-    """Every rank's piece of the 17-row table cut to (or padded to) another equal height: the pieces agree in
-    shape, but a tp-N conversion holds ceil(17 / N) rows each; merged anyway, the table's rows shift between
+    """Every rank's piece of the 102-row table cut to (or padded to) another equal height: the pieces agree in
+    shape, but a tp-N conversion holds ceil(102 / N) rows each; merged anyway, the table's rows shift between
     ranks (or its last rows are missing) without a word."""
 
     def resize(t):
@@ -192,7 +192,7 @@ def test_engram_padding_not_the_fill(shards, tmp_path):
         t[name] = raw.view(torch.float8_e4m3fn)
 
     _edit(bad, 7, 8, dirty)
-    with pytest.raises(ShardConsistencyError, match=rf"{name}: padding rows 17..23"):
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: padding rows 102..103"):
         unshard_tensors(bad, [name])
 
 
@@ -366,7 +366,7 @@ def test_replica_mismatches_also_reads_the_engram_padding(shards, tmp_path):
 
     _edit(bad, 3, 4, dirty)
     with RankFiles(bad) as ranks:
-        assert replica_mismatches(ranks) == [f"{name}: padding rows 17..19 (ranks 3..3) are not the fill byte 0"]
+        assert replica_mismatches(ranks) == [f"{name}: padding rows 102..103 (ranks 3..3) are not the fill byte 0"]
 
 
 def test_the_replica_comparison_reports_its_bytes_as_it_reads(shards, monkeypatch):
