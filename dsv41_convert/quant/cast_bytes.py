@@ -89,6 +89,7 @@ def quad_table() -> np.ndarray:
 
 
 _QUAD32: np.ndarray | None = None  # quad_table(), made at the first cast that uses it (3.9 MB)
+CAST_ROWS = 128  # rows _cast_quads gathers at a time (their intp index: 1.3 MB at 5120 columns)
 
 
 def fp4_to_fp8_bytes(packed: np.ndarray, s: np.ndarray, block: int = 32, name: str = "<tensor>") -> tuple:
@@ -151,12 +152,19 @@ def _cast_quads(packed: np.ndarray, k_OG: np.ndarray, block: int) -> np.ndarray:
     if _QUAD32 is None:
         _QUAD32 = quad_table()
     out, half = packed.shape
-    base_OG = (k_OG.astype(np.int32) - K_ALL_EXACT) << 16  # each group's part of the table
     pairs_OP = np.ascontiguousarray(packed).view(np.uint16)
-    # repeat, then OR arrays of one shape: half the time of a broadcast OR over runs of block/4 pairs
-    idx_OP = np.repeat(base_OG, block // 4, axis=1)
-    np.bitwise_or(idx_OP, pairs_OP, out=idx_OP)
-    return _QUAD32.take(idx_OP).view(np.uint8).reshape(out, 2 * half)
+    quads_OP = np.empty(pairs_OP.shape, np.int32)
+    # CAST_ROWS rows at a time, so that their index stays in the core's cache; as intp, which take() would
+    # convert any other index dtype to first (0.7x the CPU of one int32 index over the whole weight:
+    # docs/BENCHMARKS.md, "export", session 46)
+    for r in range(0, out, CAST_ROWS):
+        idx_OP = np.repeat((k_OG[r : r + CAST_ROWS].astype(np.intp) - K_ALL_EXACT) << 16, block // 4, axis=1)
+        # repeat, then OR arrays of one shape: half the time of a broadcast OR over runs of block/4 pairs
+        np.bitwise_or(idx_OP, pairs_OP[r : r + CAST_ROWS], out=idx_OP)
+        # mode "clip": with `out`, "raise" copies the output first; no index is out of range (K_ALL_EXACT <= k
+        # <= MAX_OFFSET_BITS, a pair < 2**16), so the clip changes none
+        _QUAD32.take(idx_OP, out=quads_OP[r : r + CAST_ROWS], mode="clip")
+    return quads_OP.view(np.uint8).reshape(out, 2 * half)
 
 
 def _pad_blocks(x_OI: np.ndarray, bo: int, bi: int) -> np.ndarray:
