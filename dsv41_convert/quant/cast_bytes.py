@@ -26,6 +26,7 @@ import numpy as np
 from dsv41_convert.errors import FormatError
 from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan, source_index
 from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
+from dsv41_convert.quant.gather import row_step, take_into
 
 FP8_BLOCK = 32  # output block, both dims, as upstream
 MAX_OFFSET_BITS = 6  # largest k with 6 * 2**k <= 448
@@ -89,7 +90,6 @@ def quad_table() -> np.ndarray:
 
 
 _QUAD32: np.ndarray | None = None  # quad_table(), made at the first cast that uses it (3.9 MB)
-CAST_ROWS = 128  # rows _cast_quads gathers at a time (their intp index: 1.3 MB at 5120 columns)
 
 
 def fp4_to_fp8_bytes(packed: np.ndarray, s: np.ndarray, block: int = 32, name: str = "<tensor>") -> tuple:
@@ -154,16 +154,12 @@ def _cast_quads(packed: np.ndarray, k_OG: np.ndarray, block: int) -> np.ndarray:
     out, half = packed.shape
     pairs_OP = np.ascontiguousarray(packed).view(np.uint16)
     quads_OP = np.empty(pairs_OP.shape, np.int32)
-    # CAST_ROWS rows at a time, so that their index stays in the core's cache; as intp, which take() would
-    # convert any other index dtype to first (0.7x the CPU of one int32 index over the whole weight:
-    # docs/BENCHMARKS.md, "export", session 46)
-    for r in range(0, out, CAST_ROWS):
-        idx_OP = np.repeat((k_OG[r : r + CAST_ROWS].astype(np.intp) - K_ALL_EXACT) << 16, block // 4, axis=1)
+    step = row_step(half // 2)  # quant/gather.py: a run of rows at a time, the index as intp
+    for r in range(0, out, step):
+        idx_OP = np.repeat((k_OG[r : r + step].astype(np.intp) - K_ALL_EXACT) << 16, block // 4, axis=1)
         # repeat, then OR arrays of one shape: half the time of a broadcast OR over runs of block/4 pairs
-        np.bitwise_or(idx_OP, pairs_OP[r : r + CAST_ROWS], out=idx_OP)
-        # mode "clip": with `out`, "raise" copies the output first; no index is out of range (K_ALL_EXACT <= k
-        # <= MAX_OFFSET_BITS, a pair < 2**16), so the clip changes none
-        _QUAD32.take(idx_OP, out=quads_OP[r : r + CAST_ROWS], mode="clip")
+        np.bitwise_or(idx_OP, pairs_OP[r : r + step], out=idx_OP)
+        take_into(_QUAD32, idx_OP, quads_OP[r : r + step])  # k in K_ALL_EXACT..MAX_OFFSET_BITS: in range
     return quads_OP.view(np.uint8).reshape(out, 2 * half)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan
 from dsv41_convert.quant.code_values import E2M1_CODE_VALUES, E8M0_F32
 from dsv41_convert.quant.fp8_bytes import float32_to_bf16_bits
+from dsv41_convert.quant.gather import row_step, take_into
 
 
 def _pair_table() -> np.ndarray:
@@ -48,10 +49,10 @@ def decode_mxfp4_bf16(packed: np.ndarray, s: np.ndarray, block: int = 32, name: 
     require_finite_blocks(packed, s, (1, block), "e2m1", name, DECODED_INF)
     if _PAIRS is None:
         _PAIRS = _pair_table()
-    base = s.astype(np.intp) << 8  # intp indices: numpy's take converts any other kind first (20x slower)
-    if (2 * half) % block == 0:  # [O, G, 1] | [O, G, block/2] in one pass
-        idx = base[:, :, None] | packed.reshape(out, -1, block // 2)
-    else:
-        idx = np.repeat(base, block // 2, axis=1)[:, :half]
-        np.bitwise_or(idx, packed, out=idx)
-    return _PAIRS.take(idx).view(np.uint16).reshape(out, 2 * half)
+    pairs = np.empty((out, half), np.uint32)
+    step = row_step(half)
+    for r in range(0, out, step):  # [R, G] scales -> [R, G * block/2] (the last group's ragged end cut)
+        idx = np.repeat(s[r : r + step].astype(np.intp) << 8, block // 2, axis=1)[:, :half]
+        np.bitwise_or(idx, packed[r : r + step], out=idx)
+        take_into(_PAIRS, idx, pairs[r : r + step])
+    return pairs.view(np.uint16).reshape(out, 2 * half)

@@ -18,6 +18,7 @@ from dsv41_convert.quant.byte_checks import (
     require_scales_not_nan,
 )
 from dsv41_convert.quant.code_values import E4M3_F32, E8M0_F32
+from dsv41_convert.quant.gather import row_step, take_into
 
 
 def _bf16_table() -> np.ndarray:
@@ -49,13 +50,14 @@ def decode_fp8_blocks_bf16(q: np.ndarray, s: np.ndarray, block: tuple[int, int],
     require_finite_blocks(q, s, block, "e4m3", name, DECODED_INF)
     if _BF16 is None:
         _BF16 = _bf16_table()
-    base = s.astype(np.intp) << 8  # intp indices: numpy's take converts any other kind first (20x slower)
-    if out % bo == 0 and inp % bi == 0:  # [Ob, 1, Ib, 1] | [Ob, bo, Ib, bi] in one pass
-        idx = base[:, None, :, None] | q.reshape(want[0], bo, want[1], bi)
-    else:
-        idx = np.repeat(np.repeat(base, bo, axis=0)[:out], bi, axis=1)[:, :inp]
-        np.bitwise_or(idx, q, out=idx)
-    return _BF16.take(idx).reshape(out, inp)
+    result = np.empty((out, inp), np.uint16)
+    step = row_step(inp)
+    for r in range(0, out, step):  # each row's scales [R, Ib] -> [R, Ib * bi] (the last block's ragged end cut)
+        end = min(r + step, out)
+        idx = np.repeat(s[np.arange(r, end) // bo].astype(np.intp) << 8, bi, axis=1)[:, :inp]
+        np.bitwise_or(idx, q[r:end], out=idx)
+        take_into(_BF16, idx, result[r:end])
+    return result
 
 
 _BF16: np.ndarray | None = None  # _bf16_table(), made at the first decode (128 KiB)

@@ -340,7 +340,8 @@ def test_fp8_bytes_table_is_decode_fp8_blocks_for_every_scale_and_weight_byte(un
 
 
 FP8_DECODE_SHAPES = [(64, 64, (32, 32)), (100, 70, (32, 32)), (33, 65, (32, 32)), (256, 384, (128, 128)),
-                     (130, 100, (128, 128)), (5, 96, (1, 32))]  # fmt: skip
+                     (130, 100, (128, 128)), (5, 96, (1, 32)),
+                     (300, 1000, (128, 128))]  # fmt: skip  # the last: quant/gather.py's runs of rows inside a block
 
 
 @pytest.mark.parametrize(("out", "inp", "block"), FP8_DECODE_SHAPES)
@@ -372,7 +373,10 @@ def test_fp4_bytes_table_is_decode_mxfp4_for_every_scale_and_packed_byte(uncheck
     assert bool((want == 0x7F80).any()) and bool((want == 0x8000).any())  # inf and -0 are in the comparison
 
 
-@pytest.mark.parametrize(("out", "inp", "block"), [(64, 64, 32), (100, 96, 16), (33, 60, 4), (7, 30, 32), (5, 34, 2)])
+@pytest.mark.parametrize(
+    ("out", "inp", "block"),
+    [(64, 64, 32), (100, 96, 16), (33, 60, 4), (7, 30, 32), (5, 34, 2), (300, 1000, 32)],  # 300: gather.py's runs
+)
 def test_fp4_bytes_decode_equals_decode_mxfp4_on_random_bytes(out, inp, block, unchecked):
     gen = torch.Generator().manual_seed(out * inp + block)
     packed = torch.randint(0, 256, (out, inp // 2), dtype=torch.uint8, generator=gen)
