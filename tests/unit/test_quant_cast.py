@@ -40,7 +40,7 @@ def block_scale_ref(s: torch.Tensor, block: int = 32) -> np.ndarray:
         (33, 80, 5, 7, 32),
         (64, 72, -4, 4, 16),  # two fp4 groups per fp8 block column, the last group ragged
         (40, 88, -6, 0, 8),  # four, and a partial last fp8 block
-        (300, 64, -3, 3, 32),  # more rows than cast_bytes.CAST_ROWS, a partial last run of them
+        (300, 1024, -3, 3, 32),  # more rows than one run of quant/gather.py (256 here), a partial last run
     ],
 )
 def test_cast_is_exact_and_block_scales_follow_the_rule(out, inp, lo, hi, block):
@@ -175,7 +175,7 @@ def test_cast_bytes_equal_the_restated_upstream_cast(lo, hi):
     2**-127 (an audit found the restatement 2**5 off there: it had never run on such scales)."""
     from reference_convert import fp4_to_e4m3
 
-    packed, s = make(320, 96, lo, hi, seed=lo & 0xFF)  # rows: more than cast_bytes.CAST_ROWS, not a multiple
+    packed, s = make(320, 1024, lo, hi, seed=lo & 0xFF)  # two runs of quant/gather.py's rows, the last partial
     w8, s8 = fp4_to_fp8(packed, s)
     want_w, want_s = fp4_to_e4m3(packed.view(torch.int8), s)
     assert torch.equal(w8.view(torch.uint8), want_w.view(torch.uint8))
