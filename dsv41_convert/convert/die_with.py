@@ -154,6 +154,9 @@ if _serves is not None:  # the fork server of a run, started by that run
     _forked_by.pop("pid")
     # what Ctrl-C does in the processes the server forks (it restores this after each fork) until they set
     # their own (execute._init_worker): exit 130 at once and quietly, nothing begun; a KeyboardInterrupt
-    # there printed multiprocessing's "Process ForkServerProcess-N: Traceback ..." under the run's message
-    signal.signal(signal.SIGINT, _exit_on_interrupt)
+    # there printed multiprocessing's "Process ForkServerProcess-N: Traceback ..." under the run's message.
+    # A SIGINT the run ignores (a script's background job; the exec kept it ignored here) stays ignored: the
+    # ranks of `verify` keep this one, and ended 130 at a Ctrl-C the run itself ignored (a helper's hunt)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _exit_on_interrupt)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # start_fork_server blocked it for the start

@@ -123,6 +123,51 @@ def test_a_rank_that_fails_while_its_peers_wait_in_a_collective_is_reported_at_o
     assert done.stdout.strip() == said, done.stdout + done.stderr[-3000:]
 
 
+def ctrl_c_by_rank_1(_payload) -> int:
+    """Rank 1 sends SIGINT to the whole process group (as a Ctrl-C in the terminal reaches every process)."""
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.killpg(os.getpgid(0), signal.SIGINT)
+    dist.barrier()
+    return dist.get_world_size()
+
+
+_LAUNCH_WITH_SIGINT_IGNORED = """
+import signal, sys
+sys.path.insert(0, sys.argv[1])
+from test_verify_launch import ctrl_c_by_rank_1
+from dsv41_convert.verify.launch import launch
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+try:
+    print(launch(ctrl_c_by_rank_1, None, int(sys.argv[2]), "cpu", threads=1))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ranks_keep_a_sigint_the_run_ignores(tp):
+    """A run started with SIGINT ignored (a job a script started in the background: a Ctrl-C then ends the
+    script and not the job) keeps running, as the CLI does (cli.py leaves an ignored SIGINT ignored). Its
+    spawned ranks took the fork server's handler all the same and exited 130 at the Ctrl-C: `verify` ended
+    in "error: rank 1 of 2 (pid N) ended with exit code 130; the run stopped its other ranks", exit 1 (a
+    helper's hunt). Now the ranks ignore it too, and the launch returns rank 0's result."""
+    import signal
+    import subprocess
+    import sys
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    done = subprocess.run([sys.executable, "-c", _LAUNCH_WITH_SIGINT_IGNORED, str(Path(__file__).parent), str(tp)],
+                          capture_output=True, text=True, timeout=120, start_new_session=True,
+                          preexec_fn=ignore_sigint)  # fmt: skip
+    assert done.stdout.strip() == str(tp), done.stdout + done.stderr[-3000:]
+
+
 @pytest.mark.dist
 def test_ranks_lost_with_their_fork_server_say_so():
     """A killed fork server takes its ranks with it (die_with), and multiprocessing reads their end as exit
