@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -113,7 +114,7 @@ def launch(
         port = _free_port()
         ranks = mp.start_processes(
             _spawned,
-            args=(tp, port, backend, device, target, tmp, threads or default_threads(tp)),
+            args=(tp, port, backend, device, target, tmp, threads or default_threads(tp), TIMEOUT),
             nprocs=tp,
             join=False,
             start_method=START_METHOD,
@@ -139,14 +140,20 @@ def launch(
 
 
 def _raise_rank_error(tmp: Path, tp: int) -> None:
-    """The error a rank left in `tmp` that says what went wrong, raised here (the first rank's); nothing where
-    none did (a rank killed: out of memory, a signal; its peers' PEER_LOST files only say they lost it)."""
-    for rank in range(tp):
-        err = tmp / f"rank{rank}.error"
-        kind, _, message = err.read_text(encoding="utf-8").partition("\n") if err.exists() else (PEER_LOST, "", "")
-        if kind and kind != PEER_LOST:  # an empty one (written before the rename was whole): none
+    """The error a rank left in `tmp` that says what went wrong, raised here (the first rank's); else the first
+    PEER_TIMEOUT (a rank that waited the group's timeout for a hung peer: RankFailedError); nothing where none
+    did (a rank killed: out of memory, a signal; its peers' PEER_LOST files only say they lost it)."""
+    left = [tmp / f"rank{rank}.error" for rank in range(tp)]
+    found = [
+        (rank, *err.read_text(encoding="utf-8").partition("\n")[::2]) for rank, err in enumerate(left) if err.exists()
+    ]
+    for rank, kind, message in found:
+        if kind and kind not in (PEER_LOST, PEER_TIMEOUT):  # an empty one (written before the rename was whole): none
             named = tp == 1 or errors.names_a_rank(message)  # errors the target gathered name their ranks
             raise getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
+    for _, kind, message in found:
+        if kind == PEER_TIMEOUT:
+            raise RankFailedError(message)
 
 
 def _how_ended(exitcode: int) -> str:
@@ -183,6 +190,8 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
         raise
     except Exception as exc:  # a peer died or left, or a crash here: said, with a document (not only a traceback)
         interrupts.check()
+        if _timed_out(exc):  # a peer hung: said as such, not as this process's crash (a helper's hunt)
+            raise RankFailedError(f"{_hung_peer(exc)}; see the other processes' errors") from None
         if _peer_lost(exc):  # gloo says it as a RuntimeError (an audit: a traceback and no --json document)
             raise RankFailedError(
                 f"the torchrun launch lost a peer ({first_words(exc)}); see the other processes' errors"
@@ -231,9 +240,20 @@ def _join_group(backend: str, device: str) -> None:
 
 
 PEER_LOST = "PeerLost"  # the kind of a rank's error file that only says a peer went away (the cause is the peer's)
+PEER_TIMEOUT = "PeerTimeout"  # ... that says no peer answered within TIMEOUT (one hung, or was stopped)
 
 
-def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, tmp: str, threads: int) -> None:
+def _spawned(
+    rank: int,
+    tp: int,
+    port: int,
+    backend: str,
+    device: str,
+    target,
+    tmp: str,
+    threads: int,
+    timeout: datetime.timedelta = TIMEOUT,
+) -> None:
     """Body of a spawned rank: join the group, run target, leave the result or the error it met in tmp.
 
     A rank that fails leaves its error file and exits (1) at once, without meeting its peers again: they may
@@ -248,7 +268,7 @@ def _spawned(rank: int, tp: int, port: int, backend: str, device: str, target, t
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=tp, timeout=TIMEOUT)  # its port taken: an error
+        dist.init_process_group(backend, rank=rank, world_size=tp, timeout=timeout)  # its port taken: an error
         dist.barrier()  # every pair connected before any rank can finish and tear the group down
         with _telling(_ToldFile(Path(tmp) / TOLD).write if rank == 0 else None):
             result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
@@ -289,10 +309,28 @@ def _peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset"))
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether `exc`, raised in a collective or while the group forms, says that no peer answered within the
+    group's timeout (gloo: "Timed out waiting 600000ms for recv operation", a RuntimeError; the store's
+    DistStoreError "wait timeout after ...", DistNetworkError "... has timed out after ..."): a peer hung."""
+    return isinstance(exc, RuntimeError) and re.search(r"timed out|timeout", str(exc), re.IGNORECASE) is not None
+
+
+def _hung_peer(exc: BaseException) -> str:
+    """What a process whose collective timed out (`exc`, _timed_out) says: a peer hung, not a crash of its own."""
+    return (
+        f"no peer answered within the group's timeout ({first_words(exc)}): a rank hung or was stopped "
+        "(SIGSTOP, a debugger, a machine swapping)"
+    )
+
+
 def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
     """rank{rank}.error in `tmp`: the error's kind (a ConvertError's class, else RankFailedError; PEER_LOST for
-    a peer gone), then its message. A crash (not a ConvertError) prints its traceback on stderr first."""
-    if _peer_lost(exc):
+    a peer gone, PEER_TIMEOUT for one that did not answer), then its message. A crash (not a ConvertError)
+    prints its traceback on stderr first."""
+    if _timed_out(exc):  # before _peer_lost: the store's timeouts are DistErrors
+        kind, message = PEER_TIMEOUT, f"rank {rank} of {tp}: {_hung_peer(exc)}"
+    elif _peer_lost(exc):
         kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({first_words(exc)})"
     elif isinstance(exc, ConvertError):
         kind, message = type(exc).__name__, str(exc)

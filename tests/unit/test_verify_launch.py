@@ -123,6 +123,38 @@ def test_a_rank_that_fails_while_its_peers_wait_in_a_collective_is_reported_at_o
     assert done.stdout.strip() == said, done.stdout + done.stderr[-3000:]
 
 
+def hangs_on_the_last_rank(_payload) -> None:
+    """The last rank stops answering (a SIGSTOP, a debugger, a machine swapping) while its peers all-reduce."""
+    import time
+
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(300)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_rank_that_hangs_is_said_as_a_peer_that_did_not_answer_within_the_timeout(tp, monkeypatch):
+    """A rank that hangs holds its peers in their collective until the group's timeout (TIMEOUT, 10 minutes),
+    and the run then said the first peer to give up as a crash of its own, traceback and all: "error: rank 0 of
+    2: RuntimeError: [...gloo...] Timed out waiting 600000ms for recv operation to complete", exit 1, and the
+    rank that hung named nowhere (a helper's hunt, SIGSTOP of rank 1; one stopped while the group formed made it
+    "rank 3 of 4 (pid N) ended with exit code 1", the store's timeout taken for a lost peer). Now the run says
+    that a rank hung or was stopped, naming the timeout, without a traceback. The timeout is shortened here."""
+    import datetime
+    import time
+
+    from dsv41_convert.errors import RankFailedError
+    from dsv41_convert.verify import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "TIMEOUT", datetime.timedelta(seconds=3))
+    start = time.monotonic()
+    said = rf"^rank \d of {tp}: no peer answered within the group's timeout \(.*Timed out waiting 3000ms.*\): a rank"
+    with pytest.raises(RankFailedError, match=said):
+        launch(hangs_on_the_last_rank, None, tp, "cpu", threads=1)
+    assert time.monotonic() - start < 60
+
+
 def ctrl_c_by_rank_1(_payload) -> int:
     """Rank 1 sends SIGINT to the whole process group (as a Ctrl-C in the terminal reaches every process)."""
     import os
@@ -197,6 +229,8 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0
 def target(_payload):
     if sys.argv[1] == "lost":
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40123. This is")
+    if sys.argv[1] == "hung":
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv operation")
     raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
 
 try:
@@ -214,6 +248,8 @@ except Exception as exc:
                  "closed by peer [127.0.0.1]:40123); see"),
         ("crash", "RankFailedError RuntimeError: [enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't "
                   "allocate memory"),
+        ("hung", "RankFailedError no peer answered within the group's timeout ([gloo/transport/tcp/"
+                 "unbound_buffer.cc:78] Timed out waiting 600000ms for recv operation): a rank hung or was stopped"),
     ],
 )  # fmt: skip
 def test_a_torchrun_process_whose_peer_went_away_or_that_crashed_says_so(how, said):
@@ -395,7 +431,7 @@ def test_error_files_are_raised_as_the_first_failed_ranks_own_kind_naming_its_ra
     """What a spawned run raises from the ranks' error files: nothing where none failed (a run that succeeded);
     rank 0's own error where rank 0 failed; never a peer-lost file (it only says its peer went away) over the
     failed rank's; the error's own class (its exit code), prefixed by the rank that met it."""
-    from dsv41_convert.errors import VerifyInputError
+    from dsv41_convert.errors import RankFailedError, VerifyInputError
     from dsv41_convert.verify import launch as launch_module
 
     launch_module._raise_rank_error(tmp_path, 2)  # no files: every rank succeeded
@@ -403,6 +439,12 @@ def test_error_files_are_raised_as_the_first_failed_ranks_own_kind_naming_its_ra
     (tmp_path / "rank1.error").write_text("VerifyInputError\nprompt 3: too long")
     with pytest.raises(VerifyInputError, match=r"^rank 1: prompt 3: too long$"):
         launch_module._raise_rank_error(tmp_path, 2)
+    (tmp_path / "rank1.error").write_text("PeerTimeout\nrank 1 of 2: no peer answered within the group's timeout")
+    with pytest.raises(RankFailedError, match=r"^rank 1 of 2: no peer answered within the group's timeout$"):
+        launch_module._raise_rank_error(tmp_path, 2)  # a rank that gave up waiting: raised where none failed
+    (tmp_path / "rank0.error").write_text("VerifyInputError\nprompt 3: too long")
+    with pytest.raises(VerifyInputError, match=r"^rank 0: prompt 3: too long$"):
+        launch_module._raise_rank_error(tmp_path, 2)  # and never over a rank's own error
     (tmp_path / "rank0.error").write_text("PlanError\nlayers.0.attn.wq_b.weight: missing")
     with pytest.raises(PlanError, match=r"^rank 0: layers.0.attn.wq_b.weight: missing$"):
         launch_module._raise_rank_error(tmp_path, 2)
@@ -422,7 +464,12 @@ def test_a_rank_that_lost_its_peer_leaves_a_peer_lost_file_and_a_crash_is_not_on
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
     assert left(gloo, 0) == ["PeerLost", "rank 0 of 3: lost a peer ([../gloo/transport/tcp/pair.cc:534] Connection "
                                          "closed by peer [127.0.0.1]:4242)"]  # fmt: skip
-    assert left(torch.distributed.DistError("store timed out"), 1)[0] == "PeerLost"
+    assert left(torch.distributed.DistError("Broken pipe"), 1)[0] == "PeerLost"
+    # a peer that does not answer (hung, stopped) is no lost one: the store's timeout while the group forms too
+    store = torch.distributed.DistStoreError("wait timeout after 600000ms, keys: /default_pg/0//cpu//0/0")
+    assert left(store, 1) == ["PeerTimeout", "rank 1 of 3: no peer answered within the group's timeout (wait timeout "
+                                             "after 600000ms, keys: /default_pg/0//cpu//0/0): a rank hung or was "
+                                             "stopped (SIGSTOP, a debugger, a machine swapping)"]  # fmt: skip
     oom = RuntimeError("DefaultCPUAllocator: can't allocate memory")
     assert left(oom, 2) == [RankFailedError.__name__, "rank 2 of 3: RuntimeError: DefaultCPUAllocator: can't allocate "
                                                       "memory"]  # fmt: skip
@@ -541,8 +588,9 @@ def test_spawned_ranks_are_started_with_the_gloo_backend_and_the_threads_asked(t
     monkeypatch.setattr(launch_module.die_with, "start_fork_server", lambda: None)
     monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 8)
     assert launch(sum_of_ranks, {"n": 7}, 2, "cpu", threads=3) == "rank 0's result"
-    tp, _port, backend, device, target, _tmp, threads = started["args"]
+    tp, _port, backend, device, target, _tmp, threads, timeout = started["args"]
     assert (tp, backend, device, target, threads, started["nprocs"]) == (2, "gloo", "cpu", sum_of_ranks, 3, 2)
+    assert timeout == launch_module.TIMEOUT  # the group's, read when the ranks start
     assert started["fn"] is launch_module._spawned and started["start_method"] == "forkserver"
     launch(sum_of_ranks, {"n": 7}, 2, "cpu")
     assert started["args"][6] == 4
