@@ -213,6 +213,9 @@ def _join_group(backend: str, device: str) -> None:
             f"RANK and WORLD_SIZE are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
             "torchrun sets all four; unset RANK and WORLD_SIZE to run alone"
         )
+    port = os.environ["MASTER_PORT"]
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):  # torch: a ValueError traceback
+        raise VerifyInputError(f"MASTER_PORT={port!r}: not a port (a whole number 1-65535), as torchrun sets it")
     failed: list[BaseException] = []
 
     def join() -> None:
@@ -236,7 +239,22 @@ def _join_group(backend: str, device: str) -> None:
                 "before it: see its error; or RANK and WORLD_SIZE are left in this environment from another launch)"
             )
     if failed:
-        raise failed[0]
+        raise _cannot_listen(failed[0]) or failed[0]
+
+
+def _cannot_listen(exc: BaseException) -> VerifyInputError | None:
+    """The input error of a rank 0 whose rendezvous server cannot listen at MASTER_ADDR:MASTER_PORT (`exc`, torch's
+    DistNetworkError: the port taken, an address not this machine's); None for another failure. torch's message
+    names the port and the cause after its first sentence, which the crash line cut off (a helper's hunt)."""
+    text = str(exc)
+    if not (isinstance(exc, dist.DistNetworkError) and "failed to listen" in text):
+        return None
+    cause = re.search(r"message: ([^.\n]+)", text)
+    return VerifyInputError(
+        f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}, MASTER_PORT {os.environ.get('MASTER_PORT')}: the rendezvous "
+        f"cannot listen there ({cause.group(1) if cause else first_words(exc)}): another program or launch holds "
+        "the port, or the address is not this machine's; give the launch a free MASTER_PORT (torchrun --master-port)"
+    )
 
 
 PEER_LOST = "PeerLost"  # the kind of a rank's error file that only says a peer went away (the cause is the peer's)

@@ -649,13 +649,35 @@ def test_a_torchrun_launch_of_another_size_than_tp_is_refused(monkeypatch):
             launch(no_group, None, tp, "cpu")
 
 
-def test_a_torchrun_group_that_cannot_form_stops_before_the_target(monkeypatch):
-    """init_process_group failing in the joining thread (a MASTER_PORT no launch sets): its error is raised
-    here, and the target never runs outside a group."""
+@pytest.mark.parametrize(
+    ("port", "said"),
+    [
+        ("not-a-port", r"^MASTER_PORT='not-a-port': not a port \(a whole number 1-65535\), as torchrun sets it"),
+        ("99999", r"^MASTER_PORT='99999': not a port \(a whole number 1-65535\), as torchrun sets it"),
+        ("busy", r"^MASTER_ADDR 127\.0\.0\.1, MASTER_PORT \d+: the rendezvous cannot listen there \(address already "
+                 r"in use\)"),
+    ],
+)  # fmt: skip
+def test_a_torchrun_group_that_cannot_form_stops_before_the_target(monkeypatch, port, said):
+    """init_process_group failing in the joining thread: its error is raised here, and the target never runs
+    outside a group. A MASTER_PORT no launch sets, or one another program holds (a launch by hand, as Slurm
+    scripts do, RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), ended `verify` in a traceback and "error:
+    rank 0: ValueError: invalid literal for int() with base 10: 'not-a-port'" or "DistNetworkError: The server
+    socket has failed to listen on any local network address" (the port and "address already in use" cut off),
+    exit 1 (a helper's hunt): an input error now (exit 2), naming the variables."""
+    import socket
+
+    from dsv41_convert.errors import VerifyInputError
+
     _in_a_torchrun_launch_of_one(monkeypatch)
-    monkeypatch.setenv("MASTER_PORT", "not-a-port")
-    with pytest.raises(ValueError, match="not-a-port"):
-        launch(lambda _payload: pytest.fail("the target ran without its group"), None, 1, "cpu")
+    with socket.socket() as taken:
+        if port == "busy":
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = str(taken.getsockname()[1])
+        monkeypatch.setenv("MASTER_PORT", port)
+        with pytest.raises(VerifyInputError, match=said):
+            launch(lambda _payload: pytest.fail("the target ran without its group"), None, 1, "cpu")
     assert not dist.is_initialized()
 
 
