@@ -238,23 +238,26 @@ def _join_group(backend: str, device: str) -> None:
                 f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}) did not join within {JOIN_S:.0f} s (one of them failed "
                 "before it: see its error; or RANK and WORLD_SIZE are left in this environment from another launch)"
             )
+    cause = _cannot_listen(failed[0]) if failed else None
+    if cause:
+        raise VerifyInputError(
+            f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}, MASTER_PORT {os.environ.get('MASTER_PORT')}: the rendezvous "
+            f"cannot listen there ({cause}): another program or launch holds the port, or the address is not this "
+            "machine's; give the launch a free MASTER_PORT (torchrun --master-port)"
+        )
     if failed:
-        raise _cannot_listen(failed[0]) or failed[0]
+        raise failed[0]
 
 
-def _cannot_listen(exc: BaseException) -> VerifyInputError | None:
-    """The input error of a rank 0 whose rendezvous server cannot listen at MASTER_ADDR:MASTER_PORT (`exc`, torch's
-    DistNetworkError: the port taken, an address not this machine's); None for another failure. torch's message
-    names the port and the cause after its first sentence, which the crash line cut off (a helper's hunt)."""
+def _cannot_listen(exc: BaseException) -> str | None:
+    """Why rank 0's rendezvous server cannot listen at MASTER_ADDR:MASTER_PORT (`exc`, torch's DistNetworkError:
+    "address already in use" where the port is taken), None for another failure. torch names the port and the
+    cause after its first sentence, which the crash line cut off (a helper's hunt)."""
     text = str(exc)
     if not (isinstance(exc, dist.DistNetworkError) and "failed to listen" in text):
         return None
     cause = re.search(r"message: ([^.\n]+)", text)
-    return VerifyInputError(
-        f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}, MASTER_PORT {os.environ.get('MASTER_PORT')}: the rendezvous "
-        f"cannot listen there ({cause.group(1) if cause else first_words(exc)}): another program or launch holds "
-        "the port, or the address is not this machine's; give the launch a free MASTER_PORT (torchrun --master-port)"
-    )
+    return cause.group(1) if cause else first_words(exc)
 
 
 PEER_LOST = "PeerLost"  # the kind of a rank's error file that only says a peer went away (the cause is the peer's)
@@ -348,6 +351,13 @@ def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
     prints its traceback on stderr first."""
     if _timed_out(exc):  # before _peer_lost: the store's timeouts are DistErrors
         kind, message = PEER_TIMEOUT, f"rank {rank} of {tp}: {_hung_peer(exc)}"
+    elif cause := _cannot_listen(exc):  # a DistError too: "rank 0 of 2 (pid N) ended with exit code 1", no cause
+        kind = RankFailedError.__name__
+        message = (
+            f"rank {rank} of {tp}: the rendezvous cannot listen at 127.0.0.1:{os.environ.get('MASTER_PORT')} "
+            f"({cause}): another program took the free port the run picked, in the moment before its ranks "
+            "started; run it again"
+        )
     elif _peer_lost(exc):
         kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({first_words(exc)})"
     elif isinstance(exc, ConvertError):

@@ -123,6 +123,27 @@ def test_a_rank_that_fails_while_its_peers_wait_in_a_collective_is_reported_at_o
     assert done.stdout.strip() == said, done.stdout + done.stderr[-3000:]
 
 
+@pytest.mark.dist
+def test_a_port_taken_before_rank_0_listens_is_said_so(monkeypatch):
+    """The run picks a free port and its rank 0 listens there a moment later; a program that took it meanwhile
+    (another verify's gloo connections, on one box) ended the run in "rank 0 of 2 (pid N) ended with exit code
+    1; the run stopped its other ranks" (torch's DistNetworkError taken for a lost peer; a helper's hunt): now
+    the cause is said."""
+    import socket
+
+    from dsv41_convert.errors import RankFailedError
+    from dsv41_convert.verify import launch as launch_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(launch_module, "_free_port", lambda: port)
+        said = rf"^rank 0 of 2: the rendezvous cannot listen at 127\.0\.0\.1:{port} \(address already in use\): "
+        with pytest.raises(RankFailedError, match=said + "another program took the free port the run picked"):
+            launch(sum_of_ranks, 0, 2, "cpu", threads=1)
+
+
 def hangs_on_the_last_rank(_payload) -> None:
     """The last rank stops answering (a SIGSTOP, a debugger, a machine swapping) while its peers all-reduce."""
     import time
