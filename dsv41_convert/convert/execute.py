@@ -1047,6 +1047,10 @@ def _init_worker(q, run: int, parent: int, locks: SharedFiles) -> None:
     # is a zombie until reaped, so alive(run) alone passed)
     if os.getppid() != parent or not alive(run):
         os.kill(os.getpid(), signal.SIGKILL)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # the run ignores Ctrl-C (a script's background job)
+        # out of the terminal's process group, whose Ctrl-C stopped every worker and so the run (exit 130; a
+        # helper's hunt); the run's own stop (_stop_workers, by pid) still reaches this worker
+        os.setpgid(0, 0)
     signal.signal(signal.SIGINT, _interrupt_worker)
 
 
