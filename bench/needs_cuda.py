@@ -9,7 +9,12 @@ from pathlib import Path
 
 def require_cuda() -> None:
     """SystemExit (status 1) naming the running script where torch sees no CUDA device; call it after the
-    arguments are parsed (so --help works anywhere)."""
+    arguments are parsed (so --help works anywhere). The check asks NVML, which leaves CUDA uninitialised: torch's
+    own (cudaGetDeviceCount) did not, and bench_kernels' compile workers, forked after it, ended in "Cannot
+    re-initialize CUDA in forked subprocess" (H100, 2026-12-07)."""
+    import os
+
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     if not torch.cuda.is_available():
