@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_run import default_sigint
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -136,7 +137,12 @@ def test_ctrl_c_while_the_fork_server_starts_ends_it_quietly(tmp_path):
     env = dict(os.environ, SERVER_STARTING=str(tmp_path / "starting"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
     res = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_THE_STARTING_SERVER], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", _SIGNAL_THE_STARTING_SERVER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        preexec_fn=default_sigint,  # the suite's own SIGINT may be ignored (a background job): the server keeps that
     )
     assert (res.returncode, res.stdout.split(), res.stderr) == (0, ["130"], ""), res.stderr
 
