@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_modules import fresh_bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ["bench_shard", "bench_merge_replicas", "bench_verify_stream", "bench_stream"]
@@ -31,9 +32,7 @@ def other_checkout(tmp_path):
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_the_bench_runs_this_checkouts_cli_from_another_checkouts_folder(name, other_checkout, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop(name, None)
-    bench = __import__(name)
+    bench = fresh_bench_module(monkeypatch, name)
     done = subprocess.run([*bench.CLI, "--help"], cwd=other_checkout, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "shard" in done.stdout
@@ -55,9 +54,7 @@ def test_the_cli_keeps_the_callers_pythonpath_after_this_checkout(other_checkout
     extra.mkdir()
     (extra / "stand_in_for_tilelang.py").write_text("")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(extra), str(other_checkout)]))
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("bench_shard", None)
-    cli = __import__("bench_shard")._cli(ROOT)
+    cli = fresh_bench_module(monkeypatch, "bench_shard")._cli(ROOT)
     probe = [
         *cli[: cli.index("-m")],
         "-c",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_modules import fresh_bench_module
 from tiny_ckpt import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +33,7 @@ def test_bench_io_path_runs_on_its_own_made_source(tmp_path, monkeypatch):
     import dsv41_convert.synth.write as synth
     from dsv41_convert.synth.presets import PRESETS
 
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("bench_io_path", None)
-    import bench_io_path
+    bench_io_path = fresh_bench_module(monkeypatch, "bench_io_path")
 
     monkeypatch.setattr(synth, "write_shard", synth.write_shard)  # make_source replaces it: restored after
     monkeypatch.setitem(PRESETS, "medium", PRESETS["tiny"])

@@ -6,21 +6,15 @@ another checkout), silently; a relative WORK failed every run the same way."""
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_modules import fresh_bench_module
 
 
 @pytest.fixture
 def bench_plan(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("bench_plan", None)
-    import bench_plan
-
-    return bench_plan
+    return fresh_bench_module(monkeypatch, "bench_plan")
 
 
 def test_a_relative_code_folder_is_the_one_timed(bench_plan, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_modules import fresh_bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,11 +27,7 @@ def test_an_expert_count_the_bench_cannot_run_is_refused_by_argparse(tmp_path, e
 
 @pytest.fixture
 def bench_shard(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("bench_shard", None)
-    import bench_shard
-
-    return bench_shard
+    return fresh_bench_module(monkeypatch, "bench_shard")
 
 
 def test_a_disk_too_small_is_refused_before_the_source_is_written(bench_shard, tmp_path, monkeypatch):

@@ -4,10 +4,10 @@ documented command runs) the "before" rows timed this checkout's verify again.""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from bench_modules import fresh_bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,11 +16,7 @@ FAKE_CLI = 'import json\nprint(json.dumps({"which": "baseline"}))\n'
 
 @pytest.fixture
 def bench_verify(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("bench_verify", None)
-    import bench_verify
-
-    return bench_verify
+    return fresh_bench_module(monkeypatch, "bench_verify")
 
 
 def test_the_baseline_runs_its_own_cli_from_the_repository_root(bench_verify, tmp_path, monkeypatch):

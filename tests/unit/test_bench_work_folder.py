@@ -6,11 +6,9 @@ a folder is a bench's), and still start afresh in their own folders."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_modules import fresh_bench_module
 
 
 class Reached(Exception):
@@ -23,12 +21,8 @@ def _stop(*args, **kwargs):
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    for name in ("bench_shard", "bench_export"):
-        sys.modules.pop(name, None)
-    import bench_export
-    import bench_shard
-
+    bench_shard = fresh_bench_module(monkeypatch, "bench_shard")
+    bench_export = fresh_bench_module(monkeypatch, "bench_export")
     monkeypatch.setattr(bench_shard, "planned_bytes", _stop)  # bench_shard's first step after WORK
     monkeypatch.setattr(bench_export, "measure", _stop)  # bench_export's (make-tiny)
     return {"bench_shard": bench_shard, "bench_export": bench_export}
