@@ -11,6 +11,7 @@ The package, bottom to top (imports point downward only):
     store/     safetensors headers, the hashing writer, journals, manifests, folder locks
     model/     the bundled V4.1 model
     convert/   rules, plan, validate, execute: the converter
+    published.py   the published V4.1-Flash config, against which a config of its tensors is compared
     hub/       the Hugging Face Hub client
     verify/    the logit check
     synth/     make-tiny checkpoints

@@ -204,6 +204,7 @@ def plan_cmd(
     folder = _local_source(src, tp)
     with collector_paused():  # the real plan's ~500k objects, none in a cycle: ~0.15 s of collector passes
         plan = build_plan(folder, tp, expert_dtype)
+        _warn_of_unpublished_settings(folder / "config.json")
         memory = memory_figures(plan, load_model_args(folder / "config.json"))
         if as_json:
             if with_headers:
@@ -295,6 +296,7 @@ def shard_cmd(
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers in the digits 0-9, like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
+    _warn_of_unpublished_settings(Path(plan.src) / "config.json")
     _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")  # a dry run's too
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
@@ -332,6 +334,22 @@ def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:
             f"RANK={rank} and WORLD_SIZE={world} are set without {' and '.join(missing)} (torchrun sets all of "
             f"them): this process writes share {rank} of {world} of the {files} only; unset RANK and WORLD_SIZE "
             f"to write them all{', or use --ranks for a share' if advise_ranks else ''}"
+        )
+
+
+def _warn_of_unpublished_settings(config: Path) -> None:
+    """A warning where `config` describes the published V4.1-Flash tensors with other settings (`published.
+    settings_unlike_published`): nothing refuses them, and verify compares source and conversion under this one
+    config, so an edited sliding_window or rope beta ran, exit 0, as another model than the published one."""
+    from dsv41_convert.config import load_model_args
+    from dsv41_convert.published import settings_unlike_published
+
+    unlike = settings_unlike_published(load_model_args(config))
+    if unlike:
+        report.warn(
+            f"{config}: the published V4.1-Flash tensors with other settings: {'; '.join(unlike)}. No tensor shows "
+            "these, so the model runs as this config says and verify cannot tell (it runs the source and the "
+            "conversion under this one config): put back the published values unless the change is meant"
         )
 
 
@@ -610,6 +628,8 @@ def reference_logits_cmd(
         torch.set_num_threads(threads)  # tp 1 runs in this process
     refuse_held(src)  # a run writing into SRC (shard into a folder of rank files, download): files not final
     args = load_model_args(src / "config.json")
+    if torchrun.shared_rank() in (None, 0):
+        _warn_of_unpublished_settings(src / "config.json")
     tokenizer = src / "tokenizer.json"
     prompt_list = read_prompts(prompts, tokenizer if tokenizer.exists() else None, args, stream_layers)
     from dsv41_convert.verify.run import not_run_by
@@ -984,6 +1004,7 @@ def export_cmd(
     from dsv41_convert.convert.export import RECORDS, build_export_plan, export, not_carried, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
+    _warn_of_unpublished_settings(Path(ep.plan.src) / "config.json")
     _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")  # a dry run's too
     # what OUT lacks of them: copied in as the warning advises, a --resume named them again (an audit)
     others = [name for name in not_carried(Path(ep.plan.src)) if not (out / name).exists()]

@@ -22,7 +22,6 @@ ours is sorted (sha256 733ec7b8..., published 74b0686a...).
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +31,10 @@ from dsv41_convert import interrupts
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import OutputError
 from dsv41_convert.progress import Progress
+from dsv41_convert.published import REAL_CONFIG, real_config
 from dsv41_convert.synth.staged import INDEX, staged
 from dsv41_convert.synth.tokenizer import fit_compressed_size, special_token_ids, tokenizer_config
 from dsv41_convert.synth.write import plan_shards, write_text
-
-REAL_CONFIG = "v41-flash.config.json"
-
-
-def real_config() -> dict[str, Any]:
-    """The published V4.1-Flash config.json (nested HF form)."""
-    return json.loads(resources.files("dsv41_convert").joinpath("data", REAL_CONFIG).read_text(encoding="utf-8"))
 
 
 def hollow_tokenizer(config: dict[str, Any]) -> Tokenizer:

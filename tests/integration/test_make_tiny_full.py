@@ -162,3 +162,39 @@ def test_a_signal_taken_early_stops_it_at_the_next_step(tmp_path, monkeypatch, w
     tries = done.count("try")
     assert done == {"start": [], "tokenizer": ["try"], "shards": ["try"] * tries + ["shard"]}[where]
     assert not (tmp_path / "full").exists()  # a folder the run made is removed
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("plan", "--tp", "8"),
+        ("shard", "OUT", "--tp", "8", "--dry-run"),
+        ("export", "OUT", "--format", "bf16", "--dry-run"),
+    ],
+)
+def test_published_tensors_with_an_edited_setting_are_warned_of(hollow, tmp_path, monkeypatch, capsys, command):
+    """A config.json of the published tensors with a setting no tensor shows changed (sliding_window, a rope
+    beta) ran every command, exit 0, without a word; verify then passed it (it runs source and conversion under
+    the one config). Named now, with the published value; the published config itself is not warned of."""
+    import dsv41_convert.convert.execute as execute_mod
+
+    out, _ = hollow
+    monkeypatch.setattr(execute_mod, "disk_free", lambda path: 10**13)
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in command]
+    argv = (args[0], str(out), *args[1:])
+    config = out / "config.json"
+    published = config.read_bytes()
+    code, _, err = run_cli(monkeypatch, capsys, *argv)
+    assert code == 0 and "published V4.1-Flash tensors with other settings" not in err, err
+    edited = json.loads(published)
+    edited["text_config"]["sliding_window"] = 256
+    edited["text_config"]["rope_scaling"]["beta_fast"] = 16
+    try:
+        config.write_text(json.dumps(edited))
+        code, _, err = run_cli(monkeypatch, capsys, *argv)
+    finally:
+        config.write_bytes(published)
+    assert code == 0, err
+    assert f"{config}: the published V4.1-Flash tensors with other settings:" in err
+    assert "text_config.sliding_window 256 (published 128)" in err
+    assert "text_config.rope_scaling.beta_fast 16 (published 32)" in err

@@ -25,6 +25,7 @@ LAYERS = [
     "store",
     "model",
     "convert",
+    "published",
     "hub",
     "verify",
     "synth",
