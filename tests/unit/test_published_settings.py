@@ -45,3 +45,10 @@ def test_another_architecture_is_not_compared(field):
 
 def test_make_tinys_configs_are_not_compared():
     assert settings_unlike_published(ModelArgs.from_hf_dict(tiny_config())) == []
+
+
+@pytest.mark.parametrize(("dtype", "experts"), [("bf16", None), ("fp8", "fp8")])
+def test_an_edited_setting_is_named_in_every_storage_form(dtype, experts):
+    """A bf16 export (for fine-tuning) or an fp8-expert one of the published model is the published tensors too."""
+    edited = dataclasses.replace(published_args(), dtype=dtype, expert_dtype=experts, window_size=256)
+    assert settings_unlike_published(edited) == ["text_config.sliding_window 256 (published 128)"]
