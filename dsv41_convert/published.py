@@ -26,22 +26,21 @@ def published_args() -> ModelArgs:
 
 
 def _tensors(args: ModelArgs) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, format) of every parameter `args` implies (the routed experts too)."""
+    """(name, shape, format) of every parameter `args` implies (the routed experts too), whatever their storage
+    (a bf16 export or an fp8-expert one implies the published model's)."""
     return [(p.name, p.shape, p.fmt.value) for p in catalogue(args)]
 
 
 def settings_unlike_published(args: ModelArgs) -> list[str]:
-    """ "text_config.sliding_window 256 (published 128)" for each setting of `args` that differs from the
-    published V4.1-Flash config, where every tensor `args` implies is the published one's (names, shapes;
-    formats compared as stored alike: a bf16 export or an fp8-expert one is the same model); [] where any
-    differs (make-tiny's presets, a pruned or widened model: nothing to compare with).
+    """Each setting of `args` unlike the published V4.1-Flash config's, as "text_config.sliding_window 256
+    (published 128)", where every tensor `args` implies is the published one's (names, shapes, formats, in any
+    storage); [] where any differs (make-tiny's presets, a pruned or widened model: nothing to compare with).
 
     Such a setting shapes no tensor (rope betas, sliding_window, index_topk, qk_rope_head_dim within its
     bound, the special token ids): the model runs as the config says, and verify passes the conversion (it
     runs source and conversion with this one config), with other logits than the published model's."""
     published = published_args()
-    stored_alike = dataclasses.replace(args, dtype=published.dtype, expert_dtype=published.expert_dtype)
-    if _tensors(stored_alike) != _tensors(published):
+    if _tensors(args) != _tensors(published):
         return []
     return [
         f"{HF_NAMES.get(f.name, f.name)} {getattr(args, f.name)!r} (published {getattr(published, f.name)!r})"
