@@ -15,7 +15,9 @@ Recorded (reffile metadata `provenance`, a JSON object; files written before it 
 Checked by `verify CONVERTED --reference-logits FILE` (check_converted):
     - CONVERTED/config.json describes the same model, but for the format fields (FORMAT_FIELDS): a changed
       swiglu_limit the prompts never reach, or a changed norm_eps blamed on a weight, was a PASS or a
-      misleading FAIL before;
+      misleading FAIL before. The model is `model`; in a file without it, the one CONVERTED's hf_config.json
+      describes where that is the recorded `hf_config`; else not checked, which verify says (config_unchecked:
+      a file without `model` skipped the check without a word);
     - CONVERTED's tokenizer files are the recorded bytes (a failure of the run, as with --reference SRC), and
       so is its hf_config.json where it has one (the bundled model does not read it; a serving stack may);
     - the file was not computed from CONVERTED's own rank files (the same files, files its manifest gives the
@@ -30,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dsv41_convert.config import ModelArgs
+from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.errors import VerifyInputError
 from dsv41_convert.store.file_digest import SHA256_HEX, sampled_sha256, sha256_file
@@ -90,13 +92,13 @@ def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: 
     """Raise VerifyInputError where CONVERTED cannot be judged by the reference in `file` (another model's
     config, or the reference replays CONVERTED's own rank files); -> the tokenizer files and the hf_config.json
     that differ, as the run's failures (`tokenizer: ...`, `hf config: ...`)."""
-    recorded = prov.get("model")
+    recorded, how = _recorded_model(prov, conv)
     if recorded is not None:
         differ = config_differences(recorded, conv_args.to_inference_dict())
         if differ:
             raise VerifyInputError(
-                f"{conv / 'config.json'}: not the model {file} was computed with ({', '.join(differ[:8])}); a "
-                "changed config changes what the same weights compute: verify against a reference of this model"
+                f"{conv / 'config.json'}: not the model {file} was computed with{how} ({', '.join(differ[:8])}); "
+                "a changed config changes what the same weights compute: verify against a reference of this model"
             )
     made = prov.get("made_from", "source")
     same = _same_rank_files(made, conv, tp) if isinstance(made, dict) else None
@@ -122,6 +124,40 @@ def check_converted(prov: dict[str, Any], conv: Path, conv_args: ModelArgs, tp: 
             "which shard copies there unchanged"
         )
     return found
+
+
+def config_unchecked(prov: dict[str, Any] | None, conv: Path, file: Path) -> str:
+    """Why check_converted could not compare CONVERTED/config.json with the model `file`'s run recorded, ""
+    where it did (`prov`: the file's provenance, None where it records none)."""
+    if prov is None:
+        return (
+            f"{file} records no provenance (written before it, or by another tool): {conv / 'config.json'} and its "
+            "tokenizer files were not compared with what the reference ran"
+        )
+    if _recorded_model(prov, conv)[0] is not None:
+        return ""
+    if prov.get("hf_config") is None:
+        where = "nor a config.json's sha256 (provenance.hf_config)"
+    elif (conv / HF_CONFIG).is_file():
+        where = f"and {conv / HF_CONFIG} is not the config.json it recorded (provenance.hf_config)"
+    else:
+        where = f"and {conv} has no {HF_CONFIG} to match the config.json it recorded (provenance.hf_config)"
+    return (
+        f"{file} records no model (provenance.model), {where}: {conv / 'config.json'} was not compared with the "
+        "model the reference ran"
+    )
+
+
+def _recorded_model(prov: dict[str, Any], conv: Path) -> tuple[dict[str, Any] | None, str]:
+    """The inference config the reference ran and how it is known ("" from provenance.model; " (as
+    CONVERTED/hf_config.json, the config.json it recorded, describes it)"), or (None, "") where neither tells."""
+    if prov.get("model") is not None:
+        return prov["model"], ""
+    digest, hf = prov.get("hf_config"), conv / HF_CONFIG
+    if digest is None or not hf.is_file() or sha256_file(hf) != digest:
+        return None, ""
+    how = f" (as {hf}, the config.json it recorded, describes it)"
+    return load_model_args(hf).to_inference_dict(), how
 
 
 def config_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:

@@ -118,6 +118,10 @@ class VerifyResult:
     # differs, not recorded, not compared
     weights: str = "not recorded"
     weights_note: str = ""  # what was compared, or why not
+    # CONVERTED/config.json against the model the reference ran: "held" (a difference is an input error, exit 2),
+    # or "not checked" (a FILE recording neither its model nor the hf_config.json CONVERTED holds; config_note)
+    config: str = "held"
+    config_note: str = ""  # why not checked
 
     @property
     def ok(self) -> bool:
@@ -152,6 +156,8 @@ class VerifyResult:
             "manifest": self.manifest,
             "weights": self.weights,
             "weights_note": self.weights_note,
+            "config": self.config,
+            "config_note": self.config_note,
             "converted": self.converted,
             "reference": self.reference,
             "tp": self.tp,
@@ -248,6 +254,7 @@ def _verify_ranks(
     t0 = time.perf_counter()
     src_ref: SourceReference | None = None
     side_files_differ: list[str] = []  # tokenizer files of CONVERTED unlike those the reference ran with
+    config_note = ""  # why CONVERTED/config.json was not compared with the reference's model
     if opts.reference is not None:
         src = Path(opts.reference)
         src_args = load_model_args(src / "config.json")
@@ -289,6 +296,7 @@ def _verify_ranks(
             _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused
             side_files_differ = provenance.check_converted(ref.provenance, conv, conv_args, tp, Path(ref_name))
+        config_note = provenance.config_unchecked(ref.provenance, conv, Path(ref_name))
         if opts.stream_layers:  # the replay runs here, as the whole one does: with the reference's threads
             threads = replay_threads(ref, opts.threads)
         elif opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
@@ -327,6 +335,8 @@ def _verify_ranks(
     ran: list[Check] = []  # the checks of runs that ran, against the reference's outputs
     result = VerifyResult(str(conv), ref_name, tp, opts.device, thresholds, [], {}, [], seconds=seconds)
     result.statistical = opts.statistical
+    if config_note:
+        result.config, result.config_note = "not checked", config_note
     if isinstance(out, LoadFailure):
         named = (m if opts.stream_layers else f"rank {r}: {m}" for r, m in out.messages)  # no rank ran the replay
         result.load_error = "\n".join(named)

@@ -84,6 +84,8 @@ def render(result: VerifyResult) -> Group:
     if result.weights_note:
         style = {"differs": "red", "held": "dim"}.get(result.weights, "yellow")  # partial, not recorded: yellow
         parts.append(Text(f"  weights: {result.weights} ({result.weights_note})", style=style))
+    if result.config_note:
+        parts.append(Text(f"  config: {result.config} ({result.config_note})", style="yellow"))
     if result.manifest == "absent":
         parts.append(Text("  no manifest.json: the files were not checked against a record of them", style="dim"))
     elif result.manifest == "another set":

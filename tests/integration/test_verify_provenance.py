@@ -229,3 +229,36 @@ def test_an_edited_weights_record_is_an_input_error(work, tmp_path, monkeypatch,
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(work["mp2"]), "--reference-logits", str(bad), "--json")
     doc = json.loads(out)
     assert code == 2 and doc["exit_code"] == 2 and said in doc["error"] and str(bad) in doc["error"], (out, err)
+
+
+def test_a_reference_without_its_model_checks_the_config_from_hf_config_or_says_it_did_not(
+    work, tmp_path, monkeypatch, capsys
+):
+    """A FILE whose provenance lacks `model` (hand-edited, another tool): verify skipped the config check without
+    a word, and CONVERTED/config.json with swiglu_limit x1000 (which the tiny prompts never reach) passed. Where
+    CONVERTED's hf_config.json is the config.json FILE's run recorded (provenance.hf_config), the model it
+    describes is checked; else the run says the config was not checked (a line, and `config` in --json)."""
+    from cli_run import run_cli
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(work["ref"]), "pt") as f:
+        meta = f.metadata()
+    prov = json.loads(meta["provenance"])
+    del prov["model"]
+    bare = tmp_path / "no-model.safetensors"
+    save_file(load_file(str(work["ref"])), str(bare), metadata=meta | {"provenance": json.dumps(prov)})
+    conv = shutil.copytree(work["mp1"], tmp_path / "mp1")
+    cfg = json.loads((conv / "config.json").read_text())
+    cfg["swiglu_limit"] = 1000.0
+    (conv / "config.json").write_text(json.dumps(cfg))
+    (conv / "manifest.json").unlink()  # the edit is not the manifest's to find here
+    with pytest.raises(VerifyInputError, match=r"config.json: not the model .* \(swiglu_limit .* -> 1000.0\)"):
+        _verify(conv, bare)
+    (conv / "hf_config.json").unlink()  # nothing left to check the config against
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(bare), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["config"] == "not checked", (out, err)
+    assert "records no model (provenance.model)" in doc["config_note"], doc["config_note"]
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(bare))
+    assert code == 0 and "config: not checked" in " ".join(out.split()), (out, err)
+    assert _verify(work["mp1"], work["ref"]).config == "held"
