@@ -152,16 +152,17 @@ def replica_mismatches(ranks: RankFiles, progress: Progress | None = None) -> li
     """Every replicated tensor (split NONE: norms, gates, the aligner ...) whose bytes or header entry differ
     between the rank files, as "NAME: replicated, but rank r's copy differs from the other N ranks'" (or the
     groups of ranks holding each copy). Reads those tensors only, MERGE_BLOCK bytes of two copies at a time;
-    progress(REPLICAS, done, total) in bytes of rank 0's copies times tp (29 GB of the real model at tp 8).
+    progress(REPLICAS, done, total) in bytes of the first copies times tp (29 GB of the real model at tp 8).
 
     Every rank runs its own copy, so a copy damaged on one rank changes that rank's partial sums only a
     little, often within a tolerance; this compares the bytes themselves. Also every Engram table's padding
     rows (the last ranks'), which no prompt reads and only the tp-1 replay's merge checked: not the
     converter's fill, they are a rank set no conversion writes."""
-    rules = {name: rule_of(name) for name in sorted(ranks.headers[0].tensors)}
+    # every rank's names: a replica missing from rank 0 alone was in no list, and only the model's load said so
+    rules = {name: rule_of(name) for name in ranks.names()}
     names = [name for name, rule in rules.items() if rule is not None]  # the model's load names the others
     replicated = {name for name in names if rules[name].split is Split.NONE}
-    tally = Tally(progress, REPLICAS, ranks.tp * sum(ranks.headers[0].tensors[name].nbytes for name in replicated))
+    tally = Tally(progress, REPLICAS, ranks.tp * sum(_first_copy(ranks, name).nbytes for name in replicated))
     found = []
     for name in names:
         split = rules[name].split
@@ -358,19 +359,26 @@ def _piece_blocks(ranks: RankFiles, rank: int, info: TensorInfo, block: int, len
     return pread_blocks(ranks.fd(rank), info.begin, length, _row_bytes(info), block, ranks.headers[rank].path)
 
 
+def _first_copy(ranks: RankFiles, name: str) -> TensorInfo:
+    """The header entry of `name` in the first rank file that holds it."""
+    return next(h.tensors[name] for h in ranks.headers if name in h.tensors)
+
+
 def _replica_blocks(
     ranks: RankFiles, name: str, copies: dict[int, TensorInfo | None], block: int
 ) -> Iterator[memoryview]:
-    """Rank 0's copy of replicated tensor `name`; every other rank's copy (None: it has none) compared with it
-    block by block, a rank that differs named once all blocks are read."""
-    first = copies[0]
+    """The first rank's copy of replicated tensor `name` (rank 0's, unless it has none); every other rank's
+    copy (None: it has none) compared with it block by block, a rank that differs named once all blocks are
+    read."""
+    r0 = min(r for r, i in copies.items() if i is not None)
+    first = copies[r0]
     differ = {r for r, i in copies.items() if i is None or (i.dtype, i.shape) != (first.dtype, first.shape)}
     at, other = 0, bytearray(0)
-    for view in _piece_blocks(ranks, 0, first, block, first.nbytes):
+    for view in _piece_blocks(ranks, r0, first, block, first.nbytes):
         if len(other) != len(view):  # a bytearray of the view's length compares by memcmp (a memoryview: bytewise)
             other = bytearray(len(view))
         for r, info in copies.items():
-            if r and r not in differ:  # one differing block names a rank; the rest of its copy is not read
+            if r != r0 and r not in differ:  # one differing block names a rank; the rest of its copy is not read
                 pread_exact(ranks.fd(r), memoryview(other), info.begin + at, ranks.headers[r].path)
                 if other != view:
                     differ.add(r)

@@ -133,6 +133,14 @@ def test_a_replica_missing_from_a_rank_is_named_missing(shards, tmp_path):
         assert [m for m in replica_mismatches(ranks) if m.startswith(name)] == [
             f"{name}: replicated, but missing from rank files [2, 3] (every rank must hold a copy)"
         ]
+    # from rank 0 alone: the replicas were rank 0's names, so the check said nothing and only the model's load
+    # (or the merge of the replay) caught it
+    first = _copy(shards, 4, tmp_path / "first")
+    _edit(first, 0, 4, lambda t: t.pop(name))
+    with RankFiles(first) as ranks:
+        assert [m for m in replica_mismatches(ranks) if m.startswith(name)] == [
+            f"{name}: replicated, but missing from rank files [0] (every rank must hold a copy)"
+        ]
 
 
 def test_expert_on_the_wrong_rank(shards, tmp_path):
