@@ -787,9 +787,16 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
         report.print_json(result.to_json())
     else:
         report.line(f"{'ok' if result.ok else 'FAILED'}: {out}")
-        report.info(f"{len(result.checked)} files match the manifest, {len(result.problems)} do not")
+        report.info(_matched(len(result.checked), len(result.problems)))
     if not result.ok:
         raise typer.Exit(1)
+
+
+def _matched(good: int, bad: int) -> str:
+    """check's summary, each count with its own verb: "1 file matches the manifest, 2 do not" (it said "1 files
+    match ..., 1 do not")."""
+    matches = "1 file matches" if good == 1 else f"{good} files match"
+    return f"{matches} the manifest, {bad} {'does' if bad == 1 else 'do'} not"
 
 
 @app.command("demo")

@@ -89,7 +89,8 @@ def check_header(model: nn.Module, header: Header) -> None:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise PlanError(
-            f"{path}: {len(problems)} tensor(s) do not match the model:\n  {shown}{more}\n"
+            f"{path}: {'1 tensor does' if len(problems) == 1 else f'{len(problems)} tensors do'} not match the "
+            f"model:\n  {shown}{more}\n"
             "Was the shard written for this config and tp size by `dsv41-convert shard`?"
         )
 

@@ -116,7 +116,11 @@ def test_all_problems_are_listed(tmp_path, state):
     sd = dict(state)
     del sd["norm.weight"]
     del sd["embed.weight"]
-    _expect(tmp_path, sd, r"2 tensor\(s\) do not match the model:\n  embed\.weight: .*\n  norm\.weight")
+    _expect(tmp_path, sd, r"2 tensors do not match the model:\n  embed\.weight: .*\n  norm\.weight")
+    # one problem in the singular: it said "1 tensor(s) do not match the model", in verify's load line too
+    one = dict(state)
+    del one["norm.weight"]
+    _expect(tmp_path / "one", one, r"1 tensor does not match the model:\n  norm\.weight: ")
 
 
 def test_wrong_tp_size_names_the_file(tmp_path, state):

@@ -182,3 +182,16 @@ def test_a_folder_a_run_is_writing_is_named_in_use_by_every_reader(tmp_path, mon
             assert "--json" not in args or json.loads(out)["exit_code"] == 2
     code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
     assert code == 0, err
+
+
+def test_the_summary_line_counts_in_the_singular_and_the_plural(tmp_path, monkeypatch, capsys):
+    """`check` said "1 files match the manifest, 1 do not": each count takes its own verb."""
+    folder = _folder(tmp_path, {"a.json": b"{}", "b.json": b"[]"})
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert code == 0 and "2 files match the manifest, 0 do not" in err, err
+    (folder / "b.json").write_bytes(b"[1]")
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert code == 1 and "1 file matches the manifest, 1 does not" in err, err
+    (folder / "a.json").write_bytes(b"{1}")
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert code == 1 and "0 files match the manifest, 2 do not" in err, err
