@@ -1,4 +1,5 @@
-"""Numbers as a user or a file writes them (the digits 0-9 only), and byte counts as a message says them."""
+"""Numbers as a user or a file writes them (the digits 0-9 only), and byte counts and e8m0 scale bytes as a
+message says them."""
 
 import re
 
@@ -21,3 +22,9 @@ def byte_amounts(*counts: int) -> list[str]:
         n and said == "0.00 GB" for n, said in zip(counts, in_gb, strict=True)
     )
     return [f"{n:,} bytes" for n in counts] if blurred else in_gb
+
+
+def e8m0_text(byte: int) -> str:
+    """One e8m0 scale byte as a message says it: the scale it means, 2**(byte - 127) ("2**-3" for byte 124),
+    "NaN" for 255. A report of the bytes alone ("127 vs 128") left the exponent arithmetic to the reader."""
+    return "NaN" if byte == 255 else f"2**{byte - 127}"

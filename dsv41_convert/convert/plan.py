@@ -32,6 +32,7 @@ from dsv41_convert.convert.validate import (
     validate_sources,
 )
 from dsv41_convert.errors import PlanError
+from dsv41_convert.numbers import e8m0_text
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import layout_blocks
 from dsv41_convert.store.source_stamps import source_stamps
@@ -45,6 +46,12 @@ def pad_byte(dtype: str) -> int:
     """The byte an Engram table's padding rows of safetensors `dtype` hold: 127 in the e8m0 scale (2**0),
     0 in the e4m3 weight (0.0)."""
     return 127 if dtype == E8M0 else 0
+
+
+def fill_text(dtype: str) -> str:
+    """pad_byte as a report says it: "127 (scale 2**0)" for an e8m0 scale, "0" for a weight."""
+    fill = pad_byte(dtype)
+    return f"{fill} (scale {e8m0_text(fill)})" if dtype == E8M0 else str(fill)
 
 
 # Read and OutTensor are slotted, not frozen: a tp-8 plan of the real checkpoint holds 107k of each,

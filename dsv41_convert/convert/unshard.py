@@ -35,7 +35,7 @@ import numpy as np
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
-from dsv41_convert.convert.plan import pad_byte
+from dsv41_convert.convert.plan import fill_text, pad_byte
 from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
@@ -459,4 +459,4 @@ def _check_padding(ranks: RankFiles, merge: Merge) -> None:
         pread_exact(ranks.fd(r), memoryview(pad), infos[r].begin + first * row, ranks.headers[r].path)
         if pad != bytes([fill]) * len(pad):
             where = f"padding rows {merge.rows}..{k * ranks.tp - 1} (ranks {merge.rows // k}..{ranks.tp - 1})"
-            raise ShardConsistencyError(f"{merge.name}: {where} are not the fill byte {fill}")
+            raise ShardConsistencyError(f"{merge.name}: {where} are not the fill byte {fill_text(merge.dtype)}")

@@ -9,7 +9,8 @@
    rule's split (concatenate dim 0 / dim 1, take the owning rank of an expert, drop Engram padding
    rows, and check that replicated tensors are equal on every rank), and compare it with the tensor
    the converter would write at tp 1 from the source (verify.source.expected_shards). Values are
-   compared as numbers (fp4 and fp8 decoded, so +0 and -0 agree), e8m0 scales as bytes.
+   compared as numbers (fp4 and fp8 decoded, so +0 and -0 agree), e8m0 scales as bytes (said as the
+   scales they mean: 2**0 vs 2**1).
    Tensors belonging to the diverging module are listed first.
 """
 
@@ -21,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv41_convert.convert.plan import pad_byte
+from dsv41_convert.convert.plan import fill_text, pad_byte
 from dsv41_convert.convert.rules import Split, match_rule
 from dsv41_convert.convert.unshard import RankFiles
+from dsv41_convert.numbers import e8m0_text
 from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.verify.metrics import relative_error
 
@@ -176,6 +178,14 @@ def _compare(name: str, got: Tensor, want: Tensor) -> str | None:
     bad = ~same
     first = [int(i) for i in bad.nonzero()[0]]
     diff = (a - b).abs()[bad]
+    if got.dtype == torch.float8_e8m0fnu:  # the bytes are exponents: say the scales they mean
+        g, w = int(a[tuple(first)]), int(b[tuple(first)])
+        finite = bad & (a != 255) & (b != 255)  # NaN (byte 255) is no exponent
+        step = f", largest exponent step {int((a - b).abs()[finite].max())}" if bool(finite.any()) else ""
+        return (
+            f"{int(bad.sum())} of {a.numel()} scales differ (first at {first}: {e8m0_text(g)} vs expected "
+            f"{e8m0_text(w)}, bytes {g} vs {w}){step}"
+        )
     return f"{int(bad.sum())} of {a.numel()} values differ (first at {first}), max |diff| {diff.max().item():.4g}"
 
 
@@ -224,7 +234,7 @@ def diff_tensors(
                 problem = _compare(name, whole, want) or problem
             except RuntimeError as exc:
                 problem = f"rank pieces do not concatenate ({exc})"
-            if problem and "values differ" in problem:
+            if problem and " differ (first at " in problem:  # values or scales (_compare), not a shape
                 culprits = _ranks_of(parts, holders, want, split)
         if problem:
             diffs.append(TensorDiff(name, culprits, problem, in_scope))
@@ -240,7 +250,8 @@ def _padding(whole: Tensor, rows: int, holders: tuple[int, ...], per_rank: int) 
     if not pad.numel() or bool((pad == fill).all()):
         return None, holders
     last = tuple(r for r in holders if (r + 1) * per_rank > rows)
-    return f"padding rows {rows}..{whole.shape[0] - 1} are not the fill byte {fill}", last
+    fill_said = fill_text(TORCH_TO_SAFETENSORS[whole.dtype])
+    return f"padding rows {rows}..{whole.shape[0] - 1} are not the fill byte {fill_said}", last
 
 
 def _ranks_of(parts: list[Tensor], holders: tuple[int, ...], want: Tensor, split: Split) -> tuple[int, ...]:

@@ -375,6 +375,18 @@ def test_replica_mismatches_also_reads_the_engram_padding(shards, tmp_path):
     _edit(bad, 3, 4, dirty)
     with RankFiles(bad) as ranks:
         assert replica_mismatches(ranks) == [f"{name}: padding rows 102..103 (ranks 3..3) are not the fill byte 0"]
+    scale = f"{ENGRAM}.scale"  # its fill byte said as the scale it means (the byte alone was left to decode)
+
+    def dirty_scale(t):
+        raw = t[scale].view(torch.uint8).clone()
+        raw[-1, 0] = 128
+        t[scale] = raw.view(t[scale].dtype)
+
+    _edit(bad, 3, 4, dirty_scale)
+    with RankFiles(bad) as ranks:
+        assert f"{scale}: padding rows 102..103 (ranks 3..3) are not the fill byte 127 (scale 2**0)" in (
+            replica_mismatches(ranks)
+        )
 
 
 def test_the_replica_comparison_reports_its_bytes_as_it_reads(shards, monkeypatch):

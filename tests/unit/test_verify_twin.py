@@ -157,3 +157,25 @@ def test_image_rows_keep_the_image_spans_and_zero_the_text():
     rows = image_rows(h, mask)
     assert torch.equal(rows[mask], h[mask]) and not rows[~mask].any()
     assert not image_rows(h, None).any() and image_rows(h, None).shape == h.shape
+
+
+def test_a_differing_scale_is_said_in_scale_values_not_bytes():
+    """An e8m0 scale whose byte 127 became 128 was reported "1 of 4 values differ (first at [1, 0]), max |diff|
+    1": the bytes' difference. A byte is an exponent: the report says the scales (2**0 vs 2**1) beside the
+    bytes, and the exponents' largest step; a padding row's fill byte likewise."""
+    name = "layers.0.attn.wq_b.scale"
+    want = torch.tensor([[1.0, 2.0], [1.0, 0.25]]).to(torch.float8_e8m0fnu)
+    got = want.clone()
+    got.view(torch.uint8)[1, 0] += 1  # 2**0 -> 2**1
+    got.view(torch.uint8)[1, 1] -= 3  # 2**-2 -> 2**-5
+    (d,) = diff_tensors([{name: want[:1]}, {name: got[1:]}], {name: want}, ())
+    assert d.ranks == (1,), d
+    assert d.what == (
+        "2 of 4 scales differ (first at [1, 0]: 2**1 vs expected 2**0, bytes 128 vs 127), largest exponent step 3"
+    ), d.what
+    table = "layers.0.engram.embed.scale"
+    values = torch.tensor([[1.0, 2.0], [4.0, 0.5], [8.0, 0.25]]).to(torch.float8_e8m0fnu)
+    parts = [cut(values, torch.Size([2, 2]), r, 2, table) for r in range(2)]  # row 3 of 4 is padding
+    parts[1].view(torch.uint8)[1, 0] = 130
+    (d,) = diff_tensors([{table: p} for p in parts], {table: values}, ())
+    assert d.what == "padding rows 3..3 are not the fill byte 127 (scale 2**0)", d.what
