@@ -3,6 +3,8 @@ what was expected, and a next step. `cli.main` turns them into `error: ...` and 
 
 import re
 
+CHECK_FAILED = 1  # the exit code of a check that ran and failed (check, download; verify's FAIL); an input error: 2
+
 # every way json.loads fails on a file's text: bad syntax, bytes that are not UTF-8 (both ValueErrors, as is an
 # integer of more than 4300 digits, past Python's int-string limit: an audit's traceback), and nesting deeper
 # than Python's recursion limit (`[[[[...` 1500 deep in a 3 KB safetensors header: a RecursionError)

@@ -18,7 +18,7 @@ from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from dsv41_convert.errors import DownloadError
+from dsv41_convert.errors import CHECK_FAILED, DownloadError
 from dsv41_convert.hub.hf_metadata import METADATA_DIR, HubMetadata, hub_metadata
 from dsv41_convert.hub.integrity import (
     CONFIG_NAME,
@@ -81,6 +81,7 @@ class DownloadReport:
         return not self.problems
 
     def to_json(self) -> dict:
+        """`download --json`'s document; its `exit_code` as check's."""
         return {
             "repo_id": self.repo_id,
             "revision": self.revision,
@@ -93,6 +94,7 @@ class DownloadReport:
             "fetched": list(self.fetched),
             "refetched": list(self.refetched),
             "ok": self.ok,
+            "exit_code": 0 if self.ok else CHECK_FAILED,
             "problems": [vars(p) for p in self.problems],
         }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert.config import INT64_MAX
-from dsv41_convert.errors import NOT_JSON, VerifyInputError, first_few
+from dsv41_convert.errors import CHECK_FAILED, NOT_JSON, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
@@ -35,9 +35,12 @@ class CheckResult:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
+        """`check --json`'s document; its `exit_code` as verify's carries one (a torchrun launch's reader takes a
+        document without one for a success)."""
         return {
             "folder": self.folder,
             "ok": self.ok,
+            "exit_code": 0 if self.ok else CHECK_FAILED,
             "checked": self.checked,
             "problems": self.problems,
             "unchecked": self.unchecked,

@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv41_convert.errors import CHECK_FAILED
 from dsv41_convert.verify.arithmetic import arithmetic
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
-EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
+EXIT_CODES = {PASS: 0, FAIL: CHECK_FAILED, INCONCLUSIVE: 3}
 
 
 @dataclass

@@ -451,11 +451,12 @@ def test_cli_json_verify_only_and_errors(hub, tmp_path, checkpoints):
     assert ok.exit_code == 0, ok.output
     summary = json.loads(ok.stdout)
     assert summary["ok"] and summary["commit"] == C1 and summary["files"] == len(checkpoints[C1])
+    assert summary["exit_code"] == 0  # as check's and verify's: a torchrun launch's reader reads it
 
     target = tmp_path / "cli" / shards(checkpoints[C1])[0]
     target.write_bytes(b"\0" * target.stat().st_size)
     bad = runner.invoke(app, ["download", REPO, "--local-dir", local, "--verify-only", "--json"])
-    assert bad.exit_code == 1
+    assert bad.exit_code == 1 and json.loads(bad.stdout)["exit_code"] == 1
     problems = json.loads(bad.stdout)["problems"]
     assert {p["path"] for p in problems} == {target.name}
     assert {p["kind"] for p in problems} == {"sha256", "header"}  # zeroed: wrong hash, and no header either

@@ -560,6 +560,28 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_and_resume_finishes(src, tmp_path)
     assert subprocess.run([*CLI, "check", str(out)], capture_output=True).returncode == 0
 
 
+def test_a_failed_check_document_carries_its_exit_code(sharded, tmp_path, monkeypatch, capsys):
+    """`check --json` of a corrupt file exits 1 with {"ok": false, ...} and no `exit_code`; under a torchrun
+    launch (whose own exit is 1 for any failed process) README says to read `exit_code` from the documents and
+    takes one without it for a success, 0: a pipeline so reading took the corrupt folder for checked. The
+    document now carries the run's exit code, as verify's does: 1 for a failed check, 0 for a held one."""
+    bad = copy_of(sharded, tmp_path / "bad")
+    with open(bad / "model1-mp2.safetensors", "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    for env in ({}, {"RANK": "1", "WORLD_SIZE": "2"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        code, out, _ = run_cli(monkeypatch, capsys, "check", str(bad), "--json")
+        doc = json.loads(out)
+        assert code == 1 and doc["ok"] is False and doc["exit_code"] == 1, out
+        code, out, _ = run_cli(monkeypatch, capsys, "check", str(sharded), "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["ok"] is True and doc["exit_code"] == 0, out
+
+
 def test_an_input_error_with_json_is_also_a_document_on_stdout(sharded, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "check", str(tmp_path / "nope"), "--json")
     assert_clean_error(code, err, "nope: no such folder")
