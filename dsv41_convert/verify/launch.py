@@ -9,7 +9,9 @@ rank, inside an initialised process group (gloo on CPU, nccl on CUDA), and retur
 - Otherwise tp 1 runs in this process with no group at all, and tp > 1 starts tp fresh processes on
   this machine (torch.multiprocessing, start method "forkserver", torch preloaded). Each rank writes its result, or the
   ConvertError it met, to a temporary folder; rank 0's result comes back, and the first rank's input
-  error is raised again here so that the CLI reports it as one.
+  error is raised again here so that the CLI reports it as one. Once one rank failed, the others have
+  SETTLE_S to end and say why, and the run names the cause (`_settle`): a rank's own error, a rank a signal
+  ended, or the rank that hung while its peers timed out.
 
 Inside `target`, `tell(label, done, total)` reports progress: rank 0's reaches the `progress` given to
 launch, in the launching process.
@@ -20,6 +22,7 @@ collective would hang them until the group's timeout (`TIMEOUT`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
@@ -47,6 +50,7 @@ from dsv41_convert.progress import Progress
 
 T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=10)
+SETTLE_S = 5.0  # how long the other spawned ranks may take to end and say why, once one has failed
 JOIN_S = 180.0  # how long a torchrun process waits for the others to join (they start together)
 START_METHOD = "forkserver"  # see launch()
 
@@ -121,17 +125,12 @@ def launch(
         )
         told = _ToldFile(Path(tmp) / TOLD, progress)
         try:
-            while not ranks.join(timeout=TOLD_EVERY_S):
-                told.relay()
-            told.relay()
-        except mp.ProcessExitedException as exc:  # a rank failed (its error file), or was killed (none)
-            _stop(ranks.processes)  # torch's join has sent SIGTERM to the others already
-            interrupts.check()  # this run was interrupted: the ranks died of its signal
-            _raise_rank_error(Path(tmp), tp)
-            raise RankFailedError(
-                f"rank {exc.error_index} of {tp} (pid {exc.error_pid}) {_how_ended(exc.exit_code)}; "
-                "the run stopped its other ranks"
-            ) from None
+            failed = _wait_for_ranks(ranks.processes, told)
+            if failed is not None:  # a rank failed (its error file), or was killed (none)
+                said = _settle(ranks.processes, Path(tmp), tp, failed)
+                _stop(ranks.processes)
+                interrupts.check()  # this run was interrupted: the ranks died of its signal
+                raise said
         except BaseException:  # Ctrl-C: none may outlive this process
             _stop(ranks.processes)
             raise
@@ -139,21 +138,112 @@ def launch(
         return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
+def _wait_for_ranks(processes: Sequence[Any], told: _ToldFile) -> int | None:
+    """Wait for the spawned ranks, relaying rank 0's progress: None once every one ended well, else the index
+    of the first found failed (its exit code not 0), the others left as they are (torch's join stopped them at
+    once, so a peer's error was not yet written: `_settle`)."""
+    from multiprocessing.connection import wait
+
+    while True:
+        running = [p.sentinel for p in processes if p.exitcode is None]
+        if running:
+            wait(running, timeout=TOLD_EVERY_S)
+        told.relay()
+        codes = [p.exitcode for p in processes]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            return failed[0]
+        if not running:
+            return None
+
+
+def _settle(processes: Sequence[Any], tmp: Path, tp: int, failed: int) -> ConvertError:
+    """The error that says why the ranks failed, `failed` (an index) the first found ended badly. Waits up to
+    SETTLE_S for the others to end by themselves, each writing its error file, unless a cause is known sooner
+    (an error of its own, a rank a signal ended): the first rank to give up on a hung peer closes its connections
+    before it writes its error, its peers then leave "lost a peer", and stopping them at once left no cause to
+    say (at tp 4 one run in four said only "rank 0 of 4 (pid N) ended with exit code 1": a helper's hunt).
+
+    The cause, by what is known: the lowest rank's own error (an input error, a crash); else a rank a signal
+    ended (out of memory; its peers only lost it); else, where a peer timed out, the rank that hung: still
+    running when its peers had all given up (stopped, where /proc says so; `_hung`); else the first failed rank's
+    exit."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        codes = [p.exitcode for p in processes]
+        own = _rank_error(tmp, tp)
+        killed = [rank for rank, code in enumerate(codes) if code is not None and code < 0]
+        if own is not None or killed or None not in codes or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if own is not None:
+        return own
+    first = killed[0] if killed else failed
+    if not killed:
+        timeouts = _peer_timeouts(tmp, tp)
+        if timeouts:
+            return _hung(processes, tp, timeouts[0])
+    return RankFailedError(
+        f"rank {first} of {tp} (pid {processes[first].pid}) {_how_ended(codes[first])}; the run stopped its other ranks"
+    )
+
+
+def _hung(processes: Sequence[Any], tp: int, timeout: str) -> RankFailedError:
+    """The error of a run whose rank hung, `timeout` the message of the first peer that gave up waiting (its
+    PEER_TIMEOUT file's): the rank(s) still running then, none of them having left an error, are those that
+    hung, named (each peer only knows that its collective timed out, not which rank held it up)."""
+    alive = [(rank, p.pid) for rank, p in enumerate(processes) if p.exitcode is None]
+    waited = timeout.removesuffix(_HUNG_TAIL)
+    if not alive:  # every rank ended (the stopped one let go, then lost its peers): which one hung is unknown
+        return RankFailedError(f"{waited}; which rank hung cannot be told (every rank has ended since)")
+    said = ", ".join(f"rank {rank} of {tp} (pid {pid}) hung ({_state(pid)})" for rank, pid in alive)
+    return RankFailedError(f"{said} while its peers waited: {waited}")
+
+
+def _state(pid: int) -> str:
+    """What /proc says of a rank that did not answer its peers: stopped (SIGSTOP, a debugger), else running."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+    except OSError:
+        stat = ""
+    fields = stat.rpartition(")")[2].split()  # the state follows the command's name, which may hold spaces
+    if fields and fields[0] in ("T", "t"):
+        return "stopped: SIGSTOP, a debugger"
+    return "still running, no error of its own"
+
+
+def _rank_error(tmp: Path, tp: int) -> ConvertError | None:
+    """The error of its own that the lowest rank left in `tmp` (not one that only says a peer went away or did not
+    answer), as its own kind, naming its rank; None where no rank left one."""
+    for rank, kind, message in _error_files(tmp, tp):
+        if kind and kind not in (PEER_LOST, PEER_TIMEOUT):  # an empty one (written before the rename was whole): none
+            named = tp == 1 or errors.names_a_rank(message)  # errors the target gathered name their ranks
+            return getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
+    return None
+
+
+def _peer_timeouts(tmp: Path, tp: int) -> list[str]:
+    """The messages of the PEER_TIMEOUT files in `tmp`, by rank: each a rank that gave up waiting for a peer."""
+    return [message for _, kind, message in _error_files(tmp, tp) if kind == PEER_TIMEOUT]
+
+
+def _error_files(tmp: Path, tp: int) -> list[tuple[int, str, str]]:
+    """(rank, kind, message) of each rank{rank}.error in `tmp`, by rank."""
+    left = [tmp / f"rank{rank}.error" for rank in range(tp)]
+    return [
+        (rank, *err.read_text(encoding="utf-8").partition("\n")[::2]) for rank, err in enumerate(left) if err.exists()
+    ]
+
+
 def _raise_rank_error(tmp: Path, tp: int) -> None:
     """The error a rank left in `tmp` that says what went wrong, raised here (the first rank's); else the first
     PEER_TIMEOUT (a rank that waited the group's timeout for a hung peer: RankFailedError); nothing where none
     did (a rank killed: out of memory, a signal; its peers' PEER_LOST files only say they lost it)."""
-    left = [tmp / f"rank{rank}.error" for rank in range(tp)]
-    found = [
-        (rank, *err.read_text(encoding="utf-8").partition("\n")[::2]) for rank, err in enumerate(left) if err.exists()
-    ]
-    for rank, kind, message in found:
-        if kind and kind not in (PEER_LOST, PEER_TIMEOUT):  # an empty one (written before the rename was whole): none
-            named = tp == 1 or errors.names_a_rank(message)  # errors the target gathered name their ranks
-            raise getattr(errors, kind, ConvertError)(message if named else f"rank {rank}: {message}")
-    for _, kind, message in found:
-        if kind == PEER_TIMEOUT:
-            raise RankFailedError(message)
+    own = _rank_error(tmp, tp)
+    if own is not None:
+        raise own
+    for message in _peer_timeouts(tmp, tp):
+        raise RankFailedError(message)
 
 
 def _how_ended(exitcode: int) -> str:
@@ -167,11 +257,13 @@ def _how_ended(exitcode: int) -> str:
 
 
 def _stop(processes: list, grace_s: float = 5.0) -> None:
-    """SIGTERM every rank still running, SIGKILL those alive `grace_s` later. (A SIGINT to this process
-    alone left the ranks running, and the exit then waited for them forever.)"""
+    """SIGTERM (and SIGCONT) to every rank still running, SIGKILL to those alive `grace_s` later. (A SIGINT to
+    this process alone left the ranks running, and the exit then waited for them forever.)"""
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
         p.terminate()
+        with contextlib.suppress(ProcessLookupError):  # a stopped rank (SIGSTOP) takes the SIGTERM once continued
+            os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for p in alive:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -339,10 +431,10 @@ def _timed_out(exc: BaseException) -> bool:
 
 def _hung_peer(exc: BaseException) -> str:
     """What a process whose collective timed out (`exc`, _timed_out) says: a peer hung, not a crash of its own."""
-    return (
-        f"no peer answered within the group's timeout ({first_words(exc)}): a rank hung or was stopped "
-        "(SIGSTOP, a debugger, a machine swapping)"
-    )
+    return f"no peer answered within the group's timeout ({first_words(exc)}){_HUNG_TAIL}"
+
+
+_HUNG_TAIL = ": a rank hung or was stopped (SIGSTOP, a debugger, a machine swapping)"  # which, a peer cannot tell
 
 
 def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
