@@ -65,11 +65,19 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def check_world(tp: int) -> None:
-    """VerifyInputError where an enclosing torchrun launch started another number of processes than `tp`."""
+def check_world(tp: int, found_in: Path | None = None) -> None:
+    """VerifyInputError where an enclosing torchrun launch started another number of processes than `tp`:
+    --tp's, else (`found_in`) the tp of the rank files in that folder, which the message names (it said
+    "--tp is 2" to a user who gave no --tp)."""
     world = torchrun.world()
-    if world is not None and world != tp:
+    if world is None or world == tp:
+        return
+    if found_in is None:
         raise VerifyInputError(f"torchrun started {world} ranks but --tp is {tp}; they must be equal")
+    raise VerifyInputError(
+        f"torchrun started {world} ranks but {found_in} holds the rank files of tp {tp} (model*-mp{tp}.safetensors; "
+        f"no --tp given): launch torchrun with {tp} processes"
+    )
 
 
 def launch(

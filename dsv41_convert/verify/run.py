@@ -237,6 +237,8 @@ def verify(
         )
     conv_args = load_model_args(conv / "config.json")
     check_tp(conv_args, tp, str(conv / "config.json"))  # before a header is read
+    if not opts.stream_layers:  # torchrun's other count: refused before the reference (minutes from SRC)
+        launcher.check_world(tp, None if opts.tp is not None else conv)
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
         _config_fits_rank_files(ranks, conv_args)
         return _verify_ranks(opts, ranks, conv_args, say, shown)

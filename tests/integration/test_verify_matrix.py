@@ -1029,3 +1029,27 @@ def test_a_replay_off_where_every_weight_held_fails_saying_so_and_a_forged_recor
         )
         result = _verify(forged, ref_file, stream_layers=stream)
         assert result.weights == "held" and result.verdict == "FAIL", result.checks
+
+
+@pytest.mark.parametrize("given", [None, 2])
+def test_a_torchrun_count_other_than_the_rank_files_tp_names_where_the_tp_comes_from(m, monkeypatch, given):
+    """torchrun of 4 processes over a folder of tp-2 rank files, no --tp given: the refusal said "torchrun started
+    4 ranks but --tp is 2", an option the user never passed (a helper's hunt), and came inside the launch, after
+    the reference (with --reference SRC: the whole source transformed and run first). Now it names the rank files
+    the 2 comes from, before the reference; with --tp given, the option as before."""
+    import re
+
+    from dsv41_convert.verify import run as run_module
+
+    conv = m.shard(2)  # before the launch's environment: a share of a torchrun launch writes its own ranks only
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(run_module, "compute_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    said = (
+        rf"^torchrun started 4 ranks but {re.escape(str(conv))} holds the rank files of tp 2 "
+        r"\(model\*-mp2\.safetensors; no --tp given\): launch torchrun with 2 processes$"
+        if given is None
+        else r"^torchrun started 4 ranks but --tp is 2; they must be equal$"
+    )
+    with pytest.raises(VerifyInputError, match=said):
+        verify(VerifyOptions(conv, reference=m.src, threads=1, tp=given))
