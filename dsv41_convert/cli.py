@@ -415,6 +415,15 @@ PromptsOpt = Annotated[
         "--prompts", parser=opts.given_path, help='JSONL: {"input_ids": [...]} or {"text": "..."}, optional "image".'
     ),
 ]
+RankTimeoutOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--rank-timeout",
+        parser=opts.whole_number(1, most=86_400),
+        help="Seconds a rank (--tp > 1, torchrun) waits in a collective for a peer that does not answer (hung, "
+        "stopped) before the run fails naming it (default 600). Too short, a slow peer is taken for a hung one.",
+    ),
+]
 VerifyTpOpt = Annotated[
     int | None, typer.Option("--tp", parser=opts.whole_number(1), help="Rank count (default: from the rank files).")
 ]
@@ -509,6 +518,7 @@ def verify_cmd(
     statistical: StatisticalOpt = False,
     no_replay: NoReplayOpt = False,
     stream_layers: VerifyStreamOpt = False,
+    rank_timeout: RankTimeoutOpt = None,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Run the converted weights (one process per rank) and compare their logits with a reference.
@@ -540,6 +550,7 @@ def verify_cmd(
     opts = VerifyOptions(
         converted, reference, reference_logits, prompts, device, tp, decode_steps, max_seq_len, overrides,
         not no_localize, threads, statistical, replay=not no_replay, stream_layers=stream_layers,
+        rank_timeout=rank_timeout,
     )  # fmt: skip
     speaks = not as_json and torchrun.shared_rank() in (None, 0)  # one process of a torchrun launch speaks
     result = verify(opts, progress=report.info if speaks else None, shown=report.byte_progress if speaks else None)
@@ -597,6 +608,7 @@ def reference_logits_cmd(
         ),
     ] = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    rank_timeout: RankTimeoutOpt = None,
     as_json: opts.JsonOpt = False,
 ) -> None:
     """Compute reference logits from SRC on --tp ranks (one process each, every rank transforming only its
@@ -693,7 +705,7 @@ def reference_logits_cmd(
             with report.byte_progress(f"reference-logits {src}", quiet=as_json or not writes) as progress:
                 ref = compute_reference_ranks(
                     src, prompt_list, tp, decode_steps, max_seq_len, device, as_converted, threads,
-                    report.info if writes else None, weight_digests, progress, fp8_expert_digests,
+                    report.info if writes else None, weight_digests, progress, fp8_expert_digests, rank_timeout,
                 )  # fmt: skip
         if ref is None:  # a torchrun rank other than 0
             return

@@ -17,7 +17,7 @@ Inside `target`, `tell(label, done, total)` reports progress: rank 0's reaches t
 launch, in the launching process.
 
 `target` must agree with its peers on failures: a rank that raises while the others wait in a
-collective would hang them until the group's timeout (`TIMEOUT`).
+collective would hang them until the group's timeout (`TIMEOUT`, or launch's `timeout_s`: `--rank-timeout`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dsv41_convert.errors import ConvertError, RankFailedError, VerifyInputError
 from dsv41_convert.progress import Progress
 
 T = TypeVar("T")
-TIMEOUT = datetime.timedelta(minutes=10)
+TIMEOUT = datetime.timedelta(minutes=10)  # the group's, unless launch is given another (`--rank-timeout`)
 SETTLE_S = 5.0  # how long the other spawned ranks may take to end and say why, once one has failed
 JOIN_S = 180.0  # how long a torchrun process waits for the others to join (they start together)
 START_METHOD = "forkserver"  # see launch()
@@ -87,19 +87,23 @@ def launch(
     device: str,
     threads: int | None = None,
     progress: Progress | None = None,
+    timeout_s: int | None = None,
 ) -> Any:
     """Run `target(payload)` on tp ranks; -> rank 0's return value (None on other torchrun ranks).
 
-    threads:  torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
-    progress: what rank 0's target `tell`s, reported in this process (from a spawned rank 0 through a file
-              in the launch's folder, read while the ranks run)
+    threads:   torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
+    progress:  what rank 0's target `tell`s, reported in this process (from a spawned rank 0 through a file
+               in the launch's folder, read while the ranks run)
+    timeout_s: the group's timeout, how long a rank waits in a collective for a peer that does not answer
+               (a hung one) before the run fails (default TIMEOUT, 10 minutes)
     """
     interrupts.check()  # a Ctrl-C or SIGTERM postponed by an import stops the run before its ranks start
     backend = backend_for(device)
     check_world(tp)
+    timeout = TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if torchrun.world() is not None:
         with _telling(progress if torchrun.rank() == 0 else None):
-            return _joined(target, payload, backend, device)
+            return _joined(target, payload, backend, device, timeout)
     if tp == 1:
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -126,7 +130,7 @@ def launch(
         port = _free_port()
         ranks = mp.start_processes(
             _spawned,
-            args=(tp, port, backend, device, target, tmp, threads or default_threads(tp), TIMEOUT),
+            args=(tp, port, backend, device, target, tmp, threads or default_threads(tp), timeout),
             nprocs=tp,
             join=False,
             start_method=START_METHOD,
@@ -280,10 +284,12 @@ def _stop(processes: list, grace_s: float = 5.0) -> None:
             p.join()
 
 
-def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: str) -> Any:
+def _joined(
+    target: Callable[[Any], Any], payload: Any, backend: str, device: str, timeout: datetime.timedelta = TIMEOUT
+) -> Any:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    _join_group(backend, device)
+    _join_group(backend, device, timeout)
     try:
         result = target(payload)
     except ConvertError:
@@ -302,7 +308,7 @@ def _joined(target: Callable[[Any], Any], payload: Any, backend: str, device: st
     return result if torchrun.rank() == 0 else None
 
 
-def _join_group(backend: str, device: str) -> None:
+def _join_group(backend: str, device: str, timeout: datetime.timedelta = TIMEOUT) -> None:
     """init_process_group of a torchrun launch, waited for where Ctrl-C and SIGTERM reach this process, and
     for at most JOIN_S: the rendezvous blocks in C++, where Python runs no signal handler, so a process whose
     peer failed before joining (rank 0 refused a locked folder) ignored torchrun's SIGTERM until SIGKILL and
@@ -322,7 +328,7 @@ def _join_group(backend: str, device: str) -> None:
         try:
             if device == "cuda":  # the current device is per thread: the group's, as the caller's
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=TIMEOUT)
+            dist.init_process_group(backend, timeout=timeout)
         except BaseException as exc:  # raised again in the main thread
             failed.append(exc)
 

@@ -221,6 +221,7 @@ def compute_reference_ranks(
     record_weights: bool = True,
     bars: Progress | None = None,
     record_experts_as: bool = True,
+    timeout_s: int | None = None,
 ) -> Reference | None:
     """The reference on `tp` ranks, one process each, launched as verify launches the converted files:
     each rank computes its own rank file of `shard SRC --tp tp` in memory, reading only its slices of the
@@ -233,6 +234,7 @@ def compute_reference_ranks(
                     (record_experts_as) of the routed experts in the other expert dtype (computed here once the
                     ranks have ended)
     bars: rank 0's progress: the source tensors its file computes, then the prompts run; then the experts
+    timeout_s: the ranks' group timeout (launch's: how long a rank waits for a hung peer; default 10 minutes)
     """
     say = progress or (lambda _msg: None)
     src = Path(src)
@@ -245,7 +247,7 @@ def compute_reference_ranks(
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
-    out = launch(reference_rank, job, tp, device, threads, bars)
+    out = launch(reference_rank, job, tp, device, threads, bars, timeout_s)
     if out is None:
         return None
     runs, source_format, recorded, every = out

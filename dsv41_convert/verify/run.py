@@ -78,6 +78,7 @@ class VerifyOptions:
     replay: bool = True  # False: no tp-1 replay (it holds the merged model in RAM); the teacher check may run
     # the tp-1 replay one unit at a time in place of the tp-N run (a model larger than the machine)
     stream_layers: bool = False
+    rank_timeout: int | None = None  # seconds a rank waits for a peer in a collective (default: launch's TIMEOUT)
 
 
 @dataclass
@@ -330,7 +331,7 @@ def _verify_ranks(
         teachers = [r.decode_ids for r in ref.runs]
         job = RankJob(str(conv), ref.max_seq_len, ref.inputs, teachers, ref.n_decode, opts.device, twin=expected)
         with shown(f"converted: {conv}") as bars:
-            out = launcher.launch(run_converted, job, tp, opts.device, threads, bars)
+            out = launcher.launch(run_converted, job, tp, opts.device, threads, bars, opts.rank_timeout)
         seconds["converted"] = time.perf_counter() - t1
     if out is None:
         return None
@@ -432,7 +433,7 @@ def _verify_ranks(
         t2 = time.perf_counter()
         say(f"teacher: every module of {conv} on the reference's input to it ({tp} rank(s))")
         with shown(f"teacher: {conv}") as bars:
-            result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads, bars))
+            result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, threads, bars, opts.rank_timeout))
         seconds["teacher"] = time.perf_counter() - t2
     said = set(result.failures)  # the streamed replay's failures are the comparison's, said already
     result.failures += [

@@ -227,17 +227,29 @@ def forced_prefill(
 
 
 def teacher_check(
-    folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None, progress: Progress | None = None
+    folder: Path,
+    ref: Reference,
+    tp: int,
+    device: str,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    timeout_s: int | None = None,
 ) -> Check:
     """Run the converted rank files teacher-forced on `tp` ranks; judge by ULPS_BOUND and allowed_flips."""
-    return judge(measure(folder, ref, tp, device, threads, progress), ref.labels)
+    return judge(measure(folder, ref, tp, device, threads, progress, timeout_s), ref.labels)
 
 
 def measure(
-    folder: Path, ref: Reference, tp: int, device: str, threads: int | None = None, progress: Progress | None = None
+    folder: Path,
+    ref: Reference,
+    tp: int,
+    device: str,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    timeout_s: int | None = None,
 ) -> list[ModuleDeviations]:
     """Every prompt's per-module deviations of the converted rank files run teacher-forced on `tp` ranks
-    (progress: the prompts rank 0 has run)."""
+    (progress: the prompts rank 0 has run; timeout_s: the ranks' group timeout, launcher.launch's)."""
     job = TeacherJob(
         str(folder),
         ref.max_seq_len,
@@ -246,7 +258,7 @@ def measure(
         [r.logits_all if ref.has_logits_all else None for r in ref.runs],
         device,
     )
-    return launcher.launch(teacher_rank, job, tp, device, threads, progress)
+    return launcher.launch(teacher_rank, job, tp, device, threads, progress, timeout_s)
 
 
 def allowed_flips(positions: int) -> float:

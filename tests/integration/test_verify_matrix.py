@@ -1053,3 +1053,33 @@ def test_a_torchrun_count_other_than_the_rank_files_tp_names_where_the_tp_comes_
     )
     with pytest.raises(VerifyInputError, match=said):
         verify(VerifyOptions(conv, reference=m.src, threads=1, tp=given))
+
+
+def test_rank_timeout_reaches_every_launch_and_is_bounded(m, monkeypatch, capsys):
+    """A hung rank held verify (and reference-logits) the group's full 10 minutes, with nothing a user could
+    set to shorten it (a helper's hunt): --rank-timeout SECONDS is the group's timeout of every launch of the
+    run, 1 to 86400 (a day); without it, launch's default (None: TIMEOUT)."""
+    from cli_run import run_cli
+
+    from dsv41_convert.verify import launch as launch_module
+
+    given: list[int | None] = []
+
+    def launch(target, payload, tp, device, threads=None, progress=None, timeout_s=None):
+        given.append(timeout_s)
+        raise VerifyInputError("stopped here")
+
+    conv, ref = m.shard(2), m.reference("tp1", 2)
+    monkeypatch.setattr(launch_module, "launch", launch)
+    monkeypatch.setattr("dsv41_convert.verify.reference.launch", launch)
+    for extra, want in (([], None), (["--rank-timeout", "3"], 3)):
+        given.clear()
+        code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), *extra)
+        assert (code, given) == (2, [want]) and "stopped here" in err, err
+        out = m.root / "never.safetensors"
+        code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(m.src), str(out), "--tp", "2", *extra)
+        assert (code, given) == (2, [want, want]) and "stopped here" in err, err
+    for bad in ("0", "86401", "1.5"):
+        code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref),
+                               "--rank-timeout", bad)  # fmt: skip
+        assert code == 2 and "--rank-timeout" in err and "expected a number >= 1 and <= 86400" in err, err

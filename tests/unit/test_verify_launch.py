@@ -169,27 +169,24 @@ def stops_on_the_last_rank(_payload) -> None:
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize(("target", "how"), [(stops_on_the_last_rank, "stopped"),
                                              (hangs_on_the_last_rank, "still running")])  # fmt: skip
-def test_the_rank_that_hung_is_named_not_the_one_that_gave_up_waiting(tp, target, how, monkeypatch):
-    """A rank that hangs holds its peers in their collective until the group's timeout (TIMEOUT, 10 minutes).
-    The run said the first peer to give up as a crash of its own, traceback and all (a helper's hunt), then
-    "rank 0 of 2: no peer answered within the group's timeout (...)", naming the rank that gave up waiting and
-    not the one that hung; and at tp 4 about one run in four only "rank 0 of 4 (pid N) ended with exit code 1"
-    (README's 'not yet fixed'): the first peer to time out closes its connections before it writes its error,
-    the next one leaves "lost a peer" and exits, and the run stopped the others before the timeout was written
-    (a stopped rank then held the run 30 s more, torch's grace before SIGKILL). Now the run waits for the
-    peers' errors and names the rank that hung: still running when its peers all gave up, and stopped
-    (SIGSTOP, a debugger) where /proc says so. The timeout is shortened here."""
-    import datetime
+def test_the_rank_that_hung_is_named_not_the_one_that_gave_up_waiting(tp, target, how):
+    """A rank that hangs holds its peers in their collective until the group's timeout (10 minutes unless
+    `timeout_s`: --rank-timeout, 2 s here). The run said the first peer to give up as a crash of its own,
+    traceback and all (a helper's hunt), then "rank 0 of 2: no peer answered within the group's timeout
+    (...)", naming the rank that gave up waiting and not the one that hung; and at tp 4 about one run in four
+    only "rank 0 of 4 (pid N) ended with exit code 1" (README's 'not yet fixed'): the first peer to time out
+    closes its connections before it writes its error, the next one leaves "lost a peer" and exits, and the
+    run stopped the others before the timeout was written (a stopped rank then held the run 30 s more,
+    torch's grace before SIGKILL). Now the run waits for the peers' errors and names the rank that hung:
+    still running when its peers all gave up, and stopped (SIGSTOP, a debugger) where /proc says so."""
     import time
 
     from dsv41_convert.errors import RankFailedError
-    from dsv41_convert.verify import launch as launch_module
 
-    monkeypatch.setattr(launch_module, "TIMEOUT", datetime.timedelta(seconds=2))
     start = time.monotonic()
     said = rf"^rank {tp - 1} of {tp} \(pid \d+\) hung \({how}[^)]*\) while its peers waited: rank \d of {tp}: no peer "
     with pytest.raises(RankFailedError, match=said + r"answered within the group's timeout \(.*2000ms.*\)$"):
-        launch(target, None, tp, "cpu", threads=1)
+        launch(target, None, tp, "cpu", threads=1, timeout_s=2)
     assert time.monotonic() - start < 30
 
 
@@ -603,7 +600,10 @@ def test_threads_per_rank_share_the_cores(monkeypatch):
 
 def test_spawned_ranks_are_started_with_the_gloo_backend_and_the_threads_asked(tmp_path, monkeypatch):
     """What launch hands each spawned rank, without spawning: tp, the backend of the device (gloo on CPU),
-    the target and the threads given (else cores // tp); rank 0's result file comes back."""
+    the target and the threads given (else cores // tp), the group's timeout given (else TIMEOUT); rank 0's
+    result file comes back."""
+    import datetime
+
     import torch.multiprocessing as mp
 
     from dsv41_convert.verify import launch as launch_module
@@ -633,6 +633,8 @@ def test_spawned_ranks_are_started_with_the_gloo_backend_and_the_threads_asked(t
     assert started["fn"] is launch_module._spawned and started["start_method"] == "forkserver"
     launch(sum_of_ranks, {"n": 7}, 2, "cpu")
     assert started["args"][6] == 4
+    launch(sum_of_ranks, {"n": 7}, 2, "cpu", timeout_s=7)  # --rank-timeout 7
+    assert started["args"][7] == datetime.timedelta(seconds=7)
 
 
 def _in_a_torchrun_launch_of_one(monkeypatch) -> None:
