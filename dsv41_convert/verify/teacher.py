@@ -61,6 +61,10 @@ from dsv41_convert.verify.verdict import Check
 # do not load. One bound of 2 ulps: twice the noise, under a quarter of the smallest fault.
 # (bench/teacher_noise.py repeats the measurement.)
 ULPS_BOUND = 2.0
+# Against a reference computed at tp > 1 both sides carry a split's sums over ranks: attn 2.0 ulps in every pair
+# measured (reference tp 2 -> conversions at tp 4 and 8, tp 4 -> 8; seeds 1-4, 1 thread per rank; a helper's
+# hunt, 2026-12-07), at the bound above. Twice that noise again, still under half of the smallest fault.
+ULPS_BOUND_SPLIT_REFERENCE = 4.0
 MAX_INDEXER_FLIPS = 0.1  # share of a prompt's positions, and at least MIN_INDEXER_FLIPS positions (short prompts)
 MIN_INDEXER_FLIPS = 2
 
@@ -226,6 +230,15 @@ def forced_prefill(
     return out
 
 
+def teacher_threads(ref: Reference, device: str, asked: int | None, run: int) -> int:
+    """CPU threads per rank of the teacher run: the reference's own where it records them and --threads was not
+    given (`asked`), else the converted run's (`run`). A module's column-split matmuls then sum in the
+    reference's order, and only its row-split sums differ: at another thread count a bf16 ulp of an expert's
+    hidden values crossed an fp8 rounding step, a correct tp-8 conversion's layers.3.ffn 3.12 ulps from the
+    tp-1 reference at 2 threads, a FAIL (a helper's hunt, 2026-12-07; 1 ulp at the reference's threads)."""
+    return ref.threads if asked is None and device == "cpu" and ref.threads else run
+
+
 def teacher_check(
     folder: Path,
     ref: Reference,
@@ -235,8 +248,14 @@ def teacher_check(
     progress: Progress | None = None,
     timeout_s: int | None = None,
 ) -> Check:
-    """Run the converted rank files teacher-forced on `tp` ranks; judge by ULPS_BOUND and allowed_flips."""
-    return judge(measure(folder, ref, tp, device, threads, progress, timeout_s), ref.labels)
+    """Run the converted rank files teacher-forced on `tp` ranks; judge by `ulps_bound(ref)` and allowed_flips."""
+    return judge(measure(folder, ref, tp, device, threads, progress, timeout_s), ref.labels, ulps_bound(ref))
+
+
+def ulps_bound(ref: Reference) -> float:
+    """A module's bound in bf16 ulps: ULPS_BOUND against a tp-1 reference, ULPS_BOUND_SPLIT_REFERENCE against one
+    computed at tp > 1 (its own split's sums, beside the conversion's)."""
+    return ULPS_BOUND if ref.tp == 1 else ULPS_BOUND_SPLIT_REFERENCE
 
 
 def measure(
@@ -266,7 +285,7 @@ def allowed_flips(positions: int) -> float:
     return max(MIN_INDEXER_FLIPS, MAX_INDEXER_FLIPS * positions)
 
 
-def judge(per_prompt: list[ModuleDeviations], labels: list[str]) -> Check:
+def judge(per_prompt: list[ModuleDeviations], labels: list[str], bound: float = ULPS_BOUND) -> Check:
     """The "teacher" Check: a failure for each module whose deviation breaks its bound (worst prompt)."""
     worst_ulps: dict[str, tuple[float, str]] = {}
     fails = []
@@ -280,8 +299,8 @@ def judge(per_prompt: list[ModuleDeviations], labels: list[str]) -> Check:
             if count > allowed_flips(dev.positions):
                 fails.append(f"teacher {key}: top-k differs at {count} of {dev.positions} positions ({label})")
     for key, (value, label) in worst_ulps.items():
-        if not value <= ULPS_BOUND:  # NaN fails
-            fails.append(f"teacher {key}: {_fmt(value)} bf16 ulps > {ULPS_BOUND:g} ({label})")
+        if not value <= bound:  # NaN fails
+            fails.append(f"teacher {key}: {_fmt(value)} bf16 ulps > {bound:g} ({label})")
     exact = all(v == 0 for v, _ in worst_ulps.values()) and not flipped
     worst = max(worst_ulps.items(), key=lambda kv: _badness(kv[1][0]), default=None)
     note = "each module on the reference's input, within measured reduction noise"

@@ -159,3 +159,29 @@ def test_the_image_rows_are_measured_apart_as_vision():
     assert off.ulps["embed"] > 0 and off.ulps["vision"] == 0
     plain = forced_prefill(_EmbedOnly(table), ModelInput(ids), {"embed": rows, "norm": rows}, None, "cpu")
     assert "vision" not in plain.ulps
+
+
+def _reference(tp: int, threads: int):
+    """A Reference with only the fields the teacher's settings read."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tp=tp, threads=threads)
+
+
+def test_the_teacher_runs_at_the_references_threads_unless_told_otherwise():
+    from dsv41_convert.verify.teacher import teacher_threads
+
+    assert teacher_threads(_reference(1, 2), "cpu", None, 1) == 2  # the reference's sums, in its order
+    assert teacher_threads(_reference(1, 2), "cpu", 3, 3) == 3  # --threads given
+    assert teacher_threads(_reference(1, 0), "cpu", None, 1) == 1  # not recorded
+    assert teacher_threads(_reference(1, 2), "cuda", None, 1) == 1  # CPU threads do not order a GPU's sums
+
+
+def test_a_reference_computed_at_tp_above_1_has_the_wider_bound():
+    """3 ulps: over the bound against a tp-1 reference, noise against a tp-2 one (both sides split their sums)."""
+    from dsv41_convert.verify.teacher import ULPS_BOUND, ULPS_BOUND_SPLIT_REFERENCE, ulps_bound
+
+    assert ulps_bound(_reference(1, 1)) == ULPS_BOUND < 3 < ulps_bound(_reference(2, 1)) == ULPS_BOUND_SPLIT_REFERENCE
+    three = [ModuleDeviations(positions=8, ulps={"layers.0.attn": 3.0})]
+    assert judge(three, ["p"]).failures == ["teacher layers.0.attn: 3 bf16 ulps > 2 (p)"]
+    assert judge(three, ["p"], ULPS_BOUND_SPLIT_REFERENCE).failures == []
