@@ -513,11 +513,11 @@ def test_a_rank_that_lost_its_peer_leaves_a_peer_lost_file_and_a_crash_is_not_on
 
 def test_how_a_rank_ended_names_the_signal_and_a_kill_as_out_of_memory():
     """The kernel's out-of-memory killer sends SIGKILL (9): the message says so; SIGTERM (15) is not memory."""
-    from dsv41_convert.verify import launch as launch_module
+    from dsv41_convert.verify import rank_failures
 
-    assert launch_module._how_ended(-9) == "ended by SIGKILL (out of memory?)"
-    assert launch_module._how_ended(-15) == "ended by SIGTERM"
-    assert launch_module._how_ended(3) == "ended with exit code 3"
+    assert rank_failures._how_ended(-9) == "ended by SIGKILL (out of memory?)"
+    assert rank_failures._how_ended(-15) == "ended by SIGTERM"
+    assert rank_failures._how_ended(3) == "ended with exit code 3"
 
 
 class _Rank:
