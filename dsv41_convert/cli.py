@@ -657,6 +657,12 @@ def reference_logits_cmd(
         from dsv41_convert.errors import VerifyInputError
 
         raise VerifyInputError("--stream-layers runs in one process: run it without torchrun")
+    if rank_timeout is not None:  # no ranks to time out (tp 1, --stream-layers): refused, as it was ignored
+        from dsv41_convert.verify.launch import check_rank_timeout
+
+        check_rank_timeout(
+            tp, stream_layers, "--tp 1" if opts.given_on_command_line(ctx, "--tp") else "--tp 1, the default"
+        )
     if not stream_layers:  # a tp the model cannot run, or torchrun's other count: refused before OUT's folders
         from dsv41_convert.convert.tp import check_tp
         from dsv41_convert.verify.launch import check_world

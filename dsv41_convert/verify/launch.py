@@ -87,6 +87,21 @@ def check_world(tp: int, found_in: Path | None = None) -> None:
     )
 
 
+def check_rank_timeout(tp: int, stream_layers: bool, tp_said: str) -> None:
+    """VerifyInputError for --rank-timeout given to a run that launches no ranks, where it did nothing, silently
+    (a helper's hunt): --stream-layers, or tp 1 outside torchrun (`tp_said`: where that tp 1 comes from)."""
+    if stream_layers:
+        raise VerifyInputError(
+            "--rank-timeout: --stream-layers runs every unit in this one process and launches no ranks, so no rank "
+            "waits for a peer: drop --rank-timeout"
+        )
+    if tp == 1 and torchrun.world() is None:
+        raise VerifyInputError(
+            f"--rank-timeout: at tp 1 ({tp_said}) this process runs the model alone and launches no ranks, so no rank "
+            "waits for a peer: drop --rank-timeout (it is the ranks' group timeout, at tp > 1 or under torchrun)"
+        )
+
+
 def launch(
     target: Callable[[Any], Any],
     payload: Any,

@@ -240,6 +240,9 @@ def verify(
     check_tp(conv_args, tp, str(conv / "config.json"))  # before a header is read
     if not opts.stream_layers:  # torchrun's other count: refused before the reference (minutes from SRC)
         launcher.check_world(tp, None if opts.tp is not None else conv)
+    if opts.rank_timeout is not None:  # no ranks to time out: refused, as it was ignored
+        said = "--tp 1" if opts.tp is not None else f"{conv} holds the rank files of tp 1"
+        launcher.check_rank_timeout(tp, opts.stream_layers, said)
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
         _config_fits_rank_files(ranks, conv_args)
         return _verify_ranks(opts, ranks, conv_args, say, shown)

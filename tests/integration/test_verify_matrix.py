@@ -11,6 +11,7 @@ copies.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -1083,3 +1084,40 @@ def test_rank_timeout_reaches_every_launch_and_is_bounded(m, monkeypatch, capsys
         code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref),
                                "--rank-timeout", bad)  # fmt: skip
         assert code == 2 and "--rank-timeout" in err and "expected a number >= 1 and <= 86400" in err, err
+
+
+def test_rank_timeout_where_no_ranks_are_launched_is_refused(m, monkeypatch, capsys):
+    """--rank-timeout was ignored, silently, where no ranks are launched (a helper's hunt): verify and
+    reference-logits at tp 1 (the model runs in this process) and with --stream-layers (every unit runs here).
+    Each is a usage error now, like --tp with --stream-layers, said before anything runs; without the option
+    the same commands reach their run."""
+    from cli_run import run_cli
+
+    from dsv41_convert.verify import launch as launch_module
+
+    def runs(*args, **kwargs):
+        raise VerifyInputError("stopped here")
+
+    conv1, conv2, ref = m.shard(1), m.shard(2), m.reference("tp1", 1)
+    out = str(m.root / "never.safetensors")
+    monkeypatch.setattr(launch_module, "launch", runs)
+    monkeypatch.setattr("dsv41_convert.verify.reference.launch", runs)
+    monkeypatch.setattr("dsv41_convert.verify.run._replayed_streamed", runs)
+    monkeypatch.setattr("dsv41_convert.verify.streamed.compute_streamed_reference", runs)
+    at_tp1 = r"--rank-timeout: at tp 1 \({}\) this process runs the model alone and launches no ranks"
+    streamed = r"--rank-timeout: --stream-layers runs every unit in this one process and launches no ranks"
+    for args, said in (
+        (
+            ["verify", str(conv1), "--reference-logits", str(ref)],
+            at_tp1.format(re.escape(f"{conv1} holds the rank files of tp 1")),
+        ),
+        (["verify", str(conv1), "--reference-logits", str(ref), "--tp", "1"], at_tp1.format("--tp 1")),
+        (["verify", str(conv2), "--reference-logits", str(ref), "--stream-layers"], streamed),
+        (["reference-logits", str(m.src), out], at_tp1.format("--tp 1, the default")),
+        (["reference-logits", str(m.src), out, "--tp", "1"], at_tp1.format("--tp 1")),
+        (["reference-logits", str(m.src), out, "--stream-layers"], streamed),
+    ):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 2 and "stopped here" in err, err  # the run is reached without the option
+        code, _, err = run_cli(monkeypatch, capsys, *args, "--rank-timeout", "30")
+        assert code == 2 and "stopped here" not in err and re.search(said, err), err
