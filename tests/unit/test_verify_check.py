@@ -96,11 +96,13 @@ def test_files_put_beside_the_conversion_are_named_as_unchecked(tmp_path, monkey
     """A generation_config.json or a chat-template folder copied into an export after it finished: a loader
     reads them, the manifest vouches for none, and `check` passed without a word. Now named on stderr and in
     --json `unchecked` (folders as NAME/); the verdict stays the listed files' (exit 0); the run's own hidden
-    state and the manifest are not named."""
+    state, any other hidden entry (.git/, .DS_Store: no loader reads them) and the manifest are not named."""
     folder = _folder(tmp_path, {"model-00001-of-00001.safetensors": b"a" * 64, "config.json": b"{}"})
     (folder / "generation_config.json").write_text("{}")
     (folder / "encoding").mkdir()
     (folder / ".dsv41-convert").mkdir()
+    (folder / ".git").mkdir()  # hidden entries no loader reads (README: aside, as the runs' own records)
+    (folder / ".DS_Store").write_bytes(b"\0")
     (folder / "manifest-fragment-mp2-r1.json").write_text("{}")  # a share's record, beside its last share's manifest
     code, out, err = run_cli(monkeypatch, capsys, "check", str(folder), "--json")
     assert code == 0 and json.loads(out)["unchecked"] == ["encoding/", "generation_config.json"]
