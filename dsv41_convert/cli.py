@@ -319,6 +319,7 @@ def shard_cmd(
             "from several machines, `dsv41-convert manifest OUT` does"
         )
         report.info(f"fragment: {summary['fragment']} ({finish})")
+    report.line(summary["out"])  # the result, for a script (`MP=$(dsv41-convert shard ...)`), as export prints it
 
 
 def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:

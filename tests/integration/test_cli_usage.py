@@ -450,6 +450,24 @@ def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     assert proc.returncode == 2 and "error: stdout: closed" in proc.stderr and not (tmp_path / "out").exists()
 
 
+def test_shard_writes_the_folder_it_wrote_on_stdout(tmp_path, monkeypatch, capsys):
+    """README: results go to stdout. `shard` said its result only on stderr ("wrote 2 file(s) ... manifest: PATH")
+    and left stdout empty, while export, make-tiny, manifest and reference-logits print what they wrote (an audit):
+    `MP=$(dsv41-convert shard SRC OUT --tp 2)` got nothing. Now the folder, absolute, as export prints it; also
+    from a share (--ranks) and a run that resumes a finished folder."""
+    from cli_run import run_cli
+    from tiny_ckpt import make_tiny
+
+    src = make_tiny(tmp_path / "src", vision=False)
+    out = tmp_path / "mp2"
+    for args in ([], ["--resume"]):
+        code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2", *args)
+        assert code == 0 and stdout == f"{out.resolve()}\n", (stdout, err)
+    share = tmp_path / "share"
+    code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(src), str(share), "--tp", "2", "--ranks", "1")
+    assert code == 0 and stdout == f"{share.resolve()}\n", (stdout, err)
+
+
 DRIVER = """
 import atexit, os, signal, sys
 from dsv41_convert import cli, interrupts

@@ -753,7 +753,7 @@ def test_brackets_in_a_path_are_printed_as_they_are(src, tmp_path, monkeypatch, 
     out = tmp_path / f"out{name}"
     code, printed, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")
     assert code == 0 and f"shard {src} -> {out} (tp 2)" in err, err
-    assert f"manifest: {out / 'manifest.json'}" in err and printed == "", err
+    assert f"manifest: {out / 'manifest.json'}" in err and printed == f"{out.resolve()}\n", (printed, err)
 
 
 @pytest.mark.parametrize(
