@@ -341,11 +341,14 @@ def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:
 def _warn_of_unpublished_settings(config: Path) -> None:
     """A warning where `config` describes the published V4.1-Flash tensors with other settings (`published.
     settings_unlike_published`): nothing refuses them, and verify compares source and conversion under this one
-    config, so an edited sliding_window or rope beta ran, exit 0, as another model than the published one."""
-    from dsv41_convert.config import load_model_args
+    config, so an edited sliding_window or rope beta ran, exit 0, as another model than the published one.
+    Each setting is named by its key in `config` (rank files' inference config: `window_size`, not
+    `text_config.sliding_window`)."""
+    from dsv41_convert.config import HF_NAMES, is_hf_config, load_json, load_model_args
     from dsv41_convert.published import settings_unlike_published
 
-    unlike = settings_unlike_published(load_model_args(config))
+    names = HF_NAMES if is_hf_config(load_json(config)) else {}
+    unlike = settings_unlike_published(load_model_args(config), names)
     if unlike:
         report.warn(
             f"{config}: the published V4.1-Flash tensors with other settings: {'; '.join(unlike)}. No tensor shows "

@@ -763,6 +763,12 @@ def load_model_args(path: Path) -> ModelArgs:
     """ModelArgs from either config file: the nested HF config.json (has `text_config`) or the
     inference config (flat ModelArgs names)."""
     data = load_json(path)
-    if {"text_config", "architectures", "model_type"} & set(data):  # the nested Hugging Face config
+    if is_hf_config(data):
         return ModelArgs.from_hf_dict(data, str(path))
     return ModelArgs.from_inference_dict(data, str(path))
+
+
+def is_hf_config(data: dict[str, Any]) -> bool:
+    """Whether a config file's object is the nested Hugging Face config.json (its keys: HF_NAMES of the
+    ModelArgs fields), not the inference config beside rank files (its keys: the field names)."""
+    return bool({"text_config", "architectures", "model_type"} & set(data))

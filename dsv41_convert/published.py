@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
@@ -31,10 +32,12 @@ def _tensors(args: ModelArgs) -> list[tuple[str, tuple[int, ...], str]]:
     return [(p.name, p.shape, p.fmt.value) for p in catalogue(args)]
 
 
-def settings_unlike_published(args: ModelArgs) -> list[str]:
+def settings_unlike_published(args: ModelArgs, names: Mapping[str, str] = HF_NAMES) -> list[str]:
     """Each setting of `args` unlike the published V4.1-Flash config's, as "text_config.sliding_window 256
     (published 128)", where every tensor `args` implies is the published one's (names, shapes, formats, in any
     storage); [] where any differs (make-tiny's presets, a pruned or widened model: nothing to compare with).
+    names: each field's key in the file `args` came from (HF_NAMES; {} for an inference config, whose keys are
+    the field names: "window_size 256 (published 128)").
 
     Such a setting shapes no tensor (rope betas, sliding_window, index_topk, qk_rope_head_dim within its
     bound, the special token ids): the model runs as the config says, and verify passes the conversion (it
@@ -43,7 +46,7 @@ def settings_unlike_published(args: ModelArgs) -> list[str]:
     if _tensors(args) != _tensors(published):
         return []
     return [
-        f"{HF_NAMES.get(f.name, f.name)} {getattr(args, f.name)!r} (published {getattr(published, f.name)!r})"
+        f"{names.get(f.name, f.name)} {getattr(args, f.name)!r} (published {getattr(published, f.name)!r})"
         for f in dataclasses.fields(ModelArgs)
         if f.compare and f.name not in ("dtype", "expert_dtype") and getattr(args, f.name) != getattr(published, f.name)
     ]
