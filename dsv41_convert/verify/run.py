@@ -436,7 +436,7 @@ def _verify_ranks(
         t2 = time.perf_counter()
         say(f"teacher: every module of {conv} on the reference's input to it ({tp} rank(s))")
         with shown(f"teacher: {conv}") as bars:
-            taught = teacher.teacher_threads(ref, opts.device, opts.threads, threads)
+            taught = teacher.teacher_threads(ref, opts.device, threads)
             result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, taught, bars, opts.rank_timeout))
         seconds["teacher"] = time.perf_counter() - t2
     said = set(result.failures)  # the streamed replay's failures are the comparison's, said already

@@ -230,13 +230,15 @@ def forced_prefill(
     return out
 
 
-def teacher_threads(ref: Reference, device: str, asked: int | None, run: int) -> int:
-    """CPU threads per rank of the teacher run: the reference's own where it records them and --threads was not
-    given (`asked`), else the converted run's (`run`). A module's column-split matmuls then sum in the
-    reference's order, and only its row-split sums differ: at another thread count a bf16 ulp of an expert's
-    hidden values crossed an fp8 rounding step, a correct tp-8 conversion's layers.3.ffn 3.12 ulps from the
-    tp-1 reference at 2 threads, a FAIL (a helper's hunt, 2026-12-07; 1 ulp at the reference's threads)."""
-    return ref.threads if asked is None and device == "cpu" and ref.threads else run
+def teacher_threads(ref: Reference, device: str, run: int) -> int:
+    """CPU threads per rank of the teacher run: the reference's own where it records them, else the converted
+    run's (`run`: --threads, else cores / tp). A module's column-split matmuls then sum in the reference's order,
+    and only its row-split sums differ: at another thread count a bf16 ulp of an expert's hidden values crossed
+    an fp8 rounding step, a correct tp-2 conversion's layers.3.ffn 3.12 ulps from the tp-1 reference at 2
+    threads, a FAIL (a helper's hunt, 2026-12-07; 1 ulp at the reference's threads). --threads does not change
+    this: the bound holds only at the reference's threads, and `verify --threads 1` FAILed the same conversion
+    the same way until a second hunt, 2026-12-07. More threads per rank than cores cost time, not bits."""
+    return ref.threads if device == "cpu" and ref.threads else run
 
 
 def teacher_check(

@@ -2,7 +2,9 @@
 projection (an fp32 matmul of K = hc x dim, which the BLAS splits over threads) sums in another order, and on
 these prompts a correct conversion's layers.3.ffn came 3.12 bf16 ulps from the reference (bound 2): verify
 --no-replay said FAIL (a helper's hunt, 2026-12-07; make-tiny seed 8, the reference at 2 threads, each of 2
-ranks at 1)."""
+ranks at 1). With --threads 1 given it ran its ranks at 1 thread all the same, and FAILed the same way (a
+helper's second hunt, 2026-12-07): the teacher's bound holds only at the reference's threads, which it now always
+takes where the file records them."""
 
 from __future__ import annotations
 
@@ -35,6 +37,13 @@ def test_a_correct_conversion_passes_the_teacher_against_a_reference_at_other_th
         assert code == 0, err
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), "--no-replay",
                              "--json")  # fmt: skip
+    result = json.loads(out)
+    teacher = next(c for c in result["checks"] if c["name"] == "teacher")
+    assert code == 0 and result["verdict"] == "PASS", (result["failures"], err)
+    assert "worst: layers.0.attn 1 ulps" in teacher["note"], teacher
+    # --threads (here what the ranks would take anyway, 1 each) orders the converted run, not the teacher's
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), "--no-replay",
+                             "--threads", "1", "--json")  # fmt: skip
     result = json.loads(out)
     teacher = next(c for c in result["checks"] if c["name"] == "teacher")
     assert code == 0 and result["verdict"] == "PASS", (result["failures"], err)

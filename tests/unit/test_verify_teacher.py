@@ -168,13 +168,13 @@ def _reference(tp: int, threads: int):
     return SimpleNamespace(tp=tp, threads=threads)
 
 
-def test_the_teacher_runs_at_the_references_threads_unless_told_otherwise():
+def test_the_teacher_runs_at_the_references_threads():
     from dsv41_convert.verify.teacher import teacher_threads
 
-    assert teacher_threads(_reference(1, 2), "cpu", None, 1) == 2  # the reference's sums, in its order
-    assert teacher_threads(_reference(1, 2), "cpu", 3, 3) == 3  # --threads given
-    assert teacher_threads(_reference(1, 0), "cpu", None, 1) == 1  # not recorded
-    assert teacher_threads(_reference(1, 2), "cuda", None, 1) == 1  # CPU threads do not order a GPU's sums
+    assert teacher_threads(_reference(1, 2), "cpu", 1) == 2  # the reference's sums, in its order
+    assert teacher_threads(_reference(1, 2), "cpu", 3) == 2  # --threads 3 too: the bound holds at the reference's
+    assert teacher_threads(_reference(1, 0), "cpu", 3) == 3  # not recorded: the run's (--threads, else cores / tp)
+    assert teacher_threads(_reference(1, 2), "cuda", 1) == 1  # CPU threads do not order a GPU's sums
 
 
 def test_a_reference_computed_at_tp_above_1_has_the_wider_bound():
