@@ -166,7 +166,6 @@ def block_gemm_kernel(
     depth: int = 2,
     scale_tma: bool = True,
     scale_lut: bool = True,
-    splits: int = 1,
 ):
     """[M, k] e4m3 x [n, k] e4m3 (or [n, k/2] packed e2m1 when fp4) -> [M, n] bf16.
 
@@ -182,17 +181,12 @@ def block_gemm_kernel(
     before the K loop, waited for at first use), where the layouts allow it (`_scale_tma`).
     scale_lut: decode e8m0 scales by a 256-entry float32 table in shared memory (one load per scale in
     place of five integer ops; the same values).
-    splits: K cut into this many equal ranges of whole stages, one CTA each (a third grid dimension); each
-    writes its float32 sum to c[split] ([splits, M, n] float32), the caller adds them in split order.
     """
     bm, bn, threads = tile
     m = T.dynamic("M")
     kb = k // k_block
     kt = k_tile if k_tile % k_block == 0 and k % k_tile == 0 else k_block
     subs = kt // k_block  # K blocks per stage
-    splits = splits if splits > 1 and (kb // subs) % splits == 0 else 1
-    per_split = kb // subs // splits  # stages per CTA
-    grid_z = (splits,) if splits > 1 else ()
     per_a = a_block // k_block  # K blocks per activation scale
     nb = -(-n // b_rows)
     b_cols = kt // 2 if fp4 else kt  # bytes of a weight row per stage
@@ -247,10 +241,9 @@ def block_gemm_kernel(
         a_s: T.Tensor[(m, k // a_block), U8 if a_e8m0 else F32],
         b: T.Tensor[(n, k // 2 if fp4 else k), U8 if fp4 else E4M3],
         b_s: T.Tensor[(nb, kb), U8 if b_e8m0 else F32],
-        c: T.Tensor[(splits, m, n) if splits > 1 else (m, n), F32 if splits > 1 else BF16],
+        c: T.Tensor[(m, n), BF16],
     ):
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), *grid_z, threads=threads) as ids:
-            bx, by = ids[0], ids[1]
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
             a_sh = T.alloc_shared((bm, kt), E4M3)
             bin_sh = T.alloc_shared((bn, b_cols), U8 if fp4 else E4M3)
             b8_sh = T.alloc_shared((bn, kt), U8)
@@ -283,8 +276,7 @@ def block_gemm_kernel(
                 sa_s, sb_s = a_s, b_s
 
             T.clear(c_acc)
-            for kt_j in T.Pipelined(per_split, num_stages=stages):
-                kt_i = kt_j if splits == 1 else ids[2] * per_split + kt_j
+            for kt_i in T.Pipelined(kb // subs, num_stages=stages):
                 T.copy(a[by * bm, kt_i * kt], a_sh)
                 T.copy(b[bx * bn, kt_i * b_cols], bin_sh)
                 if fp4:
@@ -318,12 +310,7 @@ def block_gemm_kernel(
                         touch[1] = bin_sh[0, 0]
                     for done in left:
                         promote(c_acc, blk[done % depth], kt_i * subs + done, sa_s, sb_s, bx, by, lut)
-            if splits > 1:
-                for i, j in T.Parallel(bm, bn):
-                    if by * bm + i < m:
-                        c[ids[2], by * bm + i, bx * bn + j] = c_acc[i, j]
-            else:
-                T.copy(c_acc, c_sh)  # .to(bfloat16)
-                T.copy(c_sh, c[by * bm, bx * bn])
+            T.copy(c_acc, c_sh)  # .to(bfloat16)
+            T.copy(c_sh, c[by * bm, bx * bn])
 
     return block_gemm_
