@@ -86,6 +86,17 @@ def _in_model(name: str, dtype: str, size: int, args: ModelArgs) -> int:
     return 2 * size if dtype == "BF16" and widened(name, args) else size
 
 
+def model_bytes(tensors: Iterable[tuple[str, str, int]], args: ModelArgs) -> int:
+    """Bytes in the model of file tensors (name, safetensors dtype, bytes in the file): a rank file's header read
+    by verify, the same rule as the plan's per-rank weights."""
+    return sum(_in_model(name, dtype, size, args) for name, dtype, size in tensors)
+
+
+def rank_weights(plan: ConversionPlan, args: ModelArgs) -> list[int]:
+    """The weights each rank's model holds, in rank order: `memory_figures`' per-rank "weights"."""
+    return [_rank_figures(f, args)[0] for f in plan.files]
+
+
 def _dequant_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     """fp32 bytes of a quantized weight dequantized whole by the CPU reference GEMMs (0 for the rest)."""
     if dtype == "F8_E4M3":

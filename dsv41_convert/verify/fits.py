@@ -5,7 +5,9 @@ The model sizes its window KV ring by the config's `sliding_window` and its Engr
 vocabulary, whatever the prompts: a config value far beyond the published one (a window of 10**12 rows) would
 otherwise end verify or reference-logits in an allocator's traceback. A prompt's prefill makes, per index
 layer, the scores of every query against every compressed position: quadratic in the prompt's length (a
-100,000-token prompt on make-tiny: 80 GB, an allocator's traceback after minutes of compute)."""
+100,000-token prompt on make-tiny: 80 GB, an allocator's traceback after minutes of compute). The weights
+too (plan's per-rank figures, convert.memory): a model larger than the host's RAM (the full-size layout on a
+23 GB host) ended in an allocator's traceback building an Engram table, not a refusal."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from dsv41_convert import torchrun
 from dsv41_convert.config import HF_NAMES, ModelArgs, load_json
 from dsv41_convert.convert.memory import BF16, cache_bytes
 from dsv41_convert.errors import ConfigError, VerifyInputError
@@ -33,16 +36,53 @@ def machine_bytes(device: str) -> int:
     return torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
+def _local_world_size() -> int:
+    """LOCAL_WORLD_SIZE (torchrun's, or verify's spawned ranks'), 0 where it is unset or not a number."""
+    try:
+        return ascii_int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return 0
+
+
 def processes_on_this_host() -> int:
     """The model processes that build their caches in this host's memory at once: a torchrun launch's
     LOCAL_WORLD_SIZE, else every rank of the group (verify starts them all here); 1 outside a group."""
     from dsv41_convert.model import parallel
 
-    try:
-        local = ascii_int(os.environ.get("LOCAL_WORLD_SIZE", ""))
-    except ValueError:  # unset or not a number: the group's ranks
-        local = 0
+    local = _local_world_size()
     return local if local > 0 else parallel.world_size()
+
+
+def ranks_on_this_host(tp: int) -> int:
+    """The ranks of a tp-`tp` run that will build their models in this host's memory at once, asked before they
+    start (no torch): a torchrun launch's LOCAL_WORLD_SIZE, else all `tp` (launch starts them here)."""
+    local = _local_world_size() if torchrun.world() is not None else 0
+    return min(local, tp) if local > 0 else tp
+
+
+def require_weights_fit(ranks: Sequence[int], device: str, what: str, way_out: str) -> None:
+    """VerifyInputError when the weights the model holds exceed all the memory of the host (the ranks it runs at
+    once: `ranks_on_this_host`, the least of `ranks` counted, so the need is a lower bound) or, on a card, one
+    rank's exceed the card's. Asked before any model is built (each is built on the host, then moved).
+
+    ranks:   bytes of weights in each rank's model, rank order (convert.memory.rank_weights / model_bytes)
+    what:    the model, for the message (a folder, "SRC at tp N")
+    way_out: the run that holds less (--stream-layers), for the message"""
+    sharing = ranks_on_this_host(len(ranks))
+    for where in dict.fromkeys(("cpu", device)):
+        need = sum(sorted(ranks)[:sharing]) if where == "cpu" else max(ranks)
+        have = machine_bytes(where)
+        if need <= have:
+            continue
+        if where == "cpu":
+            per = f" ({sharing} ranks on this host, {need / sharing / GIB:,.1f} GiB each)" if sharing > 1 else ""
+            memory, larger = f"this host's physical memory ({have / GIB:,.1f} GiB of RAM, swap not counted)", "host"
+        else:
+            per, memory, larger = "", f"{where}'s memory ({have / GIB:,.1f} GiB)", "card"
+        raise VerifyInputError(
+            f"{what}: the model's weights need {need / GIB:,.1f} GiB{per}, more than all of {memory}: "
+            f"{way_out}, or a larger {larger}"
+        )
 
 
 def _window_key(config: Path) -> str:

@@ -24,7 +24,7 @@ from dsv41_convert.model import parallel
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.arithmetic import arithmetic
-from dsv41_convert.verify.fits import require_prompts_fit
+from dsv41_convert.verify.fits import require_prompts_fit, require_weights_fit
 from dsv41_convert.verify.launch import launch, tell, told_each
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts, prompt_id_bound
 from dsv41_convert.verify.reffile import Reference
@@ -154,6 +154,8 @@ def compute_reference(
     )
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
+    stream = f"`reference-logits {src} FILE --stream-layers`, then `verify --reference-logits FILE --stream-layers`"
+    require_source_weights_fit(src, args, 1, device, f"{stream} (each holds one unit at a time)")
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src)
     model = build_model(args, src, "cpu", runs_on=device)
@@ -172,6 +174,17 @@ def compute_reference(
     ran = [weight_digests.digests(state)] if weights == "converted" else None
     ref.provenance = provenance.record(src, args, ran and weight_digests.record(ran, source_experts(src)))
     return SourceReference(ref, args, state)
+
+
+def require_source_weights_fit(src: Path, args: ModelArgs, tp: int, device: str, way_out: str) -> None:
+    """VerifyInputError (fits.require_weights_fit) where the weights of `src`'s conversion at `tp`, each rank's as
+    `plan --tp N` figures them, cannot be held by this host (or `device`): before a model is built. A bf16 source
+    run unquantized holds more (bf16 everywhere): the figure is a lower bound."""
+    from dsv41_convert.convert.memory import rank_weights
+    from dsv41_convert.convert.plan import build_plan
+
+    weights = rank_weights(build_plan(src, tp, source_experts(src)), args)
+    require_weights_fit(weights, device, f"{src} at tp {tp}", way_out)
 
 
 def _recorded(device: str) -> dict:
@@ -245,6 +258,8 @@ def compute_reference_ranks(
         [len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args), args.max_positions
     )
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
+    stream = "`reference-logits --stream-layers` (tp 1: it holds one unit at a time)"
+    require_source_weights_fit(src, args, tp, device, stream)
     say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads, bars, timeout_s)

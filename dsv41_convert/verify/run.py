@@ -27,6 +27,7 @@ import torch
 
 from dsv41_convert import torchrun
 from dsv41_convert.config import ModelArgs, load_json, load_model_args
+from dsv41_convert.convert.memory import model_bytes
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
@@ -37,7 +38,7 @@ from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
-from dsv41_convert.verify.fits import require_prompts_fit
+from dsv41_convert.verify.fits import require_prompts_fit, require_weights_fit
 from dsv41_convert.verify.metrics import Stats, compare, merge
 from dsv41_convert.verify.prompts import Prompt, prompt_id_bound, refuse_recorded_ids_past
 from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_converted
@@ -248,6 +249,16 @@ def verify(
         return _verify_ranks(opts, ranks, conv_args, say, shown)
 
 
+def _ranks_fit(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs) -> None:
+    """VerifyInputError (fits.require_weights_fit) where the rank files' weights cannot be held by the ranks on this
+    host (or a card), before the reference's model and the ranks' are built; --stream-layers holds one unit."""
+    if opts.stream_layers:
+        return
+    weights = [model_bytes(((n, t.dtype, t.nbytes) for n, t in h.tensors.items()), conv_args) for h in ranks.headers]
+    stream = "`verify --reference-logits FILE --stream-layers` (a tp-1 file: it holds one unit at a time)"
+    require_weights_fit(weights, opts.device, f"{ranks.folder} at tp {ranks.tp}", stream)
+
+
 def _verify_ranks(
     opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, say: Progress, shown: Callable[[str], Shown]
 ) -> VerifyResult | None:
@@ -275,6 +286,7 @@ def _verify_ranks(
         tokenizer = conv / "tokenizer.json"
         prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
         n_decode = DEFAULT_DECODE_STEPS if opts.n_decode is None else opts.n_decode
+        _ranks_fit(opts, ranks, conv_args)
         src_ref = compute_reference(src, prompts, n_decode, opts.max_seq_len, opts.device, True, say)
         ref = src_ref.reference
         ref_name = str(src)
@@ -298,6 +310,7 @@ def _verify_ranks(
         lengths = [(f"{ref_name}: prompt {label}", len(i.input_ids))
                    for label, i in zip(ref.labels, ref.inputs, strict=True)]  # fmt: skip
         require_prompts_fit(conv_args, opts.device, lengths, 1 if opts.stream_layers else tp)
+        _ranks_fit(opts, ranks, conv_args)
         if opts.stream_layers:
             _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused
