@@ -34,6 +34,7 @@ from dsv41_convert import interrupts, torchrun
 from dsv41_convert.app import help_width, report
 from dsv41_convert.app import options as opts
 from dsv41_convert.errors import ConvertError, RankFailedError, crash_line
+from dsv41_convert.numbers import counted
 from dsv41_convert.store.machine import MAX_THREADS
 
 app = typer.Typer(
@@ -308,7 +309,7 @@ def shard_cmd(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
             progress=progress, direct_io=direct_io,
         )  # fmt: skip
-    _report_run(summary, as_json, "file(s)", summary["manifest"] or "pending (not every rank is done yet)")
+    _report_run(summary, as_json, "file", summary["manifest"] or "pending (not every rank is done yet)")
     if as_json:
         return
     if summary.get("fragment"):  # kept until manifest.json is written (a share gathered elsewhere needs it)
@@ -370,7 +371,7 @@ def _warn_without_tokenizer(folder: Path, then: str) -> None:
         )
 
 
-def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None:
+def _report_run(summary: dict, as_json: bool, noun: str, manifest: str) -> None:
     """What a writing run (shard, export) did: locks taken over (stderr), then the summary as JSON, or one
     line of counts and the files continued from an earlier run."""
     for holder in summary["took_over"]:
@@ -382,17 +383,20 @@ def _report_run(summary: dict, as_json: bool, files: str, manifest: str) -> None
         return
     if summary.get("nothing_to_write"):
         if torchrun.lacks_rendezvous():  # no launch (the share warning above): no other share runs (it said so)
-            report.info(f"no {files} in this share, so none written: without torchrun no other share writes them")
+            report.info(f"no {noun}s in this share, so none written: without torchrun no other share writes them")
         else:
-            report.info(f"no {files} in this share (more processes than {files}): the other shares write them all")
+            report.info(f"no {noun}s in this share (more processes than {noun}s): the other shares write them all")
         return
     report.info(
-        f"wrote {len(summary['written'])} {files}, {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s "
-        f"({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; manifest: {manifest}"
+        f"wrote {counted(len(summary['written']), noun)}, {summary['bytes'] / 1e9:.2f} GB in "
+        f"{summary['seconds']:.1f} s ({summary['gb_per_s'] or 0:.2f} GB/s), skipped {len(summary['skipped'])}; "
+        f"manifest: {manifest}"
     )
     if summary.get("resumed"):
         kept = sum(summary["resumed"].values())
-        report.info(f"continued {len(summary['resumed'])} partial file(s), {kept / 1e9:.2f} GB kept from before")
+        report.info(
+            f"continued {counted(len(summary['resumed']), 'partial file')}, {kept / 1e9:.2f} GB kept from before"
+        )
 
 
 # --- commands: verify, reference-logits, check, demo ---
@@ -817,8 +821,7 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
 def _matched(good: int, bad: int) -> str:
     """check's summary, each count with its own verb: "1 file matches the manifest, 2 do not" (it said "1 files
     match ..., 1 do not")."""
-    matches = "1 file matches" if good == 1 else f"{good} files match"
-    return f"{matches} the manifest, {bad} {'does' if bad == 1 else 'do'} not"
+    return f"{counted(good, 'file', ('matches', 'match'))} the manifest, {bad} {'does' if bad == 1 else 'do'} not"
 
 
 @app.command("demo")
@@ -984,9 +987,9 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
     if summary.get("already_merged"):
         kept, removed = summary.get("export_fragments"), summary.get("fragments_removed")
         left = (
-            f"{len(kept)} fragment(s) of its shares kept beside it, as an export's are; none merged"
+            f"{counted(len(kept), 'fragment')} of its shares kept beside it, as an export's are; none merged"
             if kept
-            else f"{len(removed)} fragment(s) left beside it, which it supersedes, removed"
+            else f"{counted(len(removed), 'fragment')} left beside it, which it supersedes, removed"
             if removed
             else "no fragment left"
         )
@@ -996,7 +999,7 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
         )
         return
     report.info(
-        f"{len(summary['rank_files'])} rank files checked from {len(summary['fragments'])} fragment(s)"
+        f"{len(summary['rank_files'])} rank files checked from {counted(len(summary['fragments']), 'fragment')}"
         + (", which manifest.json supersedes: removed" if summary.get("fragments_removed") else "")
     )
 
@@ -1053,7 +1056,7 @@ def export_cmd(
             direct_io=direct_io,
         )  # fmt: skip
     summary["not_carried"] = others  # the warning's files, for pipelines
-    _report_run(summary, as_json, "shard(s)", summary["manifest"] or "pending (not every shard is done yet)")
+    _report_run(summary, as_json, "shard", summary["manifest"] or "pending (not every shard is done yet)")
     if as_json:
         return
     if summary.get("fragment"):  # a torchrun share: RANK and WORLD_SIZE split the shards

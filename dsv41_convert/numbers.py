@@ -28,3 +28,11 @@ def e8m0_text(byte: int) -> str:
     """One e8m0 scale byte as a message says it: the scale it means, 2**(byte - 127) ("2**-3" for byte 124),
     "NaN" for 255. A report of the bytes alone ("127 vs 128") left the exponent arithmetic to the reader."""
     return "NaN" if byte == 255 else f"2**{byte - 127}"
+
+
+def counted(n: int, noun: str, verbs: tuple[str, str] | None = None) -> str:
+    """`n` and `noun` as a message counts them: "1 file", "3 files"; with `verbs` (singular, plural) the verb
+    agrees too: counted(1, "tensor", ("does", "do")) is "1 tensor does". Nouns take an "s" ("1 files" and
+    "file(s)" read wrong)."""
+    words = f"{n} {noun}" + ("" if n == 1 else "s")
+    return words if verbs is None else f"{words} {verbs[n != 1]}"

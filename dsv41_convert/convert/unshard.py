@@ -39,6 +39,7 @@ from dsv41_convert.convert.plan import fill_text, pad_byte
 from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
+from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress, Tally
 from dsv41_convert.quant.file_dtypes import tensor_from_bytes
 from dsv41_convert.store.file_digest import sha256_of_blocks
@@ -189,7 +190,7 @@ def shares_agree(folder: Path, tp: int, progress: Progress | None = None) -> lis
         return []
     others = [m.split(": ", 1)[0] for m in differ[1:]]
     return [
-        f"{len(differ)} replicated tensor(s) differ between the rank files ({differ[0]}"
+        f"{counted(len(differ), 'replicated tensor', ('differs', 'differ'))} between the rank files ({differ[0]}"
         + (f"; also {first_few(others)}" if others else "")
         + "): shares converted from different sources? convert every share from one source"
     ]

@@ -19,6 +19,7 @@ from dsv41_convert.convert.rules import Op, Rule, Split, canonical_name, classif
 from dsv41_convert.engram_tokens import load_token_map, pad_compressed_id
 from dsv41_convert.errors import NOT_JSON, PlanError, first_few
 from dsv41_convert.file_kinds import DANGLING, SPECIAL, special_kind
+from dsv41_convert.numbers import counted
 from dsv41_convert.store.index import INDEX_NAME, bad_shard_names, held_twice
 from dsv41_convert.store.manifest import SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE
@@ -110,7 +111,7 @@ def _raise(problems: list[str], what: str) -> None:
         return
     shown = problems[:MAX_LINES]
     more = f"\n  ... and {len(problems) - MAX_LINES} more" if len(problems) > MAX_LINES else ""
-    raise PlanError(f"{what}: {len(problems)} problem(s)\n  " + "\n  ".join(shown) + more)
+    raise PlanError(f"{what}: {counted(len(problems), 'problem')}\n  " + "\n  ".join(shown) + more)
 
 
 def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, Source]:
@@ -126,7 +127,9 @@ def gather_sources(src: Path, weight_map: dict[str, str] | None) -> dict[str, So
     for file in sorted(named - present):
         example = next(n for n, f in weight_map.items() if f == file)
         count = sum(1 for f in weight_map.values() if f == file)
-        problems.append(f"{file}: missing, but the index maps {count} tensor(s) to it (e.g. {example}); download it")
+        problems.append(
+            f"{file}: missing, but the index maps {counted(count, 'tensor')} to it (e.g. {example}); download it"
+        )
     if not present:
         problems.append(f"{src}: no *.safetensors files")
     _raise(problems, f"{src}")

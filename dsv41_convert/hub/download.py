@@ -83,7 +83,7 @@ from dsv41_convert.hub.local import (
     structure_problems,
     verify_local,
 )
-from dsv41_convert.numbers import byte_amounts
+from dsv41_convert.numbers import byte_amounts, counted
 from dsv41_convert.store.lock import hold
 from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import atomic_write_changed
@@ -391,7 +391,7 @@ def _claim(
     differ = check_files(folder, present, workers=workers, progress=progress)
     if differ:
         raise DownloadError(
-            f"{folder}: holds {len(differ)} file(s) that are not {where}'s: {listing(differ)}; "
+            f"{folder}: holds {counted(len(differ), 'file')} that are not {where}'s: {listing(differ)}; "
             "--overwrite replaces them with the Hub's, or pick another --local-dir"
         )
     return {f.path for f in present}

@@ -23,6 +23,7 @@ from huggingface_hub.errors import (
 )
 
 from dsv41_convert.errors import DownloadError
+from dsv41_convert.numbers import counted
 
 try:  # huggingface_hub 2.x ships its own httpx fork; 1.x used httpx
     from httpx2 import NetworkError, RemoteProtocolError, TimeoutException, TransportError
@@ -56,7 +57,7 @@ def with_retries(
             if err is None:
                 raise
             if is_transient(exc):
-                err = DownloadError(f"{err} (after {attempt + 1} attempt{'s' if attempt else ''})")
+                err = DownloadError(f"{err} (after {counted(attempt + 1, 'attempt')})")
             raise err from exc
     raise AssertionError("unreachable")  # the loop returns or raises
 

@@ -30,6 +30,7 @@ from huggingface_hub.utils import filter_repo_objects
 
 from dsv41_convert.errors import DownloadError, HeaderError, first_few
 from dsv41_convert.file_kinds import DANGLING, SPECIAL
+from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Problem, Recorded, differences, hash_threads
 from dsv41_convert.store.index import EXPECTED, bad_shard_names, held_twice, shard_name_problem
@@ -285,8 +286,10 @@ def _check_index(root: Path, names: dict[str, set[str] | None]) -> tuple[list[Pr
                 continue
         if have != want:
             extra, lost = sorted(have - want), sorted(want - have)
-            found = _count(len(have)) + (f", {len(extra)} of them not in the index {_few(extra)}" if extra else "")
-            expected = f"the {_count(len(want))} the index puts here" + (
+            found = counted(len(have), "tensor") + (
+                f", {len(extra)} of them not in the index {_few(extra)}" if extra else ""
+            )
+            expected = f"the {counted(len(want), 'tensor')} the index puts here" + (
                 f", {len(lost)} of them absent from the file {_few(lost)}" if lost else ""
             )
             problems.append(Problem(shard, "index", found, expected))
@@ -350,7 +353,7 @@ def _check_whole(
                 Problem(
                     INDEX_NAME,
                     "missing",
-                    f"no file, beside {len(top)} shard(s)",
+                    f"no file, beside {counted(len(top), 'shard')}",
                     "the index, which says which shard holds each tensor (only a single-file checkpoint has none)",
                 )
             )
@@ -399,7 +402,9 @@ def _duplicates(top: list[str], names: dict[str, set[str] | None]) -> list[Probl
         Problem(
             rel,
             "duplicate",
-            "; ".join(f"{_count(len(ts))} also in {other} {_few(sorted(ts))}" for other, ts in sorted(by.items())),
+            "; ".join(
+                f"{counted(len(ts), 'tensor')} also in {other} {_few(sorted(ts))}" for other, ts in sorted(by.items())
+            ),
             "each tensor in one file (`shard` refuses a tensor held twice); a stray copy?",
         )
         for rel, by in held_twice((rel, names.get(rel)) for rel in top).items()
@@ -412,11 +417,7 @@ def _header_problem(root: Path, rel: str, exc: HeaderError) -> Problem:
 
 
 def _held(names: set[str] | None) -> str:
-    return "" if names is None else f" ({_count(len(names))})"  # None: its header is broken, said already
-
-
-def _count(n: int) -> str:
-    return f"{n} tensor{'' if n == 1 else 's'}"
+    return "" if names is None else f" ({counted(len(names), 'tensor')})"  # None: its header is broken, said already
 
 
 def _few(names: list[str]) -> str:

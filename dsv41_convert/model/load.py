@@ -24,6 +24,7 @@ from torch import nn
 
 from dsv41_convert.errors import PlanError
 from dsv41_convert.model import parallel
+from dsv41_convert.numbers import counted
 from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
 from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import Header, pread_exact, read_header
@@ -89,7 +90,7 @@ def check_header(model: nn.Module, header: Header) -> None:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise PlanError(
-            f"{path}: {'1 tensor does' if len(problems) == 1 else f'{len(problems)} tensors do'} not match the "
+            f"{path}: {counted(len(problems), 'tensor', ('does', 'do'))} not match the "
             f"model:\n  {shown}{more}\n"
             "Was the shard written for this config and tp size by `dsv41-convert shard`?"
         )

@@ -15,6 +15,8 @@ import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from dsv41_convert.numbers import counted
+
 INDEX_NAME = "model.safetensors.index.json"
 EXPECTED = "a shard must be a file beside the index, so this index is corrupt or was tampered with"
 
@@ -50,7 +52,7 @@ class BadShardName:
     count: int  # how many
 
     def found(self) -> str:
-        return f"{self.name} for {self.count} tensor(s) (e.g. {self.example}), which {self.why}"
+        return f"{self.name} for {counted(self.count, 'tensor')} (e.g. {self.example}), which {self.why}"
 
     def describe(self) -> str:
         return f"{INDEX_NAME}: weight_map names {self.found()}; {EXPECTED}"

@@ -16,6 +16,7 @@ from typing import Any
 from dsv41_convert.config import INT64_MAX
 from dsv41_convert.errors import CHECK_FAILED, NOT_JSON, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
+from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches
 from dsv41_convert.store.index import INDEX_NAME
@@ -95,8 +96,8 @@ def _without_manifest(folder: Path) -> str:
     partial = sorted(p.name for p in folder.glob("*.partial"))
     if partial:
         return (
-            f"an unfinished conversion ({len(partial)} .partial file(s): {first_few(partial, 2)}); continue it "
-            "with `shard` or `export` and --resume"
+            f"an unfinished conversion ({counted(len(partial), '.partial file')}: {first_few(partial, 2)}); "
+            "continue it with `shard` or `export` and --resume"
         )
     if any(folder.glob(FRAGMENT_GLOB)):
         export = _exported_by(folder)

@@ -21,6 +21,7 @@ from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
+from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.arithmetic import arithmetic
@@ -260,7 +261,7 @@ def compute_reference_ranks(
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
     stream = "`reference-logits --stream-layers` (tp 1: it holds one unit at a time)"
     require_source_weights_fit(src, args, tp, device, stream)
-    say(f"reference: {src} on {tp} rank(s) ({device}), each transforming its own slices in memory")
+    say(f"reference: {src} on {counted(tp, 'rank')} ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads, bars, timeout_s)
     if out is None:

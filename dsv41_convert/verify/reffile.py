@@ -60,7 +60,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.file_kinds import refuse_non_file
-from dsv41_convert.numbers import ascii_int
+from dsv41_convert.numbers import ascii_int, counted
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.machine import MAX_THREADS
 from dsv41_convert.store.manifest import temporary_of
@@ -225,8 +225,8 @@ def load(path: Path, default_max_seq_len: int, args: ModelArgs | None = None) ->
         shown = problems[:MAX_PROBLEMS]
         more = [f"... and {len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else []
         raise VerifyInputError(
-            f"{path}: {len(problems)} problem(s) in the reference file (layout: dsv41_convert/verify/reffile.py):"
-            + "".join(f"\n  {p}" for p in [*shown, *more])
+            f"{path}: {counted(len(problems), 'problem')} in the reference file "
+            "(layout: dsv41_convert/verify/reffile.py):" + "".join(f"\n  {p}" for p in [*shown, *more])
         )
     ids, logits = t["input_ids"], t["logits"]
     b, s = ids.shape

@@ -32,6 +32,7 @@ from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
+from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.lock import refuse_held
 from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
@@ -343,7 +344,7 @@ def _verify_ranks(
             out = _replayed_streamed(ranks, ref, opts.device, bars, ref_name)
         seconds["replay"] = time.perf_counter() - t1
     else:
-        say(f"converted: {conv} on {tp} rank(s) ({opts.device})" + (", beside its twin" if expected else ""))
+        say(f"converted: {conv} on {counted(tp, 'rank')} ({opts.device})" + (", beside its twin" if expected else ""))
         teachers = [r.decode_ids for r in ref.runs]
         job = RankJob(str(conv), ref.max_seq_len, ref.inputs, teachers, ref.n_decode, opts.device, twin=expected)
         with shown(f"converted: {conv}") as bars:
@@ -447,7 +448,7 @@ def _verify_ranks(
         say("teacher: not run under torchrun (it launches the ranks a second time); verify without torchrun runs it")
     if teaches:
         t2 = time.perf_counter()
-        say(f"teacher: every module of {conv} on the reference's input to it ({tp} rank(s))")
+        say(f"teacher: every module of {conv} on the reference's input to it ({counted(tp, 'rank')})")
         with shown(f"teacher: {conv}") as bars:
             taught = teacher.teacher_threads(ref, opts.device, threads)
             result.checks.append(teacher.teacher_check(conv, ref, tp, opts.device, taught, bars, opts.rank_timeout))

@@ -161,7 +161,7 @@ def test_check_of_an_unfinished_folder_says_how_to_finish_it(src, tmp_path, monk
     assert code == 2 and "manifest.json: not found" in err and "fragments of shares" in err, err
     (out / "model1-mp2.safetensors.partial").write_bytes(b"x")
     code, _, err = run_cli(monkeypatch, capsys, "check", str(out))
-    assert code == 2 and "an unfinished conversion (1 .partial file(s)" in err and "--resume" in err, err
+    assert code == 2 and "an unfinished conversion (1 .partial file:" in err and "--resume" in err, err
     # every file done but the manifest (the run stopped before its last step): said "not every file is done"
     out = tmp_path / "whole"
     assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0

@@ -170,7 +170,7 @@ DAMAGES = {
     "all at once": (
         lambda t, m: [f(t, m) for f in (_id_9999, _nan_logits, _decode_b_v, _missing_image)],
         # the image prompt is a problem twice: its image is not there, and this source has no vision tower
-        ["5 problem(s)", "id 9999", "NaN", "decode_logits has shape [2, 512]", "no such file", "no vision tower"],
+        ["5 problems", "id 9999", "NaN", "decode_logits has shape [2, 512]", "no such file", "no vision tower"],
     ),
 }
 

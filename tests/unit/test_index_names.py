@@ -146,4 +146,4 @@ def test_bad_shard_names_counts_the_tensors_of_each_bad_name():
     }
     found = [(b.name, b.example, b.count) for b in bad_shard_names(weight_map)]
     assert found == [("'../x.safetensors'", "embed.weight", 3), ("'/abs.safetensors'", "layers.0.attn_norm.weight", 1)]
-    assert "for 3 tensor(s) (e.g. embed.weight)" in bad_shard_names(weight_map)[0].describe()
+    assert "for 3 tensors (e.g. embed.weight)" in bad_shard_names(weight_map)[0].describe()

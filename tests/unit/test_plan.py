@@ -147,7 +147,7 @@ def test_missing_tensor_named(src):
     _rewrite(src, lambda t: t.pop("layers.1.attn.wkv.weight"))
     with pytest.raises(PlanError, match=r"layers\.1\.attn\.wkv\.weight: missing from the checkpoint") as caught:
         build_plan(src, 1)
-    assert str(caught.value).startswith(f"{src}: checkpoint does not match config.json: 1 problem(s)")
+    assert str(caught.value).startswith(f"{src}: checkpoint does not match config.json: 1 problem\n")
 
 
 def test_extra_tensor_named(src):

@@ -147,7 +147,7 @@ def test_without_an_index_the_shard_names_count_the_shards(whole, tmp_path):
     }
     assert str(problems[(S1, "missing")]) == f"{S1}: missing: found no file, expected shard 1 of the 3 the other " \
         "shards' names count"  # fmt: skip
-    assert "beside 3 shard(s)" in problems[(INDEX_NAME, "missing")].found
+    assert "beside 3 shards" in problems[(INDEX_NAME, "missing")].found
 
 
 def test_whole_is_off_by_default(whole, tmp_path):
