@@ -391,7 +391,8 @@ def _claim(
     differ = check_files(folder, present, workers=workers, progress=progress)
     if differ:
         raise DownloadError(
-            f"{folder}: holds {counted(len(differ), 'file')} that are not {where}'s: {listing(differ)}; "
+            f"{folder}: holds {counted(len(differ), 'file', ('that is', 'that are'))} not {where}'s: "
+            f"{listing(differ)}; "
             "--overwrite replaces them with the Hub's, or pick another --local-dir"
         )
     return {f.path for f in present}

@@ -328,7 +328,7 @@ def test_a_file_that_stayed_wrong_is_not_recorded_as_the_downloads_own(hub, tmp_
     assert saved["fetched"] == sorted(p for p in FILES if p != SECOND)
     hub.repos[REPO].announced.clear()
     (local / SECOND).write_bytes(b"the user's own notes")
-    with pytest.raises(DownloadError, match=rf"holds 1 file\(s\) that are not .*{SECOND}"):
+    with pytest.raises(DownloadError, match=rf"holds 1 file that is not .*{SECOND}"):
         fetch(hub, tmp_path)
     assert (local / SECOND).read_bytes() == b"the user's own notes"
 
