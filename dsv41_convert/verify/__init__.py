@@ -7,6 +7,7 @@ reference.py   reference outputs from the source: at tp 1 in this process, or on
 reffile.py     the reference-logits file format
 twin.py        the converter's expected output cut into ranks, for a bit-exact like-for-like run
 launch.py      one process per rank: spawn, or join torchrun
+process_group.py  a torchrun process in its launch's group; what torch.distributed's exceptions say
 rank_failures.py  why the spawned ranks failed: their error files read back, the rank that hung named
 ranks.py       the per-rank body: load, run the twin and the converted files
 metrics.py     top-1, KL, cosine, max abs diff

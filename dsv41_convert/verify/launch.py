@@ -28,12 +28,10 @@ import io
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -47,18 +45,10 @@ from dsv41_convert import errors, interrupts, torchrun
 from dsv41_convert.convert import die_with
 from dsv41_convert.errors import ConvertError, RankFailedError, VerifyInputError, crash_line, first_words
 from dsv41_convert.progress import Progress
-from dsv41_convert.verify.rank_failures import (
-    _HUNG_TAIL,
-    PEER_LOST,
-    PEER_TIMEOUT,
-    _peer_timeouts,
-    _rank_error,
-    _settle,
-)
+from dsv41_convert.verify.process_group import TIMEOUT, cannot_listen, hung_peer, peer_lost, run_in_group, timed_out
+from dsv41_convert.verify.rank_failures import PEER_LOST, PEER_TIMEOUT, peer_timeouts, rank_error, settle
 
 T = TypeVar("T")
-TIMEOUT = datetime.timedelta(minutes=10)  # the group's, unless launch is given another (`--rank-timeout`)
-JOIN_S = 180.0  # how long a torchrun process waits for the others to join (they start together)
 START_METHOD = "forkserver"  # see launch()
 
 
@@ -125,7 +115,7 @@ def launch(
     timeout = TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if torchrun.world() is not None:
         with _telling(progress if torchrun.rank() == 0 else None):
-            return _joined(target, payload, backend, device, timeout)
+            return run_in_group(target, payload, backend, device, timeout)
     if tp == 1:
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -161,7 +151,7 @@ def launch(
         try:
             failed = _wait_for_ranks(ranks.processes, told)
             if failed is not None:  # a rank failed (its error file), or was killed (none)
-                said = _settle(ranks.processes, Path(tmp), tp, failed)
+                said = settle(ranks.processes, Path(tmp), tp, failed)
                 _stop(ranks.processes)
                 interrupts.check()  # this run was interrupted: the ranks died of its signal
                 raise said
@@ -175,7 +165,7 @@ def launch(
 def _wait_for_ranks(processes: Sequence[Any], told: _ToldFile) -> int | None:
     """Wait for the spawned ranks, relaying rank 0's progress: None once every one ended well, else the index
     of the first found failed (its exit code not 0), the others left as they are (torch's join stopped them at
-    once, so a peer's error was not yet written: `_settle`)."""
+    once, so a peer's error was not yet written: `settle`)."""
     from multiprocessing.connection import wait
 
     while True:
@@ -195,10 +185,10 @@ def _raise_rank_error(tmp: Path, tp: int) -> None:
     """The error a rank left in `tmp` that says what went wrong, raised here (the first rank's); else the first
     PEER_TIMEOUT (a rank that waited the group's timeout for a hung peer: RankFailedError); nothing where none
     did (a rank killed: out of memory, a signal; its peers' PEER_LOST files only say they lost it)."""
-    own = _rank_error(tmp, tp)
+    own = rank_error(tmp, tp)
     if own is not None:
         raise own
-    for message in _peer_timeouts(tmp, tp):
+    for message in peer_timeouts(tmp, tp):
         raise RankFailedError(message)
 
 
@@ -216,88 +206,6 @@ def _stop(processes: list, grace_s: float = 5.0) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-
-
-def _joined(
-    target: Callable[[Any], Any], payload: Any, backend: str, device: str, timeout: datetime.timedelta = TIMEOUT
-) -> Any:
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    _join_group(backend, device, timeout)
-    try:
-        result = target(payload)
-    except ConvertError:
-        raise
-    except Exception as exc:  # a peer died or left, or a crash here: said, with a document (not only a traceback)
-        interrupts.check()
-        if _timed_out(exc):  # a peer hung: said as such, not as this process's crash (a helper's hunt)
-            raise RankFailedError(f"{_hung_peer(exc)}; see the other processes' errors") from None
-        if _peer_lost(exc):  # gloo says it as a RuntimeError (an audit: a traceback and no --json document)
-            raise RankFailedError(
-                f"the torchrun launch lost a peer ({first_words(exc)}); see the other processes' errors"
-            ) from None
-        raise RankFailedError(crash_line(exc)) from exc
-    finally:
-        dist.destroy_process_group()
-    return result if torchrun.rank() == 0 else None
-
-
-def _join_group(backend: str, device: str, timeout: datetime.timedelta = TIMEOUT) -> None:
-    """init_process_group of a torchrun launch, waited for where Ctrl-C and SIGTERM reach this process, and
-    for at most JOIN_S: the rendezvous blocks in C++, where Python runs no signal handler, so a process whose
-    peer failed before joining (rank 0 refused a locked folder) ignored torchrun's SIGTERM until SIGKILL and
-    waited TIMEOUT (10 minutes) before saying anything (an audit)."""
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if missing:  # torch's env:// rendezvous raised a ValueError traceback (an audit)
-        raise VerifyInputError(
-            f"RANK and WORLD_SIZE are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
-            "torchrun sets all four; unset RANK and WORLD_SIZE to run alone"
-        )
-    port = os.environ["MASTER_PORT"]
-    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):  # torch: a ValueError traceback
-        raise VerifyInputError(f"MASTER_PORT={port!r}: not a port (a whole number 1-65535), as torchrun sets it")
-    failed: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            if device == "cuda":  # the current device is per thread: the group's, as the caller's
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=timeout)
-        except BaseException as exc:  # raised again in the main thread
-            failed.append(exc)
-
-    joining = threading.Thread(target=join, name="join the torchrun group", daemon=True)
-    joining.start()
-    deadline = time.monotonic() + JOIN_S
-    while joining.is_alive():
-        joining.join(0.25)
-        interrupts.check()
-        if joining.is_alive() and time.monotonic() > deadline:
-            raise RankFailedError(
-                f"the other processes of the torchrun launch (RANK {torchrun.rank()} of WORLD_SIZE {torchrun.world()}, "
-                f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}) did not join within {JOIN_S:.0f} s (one of them failed "
-                "before it: see its error; or RANK and WORLD_SIZE are left in this environment from another launch)"
-            )
-    cause = _cannot_listen(failed[0]) if failed else None
-    if cause:
-        raise VerifyInputError(
-            f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}, MASTER_PORT {os.environ.get('MASTER_PORT')}: the rendezvous "
-            f"cannot listen there ({cause}): another program or launch holds the port, or the address is not this "
-            "machine's; give the launch a free MASTER_PORT (torchrun --master-port)"
-        )
-    if failed:
-        raise failed[0]
-
-
-def _cannot_listen(exc: BaseException) -> str | None:
-    """Why rank 0's rendezvous server cannot listen at MASTER_ADDR:MASTER_PORT (`exc`, torch's DistNetworkError:
-    "address already in use" where the port is taken), None for another failure. torch names the port and the
-    cause after its first sentence, which the crash line cut off (a helper's hunt)."""
-    text = str(exc)
-    if not (isinstance(exc, dist.DistNetworkError) and "failed to listen" in text):
-        return None
-    cause = re.search(r"message: ([^.\n]+)", text)
-    return cause.group(1) if cause else first_words(exc)
 
 
 def _spawned(
@@ -357,41 +265,20 @@ def _save_in_tmp(obj: Any, path: Path, what: str) -> None:
         ) from None
 
 
-def _peer_lost(exc: BaseException) -> bool:
-    """Whether `exc`, raised in a collective, says that a peer went away (gloo: "Connection closed by peer"
-    as a RuntimeError; torch.distributed's DistError) rather than what went wrong here."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset"))
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether `exc`, raised in a collective or while the group forms, says that no peer answered within the
-    group's timeout (gloo: "Timed out waiting 600000ms for recv operation", a RuntimeError; the store's
-    DistStoreError "wait timeout after ...", DistNetworkError "... has timed out after ..."): a peer hung."""
-    return isinstance(exc, RuntimeError) and re.search(r"timed out|timeout", str(exc), re.IGNORECASE) is not None
-
-
-def _hung_peer(exc: BaseException) -> str:
-    """What a process whose collective timed out (`exc`, _timed_out) says: a peer hung, not a crash of its own."""
-    return f"no peer answered within the group's timeout ({first_words(exc)}){_HUNG_TAIL}"
-
-
 def _leave_error(exc: Exception, rank: int, tp: int, tmp: Path) -> None:
     """rank{rank}.error in `tmp`: the error's kind (a ConvertError's class, else RankFailedError; PEER_LOST for
     a peer gone, PEER_TIMEOUT for one that did not answer), then its message. A crash (not a ConvertError)
     prints its traceback on stderr first."""
-    if _timed_out(exc):  # before _peer_lost: the store's timeouts are DistErrors
-        kind, message = PEER_TIMEOUT, f"rank {rank} of {tp}: {_hung_peer(exc)}"
-    elif cause := _cannot_listen(exc):  # a DistError too: "rank 0 of 2 (pid N) ended with exit code 1", no cause
+    if timed_out(exc):  # before peer_lost: the store's timeouts are DistErrors
+        kind, message = PEER_TIMEOUT, f"rank {rank} of {tp}: {hung_peer(exc)}"
+    elif cause := cannot_listen(exc):  # a DistError too: "rank 0 of 2 (pid N) ended with exit code 1", no cause
         kind = RankFailedError.__name__
         message = (
             f"rank {rank} of {tp}: the rendezvous cannot listen at 127.0.0.1:{os.environ.get('MASTER_PORT')} "
             f"({cause}): another program took the free port the run picked, in the moment before its ranks "
             "started; run it again"
         )
-    elif _peer_lost(exc):
+    elif peer_lost(exc):
         kind, message = PEER_LOST, f"rank {rank} of {tp}: lost a peer ({first_words(exc)})"
     elif isinstance(exc, ConvertError):
         kind, message = type(exc).__name__, str(exc)

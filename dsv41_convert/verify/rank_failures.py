@@ -4,10 +4,10 @@ that hung named.
 Each spawned rank that fails leaves rank{rank}.error in the launch's temporary folder (launch.py's `_leave_error`):
 its kind on the first line, then its message. A kind of PEER_LOST or PEER_TIMEOUT only says that a peer went away or
 did not answer; any other is the rank's own error (a ConvertError's class, or RankFailedError for a crash).
-`_settle` waits up to SETTLE_S for the other ranks to end and leave theirs, then returns the error that says the
+`settle` waits up to SETTLE_S for the other ranks to end and leave theirs, then returns the error that says the
 cause: a rank's own error, else a rank a signal ended, else the rank that hung while its peers timed out.
 
-Used by launch.py only; imports nothing of verify.
+Used by launch.py (and process_group.py: HUNG_TAIL); imports nothing of verify.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dsv41_convert.errors import ConvertError, RankFailedError
 SETTLE_S = 5.0  # how long the other spawned ranks may take to end and say why, once one has failed
 PEER_LOST = "PeerLost"  # the kind of a rank's error file that only says a peer went away (the cause is the peer's)
 PEER_TIMEOUT = "PeerTimeout"  # ... that says no peer answered within TIMEOUT (one hung, or was stopped)
-_HUNG_TAIL = ": a rank hung or was stopped (SIGSTOP, a debugger, a machine swapping)"  # which, a peer cannot tell
+HUNG_TAIL = ": a rank hung or was stopped (SIGSTOP, a debugger, a machine swapping)"  # which, a peer cannot tell
 
 
-def _settle(processes: Sequence[Any], tmp: Path, tp: int, failed: int) -> ConvertError:
+def settle(processes: Sequence[Any], tmp: Path, tp: int, failed: int) -> ConvertError:
     """The error that says why the ranks failed, `failed` (an index) the first found ended badly. Waits up to
     SETTLE_S for the others to end by themselves, each writing its error file, unless a cause is known sooner
     (an error of its own, a rank a signal ended): the first rank to give up on a hung peer closes its connections
@@ -42,7 +42,7 @@ def _settle(processes: Sequence[Any], tmp: Path, tp: int, failed: int) -> Conver
     deadline = time.monotonic() + SETTLE_S
     while True:
         codes = [p.exitcode for p in processes]
-        own = _rank_error(tmp, tp)
+        own = rank_error(tmp, tp)
         killed = [rank for rank, code in enumerate(codes) if code is not None and code < 0]
         if own is not None or killed or None not in codes or time.monotonic() > deadline:
             break
@@ -51,7 +51,7 @@ def _settle(processes: Sequence[Any], tmp: Path, tp: int, failed: int) -> Conver
         return own
     first = killed[0] if killed else failed
     if not killed:
-        timeouts = _peer_timeouts(tmp, tp)
+        timeouts = peer_timeouts(tmp, tp)
         if timeouts:
             return _hung(processes, tp, timeouts[0])
     return RankFailedError(
@@ -64,7 +64,7 @@ def _hung(processes: Sequence[Any], tp: int, timeout: str) -> RankFailedError:
     PEER_TIMEOUT file's): the rank(s) still running then, none of them having left an error, are those that
     hung, named (each peer only knows that its collective timed out, not which rank held it up)."""
     alive = [(rank, p.pid) for rank, p in enumerate(processes) if p.exitcode is None]
-    waited = timeout.removesuffix(_HUNG_TAIL)
+    waited = timeout.removesuffix(HUNG_TAIL)
     if not alive:  # every rank ended (the stopped one let go, then lost its peers): which one hung is unknown
         return RankFailedError(f"{waited}; which rank hung cannot be told (every rank has ended since)")
     said = ", ".join(f"rank {rank} of {tp} (pid {pid}) hung ({_state(pid)})" for rank, pid in alive)
@@ -83,7 +83,7 @@ def _state(pid: int) -> str:
     return "still running, no error of its own"
 
 
-def _rank_error(tmp: Path, tp: int) -> ConvertError | None:
+def rank_error(tmp: Path, tp: int) -> ConvertError | None:
     """The error of its own that the lowest rank left in `tmp` (not one that only says a peer went away or did not
     answer), as its own kind, naming its rank; None where no rank left one."""
     for rank, kind, message in _error_files(tmp, tp):
@@ -93,7 +93,7 @@ def _rank_error(tmp: Path, tp: int) -> ConvertError | None:
     return None
 
 
-def _peer_timeouts(tmp: Path, tp: int) -> list[str]:
+def peer_timeouts(tmp: Path, tp: int) -> list[str]:
     """The messages of the PEER_TIMEOUT files in `tmp`, by rank: each a rank that gave up waiting for a peer."""
     return [message for _, kind, message in _error_files(tmp, tp) if kind == PEER_TIMEOUT]
 

@@ -423,7 +423,8 @@ from dsv41_convert.verify import launch as launch_module
 
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-launch_module.JOIN_S = 3.0
+from dsv41_convert.verify import process_group
+process_group.JOIN_S = 3.0
 if sys.argv[1] == "signal":  # what the CLI's SIGTERM handler does, 1 s into the wait
     threading.Timer(1.0, lambda: interrupts._state.update(interrupted=True)).start()
 try:
