@@ -345,11 +345,11 @@ def _warn_of_unpublished_settings(config: Path) -> None:
     config, so an edited sliding_window or rope beta ran, exit 0, as another model than the published one.
     Each setting is named by its key in `config` (rank files' inference config: `window_size`, not
     `text_config.sliding_window`)."""
-    from dsv41_convert.config import HF_NAMES, is_hf_config, load_json, load_model_args
+    from dsv41_convert.config import HF_NAMES, is_hf_config, load_json, model_args_of
     from dsv41_convert.published import settings_unlike_published
 
-    names = HF_NAMES if is_hf_config(load_json(config)) else {}
-    unlike = settings_unlike_published(load_model_args(config), names)
+    data = load_json(config)
+    unlike = settings_unlike_published(model_args_of(data, config), HF_NAMES if is_hf_config(data) else {})
     if unlike:
         report.warn(
             f"{config}: the published V4.1-Flash tensors with other settings: {'; '.join(unlike)}. No tensor shows "

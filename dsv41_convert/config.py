@@ -762,7 +762,12 @@ def load_json(path: Path) -> dict[str, Any]:
 def load_model_args(path: Path) -> ModelArgs:
     """ModelArgs from either config file: the nested HF config.json (has `text_config`) or the
     inference config (flat ModelArgs names)."""
-    data = load_json(path)
+    return model_args_of(load_json(path), path)
+
+
+def model_args_of(data: dict[str, Any], path: Path) -> ModelArgs:
+    """ModelArgs from a config file's parsed object `data` (either form, as load_model_args), `path` naming the
+    file in errors."""
     if is_hf_config(data):
         return ModelArgs.from_hf_dict(data, str(path))
     return ModelArgs.from_inference_dict(data, str(path))
