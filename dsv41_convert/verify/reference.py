@@ -62,12 +62,21 @@ def pick_max_seq_len(
     decode steps and the positions of the drafts after the last (`drafts`: runner.draft_block) rounded up
     to 64, at least 128, at most `limit` (ModelArgs.max_positions: the positions the model supports; None: no
     bound). A request or a need beyond `limit` is a VerifyInputError naming it: a --decode-steps or
-    --max-seq-len of 10**5 on make-tiny (256 positions) was accepted and ran until killed (an audit)."""
+    --max-seq-len of 10**5 on make-tiny (256 positions) was accepted and ran until killed (an audit); a need
+    that no prompt brings within `limit` names config.json's dspark_block_size (`drafts`) instead."""
     need = positions_needed(max(prompt_lengths), n_decode, drafts)
     after = " and the DSpark drafts after the last" if drafts and n_decode else ""
     if limit is not None and requested is not None and requested > limit:
         raise VerifyInputError(
             f"--max-seq-len {requested:,}: more than the {limit:,} positions the model supports ({CONTEXT})"
+        )
+    shortest = positions_needed(1, 1, drafts)  # a 1-token prompt and one decode step, then the drafts
+    if limit is not None and need > limit and drafts and n_decode and shortest > limit:
+        # no prompt fits beside the drafts: the message said "shorter prompts or fewer decode steps" (a carried item)
+        raise VerifyInputError(
+            f"config.json's dspark_block_size {drafts:,}: the DSpark drafts after a decode step take that many "
+            f"positions, so even a 1-token prompt and one decode step need {shortest:,}, more than the {limit:,} the "
+            f"model supports ({CONTEXT}): --decode-steps 0 (the prompts only), or a config whose block fits"
         )
     if limit is not None and need > limit:
         raise VerifyInputError(

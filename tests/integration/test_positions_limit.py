@@ -84,3 +84,35 @@ def test_verify_refuses_more_positions_than_the_model_supports(src, tmp_path, mo
     code, _, err = run_cli(monkeypatch, capsys, "verify", str(tmp_path / "mp1"), "--reference", str(src),
                            "--max-seq-len", "300")  # fmt: skip
     assert code == 2 and "--max-seq-len 300: more than the 256 positions the model supports" in err, err
+
+
+def test_a_draft_block_past_the_context_is_blamed_on_the_config():
+    """A config.json whose dspark_block_size alone leaves no room for a 1-token prompt and one decode step: the
+    refusal said "shorter prompts or fewer decode steps", which no prompt fixes (a carried item, 2026-12-07).
+    Now it names the key and the run that still works (--decode-steps 0)."""
+    for requested in (None, 200):
+        blamed = r"^config.json's dspark_block_size 100,000: .*--decode-steps 0"
+        with pytest.raises(VerifyInputError, match=blamed) as e:
+            pick_max_seq_len([40], 3, requested, 100_000, limit=256)
+        assert "shorter prompts" not in str(e.value) and "--max-seq-len" not in str(e.value)
+    # one that fits beside a short prompt is the prompt's or the decode steps' to fix, as before
+    with pytest.raises(VerifyInputError, match=r"shorter prompts or fewer decode steps"):
+        pick_max_seq_len([40], 3, None, 250, limit=256)
+    assert pick_max_seq_len([40], 0, None, 100_000, limit=256) == 128  # no decode step, no drafts
+
+
+def test_reference_logits_names_a_draft_block_past_the_context(src, tmp_path, monkeypatch, capsys):
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["dspark_block_size"] = 100_000
+    big = tmp_path / "src"
+    big.mkdir()
+    for f in src.iterdir():
+        (big / f.name).symlink_to(f)
+    (big / "config.json").unlink()
+    (big / "config.json").write_text(json.dumps(config, indent=2))
+    monkeypatch.setattr(reference, "build_model", _fails)
+    monkeypatch.setattr(reference, "launch", _fails)
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(big), str(out))
+    assert code == 2 and "dspark_block_size 100,000" in err and "shorter prompts" not in err, err
+    assert not out.exists()
