@@ -242,8 +242,8 @@ def _plan_table(summary: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    if "ranks" in summary:
-        rows, unit = [(str(r["rank"]), r) for r in summary["ranks"]], "rank"
+    if "tp" in summary:
+        rows, unit = [(str(r["rank"]), r) for r in summary["files"]], "rank"
         title = f"{summary['src']}  tp {summary['tp']}  experts {summary['expert_dtype']}"
     else:
         rows, unit = [(str(i + 1), r) for i, r in enumerate(summary["files"])], "shard"
@@ -254,8 +254,8 @@ def _plan_table(summary: dict) -> None:
             col, justify="right", no_wrap=True
         )
     for key, r in rows:
-        files.add_row(key, r["file"], str(r["tensors"]), f"{r['bytes']:,}")
-    files.add_row("", "total", str(sum(r["tensors"] for _, r in rows)), f"{summary['total_bytes']:,}")
+        files.add_row(key, r["file"], str(r["n_tensors"]), f"{r['bytes']:,}")
+    files.add_row("", "total", str(sum(r["n_tensors"] for _, r in rows)), f"{summary['total_bytes']:,}")
     rules = Table(title=escape(f"tensors per rule [action], per {unit}"))
     rules.add_column(escape("rule [action]"), overflow="fold")
     for key, _ in rows:

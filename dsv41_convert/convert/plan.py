@@ -519,17 +519,19 @@ def _selections(s: Source, split: Split, tp: int, n_experts: tuple[int, int]):
 
 
 def file_summary(f: RankFile) -> dict[str, Any]:
-    """One output file: its name, tensor count, bytes and tensor counts per "rule [action]"."""
+    """One output file: its name, tensor count, bytes and tensor counts per "rule [action]", in `plan --json`'s
+    keys (file, n_tensors, bytes; `tensors` is its list of them there): the dry runs said `tensors` for the
+    count, and shard's `ranks` for plan's `files`, one plan in two schemas (a carried item)."""
     rules: dict[str, int] = {}
     for p in f.parts:
         key, n = f"{p.rule} [{p.action}]", len(p.members) if type(p) is ExpertRun else 1
         rules[key] = rules.get(key, 0) + n
-    return {"file": f.file, "tensors": f.n_tensors, "bytes": f.nbytes, "rules": rules}
+    return {"file": f.file, "n_tensors": f.n_tensors, "bytes": f.nbytes, "rules": rules}
 
 
 def summarize(plan: ConversionPlan, ranks: set[int] | None = None) -> dict[str, Any]:
     """Per rank (of `ranks`, else all): file, tensor count, bytes, and tensor counts per rule (the `plan`
-    command's table), and the bytes of those ranks."""
+    command's table, `shard --dry-run --json`), and the bytes of those ranks; `files` as in `to_dict`."""
     files = [f for f in plan.files if ranks is None or f.rank in ranks]
     return {
         "src": plan.src,
@@ -537,5 +539,5 @@ def summarize(plan: ConversionPlan, ranks: set[int] | None = None) -> dict[str, 
         "expert_dtype": plan.expert_dtype,
         "source_format": plan.source_format,
         "total_bytes": sum(f.nbytes for f in files),
-        "ranks": [{"rank": f.rank, **file_summary(f)} for f in files],
+        "files": [{"rank": f.rank, **file_summary(f)} for f in files],
     }

@@ -36,7 +36,7 @@ def src(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize(
-    ("command", "listed"), [(["shard", "--tp", "4"], "ranks"), (["export", "--format", "bf16"], "files")]
+    ("command", "listed"), [(["shard", "--tp", "4"], "files"), (["export", "--format", "bf16"], "files")]
 )
 def test_a_shares_dry_run_lists_the_files_its_run_writes(src, tmp_path, monkeypatch, capsys, rank, command, listed):
     """Guards against `export --dry-run` under RANK/WORLD_SIZE listing every output shard (all of SRC's,
@@ -70,7 +70,7 @@ def test_a_resume_dry_run_lists_only_the_ranks_its_run_writes(src, tmp_path, mon
     resume = ("shard", str(src), str(out), "--tp", "4", "--resume", "--json")
     code, dry, err = run_cli(monkeypatch, capsys, *resume, "--dry-run")
     assert code == 0, err
-    listed = sorted(r["rank"] for r in json.loads(dry)["ranks"])
+    listed = sorted(r["rank"] for r in json.loads(dry)["files"])
     code, ran, err = run_cli(monkeypatch, capsys, *resume)
     assert code == 0, err
     written = json.loads(ran)["written"]
@@ -113,7 +113,7 @@ def test_a_share_of_no_file_writes_nothing_whenever_it_starts(src, tmp_path, mon
     out = tmp_path / "out"
     verb, *options = command
     dry = _whole_runs_dry_run(monkeypatch, capsys, verb, src, out, options)
-    world = len(dry["ranks" if verb == "shard" else "files"]) + 1  # the last share holds no file
+    world = len(dry["files"]) + 1  # the last share holds no file
     monkeypatch.setenv("WORLD_SIZE", str(world))
 
     def run_share(rank: int, *extra: str) -> dict:
@@ -135,3 +135,24 @@ def test_a_share_of_no_file_writes_nothing_whenever_it_starts(src, tmp_path, mon
     monkeypatch.setenv("RANK", str(world - 1))
     code, _, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options)
     assert code == 0 and "no " in err and "in this share" in err, err
+
+
+def test_a_shard_dry_run_says_the_plans_files_in_plan_json_keys(src, tmp_path, monkeypatch, capsys):
+    """`plan --json` and `shard --dry-run --json` describe the same files: `plan` listed them as `files` with
+    `n_tensors` (and `tensors`, the list of them), the dry run as `ranks` with `tensors` a count, so a pipeline
+    reading one document's keys got a KeyError, or a count for a list, from the other (a carried item,
+    2026-12-07). Now the dry run uses plan's keys, `rules` beside them; export's dry run too."""
+    _no_launch(monkeypatch)
+    code, doc, err = run_cli(monkeypatch, capsys, "plan", str(src), "--tp", "2", "--json")
+    assert code == 0, err
+    plan = json.loads(doc)
+    dry = _whole_runs_dry_run(monkeypatch, capsys, "shard", src, tmp_path / "out", ["--tp", "2"])
+    for key in ("src", "tp", "expert_dtype", "source_format", "total_bytes"):
+        assert dry[key] == plan[key], key
+    assert "ranks" not in dry
+    said = ("rank", "file", "n_tensors", "bytes")
+    assert [{k: f[k] for k in said} for f in dry["files"]] == [{k: f[k] for k in said} for f in plan["files"]]
+    assert all(f["n_tensors"] == len(p["tensors"]) for f, p in zip(dry["files"], plan["files"], strict=True))
+    assert all(sum(f["rules"].values()) == f["n_tensors"] for f in dry["files"])
+    export = _whole_runs_dry_run(monkeypatch, capsys, "export", src, tmp_path / "exp", ["--format", "bf16"])
+    assert all(set(f) == {"file", "n_tensors", "bytes", "rules"} for f in export["files"])

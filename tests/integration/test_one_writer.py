@@ -146,7 +146,7 @@ def test_dry_run_refuses_what_the_run_would_find_held(src, tmp_path, monkeypatch
         assert code == 2 and f"error: {out.resolve()}: in use by pid {os.getpid()}" in err
         code, stdout, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *dry, "--ranks", "1")
         assert code == 0, err
-        assert [r["file"] for r in json.loads(stdout)["ranks"]] == ["model1-mp2.safetensors"]
+        assert [r["file"] for r in json.loads(stdout)["files"]] == ["model1-mp2.safetensors"]
     assert [p.name for p in out.iterdir()] == []  # the share's lock folder went with its last lock
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(out), *dry)
     assert code == 0, err

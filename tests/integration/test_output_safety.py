@@ -127,8 +127,8 @@ def test_dry_run_refuses_what_the_run_refuses(src, tmp_path, monkeypatch, capsys
     code, doc, err = shard(monkeypatch, capsys, *args)
     assert code == 0, err
     summary = json.loads(doc)
-    assert [r["rank"] for r in summary["ranks"]] == [1, 3]
-    assert summary["total_bytes"] == sum(r["bytes"] for r in summary["ranks"])  # it was all four ranks'
+    assert [r["rank"] for r in summary["files"]] == [1, 3]
+    assert summary["total_bytes"] == sum(r["bytes"] for r in summary["files"])  # it was all four ranks'
 
 
 @pytest.mark.parametrize("record", [b"[]", b'{"size": "12"}', b"\xff\xfe not utf-8"])

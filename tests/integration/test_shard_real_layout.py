@@ -73,7 +73,7 @@ def test_plan_real_layout_tp8_totals(real_src):
     want = expected_data_bytes(8)
     for r, f in enumerate(plan.files):
         assert f.nbytes - len(f.header) == want[r], r
-        assert summary["ranks"][r]["bytes"] == f.nbytes
+        assert summary["files"][r]["bytes"] == f.nbytes
     # 384/8 = 48 backbone experts x 40 layers + 16 mtp experts x 3 stages, w1..w3 weight + scale, per rank
     n_experts = sum(1 for t in plan.files[0].tensors if ".experts." in t.name)
     assert n_experts == (48 * 40 + 16 * 3) * 6

@@ -41,7 +41,7 @@ def test_plan_layout_and_totals(src):
             pos = t.end
         assert f.nbytes == pos
     s = summarize(plan)
-    assert s["total_bytes"] == sum(r["bytes"] for r in s["ranks"])
+    assert s["total_bytes"] == sum(r["bytes"] for r in s["files"])
     # experts: 8 per layer over 4 ranks -> 2 per rank, weights + scales, w1..w3, 3 layers + 2 mtp stages
     names = [t.name for t in plan.files[1].tensors]
     experts = [n for n in names if ".experts." in n]
