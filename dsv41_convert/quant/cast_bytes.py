@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_convert.errors import FormatError
+from dsv41_convert.numbers import e8m0_text
 from dsv41_convert.quant.byte_checks import DECODED_INF, require_finite_blocks, require_scales_not_nan, source_index
 from dsv41_convert.quant.code_values import E2M1_CODE_VALUES
 from dsv41_convert.quant.gather import row_step, take_into
@@ -175,14 +176,12 @@ def _raise_lossy(name: str, packed, b_OG, s8b, k_OG, o: int, i: int, block: int)
     code = int(packed[o, i // 2]) >> (4 * (i % 2)) & 0x0F
     bo, bi = o // FP8_BLOCK, i // FP8_BLOCK
     block_at, at = tuple(source_index(name, [bo, bi], (FP8_BLOCK, FP8_BLOCK))), source_index(name, [o, i])
+    # the scales as 2**k (they were floats, 7.52316384526264e-37 beside an offset 2**-114: a carried item)
+    fp4_scale, block_scale = e8m0_text(int(b_OG[o, i // block])), e8m0_text(int(s8b[bo, bi]))
     raise FormatError(
         f"{name}: fp4->fp8 cast of block {block_at} is lossy at {at}: value {float(E2M1_CODE_VALUES[code])} "
-        f"x offset 2**{int(k_OG[o, i // block])} is not exact in e4m3 (fp4 scale {_e8m0(b_OG[o, i // block])}, "
-        f"block scale {_e8m0(s8b[bo, bi])}); the block's scales spread too far for fp8: keep the routed experts in fp4 "
+        f"x offset 2**{int(k_OG[o, i // block])} is not exact in e4m3 (fp4 scale {fp4_scale}, "
+        f"block scale {block_scale}); the block's scales spread too far for fp8: keep the routed experts in fp4 "
         "(shard --expert-dtype fp4, the default; export --format fp8-fp4 or bf16), or from a bf16 source, export "
         "--format fp8 (experts quantized to fp8 directly) and shard that"
     )
-
-
-def _e8m0(byte) -> float:
-    return float(np.ldexp(1.0, int(byte) - 127))

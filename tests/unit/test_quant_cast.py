@@ -115,6 +115,15 @@ def test_cast_refuses_a_lossy_block(small_exp, code):
         fp4_to_fp8(packed, s, name=NAME)
 
 
+def test_a_lossy_blocks_scales_are_said_as_powers_of_two():
+    """The refusal gave the scales as floats ("fp4 scale 7.52316384526264e-37, block scale 0.015625") beside an
+    offset said as 2**-114: now 2**k as every e8m0 scale a message says (numbers.e8m0_text), so the offset is
+    their difference on sight (a carried item, 2026-12-07)."""
+    packed, s = one_block(-120, 9)
+    with pytest.raises(FormatError, match=r"offset 2\*\*-114 .*\(fp4 scale 2\*\*-120, block scale 2\*\*-6\)"):
+        fp4_to_fp8(packed, s, name=NAME)
+
+
 @pytest.mark.parametrize("offset", range(-16, 7))
 @pytest.mark.parametrize("code", range(16))
 def test_cast_takes_exactly_the_values_e4m3_holds(offset, code):
