@@ -85,16 +85,18 @@ def require_weights_fit(ranks: Sequence[int], device: str, what: str, way_out: s
         )
 
 
-def _window_key(config: Path) -> str:
-    """The window's key as `config` spells it: the HF config.json nests it, the rank files' does not."""
-    return HF_NAMES["window_size"] if "text_config" in load_json(config) else "window_size"
+def _key(config: Path, field: str) -> str:
+    """ModelArgs `field`'s key as `config` spells it: the HF config.json nests it, the rank files' does not."""
+    return HF_NAMES[field] if "text_config" in load_json(config) else field
 
 
-def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
+def require_caches_fit(args: ModelArgs, device: str, config: Path, drafted: int = 0) -> None:
     """An error when the caches a model of `args` allocates at its runtime batch and sequence length
     (convert.memory.cache_bytes) exceed all the memory of the host (where the model is built) or of `device`
     (where it runs): ConfigError naming `config` (the file `args` came from) and its window key where the
-    window ring alone does, else VerifyInputError naming the positions (--max-seq-len, or a reference file's)."""
+    window ring alone does, or its dspark_block_size where the shortest run with DSpark drafts alone does (`drafted`
+    positions: runner.shortest_drafted; 0 for a model without them), else VerifyInputError naming the positions
+    (--max-seq-len, or a reference file's)."""
     each = cache_bytes(args, args.max_batch_size, args.max_seq_len)
     for where in dict.fromkeys(("cpu", device)):
         have, sharing = machine_bytes(where), processes_on_this_host() if where == "cpu" else 1
@@ -110,8 +112,15 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path) -> None:
         )
         if window > have:  # one process's rings alone: the config's window is what is too large
             raise ConfigError(
-                f"{config}: {said}: {_window_key(config)} = {args.window_size}: its KV rings alone are "
+                f"{config}: {said}: {_key(config, 'window_size')} = {args.window_size}: its KV rings alone are "
                 f"{window / GIB:,.1f} GiB ({rings} rings: a layer's each, at batch {args.max_batch_size})"
+            )
+        if 0 < drafted <= args.max_seq_len and cache_bytes(args, args.max_batch_size, drafted) * sharing > have:
+            # the drafts made the run this long: the message blamed a --max-seq-len no one gave (a carried item)
+            raise ConfigError(
+                f"{config}: {said}: {_key(config, 'dspark_block_size')} = {args.dspark_block_size}: the DSpark "
+                f"drafts after a decode step take that many positions, {drafted:,} with a 1-token prompt and one "
+                "decode step: a config whose block fits, or --decode-steps 0 (the prompts only)"
             )
         raise VerifyInputError(
             f"{said} at batch {args.max_batch_size} and {args.max_seq_len:,} positions (--max-seq-len, or the "

@@ -113,7 +113,7 @@ def build_model(args: ModelArgs, folder: Path, device: str, runs_on: str | None 
     reads. runs_on: where the caller moves it after loading (its caches are checked against that memory too)."""
     from dsv41_convert.model.transformer import Transformer
 
-    require_caches_fit(args, runs_on or device, folder / "config.json")
+    require_caches_fit(args, runs_on or device, folder / "config.json", shortest_drafted(args))
     tokenizer = folder / "tokenizer.json" if args.engram_layer_ids else None  # read (and checked) by the Engram hash
     model = Transformer(args, tokenizer).eval()
     return model if device == "cpu" else model.to(device)
@@ -138,6 +138,13 @@ def positions_needed(prompt_length: int, n_decode: int, draft_block: int = 0) ->
 def draft_block(args) -> int:
     """Positions the DSpark drafts take after a decode step: the block size, 0 for a model without stages."""
     return args.dspark_block_size if args.n_mtp_layers > 0 else 0
+
+
+def shortest_drafted(args) -> int:
+    """The positions of the shortest run with DSpark drafts (a 1-token prompt and one decode step, then the
+    block), 0 for a model without them: where these alone cannot fit, the config's block is too large."""
+    block = draft_block(args)
+    return positions_needed(1, 1, block) if block else 0
 
 
 @torch.inference_mode()

@@ -35,7 +35,14 @@ from dsv41_convert.verify.prompts import Prompt
 from dsv41_convert.verify.rank_weights import RankWeights, rank_file_tp
 from dsv41_convert.verify.reference import _recorded, pick_max_seq_len, prompt_lengths
 from dsv41_convert.verify.reffile import Reference
-from dsv41_convert.verify.runner import ModelInput, PromptRun, attach_images, draft_block, model_input
+from dsv41_convert.verify.runner import (
+    ModelInput,
+    PromptRun,
+    attach_images,
+    draft_block,
+    model_input,
+    shortest_drafted,
+)
 from dsv41_convert.verify.source import SourceWeights, source_experts
 
 
@@ -100,7 +107,7 @@ def compute_streamed_reference(
         [len(i.input_ids) for i in inputs], n_decode, max_seq_len, draft_block(args), args.max_positions
     )
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
-    require_caches_fit(args, device, src / "config.json")
+    require_caches_fit(args, device, src / "config.json", shortest_drafted(args))
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
     decode = [fixed_decode_ids(p, n_decode) for p in prompts]
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
@@ -181,7 +188,7 @@ def replay_streamed(
     streamed = [StreamPrompt(i.input_ids, d, i.token_types, i.images) for i, d in zip(inputs, decode, strict=True)]
     capture = any(r.hidden for r in ref.runs)
     weights = RankWeights.over(ranks)
-    require_caches_fit(args, device, ranks.folder / "config.json")
+    require_caches_fit(args, device, ranks.folder / "config.json", shortest_drafted(args))
     results, _ = run_streamed(args, weights, streamed, ranks.folder / "tokenizer.json", capture, device, progress)
     return _prompt_runs(results, [r.decode_ids for r in ref.runs])
 

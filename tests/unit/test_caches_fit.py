@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from model_testing import tiny_args
 
+from dsv41_convert.config import ModelArgs
 from dsv41_convert.convert.memory import cache_bytes
 from dsv41_convert.errors import ConfigError, VerifyInputError
+from dsv41_convert.synth.presets import TINY, hf_config
 from dsv41_convert.verify import fits
+from dsv41_convert.verify.runner import shortest_drafted
 
 
 def _config(tmp_path: Path, nested: bool) -> Path:
@@ -39,6 +43,35 @@ def test_a_window_alone_too_large_is_named_by_its_key(tmp_path, nested, key):
     args = tiny_args(window_size=10**12).with_runtime(max_batch_size=1, max_seq_len=64, temperature=0.0)
     with pytest.raises(ConfigError, match=rf"{key} = 1000000000000: its KV rings alone"):
         fits.require_caches_fit(args, "cpu", _config(tmp_path, nested))
+
+
+@pytest.mark.parametrize(("nested", "key"), [(True, "text_config.dspark_block_size"), (False, "dspark_block_size")])
+def test_a_draft_block_alone_too_large_is_named_by_its_key(tmp_path, monkeypatch, nested, key):
+    """A config without a YaRN context (no positions bound) and a dspark_block_size of 10**9: the run's length
+    is the drafts', and the refusal blamed "--max-seq-len" that no one gave (a carried item, 2026-12-07). Where
+    the shortest run with drafts (a 1-token prompt, one decode step, the block) alone cannot fit, the key is
+    named; a length the block does not make is still the positions' to fix."""
+    staged = ModelArgs.from_hf_dict(hf_config(TINY, compressed_vocab_size=405, vision=False))  # make-tiny's stages
+    args = dataclasses.replace(staged, dspark_block_size=10**9).with_runtime(max_batch_size=1, max_seq_len=10**9 + 64)
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: 1 << 30)
+    with pytest.raises(ConfigError, match=rf"{key} = 1000000000: the DSpark drafts after a decode step .*--decode"):
+        fits.require_caches_fit(args, "cpu", _config(tmp_path, nested), shortest_drafted(args))
+    args = staged.with_runtime(max_batch_size=1, max_seq_len=10**9 + 64)  # a block of 5
+    with pytest.raises(VerifyInputError, match=r"--max-seq-len, or the reference file's"):
+        fits.require_caches_fit(args, "cpu", _config(tmp_path, nested), shortest_drafted(args))
+    assert shortest_drafted(args) == 7 and shortest_drafted(tiny_args()) == 0  # no stages, no drafts
+
+
+def test_a_run_built_with_a_draft_block_alone_too_large_names_it(tmp_path, monkeypatch):
+    """build_model, where verify's ranks and reference-logits ask, passes the drafts' positions."""
+    from dsv41_convert.verify.runner import build_model
+
+    staged = ModelArgs.from_hf_dict(hf_config(TINY, compressed_vocab_size=405, vision=False))
+    args = dataclasses.replace(staged, dspark_block_size=10**9).with_runtime(max_batch_size=1, max_seq_len=10**9 + 64)
+    monkeypatch.setattr(fits, "machine_bytes", lambda _device: 1 << 30)
+    _config(tmp_path, True)
+    with pytest.raises(ConfigError, match=r"text_config.dspark_block_size = 1000000000"):
+        build_model(args, tmp_path, "cpu")
 
 
 def test_the_card_is_asked_too(tmp_path, monkeypatch):

@@ -59,9 +59,9 @@ def _replay(monkeypatch, decode: list[torch.Tensor], n_decode: int, hidden: bool
 
     monkeypatch.setattr(streamed, "run_streamed", run_streamed)
     monkeypatch.setattr(streamed, "fit_merged", lambda ranks, args: None)
-    monkeypatch.setattr(streamed, "require_caches_fit", lambda args, device, config: None)
+    monkeypatch.setattr(streamed, "require_caches_fit", lambda args, device, config, drafted: None)
     monkeypatch.setattr(streamed.RankWeights, "over", staticmethod(lambda ranks: "weights"))
-    args = SimpleNamespace(compress_ratios=(0, 2), n_layers=2, with_runtime=lambda **_: args)
+    args = SimpleNamespace(compress_ratios=(0, 2), n_layers=2, n_mtp_layers=0, with_runtime=lambda **_: args)
     ranks = SimpleNamespace(args=args, folder=streamed.Path("converted"))
     runs = [PromptRun(torch.zeros(5, 3), d, torch.zeros(0, 3), None, {"x": torch.zeros(1)} if hidden else {})
             for d in decode]  # fmt: skip
