@@ -64,3 +64,13 @@ def test_the_readme_counts_the_catalogue_as_it_is():
     assert said, "README: the mutation paragraph's counts are gone"
     runs = len(run.select(mutants, [], [], equivalent=False))
     assert (int(said[1]), int(said[2])) == (runs, len(mutants))
+
+
+def test_list_json_prints_one_document_of_the_selected_mutants(capsys):
+    """`run.py --list --json` printed the text listing, which no pipeline can parse."""
+    import json
+
+    assert run.main(["--list", "--json", "--id", "cli.counted-*"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(m["id"] for m in doc["mutants"]) == ["cli.counted-always-plural", "cli.counted-verb-singular"]
+    assert all(m["file"] == "dsv41_convert/numbers.py" and m["tests"] for m in doc["mutants"]) and "skipped" in doc

@@ -20,6 +20,7 @@ a non-equivalent mutant survived or ended in error, 2 where the baseline fails o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import os
@@ -188,6 +189,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mutants = select(load(), args.area, args.id, args.include_equivalent)
+    if args.list and args.json:  # the listing as one document (it printed the text listing)
+        doc = {"mutants": [dataclasses.asdict(m) for m in mutants], "skipped": skipped()}
+        print(json.dumps(doc, indent=1))
+        return 0
     if args.list:
         for m in mutants:
             eq = f"  [equivalent: {m.equivalent}]" if m.equivalent else ""
