@@ -19,12 +19,13 @@ They leave out the Python/torch baseline of the process (~0.4 GiB on CPU) and al
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
 
 from dsv41_convert.config import ModelArgs
-from dsv41_convert.convert.plan import ConversionPlan, ExpertRun, OutTensor, RankFile
+from dsv41_convert.convert.plan import QUANTIZING, ConversionPlan, ExpertRun, OutTensor, RankFile
 from dsv41_convert.convert.rules import RULES, Split
 from dsv41_convert.store.safetensors_header import nbytes
 
@@ -95,6 +96,30 @@ def model_bytes(tensors: Iterable[tuple[str, str, int]], args: ModelArgs) -> int
 def rank_weights(plan: ConversionPlan, args: ModelArgs) -> list[int]:
     """The weights each rank's model holds, in rank order: `memory_figures`' per-rank "weights"."""
     return [_rank_figures(f, args)[0] for f in plan.files]
+
+
+def reference_weights(plan: ConversionPlan, args: ModelArgs, unquantized: bool = False) -> list[tuple[int, int]]:
+    """What each rank of a reference computed from `plan`'s source holds, in rank order: (state, model), the bytes
+    of its rank file computed in memory (verify.source.plan_state) and of the model it is copied into (the same
+    tensors in the model's dtypes: `rank_weights`). Both are whole at once when the copy ends; `verify --reference
+    SRC` keeps the state after it.
+
+    unquantized: a bf16 source run as it is (plan_state's skip_quant): the weight of a quantizing action stays the
+                 source's bf16 [out, in] (2 bytes an element, the file's fp8 1, its fp4 half) and has no scale"""
+    out = []
+    for f in plan.files:
+        state, model = 0, 0
+        for p in f.parts:
+            if type(p) is ExpertRun:  # copies of the source's bytes, quantized or not
+                state += sum(s.nbytes for _, s in p.members)
+                model += sum(_in_model(name, p.dtype, s.nbytes, args) for name, s in p.members)
+            elif unquantized and p.action in QUANTIZING:
+                size = 0 if p.part else math.prod(p.shape) * BF16
+                state, model = state + size, model + _in_model(p.name, "BF16", size, args)
+            else:
+                state, model = state + p.end - p.begin, model + _in_model(p.name, p.dtype, p.end - p.begin, args)
+        out.append((state, model))
+    return out
 
 
 def _dequant_bytes(dtype: str, shape: tuple[int, ...]) -> int:

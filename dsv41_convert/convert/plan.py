@@ -76,6 +76,11 @@ class Read:
         return f"{src / self.file}: {self.name}"
 
 
+# the actions that quantize a bf16 source's weight (a group: the weight, then its scale); a bf16 source run
+# unquantized leaves them out (verify.source.plan_state's skip_quant: the weight stays bf16, no scale)
+QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")
+
+
 @dataclass(slots=True)
 class OutTensor:
     """One tensor of one rank file. Tensors of one `group` come from one computation (weight, scale)."""

@@ -60,17 +60,21 @@ def ranks_on_this_host(tp: int) -> int:
     return min(local, tp) if local > 0 else tp
 
 
-def require_weights_fit(ranks: Sequence[int], device: str, what: str, way_out: str) -> None:
+def require_weights_fit(
+    ranks: Sequence[int], device: str, what: str, way_out: str, card: Sequence[int] | None = None
+) -> None:
     """VerifyInputError when the weights the model holds exceed all the memory of the host (the ranks it runs at
     once: `ranks_on_this_host`, the least of `ranks` counted, so the need is a lower bound) or, on a card, one
     rank's exceed the card's. Asked before any model is built (each is built on the host, then moved).
 
-    ranks:   bytes of weights in each rank's model, rank order (convert.memory.rank_weights / model_bytes)
+    ranks:   bytes of weights each rank holds in the host's memory at its peak, rank order (convert.memory's
+             rank_weights / model_bytes; with the state dict it is loaded from: reference_weights)
+    card:    bytes of weights each rank moves onto its card (its model's), rank order; None: `ranks`
     what:    the model, for the message (a folder, "SRC at tp N")
     way_out: the run that holds less (--stream-layers), for the message"""
     sharing = ranks_on_this_host(len(ranks))
     for where in dict.fromkeys(("cpu", device)):
-        need = sum(sorted(ranks)[:sharing]) if where == "cpu" else max(ranks)
+        need = sum(sorted(ranks)[:sharing]) if where == "cpu" else max(ranks if card is None else card)
         have = machine_bytes(where)
         if need <= have:
             continue

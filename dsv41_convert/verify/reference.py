@@ -186,15 +186,21 @@ def compute_reference(
     return SourceReference(ref, args, state)
 
 
-def require_source_weights_fit(src: Path, args: ModelArgs, tp: int, device: str, way_out: str) -> None:
-    """VerifyInputError (fits.require_weights_fit) where the weights of `src`'s conversion at `tp`, each rank's as
-    `plan --tp N` figures them, cannot be held by this host (or `device`): before a model is built. A bf16 source
-    run unquantized holds more (bf16 everywhere): the figure is a lower bound."""
-    from dsv41_convert.convert.memory import rank_weights
+def require_source_weights_fit(
+    src: Path, args: ModelArgs, tp: int, device: str, way_out: str, as_converted: bool = False
+) -> None:
+    """VerifyInputError (fits.require_weights_fit) where the weights of `src`'s conversion at `tp` cannot be held by
+    this host (or `device`): before a model is built. Each rank holds its rank file computed in memory and the model
+    it is copied into, both whole (convert.memory.reference_weights); a bf16 source run unquantized (not
+    `as_converted`) holds them bf16 everywhere: on a bf16 source twice and more the file's fp8/fp4 figure `plan --tp
+    N` shows, which was counted (a run that needed 13.4 GiB was counted 3.4 GiB)."""
+    from dsv41_convert.convert.memory import reference_weights
     from dsv41_convert.convert.plan import build_plan
 
-    weights = rank_weights(build_plan(src, tp, source_experts(src)), args)
-    require_weights_fit(weights, device, f"{src} at tp {tp}", way_out)
+    plan = build_plan(src, tp, source_experts(src))
+    held = reference_weights(plan, args, plan.source_format == "bf16" and not as_converted)
+    host, card = [state + model for state, model in held], [model for _, model in held]
+    require_weights_fit(host, device, f"{src} at tp {tp}", way_out, card)
 
 
 def _recorded(device: str) -> dict:
@@ -269,7 +275,7 @@ def compute_reference_ranks(
     )
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
     stream = "`reference-logits --stream-layers` (tp 1: it holds one unit at a time)"
-    require_source_weights_fit(src, args, tp, device, stream)
+    require_source_weights_fit(src, args, tp, device, stream, as_converted)
     say(f"reference: {src} on {counted(tp, 'rank')} ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads, bars, timeout_s)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import load_model_args
-from dsv41_convert.convert.plan import ConversionPlan, OutTensor, Read, build_plan, pad_byte
+from dsv41_convert.convert.plan import QUANTIZING, ConversionPlan, OutTensor, Read, build_plan, pad_byte
 from dsv41_convert.convert.stream import block_name
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
@@ -38,7 +38,6 @@ from dsv41_convert.progress import Progress, counting
 from dsv41_convert.quant.byte_checks import flat_index, require_finite_copy
 from dsv41_convert.store.safetensors_header import DTYPE_BITS, pread_blocks, pread_exact
 
-QUANTIZING = ("quant_fp8", "quant_fp4", "quant_fp4_fp8")  # skipped by reference_state for bf16 sources
 BYTE_COPIES = ("copy", "as_fp4")  # the output holds the source bytes (as_fp4: I8 pairs relabelled F4)
 
 

@@ -28,7 +28,10 @@ def src(tmp_path_factory):
 def test_reference_logits_is_refused_when_the_weights_exceed_ram_and_runs_when_they_fit(
     src, tmp_path, monkeypatch, capsys
 ):
-    (need,) = _weights(src, 1)
+    from dsv41_convert.convert.memory import reference_weights
+
+    ((state, model),) = reference_weights(build_plan(src, 1), load_model_args(src / "config.json"))
+    need = state + model  # the rank file computed in memory and the model, whole at once
     monkeypatch.setattr(fits, "physical_memory", lambda: need - 1)
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(tmp_path / "ref.safetensors"))
     assert code == 2, err
@@ -61,3 +64,66 @@ def test_verify_refuses_rank_files_larger_than_ram_before_any_model(src, tmp_pat
     assert code == 2, err
     assert "the model's weights need" in err and "2 ranks on this host" in err, err
     assert "--stream-layers" in err and "reference: " not in err, err  # refused before the reference is computed
+
+
+@pytest.fixture(scope="module")
+def bf16_src(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("weights16") / "src", quantized=False)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("unquantized", [True, False])
+def test_a_reference_ranks_figures_are_the_state_and_the_model_it_holds(bf16_src, unquantized):
+    """memory.reference_weights: a reference rank's state dict (plan_state) and the model it is copied into, byte
+    for byte: a bf16 source run unquantized holds its quantizing weights bf16 (no scales) in both."""
+    from dsv41_convert.config import ModelArgs
+    from dsv41_convert.convert.memory import rank_weights, reference_weights
+    from dsv41_convert.model.load import expected_tensors
+    from dsv41_convert.model.transformer import Transformer
+    from dsv41_convert.verify.source import plan_state
+
+    plan = build_plan(bf16_src, 1)
+    src_args = load_model_args(bf16_src / "config.json")
+    args = src_args if unquantized else ModelArgs.from_inference_dict(plan.inference_config)
+    ((state, model),) = reference_weights(plan, src_args, unquantized)
+    assert state == _bytes(plan_state(plan, skip_quant=unquantized).values())
+    built = Transformer(args.with_runtime(max_batch_size=1, max_seq_len=128), bf16_src / "tokenizer.json")
+    assert model == _bytes(p for p, _ in expected_tensors(built).values())
+    if unquantized:  # plan's figure is the quantized model's: less than either half
+        assert rank_weights(plan, src_args)[0] < min(state, model)
+    plan2 = build_plan(bf16_src, 2)
+    for rank, (state, _) in enumerate(reference_weights(plan2, src_args, unquantized)):
+        assert state == _bytes(plan_state(plan2, rank, skip_quant=unquantized).values())
+
+
+def test_a_bf16_source_run_unquantized_is_counted_with_its_state_in_bf16(bf16_src, tmp_path, monkeypatch, capsys):
+    """reference-logits of a bf16 source (unquantized, the default) holds the bf16 state dict and the bf16 model
+    at once: on a host short of that it was counted the quantized model's bytes (plan's figure) and started."""
+    from dsv41_convert.convert.memory import reference_weights
+
+    ((state, model),) = reference_weights(build_plan(bf16_src, 1), load_model_args(bf16_src / "config.json"), True)
+    out = tmp_path / "ref.safetensors"
+    monkeypatch.setattr(fits, "physical_memory", lambda: state + model - 1)
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bf16_src), str(out))
+    assert code == 2, err
+    assert f"the model's weights need {(state + model) / fits.GIB:,.1f} GiB" in err, err
+    assert "physical memory" in err and "--stream-layers" in err and "Traceback" not in err, err
+    assert not out.exists()
+    monkeypatch.setattr(fits, "physical_memory", lambda: state + model)
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(bf16_src), str(out))
+    assert code == 0, err
+
+
+def test_a_card_is_asked_for_the_model_only(monkeypatch):
+    """The state dict stays on the host (the model is moved to the card once loaded): the card needs the model's
+    bytes, the host both."""
+    have = {"cpu": 100, "cuda:0": 60}
+    monkeypatch.setattr(fits, "machine_bytes", lambda where: have[where])
+    fits.require_weights_fit([90], "cuda:0", "SRC at tp 1", "--stream-layers", [50])
+    with pytest.raises(fits.VerifyInputError, match=r"need 0\.0 GiB, more than all of cuda:0's memory"):
+        fits.require_weights_fit([90], "cuda:0", "SRC at tp 1", "--stream-layers", [61])
+    with pytest.raises(fits.VerifyInputError, match="physical memory"):
+        fits.require_weights_fit([101], "cuda:0", "SRC at tp 1", "--stream-layers", [50])
