@@ -29,7 +29,7 @@ from dsv41_convert import torchrun
 from dsv41_convert.config import ModelArgs, load_json, load_model_args
 from dsv41_convert.convert.memory import model_bytes
 from dsv41_convert.convert.tp import check_tp
-from dsv41_convert.convert.unshard import RankFiles, rank_tp, replica_mismatches
+from dsv41_convert.convert.unshard import RankFiles, merge_of, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.numbers import counted
@@ -250,14 +250,37 @@ def verify(
         return _verify_ranks(opts, ranks, conv_args, say, shown)
 
 
-def _ranks_fit(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs) -> None:
+def _ranks_fit(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, replays: bool = False) -> None:
     """VerifyInputError (fits.require_weights_fit) where the rank files' weights cannot be held by the ranks on this
-    host (or a card), before the reference's model and the ranks' are built; --stream-layers holds one unit."""
+    host (or a card), before the reference's model and the ranks' are built; --stream-layers holds one unit.
+    replays: the tp-1 replay runs after the ranks (`_replays`), in one process: the whole model and the rank files
+    merged back to tp 1 (its state dict), both whole at once (verify.replay.replay_runs), asked for separately."""
     if opts.stream_layers:
         return
     weights = [model_bytes(((n, t.dtype, t.nbytes) for n, t in h.tensors.items()), conv_args) for h in ranks.headers]
     stream = "`verify --reference-logits FILE --stream-layers` (a tp-1 file: it holds one unit at a time)"
     require_weights_fit(weights, opts.device, f"{ranks.folder} at tp {ranks.tp}", stream)
+    if not replays or torchrun.rank() != 0:  # under torchrun rank 0 alone replays
+        return
+    merged = []  # (name, dtype, bytes) of each tp-1 tensor; one that does not merge (or has no rule) is the replay's
+    for name in ranks.names():  # FAIL, not held
+        with contextlib.suppress(ShardConsistencyError, PlanError):
+            merge = merge_of(ranks, name)
+            merged.append((name, merge.dtype, merge.nbytes))
+    model = model_bytes(merged, conv_args)
+    require_weights_fit(
+        [sum(size for _, _, size in merged) + model],
+        opts.device,
+        f"{ranks.folder} merged back to tp 1 (the replay, after the tp-{ranks.tp} run, in one process)",
+        f"--no-replay (the tp-{ranks.tp} run alone, held to statistical bounds), or {stream}",
+        [model],
+    )
+
+
+def _replays(opts: VerifyOptions, ref: reffile.Reference, tp: int) -> bool:
+    """Whether the rank files are replayed at tp 1 in this process after the tp-N run (verify.replay): against a
+    tp-1 file computed on this device, unless --no-replay, or --stream-layers (which replays them in its place)."""
+    return ref.tp == 1 and tp > 1 and ref.device == opts.device and opts.replay and not opts.stream_layers
 
 
 def _verify_ranks(
@@ -311,7 +334,7 @@ def _verify_ranks(
         lengths = [(f"{ref_name}: prompt {label}", len(i.input_ids))
                    for label, i in zip(ref.labels, ref.inputs, strict=True)]  # fmt: skip
         require_prompts_fit(conv_args, opts.device, lengths, 1 if opts.stream_layers else tp)
-        _ranks_fit(opts, ranks, conv_args)
+        _ranks_fit(opts, ranks, conv_args, _replays(opts, ref, tp))
         if opts.stream_layers:
             _streamable(opts, ref, ref_name)
         if ref.provenance is not None:  # before any rank starts: another model, or its own replay, is refused
@@ -416,14 +439,7 @@ def _verify_ranks(
             _weights_check(result, recorded, ranks, ref_name, bytes_done)
         seconds["weights"] = time.perf_counter() - t2
     replay_runs = None
-    if (
-        src_ref is None
-        and ref.tp == 1
-        and tp > 1
-        and ref.device == opts.device
-        and opts.replay
-        and not opts.stream_layers
-    ):
+    if src_ref is None and _replays(opts, ref, tp):
         t2 = time.perf_counter()
         say(f"replay: {conv} merged back to tp 1 in memory, run in this process")
         check, replay_runs = replay_check(ranks, ref, opts.device, opts.threads, thresholds.bounds)

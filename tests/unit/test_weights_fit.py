@@ -127,3 +127,32 @@ def test_a_card_is_asked_for_the_model_only(monkeypatch):
         fits.require_weights_fit([90], "cuda:0", "SRC at tp 1", "--stream-layers", [61])
     with pytest.raises(fits.VerifyInputError, match="physical memory"):
         fits.require_weights_fit([101], "cuda:0", "SRC at tp 1", "--stream-layers", [50])
+
+
+def test_the_tp1_replay_is_asked_for_the_whole_model_and_its_merged_state(src, tmp_path, monkeypatch, capsys):
+    """After a tp-2 run against a tp-1 file verify merges the rank files back to tp 1 and replays them in one
+    process: the whole model and the merged state dict at once, more than the two ranks' models together; it was
+    not asked for, and a host that held the ranks started it."""
+    from dsv41_convert.convert.memory import model_bytes, tp1_tensors
+    from dsv41_convert.store.safetensors_header import nbytes
+
+    conv, ref = tmp_path / "conv", tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")
+    assert code == 0, err
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(ref))
+    assert code == 0, err
+    args = load_model_args(conv / "config.json")
+    merged = [(name, dtype, nbytes(dtype, shape)) for name, dtype, shape in tp1_tensors(build_plan(src, 2))]
+    replay = sum(size for _, _, size in merged) + model_bytes(merged, args)
+    assert sum(_weights(src, 2)) < replay - 1  # the ranks fit, the replay does not
+    monkeypatch.setattr(fits, "physical_memory", lambda: replay - 1)
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref))
+    assert code == 2, err
+    assert "merged back to tp 1 (the replay, after the tp-2 run, in one process): the model's weights need " in err
+    assert f"{replay / fits.GIB:,.1f} GiB" in err and "physical memory" in err, err
+    assert "--no-replay" in err and "--stream-layers" in err and "converted: " not in err, err  # before the ranks
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), "--no-replay")
+    assert code != 2 and "weights need" not in err, err
+    monkeypatch.setattr(fits, "physical_memory", lambda: replay)
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref))
+    assert code != 2 and "check replay: exact" in out, err  # tiny_ckpt's random model is chaotic: a FAIL at tp 2
