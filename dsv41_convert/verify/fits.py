@@ -53,18 +53,26 @@ def processes_on_this_host() -> int:
     return local if local > 0 else parallel.world_size()
 
 
-def ranks_on_this_host(tp: int) -> int:
+def ranks_on_this_host(tp: int) -> range | int:
     """The ranks of a tp-`tp` run that will build their models in this host's memory at once, asked before they
-    start (no torch): a torchrun launch's LOCAL_WORLD_SIZE, else all `tp` (launch starts them here)."""
+    start (no torch): all `tp` (launch starts them here), or under a torchrun launch of several hosts its
+    LOCAL_WORLD_SIZE of them, ranks RANK - LOCAL_RANK onwards (torchrun numbers a host's ranks in a row); only how
+    many where the launch does not say which (no LOCAL_RANK): the caller counts the largest."""
     local = _local_world_size() if torchrun.world() is not None else 0
-    return min(local, tp) if local > 0 else tp
+    if local <= 0 or local >= tp:
+        return range(tp)
+    try:
+        first = torchrun.rank() - ascii_int(os.environ.get("LOCAL_RANK", ""))
+    except ValueError:
+        return local
+    return range(first, first + local) if 0 <= first <= tp - local else local
 
 
 def require_weights_fit(
     ranks: Sequence[int], device: str, what: str, way_out: str, card: Sequence[int] | None = None
 ) -> None:
     """VerifyInputError when the weights the model holds exceed all the memory of the host (the ranks it runs at
-    once: `ranks_on_this_host`, the least of `ranks` counted, so the need is a lower bound) or, on a card, one
+    once: `ranks_on_this_host`, the largest of `ranks` counted where it does not know which) or, on a card, one
     rank's exceed the card's. Asked before any model is built (each is built on the host, then moved).
 
     ranks:   bytes of weights each rank holds in the host's memory at its peak, rank order (convert.memory's
@@ -72,14 +80,25 @@ def require_weights_fit(
     card:    bytes of weights each rank moves onto its card (its model's), rank order; None: `ranks`
     what:    the model, for the message (a folder, "SRC at tp N")
     way_out: the run that holds less (--stream-layers), for the message"""
-    sharing = ranks_on_this_host(len(ranks))
+    here = ranks_on_this_host(len(ranks))
+    held = list(here) if isinstance(here, range) else sorted(range(len(ranks)), key=ranks.__getitem__)[-here:]
+    if len(held) == len(ranks):
+        which = ""
+    elif isinstance(here, range):
+        which = f": rank{'s' if len(here) > 1 else ''} {here.start}{f'-{here.stop - 1}' if len(here) > 1 else ''}"
+        which += f" of {len(ranks)}"
+    else:
+        which = f": the largest {len(held)} of {len(ranks)}, LOCAL_RANK unset"
+    sharing = len(held)
+    card = ranks if card is None else card
     for where in dict.fromkeys(("cpu", device)):
-        need = sum(sorted(ranks)[:sharing]) if where == "cpu" else max(ranks if card is None else card)
+        need = sum(ranks[r] for r in held) if where == "cpu" else max(card[r] for r in held)
         have = machine_bytes(where)
         if need <= have:
             continue
         if where == "cpu":
-            per = f" ({sharing} ranks on this host, {need / sharing / GIB:,.1f} GiB each)" if sharing > 1 else ""
+            per = f" ({sharing} ranks on this host{which}, {need / sharing / GIB:,.1f} GiB each)" if sharing > 1 else ""
+            per = per or (f" (1 rank on this host{which})" if which else "")
             memory, larger = f"this host's physical memory ({have / GIB:,.1f} GiB of RAM, swap not counted)", "host"
         else:
             per, memory, larger = "", f"{where}'s memory ({have / GIB:,.1f} GiB)", "card"

@@ -156,3 +156,51 @@ def test_the_tp1_replay_is_asked_for_the_whole_model_and_its_merged_state(src, t
     monkeypatch.setattr(fits, "physical_memory", lambda: replay)
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref))
     assert code != 2 and "check replay: exact" in out, err  # tiny_ckpt's random model is chaotic: a FAIL at tp 2
+
+
+def _torchrun(monkeypatch, rank: int, world: int, local_world: int, local_rank: int | None) -> None:
+    """The environment torchrun gives one process of a launch over several hosts."""
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local_world, "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": 29500}.items():
+        monkeypatch.setenv(name, str(value))
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+
+
+@pytest.mark.parametrize(
+    ("rank", "local_rank", "refused"),
+    [(2, 0, True), (3, 1, True), (0, 0, False), (1, 1, False), (0, None, True)],  # None: the largest counted
+)
+def test_a_host_of_a_multi_host_launch_counts_the_ranks_it_runs(monkeypatch, rank, local_rank, refused):
+    """torchrun over two hosts, two ranks each: the host of ranks 2-3 holds 10 bytes, not the two smallest ranks'
+    2 (which were counted on every host)."""
+    _torchrun(monkeypatch, rank, 4, 2, local_rank)
+    monkeypatch.setattr(fits, "physical_memory", lambda: 9)
+    if not refused:
+        fits.require_weights_fit([1, 1, 5, 5], "cpu", "SRC at tp 4", "--stream-layers")
+        return
+    which = "ranks 2-3 of 4" if local_rank is not None else "the largest 2 of 4, LOCAL_RANK unset"
+    with pytest.raises(fits.VerifyInputError, match=f"need 0.0 GiB \\(2 ranks on this host: {which},"):
+        fits.require_weights_fit([1, 1, 5, 5], "cpu", "SRC at tp 4", "--stream-layers")
+
+
+def test_reference_logits_under_a_multi_host_launch_names_the_ranks_of_this_host(src, tmp_path, monkeypatch, capsys):
+    """reference-logits --tp 2 under torchrun on two hosts, one rank each: the host of rank 1 is asked for rank 1's
+    weights, and the message says which rank it counted (a valid conversion's ranks are of one size: the message
+    is what shows it)."""
+    from dsv41_convert.convert.memory import reference_weights
+    from dsv41_convert.verify import reference
+
+    figures = reference_weights(build_plan(src, 2), load_model_args(src / "config.json"))
+    held = [state + model for state, model in figures]
+    monkeypatch.setattr(fits, "physical_memory", lambda: held[1] - 1)
+    monkeypatch.setattr(reference, "launch", lambda *a, **k: pytest.fail("the ranks started"))
+    _torchrun(monkeypatch, 1, 2, 1, 0)
+    code, _, err = run_cli(
+        monkeypatch, capsys, "reference-logits", str(src), str(tmp_path / "ref.safetensors"), "--tp", "2"
+    )
+    assert code == 2, err
+    assert f"at tp 2: the model's weights need {held[1] / fits.GIB:,.1f} GiB (1 rank on this host: rank 1 of 2)" in err
+    assert "--stream-layers" in err and "physical memory" in err, err
