@@ -297,8 +297,9 @@ def shard_cmd(
     except ValueError as exc:
         raise PlanError(f"--ranks {ranks!r}: expected comma-separated integers in the digits 0-9, like 0,3") from exc
     plan = build_plan(_local_source(src, tp), tp, expert_dtype)
-    _warn_of_unpublished_settings(Path(plan.src) / "config.json")
-    _warn_without_tokenizer(Path(plan.src), f"so {out} will have none either")  # a dry run's too
+    says_once = torchrun.says_the_common_lines()
+    if says_once:
+        _warn_of_the_source(Path(plan.src), out)
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
@@ -320,7 +321,8 @@ def shard_cmd(
             "from several machines, `dsv41-convert manifest OUT` does"
         )
         report.info(f"fragment: {summary['fragment']} ({finish})")
-    report.line(summary["out"])  # the result, for a script (`MP=$(dsv41-convert shard ...)`), as export prints it
+    if says_once:  # the result, for a script (`MP=$(dsv41-convert shard ...)`), as export prints it
+        report.line(summary["out"])
 
 
 def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:
@@ -337,6 +339,13 @@ def _warn_of_a_share_without_torchrun(files: str, advise_ranks: bool) -> None:
             f"them): this process writes share {rank} of {world} of the {files} only; unset RANK and WORLD_SIZE "
             f"to write them all{', or use --ranks for a share' if advise_ranks else ''}"
         )
+
+
+def _warn_of_the_source(src: Path, out: Path) -> None:
+    """shard's and export's warnings about SRC (a dry run's too): settings unlike the published ones, no
+    tokenizer.json. Said by one process of a torchrun launch (torchrun.says_the_common_lines)."""
+    _warn_of_unpublished_settings(src / "config.json")
+    _warn_without_tokenizer(src, f"so {out} will have none either")
 
 
 def _warn_of_unpublished_settings(config: Path) -> None:
@@ -1036,11 +1045,12 @@ def export_cmd(
     from dsv41_convert.convert.export import RECORDS, build_export_plan, export, not_carried, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
-    _warn_of_unpublished_settings(Path(ep.plan.src) / "config.json")
-    _warn_without_tokenizer(Path(ep.plan.src), f"so {out} will have none either")  # a dry run's too
+    says_once = torchrun.says_the_common_lines()
+    if says_once:
+        _warn_of_the_source(Path(ep.plan.src), out)
     # what OUT lacks of them: copied in as the warning advises, a --resume named them again (an audit)
     others = [name for name in not_carried(Path(ep.plan.src)) if not (out / name).exists()]
-    if others:  # a dry run's too (it said nothing of them)
+    if others and says_once:  # a dry run's too (it said nothing of them)
         report.warn(
             f"{ep.plan.src}: not carried into {out}: {', '.join(others)} (export writes the weights, config.json, "
             "the index and the tokenizer files); copy them if the weight set needs them"
@@ -1064,7 +1074,8 @@ def export_cmd(
             f"fragment: {summary['fragment']} (once every share is done: in one folder, the last share to finish "
             f"writes the rest; gathered from several machines, `dsv41-convert export SRC OUT --format {fmt} --resume`)"
         )
-    report.line(summary["out"])
+    if says_once:
+        report.line(summary["out"])
 
 
 # --- end of commands ---

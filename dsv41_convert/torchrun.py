@@ -46,6 +46,22 @@ def shared_rank() -> int | None:
     return int(os.environ["RANK"]) if size is not None and size > 1 else None
 
 
+def says_the_common_lines(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process says what a run says once (shard's and export's result line, OUT, and their
+    warnings about SRC): True outside a launch of several processes and where RANK and WORLD_SIZE are set
+    without a rendezvous (no launch: lacks_rendezvous); in a launch, for its first process on each host
+    (LOCAL_RANK 0, which torchrun sets; RANK 0 without it): a host's processes share one stdout and stderr,
+    and each printed them, N times under --nproc-per-node N. Not the process that finishes OUT: two that end
+    at once both write manifest.json."""
+    env = os.environ if env is None else env
+    try:
+        if (world(env) or 1) <= 1 or lacks_rendezvous(env):
+            return True
+    except ConfigError:  # not a launch's environment: refused where it matters (world())
+        return True
+    return env.get("LOCAL_RANK", str(rank(env))) == "0"
+
+
 def on_one_host(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process is one of several of a torchrun launch that all run on this host (LOCAL_WORLD_SIZE,
     which torchrun sets, equals WORLD_SIZE): they write into one OUT, and the last to finish completes it."""

@@ -82,3 +82,25 @@ def test_by_rank_names_the_process_once(monkeypatch):
     assert torchrun.by_rank("ranks 0 and 1 disagree") == "rank 1: ranks 0 and 1 disagree"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert torchrun.by_rank("disk full") == "disk full"
+
+
+_LAUNCH = {"WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({}, True),  # no launch
+        ({"RANK": "0", "WORLD_SIZE": "1"}, True),  # a launch of one process
+        ({"RANK": "3", "WORLD_SIZE": "4"}, True),  # variables left in a shell: no launch shares its output
+        ({"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "h"}, True),
+        ({**_LAUNCH, "RANK": "0", "LOCAL_RANK": "0"}, True),
+        ({**_LAUNCH, "RANK": "1", "LOCAL_RANK": "1"}, False),
+        ({**_LAUNCH, "RANK": "2", "LOCAL_RANK": "0"}, True),  # the first process of the second host
+        ({**_LAUNCH, "RANK": "0"}, True),  # a launcher that sets no LOCAL_RANK: RANK 0 speaks
+        ({**_LAUNCH, "RANK": "2"}, False),
+        ({"RANK": "5", "WORLD_SIZE": "4"}, True),  # refused where it matters, not here
+    ],
+)
+def test_one_process_of_each_host_says_the_common_lines(env, says):
+    assert torchrun.says_the_common_lines(env) is says
