@@ -587,6 +587,34 @@ def test_dry_run_refuses_a_device_as_the_run_does(src, tmp_path, monkeypatch, ca
         assert not out.exists()
 
 
+_REFUSED = {
+    "gpu": (["--device", "gpu"], "--device 'gpu': expected cpu or cuda"),
+    "cuda": (["--device", "cuda"], "--device cuda: torch sees no CUDA device here"),
+    "resume-overwrite": (["--resume", "--overwrite"], "--resume and --overwrite: pick one"),
+    "ranks": (["--ranks", "5"], "--ranks [5]: out of range for --tp 2"),
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "refused"),
+    [("shard", name) for name in _REFUSED] + [("export", name) for name in _REFUSED if name != "ranks"],
+)
+def test_a_refused_option_is_said_before_any_progress(src, tmp_path, monkeypatch, capsys, command, refused):
+    """`shard --device gpu` printed the progress display's title (`shard SRC -> OUT (tp 2)`) and an empty bar
+    before `error: --device 'gpu': expected cpu or cuda`, as if the run had started; so did every refusal of an
+    option (execute's check_options). The refusal is now the first thing said."""
+    import torch
+
+    if refused == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the run takes --device cuda")
+    options, said = _REFUSED[refused]
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, *options)
+    assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("first", "again"),
     [(["shard", "--tp", "2"], ["shard", "--tp", "4"]), (["export", "--format", "fp8"], ["export", "--format", "bf16"])],
