@@ -278,7 +278,11 @@ def tables(*renderables: Any) -> None:
     its no_wrap columns (the numbers) need, with FOLD_MIN columns for each folding one: where the terminal (or
     COLUMNS) is narrower, at that width, and the terminal wraps its lines. rich cut such cells to fit: `plan --tp 8`
     of the real layout in a 50-column terminal gave each rank's memory total as `63.…`, and at COLUMNS=20 the rank
-    table's bytes as `7,527…` and its file column a width of 0 (an audit)."""
+    table's bytes as `7,527…` and its file column a width of 0 (an audit).
+
+    Under a torchrun launch of several processes (one stdout), all of them in one write under the stream's
+    lock, as `write` writes a document: each share's `--dry-run` tables came out interleaved with the others'
+    (four titles in a row, then rules tables nobody could tell apart)."""
     from rich.console import Group
     from rich.measure import Measurement
     from rich.table import Table
@@ -298,7 +302,14 @@ def tables(*renderables: Any) -> None:
             need = cells + len(table.columns) * (left + right) + borders
             if need > console.width:
                 table.width = need
-        console.print(renderable)
+    if torchrun.shared_rank() is None:
+        for renderable in renderables:
+            console.print(renderable)
+        return
+    with console.capture() as captured:
+        for renderable in renderables:
+            console.print(renderable)
+    write(captured.get().removesuffix("\n"))  # `write` ends it with the newline again
 
 
 def line(text: str) -> None:

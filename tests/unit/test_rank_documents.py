@@ -137,3 +137,48 @@ def test_every_line_on_stderr_names_its_torchrun_process(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE")
     report.info("wrote 1 file(s)")
     assert capsys.readouterr().err == "wrote 1 file(s)\n"
+
+
+TABLES = """
+import os, sys
+from rich.table import Table
+from dsv41_convert.app import report
+rank = int(os.environ["RANK"])
+for i in range(int(sys.argv[1])):
+    tables = []
+    for what in ("files", "rules"):
+        table = Table(title=f"r{rank} i{i} {what}")
+        table.add_column("cell")
+        for _ in range(40):
+            table.add_row(chr(97 + rank) * 60)
+        tables.append(table)
+    report.tables(*tables)  # as a share's `shard --dry-run` prints its files and its rules
+"""
+
+
+def test_tables_of_ranks_stay_whole(tmp_path):
+    """`shard --dry-run` / `export --dry-run` under torchrun (one table of files and one of rules per share, no
+    `--json`): the processes' tables came out interleaved, the titles of four shares in a row and then their
+    rules tables, whose columns (rank or shard 1, 2, ...) no longer said whose they were (seen with the real
+    layout at --nproc-per-node 4). Each process's tables are now one write under the stream's lock."""
+    script = tmp_path / "tables.py"
+    script.write_text(TABLES)
+    read_end, write_end = os.pipe()
+    env = [os.environ | {"RANK": str(r), "WORLD_SIZE": "4"} for r in range(4)]
+    procs = [subprocess.Popen([sys.executable, str(script), "20"], stdout=write_end, env=e) for e in env]
+    os.close(write_end)
+    chunks = []
+    with os.fdopen(read_end, "rb") as stream:
+        while chunk := stream.read1(4096):
+            chunks.append(chunk)
+            time.sleep(0.0002)
+    assert [p.wait(timeout=60) for p in procs] == [0] * 4
+    lines = b"".join(chunks).decode().splitlines()
+    starts = [n for n, line in enumerate(lines) if line.strip().endswith(" files")]
+    assert len(starts) == 80
+    for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
+        rank, i = (int(word[1:]) for word in lines[start].split()[:2])
+        block = lines[start:end]
+        rows = [line for line in block if line.startswith(("│", "┃"))]  # a header and 40 rows per table
+        assert f"r{rank} i{i} rules" in [line.strip() for line in block], block
+        assert len(rows) == 82 and all(chr(97 + rank) * 60 in row or "cell" in row for row in rows), block
