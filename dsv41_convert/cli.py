@@ -1151,11 +1151,12 @@ RESUMABLE = {
 
 def interrupted_message(command: list[str], how: str = "interrupted") -> str:
     """What Ctrl-C (or SIGTERM, `how`) left: for a command that writes in steps, how to go on; for the others,
-    nothing written."""
-    name = command[0] if command else ""
-    if name in RESUMABLE:
+    and a `--dry-run` (a stopped one was told to continue with --resume), nothing written.
+    command: the command line's arguments after the program's name (_command)."""
+    name, dry_run = (command[0] if command else ""), "--dry-run" in command[1:]
+    if name in RESUMABLE and not dry_run:
         return f"{how}; what is on disk is kept: {name} {RESUMABLE[name]}"
-    return how + ("; nothing was written" if name in ("verify", "plan", "check") else "")
+    return how + ("; nothing was written" if name in ("verify", "plan", "check") or dry_run else "")
 
 
 def _sigterm_as_interrupt(signum, frame) -> None:
@@ -1235,8 +1236,10 @@ def _say_stopped() -> int:
 
 
 def _command() -> list[str]:
-    """The command's name, as [name] ([] before one): the first argument that is no option (--debug)."""
-    return [a for a in sys.argv[1:] if not a.startswith("-")][:1]
+    """The command's arguments from its name on ([] before one): the name is the first argument that is no
+    option (--debug)."""
+    names = [n for n, a in enumerate(sys.argv[1:], 1) if not a.startswith("-")]
+    return sys.argv[names[0] :] if names else []
 
 
 def entry() -> None:

@@ -183,6 +183,25 @@ def test_ctrl_c_message_fits_the_command():
     assert "--resume" not in interrupted_message(["reference-logits"])
 
 
+@pytest.mark.parametrize("command", [["shard", "--tp", "2"], ["export", "--format", "bf16"]])
+def test_a_dry_run_stopped_says_nothing_was_written(tmp_path, command):
+    """A `shard --dry-run` stopped (Ctrl-C while it planned the real checkpoint, a scheduler's SIGTERM) said
+    "what is on disk is kept: shard continues it with --resume": a dry run writes nothing, OUT did not exist,
+    and `--resume` was advice for a run that never started. It says "nothing was written", as plan does."""
+    from cli_run import run_cli_with_a_signal_in_an_import
+    from tiny_ckpt import make_tiny
+
+    src = make_tiny(tmp_path / "src", vision=False)
+    verb, *options = command
+    run = run_cli_with_a_signal_in_an_import(
+        "dsv41_convert.convert.plan", verb, str(src), str(tmp_path / "out"), *options, "--dry-run", "--json"
+    )
+    assert run.returncode == 143, run.stderr
+    said = "terminated (SIGTERM); nothing was written"
+    assert json.loads(run.stdout) == {"ok": False, "exit_code": 143, "error": said}
+    assert f"error: {said}" in run.stderr and not (tmp_path / "out").exists()
+
+
 def test_an_error_after_a_signal_ends_the_run_as_interrupted(tmp_path, monkeypatch, capsys):
     """A SIGINT at 0.5 s into reference-logits, landing inside numpy's import, ended in exit 1 with a traceback
     (`AttributeError: module 'numpy' has no attribute 'multiply'`; an audit, 2 tries in 5) and no --json
