@@ -880,7 +880,8 @@ SET_ASIDE = "set-aside"  # under DONE_DIR: tokenizer files of an earlier run tha
 def _set_aside_tokenizer_files(src: Path, out: Path) -> list[str]:
     """Tokenizer files in OUT that SRC lacks (an earlier conversion's, or put there by hand) moved to
     OUT/DONE_DIR/SET_ASIDE/: left in place, OUT looked complete with another model's tokenizer, which the
-    manifest did not list and `check` passed (an audit); deleted, a hand-placed one would be lost.
+    manifest did not list and `check` passed (an audit); deleted, a hand-placed one would be lost. Another process
+    of a torchrun launch into this OUT may move the same file first: then it is that one's to report.
     -> the paths they were moved to"""
     moved = []
     for name in SIDECARS:
@@ -891,7 +892,12 @@ def _set_aside_tokenizer_files(src: Path, out: Path) -> list[str]:
             n = 1
             while target.exists():
                 target, n = folder / f"{name}.{n}", n + 1
-            os.replace(out / name, target)
+            try:
+                os.replace(out / name, target)
+            except FileNotFoundError:
+                if (out / name).exists():  # not the race: the set-aside folder went
+                    raise
+                continue  # another share moved it since this one looked
             moved.append(str(target))
     if moved:
         fsync_path(out)

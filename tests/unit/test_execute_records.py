@@ -273,3 +273,26 @@ def test_tp2_shares_of_two_sources_finishing_in_one_folder_are_refused(tmp_path,
     with pytest.raises(OutputError, match=r"cannot write manifest.json: \d+ replicated tensors? differs? between"):
         execute(build_plan(other, 2), out, ranks=[1])
     assert not (out / MANIFEST).exists()
+
+
+def test_a_tokenizer_file_another_share_set_aside_first_is_not_an_error(tmp_path, monkeypatch):
+    """Two processes of a torchrun launch into one OUT both find the earlier run's tokenizer.json and both move it
+    aside; the second's os.replace found it gone and the share died of a FileNotFoundError (a helper's reading).
+    Now the one that moved it reports it, the other goes on."""
+    from dsv41_convert.convert import execute as execute_module
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    (out / "tokenizer.json").write_text("earlier")
+    real_replace = os.replace
+
+    def peer_first(a, b):  # the other share's move lands between this one's look and its own move
+        real_replace(a, Path(b).with_name("tokenizer.json.peer"))
+        real_replace(a, b)
+
+    monkeypatch.setattr(execute_module.os, "replace", peer_first)
+    assert _set_aside_tokenizer_files(src, out) == []
+    monkeypatch.setattr(execute_module.os, "replace", real_replace)
+    aside = out / DONE_DIR / "set-aside"
+    assert {p.name: p.read_text() for p in aside.iterdir()} == {"tokenizer.json.peer": "earlier"}
