@@ -288,7 +288,7 @@ def shard_cmd(
       dsv41-convert shard ./ckpt ./mp4 --tp 4 --resume
       torchrun --nproc-per-node 8 -m dsv41_convert.cli shard ./ckpt ./mp8 --tp 8
     """
-    from dsv41_convert.convert.execute import check_destination, check_options, execute
+    from dsv41_convert.convert.execute import check_destination, check_out, execute
     from dsv41_convert.convert.plan import build_plan, summarize
     from dsv41_convert.errors import PlanError
 
@@ -304,7 +304,7 @@ def shard_cmd(
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    check_options(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
+    check_out(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
     _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files", rank_list is None)
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
         summary = execute(
@@ -1042,7 +1042,7 @@ def export_cmd(
       dsv41-convert export ./DeepSeek-V4.1-Flash ./v41-fp8 --format fp8
       dsv41-convert export ./finetuned-bf16 ./finetuned-fp8-fp4 --format fp8-fp4 --resume
     """
-    from dsv41_convert.convert.execute import check_destination, check_options
+    from dsv41_convert.convert.execute import check_destination, check_out
     from dsv41_convert.convert.export import RECORDS, build_export_plan, export, not_carried, summarize_export
 
     ep = build_export_plan(_local_source(src), fmt)
@@ -1060,7 +1060,7 @@ def export_cmd(
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    check_options(ep.plan, out, resume, overwrite, None, device)  # refused before the progress's title
+    check_out(ep.plan, out, resume, overwrite, None, device)  # refused before the progress's title
     _warn_of_a_share_without_torchrun("shards", False)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
         summary = export(

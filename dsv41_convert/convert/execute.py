@@ -440,6 +440,29 @@ def check_options(
     return mine
 
 
+def check_out(
+    plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None, device: str
+) -> list[RankFile]:
+    """check_options, then what OUT as found now refuses, in the run's words: a folder the run could not make
+    or write into, another process holding it, files at our names no run of ours wrote, not empty (without
+    --resume or --overwrite), another conversion's files (unless --overwrite replaces them). Nothing is made,
+    locked or written. The CLI calls it before its progress display (a refusal after the display's title read
+    as if the run had started), --dry-run through check_destination; `execute` checks OUT again once it holds
+    it. -> the rank files this process writes"""
+    mine = check_options(plan, out, resume, overwrite, ranks, device)
+    if not mine:  # a share holding no file: the run touches nothing (_nothing_to_write)
+        return []
+    out = Path(out)
+    _require_writable(out)
+    if out.is_dir():
+        others = _others(plan, mine, ranks)
+        refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
+        _refuse_files_not_ours(plan, out)
+        check_empty(out, resume, overwrite, others)
+        _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
+    return mine
+
+
 def check_destination(
     plan: ConversionPlan,
     out: Path,
@@ -454,17 +477,13 @@ def check_destination(
     hashed or written.
     records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process would write"""
-    mine = check_options(plan, out, resume, overwrite, ranks, device)
+    mine = check_out(plan, out, resume, overwrite, ranks, device)
     if not mine:  # a share holding no file: the run touches nothing (_nothing_to_write)
         return []
     out = Path(out)
-    _require_writable(out)
     replaced = [f.file for f in mine]  # what an --overwrite removes before it checks the space (execute)
     if out.is_dir():
         others = _others(plan, mine, ranks)
-        refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
-        _refuse_files_not_ours(plan, out)
-        check_empty(out, resume, overwrite, others)
         replaced += _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
         if others is None:  # the folder held alone: the finished run's records go first (_forget_records)
             replaced += [MANIFEST, *records]

@@ -150,12 +150,12 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
                 path.parent.mkdir(exist_ok=True)  # the last share to leave removed the file locks' folder
                 continue
             if exc.errno == errno.ELOOP:
-                raise OutputError(f"{what}: {path} is a link, not a lock file of ours; remove it") from exc
+                raise _not_ours(what, path, "is a link") from exc
             raise OutputError(f"{what}: cannot create the lock file {path.name} ({exc.strerror})") from exc
         if linked(os.fstat(fd)):  # a hard link: an exclusive taker truncates it, and with it the other name's file
             if _unheld_name_removed(fd, path):  # a killed run's, copied with `cp -al` (an audit): a new one
                 continue
-            raise OutputError(f"{what}: {path} has another name (a hard link), not a lock file of ours; remove it")
+            raise _not_ours(what, path, "has another name (a hard link)")
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -201,6 +201,12 @@ def take(path: Path, exclusive: bool, what: str) -> Lock:
         os.close(fd)
         raise OutputError(f"{what}: cannot write the lock file {path.name} ({exc.strerror})") from exc
     return Lock(path, fd, exclusive, stale)
+
+
+def _not_ours(what: str, path: Path, found: str) -> OutputError:
+    """The refusal of a lock file `take` may not use: a link planted at its name, or one with another name that a
+    process holds. found: what it is ("is a link")."""
+    return OutputError(f"{what}: {path} {found}, not a lock file of ours; remove it")
 
 
 def _unheld_name_removed(fd: int, path: Path) -> bool:
@@ -322,6 +328,14 @@ def _probe(path: Path, exclusive: bool, what: str) -> None:
     except OSError:  # no lock file: nobody holds it (a link or worse is refused by the run in its own words)
         return
     try:
+        if linked(os.fstat(fd)):  # as `take` finds it: replaced where nobody holds it, else refused
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # dropped with the descriptor
+            except BlockingIOError:
+                raise _not_ours(what, path, "has another name (a hard link)") from None
+            except OSError:  # no locks on this file system: the run says so
+                return
         for _ in range(BUSY_TRIES):
             try:
                 fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)

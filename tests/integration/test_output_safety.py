@@ -5,6 +5,8 @@ count reported, and `check` on a folder that is not finished."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -613,6 +615,51 @@ def test_a_refused_option_is_said_before_any_progress(src, tmp_path, monkeypatch
     code, stdout, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, *options)
     assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
     assert not out.exists()
+
+
+def _out_not_empty(src: Path, out: Path, command: str, run) -> tuple[list[str], str]:
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    return [], f"{out}: not empty (notes.txt)"
+
+
+def _out_of_a_stranger(src: Path, out: Path, command: str, run) -> tuple[list[str], str]:
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # a file at our name that no run of ours wrote
+    return ["--resume"], f"{out}: holds config.json, which no dsv41-convert run wrote there"
+
+
+def _out_of_another_conversion(src: Path, out: Path, command: str, run) -> tuple[list[str], str]:
+    other = ["shard", "--tp", "4"] if command == "export" else ["export", "--format", "bf16"]
+    assert run(other[0], str(src), str(out), *other[1:])[0] == 0
+    return ["--resume"], f"{out}: holds files of another conversion"
+
+
+_OUT_REFUSED = {"not-empty": _out_not_empty, "stranger": _out_of_a_stranger, "other": _out_of_another_conversion}
+
+
+@pytest.mark.parametrize("refused", [*_OUT_REFUSED, "held"])
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_a_refused_out_is_said_before_any_progress(src, tmp_path, monkeypatch, capsys, command, refused):
+    """`shard SRC OUT` into a non-empty OUT printed the progress display's title (`shard SRC -> OUT (tp 2)`) and
+    an empty line before `error: OUT: not empty (...)`, as if the run had started; so did OUT held by another
+    run, OUT holding files no run of ours wrote, or another conversion's (--resume). What OUT refuses as it is
+    found is now the first thing said, and OUT is left as it was."""
+    from dsv41_convert.store.lock import hold
+
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    out = (tmp_path / "out").resolve()
+    if refused == "held":
+        out.mkdir()
+        options, said, held = [], f"{out}: in use by pid {os.getpid()}", hold(out)
+    else:
+        run = functools.partial(run_cli, monkeypatch, capsys)
+        (options, said), held = _OUT_REFUSED[refused](src, out, command, run), contextlib.nullcontext()
+    before = tree(out)
+    with held:
+        code, stdout, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, *options)
+    assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
+    assert tree(out) == before
 
 
 @pytest.mark.parametrize(
