@@ -91,7 +91,7 @@ def make_tiny(
     """
     from dsv41_convert.errors import ConfigError
     from dsv41_convert.synth.presets import PRESETS
-    from dsv41_convert.synth.write import write_checkpoint
+    from dsv41_convert.synth.write import check_checkpoint, write_checkpoint
 
     if preset == "full" or sparse:
         if not (preset == "full" and sparse):
@@ -102,7 +102,9 @@ def make_tiny(
                 "no --source-dtype bf16, --no-vision, --shards or --seed"
             )
         from dsv41_convert.synth.hollow import write_hollow
+        from dsv41_convert.synth.staged import refuse_out
 
+        refuse_out(out, overwrite)  # before the progress's title (and the tokenizer's seconds); again under the lock
         with report.byte_progress(f"make-tiny full --sparse -> {out}", quiet=as_json) as progress:
             summary = write_hollow(out, overwrite=overwrite, progress=progress)
         if as_json:
@@ -117,12 +119,15 @@ def make_tiny(
         raise ConfigError(f"--preset {preset!r}: expected one of {sorted(PRESETS)} or full (with --sparse)")
     if source_dtype not in ("fp8", "bf16"):
         raise ConfigError(f"--source-dtype {source_dtype!r}: expected fp8 or bf16")
+    quantized = source_dtype == "fp8"
+    # refused before the progress's title; write_checkpoint checks again, OUT under its lock
+    check_checkpoint(out, PRESETS[preset], quantized=quantized, vision=vision, layer_shards=shards, overwrite=overwrite)
     with report.byte_progress(f"make-tiny {preset} -> {out}", quiet=as_json) as progress:
         summary = write_checkpoint(
             out,
             PRESETS[preset],
             seed=seed,
-            quantized=source_dtype == "fp8",
+            quantized=quantized,
             vision=vision,
             layer_shards=shards,
             overwrite=overwrite,

@@ -80,17 +80,21 @@ def check_out(out: Path, overwrite: bool) -> Path:
     return out
 
 
+def refuse_out(out: Path, overwrite: bool) -> Path:
+    """What `staged` refuses of `out` as found, before it holds it: another run writing there (named as a held
+    folder, not as "not empty"), then check_out. Nothing is made or locked: the CLI calls it before its progress
+    display (a refusal after the display's title read as if the run had started). -> check_out's folder"""
+    if out.is_dir():
+        refuse_held(out)
+    return check_out(out, overwrite)
+
+
 @contextmanager
 def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     """A fresh hidden folder inside `out` to write the checkpoint into, moved in when the block ends without
     an error (see the module docstring). An OSError while writing (a full disk) becomes an OutputError
     naming `out`."""
-    try:
-        out = check_out(Path(out), overwrite)
-    except OutputError:
-        if Path(out).is_dir():  # another run writing there now: named as a held folder, not as "not empty"
-            refuse_held(Path(out))
-        raise
+    out = refuse_out(Path(out), overwrite)
     with made_folder(out) as made:
         try:
             with hold(out):

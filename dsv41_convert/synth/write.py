@@ -34,7 +34,7 @@ from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
 from dsv41_convert.store.publish import publish
 from dsv41_convert.store.safetensors_header import build_header, nbytes
 from dsv41_convert.synth.presets import Preset, hf_config
-from dsv41_convert.synth.staged import INDEX, staged
+from dsv41_convert.synth.staged import INDEX, refuse_out, staged
 from dsv41_convert.synth.tokenizer import build_tokenizer, special_token_ids, tokenizer_config
 from dsv41_convert.synth.weights import param_tensors
 
@@ -160,6 +160,26 @@ def preset_files(preset: Preset, *, quantized: bool = True, vision: bool = True)
     return config, tok
 
 
+def _planned(
+    preset: Preset, quantized: bool, vision: bool, layer_shards: int | None
+) -> tuple[dict[str, Any], Tokenizer, list[Shard]]:
+    """-> (config.json, tokenizer, shards in file order) of a checkpoint write_checkpoint writes; PlanError for
+    a --shards the preset's layers cannot take."""
+    config, tok = preset_files(preset, quantized=quantized, vision=vision)
+    args = ModelArgs.from_hf_dict(config, f"preset {preset.name}")
+    return config, tok, plan_shards(args, quantized, layer_shards)
+
+
+def check_checkpoint(
+    out: Path, preset: Preset, *, quantized: bool = True, vision: bool = True, layer_shards: int | None = None,
+    overwrite: bool = False,
+) -> None:  # fmt: skip
+    """What write_checkpoint with these arguments refuses before its first byte (--shards, then `out` as found:
+    staged.refuse_out), nothing made, locked or written; for the CLI, before its progress display."""
+    _planned(preset, quantized, vision, layer_shards)
+    refuse_out(Path(out), overwrite)
+
+
 def write_checkpoint(
     out: Path,
     preset: Preset,
@@ -179,10 +199,8 @@ def write_checkpoint(
     Returns a summary: files with sizes, tensor count, total_size, the config.
     """
     out = Path(out)
-    config, tok = preset_files(preset, quantized=quantized, vision=vision)
+    config, tok, shards = _planned(preset, quantized, vision, layer_shards)
     compressed = config["text_config"]["engram_compressed_vocab_size"]
-    args = ModelArgs.from_hf_dict(config, f"preset {preset.name}")
-    shards = plan_shards(args, quantized, layer_shards)  # every check before the first byte is touched
     total_bytes = sum(s.nbytes for s in shards)
     files = []
     with staged(out, overwrite) as stage:

@@ -3,6 +3,7 @@ the tokenizer, the fp8 <-> bf16 round trip, determinism and the command line."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -640,3 +641,34 @@ def test_a_link_to_nowhere_is_named_as_such(tmp_path):
     linked.symlink_to(tmp_path / "target")
     write_checkpoint(linked, TINY, vision=False, layer_shards=1)  # a link to a folder: written there
     assert linked.is_symlink() and (tmp_path / "target" / INDEX).is_file()
+
+
+@pytest.mark.parametrize("refused", ["not-empty", "foreign", "held", "shards", "full-foreign"])
+def test_a_refused_make_tiny_is_said_before_any_progress(tmp_path, monkeypatch, capsys, refused):
+    """`make-tiny OUT` into a folder of other files printed the progress display's title (`make-tiny tiny -> OUT`)
+    and an empty line before `error: OUT: holds what make-tiny does not write`, as if the run had started (with
+    `--preset full --sparse` 3 s later, after its tokenizer); so did OUT not empty, OUT held by another run and
+    `--shards` out of range. The refusal is now the first thing said, and OUT is as it was."""
+    from cli_run import run_cli
+
+    from dsv41_convert.store.lock import hold
+
+    out = (tmp_path / "out").resolve()
+    out.mkdir()
+    options, held = [], contextlib.nullcontext()
+    if refused == "not-empty":
+        write_checkpoint(out, TINY)
+        said = f"{out}: not empty"
+    elif refused == "held":
+        said, held = f"{out}: in use by pid {os.getpid()}", hold(out)
+    elif refused == "shards":
+        options, said = ["--shards", "1000"], "--shards 1000: the backbone has"
+    else:
+        (out / "notes.txt").write_text("mine")
+        options = ["--preset", "full", "--sparse"] if refused == "full-foreign" else []
+        said = f"{out}: holds what make-tiny does not write (notes.txt)"
+    before = sorted(p.name for p in out.iterdir())
+    with held:
+        code, stdout, err = run_cli(monkeypatch, capsys, "make-tiny", str(out), *options)
+    assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -94,7 +94,8 @@ def test_its_summary_line_gives_the_apparent_size(hollow, monkeypatch, capsys):
 
     out, summary = hollow
     monkeypatch.setattr(hollow_mod, "write_hollow", lambda *args, **kw: summary)  # the fixture's run, not another
-    code, _, err = run_cli(monkeypatch, capsys, "make-tiny", str(out), "--preset", "full", "--sparse")
+    # --overwrite: OUT (the fixture's) is refused as not empty before write_hollow is called
+    code, _, err = run_cli(monkeypatch, capsys, "make-tiny", str(out), "--preset", "full", "--sparse", "--overwrite")
     apparent = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert code == 0 and apparent == 510_296_708_312, err
     assert f"{apparent:,} bytes apparent (510,286,023,000 of tensors)" in err, err
