@@ -815,11 +815,12 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
     from dsv41_convert.errors import first_few
     from dsv41_convert.store.lock import refuse_held
     from dsv41_convert.store.manifest import MANIFEST
-    from dsv41_convert.store.manifest_check import check_folder
+    from dsv41_convert.store.manifest_check import check_folder, read_manifest
 
     refuse_held(out)  # a run writing into OUT (a share too): its files are not final, nor its manifest's absence
+    manifest = read_manifest(out)  # no folder, no manifest or a damaged one: refused before the progress's title
     with report.byte_progress(f"check {out}", quiet=as_json) as progress:
-        result = check_folder(out, progress=progress, threads=workers or None)
+        result = check_folder(out, progress=progress, threads=workers or None, manifest=manifest)
     for problem in result.problems:
         report.error(problem)
     if result.unchecked:

@@ -141,14 +141,17 @@ def check_folder(
     threads: int | None = None,
     tp: int | None = None,
     besides: frozenset[str] = frozenset(),
+    manifest: dict[str, Any] | None = None,
 ) -> CheckResult:
     """Check sizes, then sha256, of every file in the manifest, `threads` files at a time (None: one per
     usable core, file_digest.hash_threads). tp: the rank files of that tp are the ones checked (verify --tp
     picked them): those of another tp beside them are not this conversion's problem. besides: names of files
     the caller knows are no part of the conversion (verify's reference file, kept in the folder).
+    manifest: read_manifest(folder), where the caller read it already (`check`, before its progress display,
+    so that a folder without one is refused before the display's title); None reads it here.
     -> CheckResult (ok when no problems), files in name order."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder) if manifest is None else manifest
     files = manifest["files"]
     listed = {
         name: (folder / name, Recorded(rec["size"], rec["sha256"], "manifest")) for name, rec in sorted(files.items())

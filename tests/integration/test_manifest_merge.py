@@ -834,3 +834,19 @@ def test_the_first_share_says_who_finishes_the_folder(runs, tmp_path, monkeypatc
     else:
         assert "in one folder, the share that finishes last writes manifest.json and removes it" in err, err
         assert "gathered from several machines, `dsv41-convert manifest OUT` does" in err, err
+
+
+@pytest.mark.parametrize("found", ["no-manifest", "no-folder", "not-json"])
+def test_a_folder_check_refuses_is_said_before_any_progress(tmp_path, monkeypatch, capsys, found):
+    """`check OUT` of a folder without a manifest.json printed the progress display's title (`check OUT`) and an
+    empty line before `error: OUT/manifest.json: not found`, as if the check had started; so did a folder that
+    does not exist and a manifest that is no JSON. The refusal is now the first thing said."""
+    out = (tmp_path / "out").resolve()
+    if found != "no-folder":
+        out.mkdir()
+    if found == "not-json":
+        (out / "manifest.json").write_text("{")
+    said = {"no-manifest": f"{out}/manifest.json: not found", "no-folder": f"{out}: no such folder",
+            "not-json": f"{out}/manifest.json: not readable JSON"}[found]  # fmt: skip
+    code, stdout, err = run_cli(monkeypatch, capsys, "check", str(out))
+    assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
