@@ -981,8 +981,9 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
       dsv41-convert manifest ./mp8 --json
     """
     from dsv41_convert.convert.unshard import shares_agree
-    from dsv41_convert.store.manifest_merge import merge
+    from dsv41_convert.store.manifest_merge import check_mergeable, merge
 
+    check_mergeable(out)  # refused before the progress's title; merge checks again, then under OUT's lock
     with report.byte_progress(f"manifest {out}", quiet=as_json) as progress:
 
         def agree(folder: Path, tp: int) -> list[str]:

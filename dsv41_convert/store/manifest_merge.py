@@ -48,7 +48,7 @@ from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.file_digest import Recorded, mismatches, sha256_file
 from dsv41_convert.store.index import INDEX_NAME
-from dsv41_convert.store.lock import LOCK_NAME, hold
+from dsv41_convert.store.lock import LOCK_NAME, hold, refuse_held
 from dsv41_convert.store.manifest import (
     DONE_DIR,
     FRAGMENT_GLOB,
@@ -266,6 +266,18 @@ def merge(
     Holds `out` alone (store/lock.py): no `shard` may be writing there meanwhile.
     """
     out = Path(out)
+    check_mergeable(out)
+    interrupts.check()  # one postponed since an import: before the lock and the hashes (an audit: it merged)
+    with hold(out):
+        # the temporary of a merge killed while it wrote the manifest: `check` listed it as unchecked ever after
+        remove_stale_temporaries(out, lambda name: name == MANIFEST)
+        return _merge(out, progress, shares_agree)
+
+
+def check_mergeable(out: Path) -> None:
+    """OutputError (LockedError) for what `merge` refuses of `out` as found, before it holds it: no folder, nothing
+    to merge, another run holding it (refuse_held: the lock's words). Nothing is locked or written: the CLI calls
+    it before its progress display (a refusal after the display's title read as if the merge had started)."""
     if not out.is_dir():
         what = "not a folder" if out.exists() else "no such folder"
         raise OutputError(f"{out}: {what}; gather the rank files and fragments of every machine in a folder")
@@ -273,11 +285,7 @@ def merge(
     # in use, said by the lock)
     if (out / INDEX_NAME).is_file() or not ((out / LOCK_NAME).exists() or (out / DONE_DIR).exists()):
         _nothing_to_merge(out)
-    interrupts.check()  # one postponed since an import: before the lock and the hashes (an audit: it merged)
-    with hold(out):
-        # the temporary of a merge killed while it wrote the manifest: `check` listed it as unchecked ever after
-        remove_stale_temporaries(out, lambda name: name == MANIFEST)
-        return _merge(out, progress, shares_agree)
+    refuse_held(out)
 
 
 def _nothing_to_merge(out: Path) -> None:

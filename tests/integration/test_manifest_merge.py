@@ -4,8 +4,10 @@ equal to a single full run's, and refuses missing ranks, mismatching files and m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -849,4 +851,26 @@ def test_a_folder_check_refuses_is_said_before_any_progress(tmp_path, monkeypatc
     said = {"no-manifest": f"{out}/manifest.json: not found", "no-folder": f"{out}: no such folder",
             "not-json": f"{out}/manifest.json: not readable JSON"}[found]  # fmt: skip
     code, stdout, err = run_cli(monkeypatch, capsys, "check", str(out))
+    assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
+
+
+@pytest.mark.parametrize("found", ["no-fragments", "no-folder", "held"])
+def test_a_folder_manifest_refuses_is_said_before_any_progress(runs, tmp_path, monkeypatch, capsys, found):
+    """`manifest OUT` of a folder without fragments printed the progress display's title (`manifest OUT`) and an
+    empty line before `error: OUT: no manifest-fragment-*.json files`, as if the merge had started; so did a
+    folder that does not exist, and one another run holds. The refusal is now the first thing said."""
+    from dsv41_convert.store.lock import hold
+
+    out = (tmp_path / "out").resolve()
+    held = contextlib.nullcontext()
+    if found == "no-fragments":
+        out.mkdir()
+        said = f"{out}: no manifest-fragment-*.json files"
+    elif found == "no-folder":
+        said = f"{out}: no such folder"
+    else:
+        _gather(out, runs["a"], runs["b"])
+        said, held = f"{out}: in use by pid {os.getpid()}", hold(out)
+    with held:
+        code, stdout, err = run_cli(monkeypatch, capsys, "manifest", str(out))
     assert code == 2 and err.startswith(f"error: {said}") and stdout == "", err
