@@ -938,6 +938,8 @@ def download_cmd(
     dl.check_repo_id(repo_id)  # before the banner
     if verify_only and overwrite:  # it writes nothing: the option was ignored, silently (an audit)
         raise typer.BadParameter("--verify-only checks the folder and writes nothing: drop --overwrite")
+    # before the banner too: a refusal after it read as if the download had started
+    dl.check_download(repo_id, revision=revision, local_dir=local_dir, verify_only=verify_only, overwrite=overwrite)
     patterns = {"include": include or [], "exclude": exclude or []}
     with report.byte_progress(f"{'verifying' if verify_only else 'downloading'} {repo_id}") as progress:
         if verify_only:

@@ -76,6 +76,7 @@ from dsv41_convert.hub.local import (
     check_repo_id,
     checks_made,
     listing,
+    local_place,
     offline,
     own_path,
     place_of,
@@ -84,7 +85,7 @@ from dsv41_convert.hub.local import (
     verify_local,
 )
 from dsv41_convert.numbers import byte_amounts, counted
-from dsv41_convert.store.lock import hold
+from dsv41_convert.store.lock import hold, refuse_held
 from dsv41_convert.store.made_folder import made_folder
 from dsv41_convert.store.manifest import atomic_write_changed
 
@@ -169,6 +170,35 @@ def _checked_out(repo_id: str, report: DownloadReport) -> DownloadReport:
 # --- download ---
 
 
+def check_download(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    local_dir: Path | None = None,
+    cache_dir: Path | None = None,
+    verify_only: bool = False,
+    overwrite: bool = False,
+) -> None:
+    """What `download` (`verify_only`, or HF_HUB_OFFLINE: verify_local) refuses before its first request or byte:
+    a bad repo id; offline, --overwrite, and no folder to check; online, a --local-dir that is no folder (mkdir
+    said only "File exists" of a file there) or that another run holds. Nothing is made or locked: the CLI asks
+    before its progress display (a refusal after the banner read as if the download had started), and
+    `download` asks again (it then holds the folder)."""
+    if verify_only or offline():
+        if overwrite and not verify_only:  # the check writes nothing: the option was ignored, silently (an audit)
+            raise DownloadError(
+                f"{repo_id}: HF_HUB_OFFLINE is set, so download only checks what is there and replaces nothing: "
+                "unset it to replace files, or drop --overwrite"
+            )
+        local_place(repo_id, revision, local_dir, cache_dir)
+        return
+    check_repo_id(repo_id)
+    if local_dir is not None:
+        refuse_non_folder(Path(local_dir), DownloadError)
+        if Path(local_dir).is_dir():
+            refuse_held(Path(local_dir))
+
+
 def download(
     repo_id: str,
     *,
@@ -196,12 +226,8 @@ def download(
     put there (another revision's, the user's own) are replaced only with `overwrite`: DownloadError before
     the first byte otherwise.
     """
+    check_download(repo_id, revision=revision, local_dir=local_dir, cache_dir=cache_dir, overwrite=overwrite)
     if offline():
-        if overwrite:  # the check writes nothing: the option was ignored, silently (as --verify-only's, an audit)
-            raise DownloadError(
-                f"{repo_id}: HF_HUB_OFFLINE is set, so download only checks what is there and replaces nothing: "
-                "unset it to replace files, or drop --overwrite"
-            )
         report = verify_local(
             repo_id,
             revision=revision,
@@ -213,9 +239,6 @@ def download(
             progress=progress,
         )
         return report  # with its problems, as --verify-only: a check that fails, not an error
-    check_repo_id(repo_id)
-    if local_dir is not None:  # before any request (mkdir said only "File exists" of a file there)
-        refuse_non_folder(Path(local_dir), DownloadError)
     with contextlib.ExitStack() as held:
         if local_dir is not None:  # a run refused before its first byte (no such repo) leaves no folder it made
             held.enter_context(made_folder(Path(local_dir)))

@@ -164,6 +164,24 @@ def offline() -> bool:
 # --- offline check ---
 
 
+def local_place(repo_id: str, revision: str | None, local_dir: Path | None, cache_dir: Path | None) -> Place:
+    """The folder (and record) verify_local checks: `local_dir`, else `revision`'s snapshot in the HF cache.
+    Raises DownloadError (NotCached) where there is none: asked before any output (cli), as verify_local does."""
+    check_repo_id(repo_id)
+    if local_dir is not None:
+        place = Place(Path(local_dir), Path(local_dir) / RECORD_NAME)
+    else:
+        rev = revision or constants.DEFAULT_REVISION
+        commit = _cached_commit(repo_id, rev, cache_dir)
+        if commit is None:
+            raise NotCached(f"{repo_id}@{rev}: not in the HF cache ({storage_of(repo_id, cache_dir)})")
+        place = place_of(repo_id, commit, None, cache_dir)
+    if not place.folder.is_dir():
+        what = "not a folder" if place.folder.exists() else "no such folder"
+        raise DownloadError(f"{place.folder}: {what}; download {repo_id} first")
+    return place
+
+
 def verify_local(
     repo_id: str,
     *,
@@ -179,18 +197,7 @@ def verify_local(
     else from the files alone (safetensors headers, sizes implied by them, the index); either way, that the
     folder is a whole checkpoint (integrity._check_whole: config.json, every shard, no stray *.safetensors
     beside them, which the record does not list, no tensor in two files)."""
-    check_repo_id(repo_id)
-    rev = revision or constants.DEFAULT_REVISION
-    if local_dir is not None:
-        place = Place(Path(local_dir), Path(local_dir) / RECORD_NAME)
-    else:
-        commit = _cached_commit(repo_id, rev, cache_dir)
-        if commit is None:
-            raise NotCached(f"{repo_id}@{rev}: not in the HF cache ({storage_of(repo_id, cache_dir)})")
-        place = place_of(repo_id, commit, None, cache_dir)
-    if not place.folder.is_dir():
-        what = "not a folder" if place.folder.exists() else "no such folder"
-        raise DownloadError(f"{place.folder}: {what}; download {repo_id} first")
+    place = local_place(repo_id, revision, local_dir, cache_dir)
     record = Record.load(place.record)
     if record is not None and record.repo_id != repo_id:
         raise DownloadError(f"{place.folder}: holds {record.repo_id} (per {place.record.name}), not {repo_id}")

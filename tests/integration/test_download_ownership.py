@@ -4,6 +4,7 @@ temporaries are kept. Each test plants the situation an audit found mishandled (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -451,3 +452,31 @@ def test_a_record_naming_a_fetched_file_out_of_the_folder_removes_nothing_there(
     with pytest.raises(DownloadError, match=r"unreadable download record .*fetched '.*victim.txt'"):
         fetch(hub, local_dir=local, revision="v0", include=["config.json"], overwrite=True)
     assert victim.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("refused", ["a file", "held", "verify-only, no folder", "offline --overwrite"])
+def test_a_refused_download_is_said_before_the_banner(tmp_path, monkeypatch, capsys, refused):
+    """`download REPO --local-dir FILE` (and a folder another run holds, `--verify-only` of no folder, offline with
+    --overwrite) printed the banner (`downloading REPO`) and an empty line before `error: ...`, as if the download
+    had started (a helper's survey). Now the refusal is the first thing said; nothing is requested or written."""
+    from dsv41_convert.store.lock import hold
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail, not hang
+    local, options, held = tmp_path / "v41", [], None
+    if refused == "a file":
+        local.write_bytes(b"mine")
+        said = f"error: {local}: exists and is not a folder"
+    elif refused == "held":
+        local.mkdir()
+        held, said = hold(local), f"error: {local.resolve()}: in use by pid"
+    elif refused == "verify-only, no folder":
+        options, said = ["--verify-only"], f"error: {local}: no such folder; download {REPO} first"
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        options, said = ["--overwrite"], f"error: {REPO}: HF_HUB_OFFLINE is set"
+    with held or contextlib.nullcontext():
+        code, out, err = run_cli(monkeypatch, capsys, "download", REPO, "--local-dir", str(local), *options)
+    assert code == 2 and err.startswith(said) and out == "", err
+    assert not (local / ".dsv41-convert").exists() or refused == "held"
