@@ -82,6 +82,9 @@ class Indexer(nn.Module):
         self.index_topk = args.index_topk
         self.q_lora_rank = args.q_lora_rank
         self.softmax_scale = self.index_head_dim**-0.5
+        # set by verify.teacher: the scores the last call chose from ([b, s, t], candidates masked), kept to tell
+        # a near-tie broken otherwise from another choice; the model never reads them
+        self.keep_scores, self.kept_scores = False, None
         self.wq_b = ColumnParallelLinear(self.q_lora_rank, self.n_heads * self.index_head_dim)
         self.weights_proj = ColumnParallelLinear(self.dim, self.n_heads, dtype=torch.bfloat16)
         if self.owns_k:
@@ -154,6 +157,8 @@ class Indexer(nn.Module):
         elif self.uses_candidates:
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
 
+        if self.keep_scores:
+            self.kept_scores = scores
         topk = min(self.index_topk, end_pos // ratio)
         idxs = scores.topk(topk, dim=-1, sorted=False).indices.sort(dim=-1).values
         return torch.where(idxs < compress_lens, idxs + offset, -1).int()

@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from dsv41_convert.numbers import counted
 from dsv41_convert.verify.metrics import Stats
 from dsv41_convert.verify.run import VerifyResult
 from dsv41_convert.verify.thresholds import SECTIONS
@@ -52,7 +53,7 @@ def render(result: VerifyResult) -> Group:
     style = {"PASS": "bold green", "FAIL": "bold red"}.get(result.verdict, "bold yellow")
     if result.verdict == "FAIL":  # a decisive check may hold beside a failure of another kind (tokenizer, replicas)
         held = f"; held: {', '.join(result.held)}, but the failures below decide" if result.held else ""
-        how = f"{len(result.failures)} failure(s){held}"
+        how = f"{counted(len(result.failures), 'failure')}{held}"
     elif result.verdict == "PASS" and result.decisive:
         how = "decisive: " + ", ".join(f"{name} bit for bit" for name in result.decisive)
         if result.drafts_statistical:

@@ -1,5 +1,5 @@
-"""A correct conversion FAILs the teacher check's indexer bound on a 28-token prompt (a helper's third hunt,
-2026-12-07; not fixed yet, hence xfail): make-tiny seed 11, tp 8, verify --no-replay against the tp-1
+"""A correct conversion FAILed the teacher check's indexer bound on a 28-token prompt (a helper's third hunt,
+2026-12-07): make-tiny seed 11, tp 8, verify --no-replay against the tp-1
 reference (2 threads). The weights check holds; the teacher says `layers.5.attn.indexer: top-k differs at 4
 of 28 positions` (allowed: 10 % of 28, at least 2).
 
@@ -13,7 +13,9 @@ bf16 ulp of reduction noise at tp 8 breaks them the other way:
 - layers.5, positions 16 and 25: the 8th and 9th scores tie exactly at tp 1 (-0.0011138916 / -0.0083007812),
   one ulp apart at tp 8; position 20: one ulp apart at tp 1, tied at tp 8.
 On 14-29-token prompts, seed 11, tp 8: 1 of 60 prompts so; seeds 10-12 at 20-60 tokens had 2-3 flips in one
-layer on several prompts (within the bound at their lengths)."""
+layer on several prompts (within the bound at their lengths).
+Now a choice differing only by such a near-tie (within teacher.TIE_ULPS of this run's worst chosen score) is not
+counted: layer 5's three positions; the candidate block's (one position) still is, within the bound."""
 
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ PROMPT = [111, 143, 434, 285, 82, 35, 116, 503, 484, 259, 410, 365, 297, 48, 21,
           104, 281, 397, 178, 399]  # fmt: skip
 
 
-@pytest.mark.xfail(strict=True, reason="indexer ties broken by tp-8 reduction noise exceed the teacher's flip bound")
 def test_a_correct_tp8_conversion_passes_the_teacher_on_a_prompt_with_indexer_ties(tmp_path, monkeypatch, capsys):
     src, conv, ref, prompts = tmp_path / "src", tmp_path / "mp8", tmp_path / "ref.safetensors", tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"input_ids": PROMPT}) + "\n")
@@ -44,3 +45,30 @@ def test_a_correct_tp8_conversion_passes_the_teacher_on_a_prompt_with_indexer_ti
     result = json.loads(out)
     assert result["weights"] == "held", result
     assert code == 0 and result["verdict"] == "PASS", (result["failures"], err)
+
+
+def test_an_indexer_fault_still_fails_the_teacher_by_its_choices(tmp_path, monkeypatch, capsys):
+    """What the near-tie rule must not excuse: an index source's weights_proj negated on both ranks (its scores
+    reversed; no other module's output moves, as the teacher forces the reference's choice) differs at most
+    positions, and the teacher names the indexer (measured: 32 of 40 positions on the default prompts)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, conv, ref = tmp_path / "src", tmp_path / "mp2", tmp_path / "ref.safetensors"
+    for args in (("make-tiny", str(src)), ("shard", str(src), str(conv), "--tp", "2"),
+                 ("reference-logits", str(src), str(ref), "--decode-steps", "1")):  # fmt: skip
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+    (conv / "manifest.json").unlink()
+    name = "layers.5.attn.indexer.weights_proj.weight"
+    for rank in range(2):
+        path = conv / f"model{rank}-mp2.safetensors"
+        tensors = load_file(path)
+        assert name in tensors and tensors[name].dtype == torch.bfloat16
+        tensors[name] = -tensors[name]
+        save_file(tensors, path, metadata={"format": "pt"})
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), "--no-replay",
+                             "--json")  # fmt: skip
+    result = json.loads(out)
+    assert code == 1 and result["verdict"] == "FAIL", err
+    assert any(f.startswith("teacher layers.5.attn.indexer: top-k differs") for f in result["failures"]), result

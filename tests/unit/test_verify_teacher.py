@@ -185,3 +185,25 @@ def test_a_reference_computed_at_tp_above_1_has_the_wider_bound():
     three = [ModuleDeviations(positions=8, ulps={"layers.0.attn": 3.0})]
     assert judge(three, ["p"]).failures == ["teacher layers.0.attn: 3 bf16 ulps > 2 (p)"]
     assert judge(three, ["p"], ULPS_BOUND_SPLIT_REFERENCE).failures == []
+
+
+def test_a_near_tie_broken_the_other_way_is_not_a_differing_choice():
+    """Indexer scores are bf16 and tie exactly; another tp's reduction moves one by an ulp, and the tie breaks the
+    other way (a helper's hunt: a correct tp-8 conversion FAILed at 4 of 28 positions). Counted: a reference
+    choice more than TIE_ULPS below this run's worst chosen score, or one not reachable here."""
+    from dsv41_convert.verify.teacher import TIE_ULPS, differing_choices
+
+    offset = 4  # window rows before the compressed ones
+    scores = torch.tensor([[1.0, 0.5, 0.5, -torch.inf], [2.0, 1.0, 1.0 - 2**-8, 0.25]], dtype=torch.bfloat16)
+    own = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32) + offset
+    assert differing_choices(own, own.clone(), scores, offset) == 0
+    tie = torch.tensor([[0, 2], [0, 2]], dtype=torch.int32) + offset  # an exact tie; one ulp (2**-8 of 1.0) below
+    assert differing_choices(own, tie, scores, offset) == 0
+    far = torch.tensor([[0, 1], [0, 3]], dtype=torch.int32) + offset  # 0.25 is far below 1.0 - TIE_ULPS ulps
+    assert TIE_ULPS * 2**-7 < 0.75 and differing_choices(own, far, scores, offset) == 1
+    masked = torch.tensor([[0, 3], [0, 1]], dtype=torch.int32) + offset  # a row this run's candidates masked
+    assert differing_choices(own, masked, scores, offset) == 1
+    unreachable = torch.tensor([[0, -1], [0, 1]], dtype=torch.int32)  # fewer reachable rows than this run's
+    unreachable[0, 0] += offset
+    unreachable[1] += offset
+    assert differing_choices(own, unreachable, scores, offset) == 1
