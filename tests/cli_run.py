@@ -126,3 +126,17 @@ def processes_with_open(path: Path) -> set[int]:
         except OSError:  # gone meanwhile, or not ours
             continue
     return found - {os.getpid()}
+
+
+def convert_and_reference(monkeypatch, capsys, folder: Path, seed: int, tp: int, *reference: str) -> tuple[Path, Path]:
+    """make-tiny (`seed`) into folder/src, `shard --tp tp` into folder/mp{tp}, `reference-logits` of the source
+    (its options `reference`) into folder/ref.safetensors, each asserted to succeed. -> (rank files, reference)"""
+    src, conv, ref = folder / "src", folder / f"mp{tp}", folder / "ref.safetensors"
+    for args in (
+        ("make-tiny", str(src), "--seed", str(seed)),
+        ("shard", str(src), str(conv), "--tp", str(tp)),
+        ("reference-logits", str(src), str(ref), *reference),
+    ):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+    return conv, ref

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_run import run_cli
+from cli_run import convert_and_reference, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +31,10 @@ PROMPT = [111, 143, 434, 285, 82, 35, 116, 503, 484, 259, 410, 365, 297, 48, 21,
 
 
 def test_a_correct_tp8_conversion_passes_the_teacher_on_a_prompt_with_indexer_ties(tmp_path, monkeypatch, capsys):
-    src, conv, ref, prompts = tmp_path / "src", tmp_path / "mp8", tmp_path / "ref.safetensors", tmp_path / "p.jsonl"
+    prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"input_ids": PROMPT}) + "\n")
-    for args in (
-        ("make-tiny", str(src), "--seed", "11"),
-        ("shard", str(src), str(conv), "--tp", "8"),
-        ("reference-logits", str(src), str(ref), "--prompts", str(prompts), "--decode-steps", "1", "--threads", "2"),
-    ):
-        code, _, err = run_cli(monkeypatch, capsys, *args)
-        assert code == 0, err
+    options = ("--prompts", str(prompts), "--decode-steps", "1", "--threads", "2")
+    conv, ref = convert_and_reference(monkeypatch, capsys, tmp_path, 11, 8, *options)
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), "--no-replay",
                              "--json")  # fmt: skip
     result = json.loads(out)
@@ -54,11 +49,7 @@ def test_an_indexer_fault_still_fails_the_teacher_by_its_choices(tmp_path, monke
     import torch
     from safetensors.torch import load_file, save_file
 
-    src, conv, ref = tmp_path / "src", tmp_path / "mp2", tmp_path / "ref.safetensors"
-    for args in (("make-tiny", str(src)), ("shard", str(src), str(conv), "--tp", "2"),
-                 ("reference-logits", str(src), str(ref), "--decode-steps", "1")):  # fmt: skip
-        code, _, err = run_cli(monkeypatch, capsys, *args)
-        assert code == 0, err
+    conv, ref = convert_and_reference(monkeypatch, capsys, tmp_path, 0, 2, "--decode-steps", "1")
     (conv / "manifest.json").unlink()
     name = "layers.5.attn.indexer.weights_proj.weight"
     for rank in range(2):

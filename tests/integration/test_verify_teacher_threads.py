@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_run import run_cli
+from cli_run import convert_and_reference, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,10 @@ PROMPTS = [
 
 
 def test_a_correct_conversion_passes_the_teacher_against_a_reference_at_other_threads(tmp_path, monkeypatch, capsys):
-    src, conv, ref, prompts = tmp_path / "src", tmp_path / "mp2", tmp_path / "ref.safetensors", tmp_path / "p.jsonl"
+    prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    for args in (
-        ("make-tiny", str(src), "--seed", "8"),
-        ("shard", str(src), str(conv), "--tp", "2"),
-        ("reference-logits", str(src), str(ref), "--prompts", str(prompts), "--decode-steps", "0", "--threads", "2"),
-    ):
-        code, _, err = run_cli(monkeypatch, capsys, *args)
-        assert code == 0, err
+    options = ("--prompts", str(prompts), "--decode-steps", "0", "--threads", "2")
+    conv, ref = convert_and_reference(monkeypatch, capsys, tmp_path, 8, 2, *options)
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref), "--no-replay",
                              "--json")  # fmt: skip
     result = json.loads(out)

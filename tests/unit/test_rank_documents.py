@@ -24,23 +24,24 @@ def _documents_of_ranks(ranks: int, documents: int, size: int | list[int]) -> li
     """Every line the `ranks` processes wrote to one pipe (documents of `size` bytes, or of size[r] for rank
     r), read slowly, so that the pipe fills and a long write waits part-way (where another write can land)."""
     sizes = size if isinstance(size, list) else [size] * ranks
+    argv = [[sys.executable, "-c", WRITER, str(documents), str(sizes[r])] for r in range(ranks)]
+    return _read_slowly(argv).splitlines()
+
+
+def _read_slowly(argv: list[list[str]]) -> bytes:
+    """What the processes (one per command line in `argv`, RANK r of WORLD_SIZE len(argv)) wrote to one pipe, read
+    slowly, so that the pipe fills and a long write waits part-way (where another write can land)."""
     read_end, write_end = os.pipe()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(documents), str(sizes[r])],
-            stdout=write_end,
-            env=os.environ | {"RANK": str(r), "WORLD_SIZE": str(ranks)},
-        )
-        for r in range(ranks)
-    ]
+    env = [os.environ | {"RANK": str(r), "WORLD_SIZE": str(len(argv))} for r in range(len(argv))]
+    procs = [subprocess.Popen(a, stdout=write_end, env=e) for a, e in zip(argv, env, strict=True)]
     os.close(write_end)
     chunks = []
     with os.fdopen(read_end, "rb") as stream:
         while chunk := stream.read1(4096):
             chunks.append(chunk)
             time.sleep(0.0002)
-    assert [p.wait(timeout=60) for p in procs] == [0] * ranks
-    return b"".join(chunks).splitlines()
+    assert [p.wait(timeout=60) for p in procs] == [0] * len(argv)
+    return b"".join(chunks)
 
 
 MIXED = [100_000, 200, 200, 200]  # a long document of one rank, short ones of the others (an audit: 7-9 in 120 cut)
@@ -163,17 +164,7 @@ def test_tables_of_ranks_stay_whole(tmp_path):
     layout at --nproc-per-node 4). Each process's tables are now one write under the stream's lock."""
     script = tmp_path / "tables.py"
     script.write_text(TABLES)
-    read_end, write_end = os.pipe()
-    env = [os.environ | {"RANK": str(r), "WORLD_SIZE": "4"} for r in range(4)]
-    procs = [subprocess.Popen([sys.executable, str(script), "20"], stdout=write_end, env=e) for e in env]
-    os.close(write_end)
-    chunks = []
-    with os.fdopen(read_end, "rb") as stream:
-        while chunk := stream.read1(4096):
-            chunks.append(chunk)
-            time.sleep(0.0002)
-    assert [p.wait(timeout=60) for p in procs] == [0] * 4
-    lines = b"".join(chunks).decode().splitlines()
+    lines = _read_slowly([[sys.executable, str(script), "20"]] * 4).decode().splitlines()
     starts = [n for n, line in enumerate(lines) if line.strip().endswith(" files")]
     assert len(starts) == 80
     for start, end in zip(starts, [*starts[1:], len(lines)], strict=True):
