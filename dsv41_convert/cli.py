@@ -957,9 +957,9 @@ def download_cmd(
         report.print_json(result.to_json())
     else:
         report.line(str(result.folder))
-    verdict = "all checks passed" if result.ok else f"{len(result.problems)} problems"
+    verdict = "all checks passed" if result.ok else counted(len(result.problems), "problem")
     report.info(
-        f"{result.files} files, {result.nbytes / 1e9:.2f} GB, commit {result.commit or 'unknown'}; "
+        f"{counted(result.files, 'file')}, {result.nbytes / 1e9:.2f} GB, commit {result.commit or 'unknown'}; "
         f"fetched {len(result.fetched)}, re-fetched {len(result.refetched)}; checked {result.checks}: {verdict}"
     )
     if not result.ok:
@@ -1018,7 +1018,8 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
         )
         return
     report.info(
-        f"{len(summary['rank_files'])} rank files checked from {counted(len(summary['fragments']), 'fragment')}"
+        f"{counted(len(summary['rank_files']), 'rank file')} checked from "
+        f"{counted(len(summary['fragments']), 'fragment')}"
         + (", which manifest.json supersedes: removed" if summary.get("fragments_removed") else "")
     )
 

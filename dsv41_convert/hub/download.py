@@ -271,7 +271,9 @@ def _download(
     asked = Selection(tuple(include), tuple(exclude))
     files = selected(record.files, (asked,))
     if not files:
-        raise asked.matches_nothing(f"{repo_id}@{record.revision}", f"the revision has {len(record.files)} files")
+        raise asked.matches_nothing(
+            f"{repo_id}@{record.revision}", f"the revision has {counted(len(record.files), 'file')}"
+        )
     place = place_of(record.repo_id, record.commit, local_dir, cache_dir)
     previous = _previous_record(place, record)
     ours = previous if previous is not None and previous.commit == record.commit else None

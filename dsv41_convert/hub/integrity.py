@@ -273,7 +273,9 @@ def _check_index(root: Path, names: dict[str, set[str] | None]) -> tuple[list[Pr
             by_shard.setdefault(shard, set()).add(tensor)
     for shard, want in sorted(by_shard.items()):
         if not (root / shard).is_file():
-            problems.append(Problem(shard, "missing", "no file", f"a shard with {len(want)} tensors ({INDEX_NAME})"))
+            problems.append(
+                Problem(shard, "missing", "no file", f"a shard with {counted(len(want), 'tensor')} ({INDEX_NAME})")
+            )
             continue
         if shard in names and names[shard] is None:
             continue

@@ -31,6 +31,7 @@ from dsv41_convert.hub.integrity import (
     selected,
     wanted,
 )
+from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress
 from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.lock import LOCK_NAME
@@ -56,7 +57,9 @@ def checks_made(record: Record, selections: tuple[Selection, ...], said: str) ->
             f"{said}; not checked: the index, and whether the checkpoint is whole ({' and '.join(left)} not selected)"
         )
     out = len(listed - asked)
-    scope = f" (of the {len(asked)} files asked for; {out} left out by --include/--exclude are not looked for)"
+    scope = (
+        f" (of the {counted(len(asked), 'file')} asked for; {out} left out by --include/--exclude are not looked for)"
+    )
     return f"{said}, index, {WHOLE}{scope if out else ''}"
 
 
@@ -216,7 +219,9 @@ def verify_local(
     files = selected(record.files, selections)
     if not files:  # a glob that matches nothing checked nothing: it said ok (an audit), as a typo would
         raise asked.matches_nothing(
-            f"{repo_id}@{record.revision}", f"the revision has {len(record.files)} files", "; nothing to check"
+            f"{repo_id}@{record.revision}",
+            f"the revision has {counted(len(record.files), 'file')}",
+            "; nothing to check",
         )
     problems = check_files(place.folder, files, workers=workers, progress=progress)
     problems += structure_problems(place.folder, [f.path for f in files], record, selections)
@@ -284,9 +289,10 @@ def _verify_without_record(
         )
     else:
         unhashed = len(paths) - len(hub.files)
+        headers_only = f"; headers only for {counted(unhashed, 'file')} it has no digest of" if unhashed else ""
         checks = (
-            f"sha256 / git ids of {len(hub.files)} files from {hub.where} (no record of ours, so the repo id "
-            f"is not checked){f'; headers only for {unhashed} files it has no digest of' if unhashed else ''}; "
+            f"sha256 / git ids of {counted(len(hub.files), 'file')} from {hub.where} (no record of ours, so the repo "
+            f"id is not checked){headers_only}; "
             f"headers, index, {whole}; not checked: whether files besides config.json and the weights are missing"
         )
     commit = next(iter(hub.commits)) if len(hub.commits) == 1 else None
