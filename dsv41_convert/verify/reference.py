@@ -25,7 +25,7 @@ from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.arithmetic import arithmetic
-from dsv41_convert.verify.fits import require_prompts_fit, require_weights_fit
+from dsv41_convert.verify.fits import processes_on_this_host, require_prompts_fit, require_weights_fit
 from dsv41_convert.verify.launch import launch, tell, told_each
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts, prompt_id_bound
 from dsv41_convert.verify.reffile import Reference
@@ -165,7 +165,11 @@ def compute_reference(
     args = args.with_runtime(max_batch_size=1, max_seq_len=seq, temperature=0.0)
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs))
     stream = f"`reference-logits {src} FILE --stream-layers`, then `verify --reference-logits FILE --stream-layers`"
-    require_source_weights_fit(src, args, 1, device, f"{stream} (each holds one unit at a time)")
+    copies = processes_on_this_host()  # under torchrun each process computes this whole reference before joining
+    way_out = f"{stream} (each holds one unit at a time)"
+    if copies > 1:
+        way_out += f", or `reference-logits {src} FILE` once and the launch with --reference-logits FILE"
+    require_source_weights_fit(src, args, 1, device, way_out, copies=copies)
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src)
     model = build_model(args, src, "cpu", runs_on=device)
@@ -187,20 +191,26 @@ def compute_reference(
 
 
 def require_source_weights_fit(
-    src: Path, args: ModelArgs, tp: int, device: str, way_out: str, as_converted: bool = False
+    src: Path, args: ModelArgs, tp: int, device: str, way_out: str, as_converted: bool = False, copies: int = 1
 ) -> None:
     """VerifyInputError (fits.require_weights_fit) where the weights of `src`'s conversion at `tp` cannot be held by
     this host (or `device`): before a model is built. Each rank holds its rank file computed in memory and the model
     it is copied into, both whole (convert.memory.reference_weights); a bf16 source run unquantized (not
     `as_converted`) holds them bf16 everywhere: on a bf16 source twice and more the file's fp8/fp4 figure `plan --tp
-    N` shows, which was counted (a run that needed 13.4 GiB was counted 3.4 GiB)."""
+    N` shows, which was counted (a run that needed 13.4 GiB was counted 3.4 GiB).
+    copies: the processes of this host that each compute this whole tp-1 reference at once (fits.processes_on_this_
+            host: under torchrun every process of `verify --reference SRC` does, before the ranks join; the host was
+            asked for one); each moves its own model to its own card"""
     from dsv41_convert.convert.memory import reference_weights
     from dsv41_convert.convert.plan import build_plan
 
     plan = build_plan(src, tp, source_experts(src))
     held = reference_weights(plan, args, plan.source_format == "bf16" and not as_converted)
-    host, card = [state + model for state, model in held], [model for _, model in held]
-    require_weights_fit(host, device, f"{src} at tp {tp}", way_out, card)
+    host, card = [copies * (state + model) for state, model in held], [model for _, model in held]
+    what = f"{src} at tp {tp}" + (
+        f", computed whole by each of the {copies} processes on this host" if copies > 1 else ""
+    )
+    require_weights_fit(host, device, what, way_out, card)
 
 
 def _recorded(device: str) -> dict:

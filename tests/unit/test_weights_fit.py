@@ -204,3 +204,26 @@ def test_reference_logits_under_a_multi_host_launch_names_the_ranks_of_this_host
     assert code == 2, err
     assert f"at tp 2: the model's weights need {held[1] / fits.GIB:,.1f} GiB (1 rank on this host: rank 1 of 2)" in err
     assert "--stream-layers" in err and "physical memory" in err, err
+
+
+def test_verify_reference_src_under_a_launch_counts_the_reference_of_each_process_of_this_host(
+    src, tmp_path, monkeypatch, capsys
+):
+    """Under torchrun every process of `verify --reference SRC` computes the whole tp-1 reference (its state and its
+    model) before the ranks join: a host of two processes holds two. It was asked for one (the caches of that model
+    were already counted for every process), so a host that held one started both and met the allocator."""
+    from dsv41_convert.convert.memory import reference_weights
+    from dsv41_convert.verify import reference
+
+    conv = tmp_path / "conv"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")
+    assert code == 0, err
+    ((state, model),) = reference_weights(build_plan(src, 1), load_model_args(src / "config.json"))
+    assert sum(_weights(src, 2)) < state + model  # the ranks' figure fits: the references are what is refused
+    monkeypatch.setattr(fits, "physical_memory", lambda: 2 * (state + model) - 1)
+    monkeypatch.setattr(reference, "reference_state", lambda *a, **k: pytest.fail("the reference was computed"))
+    _torchrun(monkeypatch, 0, 2, 2, 0)
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference", str(src))
+    assert code == 2, err
+    assert f"the model's weights need {2 * (state + model) / fits.GIB:,.1f} GiB" in err, err
+    assert "each of the 2 processes on this host" in err and "physical memory" in err, err
