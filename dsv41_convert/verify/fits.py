@@ -26,6 +26,14 @@ from dsv41_convert.store.machine import physical_memory
 GIB = 1 << 30
 
 
+# the way out where the DSpark drafts alone need more positions than fit: reference-logits takes --decode-steps,
+# verify --reference-logits runs its file's (it said "--decode-steps 0", an option verify refuses there)
+NO_DRAFTS = (
+    "a config whose block fits, or no decode steps (--decode-steps 0; verify --reference-logits runs its file's: "
+    "compute that with --decode-steps 0)"
+)
+
+
 def machine_bytes(device: str) -> int:
     """Bytes of memory `device` has in all: the host's physical memory for "cpu", the card's for a CUDA
     device (the current one for "cuda")."""
@@ -143,7 +151,7 @@ def require_caches_fit(args: ModelArgs, device: str, config: Path, drafted: int 
             raise ConfigError(
                 f"{config}: {said}: {_key(config, 'dspark_block_size')} = {args.dspark_block_size}: the DSpark "
                 f"drafts after a decode step take that many positions, {drafted:,} with a 1-token prompt and one "
-                "decode step: a config whose block fits, or --decode-steps 0 (the prompts only)"
+                f"decode step: {NO_DRAFTS}"
             )
         raise VerifyInputError(
             f"{said} at batch {args.max_batch_size} and {args.max_seq_len:,} positions (--max-seq-len, or the "

@@ -25,7 +25,7 @@ from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import provenance, weight_digests
 from dsv41_convert.verify.arithmetic import arithmetic
-from dsv41_convert.verify.fits import processes_on_this_host, require_prompts_fit, require_weights_fit
+from dsv41_convert.verify.fits import NO_DRAFTS, processes_on_this_host, require_prompts_fit, require_weights_fit
 from dsv41_convert.verify.launch import launch, tell, told_each
 from dsv41_convert.verify.prompts import Prompt, default_prompts, load_prompts, prompt_id_bound
 from dsv41_convert.verify.reffile import Reference
@@ -76,7 +76,7 @@ def pick_max_seq_len(
         raise VerifyInputError(
             f"config.json's dspark_block_size {drafts:,}: the DSpark drafts after a decode step take that many "
             f"positions, so even a 1-token prompt and one decode step need {shortest:,}, more than the {limit:,} the "
-            f"model supports ({CONTEXT}): --decode-steps 0 (the prompts only), or a config whose block fits"
+            f"model supports ({CONTEXT}): {NO_DRAFTS}"
         )
     if limit is not None and need > limit:
         raise VerifyInputError(

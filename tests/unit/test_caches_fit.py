@@ -54,7 +54,9 @@ def test_a_draft_block_alone_too_large_is_named_by_its_key(tmp_path, monkeypatch
     staged = ModelArgs.from_hf_dict(hf_config(TINY, compressed_vocab_size=405, vision=False))  # make-tiny's stages
     args = dataclasses.replace(staged, dspark_block_size=10**9).with_runtime(max_batch_size=1, max_seq_len=10**9 + 64)
     monkeypatch.setattr(fits, "machine_bytes", lambda _device: 1 << 30)
-    with pytest.raises(ConfigError, match=rf"{key} = 1000000000: the DSpark drafts after a decode step .*--decode"):
+    # the way out fits verify too, which runs its reference file's decode steps (it said only "--decode-steps 0")
+    said = rf"{key} = 1000000000: the DSpark drafts after a decode step .*--decode-steps 0; verify --reference-logits"
+    with pytest.raises(ConfigError, match=said):
         fits.require_caches_fit(args, "cpu", _config(tmp_path, nested), shortest_drafted(args))
     args = staged.with_runtime(max_batch_size=1, max_seq_len=10**9 + 64)  # a block of 5
     with pytest.raises(VerifyInputError, match=r"--max-seq-len, or the reference file's"):
