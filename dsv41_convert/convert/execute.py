@@ -53,7 +53,7 @@ from dsv41_convert.convert.write import (
 )
 from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
 from dsv41_convert.file_kinds import nearest_existing, refuse_non_folder, refuse_unmakeable
-from dsv41_convert.numbers import byte_amounts
+from dsv41_convert.numbers import byte_amounts, counted
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
 from dsv41_convert.store.index import INDEX_NAME
@@ -210,10 +210,13 @@ def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
         raise OutputError(f"{out}: exists; pass --overwrite to replace it")
 
 
-def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str] | None = None) -> None:
+def check_empty(
+    out: Path, resume: bool, overwrite: bool, others: frozenset[str] | None = None, own: frozenset[str] = frozenset()
+) -> None:
     """Unless --resume or --overwrite, OUT holds nothing but its lock and, for a share of the ranks
     (`others` given), what the other shares of this conversion write: `others` (their rank files and
-    partial files) and the files every share writes (sidecars, done records, fragments)."""
+    partial files) and the files every share writes (sidecars, done records, fragments). own: the files this share
+    writes, named as such where they are all it finds (an earlier run of the share)."""
     if resume or overwrite:
         return
     shared = others is not None
@@ -224,6 +227,8 @@ def check_empty(out: Path, resume: bool, overwrite: bool, others: frozenset[str]
     )
     if found:
         what = "files other than the other ranks' files" if shared else "not empty"
+        if shared and own and all(name.removesuffix(".partial") in own for name in found):  # called the others'
+            what = f"holds {counted(len(found), 'file')} of this share from an earlier run"
         raise OutputError(
             f"{out.resolve()}: {what} ({first_few(found)}); "
             "pass --resume to continue a run or --overwrite to replace it"
@@ -458,7 +463,7 @@ def check_out(
         others = _others(plan, mine, ranks)
         refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
         _refuse_files_not_ours(plan, out)
-        check_empty(out, resume, overwrite, others)
+        check_empty(out, resume, overwrite, others, frozenset(f.file for f in mine))
         _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
     return mine
 
@@ -707,7 +712,7 @@ def execute(
         claimed(out, plan.digest()) if share else nullcontext((None, [])) as (claim_fd, live_plans),
     ):
         _refuse_files_not_ours(plan, out)
-        check_empty(out, resume, overwrite, others)
+        check_empty(out, resume, overwrite, others, frozenset(names))
         if not share:
             remove_stale_temporaries(out, lambda name: _common_output(name) or name == INDEX_NAME)
         # what says the replaced run is finished goes before any of its files: a kill in the removals left a

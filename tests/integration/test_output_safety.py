@@ -1077,3 +1077,19 @@ def test_demo_overwrite_names_an_older_demos_mark_as_such(tmp_path, monkeypatch,
     code, _, err = run_cli(monkeypatch, capsys, "demo", str(proj), "--tp", "2", "--overwrite")
     assert code == 2 and f"{mark}: " in err and "no .dsv41-demo" not in err and "before 2026-12-05" in err, err
     assert tree(proj) == before
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_share_run_again_over_its_finished_file_names_it_as_its_own(src, tmp_path, monkeypatch, capsys, dry_run):
+    """`shard --ranks 1` again (no --resume) after rank 1 finished said "files other than the other ranks' files
+    (model1-mp2.safetensors)", its own file called a stranger (a helper's hunt). Now: this share's file from an
+    earlier run, with the advice; a stranger's file beside it is still said as before."""
+    out = tmp_path / "out"
+    run = ("shard", str(src), str(out), "--tp", "2", "--ranks", "1")
+    assert run_cli(monkeypatch, capsys, *run)[0] == 0
+    code, _, err = run_cli(monkeypatch, capsys, *run, *(["--dry-run"] if dry_run else []))
+    assert code == 2 and "holds 1 file of this share from an earlier run (model1-mp2.safetensors)" in err, err
+    assert "--resume" in err and "other ranks' files" not in err, err
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(monkeypatch, capsys, *run, *(["--dry-run"] if dry_run else []))
+    assert code == 2 and "files other than the other ranks' files" in err and "notes.txt" in err, err
