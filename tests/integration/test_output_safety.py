@@ -348,6 +348,12 @@ def test_overwrite_never_replaces_side_files_no_run_of_ours_wrote(src, tmp_path,
                   ["--dry-run"]):  # fmt: skip
         code, _, err = run_cli(monkeypatch, capsys, *args, *extra)
         assert code == 2 and f"holds {name}, which no dsv41-convert run wrote there" in err, err
+    if command == "shard":  # the library's run says so too, under its lock (the CLI asks before, check_out)
+        from dsv41_convert.convert.plan import build_plan
+        from dsv41_convert.errors import OutputError
+
+        with pytest.raises(OutputError, match=f"holds {name}, which no dsv41-convert run wrote there"):
+            execute_mod.execute(build_plan(src, 1, "fp4"), out)
     assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == '{"mine": 1}'
 
 
