@@ -309,9 +309,10 @@ def shard_cmd(
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    check_out(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
+    mine = check_out(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
     _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files", rank_list is None)
-    with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json) as progress:
+    # a share of no file shows no progress (its title and an empty bar came before "no files in this share")
+    with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json or not mine) as progress:
         summary = execute(
             plan, out, workers=workers, ranks=rank_list, resume=resume, overwrite=overwrite, device=device,
             progress=progress, direct_io=direct_io,
@@ -1070,9 +1071,9 @@ def export_cmd(
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    check_out(ep.plan, out, resume, overwrite, None, device)  # refused before the progress's title
+    mine = check_out(ep.plan, out, resume, overwrite, None, device)  # refused before the progress's title
     _warn_of_a_share_without_torchrun("shards", False)
-    with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json) as progress:
+    with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json or not mine) as progress:
         summary = export(
             ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
             direct_io=direct_io,

@@ -135,6 +135,8 @@ def test_a_share_of_no_file_writes_nothing_whenever_it_starts(src, tmp_path, mon
     monkeypatch.setenv("RANK", str(world - 1))
     code, _, err = run_cli(monkeypatch, capsys, verb, str(src), str(out), *options)
     assert code == 0 and "no " in err and "in this share" in err, err
+    # and no progress display first: its title and an empty bar came before "no ... in this share" (a helper's hunt)
+    assert f"{verb} {src} -> {out}" not in err, err
 
 
 def test_a_shard_dry_run_says_the_plans_files_in_plan_json_keys(src, tmp_path, monkeypatch, capsys):
