@@ -199,8 +199,12 @@ def test_a_near_tie_broken_the_other_way_is_not_a_differing_choice():
     assert differing_choices(own, own.clone(), scores, offset) == 0
     tie = torch.tensor([[0, 2], [0, 2]], dtype=torch.int32) + offset  # an exact tie; one ulp (2**-8 of 1.0) below
     assert differing_choices(own, tie, scores, offset) == 0
-    far = torch.tensor([[0, 1], [0, 3]], dtype=torch.int32) + offset  # 0.25 is far below 1.0 - TIE_ULPS ulps
-    assert TIE_ULPS * 2**-7 < 0.75 and differing_choices(own, far, scores, offset) == 1
+    far = torch.tensor([[0, 1], [0, 3]], dtype=torch.int32) + offset  # 0.25: 0.75 below, ulps of 2.0 are 2**-6
+    assert TIE_ULPS * 2**-6 < 0.75 and differing_choices(own, far, scores, offset) == 1
+    # the ulps are the row's largest score's (as bf16_ulps): a tie near a small score is as near as the sums' noise
+    small = torch.tensor([[8.0, 2**-4, 2**-4 - 2**-7, -1.0]], dtype=torch.bfloat16)  # 2**-7: 32 ulps of 2**-4
+    assert differing_choices(own[:1], torch.tensor([[0, 2]], dtype=torch.int32) + offset, small, offset) == 0
+    assert differing_choices(own[:1], torch.tensor([[0, 3]], dtype=torch.int32) + offset, small, offset) == 1
     masked = torch.tensor([[0, 3], [0, 1]], dtype=torch.int32) + offset  # a row this run's candidates masked
     assert differing_choices(own, masked, scores, offset) == 1
     unreachable = torch.tensor([[0, -1], [0, 1]], dtype=torch.int32)  # fewer reachable rows than this run's
