@@ -1014,7 +1014,7 @@ def manifest_cmd(out: opts.OutArg, as_json: opts.JsonOpt = False) -> None:
             else "no fragment left"
         )
         report.info(
-            f"already written by the run of these files (a shared run: its share that finished last; {left}); "
+            f"already written by the run of these files (or by its share that finished last; {left}); "
             "every file it lists checked against it (size and sha256)"
         )
         return
