@@ -454,18 +454,27 @@ def check_out(
     locked or written. The CLI calls it before its progress display (a refusal after the display's title read
     as if the run had started), --dry-run through check_destination; `execute` checks OUT again once it holds
     it. -> the rank files this process writes"""
+    return _out_as_found(plan, out, resume, overwrite, ranks, device)[0]
+
+
+def _out_as_found(
+    plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None, device: str
+) -> tuple[list[RankFile], frozenset[str] | None, list[str]]:
+    """check_out's checks. -> (the rank files this process writes, the other shares' files in OUT's view (_others;
+    None for a run of every file, or where OUT is no folder yet), another conversion's files an --overwrite would
+    remove)"""
     mine = check_options(plan, out, resume, overwrite, ranks, device)
     if not mine:  # a share holding no file: the run touches nothing (_nothing_to_write)
-        return []
+        return [], None, []
     out = Path(out)
     _require_writable(out)
-    if out.is_dir():
-        others = _others(plan, mine, ranks)
-        refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
-        _refuse_files_not_ours(plan, out)
-        check_empty(out, resume, overwrite, others, frozenset(f.file for f in mine))
-        _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
-    return mine
+    if not out.is_dir():
+        return mine, None, []
+    others = _others(plan, mine, ranks)
+    refuse_held(out, shared=others is not None, files=[f.file for f in mine] if others is not None else ())
+    _refuse_files_not_ours(plan, out)
+    check_empty(out, resume, overwrite, others, frozenset(f.file for f in mine))
+    return mine, others, _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
 
 
 def check_destination(
@@ -482,14 +491,12 @@ def check_destination(
     hashed or written.
     records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process would write"""
-    mine = check_out(plan, out, resume, overwrite, ranks, device)
+    mine, others, other_conversion = _out_as_found(plan, out, resume, overwrite, ranks, device)
     if not mine:  # a share holding no file: the run touches nothing (_nothing_to_write)
         return []
     out = Path(out)
-    replaced = [f.file for f in mine]  # what an --overwrite removes before it checks the space (execute)
+    replaced = [f.file for f in mine] + other_conversion  # what an --overwrite removes before it checks the space
     if out.is_dir():
-        others = _others(plan, mine, ranks)
-        replaced += _no_other_conversion(plan, out, remove=overwrite and others is None, dry_run=True)
         if others is None:  # the folder held alone: the finished run's records go first (_forget_records)
             replaced += [MANIFEST, *records]
         if others is not None:
