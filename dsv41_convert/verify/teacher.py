@@ -124,10 +124,13 @@ def bf16_ulps(ref: Tensor, got: Tensor) -> float:
     ref, got: [..., n] any float dtype -> a float (0.0: bit-identical values)
     """
     ref, got = ref.float(), got.float()
-    scale = ref.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
-    ulp = torch.exp2(torch.floor(torch.log2(scale)) - 7)  # bf16: 8 significant bits
-    diff = (got - ref).abs() / ulp
+    diff = (got - ref).abs() / bf16_ulp(ref.abs().amax(-1, keepdim=True).clamp_min(2.0**-126))
     return float(diff.max()) if diff.numel() else 0.0
+
+
+def bf16_ulp(scale: Tensor) -> Tensor:
+    """One bf16 ulp (8 significant bits) of each value of `scale` (float32, > 0; 0 gives 0)."""
+    return torch.exp2(torch.floor(torch.log2(scale)) - 7)
 
 
 def teacher_rank(job: TeacherJob) -> list[ModuleDeviations]:
@@ -324,9 +327,8 @@ def differing_choices(own: Tensor, ref: Tensor, scores: Tensor, offset: int) -> 
             continue
         row = scores[p].float()
         finite = row[torch.isfinite(row)].abs()
-        worst, scale = float(row[mine].min()), float(finite.max()) if finite.numel() else 0.0
-        tie = TIE_ULPS * math.ldexp(1.0, math.frexp(scale)[1] - 8) if scale else 0.0
-        count += not bool((row[theirs] >= worst - tie).all())
+        scale = finite.max() if finite.numel() else torch.zeros(())
+        count += not bool((row[theirs] >= row[mine].min() - TIE_ULPS * bf16_ulp(scale)).all())
     return count
 
 
