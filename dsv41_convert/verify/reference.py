@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
+from dsv41_convert.convert.plan import ConversionPlan, build_plan
 from dsv41_convert.convert.tp import check_tp
 from dsv41_convert.errors import ConvertError, PlanError, VerifyInputError
 from dsv41_convert.model import parallel
@@ -40,7 +41,7 @@ from dsv41_convert.verify.runner import (
     positions_needed,
     run_prompt,
 )
-from dsv41_convert.verify.source import plan_state, reference_state, source_experts
+from dsv41_convert.verify.source import plan_state, reference_plan, reference_state, source_experts
 
 DEFAULT_DECODE_STEPS = 3
 PROMPTS = counting("prompts", "prompts")  # the bar of the prompts run (launch.tell)
@@ -169,9 +170,10 @@ def compute_reference(
     way_out = f"{stream} (each holds one unit at a time)"
     if copies > 1:
         way_out += f", or `reference-logits {src} FILE` once and the launch with --reference-logits FILE"
-    require_source_weights_fit(src, args, 1, device, way_out, copies=copies)
+    plan = reference_plan(src)  # one plan for the check and the weights (1-2 s on the published layout)
+    require_source_weights_fit(plan, args, device, way_out, copies=copies)
     say(f"reference: transforming {src} in memory (tp 1)")
-    source_format, state = reference_state(src)
+    source_format, state = reference_state(src, plan=plan)
     model = build_model(args, src, "cpu", runs_on=device)
     load_state(model, state)
     if device != "cpu":
@@ -191,23 +193,22 @@ def compute_reference(
 
 
 def require_source_weights_fit(
-    src: Path, args: ModelArgs, tp: int, device: str, way_out: str, as_converted: bool = False, copies: int = 1
+    plan: ConversionPlan, args: ModelArgs, device: str, way_out: str, as_converted: bool = False, copies: int = 1
 ) -> None:
-    """VerifyInputError (fits.require_weights_fit) where the weights of `src`'s conversion at `tp` cannot be held by
-    this host (or `device`): before a model is built. Each rank holds its rank file computed in memory and the model
-    it is copied into, both whole (convert.memory.reference_weights); a bf16 source run unquantized (not
-    `as_converted`) holds them bf16 everywhere: on a bf16 source twice and more the file's fp8/fp4 figure `plan --tp
-    N` shows, which was counted (a run that needed 13.4 GiB was counted 3.4 GiB).
+    """VerifyInputError (fits.require_weights_fit) where the weights of `plan` (the source's conversion at its tp,
+    experts as the source stores them) cannot be held by this host (or `device`): before a model is built. Each
+    rank holds its rank file computed in memory and the model it is copied into, both whole
+    (convert.memory.reference_weights); a bf16 source run unquantized (not `as_converted`) holds them bf16
+    everywhere: on a bf16 source twice and more the file's fp8/fp4 figure `plan --tp N` shows, which was counted (a
+    run that needed 13.4 GiB was counted 3.4 GiB).
     copies: the processes of this host that each compute this whole tp-1 reference at once (fits.processes_on_this_
             host: under torchrun every process of `verify --reference SRC` does, before the ranks join; the host was
             asked for one); each moves its own model to its own card"""
     from dsv41_convert.convert.memory import reference_weights
-    from dsv41_convert.convert.plan import build_plan
 
-    plan = build_plan(src, tp, source_experts(src))
     held = reference_weights(plan, args, plan.source_format == "bf16" and not as_converted)
     host, card = [copies * (state + model) for state, model in held], [model for _, model in held]
-    what = f"{src} at tp {tp}" + (
+    what = f"{plan.src} at tp {plan.tp}" + (
         f", computed whole by each of the {copies} processes on this host" if copies > 1 else ""
     )
     require_weights_fit(host, device, what, way_out, card)
@@ -285,7 +286,7 @@ def compute_reference_ranks(
     )
     require_prompts_fit(args, device, prompt_lengths(prompts, inputs), tp)
     stream = "`reference-logits --stream-layers` (tp 1: it holds one unit at a time)"
-    require_source_weights_fit(src, args, tp, device, stream, as_converted)
+    require_source_weights_fit(build_plan(src, tp, source_experts(src)), args, device, stream, as_converted)
     say(f"reference: {src} on {counted(tp, 'rank')} ({device}), each transforming its own slices in memory")
     job = RankReferenceJob(str(src), inputs, n_decode, seq, device, as_converted, record_weights)
     out = launch(reference_rank, job, tp, device, threads, bars, timeout_s)
@@ -321,7 +322,6 @@ def reference_rank(job: RankReferenceJob) -> tuple[list[PromptRun], str, dict, l
     -> (runs, source format, what decides bit equality, the weights' digests of every rank (converted
     weights only: weight_digests.digests))"""
     from dsv41_convert.config import ModelArgs
-    from dsv41_convert.convert.plan import build_plan
 
     src = Path(job.src)
     plan = build_plan(src, parallel.world_size(), source_experts(src))  # experts as the source stores them

@@ -271,12 +271,18 @@ def expected_shards(src: Path, expert_dtype: str = "fp4", progress: Progress | N
     return plan_state(build_plan(Path(src), 1, expert_dtype), progress=progress)
 
 
-def reference_state(src: Path, progress: Progress | None = None) -> tuple[str, dict[str, Tensor]]:
-    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor).
+def reference_plan(src: Path) -> ConversionPlan:
+    """The plan of the reference model's weights: tp 1, routed experts as the source stores them (fp4, or fp8 in an
+    `export --format fp8` checkpoint)."""
+    return build_plan(Path(src), 1, source_experts(src))
 
-    Routed experts stay as the source stores them: fp4, or fp8 in an `export --format fp8` checkpoint.
-    """
-    plan = build_plan(Path(src), 1, source_experts(src))
+
+def reference_state(
+    src: Path, progress: Progress | None = None, plan: ConversionPlan | None = None
+) -> tuple[str, dict[str, Tensor]]:
+    """The weights of the reference model: -> (source format "fp8" | "bf16", name -> tensor).
+    plan: reference_plan(src), where the caller has it already."""
+    plan = reference_plan(src) if plan is None else plan
     return plan.source_format, plan_state(plan, skip_quant=plan.source_format == "bf16", progress=progress)
 
 

@@ -106,7 +106,9 @@ def test_a_reference_of_a_bf16_sources_converted_weights_records_them_as_convert
     (src / "config.json").write_text(json.dumps(tiny_config(quantized=False, vision=False)))
     ran = PromptRun(torch.zeros(3, V), torch.tensor([1]), torch.zeros(1, V), None)
     monkeypatch.setattr(reference, "launch", lambda *a, **k: ([ran], "bf16", {"threads": 2}, None))
-    monkeypatch.setattr(reference, "require_source_weights_fit", lambda *a, **k: None)  # a source of config.json only
+    # a source of config.json only: no plan of its weights, no check of their size
+    monkeypatch.setattr(reference, "build_plan", lambda *a, **k: None)
+    monkeypatch.setattr(reference, "require_source_weights_fit", lambda *a, **k: None)
     prompts = [Prompt((5, 6, 7), "p")]
     for as_converted, weights in ((True, "converted"), (False, "bf16")):
         ref = reference.compute_reference_ranks(src, prompts, n_decode=1, as_converted=as_converted)
