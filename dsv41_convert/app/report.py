@@ -302,14 +302,12 @@ def tables(*renderables: Any) -> None:
             need = cells + len(table.columns) * (left + right) + borders
             if need > console.width:
                 table.width = need
-    if torchrun.shared_rank() is None:
+    shared = torchrun.shared_rank() is not None
+    with console.capture() if shared else nullcontext() as captured:
         for renderable in renderables:
             console.print(renderable)
-        return
-    with console.capture() as captured:
-        for renderable in renderables:
-            console.print(renderable)
-    write(captured.get().removesuffix("\n"))  # `write` ends it with the newline again
+    if shared:
+        write(captured.get().removesuffix("\n"))  # `write` ends it with the newline again
 
 
 def line(text: str) -> None:
