@@ -38,7 +38,7 @@ def assert_bit_identical(streamed, whole) -> None:
             assert torch.equal(s.draft_logits.view(torch.int32), w.draft_logits.view(torch.int32))
         assert sorted(s.hidden) == sorted(w.hidden)
         for key in w.hidden:
-            assert torch.equal(s.hidden[key].view(torch.int16), w.hidden[key].view(torch.int16)), key
+            assert torch.equal(s.hidden[key].view(torch.uint8), w.hidden[key].view(torch.uint8)), key
 
 
 def expected_param_bytes(args, layer: int, experts_read: int) -> int:

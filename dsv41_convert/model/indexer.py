@@ -27,26 +27,47 @@ def select_candidate_blocks(
 ) -> torch.Tensor:
     """First level of the two-level top-k: keep the `topk_blocks` best blocks of positions.
 
-    A block scores its best position. The block holding the query's newest visible position is
-    always kept (it is still filling up and would lose to older full blocks); blocks that are not
-    reachable at all (every position -inf) are never kept, even when fewer than topk_blocks remain.
+    A block scores its best position (candidate_block_scores). Blocks that are not reachable at all
+    (every position -inf) are never kept, even when fewer than topk_blocks remain.
 
     scores:        [b, s, t]  float/bf16, unreachable positions already -inf
     compress_lens: [s, 1] int64 visible positions per query (prefill) or an int (decode)
     -> [b, s, t] bool, True inside a kept block
     """
+    block_scores = candidate_block_scores(scores, compress_lens, block_size)
+    best = block_scores.topk(min(topk_blocks, block_scores.size(-1)), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best.indices, best.values > -torch.inf)
+    return keep.repeat_interleave(effective_block_size(block_size, scores.size(-1)), dim=-1)[..., : scores.size(-1)]
+
+
+def candidate_block_scores(scores: torch.Tensor, compress_lens: torch.Tensor | int, block_size: int) -> torch.Tensor:
+    """What the candidate blocks are chosen by: each block's best position's score; the block holding the
+    query's newest visible position +inf (it is still filling up and would lose to older full blocks: always kept).
+
+    scores: [b, s, t] float/bf16, unreachable positions -inf; compress_lens as select_candidate_blocks'
+    -> [b, s, n] scores' dtype, n = ceil(t / effective_block_size)
+    """
     t = scores.size(-1)
-    # a block wider than the positions is one block of them all (the same blocks kept): a candidate_block_size of
-    # 10**12 padded the scores to that width, an allocator's traceback (an audit)
-    block_size = max(1, min(block_size, t))
+    block_size = effective_block_size(block_size, t)
     padded = F.pad(scores, (0, -t % block_size), value=-torch.inf)
     block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [b, s, n]
-    n_blocks = block_scores.size(-1)
     newest = (compress_lens - 1) // block_size
-    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
-    best = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best.indices, best.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :t]
+    return block_scores.masked_fill(torch.arange(block_scores.size(-1), device=scores.device) == newest, torch.inf)
+
+
+def kept_blocks(candidates: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The blocks a candidate mask keeps. candidates: [..., t] bool (select_candidate_blocks') -> [..., n] bool"""
+    t = candidates.size(-1)
+    block_size = effective_block_size(block_size, t)
+    padded = F.pad(candidates, (0, -t % block_size), value=False)
+    return padded.unflatten(-1, (-1, block_size)).any(dim=-1)
+
+
+def effective_block_size(block_size: int, t: int) -> int:
+    """The candidate block width over t positions: a block wider than the positions is one block of them all (the
+    same blocks kept): a candidate_block_size of 10**12 padded the scores to that width, an allocator's traceback (an
+    audit)."""
+    return max(1, min(block_size, t))
 
 
 class Indexer(nn.Module):
@@ -82,9 +103,12 @@ class Indexer(nn.Module):
         self.index_topk = args.index_topk
         self.q_lora_rank = args.q_lora_rank
         self.softmax_scale = self.index_head_dim**-0.5
-        # set by verify.teacher: the scores the last call chose from ([b, s, t], candidates masked), kept to tell
-        # a near-tie broken otherwise from another choice; the model never reads them
-        self.keep_scores, self.kept_scores = False, None
+        # set by verify.teacher: the scores the last call chose from ([b, s, t], candidates masked) and, in the
+        # candidate source, its blocks' scores ([b, s, n]), kept to tell a near-tie broken otherwise from another
+        # choice; the model never reads them
+        self.keep_scores = False
+        self.kept_scores: torch.Tensor | None = None
+        self.kept_block_scores: torch.Tensor | None = None
         self.wq_b = ColumnParallelLinear(self.q_lora_rank, self.n_heads * self.index_head_dim)
         self.weights_proj = ColumnParallelLinear(self.dim, self.n_heads, dtype=torch.bfloat16)
         if self.owns_k:
@@ -154,6 +178,8 @@ class Indexer(nn.Module):
             shared.candidates = select_candidate_blocks(
                 scores, compress_lens, self.candidate_topk_blocks, self.candidate_block_size
             )
+            if self.keep_scores:
+                self.kept_block_scores = candidate_block_scores(scores, compress_lens, self.candidate_block_size)
         elif self.uses_candidates:
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
 

@@ -117,7 +117,8 @@ class Transformer(nn.Module):
             besides its input to be run on its own (verify.teacher): "layers.{i}.pre_mix" [b, s, hc]
             float32 (the collapse weights block i hands to block i + 1), "layers.{i}.engram"
             [b, s, hc, dim] bfloat16 (Engram layers), "layers.{i}.attn.indexer" [b, s, k] int64 (the
-            top-k of an index source)
+            top-k of an index source), "layers.{i}.attn.candidates" [b, s, t] int8 (the candidate source's
+            kept blocks, 1 inside one)
         -> output_ids [b] (or [b, s]) int64, logits [b, vocab] (or [b, s, vocab]) float32,
            main_hidden [b, s, len(target_layer_ids) * dim] bfloat16 for the MTP stages, or None
         """
@@ -251,7 +252,8 @@ def block_step(
 def capture_block(layer: Block, key: str, store: dict[str, torch.Tensor]) -> list:
     """Forward hooks that clone the block's attention and MoE outputs into store[key + ".attn" / ".ffn"],
     and what running the block alone needs (verify.teacher): the stream after its Engram
-    (key + ".engram") and an index source's choice (key + ".attn.indexer", int64)."""
+    (key + ".engram"), an index source's choice (key + ".attn.indexer", int64) and the candidate source's
+    blocks (key + ".attn.candidates", [b, s, t] int8, 1 inside a kept block)."""
 
     def saver(name: str, dtype: torch.dtype | None = None):
         def hook(_module, _inputs, output):
@@ -265,6 +267,13 @@ def capture_block(layer: Block, key: str, store: dict[str, torch.Tensor]) -> lis
     ]
     if layer.engram is not None:
         hooks.append(layer.engram.register_forward_hook(saver(f"{key}.engram")))
-    if getattr(layer.attn, "indexer", None) is not None:
-        hooks.append(layer.attn.indexer.register_forward_hook(saver(f"{key}.attn.indexer", torch.int64)))
+    indexer = getattr(layer.attn, "indexer", None)
+    if indexer is not None:
+        hooks.append(indexer.register_forward_hook(saver(f"{key}.attn.indexer", torch.int64)))
+    if indexer is not None and indexer.is_candidate_source:
+
+        def candidates(_module, _inputs, _output):
+            store[f"{key}.attn.candidates"] = layer.attn.shared.candidates.to(torch.int8)
+
+        hooks.append(indexer.register_forward_hook(candidates))
     return hooks

@@ -46,19 +46,20 @@ def module_order(key: str) -> tuple[int, int]:
     return (1 << 30, 0)  # "norm"
 
 
-_TEACHER_PART = re.compile(r"(layers\.\d+)\.(attn\.indexer|pre_mix)$")
+_TEACHER_PART = re.compile(r"(layers\.\d+)\.(attn\.indexer|attn\.candidates|pre_mix)$")
 
 
 def module_of_output(key: str) -> str:
     """The module whose output a teacher-check key measures: "logits" -> "head" (the head runs on the
-    reference's final norm), "layers.1.attn.indexer" -> "layers.1.attn" (its top-k is part of the attention),
+    reference's final norm), "layers.1.attn.indexer" and "layers.1.attn.candidates" -> "layers.1.attn" (its
+    top-k and candidate blocks are part of the attention),
     "layers.1.pre_mix" -> "layers.1.ffn" (the collapse weights the block hands on come from its FFN side's hc
     mixing, `layers.1.hc_ffn_*`, which `module_of` names so); any other key is a module's own name."""
     if key == "logits":
         return "head"
     m = _TEACHER_PART.match(key)
     if m:
-        return f"{m.group(1)}.{'attn' if m.group(2) == 'attn.indexer' else 'ffn'}"
+        return f"{m.group(1)}.{'ffn' if m.group(2) == 'pre_mix' else 'attn'}"
     return key
 
 

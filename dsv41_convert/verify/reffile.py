@@ -18,7 +18,8 @@ A safetensors file. B prompts, S = longest prompt, T decode steps, K draft token
     hidden.layers.<i>.pre_mix  [B, S, hc]         float32  (optional) the collapse weights block i hands on
     hidden.layers.<i>.engram   [B, S, hc, dim]    bfloat16 (optional) Engram layers: the stream after Engram
     hidden.layers.<i>.attn.indexer [B, S, k]      int64    (optional) index sources: the chosen compressed rows
-        (k = the longest prompt's width; a shorter prompt's extra columns are INDEXER_PAD, -2)
+    hidden.layers.<i>.attn.candidates [B, S, t]   int8     (optional) the candidate source: 1 inside a kept block
+        (k, t = the longest prompt's width; a shorter prompt's extra columns are INDEXER_PAD, -2)
         With these, every block can be run alone on the reference's input (verify.teacher); padding rows are 0.
 
 Metadata (`__metadata__`, strings): format = "dsv41-reference-logits/1", max_seq_len, source_format
@@ -83,8 +84,10 @@ LAYOUT = {
     "draft_confidence": (torch.float32, 3),
     "token_types": (torch.int64, 2),
 }
-HIDDEN_DTYPES = {".pre_mix": torch.float32, ".indexer": torch.int64}  # hidden.<module> by suffix; else bfloat16
+# hidden.<module> by suffix; else bfloat16
+HIDDEN_DTYPES = {".pre_mix": torch.float32, ".indexer": torch.int64, ".candidates": torch.int8}
 INDEXER_PAD = -2  # columns past a shorter prompt's indexer width (the model writes rows >= 0, or -1: unreachable)
+PADDED = (".indexer", ".candidates")  # hidden.<module> suffixes whose width follows the prompt's length
 SHAPES = {  # the shape each optional tensor must have, in the sizes the file's own tensors set
     "lengths": ("B",),
     "logits_all": ("B", "S", "V"),
@@ -200,7 +203,7 @@ def file_tensors(ref: Reference) -> dict[str, Tensor]:
         # rows per position): the widest sets the size, the others are padded
         held = [(row, run.hidden[key]) for row, run in enumerate(runs) if key in run.hidden]
         tail = [max(d) for d in zip(*(part.shape[1:] for _, part in held), strict=True)]
-        h = torch.full((b, s, *tail), INDEXER_PAD if key.endswith(".indexer") else 0, dtype=hidden_dtype(key))
+        h = torch.full((b, s, *tail), INDEXER_PAD if key.endswith(PADDED) else 0, dtype=hidden_dtype(key))
         for row, part in held:
             h[(row, slice(0, lengths[row]), *(slice(0, d) for d in part.shape[1:]))] = part
         out[f"hidden.{key}"] = h
@@ -512,12 +515,12 @@ def _row_hidden(t: dict[str, Tensor], row: int, n: int) -> dict[str, Tensor]:
     """Prompt `row`'s hidden states (its `n` positions), without an indexer it did not run: a row all
     INDEXER_PAD is a prompt shorter than the compress ratio, which recorded none (file_tensors)."""
     out = {k[7:]: _unpadded(k, v[row, :n]) for k, v in t.items() if k.startswith("hidden.")}
-    return {k: v for k, v in out.items() if not (k.endswith(".indexer") and v.dim() >= 2 and v.shape[-1] == 0)}
+    return {k: v for k, v in out.items() if not (k.endswith(PADDED) and v.dim() >= 2 and v.shape[-1] == 0)}
 
 
 def _unpadded(key: str, h: Tensor) -> Tensor:
-    """One prompt's hidden.<module> rows without the columns save() padded (indexer: INDEXER_PAD)."""
-    if not key.endswith(".indexer") or h.dim() < 2:
+    """One prompt's hidden.<module> rows without the columns save() padded (PADDED: INDEXER_PAD)."""
+    if not key.endswith(PADDED) or h.dim() < 2:
         return h
     width = int((h != INDEXER_PAD).any(0).sum()) if h.numel() else h.shape[-1]
     return h[..., :width]

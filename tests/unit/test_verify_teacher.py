@@ -211,3 +211,31 @@ def test_a_near_tie_broken_the_other_way_is_not_a_differing_choice():
     unreachable[0, 0] += offset
     unreachable[1] += offset
     assert differing_choices(own, unreachable, scores, offset) == 1
+
+
+def test_candidate_blocks_differing_by_a_near_tie_are_not_counted():
+    """The candidate source's first-level choice ties as the top-k does (a helper's hunt: blocks 1 and 3 of a
+    tp-1 run tied at 0.0231934, one ulp apart at tp 8). Counted: a reference block more than TIE_ULPS below this
+    run's worst kept block, or another number of blocks. The newest block is always kept (+inf)."""
+    from dsv41_convert.model.indexer import candidate_block_scores, select_candidate_blocks
+    from dsv41_convert.verify.teacher import differing_blocks
+
+    scores = torch.tensor(
+        [[[1.0, 0.25, 0.5, 0.0, 0.5, 0.0, 0.125, 0.0, 0.375]]], dtype=torch.bfloat16
+    )  # one query, 9 positions, blocks of 2: best 1.0, 0.5, 0.5, 0.125, 0.375 (the newest)
+    lens = 9
+    blocks = candidate_block_scores(scores, lens, 2)[0]
+    assert blocks[0].tolist() == [1.0, 0.5, 0.5, 0.125, math.inf]
+    own = select_candidate_blocks(scores, lens, 3, 2)[0]  # blocks 0, one of 1 / 2, 4
+    assert differing_blocks(own, own.clone(), blocks, 2) == 0
+
+    def mask(*kept: int) -> torch.Tensor:
+        m = torch.zeros(1, 9, dtype=torch.bool)
+        for b in kept:
+            m[0, 2 * b : 2 * b + 2] = True
+        return m
+
+    left_out = next(b for b in (1, 2) if not bool(own[0, 2 * b]))  # the tied block this run did not keep
+    assert differing_blocks(own, mask(0, left_out, 4), blocks, 2) == 0
+    assert differing_blocks(own, mask(0, 3, 4), blocks, 2) == 1  # 0.125: far below 0.5 (2 ulps of 1.0: 2**-6)
+    assert differing_blocks(own, mask(0, 1, 2, 4), blocks, 2) == 1  # another number of blocks
