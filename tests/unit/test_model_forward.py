@@ -45,7 +45,10 @@ def test_outputs_and_hidden_states(model, ids):
     want = {"embed", "norm"} | {f"layers.{i}{s}" for i in range(6) for s in ("", ".attn", ".ffn", ".pre_mix")}
     want |= {f"layers.{i}.engram" for i in ARGS.engram_layer_ids}
     want |= {f"layers.{i}.attn.indexer" for i, layer in enumerate(model.layers) if layer.attn.indexer is not None}
+    want.add(f"layers.{ARGS.candidate_source_layer}.attn.candidates")
     assert set(hs) == want
+    blocks, source = hs[f"layers.{ARGS.candidate_source_layer}.attn.candidates"], ARGS.candidate_source_layer
+    assert blocks.shape == (2, SEQ, SEQ // ARGS.compress_ratios[source]) and blocks.dtype == torch.int8
     assert any(k.endswith(".indexer") for k in want)  # the tiny model has index sources
     assert hs["layers.5.pre_mix"].shape == (2, SEQ, ARGS.hc_mult) and hs["layers.5.pre_mix"].dtype == torch.float32
     d = ARGS.dim
