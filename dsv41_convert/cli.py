@@ -1071,7 +1071,7 @@ def export_cmd(
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    mine = check_out(ep.plan, out, resume, overwrite, None, device)  # refused before the progress's title
+    mine = check_out(ep.plan, out, resume, overwrite, None, device, RECORDS)  # refused before the progress's title
     _warn_of_a_share_without_torchrun("shards", False)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json or not mine) as progress:
         summary = export(

@@ -446,15 +446,27 @@ def check_options(
 
 
 def check_out(
-    plan: ConversionPlan, out: Path, resume: bool, overwrite: bool, ranks: list[int] | None, device: str
+    plan: ConversionPlan,
+    out: Path,
+    resume: bool,
+    overwrite: bool,
+    ranks: list[int] | None,
+    device: str,
+    records: tuple[str, ...] = (),
 ) -> list[RankFile]:
     """check_options, then what OUT as found now refuses, in the run's words: a folder the run could not make
     or write into, another process holding it, files at our names no run of ours wrote, not empty (without
-    --resume or --overwrite), another conversion's files (unless --overwrite replaces them). Nothing is made,
-    locked or written. The CLI calls it before its progress display (a refusal after the display's title read
-    as if the run had started), --dry-run through check_destination; `execute` checks OUT again once it holds
-    it. -> the rank files this process writes"""
-    return _out_as_found(plan, out, resume, overwrite, ranks, device)[0]
+    --resume or --overwrite), another conversion's files (unless --overwrite replaces them), too little free
+    space (but under --resume, whose need is known once its files are hashed, and a share's --overwrite, whose
+    removals depend on the other shares). Nothing is made, locked or written. The CLI calls it before its
+    progress display (a refusal after the display's title read as if the run had started), --dry-run through
+    check_destination; `execute` checks OUT again once it holds it.
+    records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
+    -> the rank files this process writes"""
+    mine, others, other_conversion = _out_as_found(plan, out, resume, overwrite, ranks, device)
+    if mine and not resume and (not overwrite or others is None):
+        _require_space_for(plan, Path(out), mine, _replaced(Path(out), mine, others, other_conversion, records))
+    return mine
 
 
 def _out_as_found(
@@ -495,10 +507,8 @@ def check_destination(
     if not mine:  # a share holding no file: the run touches nothing (_nothing_to_write)
         return []
     out = Path(out)
-    replaced = [f.file for f in mine] + other_conversion  # what an --overwrite removes before it checks the space
+    replaced = _replaced(out, mine, others, other_conversion, records)
     if out.is_dir():
-        if others is None:  # the folder held alone: the finished run's records go first (_forget_records)
-            replaced += [MANIFEST, *records]
         if others is not None:
             live = live_claims(out, plan.digest())  # the shares running now, as the run's claim sees them
             _same_plan_as_the_other_shares(out, plan, mine, overwrite, ranks is not None, live)
@@ -514,10 +524,7 @@ def check_destination(
                 replaced += gone
             _check_source_unchanged(out, src, stamps, kept)
     if not resume:  # as the run checks before its first byte (a resume's need is known once its files are hashed)
-        # --overwrite removes the replaced files first: credit those, and only those (a user's file beside them
-        # stays, and so do the other shares' files: crediting every file OUT held passed a run that then refused)
-        held = sum(p.stat().st_size for p in {out / n for n in replaced} if p.is_file()) if overwrite else 0
-        _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)), held)
+        _require_space_for(plan, out, mine, replaced if overwrite else [])
         return mine
     done = _recorded_finished(out, [f.file for f in mine], plan.digest()) if out.is_dir() else set()
     return [f for f in mine if f.file not in done]  # as the run skips them (it checks their sha256 too)
@@ -590,6 +597,27 @@ def _side_bytes(src: Path) -> int:
         return (src / name).stat().st_size if (src / name).is_file() else 0
 
     return sum(size(n) for n in SIDECARS) + 2 * size("config.json") + size(INDEX_NAME)
+
+
+def _replaced(
+    out: Path,
+    mine: list[RankFile],
+    others: frozenset[str] | None,
+    other_conversion: list[str],
+    records: tuple[str, ...],
+) -> list[str]:
+    """What an --overwrite removes from OUT before it checks the space: this process's files, another conversion's
+    (_out_as_found's), and where the folder is held alone the finished run's records (_forget_records)."""
+    alone = [MANIFEST, *records] if out.is_dir() and others is None else []
+    return [f.file for f in mine] + other_conversion + alone
+
+
+def _require_space_for(plan: ConversionPlan, out: Path, mine: list[RankFile], replaced: list[str]) -> None:
+    """_require_space for `mine` and the side files, crediting the `replaced` files an --overwrite removes first,
+    and only those (a user's file beside them stays, and so do the other shares' files: crediting every file OUT
+    held passed a dry run whose run then refused)."""
+    held = sum(p.stat().st_size for p in {out / n for n in replaced} if p.is_file())
+    _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(Path(plan.src)), held)
 
 
 def _require_space(out: Path, need: int, freed: int = 0) -> None:
@@ -740,7 +768,7 @@ def execute(
             _forget_done(out, names)
             _remove_replaced(out, names)
         if not resume:  # refused before the first record: a plain run again is not refused as "not empty"
-            _require_space(out, sum(f.nbytes for f in mine) + _side_bytes(src))  # the side files come first
+            _require_space_for(plan, out, mine, [])  # the side files come first
         if resume or share:  # a share: the other shares' finished files count towards its manifest
             _check_source_unchanged(out, src, stamps, None if resume else _kept(plan, mine))
         record_stamps(out, src, stamps)

@@ -1099,3 +1099,28 @@ def test_a_share_run_again_over_its_finished_file_names_it_as_its_own(src, tmp_p
     (out / "notes.txt").write_text("mine")
     code, _, err = run_cli(monkeypatch, capsys, *run, *(["--dry-run"] if dry_run else []))
     assert code == 2 and "files other than the other ranks' files" in err and "notes.txt" in err, err
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_too_little_space_is_said_before_any_progress_and_loses_nothing(
+    src, tmp_path, monkeypatch, capsys, command, overwrite
+):
+    """Free space was checked only once the run held OUT: the progress display's title came first, and an
+    --overwrite had already removed the conversion it replaces when it refused (a full disk lost the old files,
+    exit 2). Now the refusal is the first thing said, and OUT is left as it was."""
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    out = (tmp_path / "out").resolve()
+    capacity = 1000  # a disk holding OUT's files alone and 1,000 bytes more
+    if overwrite:  # a smaller conversion replaced: even once it is removed, the new one does not fit
+        other = ["--tp", "1"] if command == "shard" else ["--format", "fp8"]
+        assert run_cli(monkeypatch, capsys, command, str(src), str(out), *other)[0] == 0
+        capacity += sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    before = tree(out) if out.exists() else None
+    monkeypatch.setattr(
+        execute_mod, "disk_free", lambda path: capacity - sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    )
+    extra = ["--overwrite"] if overwrite else []
+    code, stdout, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, *extra)
+    assert code == 2 and err.startswith(f"error: {out}: ") and " bytes to write but only " in err and stdout == "", err
+    assert (tree(out) if out.exists() else None) == before
