@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import json
 import logging
 import os
@@ -236,7 +235,9 @@ def _spawned(
         dist.init_process_group(backend, rank=rank, world_size=tp, timeout=timeout)  # its port taken: an error
         dist.barrier()  # every pair connected before any rank can finish and tear the group down
         with _telling(_ToldFile(Path(tmp) / TOLD).write if rank == 0 else None):
-            result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False))
+            # mapped, not read: verify --reference SRC's payload holds the whole tp-1 twin, which each rank
+            # cuts its piece from; read, every rank held a private copy of it all
+            result = target(torch.load(Path(tmp) / "payload.pt", weights_only=False, mmap=True))
         dist.barrier()  # nobody leaves while a peer still talks to it
         if rank == 0:
             _save_in_tmp(result, Path(tmp) / "rank0.pt", "its result")
@@ -248,19 +249,22 @@ def _spawned(
 
 
 def _save_in_tmp(obj: Any, path: Path, what: str) -> None:
-    """torch.save of `obj` (small: a payload, rank 0's logits) in memory, then written to `path` in the launch's
-    temporary folder; OutputError naming it and TMPDIR where that fails. A full TMPDIR said "EOFError from a
-    process the run depends on" with tracebacks (an audit), and a file torch's writer still held open kept
-    its blocks after it was removed, so the error file after it could not be written either (a re-check)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
+    """torch.save of `obj` (a payload: with verify --reference SRC's twin the whole tp-1 model; rank 0's logits)
+    into `path` in the launch's temporary folder, through a file this function opens and closes (not a copy in
+    memory first: the twin's doubled the parent's peak); OutputError naming it and TMPDIR where that fails. A
+    full TMPDIR said "EOFError from a process the run depends on" with tracebacks (an audit), and a file torch's
+    writer held open kept its blocks after it was removed, so the error file after it could not be written
+    either (a re-check)."""
     try:
         with open(path, "wb") as f:
-            f.write(buf.getbuffer())
-    except OSError as exc:
+            torch.save(obj, f)
+    except (OSError, RuntimeError) as exc:  # torch's writer raises a RuntimeError in the file's OSError's place
+        failed = exc if isinstance(exc, OSError) else exc.__context__
+        if not isinstance(failed, OSError):
+            raise
         path.unlink(missing_ok=True)
         raise errors.OutputError(
-            f"cannot write {what} to {path}: {exc.strerror or exc}; free space in the temporary folder (TMPDIR), "
+            f"cannot write {what} to {path}: {failed.strerror or failed}; free space in the temporary folder (TMPDIR), "
             "or point TMPDIR at one with room"
         ) from None
 

@@ -315,8 +315,8 @@ def test_a_torchrun_environment_without_its_rendezvous_is_an_input_error(monkeyp
 def test_a_result_the_temporary_folder_cannot_hold_is_said_so(tmp_path, monkeypatch):
     """A full TMPDIR: rank 0's torch.save failed, and the run said "EOFError from a process the run depends on"
     with three tracebacks (an audit); then the file torch's writer held open kept its blocks, so the error file
-    could not be written either (a re-check). The result is serialised in memory, written through a file that
-    is closed before it is removed."""
+    could not be written either (a re-check). The result is written through a file that is closed before it is
+    removed (torch's writer raises a RuntimeError in the write's OSError's place: the message is the OSError's)."""
     import errno
 
     from dsv41_convert.errors import OutputError
