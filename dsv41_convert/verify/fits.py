@@ -77,7 +77,7 @@ def ranks_on_this_host(tp: int) -> range | int:
 
 
 def require_weights_fit(
-    ranks: Sequence[int], device: str, what: str, way_out: str, card: Sequence[int] | None = None
+    ranks: Sequence[int], device: str, what: str, way_out: str, card: Sequence[int] | None = None, beside: int = 0
 ) -> None:
     """VerifyInputError when the weights the model holds exceed all the memory of the host (the ranks it runs at
     once: `ranks_on_this_host`, the largest of `ranks` counted where it does not know which) or, on a card, one
@@ -86,6 +86,7 @@ def require_weights_fit(
     ranks:   bytes of weights each rank holds in the host's memory at its peak, rank order (convert.memory's
              rank_weights / model_bytes; with the state dict it is loaded from: reference_weights)
     card:    bytes of weights each rank moves onto its card (its model's), rank order; None: `ranks`
+    beside:  bytes this host holds meanwhile apart from the ranks (the verify process's reference and twin)
     what:    the model, for the message (a folder, "SRC at tp N")
     way_out: the run that holds less (--stream-layers), for the message"""
     here = ranks_on_this_host(len(ranks))
@@ -100,13 +101,15 @@ def require_weights_fit(
     sharing = len(held)
     card = ranks if card is None else card
     for where in dict.fromkeys(("cpu", device)):
-        need = sum(ranks[r] for r in held) if where == "cpu" else max(card[r] for r in held)
+        need = sum(ranks[r] for r in held) + beside if where == "cpu" else max(card[r] for r in held)
         have = machine_bytes(where)
         if need <= have:
             continue
         if where == "cpu":
-            per = f" ({sharing} ranks on this host{which}, {need / sharing / GIB:,.1f} GiB each)" if sharing > 1 else ""
-            per = per or (f" (1 rank on this host{which})" if which else "")
+            parts = [f"{sharing} ranks on this host{which}, {(need - beside) / sharing / GIB:,.1f} GiB each"]
+            parts = parts if sharing > 1 else [f"1 rank on this host{which}"] if which else []
+            parts += [f"{beside / GIB:,.1f} GiB beside them"] if beside else []
+            per = f" ({'; '.join(parts)})" if parts else ""
             memory, larger = f"this host's physical memory ({have / GIB:,.1f} GiB of RAM, swap not counted)", "host"
         else:
             per, memory, larger = "", f"{where}'s memory ({have / GIB:,.1f} GiB)", "card"

@@ -152,8 +152,10 @@ def compute_reference(
     device: str = "cpu",
     capture_hidden: bool = True,
     progress: Callable[[str], None] | None = None,
+    plan: ConversionPlan | None = None,
 ) -> SourceReference:
-    """Run the source weights through the model at tp 1 over `prompts` (greedy decode, drafts)."""
+    """Run the source weights through the model at tp 1 over `prompts` (greedy decode, drafts).
+    plan: source.reference_plan(src), where the caller has it already."""
     src = Path(src)
     if parallel.is_distributed():
         raise VerifyInputError("the tp-1 reference must be computed before joining a process group")
@@ -170,7 +172,7 @@ def compute_reference(
     way_out = f"{stream} (each holds one unit at a time)"
     if copies > 1:
         way_out += f", or `reference-logits {src} FILE` once and the launch with --reference-logits FILE"
-    plan = reference_plan(src)  # one plan for the check and the weights (1-2 s on the published layout)
+    plan = plan or reference_plan(src)  # one plan for the check and the weights (1-2 s on the published layout)
     require_source_weights_fit(plan, args, device, way_out, copies=copies)
     say(f"reference: transforming {src} in memory (tp 1)")
     source_format, state = reference_state(src, plan=plan)

@@ -28,8 +28,10 @@ import torch
 from dsv41_convert import torchrun
 from dsv41_convert.config import ModelArgs, load_json, load_model_args
 from dsv41_convert.convert.memory import model_bytes
+from dsv41_convert.convert.plan import ConversionPlan
+from dsv41_convert.convert.rules import Split
 from dsv41_convert.convert.tp import check_tp
-from dsv41_convert.convert.unshard import RankFiles, merge_of, rank_tp, replica_mismatches
+from dsv41_convert.convert.unshard import Merge, RankFiles, merge_of, rank_tp, replica_mismatches
 from dsv41_convert.errors import ConfigError, PlanError, ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.numbers import counted
@@ -37,6 +39,7 @@ from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.lock import refuse_held
 from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
+from dsv41_convert.store.safetensors_header import Header
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
 from dsv41_convert.verify.fits import require_prompts_fit, require_weights_fit
@@ -46,6 +49,7 @@ from dsv41_convert.verify.ranks import LoadFailure, RankJob, RankResult, run_con
 from dsv41_convert.verify.reference import DEFAULT_DECODE_STEPS, SourceReference, compute_reference, read_prompts
 from dsv41_convert.verify.replay import replay_check, replay_threads
 from dsv41_convert.verify.runner import ModelInput, PromptRun
+from dsv41_convert.verify.source import reference_plan
 from dsv41_convert.verify.thresholds import EXACT, SECTIONS, Thresholds, choose_mode, default_thresholds, judge
 from dsv41_convert.verify.verdict import (
     EXIT_CODES,
@@ -250,23 +254,38 @@ def verify(
         return _verify_ranks(opts, ranks, conv_args, say, shown)
 
 
-def _ranks_fit(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, replays: bool = False) -> None:
+def _ranks_fit(
+    opts: VerifyOptions,
+    ranks: RankFiles,
+    conv_args: ModelArgs,
+    replays: bool = False,
+    reference: ConversionPlan | None = None,
+) -> None:
     """VerifyInputError (fits.require_weights_fit) where the rank files' weights cannot be held by the ranks on this
     host (or a card), before the reference's model and the ranks' are built; --stream-layers holds one unit.
     replays: the tp-1 replay runs after the ranks (`_replays`), in one process: the whole model and the rank files
-    merged back to tp 1 (its state dict), both whole at once (verify.replay.replay_runs), asked for separately."""
+    merged back to tp 1 (its state dict), both whole at once (verify.replay.replay_runs), asked for separately.
+    reference: `verify --reference SRC`'s tp-1 plan (source.reference_plan): the ranks run beside what the verify
+    process keeps of the reference (_kept_of_the_reference), and each copies the pieces of the twin it cuts by
+    columns (_cut_copies); asked together (they were asked apart, and a 23 GiB host that passed both checks
+    met the allocator: make-tiny --preset medium at tp 2, SIGKILL)."""
     if opts.stream_layers:
         return
     weights = [model_bytes(((n, t.dtype, t.nbytes) for n, t in h.tensors.items()), conv_args) for h in ranks.headers]
     stream = "`verify --reference-logits FILE --stream-layers` (a tp-1 file: it holds one unit at a time)"
-    require_weights_fit(weights, opts.device, f"{ranks.folder} at tp {ranks.tp}", stream)
+    what, beside = f"{ranks.folder} at tp {ranks.tp}", 0
+    if reference is not None:
+        merges = _merges(ranks)
+        weights = [w + _cut_copies(h, r, merges) for r, (w, h) in enumerate(zip(weights, ranks.headers, strict=True))]
+        beside = _kept_of_the_reference(reference, conv_args, merges)
+        what += f" beside the tp-1 reference of {reference.src} and the twin"
+        stream = f"`reference-logits {reference.src} FILE` once, then `verify --reference-logits FILE`, or {stream}"
+        if torchrun.world() is not None:  # every process keeps its own
+            weights, beside = [w + beside for w in weights], 0
+    require_weights_fit(weights, opts.device, what, stream, beside=beside)
     if not replays or torchrun.rank() != 0:  # under torchrun rank 0 alone replays
         return
-    merged = []  # (name, dtype, bytes) of each tp-1 tensor; one that does not merge (or has no rule) is the replay's
-    for name in ranks.names():  # FAIL, not held
-        with contextlib.suppress(ShardConsistencyError, PlanError):
-            merge = merge_of(ranks, name)
-            merged.append((name, merge.dtype, merge.nbytes))
+    merged = [(name, m.dtype, m.nbytes) for name, m in _merges(ranks).items()]
     model = model_bytes(merged, conv_args)
     require_weights_fit(
         [sum(size for _, _, size in merged) + model],
@@ -275,6 +294,43 @@ def _ranks_fit(opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, repl
         f"--no-replay (the tp-{ranks.tp} run alone, held to statistical bounds), or {stream}",
         [model],
     )
+
+
+def _merges(ranks: RankFiles) -> dict[str, Merge]:
+    """name -> how each tp-1 tensor merges from the rank files; one that does not merge (or has no rule) is left
+    out: the replay's FAIL or the twin's, not held."""
+    out = {}
+    for name in ranks.names():
+        with contextlib.suppress(ShardConsistencyError, PlanError):
+            out[name] = merge_of(ranks, name)
+    return out
+
+
+def _cut_copies(header: Header, rank: int, merges: dict[str, Merge]) -> int:
+    """Bytes of the twin's pieces rank `rank` copies as it cuts them (verify.twin.cut: a column split, rows padded
+    past the table's end); the other pieces are views of the twin."""
+    out = 0
+    for name, info in header.tensors.items():
+        m = merges.get(name)
+        if m is None:
+            continue
+        rows = info.shape[0] if info.shape else 0
+        if m.split == Split.DIM1 or (m.split == Split.ROWS_PADDED and (rank + 1) * rows > m.rows):
+            out += info.nbytes
+    return out
+
+
+def _kept_of_the_reference(plan: ConversionPlan, conv_args: ModelArgs, merges: dict[str, Merge]) -> int:
+    """Bytes the verify process keeps of `verify --reference SRC`'s reference while the ranks run: its tp-1 state
+    (convert.memory.reference_weights; the model is gone) and the twin, CONVERTED's rank files as the converter's
+    tp-1 output (run._expected), unless the twin is that state itself (an fp8 source, fp4 experts)."""
+    from dsv41_convert.convert.memory import reference_weights
+
+    src_args = load_model_args(Path(plan.src) / "config.json")
+    ((state, _model),) = reference_weights(plan, src_args, plan.source_format == "bf16")
+    if plan.source_format == "fp8" and conv_args.expert_dtype == "fp4":
+        return state
+    return state + sum(m.nbytes for m in merges.values())
 
 
 def _replays(opts: VerifyOptions, ref: reffile.Reference, tp: int) -> bool:
@@ -310,8 +366,9 @@ def _verify_ranks(
         tokenizer = conv / "tokenizer.json"
         prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
         n_decode = DEFAULT_DECODE_STEPS if opts.n_decode is None else opts.n_decode
-        _ranks_fit(opts, ranks, conv_args)
-        src_ref = compute_reference(src, prompts, n_decode, opts.max_seq_len, opts.device, True, say)
+        plan = reference_plan(src)  # once (1-2 s on the published layout)
+        _ranks_fit(opts, ranks, conv_args, reference=plan)
+        src_ref = compute_reference(src, prompts, n_decode, opts.max_seq_len, opts.device, True, say, plan)
         ref = src_ref.reference
         ref_name = str(src)
     else:

@@ -227,3 +227,25 @@ def test_verify_reference_src_under_a_launch_counts_the_reference_of_each_proces
     assert code == 2, err
     assert f"the model's weights need {2 * (state + model) / fits.GIB:,.1f} GiB" in err, err
     assert "each of the 2 processes on this host" in err and "physical memory" in err, err
+
+
+def test_verify_reference_src_counts_its_ranks_beside_the_reference_it_keeps(src, tmp_path, monkeypatch, capsys):
+    """`verify --reference SRC` keeps the tp-1 reference's state (and the twin, the same tensors here: an fp8 source,
+    fp4 experts) while its ranks run: the ranks were asked for alone and the reference alone, so a host holding either
+    but not both passed, and met the allocator (make-tiny --preset medium at tp 2 on a 23 GiB host: SIGKILL). Here a
+    host one byte short of the reference's state and the ranks' weights, which both old checks passed."""
+    from dsv41_convert.convert.memory import reference_weights
+    from dsv41_convert.verify import reference
+
+    conv = tmp_path / "conv"
+    code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")
+    assert code == 0, err
+    ((state, model),) = reference_weights(build_plan(src, 1), load_model_args(src / "config.json"))
+    host = state + sum(_weights(src, 2)) - 1
+    assert host >= max(state + model, sum(_weights(src, 2)))  # each alone fits
+    monkeypatch.setattr(fits, "physical_memory", lambda: host)
+    monkeypatch.setattr(reference, "reference_state", lambda *a, **k: pytest.fail("the reference was computed"))
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference", str(src))
+    assert code == 2, err
+    assert f"{conv} at tp 2 beside the tp-1 reference of {src} and the twin: the model's weights need" in err, err
+    assert f"{state / fits.GIB:,.1f} GiB beside them" in err and f"`reference-logits {src} FILE` once" in err, err
