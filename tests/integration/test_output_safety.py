@@ -1124,3 +1124,26 @@ def test_too_little_space_is_said_before_any_progress_and_loses_nothing(
     code, stdout, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args, *extra)
     assert code == 2 and err.startswith(f"error: {out}: ") and " bytes to write but only " in err and stdout == "", err
     assert (tree(out) if out.exists() else None) == before
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_a_share_overwrite_with_too_little_space_keeps_the_file_it_replaces(
+    src, tmp_path, monkeypatch, capsys, dry_run
+):
+    """`shard --ranks 0 --overwrite` on a full disk: the early space check skipped a share's --overwrite, so the run
+    showed its progress title, removed rank 0's finished file and its record, then refused (exit 2, the file lost),
+    where --dry-run refused up front. A --ranks share removes its own files alone: it is checked before anything
+    is touched, with the numbers the dry run says."""
+    out = (tmp_path / "out").resolve()
+    assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
+    capacity = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())  # a disk holding OUT's files alone
+    before = tree(out)
+    monkeypatch.setattr(
+        execute_mod, "disk_free", lambda path: capacity - sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    )
+    run = ["--tp", "2", "--ranks", "0", "--overwrite"]
+    code, stdout, err = shard(monkeypatch, capsys, str(src), str(out), *run, *(["--dry-run"] if dry_run else []))
+    assert code == 2 and err.startswith(f"error: {out}: ") and stdout == "", err
+    said = f" but only {(out / 'model0-mp2.safetensors').stat().st_size:,} bytes free on that device"
+    assert said in err, err
+    assert tree(out) == before
