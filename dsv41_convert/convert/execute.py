@@ -457,16 +457,19 @@ def check_out(
     """check_options, then what OUT as found now refuses, in the run's words: a folder the run could not make
     or write into, another process holding it, files at our names no run of ours wrote, not empty (without
     --resume or --overwrite), another conversion's files (unless --overwrite replaces them), too little free
-    space (but under --resume, whose need is known once its files are hashed, and a torchrun process's --overwrite,
-    whose removals depend on the other processes; a --ranks share's removes its own files alone, credited as the
-    dry run credits them). Nothing is made, locked or written. The CLI calls it before its
+    space (but under --resume, whose need is known once its files are hashed), crediting what an --overwrite
+    removes first as the dry run does (_replaced; a torchrun process's also the launch's replaced files). Nothing
+    is made, locked or written. The CLI calls it before its
     progress display (a refusal after the display's title read as if the run had started), --dry-run through
     check_destination; `execute` checks OUT again once it holds it.
     records: the sidecars' records (Sidecars.records), which an --overwrite of the whole folder removes first.
     -> the rank files this process writes"""
     mine, others, other_conversion = _out_as_found(plan, out, resume, overwrite, ranks, device)
-    if mine and not resume and (not overwrite or others is None or ranks is not None):
-        _require_space_for(plan, Path(out), mine, _replaced(Path(out), mine, others, other_conversion, records))
+    if mine and not resume:
+        replaced = _replaced(Path(out), mine, others, other_conversion, records)
+        if overwrite and others is not None and ranks is None and Path(out).is_dir():
+            replaced += _replaced_by_the_launch(Path(out), plan, mine, stamps_digest(source_stamps(Path(plan.src))))
+        _require_space_for(plan, Path(out), mine, replaced if overwrite else [])
     return mine
 
 

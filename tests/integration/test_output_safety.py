@@ -1127,13 +1127,17 @@ def test_too_little_space_is_said_before_any_progress_and_loses_nothing(
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize("share", ["ranks", "torchrun"])
 def test_a_share_overwrite_with_too_little_space_keeps_the_file_it_replaces(
-    src, tmp_path, monkeypatch, capsys, dry_run
+    src, tmp_path, monkeypatch, capsys, share, dry_run
 ):
-    """`shard --ranks 0 --overwrite` on a full disk: the early space check skipped a share's --overwrite, so the run
-    showed its progress title, removed rank 0's finished file and its record, then refused (exit 2, the file lost),
-    where --dry-run refused up front. A --ranks share removes its own files alone: it is checked before anything
-    is touched, with the numbers the dry run says."""
+    """A share's --overwrite of rank 0 on a full disk (`--ranks 0`, or RANK=0 WORLD_SIZE=2 as torchrun sets them):
+    the early space check skipped every share's --overwrite, so the run showed its progress title, removed rank 0's
+    finished file and its done record (a torchrun process also manifest.json), then refused (exit 2, the file lost),
+    where --dry-run refused up front. Now the share is checked before anything is touched, with the dry run's
+    numbers (what it removes first credited)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     out = (tmp_path / "out").resolve()
     assert shard(monkeypatch, capsys, str(src), str(out), "--tp", "2")[0] == 0
     capacity = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())  # a disk holding OUT's files alone
@@ -1141,9 +1145,15 @@ def test_a_share_overwrite_with_too_little_space_keeps_the_file_it_replaces(
     monkeypatch.setattr(
         execute_mod, "disk_free", lambda path: capacity - sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     )
-    run = ["--tp", "2", "--ranks", "0", "--overwrite"]
-    code, stdout, err = shard(monkeypatch, capsys, str(src), str(out), *run, *(["--dry-run"] if dry_run else []))
-    assert code == 2 and err.startswith(f"error: {out}: ") and stdout == "", err
+    run = ["--tp", "2", "--overwrite", *(["--dry-run"] if dry_run else [])]
+    if share == "ranks":
+        run += ["--ranks", "0"]
+    else:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+    code, stdout, err = shard(monkeypatch, capsys, str(src), str(out), *run)
+    assert code == 2 and f"{out}: " in err and stdout == "", err
+    assert f"-> {out}" not in err  # no progress title
     said = f" but only {(out / 'model0-mp2.safetensors').stat().st_size:,} bytes free on that device"
     assert said in err, err
     assert tree(out) == before
