@@ -268,10 +268,12 @@ def _ranks_fit(
     reference: `verify --reference SRC`'s tp-1 plan (source.reference_plan): the ranks run beside what the verify
     process keeps of the reference (_kept_of_the_reference), and each copies the pieces of the twin it cuts by
     columns (_cut_copies); asked together (they were asked apart, and a 23 GiB host that passed both checks
-    met the allocator: make-tiny --preset medium at tp 2, SIGKILL)."""
+    met the allocator: make-tiny --preset medium at tp 2, SIGKILL). Those stay in the host's memory: a card holds
+    its rank's model alone (they were counted on it, and a card that held the model was refused)."""
     if opts.stream_layers:
         return
     weights = [model_bytes(((n, t.dtype, t.nbytes) for n, t in h.tensors.items()), conv_args) for h in ranks.headers]
+    card = weights  # each rank's model, moved onto its card (run_converted)
     stream = "`verify --reference-logits FILE --stream-layers` (a tp-1 file: it holds one unit at a time)"
     what, beside = f"{ranks.folder} at tp {ranks.tp}", 0
     if reference is not None:
@@ -282,7 +284,7 @@ def _ranks_fit(
         stream = f"`reference-logits {reference.src} FILE` once, then `verify --reference-logits FILE`, or {stream}"
         if torchrun.world() is not None:  # every process keeps its own
             weights, beside = [w + beside for w in weights], 0
-    require_weights_fit(weights, opts.device, what, stream, beside=beside)
+    require_weights_fit(weights, opts.device, what, stream, card, beside)
     if not replays or torchrun.rank() != 0:  # under torchrun rank 0 alone replays
         return
     merged = [(name, m.dtype, m.nbytes) for name, m in _merges(ranks).items()]

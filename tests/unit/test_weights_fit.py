@@ -249,3 +249,27 @@ def test_verify_reference_src_counts_its_ranks_beside_the_reference_it_keeps(src
     assert code == 2, err
     assert f"{conv} at tp 2 beside the tp-1 reference of {src} and the twin: the model's weights need" in err, err
     assert f"{state / fits.GIB:,.1f} GiB beside them" in err and f"`reference-logits {src} FILE` once" in err, err
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_verify_reference_src_asks_each_card_for_its_model_alone(src, tmp_path, monkeypatch, capsys, launched):
+    """`verify --reference SRC` on cuda: a rank moves its model to its card; the twin's pieces it copies as it cuts
+    them, and (under torchrun) the reference and twin its process keeps, stay in the host's memory. They were
+    counted on the card too, so a card that holds the rank's model was refused ("more than all of cuda's memory ...
+    or a larger card"): under torchrun by the whole tp-1 reference and twin."""
+    from dsv41_convert.convert.unshard import RankFiles
+    from dsv41_convert.verify import run
+    from dsv41_convert.verify.source import reference_plan
+
+    conv = tmp_path / "conv"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
+    if launched:
+        _torchrun(monkeypatch, 0, 2, 2, 0)
+    card = max(_weights(src, 2))  # plan's figure: the model each rank moves onto its card
+    monkeypatch.setattr(fits, "machine_bytes", lambda where: 1 << 50 if where == "cpu" else card)
+    opts = run.VerifyOptions(conv, reference=src, device="cuda")
+    with RankFiles(conv, None) as ranks:
+        run._ranks_fit(opts, ranks, load_model_args(conv / "config.json"), reference=reference_plan(src))
+        monkeypatch.setattr(fits, "machine_bytes", lambda where: 1 << 50 if where == "cpu" else card - 1)
+        with pytest.raises(fits.VerifyInputError, match=r"more than all of cuda's memory"):
+            run._ranks_fit(opts, ranks, load_model_args(conv / "config.json"), reference=reference_plan(src))
