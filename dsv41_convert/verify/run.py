@@ -310,11 +310,12 @@ def _merges(ranks: RankFiles) -> dict[str, Merge]:
 
 def _cut_copies(header: Header, rank: int, merges: dict[str, Merge]) -> int:
     """Bytes of the twin's pieces rank `rank` copies as it cuts them (verify.twin.cut: a column split, rows padded
-    past the table's end); the other pieces are views of the twin."""
+    past the table's end); the other pieces are views of the twin, or the twin's tensor itself where the rank's
+    shape is the whole one (every tensor at tp 1)."""
     out = 0
     for name, info in header.tensors.items():
         m = merges.get(name)
-        if m is None:
+        if m is None or tuple(info.shape) == m.shape:
             continue
         rows = info.shape[0] if info.shape else 0
         if m.split == Split.DIM1 or (m.split == Split.ROWS_PADDED and (rank + 1) * rows > m.rows):

@@ -273,3 +273,25 @@ def test_verify_reference_src_asks_each_card_for_its_model_alone(src, tmp_path, 
         monkeypatch.setattr(fits, "machine_bytes", lambda where: 1 << 50 if where == "cpu" else card - 1)
         with pytest.raises(fits.VerifyInputError, match=r"more than all of cuda's memory"):
             run._ranks_fit(opts, ranks, load_model_args(conv / "config.json"), reference=reference_plan(src))
+
+
+def test_verify_reference_src_at_tp1_counts_no_copies_of_the_twin(src, tmp_path, monkeypatch, capsys):
+    """At tp 1 every piece of the twin is the twin's own tensor (verify.twin.cut: the rank's shape is the whole
+    one), but the column-split tensors were counted as copies, so a host that held the run was refused and the
+    refusal's figure was not the model's weights (plan --tp 1) and the reference's state beside them."""
+    from dsv41_convert.convert.memory import reference_weights
+    from dsv41_convert.convert.unshard import RankFiles
+    from dsv41_convert.verify import run
+    from dsv41_convert.verify.source import reference_plan
+
+    conv = tmp_path / "conv"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "1")[0] == 0
+    ((state, _model),) = reference_weights(build_plan(src, 1), load_model_args(src / "config.json"))
+    need = sum(_weights(src, 1)) + state  # the model; the reference's state, which is the twin (fp4 experts)
+    opts = run.VerifyOptions(conv, reference=src)
+    with RankFiles(conv, None) as ranks:
+        monkeypatch.setattr(fits, "physical_memory", lambda: need)
+        run._ranks_fit(opts, ranks, load_model_args(conv / "config.json"), reference=reference_plan(src))
+        monkeypatch.setattr(fits, "physical_memory", lambda: need - 1)
+        with pytest.raises(fits.VerifyInputError, match=f"need {need / fits.GIB:,.1f} GiB"):
+            run._ranks_fit(opts, ranks, load_model_args(conv / "config.json"), reference=reference_plan(src))
