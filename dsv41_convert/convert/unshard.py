@@ -437,9 +437,14 @@ def _check_owner(name: str, holders: tuple[int, ...], tp: int, args: ModelArgs) 
 
 
 def _table_rows(name: str, per_rank: int, tp: int, args: ModelArgs) -> int:
-    """The config's rows of Engram table `name`; each rank must hold ceil(rows / tp) of them (the last padded)."""
-    m = _ENGRAM.fullmatch(name)
-    rows = args.engram_num_embeddings[args.engram_layer_ids.index(int(m.group(1)))]
+    """The config's rows of Engram table `name`; each rank must hold ceil(rows / tp) of them (the last padded).
+    ShardConsistencyError where the config gives its layer no Engram (it was a bare ValueError: a traceback)."""
+    layer = int(_ENGRAM.fullmatch(name).group(1))
+    if layer not in args.engram_layer_ids:
+        raise ShardConsistencyError(
+            f"{name}: layer {layer} has no Engram table (engram_layer_ids {list(args.engram_layer_ids)})"
+        )
+    rows = args.engram_num_embeddings[args.engram_layer_ids.index(layer)]
     k = -(-rows // tp)
     if per_rank != k:
         raise ShardConsistencyError(

@@ -473,3 +473,20 @@ def test_rank_weights_read_each_ranks_rows_at_its_own_offsets(shards, tmp_path):
         weights.close()
     for name in names:
         assert torch.equal(_bytes(got[name]), _bytes(whole[name][rows])), name
+
+
+def test_an_engram_table_of_a_layer_without_engram_is_a_consistency_error(shards, tmp_path):
+    """An Engram table named at a layer the config gives no Engram (a renamed tensor, on every rank): merge_of
+    looked its rows up in engram_layer_ids and raised a bare ValueError, which `verify --reference SRC` met
+    sizing the twin before any rank ran (a traceback, exit 1, where the model's load FAILs the rank files)."""
+    from dsv41_convert.verify import run
+
+    bad = _copy(shards, 2, tmp_path)
+    stray = "layers.3.engram.embed.weight"
+    for rank in range(2):
+        _edit(bad, rank, 2, lambda t: t.__setitem__(stray, t.pop(f"{ENGRAM}.weight")))
+    with pytest.raises(ShardConsistencyError, match=rf"{stray}: layer 3 has no Engram table"):
+        unshard_tensors(bad, [stray])
+    with RankFiles(bad, None) as ranks:
+        merges = run._merges(ranks)  # verify's count of the twin: the model's load names it
+    assert stray not in merges and f"{ENGRAM}.scale" in merges
