@@ -29,6 +29,12 @@ class Split(StrEnum):
     ROWS_PADDED = "rows_padded"  # ceil(rows/tp) rows each, the tail padded (0 weight, 1.0 scale)
 
 
+def split_dim(split: Split) -> int:
+    """The dim `split` cuts a tensor along: 1 for DIM1, 0 for DIM0 and ROWS_PADDED, -1 for NONE and EXPERT (whole
+    on a rank). A piece of no more dims than that is no piece of such a split (an edited header)."""
+    return {Split.DIM0: 0, Split.ROWS_PADDED: 0, Split.DIM1: 1}.get(split, -1)
+
+
 class Op(StrEnum):
     KEEP = "keep"  # bf16/f32 tensor, copied (a source of another float dtype is cast)
     FP8 = "fp8"  # e4m3 weight with 32x32 e8m0 scales (a bf16 source is quantized)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from dsv41_convert.config import ModelArgs, load_model_args
 from dsv41_convert.convert.plan import fill_text, pad_byte
-from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of
+from dsv41_convert.convert.rules import Split, expert_index, match_rule, rule_of, split_dim
 from dsv41_convert.errors import ShardConsistencyError, VerifyInputError, first_few
 from dsv41_convert.file_kinds import refuse_non_file
 from dsv41_convert.numbers import counted
@@ -318,6 +318,10 @@ def merge_of(ranks: RankFiles, name: str) -> Merge:
         if len({p.dtype for p in pieces.values()}) != 1:
             found = ", ".join(f"rank {r}: {p.dtype}" for r, p in pieces.items())
             raise ShardConsistencyError(f"{name}: rank pieces differ in dtype ({found})")
+        if len(shape) <= split_dim(split):  # the dim read below was a bare IndexError (a traceback)
+            raise ShardConsistencyError(
+                f"{name}: {list(shape)} on every rank; a {split} split cuts dim {split_dim(split)}"
+            )
         if split is Split.DIM1:
             shape = (shape[0], shape[1] * ranks.tp, *shape[2:])
         else:

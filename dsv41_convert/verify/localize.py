@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from dsv41_convert.convert.plan import fill_text, pad_byte
-from dsv41_convert.convert.rules import Split, match_rule
+from dsv41_convert.convert.rules import Split, match_rule, split_dim
 from dsv41_convert.convert.unshard import RankFiles
 from dsv41_convert.numbers import e8m0_text
 from dsv41_convert.quant.file_dtypes import TORCH_TO_SAFETENSORS
@@ -219,6 +219,10 @@ def diff_tensors(
                 problem = f"replicated tensor missing on ranks {sorted(set(range(tp)) - set(holders))}"
         elif split is Split.EXPERT:
             problem = _compare(name, parts[0], want) if len(holders) == 1 else f"held by ranks {list(holders)}"
+        elif any(p.dim() <= split_dim(split) for p in parts):  # reading that dim was an IndexError (a traceback)
+            culprits = tuple(r for r, p in zip(holders, parts, strict=True) if p.dim() <= split_dim(split))
+            found = ", ".join(f"rank {r}: {list(ranks[r][name].shape)}" for r in culprits)
+            problem = f"a {split} split cuts dim {split_dim(split)}; found {found}"
         elif split is Split.ROWS_PADDED and any(p.shape[0] != -(-want.shape[0] // tp) for p in parts):
             k = -(-want.shape[0] // tp)
             culprits = tuple(r for r, p in zip(holders, parts, strict=True) if p.shape[0] != k)
@@ -226,7 +230,7 @@ def diff_tensors(
             problem = f"rows per rank must be ceil({want.shape[0]}/{tp}) = {k}, the last rank padded; found {found}"
         else:
             try:
-                dim = 1 if split is Split.DIM1 else 0
+                dim = split_dim(split)
                 whole = torch.cat([p.view(torch.uint8) if p.dtype.itemsize == 1 else p for p in parts], dim=dim)
                 whole = whole.view(parts[0].dtype) if parts[0].dtype.itemsize == 1 else whole
                 if split is Split.ROWS_PADDED:
@@ -257,7 +261,7 @@ def _padding(whole: Tensor, rows: int, holders: tuple[int, ...], per_rank: int) 
 
 def _ranks_of(parts: list[Tensor], holders: tuple[int, ...], want: Tensor, split: Split) -> tuple[int, ...]:
     """The ranks whose slice of a split tensor differs from the matching slice of `want`."""
-    dim = 1 if split is Split.DIM1 else 0
+    dim = split_dim(split)
     out, pos = [], 0
     for r, p in zip(holders, parts, strict=True):
         n = p.shape[dim]

@@ -490,3 +490,30 @@ def test_an_engram_table_of_a_layer_without_engram_is_a_consistency_error(shards
     with RankFiles(bad, None) as ranks:
         merges = run._merges(ranks)  # verify's count of the twin: the model's load names it
     assert stray not in merges and f"{ENGRAM}.scale" in merges
+
+
+@pytest.mark.parametrize(
+    ("name", "cut", "dim"),
+    [("layers.0.attn.wo_b.weight", torch.flatten, 1), ("layers.0.attn.wq_b.weight", lambda t: t.flatten()[0], 0),
+     (f"{ENGRAM}.weight", lambda t: t.flatten()[0], 0)],
+)  # fmt: skip
+def test_a_split_tensor_without_the_dim_it_is_cut_on_is_a_consistency_error_not_a_traceback(
+    shards, tmp_path, name, cut, dim
+):
+    """A split tensor whose header has no dim its split cuts, on every rank (an edited file: a column split 1-D, a row
+    split or an Engram table 0-D): merge_of read that dim and raised a bare IndexError, which `verify --reference SRC`
+    met sizing the twin before any rank ran, and the tensor diff met again joining the pieces (a traceback, exit 1,
+    for rank files the model's load FAILs)."""
+    from dsv41_convert.verify import localize, run
+
+    bad = _copy(shards, 2, tmp_path)
+    for rank in range(2):
+        _edit(bad, rank, 2, lambda t: t.__setitem__(name, cut(t[name]).clone()))
+    with pytest.raises(ShardConsistencyError, match=rf"{name}: .* split cuts dim {dim}"):
+        unshard_tensors(bad, [name])
+    with RankFiles(bad, None) as ranks:
+        assert name not in run._merges(ranks)  # verify's count of the twin: the model's load names it
+    pieces = [load_file(str(bad / f"model{rank}-mp2.safetensors")) for rank in range(2)]
+    want = load_file(str(shards[1] / "model0-mp1.safetensors"))
+    (diff,) = [d for d in localize.diff_tensors(pieces, want, ()) if d.name == name]
+    assert diff.ranks == (0, 1) and f"split cuts dim {dim}; found rank 0: [" in diff.what, diff
