@@ -17,6 +17,7 @@ compares, and the other ranks get None.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -37,6 +38,7 @@ from dsv41_convert.file_kinds import SPECIAL, special_kind
 from dsv41_convert.numbers import counted
 from dsv41_convert.progress import Progress as ByteProgress
 from dsv41_convert.store.lock import refuse_held
+from dsv41_convert.store.machine import memory_backed
 from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
 from dsv41_convert.store.safetensors_header import Header
@@ -266,10 +268,12 @@ def _ranks_fit(
     replays: the tp-1 replay runs after the ranks (`_replays`), in one process: the whole model and the rank files
     merged back to tp 1 (its state dict), both whole at once (verify.replay.replay_runs), asked for separately.
     reference: `verify --reference SRC`'s tp-1 plan (source.reference_plan): the ranks run beside what the verify
-    process keeps of the reference (_kept_of_the_reference), and each copies the pieces of the twin it cuts by
+    process keeps of the reference (_reference_and_twin_bytes), and each copies the pieces of the twin it cuts by
     columns (_cut_copies); asked together (they were asked apart, and a 23 GiB host that passed both checks
     met the allocator: make-tiny --preset medium at tp 2, SIGKILL). Those stay in the host's memory: a card holds
-    its rank's model alone (they were counted on it, and a card that held the model was refused)."""
+    its rank's model alone (they were counted on it, and a card that held the model was refused). The ranks map the
+    twin from a file in the temporary folder (launch's payload): counted too where that folder is held in memory
+    (tmpfs; elsewhere its pages are the page cache's, dropped and read again under pressure)."""
     if opts.stream_layers:
         return
     weights = [model_bytes(((n, t.dtype, t.nbytes) for n, t in h.tensors.items()), conv_args) for h in ranks.headers]
@@ -279,7 +283,10 @@ def _ranks_fit(
     if reference is not None:
         merges = _merges(ranks)
         weights = [w + _cut_copies(h, r, merges) for r, (w, h) in enumerate(zip(weights, ranks.headers, strict=True))]
-        beside = _kept_of_the_reference(reference, conv_args, merges)
+        state, twin = _reference_and_twin_bytes(reference, conv_args, merges)
+        beside = state if twin is None else state + twin  # what the verify process keeps
+        if torchrun.world() is None and ranks.tp > 1 and memory_backed(Path(tempfile.gettempdir())):
+            beside += state if twin is None else twin  # the ranks' payload (launch), a file held in memory
         what += f" beside the tp-1 reference of {reference.src} and the twin"
         stream = f"`reference-logits {reference.src} FILE` once, then `verify --reference-logits FILE`, or {stream}"
         if torchrun.world() is not None:  # every process keeps its own
@@ -323,17 +330,19 @@ def _cut_copies(header: Header, rank: int, merges: dict[str, Merge]) -> int:
     return out
 
 
-def _kept_of_the_reference(plan: ConversionPlan, conv_args: ModelArgs, merges: dict[str, Merge]) -> int:
-    """Bytes the verify process keeps of `verify --reference SRC`'s reference while the ranks run: its tp-1 state
-    (convert.memory.reference_weights; the model is gone) and the twin, CONVERTED's rank files as the converter's
-    tp-1 output (run._expected), unless the twin is that state itself (an fp8 source, fp4 experts)."""
+def _reference_and_twin_bytes(
+    plan: ConversionPlan, conv_args: ModelArgs, merges: dict[str, Merge]
+) -> tuple[int, int | None]:
+    """(bytes of `verify --reference SRC`'s tp-1 state, convert.memory.reference_weights' (unquantized for a bf16
+    source; the model is gone once it has run), bytes of the twin: CONVERTED's rank files as the converter's tp-1
+    output (run._expected); None where the twin is that state itself (an fp8 source, fp4 experts))."""
     from dsv41_convert.convert.memory import reference_weights
 
     src_args = load_model_args(Path(plan.src) / "config.json")
     ((state, _model),) = reference_weights(plan, src_args, plan.source_format == "bf16")
     if plan.source_format == "fp8" and conv_args.expert_dtype == "fp4":
-        return state
-    return state + sum(m.nbytes for m in merges.values())
+        return state, None
+    return state, sum(m.nbytes for m in merges.values())
 
 
 def _replays(opts: VerifyOptions, ref: reffile.Reference, tp: int) -> bool:

@@ -235,7 +235,7 @@ def test_verify_reference_src_counts_its_ranks_beside_the_reference_it_keeps(src
     but not both passed, and met the allocator (make-tiny --preset medium at tp 2 on a 23 GiB host: SIGKILL). Here a
     host one byte short of the reference's state and the ranks' weights, which both old checks passed."""
     from dsv41_convert.convert.memory import reference_weights
-    from dsv41_convert.verify import reference
+    from dsv41_convert.verify import reference, run
 
     conv = tmp_path / "conv"
     code, _, err = run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")
@@ -244,6 +244,7 @@ def test_verify_reference_src_counts_its_ranks_beside_the_reference_it_keeps(src
     host = state + sum(_weights(src, 2)) - 1
     assert host >= max(state + model, sum(_weights(src, 2)))  # each alone fits
     monkeypatch.setattr(fits, "physical_memory", lambda: host)
+    monkeypatch.setattr(run, "memory_backed", lambda path: False)  # the ranks' payload file in the page cache
     monkeypatch.setattr(reference, "reference_state", lambda *a, **k: pytest.fail("the reference was computed"))
     code, _, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference", str(src))
     assert code == 2, err
@@ -295,3 +296,31 @@ def test_verify_reference_src_at_tp1_counts_no_copies_of_the_twin(src, tmp_path,
         monkeypatch.setattr(fits, "physical_memory", lambda: need - 1)
         with pytest.raises(fits.VerifyInputError, match=f"need {need / fits.GIB:,.1f} GiB"):
             run._ranks_fit(opts, ranks, load_model_args(conv / "config.json"), reference=reference_plan(src))
+
+
+@pytest.mark.parametrize("in_memory", [False, True], ids=["disk", "tmpfs"])
+def test_the_ranks_payload_counts_where_the_temporary_folder_is_held_in_memory(
+    src, tmp_path, monkeypatch, capsys, in_memory
+):
+    """The spawned ranks map the twin from a file in the temporary folder (launch's payload): on a disk its pages are
+    the page cache's, dropped and read again under pressure; on a tmpfs (a common /tmp) the file takes the host's
+    memory as a process does, one twin more (a helper's reading), and was not counted."""
+    from dsv41_convert.convert.memory import reference_weights
+    from dsv41_convert.convert.unshard import RankFiles
+    from dsv41_convert.verify import run
+    from dsv41_convert.verify.source import reference_plan
+
+    conv = tmp_path / "conv"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
+    ((state, _model),) = reference_weights(build_plan(src, 1), load_model_args(src / "config.json"))
+    monkeypatch.setattr(run, "memory_backed", lambda path: in_memory)
+    opts, args = run.VerifyOptions(conv, reference=src), load_model_args(conv / "config.json")
+    with RankFiles(conv, None) as ranks:
+        merges = run._merges(ranks)
+        copies = sum(run._cut_copies(h, r, merges) for r, h in enumerate(ranks.headers))
+        need = sum(_weights(src, 2)) + copies + state + (state if in_memory else 0)  # the twin is the state here
+        monkeypatch.setattr(fits, "physical_memory", lambda: need)
+        run._ranks_fit(opts, ranks, args, reference=reference_plan(src))
+        monkeypatch.setattr(fits, "physical_memory", lambda: need - 1)
+        with pytest.raises(fits.VerifyInputError, match="beside the tp-1 reference"):
+            run._ranks_fit(opts, ranks, args, reference=reference_plan(src))
