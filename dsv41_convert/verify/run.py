@@ -365,6 +365,11 @@ def _verify_ranks(
     side_files_differ: list[str] = []  # tokenizer files of CONVERTED unlike those the reference ran with
     config_note = ""  # why CONVERTED/config.json was not compared with the reference's model
     if opts.reference is not None:
+        if not opts.replay:  # it did nothing there, silently (a helper's hunt)
+            raise VerifyInputError(
+                "--no-replay goes with --reference-logits FILE: against --reference SRC no tp-1 replay runs (the twin, "
+                "the converter's output cut into the same ranks, is run beside the rank files instead)"
+            )
         src = Path(opts.reference)
         src_args = load_model_args(src / "config.json")
         _check_same_model(src_args, conv_args, src, conv)

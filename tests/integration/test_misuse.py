@@ -703,6 +703,14 @@ def test_verify_options_a_reference_file_fixes_are_refused_with_it(sharded, tmp_
     assert_clean_error(code, err, f"{option[0]} go(es) with --reference SRC")
 
 
+def test_no_replay_with_reference_src_is_refused(sharded, src, monkeypatch, capsys):
+    """`verify --reference SRC --no-replay` ran as without it (no replay runs against SRC: the twin does), and said
+    nothing of the option (a helper's hunt); refused now, before the reference is computed."""
+    code, _, err = run_cli(monkeypatch, capsys, "verify", str(sharded), "--reference", str(src), "--no-replay")
+    assert_clean_error(code, err, "--no-replay goes with --reference-logits FILE")
+    assert "reference: " not in err
+
+
 def _session_processes(sid: int) -> list[str]:
     ps = subprocess.run(["ps", "-o", "pid=,stat=", "-s", str(sid)], capture_output=True, text=True).stdout.split("\n")
     return [line for line in ps if line.strip() and "Z" not in line.split()[-1]]
