@@ -280,7 +280,9 @@ def validate_reference_file(path: Path, args: ModelArgs | None = None, default_m
     shape the file's own tensors contradict (B and S from input_ids, V from logits, T from decode_ids, K
     from draft_logits or the model's DSpark block), each message naming the tensor that sets the size;
     a vocabulary other than the model's; ids outside it; lengths that disagree with input_ids' padding;
-    prompts plus decode steps longer than max_seq_len; NaN or Inf in any logits tensor (tensor, prompt,
+    prompts plus decode steps longer than max_seq_len; a hidden.<module> the model (`args`) lacks, of another
+    width, or an indexer or candidates value it cannot write (a row past the KV, padding inside a width, a
+    position without a kept block); NaN or Inf in any logits tensor (tensor, prompt,
     position); token types outside -1..3; labels and images that are not one string per prompt, image
     files that are not there, and image prompts for a model without a vision tower. Cannot catch: logits that
     are finite and well-shaped but wrong.
@@ -361,6 +363,8 @@ def _problems(
         if tuple(t[key].shape[:2]) != (b, s):
             want = f"expected [B, S, ...] = [{b}, {s}, ...] ({dims.why('B', 'S')})"
             out.append(f"{key} has shape {list(t[key].shape)}, {want}")
+    if args is not None:
+        out += _hidden_against_model(t, b, s, args)
     out += _pairing(t, dims, args)
     out += _ids(t, b, s, vocab, dims)
     out += _lengths_fit(t, meta, b, s, dims, default_max_seq_len)
@@ -368,6 +372,91 @@ def _problems(
     out += _token_types(t)
     out += _metadata_lists(meta, t, b, args)
     out += _recorded_fields(meta)
+    return out
+
+
+def hidden_shapes(args: ModelArgs, seq_len: int) -> dict[str, tuple[int, ...]]:
+    """Every hidden.<module> the model records (Transformer.forward's hidden_states), with the dims after [B, S] of
+    a file whose longest prompt is `seq_len` tokens (PADDED widths: that prompt's)."""
+    dim, hc = args.dim, args.hc_mult
+    out: dict[str, tuple[int, ...]] = {"embed": (dim,), "norm": (dim,)}
+    if args.vision_enabled:
+        out["vision"] = (dim,)
+    for i in range(args.n_layers):
+        out |= {f"layers.{i}": (hc, dim), f"layers.{i}.pre_mix": (hc,), f"layers.{i}.attn": (dim,)}
+        out[f"layers.{i}.ffn"] = (dim,)
+        if i in args.engram_layer_ids:
+            out[f"layers.{i}.engram"] = (hc, dim)
+        if i in args.index_source_layers:
+            rows = seq_len // args.compress_ratios[i]  # the compressed rows of the whole prompt
+            out[f"layers.{i}.attn.indexer"] = (min(args.index_topk, rows),)
+            if i == args.candidate_source_layer:
+                out[f"layers.{i}.attn.candidates"] = (rows,)
+    return out
+
+
+def _hidden_against_model(t: dict[str, Tensor], b: int, s: int, args: ModelArgs) -> list[str]:
+    """hidden.<module> tensors of modules the model has, of its widths, and index choices it can make: another
+    model's or an edited file ran the teacher into a rank's traceback (a width), a FAIL of the conversion (a row
+    of the KV it has not, padding inside a prompt) or a PASS with a choice the model never makes (a candidates
+    value 5, a row without a kept block). Shapes [B, S] and dtypes are checked apart."""
+    lengths = t.get("lengths")
+    if lengths is None or lengths.dtype != torch.int64 or tuple(lengths.shape) != (b,):
+        lengths = torch.full((b,), s, dtype=torch.int64)
+    lengths = lengths.clamp(0, s)  # outside 1 .. S: reported by _ids
+    known = hidden_shapes(args, int(lengths.max()))
+    out = []
+    for key in sorted(k for k in t if k.startswith("hidden.")):
+        x, module = t[key], key.removeprefix("hidden.")
+        if module not in known:
+            sources = f"index sources {list(args.index_source_layers)}, candidate source {args.candidate_source_layer}"
+            out.append(f"{key}: the model has no such module ({args.n_layers} layers; {sources})")
+        elif x.dtype != hidden_dtype(module) or tuple(x.shape[:2]) != (b, s):
+            continue  # reported by _problems
+        elif tuple(x.shape[2:]) != known[module]:
+            out.append(f"{key} has shape {list(x.shape)}, expected {[b, s, *known[module]]} (the model's config.json)")
+        elif module.endswith(PADDED):
+            out += _choices(key, x, lengths, args.compress_ratios[int(module.split(".")[1])], args.index_topk)
+    return out
+
+
+def _choices(key: str, x: Tensor, lengths: Tensor, ratio: int, topk: int) -> list[str]:
+    """An indexer's or the candidate source's record, as the model writes it for each prompt of `lengths` run alone.
+
+    x: [B, S, k] int64 indexer (rows n + j of a prompt of n tokens, j < (p + 1) // ratio at position p, or -1) or
+       [B, S, t] int8 candidates (0 / 1, a kept block wherever (p + 1) // ratio >= 1); INDEXER_PAD past a prompt's
+       own width (k = min(topk, n // ratio), t = n // ratio); rows past its length are not read
+    """
+    out = []
+    candidates = key.endswith(".candidates")
+    for row, n in enumerate(lengths.tolist()):
+        h = x[row, :n].long()  # [n, k or t]
+        width = n // ratio if candidates else min(topk, n // ratio)
+        seen = (torch.arange(1, n + 1) // ratio)[:, None]  # [n, 1] compressed rows visible at each position
+        cols = torch.arange(h.shape[1])[None, :]
+        if candidates:
+            ok = (h == 0) | (h == 1)
+        else:
+            ok = (h == -1) | ((h >= n) & (h < n + seen))
+        ok = torch.where(cols < width, ok, h == INDEXER_PAD)
+        bad = (~ok).nonzero().tolist()
+        for pos, col in bad[:MAX_PER_RULE]:
+            got = int(h[pos, col])
+            if col >= width:
+                want = f"padding {INDEXER_PAD} past the prompt's width {width}"
+            elif candidates:
+                want = "0 or 1 (1 inside a kept block)"
+            elif int(seen[pos]):
+                want = f"-1 or a compressed row {n} .. {n + int(seen[pos]) - 1} (the prompt's {n} rows first)"
+            else:
+                want = "-1 (no compressed row reachable yet)"
+            out.append(f"{key}: prompt {row}, position {pos}, column {col}: {got}, expected {want}")
+        out += _more(len(bad), f"{key} values of prompt {row} the model cannot write")
+        if candidates and width:
+            empty = ((seen[:, 0] >= 1) & ~(h[:, :width] == 1).any(-1)).nonzero().flatten().tolist()
+            out += [f"{key}: prompt {row}, position {p}: no kept block (the newest block is always kept)"
+                    for p in empty[:MAX_PER_RULE]]  # fmt: skip
+            out += _more(len(empty), f"{key} positions of prompt {row} without a kept block")
     return out
 
 

@@ -211,7 +211,7 @@ def _valid(args) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         "decode_logits": torch.randn(B, T, v, generator=g),
         "draft_logits": torch.randn(B, T, k, v, generator=g),
         "token_types": torch.full((B, S), -1),
-        "hidden.embed": torch.randn(B, S, 8, generator=g).bfloat16(),
+        "hidden.embed": torch.randn(B, S, args.dim, generator=g).bfloat16(),
     }
     meta = {"format": reffile.FORMAT, "max_seq_len": "64", "labels": '["a", "b"]', "images": '["", ""]'}
     return tensors, meta
@@ -243,7 +243,7 @@ DAMAGES = {
     "logits bf16": (_set("logits", lambda t: t["logits"].bfloat16()), "logits is torch.bfloat16 [2, 256], expected"),
     "unknown tensor": (_set("extra", lambda t: torch.zeros(1)), "extra: not a tensor of this format"),
     "hidden fp32": (_set("hidden.embed", lambda t: t["hidden.embed"].float()), "hidden.embed is torch.float32"),
-    "hidden rows": (_set("hidden.embed", lambda t: t["hidden.embed"][:1]), "hidden.embed has shape [1, 5, 8]"),
+    "hidden rows": (_set("hidden.embed", lambda t: t["hidden.embed"][:1]), "hidden.embed has shape [1, 5, 64]"),
     "logits rows": (_set("logits", lambda t: t["logits"][:1]), "logits has 1 rows, input_ids 2"),
     "logits_all positions": (
         _set("logits_all", lambda t: t["logits_all"][:, :4]),
@@ -497,3 +497,97 @@ def test_the_image_digest_is_of_the_bytes_the_run_cut_its_patches_from(tmp_path)
     assert json.loads(meta["image_sha256"]) == [ran]
     problems = reffile.validate_reference_file(tmp_path / "r.safetensors")
     assert any("not the image this file was computed with" in p for p in problems), problems
+
+
+def _index_records(args) -> dict[str, torch.Tensor]:
+    """What tiny_config's index source (layer 1, ratio 2) and candidate source (layer 2, ratio 1) record for _valid's
+    prompts of 5 and 3 tokens, padded as file_tensors pads: every visible compressed row chosen (n + j), -1 where fewer
+    are visible than the width, every visible block kept."""
+    lengths = [5, 3]
+    indexer = torch.full((B, S, min(args.index_topk, S // 2)), reffile.INDEXER_PAD)
+    candidates = torch.full((B, S, S), reffile.INDEXER_PAD, dtype=torch.int8)
+    for row, n in enumerate(lengths):
+        width = min(args.index_topk, n // 2)
+        for p in range(n):
+            seen = list(range(n, n + (p + 1) // 2))[:width]
+            indexer[row, p, :width] = torch.tensor(seen + [-1] * (width - len(seen)))
+            candidates[row, p, :n] = 1
+    return {"hidden.layers.1.attn.indexer": indexer, "hidden.layers.2.attn.candidates": candidates}
+
+
+def _with_index_records(edit=None):
+    def change(t, m):
+        t.update(_index_records(_args()))
+        if edit is not None:
+            edit(t)
+
+    return change
+
+
+def _edit(key, index, value):
+    return lambda t: t[key].__setitem__(index, value)
+
+
+INDEXER, CANDIDATES = "hidden.layers.1.attn.indexer", "hidden.layers.2.attn.candidates"
+HIDDEN_DAMAGES = {
+    "indexer-narrower": (
+        lambda t: t.__setitem__(INDEXER, t[INDEXER][..., :1].contiguous()),
+        "hidden.layers.1.attn.indexer has shape [2, 5, 1], expected [2, 5, 2]",
+    ),
+    "candidates-wider": (
+        lambda t: t.__setitem__(CANDIDATES, torch.cat([t[CANDIDATES], t[CANDIDATES][..., :1]], -1)),
+        "hidden.layers.2.attn.candidates has shape [2, 5, 6], expected [2, 5, 5]",
+    ),
+    "candidates-4d": (
+        lambda t: t.__setitem__(CANDIDATES, t[CANDIDATES][..., None].contiguous()),
+        "hidden.layers.2.attn.candidates has shape [2, 5, 5, 1], expected [2, 5, 5]",
+    ),
+    "embed-width": (
+        lambda t: t.__setitem__("hidden.embed", t["hidden.embed"][..., :8].contiguous()),
+        "hidden.embed has shape [2, 5, 8], expected [2, 5, 64]",
+    ),
+    "candidates-of-no-candidate-source": (
+        lambda t: t.__setitem__("hidden.layers.1.attn.candidates", t[CANDIDATES].clone()),
+        "hidden.layers.1.attn.candidates: the model has no such module",
+    ),
+    "layer-the-model-lacks": (
+        lambda t: t.__setitem__("hidden.layers.7.ffn", t["hidden.embed"].clone()),
+        "hidden.layers.7.ffn: the model has no such module",
+    ),
+    "indexer-past-the-kv": (
+        _edit(INDEXER, (0, 4, 0), 500),
+        "prompt 0, position 4, column 0: 500, expected -1 or a compressed row 5 .. 6",
+    ),
+    "indexer-negative": (_edit(INDEXER, (0, 4, 1), -7), "prompt 0, position 4, column 1: -7"),
+    "indexer-padding-inside": (_edit(INDEXER, (0, 4, 1), reffile.INDEXER_PAD), "position 4, column 1: -2"),
+    "indexer-past-the-width": (
+        _edit(INDEXER, (1, 2, 1), 3),
+        "prompt 1, position 2, column 1: 3, expected padding -2 past the prompt's width 1",
+    ),
+    "candidates-5": (_edit(CANDIDATES, (0, 2, 3), 5), "prompt 0, position 2, column 3: 5, expected 0 or 1"),
+    "candidates-minus-7": (_edit(CANDIDATES, (1, 0, 0), -7), "prompt 1, position 0, column 0: -7"),
+    "candidates-no-kept-block": (
+        _edit(CANDIDATES, (0, 3), 0),
+        "hidden.layers.2.attn.candidates: prompt 0, position 3: no kept block",
+    ),
+}  # fmt: skip
+
+
+def test_the_model_s_index_records_pass(tmp_path):
+    assert _problems(tmp_path, _with_index_records()) == []
+    back = reffile.load(tmp_path / "ref.safetensors", 128, _args())
+    assert back.runs[1].hidden["layers.1.attn.indexer"].shape == (3, 1)  # prompt 1's own width
+    assert back.runs[1].hidden["layers.2.attn.candidates"].shape == (3, 3)
+
+
+@pytest.mark.parametrize("damage", sorted(HIDDEN_DAMAGES))
+def test_hidden_states_the_model_cannot_have_are_named(tmp_path, damage):
+    """A hidden.<module> of another width ran the teacher into a rank's traceback (exit 1); a key of a module the
+    model lacks was ignored; an indexer row past the KV was a rank's IndexError; -7 or padding inside the width
+    FAILed the conversion (layers.1.attn 46 ulps); a candidates value 5 or -7 or a row without a kept block PASSed.
+    Each is now a problem of the file, naming the tensor (and prompt, position, column)."""
+    edit, message = HIDDEN_DAMAGES[damage]
+    problems = _problems(tmp_path, _with_index_records(edit))
+    assert any(message in p for p in problems), problems
+    with pytest.raises(VerifyInputError, match="problem"):
+        reffile.load(tmp_path / "ref.safetensors", 128, _args())
