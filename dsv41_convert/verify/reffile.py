@@ -280,10 +280,10 @@ def validate_reference_file(path: Path, args: ModelArgs | None = None, default_m
     shape the file's own tensors contradict (B and S from input_ids, V from logits, T from decode_ids, K
     from draft_logits or the model's DSpark block), each message naming the tensor that sets the size;
     a vocabulary other than the model's; ids outside it; lengths that disagree with input_ids' padding;
-    prompts plus decode steps longer than max_seq_len; a hidden.<module> the model (`args`) lacks, of another
-    width, or an indexer or candidates value it cannot write (a row past the KV, padding inside a width, a
-    position without a kept block); NaN or Inf in any logits tensor (tensor, prompt,
-    position); token types outside -1..3; labels and images that are not one string per prompt, image
+    prompts plus decode steps longer than max_seq_len; NaN or Inf in a hidden.<module>; a hidden.<module>
+    the model (`args`) lacks, of another width, or an indexer or candidates value it cannot write (a row past
+    the KV, padding inside a width, a position without a kept block); NaN or Inf in any logits tensor (tensor,
+    prompt, position); token types outside -1..3; labels and images that are not one string per prompt, image
     files that are not there, and image prompts for a model without a vision tower. Cannot catch: logits that
     are finite and well-shaped but wrong.
     """
@@ -369,6 +369,7 @@ def _problems(
     out += _ids(t, b, s, vocab, dims)
     out += _lengths_fit(t, meta, b, s, dims, default_max_seq_len)
     out += non_finite(t)
+    out += _non_finite_hidden(t)
     out += _token_types(t)
     out += _metadata_lists(meta, t, b, args)
     out += _recorded_fields(meta)
@@ -623,6 +624,19 @@ def non_finite(t: dict[str, Tensor]) -> list[str]:
     for key in ("logits", "logits_all", "decode_logits", "draft_logits", "draft_confidence"):
         if key in t and t[key].is_floating_point() and t[key].dim() == LAYOUT[key][1]:
             out += _non_finite(key, t[key])
+    return out
+
+
+def _non_finite_hidden(t: dict[str, Tensor]) -> list[str]:
+    """NaN or Inf in a hidden.<module> of floats (bfloat16 outputs, float32 pre_mix: [B, S, ...]), by prompt and
+    position: the teacher forced them into the next module and FAILed the conversion ("teacher layers.0.ffn: nan
+    bf16 ulps"), where the file is what is wrong."""
+    out = []
+    for key in sorted(k for k in t if k.startswith("hidden.") and t[k].is_floating_point() and t[k].dim() >= 2):
+        bad = ~torch.isfinite(t[key])
+        rows = bad.flatten(2).any(-1).nonzero().tolist() if bad.dim() > 2 else bad.nonzero().tolist()
+        out += [f"{key}: prompt {r}, position {p}: NaN or Inf" for r, p in rows[:MAX_PER_RULE]]
+        out += _more(len(rows), f"{key} positions with NaN or Inf")
     return out
 
 

@@ -591,3 +591,17 @@ def test_hidden_states_the_model_cannot_have_are_named(tmp_path, damage):
     assert any(message in p for p in problems), problems
     with pytest.raises(VerifyInputError, match="problem"):
         reffile.load(tmp_path / "ref.safetensors", 128, _args())
+
+
+@pytest.mark.parametrize("key", ["hidden.embed", "hidden.layers.0.pre_mix"])
+def test_nan_in_a_hidden_state_is_a_problem_of_the_file(tmp_path, key):
+    """NaN in a reference's hidden state was forced into the next module by the teacher, which then FAILed the
+    conversion ("teacher layers.0.ffn: nan bf16 ulps > 2"); the file is what is wrong."""
+
+    def change(t, m):
+        if key not in t:
+            t[key] = torch.rand(B, S, _args().hc_mult)
+        t[key][1, 2, 0] = float("nan")
+
+    problems = _problems(tmp_path, change)
+    assert f"{key}: prompt 1, position 2: NaN or Inf" in problems, problems
