@@ -46,7 +46,7 @@ from dsv41_convert.model.load import load_shards
 from dsv41_convert.model.transformer import image_rows
 from dsv41_convert.progress import Progress, counting
 from dsv41_convert.verify import launch as launcher
-from dsv41_convert.verify.reffile import Reference
+from dsv41_convert.verify.reffile import Reference, hidden_shapes
 from dsv41_convert.verify.runner import ModelInput, attach_images, build_model
 from dsv41_convert.verify.verdict import Check
 
@@ -99,17 +99,16 @@ class ModuleDeviations:
 
 
 def required_keys(args: ModelArgs, seq_len: int) -> list[str]:
-    """The hidden states a reference must hold for the teacher-forced check of a `seq_len`-token prompt."""
-    keys = ["embed", "norm"]
-    for i in range(args.n_layers):
-        keys += [f"layers.{i}", f"layers.{i}.pre_mix", f"layers.{i}.attn", f"layers.{i}.ffn"]
-        if i in args.engram_layer_ids:
-            keys.append(f"layers.{i}.engram")
-        # an index source runs its indexer once a compressed group is complete; a top-k flip is bounded
-        # only where the reference's choice is known
-        if i in args.index_source_layers and seq_len >= args.compress_ratios[i]:
-            keys.append(f"layers.{i}.attn.indexer")
-    return keys
+    """The hidden states a reference must hold for the teacher-forced check of a `seq_len`-token prompt: every
+    module the model records (reffile.hidden_shapes) but the image spans' rows (an image prompt's, compared
+    where recorded), the candidate blocks (forced where recorded; an older file has none) and an indexer that
+    has not run yet (an index source runs it once a compressed group is complete: before, its width is 0)."""
+    shapes = hidden_shapes(args, seq_len)
+    return [
+        key
+        for key, dims in shapes.items()
+        if key != "vision" and not key.endswith(".candidates") and not (key.endswith(".indexer") and not dims[0])
+    ]
 
 
 def applies(ref: Reference, args: ModelArgs, device: str) -> bool:

@@ -103,8 +103,11 @@ def test_the_check_applies_only_where_every_prompt_has_its_hidden_states():
     from dsv41_convert.verify import teacher
     from dsv41_convert.verify.runner import ModelInput, PromptRun
 
-    args = SimpleNamespace(n_layers=1, engram_layer_ids=[], index_source_layers=[], compress_ratios=[0])
+    args = SimpleNamespace(
+        dim=2, hc_mult=1, vision_enabled=True, n_layers=1, engram_layer_ids=[], index_source_layers=[]
+    )
     keys = teacher.required_keys(args, 4)
+    assert keys == ["embed", "norm", "layers.0", "layers.0.pre_mix", "layers.0.attn", "layers.0.ffn"]
     full = {k: torch.zeros(4, 2) for k in keys}
 
     def ref(*hidden):
@@ -117,6 +120,28 @@ def test_the_check_applies_only_where_every_prompt_has_its_hidden_states():
     assert not teacher.applies(ref(full, partial), args, "cpu")
     assert not teacher.applies(ref(partial, full), args, "cpu")
     assert not teacher.applies(ref(full, full), args, "cuda")  # bounds measured on the CPU
+
+
+def test_an_index_source_needs_its_choice_once_a_compressed_group_is_complete():
+    from types import SimpleNamespace
+
+    from dsv41_convert.verify import teacher
+
+    args = SimpleNamespace(
+        dim=2,
+        hc_mult=1,
+        vision_enabled=False,
+        n_layers=2,
+        engram_layer_ids=[0],
+        index_source_layers=[1],
+        compress_ratios=[0, 4],
+        index_topk=8,
+        candidate_source_layer=1,
+    )
+    layer0 = ["layers.0", "layers.0.pre_mix", "layers.0.attn", "layers.0.ffn", "layers.0.engram"]
+    layer1 = ["layers.1", "layers.1.pre_mix", "layers.1.attn", "layers.1.ffn"]
+    assert teacher.required_keys(args, 3) == ["embed", "norm", *layer0, *layer1]
+    assert teacher.required_keys(args, 4) == ["embed", "norm", *layer0, *layer1, "layers.1.attn.indexer"]
 
 
 class _EmbedOnly(torch.nn.Module):
