@@ -467,8 +467,7 @@ def check_out(
     mine, others, other_conversion = _out_as_found(plan, out, resume, overwrite, ranks, device)
     if mine and not resume:
         replaced = _replaced(Path(out), mine, others, other_conversion, records)
-        if overwrite and others is not None and ranks is None and Path(out).is_dir():
-            replaced += _replaced_by_the_launch(Path(out), plan, mine, stamps_digest(source_stamps(Path(plan.src))))
+        replaced += _replaced_first_by_the_launch(plan, Path(out), mine, others, overwrite, ranks)
         _require_space_for(plan, Path(out), mine, replaced if overwrite else [])
     return mine
 
@@ -521,10 +520,10 @@ def check_destination(
         if resume or others is not None:
             src = Path(plan.src)
             stamps = source_stamps(src)
-            kept = None if resume else _kept(plan, mine)
-            if kept is not None and overwrite and ranks is None:  # the launch's process removes these first
-                gone = set(_replaced_by_the_launch(out, plan, mine, stamps_digest(stamps)))
-                kept = [f for f in kept if f not in gone]
+            kept = None
+            if not resume:
+                gone = _replaced_first_by_the_launch(plan, out, mine, others, overwrite, ranks, stamps)
+                kept = [f for f in _kept(plan, mine) if f not in gone]
                 replaced += gone
             _check_source_unchanged(out, src, stamps, kept)
     if not resume:  # as the run checks before its first byte (a resume's need is known once its files are hashed)
@@ -614,6 +613,24 @@ def _replaced(
     (_out_as_found's), and where the folder is held alone the finished run's records (_forget_records)."""
     alone = [MANIFEST, *records] if out.is_dir() and others is None else []
     return [f.file for f in mine] + other_conversion + alone
+
+
+def _replaced_first_by_the_launch(
+    plan: ConversionPlan,
+    out: Path,
+    mine: list[RankFile],
+    others: frozenset[str] | None,
+    overwrite: bool,
+    ranks: list[int] | None,
+    stamps: dict | None = None,
+) -> list[str]:
+    """What a torchrun process with --overwrite (a share of no --ranks) removes of the other processes' ranks
+    before it checks the space (_replaced_by_the_launch); [] for any other run. stamps: the source's, where
+    the caller has read them."""
+    if not (overwrite and others is not None and ranks is None and out.is_dir()):
+        return []
+    stamps = source_stamps(Path(plan.src)) if stamps is None else stamps
+    return _replaced_by_the_launch(out, plan, mine, stamps_digest(stamps))
 
 
 def _require_space_for(plan: ConversionPlan, out: Path, mine: list[RankFile], replaced: list[str]) -> None:
