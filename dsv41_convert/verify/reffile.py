@@ -61,6 +61,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.file_kinds import refuse_non_file
+from dsv41_convert.model.indexer import effective_block_size, kept_blocks
 from dsv41_convert.numbers import ascii_int, counted
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.machine import MAX_THREADS
@@ -417,7 +418,10 @@ def _hidden_against_model(t: dict[str, Tensor], b: int, s: int, args: ModelArgs)
         elif tuple(x.shape[2:]) != known[module]:
             out.append(f"{key} has shape {list(x.shape)}, expected {[b, s, *known[module]]} (the model's config.json)")
         elif module.endswith(PADDED):
-            out += _choices(key, x, lengths, args.compress_ratios[int(module.split(".")[1])], args.index_topk)
+            ratio = args.compress_ratios[int(module.split(".")[1])]
+            out += _choices(key, x, lengths, ratio, args.index_topk)
+            if module.endswith(".candidates"):
+                out += _candidate_blocks(key, x, lengths, ratio, args.candidate_block_size, args.candidate_topk_blocks)
     return out
 
 
@@ -458,6 +462,47 @@ def _choices(key: str, x: Tensor, lengths: Tensor, ratio: int, topk: int) -> lis
             out += [f"{key}: prompt {row}, position {p}: no kept block (the newest block is always kept)"
                     for p in empty[:MAX_PER_RULE]]  # fmt: skip
             out += _more(len(empty), f"{key} positions of prompt {row} without a kept block")
+    return out
+
+
+def _candidate_blocks(key: str, x: Tensor, lengths: Tensor, ratio: int, block_size: int, topk_blocks: int) -> list[str]:
+    """The candidate source's record block by block, as model.indexer.select_candidate_blocks keeps them: whole
+    blocks, at most `topk_blocks`, each holding a compressed row visible at that position. A file keeping more
+    (an edit, another model's) was forced into the teacher, which then FAILed a correct conversion.
+
+    x: [B, S, t] int8 as _choices'; values other than 1 count as not kept (_choices names them)
+    """
+    out = []
+    for row, n in enumerate(lengths.tolist()):
+        if n // ratio:
+            kept = x[row, :n, : n // ratio] == 1  # [n, width]
+            out += _prompt_candidate_blocks(key, row, kept, ratio, block_size, topk_blocks)
+    return out
+
+
+def _prompt_candidate_blocks(
+    key: str, row: int, kept: Tensor, ratio: int, block_size: int, topk_blocks: int
+) -> list[str]:
+    """_candidate_blocks of one prompt run alone. kept: [n, width] bool, True inside a kept block"""
+    size = effective_block_size(block_size, kept.shape[1])
+    blocks = kept_blocks(kept, size)  # [n, blocks]
+    seen = (torch.arange(1, kept.shape[0] + 1) // ratio)[:, None]  # [n, 1] compressed rows visible at each position
+    partial = blocks.repeat_interleave(size, dim=-1)[:, : kept.shape[1]] != kept
+    unseen = blocks & (torch.arange(blocks.shape[1])[None, :] * size >= seen)
+    counts = blocks.sum(-1)
+    rules = (
+        (partial.any(-1), lambda p: f"block {int(partial[p].nonzero()[0]) // size} partly kept (the model keeps "
+         f"whole blocks of {size} rows)"),
+        (unseen.any(-1), lambda p: f"block {int(unseen[p].nonzero()[0])} kept, past the {int(seen[p])} compressed "
+         "rows visible there"),
+        (counts > topk_blocks, lambda p: f"{int(counts[p])} blocks kept, the model keeps at most {topk_blocks} "
+         "(candidate_topk_blocks)"),
+    )  # fmt: skip
+    out = []
+    for wrong, said in rules:
+        at = wrong.nonzero().flatten().tolist()
+        out += [f"{key}: prompt {row}, position {p}: {said(p)}" for p in at[:MAX_PER_RULE]]
+        out += _more(len(at), f"{key} positions of prompt {row} keeping blocks the model cannot")
     return out
 
 

@@ -26,6 +26,8 @@ import json
 import pytest
 from cli_run import convert_and_reference, run_cli
 
+from dsv41_convert.config import load_model_args
+
 pytestmark = pytest.mark.slow
 
 PROMPT = [111, 143, 434, 285, 82, 35, 116, 503, 484, 259, 410, 365, 297, 48, 21, 83, 241, 336, 392, 478, 4, 224, 357,
@@ -52,18 +54,26 @@ def test_a_correct_tp8_conversion_passes_the_teacher_on_a_prompt_with_indexer_ti
 
 
 def test_candidate_blocks_other_than_the_references_fail_the_teacher(tmp_path, monkeypatch, capsys):
-    """The recorded candidate blocks are judged, not only forced: a reference whose blocks are the complement of
-    those its model chose (every other block) fails the correct conversion, naming the candidate source."""
-    import torch
-
+    """The recorded candidate blocks are judged, not only forced: a reference keeping, wherever it could, a block its
+    model left out in place of an older one it kept (blocks the model could keep: whole, visible, as many) fails the
+    correct conversion, naming the candidate source."""
     conv, ref = convert_and_reference(monkeypatch, capsys, tmp_path, 0, 2, "--decode-steps", "1")
     planted = tmp_path / "planted.safetensors"
+    size = load_model_args(conv / "config.json").candidate_block_size  # layer 3: ratio 1, a row per token
 
-    def invert(t):
-        blocks = t["hidden.layers.3.attn.candidates"]
-        t["hidden.layers.3.attn.candidates"] = torch.where(blocks >= 0, 1 - blocks, blocks)
+    def swap(t):
+        blocks = t["hidden.layers.3.attn.candidates"]  # [B, S, S] int8, -2 past a prompt's width
+        for row in range(blocks.shape[0]):
+            n = int((blocks[row, 0] >= 0).sum())
+            for p in range(n):
+                kept = [j for j in range(p // size + 1) if blocks[row, p, j * size] == 1]
+                left_out = [j for j in range(p // size + 1) if j not in kept]
+                older = [j for j in kept if j != p // size]
+                if left_out and older:
+                    blocks[row, p, older[0] * size : (older[0] + 1) * size] = 0
+                    blocks[row, p, left_out[-1] * size : min((left_out[-1] + 1) * size, n)] = 1
 
-    _rewrite(ref, planted, invert)
+    _rewrite(ref, planted, swap)
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(planted),
                              "--no-replay", "--json")  # fmt: skip
     result = json.loads(out)

@@ -593,6 +593,62 @@ def test_hidden_states_the_model_cannot_have_are_named(tmp_path, damage):
         reffile.load(tmp_path / "ref.safetensors", 128, _args())
 
 
+def _blocks_args():
+    """tiny_config's model with candidate blocks of 2 rows, 2 kept: prompt 0 (5 rows) has 3 blocks to choose from."""
+    import dataclasses
+
+    return dataclasses.replace(_args(), candidate_block_size=2, candidate_topk_blocks=2)
+
+
+def _model_s_candidates(edit=None):
+    """The candidate source's records as the model keeps them (model.indexer.select_candidate_blocks of random
+    scores, unreachable rows -inf, ratio 1) for _valid's prompts of 5 and 3 tokens; then `edit` (candidates tensor)."""
+    from dsv41_convert.model.indexer import select_candidate_blocks
+
+    def change(t, m):
+        t.update(_index_records(_args()))
+        args, g = _blocks_args(), torch.Generator().manual_seed(3)
+        candidates = torch.full((B, S, S), reffile.INDEXER_PAD, dtype=torch.int8)
+        for row, n in enumerate([5, 3]):
+            lens = torch.arange(1, n + 1)[:, None]
+            scores = torch.randn(1, n, n, generator=g).masked_fill(torch.arange(n) >= lens, -torch.inf)
+            keep = select_candidate_blocks(scores, lens, args.candidate_topk_blocks, args.candidate_block_size)
+            candidates[row, :n, :n] = keep[0].to(torch.int8)
+        t[CANDIDATES] = candidates
+        if edit is not None:
+            edit(candidates)
+
+    return change
+
+
+def test_the_model_s_candidate_blocks_pass(tmp_path):
+    assert _problems(tmp_path, _model_s_candidates(), _blocks_args()) == []
+
+
+def _keep(row, p, cols):
+    return lambda c: c[row, p].__setitem__(slice(*cols), 1)
+
+
+CANDIDATE_BLOCK_DAMAGES = {
+    "a third block": (_keep(0, 4, (0, 5)), "prompt 0, position 4: 3 blocks kept, the model keeps at most 2"),
+    "half a block": (
+        lambda c: c[0, 4].copy_(torch.tensor([1, 0, 1, 1, 1], dtype=torch.int8)),
+        "prompt 0, position 4: block 0 partly kept (the model keeps whole blocks of 2 rows)",
+    ),
+    "a block not visible yet": (_keep(1, 0, (2, 3)), "prompt 1, position 0: block 1 kept, past the 1 compressed rows"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CANDIDATE_BLOCK_DAMAGES))
+def test_candidate_blocks_the_model_cannot_keep_are_named(tmp_path, damage):
+    """A candidates record keeping more blocks than candidate_topk_blocks, part of a block or a block of rows not
+    visible yet passed the file's checks; the teacher forced it, and the converted model attended to rows the
+    reference had not: a FAIL of a correct conversion. Now a problem of the file."""
+    edit, message = CANDIDATE_BLOCK_DAMAGES[damage]
+    problems = _problems(tmp_path, _model_s_candidates(edit), _blocks_args())
+    assert any(message in p for p in problems), problems
+
+
 @pytest.mark.parametrize("key", ["hidden.embed", "hidden.layers.0.pre_mix"])
 def test_nan_in_a_hidden_state_is_a_problem_of_the_file(tmp_path, key):
     """NaN in a reference's hidden state was forced into the next module by the teacher, which then FAILed the
