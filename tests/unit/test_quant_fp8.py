@@ -288,3 +288,27 @@ def test_encoders_refuse_inputs_that_are_not_float32_bfloat16_or_float16(dtype):
     for encode in (encode_fp8_blocks, encode_mxfp4, act_quant, fp4_act_quant):
         with pytest.raises(ValueError, match=str(dtype).removeprefix("torch.")):
             encode(w)
+
+
+def test_bfloat16_decode_is_exact_except_e4m3_under_scale_bytes_0_to_2():
+    """README (export --format bf16): the decode to bf16 is exact except where an e4m3 value times its scale is
+    not a multiple of bf16's least subnormal, 2**-133. Over every finite (e4m3 byte, e8m0 byte) pair that happens
+    only under scale bytes 0-2 (2**-127..2**-125), to values on both sides of 2**-133 (all below 2**-130);
+    e2m1 codes are exact under every scale byte."""
+    from dsv41_convert.quant import decode_mxfp4
+
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    q = q[(q & 0x7F) != 0x7F].view(torch.float8_e4m3fn).expand(254, -1).contiguous()
+    s = torch.arange(254, dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu).view(254, 1)
+    exact = q.float().double() * s.float().double()  # [scale byte, e4m3 byte], exact in float64
+    got = decode_fp8_blocks(q, s, (1, q.size(1)), torch.bfloat16).double()
+    finite = exact.abs() < 2.0**128
+    inexact = finite & (got != exact)
+    assert inexact.any(dim=1).nonzero().flatten().tolist() == [0, 1, 2]
+    assert float(exact[inexact].abs().max()) < 2.0**-130
+    assert float(exact[inexact].abs().min()) < 2.0**-133 < float(exact[inexact].abs().max())
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(254, -1).contiguous()
+    v = decode_mxfp4(packed, s.expand(254, 16).contiguous(), 32, torch.bfloat16).double()
+    v32 = decode_mxfp4(packed, s.expand(254, 16).contiguous(), 32, torch.float32).double()
+    ok = v32.abs() < 2.0**128
+    assert torch.equal(v[ok], v32[ok])
