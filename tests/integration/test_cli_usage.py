@@ -677,3 +677,20 @@ def test_tables_narrower_than_their_numbers_cut_none(tmp_path):
         assert "".join(cell[2].strip() for cell in cells) == "".join(f["file"] for f in files) + "total", res.stdout
         for f in files:
             assert any(cell[4].strip() == f"{f['bytes']:,}" for cell in cells), (f, res.stdout)
+
+
+def test_a_path_of_bytes_that_are_not_utf8_comes_back_from_the_json(tmp_path):
+    """README: a path of other bytes is written in JSON with Python's surrogate escapes, which os.fsencode turns back
+    into the path's bytes; the JSON stays ASCII (a strict parser reads it), the error document names it so too,
+    stderr spells it alike, and a plain result line on stdout is the path's own bytes."""
+    src = tmp_path / os.fsdecode(b"src\xff")
+    made = subprocess.run([entry_point(), "make-tiny", str(src), "--preset", "tiny"], capture_output=True, timeout=60)
+    assert made.returncode == 0 and made.stdout == os.fsencode(src) + b"\n", made.stderr  # the path's own bytes
+    assert b"src\\udcff" in made.stderr and b"src\xff" not in made.stderr
+    planned = run_entry_point("plan", str(src), "--tp", "2", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert planned.stdout.isascii() and "\\udcff" in planned.stdout
+    assert os.fsencode(json.loads(planned.stdout)["src"]) == os.fsencode(src)
+    missing = run_entry_point("plan", str(tmp_path / os.fsdecode(b"nope\xfe")), "--json")
+    error = json.loads(missing.stdout)["error"]
+    assert missing.returncode == 2 and os.fsencode(error.split(": ")[0]).endswith(b"nope\xfe"), missing.stdout
