@@ -325,7 +325,9 @@ def _probe(path: Path, exclusive: bool, what: str) -> None:
     """LockedError where another process holds `path` against a lock of this kind (see `take`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:  # no lock file: nobody holds it (a link or worse is refused by the run in its own words)
+    except OSError as exc:  # no lock file: nobody holds it; a link is refused here, as `take` refuses it
+        if exc.errno == errno.ELOOP:  # (before a progress display: after its title it read as a run begun)
+            raise _not_ours(what, path, "is a link") from exc
         return
     try:
         if linked(os.fstat(fd)):  # as `take` finds it: replaced where nobody holds it, else refused
