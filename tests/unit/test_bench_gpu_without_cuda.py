@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_BENCHES = [
-    "bench_kernels", "fp4_route", "gemm_bf16_route", "gemm_host", "gemm_tiles", "gemm_variants", "gemm_ws",
-    "wrapper_parts",
+    "bench_kernels", "fp4_route", "gemm_bf16_route", "gemm_graphed", "gemm_host", "gemm_tiles", "gemm_variants",
+    "gemm_ws", "wrapper_parts",
 ]  # fmt: skip
 
 

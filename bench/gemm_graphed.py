@@ -1,0 +1,128 @@
+"""GPU time of the GEMMs with the host taken out (issue 19 goal 2): are the queued figures of bench_kernels.py
+the GPU's, or the host's pace of issuing calls?
+
+bench_kernels.py times CALLS calls queued back to back between two events: where the host takes longer to issue a
+call than the GPU takes to run it, that is the host's pace. cuBLAS's `torch._scaled_mm` at 128 rows gave 267 to
+541 TFLOP/s queued in rounds of sessions 41-50, while our raw-launched fp8_gemm stayed at 202-213. Here, for
+each GEMM of bench_kernels.GEMM_SHAPES, per call:
+
+  queued   CALLS calls back to back between two events (bench_kernels.queued_ms)
+  graphed  the same CALLS calls captured once in a CUDA graph, the graph replayed between two events: the GPU's
+           time alone (no host work between kernels; a graph's launches are issued by the driver)
+  host     the host's time to issue one call while the GPU is held busy (torch.cuda._sleep), nothing waiting
+
+in ROUNDS rounds, the GEMMs in another order each round. fp4_gemm's graph holds its cast and the fp8 kernel.
+
+Usage (on the GPU machine):  python bench/gemm_graphed.py [--json out.json]
+"""
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import torch
+from bench_kernels import GEMM_SHAPES, queued_ms
+from needs_cuda import require_cuda
+
+CALLS = 50
+ROUNDS = 5
+
+
+def graphed_ms(fn, calls: int = CALLS, replays: int = 5) -> float:
+    """GPU time per call of `calls` calls of fn captured in one CUDA graph (median of `replays` replays)."""
+    fn()  # kernels compiled and loaded, workspaces made, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm on the capture's stream too (the route binds its workspace per stream)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per call of fn, issued while the GPU sleeps (the queue is not drained meanwhile)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return host * 1e6
+
+
+def gemms(m: int, n: int, k: int) -> dict:
+    """name -> a call of that GEMM on random operands [m, k] x [n, k] (as bench_kernels.gemm_rows makes them)."""
+    from dsv41_convert.kernels.fp4_gemm import fp4_gemm
+    from dsv41_convert.kernels.fp8_gemm import fp8_gemm
+    from dsv41_convert.kernels.quant_ops import encode_mxfp4
+    from dsv41_convert.quant import act, fp8
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    a, a_s = act.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    b, b_s = fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+    b4, b4_s = encode_mxfp4(w, 32, "w")
+    one = torch.ones((), device="cuda")
+    return {
+        "_scaled_mm": functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        "fp8_gemm": functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32),
+        "fp4_gemm": functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32),
+        "bf16_matmul": functools.partial(torch.matmul, x, w.t()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    require_cuda()
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
+    for m, n, k in GEMM_SHAPES:
+        flop = 2 * m * n * k
+        fns = gemms(m, n, k)
+        names = list(fns)
+        runs: dict[str, dict[str, list[float]]] = {name: {"queued": [], "graphed": [], "host_us": []} for name in names}
+        for r in range(ROUNDS):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                fn = fns[name]
+                runs[name]["queued"].append(flop / queued_ms(fn) / 1e9)
+                try:
+                    runs[name]["graphed"].append(flop / graphed_ms(fn) / 1e9)
+                except Exception as exc:  # a call that cannot be captured: said, not timed
+                    runs[name]["graphed_error"] = [f"{type(exc).__name__}: {exc}"[:200]]
+                runs[name]["host_us"].append(host_us(fn))
+        shape = {"M": m, "N": n, "K": k, "runs": runs}
+        out["shapes"].append(shape)
+        print(f"{m} x {n} x {k}: TFLOP/s per round (queued | graphed), host us per call")
+        for name in names:
+            got = runs[name]
+            q = " ".join(f"{v:.0f}" for v in got["queued"])
+            g = " ".join(f"{v:.0f}" for v in got["graphed"]) or got.get("graphed_error", ["-"])[0]
+            h = statistics.median(got["host_us"])
+            print(f"  {name:12s} queued {q} | graphed {g} | host {h:.1f} us", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
