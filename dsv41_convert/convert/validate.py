@@ -274,11 +274,13 @@ def _check_expert_count(sources: dict[str, Source], args: ModelArgs, config: Pat
 
 
 def _same_layout(sources: dict[str, Source], args: ModelArgs) -> bool:
-    """Whether the tensors, but those the plan drops, are exactly published_layout(args): names, dtypes and
-    shapes. The routed experts (94k of the real 96k) are looked up by the names their layer's template makes
-    (routed_expert_layout), then counted, the rest compared in one dict comparison."""
-    drop = Op.DROP
-    rest = {n: (s.dtype, s.shape) for n, s in sources.items() if s.expert is None and s.rule.op is not drop}
+    """Whether the tensors are exactly published_layout(args): names, dtypes and shapes. The routed experts (94k
+    of the real 96k) are looked up by the names their layer's template makes (routed_expert_layout), then
+    counted, the rest compared in one dict comparison. A tied MTP embed/head (which the published checkpoint
+    does not carry) leaves it to _compare_layout, which checks it against the backbone's tensor."""
+    if any(s.rule.op is Op.DROP for s in sources.values()):
+        return False
+    rest = {n: (s.dtype, s.shape) for n, s in sources.items() if s.expert is None}
     if rest != published_layout(args, routed_experts=False):
         return False
     expected = 0
@@ -304,18 +306,27 @@ def _unheld_dtype(s: Source) -> str:
 def _compare_layout(
     sources: dict[str, Source], layout: dict[str, tuple[str, tuple[int, ...]]], quantized: bool, problems: list[str]
 ) -> None:
-    """Append a line to `problems` for every tensor missing, extra, or of another dtype or shape."""
+    """Append a line to `problems` for every tensor missing, extra, or of another dtype or shape (a tied MTP
+    embed/head: BF16 or F32, of a stage `layout` has, of its backbone tensor's shape [vocab, dim])."""
     for name in sorted(set(layout) - set(sources)):
         dtype, shape = layout[name]
         problems.append(f"{name}: missing from the checkpoint; config.json implies {dtype} {list(shape)}")
     for name in sorted(set(sources) - set(layout)):
         s = sources[name]
         if s.rule.op is Op.DROP:  # tied to the backbone's: shard drops it, export carries it
+            _, stage, backbone, _ = name.split(".")  # mtp.K.embed.weight: a copy of embed.weight
             if s.dtype in OTHER_FLOATS:
                 problems.append(_unheld_dtype(s))
             elif s.dtype not in UNQUANTIZED:
                 problems.append(
                     f"{s.file}: tensor {s.name}: found {s.dtype}, expected BF16 or F32 (a tied MTP embed/head)"
+                )
+            if not any(n.startswith(f"mtp.{stage}.") for n in layout):
+                problems.append(f"{s.file}: tensor {s.name}: a DSpark stage config.json does not have (extra)")
+            elif s.shape != (shape := layout[f"{backbone}.weight"][1]):
+                problems.append(
+                    f"{s.file}: tensor {s.name}: found {list(s.shape)}, expected {list(shape)} (a tied MTP "
+                    f"embed/head: a copy of {backbone}.weight)"
                 )
             continue
         if not quantized and name.endswith(".scale"):

@@ -452,3 +452,33 @@ def test_an_f16_source_is_refused_as_a_dtype_the_model_never_holds(tmp_path, mon
     write_ckpt(tmp_path / "fp8-head", tensors, cfg)
     code, _, err = run_cli(monkeypatch, capsys, "plan", str(tmp_path / "fp8-head"), "--tp", "2")
     assert code == 2 and "mtp.0.head.weight: found F8_E4M3, expected BF16 or F32 (a tied MTP embed/head)" in err, err
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["published format", "bf16"])
+@pytest.mark.parametrize(
+    ("name", "tied", "said"),
+    [
+        ("mtp.0.head.weight", lambda t: t.half(), "mtp.0.head.weight: F16, which this model's checkpoints never hold"),
+        ("mtp.0.embed.weight", lambda t: t.to(torch.float8_e4m3fn), "found F8_E4M3, expected BF16 or F32"),
+        ("mtp.1.head.weight", lambda t: t[:-8], "mtp.1.head.weight: found [248, 64], expected [256, 64]"),
+        ("mtp.7.embed.weight", lambda t: t, "mtp.7.embed.weight: a DSpark stage config.json does not have (extra)"),
+    ],
+    ids=["f16", "fp8", "shape", "stage"],
+)
+def test_a_tied_mtp_embed_or_head_that_cannot_be_the_backbones_is_refused(
+    tmp_path, monkeypatch, capsys, quantized, name, tied, said
+):
+    """mtp.K.embed / head, a copy of the backbone's embed / head that shard drops and export carries: of a
+    published-format source, plan and shard passed one in F16 or fp8 (exit 0; export then failed mid-run, "drop
+    tensor stored as F16: export has no rule for it"), as only a bf16 source's dtypes were checked; and of either,
+    one of another shape (a resized vocabulary the copies missed) or of a stage the model does not have was
+    carried by export into a checkpoint that is no longer the model's layout. Refused before any byte now."""
+    cfg = tiny_config(quantized=quantized, vision=False)
+    tensors = source_tensors(cfg)
+    backbone = tensors[name.split(".")[2] + ".weight"]  # embed.weight or head.weight
+    write_ckpt(tmp_path / "src", tensors | {name: tied(backbone).clone()}, cfg)
+    src = str(tmp_path / "src")
+    for command in (["plan", src, "--tp", "2"], ["shard", src, str(tmp_path / "mp")]):
+        code, _, err = run_cli(monkeypatch, capsys, *command)
+        assert code == 2 and said in " ".join(err.split()) and ".safetensors: tensor " + name in err, err
+    assert not (tmp_path / "mp").exists()
