@@ -277,9 +277,8 @@ def _same_layout(sources: dict[str, Source], args: ModelArgs) -> bool:
     """Whether the tensors are exactly published_layout(args): names, dtypes and shapes. The routed experts (94k
     of the real 96k) are looked up by the names their layer's template makes (routed_expert_layout), then
     counted, the rest compared in one dict comparison. A tied MTP embed/head (which the published checkpoint
-    does not carry) leaves it to _compare_layout, which checks it against the backbone's tensor."""
-    if any(s.rule.op is Op.DROP for s in sources.values()):
-        return False
+    does not carry) is not in that layout, so it is left to _compare_layout, which checks it against the backbone's
+    tensor."""
     rest = {n: (s.dtype, s.shape) for n, s in sources.items() if s.expert is None}
     if rest != published_layout(args, routed_experts=False):
         return False
