@@ -588,6 +588,26 @@ def verify_cmd(
         raise typer.Exit(EXIT_CODES[result.verdict])
 
 
+def _refuse_a_converted_file(out: Path) -> None:
+    """OutputError where reference-logits' OUT is a file the manifest.json beside it lists: --overwrite replaced a
+    converted rank file with the reference, and `check` and `verify` then failed the conversion (a helper's hunt;
+    the warning said the manifest did not list it). A damaged manifest is left to the warning."""
+    from dsv41_convert.errors import OutputError, VerifyInputError
+    from dsv41_convert.store.manifest_check import read_manifest
+
+    if not (out.parent / "manifest.json").is_file():
+        return
+    try:
+        listed = out.name in read_manifest(out.parent)["files"]
+    except VerifyInputError:
+        return
+    if listed:
+        raise OutputError(
+            f"{out}: a file of the conversion in {out.parent} (its manifest.json lists it); a reference written "
+            "there would replace it: write the reference to another path"
+        )
+
+
 @app.command(
     "reference-logits",
     short_help="Compute reference logits from SRC (once, on --tp ranks) and save them, with what decides bit "
@@ -693,6 +713,8 @@ def reference_logits_cmd(
 
         check_tp(args, tp, str(src / "config.json"))
         check_world(tp)
+    if writes:
+        _refuse_a_converted_file(out)
     check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
     digested = weight_digests and records_weight_digests(src, args, as_converted, stream_layers)
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)

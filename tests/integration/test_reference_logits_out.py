@@ -372,6 +372,21 @@ def test_a_reference_kept_in_the_converted_folder_does_not_fail_verify(src, tmp_
     assert code == 0 and "PASS" in said, err
 
 
+def test_a_converted_file_is_not_replaced_by_a_reference(src, tmp_path, monkeypatch, capsys):
+    """`reference-logits SRC MP2/model0-mp2.safetensors --overwrite` replaced the rank file with the reference, exit 0,
+    warning that `check` would name it as a file the manifest does not list (it lists it): check and verify then
+    failed the conversion (a helper's hunt). A file the manifest lists is refused before the compute, kept as it was."""
+    out = tmp_path / "mp2"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(out), "--tp", "2")[0] == 0
+    before = _listing(out)
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+    for name in ("model0-mp2.safetensors", "config.json"):
+        code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out / name), "--overwrite")
+        assert code == 2 and f"{out / name}: a file of the conversion in {out} (its manifest.json lists it)" in err, err
+    assert _listing(out) == before
+    assert run_cli(monkeypatch, capsys, "check", str(out))[0] == 0
+
+
 def test_a_changed_weight_no_prompt_runs_is_named_not_the_manifest(src, tmp_path, monkeypatch, capsys):
     """A byte of a vision weight changed (no prompt has an image): the note named the tensor and its bytes; a
     mend for a manifest-only failure put the manifest's sha256 line there instead (a review). The manifest's
