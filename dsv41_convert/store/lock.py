@@ -126,8 +126,12 @@ class Lock:
                 alone = True
             except OSError:
                 pass
-        if alone:  # a taker between its open and flock finds the path gone and retries (see `take`)
-            self.path.unlink(missing_ok=True)
+        # a taker between its open and flock finds the path gone and retries (see `take`). Only our file: a folder
+        # renamed meanwhile may hold another run's at this path. A folder made read-only (or gone) keeps it, held
+        # by no one (the next taker uses it), and the run's own error, or its success, stands
+        if alone and _is_at(self.fd, self.path):
+            with suppress(OSError):
+                self.path.unlink()
         os.close(self.fd)  # drops the flock
         self.fd = -1
 

@@ -314,3 +314,42 @@ def test_refuse_held_lets_a_lock_of_a_dead_runs_workers_be(tmp_path):
             refuse_held(tmp_path)
     finally:
         os.close(fd)
+
+
+def test_a_lock_file_that_cannot_be_removed_leaves_the_runs_own_error(tmp_path, monkeypatch):
+    """OUT made read-only while a shard ran (chmod a-w): the release's unlink of the lock file failed too, and its
+    PermissionError replaced the run's own (`error: OUT/.dsv41-convert.lock: Permission denied` where a rank
+    file could not be written: a black-box hunt). The lock file stays, held by no one: the next run takes it."""
+    real = lock_mod.Path.unlink
+
+    def refused(self, missing_ok=False):
+        if self.name == LOCK_NAME:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(lock_mod.Path, "unlink", refused)
+    with pytest.raises(OutputError, match="the run's own error"):
+        with hold(tmp_path):
+            raise OutputError("the run's own error")
+    with hold(tmp_path):  # a run that ends well ends so, the lock file left behind
+        pass
+    monkeypatch.setattr(lock_mod.Path, "unlink", real)
+    with hold(tmp_path) as again:
+        assert again.lock.fd >= 0
+
+
+def test_a_folder_renamed_meanwhile_keeps_the_lock_of_the_run_now_at_its_path(tmp_path):
+    """OUT renamed while a run held it and a new run started at the old path: the first run's release removed
+    the lock file at the path, the second run's, and a third writer could then join the second."""
+    out, moved = tmp_path / "out", tmp_path / "moved"
+    out.mkdir()
+    first = hold(out)
+    first.__enter__()
+    out.rename(moved)
+    out.mkdir()
+    with hold(out):
+        first.__exit__(None, None, None)
+        assert (out / LOCK_NAME).exists()
+        with pytest.raises(LockedError):
+            with hold(out):
+                pass
