@@ -866,6 +866,7 @@ def _execute_held(
     # its manifest: manifest_merge._already_merged names them)
     drops_fragments = sidecars is None
     done = _done_records(out, plan, digest)
+    _own_files_kept(out, [f.file for f in mine], done)
     if done and len(done) < len(plan.files):
         fragment = str(write_fragment(out, plan, options, done).resolve())
         if drops_fragments:  # a share that finished meanwhile wrote manifest.json before this fragment was
@@ -904,6 +905,29 @@ def _execute_held(
 def _done_records(out: Path, plan: ConversionPlan, digest: str) -> list[str]:
     """The plan's files with a done record of this plan in `out` (this run's, other shares', imported ones)."""
     return [f.file for f in plan.files if is_done_record(out, f.file, digest)]
+
+
+def _own_files_kept(out: Path, own: list[str], done: list[str]) -> None:
+    """OutputError where a file of this run's share (written or found finished) is no longer as finished before
+    the manifest or fragment is written: removed or cut (a cleanup, a user) since. Taken for another share's
+    unfinished file, it gave `manifest: pending` and exit 0 to a run of every file (a black-box hunt).
+    own: the share's file names; done: the plan's files with a done record matching their size now."""
+    lost = [f for f in own if f not in done]
+    if not lost:
+        return
+    said = []
+    for f in lost:
+        rec, path = read_done(out, f), out / f
+        if not path.exists():
+            said.append(f"{path} (removed)")
+        elif rec is None or path.stat().st_size == rec["size"]:
+            said.append(f"{path} (its done record gone or another plan's)")
+        else:
+            said.append(f"{path} ({path.stat().st_size:,} bytes, not the {rec['size']:,} written)")
+    raise OutputError(
+        f"{', '.join(said[:3])}{', ...' if len(said) > 3 else ''}: changed after this run finished it; no manifest "
+        "was written: run again with --resume to write it again"
+    )
 
 
 def _shares_agree(out: Path, tp: int, progress: Progress) -> None:

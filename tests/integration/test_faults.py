@@ -515,3 +515,37 @@ def test_a_broken_tokenizer_file_is_refused_not_copied(tmp_path, monkeypatch, ca
     code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(tmp_path / "out"), *args)
     assert code == 2 and re.search(f"{re.escape(str(src / name))}: {said}", err), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+@pytest.mark.parametrize("fault", ["truncated", "removed"])
+def test_a_file_of_the_run_lost_before_its_manifest_fails_the_run(src, tmp_path, monkeypatch, capsys, command, fault):
+    """A rank file (or export shard) that this run finished and that was truncated or removed before the run wrote
+    its manifest (a cleanup script, a user): the run, asked for every file, exited 0 with `manifest: pending (not
+    every rank is done yet)` and a fragment of the others, as a share does (a black-box hunt). Now it is an error
+    naming the file (exit 2), nothing written over it, and --resume writes it again: the bytes of a clean run."""
+    args = ["--tp", "2"] if command == "shard" else ["--format", "bf16"]
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    assert run_cli(monkeypatch, capsys, command, str(src), str(clean), *args)[0] == 0
+    victim = sorted(clean.glob("model*.safetensors"))[0].name
+    real = execute_mod._run
+
+    def then_lose_one(todo, src_, out_, *rest):
+        results = real(todo, src_, out_, *rest)
+        if fault == "truncated":
+            os.truncate(out_ / victim, 1000)
+        else:
+            (out_ / victim).unlink()
+        return results
+
+    monkeypatch.setattr(execute_mod, "_run", then_lose_one)
+    code, _, err = run_cli(monkeypatch, capsys, command, str(src), str(out), *args)
+    assert code == 2, err
+    said = "1,000 bytes, not the" if fault == "truncated" else "removed"
+    assert f"{out / victim} ({said}" in err and "changed after this run finished it" in err and "--resume" in err
+    assert not (out / "manifest.json").exists() and not list(out.glob("manifest-fragment-*"))
+    monkeypatch.setattr(execute_mod, "_run", real)
+    assert run_cli(monkeypatch, capsys, command, str(src), str(out), *args, "--resume")[0] == 0
+    for p in clean.iterdir():
+        if p.is_file():
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
