@@ -264,7 +264,7 @@ def write_partial(
         if exc.errno in _NO_SPACE:
             late = "; it refused them at the flush" if sink.done >= rf.nbytes else ""  # read as finished before
             where = f"while writing tensor {sink.tensor} ({sink.done} of {rf.nbytes} bytes handed to the disk{late})"
-            raise _no_space(final, where) from exc
+            raise _no_space(final, where, exc.errno) from exc
         raise
     except KeyboardInterrupt:  # keep what is on disk for --resume
         _discard(sink, partial, jpath, keep=True)
@@ -400,14 +400,23 @@ def commit(out: Path, file: str, record: Callable[[], None] | None = None) -> No
         partial.unlink(missing_ok=True)
         journal_path(out, file).unlink(missing_ok=True)
         if exc.errno in _NO_SPACE:
-            raise _no_space(final, "while flushing it to disk") from exc
+            raise _no_space(final, "while flushing it to disk", exc.errno) from exc
         raise
     if record is not None:
         record()
     journal_path(out, file).unlink(missing_ok=True)
 
 
-def _no_space(final: Path, when: str) -> OutputError:
+def _no_space(final: Path, when: str, code: int | None = errno.ENOSPC) -> OutputError:
+    """The error of a write the disk refused (`code`, one of _NO_SPACE): a full disk or quota, or EFBIG, a file
+    larger than the file system takes (FAT32: 4 GiB) or than the process's file-size limit (`ulimit -f`), which
+    no free space lifts: said as a full disk, a resume failed at the same byte."""
+    if code == errno.EFBIG:
+        return OutputError(
+            f"{final}: larger than the file system or the file-size limit (ulimit -f) allows {when}; the partial "
+            "file was removed; write to a file system that takes files this large, or raise the limit, and run "
+            "again with --resume"
+        )
     return OutputError(
         f"{final}: no space left on the device {when}; the partial file was removed; free space and run "
         "again with --resume"

@@ -124,3 +124,38 @@ def test_a_write_error_removes_the_partial_file_and_its_journal(tmp_path, monkey
     if raised is OutputError:
         assert rf.file in str(info.value) and "the partial file was removed" in str(info.value)
     assert not (out / (rf.file + ".partial")).exists() and not journal_path(out, rf.file).exists()
+
+
+@pytest.mark.parametrize("at", ["write", "flush"])
+def test_a_file_too_large_is_not_called_a_full_disk(tmp_path, monkeypatch, at):
+    """EFBIG (a file system's largest file, FAT32's 4 GiB; a file-size limit, `ulimit -f` under a scheduler) said
+    `no space left on the device ...; free space and run again with --resume`: false, and a resume fails at the
+    same byte (a black-box hunt under ulimit -f). Now it names the file-size limit; ENOSPC is still a full disk."""
+    efbig = OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    if at == "flush":
+        _partial_with_journal(tmp_path)
+
+        def fsync(path: Path) -> None:
+            raise efbig
+
+        monkeypatch.setattr(write, "fsync_path", fsync)
+        with pytest.raises(OutputError) as info:
+            write.commit(tmp_path, FILE, None)
+        name = FILE
+    else:
+        src = make_tiny(tmp_path / "src", quantized=False, vision=False)
+        rf = build_plan(src, 2).files[0]
+        (tmp_path / "out").mkdir()
+
+        def too_large(rf_, reader, sink, *args) -> None:
+            sink.write(rf_.header)
+            raise efbig
+
+        monkeypatch.setattr(write, "_write_tensors", too_large)
+        with pytest.raises(OutputError) as info:
+            write.write_rank_file(rf, src, tmp_path / "out", quantizer_for("cpu"), plan_digest="d")
+        name = rf.file
+    msg = str(info.value)
+    assert name in msg and "no space left" not in msg and "free space" not in msg, msg
+    assert "larger than the file system or the file-size limit (ulimit -f) allows" in msg, msg
+    assert "the partial file was removed" in msg and "--resume" in msg
