@@ -9,7 +9,7 @@ each GEMM of bench_kernels.GEMM_SHAPES, per call:
   queued   CALLS calls back to back between two events (bench_kernels.queued_ms)
   graphed  the same CALLS calls captured once in a CUDA graph, the graph replayed between two events: the GPU's
            time alone (no host work between kernels; a graph's launches are issued by the driver)
-  host     the host's time to issue one call while the GPU is held busy (torch.cuda._sleep), nothing waiting
+  host     the host's time to issue one call while the GPU is held busy (gemm_host.host_us), nothing waiting
 
 in ROUNDS rounds, the GEMMs in another order each round. fp4_gemm's graph holds its cast and the fp8 kernel.
 
@@ -20,10 +20,10 @@ import argparse
 import functools
 import json
 import statistics
-import time
 
 import torch
 from bench_kernels import GEMM_SHAPES, queued_ms
+from gemm_host import host_us
 from needs_cuda import require_cuda
 
 CALLS = 50
@@ -53,19 +53,6 @@ def graphed_ms(fn, calls: int = CALLS, replays: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Host time per call of fn, issued while the GPU sleeps (the queue is not drained meanwhile)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls
-    torch.cuda.synchronize()
-    return host * 1e6
 
 
 def gemms(m: int, n: int, k: int) -> dict:
