@@ -674,6 +674,7 @@ def reference_logits_cmd(
     from dsv41_convert.store.lock import hold, refuse_held
     from dsv41_convert.store.made_folder import made_folder
     from dsv41_convert.store.manifest import remove_stale_temporaries, temporary_stem
+    from dsv41_convert.store.source_stamps import require_unchanged, source_stamps
     from dsv41_convert.verify import reffile
     from dsv41_convert.verify.launch import backend_for, default_threads
     from dsv41_convert.verify.reference import compute_reference_ranks, read_prompts, records_weight_digests
@@ -744,6 +745,7 @@ def reference_logits_cmd(
         check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
         if writes:  # OUT.PID.partial of a run that died while saving (reffile.save's temporary), nothing else
             remove_stale_temporaries(out.parent, lambda name: name == temporary_stem(out.name))
+        stamps = source_stamps(src)  # before the plan reads a header: a shard rewritten from here on is refused
         if stream_layers:
             from dsv41_convert.verify.streamed import compute_streamed_reference
 
@@ -761,6 +763,8 @@ def reference_logits_cmd(
                 )  # fmt: skip
         if ref is None:  # a torchrun rank other than 0
             return
+        # the fp8-expert digests read SRC again after the run (and a rank may read late): none of two versions
+        require_unchanged(src, stamps, f"nothing written to {out}; run again once SRC is as it should be")
         if as_converted and ref.source_format == "fp8":
             report.info("--as-converted changes nothing here: an fp8 source holds the converted values already")
         tensors = reffile.file_tensors(ref)

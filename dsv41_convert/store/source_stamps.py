@@ -16,6 +16,7 @@ import json
 import socket
 from pathlib import Path
 
+from dsv41_convert.errors import VerifyInputError, first_few
 from dsv41_convert.store.manifest import DONE_DIR, atomic_write
 
 Stamps = dict[str, list[int]]  # file name -> [size, mtime in ns]
@@ -37,6 +38,23 @@ def stamps_digest(stamps: Stamps) -> str:
 def differing(before: Stamps, now: Stamps) -> list[str]:
     """The shards whose size or time differ between two stamps of one source, added and removed ones too."""
     return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
+
+
+def require_unchanged(folder: Path, stamps: Stamps, then: str) -> None:
+    """VerifyInputError where a *.safetensors file of `folder` changed (size or modification time, as `differing`)
+    since `stamps` (source_stamps(folder)) were taken before a reader's first header; `then`: what it does not do
+    now and the way out, for the message. The readers that compare what they read with something read at
+    another time (reference-logits and `verify --reference SRC` of SRC; verify and check of CONVERTED) call it
+    once their last read is done: a file rewritten meanwhile (a download fetching a shard again, `shard
+    --overwrite` into CONVERTED, which the lock refuses only while it is held when the reader starts) gave
+    exit 0 and a reference of two versions, or a verdict on files some of the checks never read (a helper's
+    hunt)."""
+    changed = differing(stamps, source_stamps(folder))
+    if changed:
+        raise VerifyInputError(
+            f"{folder}: {first_few(changed)} changed (size or modification time) while this run read it, so what it "
+            f"read may be of two versions: {then}"
+        )
 
 
 def _record_path(out: Path) -> Path:

@@ -42,6 +42,7 @@ from dsv41_convert.store.machine import memory_backed
 from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
 from dsv41_convert.store.safetensors_header import Header
+from dsv41_convert.store.source_stamps import Stamps, require_unchanged, source_stamps
 from dsv41_convert.verify import launch as launcher
 from dsv41_convert.verify import localize, provenance, reffile, teacher, weight_digests
 from dsv41_convert.verify.fits import require_prompts_fit, require_weights_fit
@@ -362,6 +363,7 @@ def _verify_ranks(
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     src_ref: SourceReference | None = None
+    stamps: Stamps = {}  # SRC's shards as `--reference SRC` found them (source_stamps)
     side_files_differ: list[str] = []  # tokenizer files of CONVERTED unlike those the reference ran with
     config_note = ""  # why CONVERTED/config.json was not compared with the reference's model
     if opts.reference is not None:
@@ -383,6 +385,7 @@ def _verify_ranks(
         tokenizer = conv / "tokenizer.json"
         prompts = read_prompts(opts.prompts, tokenizer if tokenizer.exists() else None, conv_args)
         n_decode = DEFAULT_DECODE_STEPS if opts.n_decode is None else opts.n_decode
+        stamps = source_stamps(src)  # before the plan reads a header: a shard rewritten from here on is refused
         plan = reference_plan(src)  # once (1-2 s on the published layout)
         _ranks_fit(opts, ranks, conv_args, reference=plan)
         src_ref = compute_reference(src, prompts, n_decode, opts.max_seq_len, opts.device, True, say, plan)
@@ -434,6 +437,8 @@ def _verify_ranks(
     if src_ref is not None:
         say("twin: the converter's tp-1 output, in memory")
         expected = _expected(src_ref, Path(opts.reference), conv_args)
+        # the twin may have read SRC again (expected_shards): no verdict on two versions
+        require_unchanged(Path(opts.reference), stamps, "no verdict; run again once SRC is as it should be")
     t1 = time.perf_counter()
     if opts.stream_layers:
         say(f"replay: {conv} merged back to tp 1 one unit at a time, run here (in place of a tp-{tp} run)")
