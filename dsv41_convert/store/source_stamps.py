@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 from dsv41_convert.errors import VerifyInputError, first_few
@@ -23,9 +24,13 @@ Stamps = dict[str, list[int]]  # file name -> [size, mtime in ns]
 PREFIX = "source-"  # the records' names in OUT/.dsv41-convert: source-HOST.json
 
 
-def source_stamps(src: Path) -> Stamps:
-    """Size and modification time of every weight shard (*.safetensors) of `src`."""
-    return {p.name: [(st := p.stat()).st_size, st.st_mtime_ns] for p in sorted(Path(src).glob("*.safetensors"))}
+def source_stamps(src: Path, names: Collection[str] | None = None) -> Stamps:
+    """Size and modification time of every weight shard (*.safetensors) of `src`; with `names`, of those of them."""
+    return {
+        p.name: [(st := p.stat()).st_size, st.st_mtime_ns]
+        for p in sorted(Path(src).glob("*.safetensors"))
+        if names is None or p.name in names
+    }
 
 
 def stamps_digest(stamps: Stamps) -> str:
@@ -40,7 +45,7 @@ def differing(before: Stamps, now: Stamps) -> list[str]:
     return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
 
 
-def require_unchanged(folder: Path, stamps: Stamps, then: str) -> None:
+def require_unchanged(folder: Path, stamps: Stamps, then: str, names: Collection[str] | None = None) -> None:
     """VerifyInputError where a *.safetensors file of `folder` changed (size or modification time, as `differing`)
     since `stamps` (source_stamps(folder)) were taken before a reader's first header; `then`: what it does not do
     now and the way out, for the message. The readers that compare what they read with something read at
@@ -48,8 +53,8 @@ def require_unchanged(folder: Path, stamps: Stamps, then: str) -> None:
     once their last read is done: a file rewritten meanwhile (a download fetching a shard again, `shard
     --overwrite` into CONVERTED, which the lock refuses only while it is held when the reader starts) gave
     exit 0 and a reference of two versions, or a verdict on files some of the checks never read (a helper's
-    hunt)."""
-    changed = differing(stamps, source_stamps(folder))
+    hunt). names: the files `stamps` were taken of (source_stamps' `names`), None for every shard."""
+    changed = differing(stamps, source_stamps(folder, names))
     if changed:
         raise VerifyInputError(
             f"{folder}: {first_few(changed)} changed (size or modification time) while this run read it, so what it "

@@ -41,6 +41,7 @@ from dsv41_convert.store.lock import refuse_held
 from dsv41_convert.store.machine import memory_backed
 from dsv41_convert.store.manifest import HF_CONFIG, MANIFEST, SIDECARS
 from dsv41_convert.store.manifest_check import check_folder, our_manifest, recorded_tp
+from dsv41_convert.store.rank_names import rank_file_name
 from dsv41_convert.store.safetensors_header import Header
 from dsv41_convert.store.source_stamps import Stamps, require_unchanged, source_stamps
 from dsv41_convert.verify import launch as launcher
@@ -252,9 +253,15 @@ def verify(
     if opts.rank_timeout is not None:  # no ranks to time out: refused, as it was ignored
         said = "--tp 1" if opts.tp is not None else f"{conv} holds the rank files of tp 1"
         launcher.check_rank_timeout(tp, opts.stream_layers, said)
+    # the ranks, the manifest check and the teacher open the rank files by name, the other checks read those
+    # opened here: a rewrite meanwhile (`shard --overwrite`, which the lock refuses only while held now) gave a
+    # PASS of files the weights check and the replay never read; compared once the last read is done
+    stamps = source_stamps(conv, names := {rank_file_name(r, tp) for r in range(tp)})  # another tp's are not read
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
         _config_fits_rank_files(ranks, conv_args)
-        return _verify_ranks(opts, ranks, conv_args, say, shown)
+        result = _verify_ranks(opts, ranks, conv_args, say, shown)
+    require_unchanged(conv, stamps, f"no verdict; run again once the run writing into {conv} has ended", names)
+    return result
 
 
 def _ranks_fit(

@@ -89,3 +89,32 @@ def test_verify_against_a_source_rewritten_before_the_twin_gives_no_verdict(src,
     assert code == 2, out + err
     assert f"{done[0]} changed (size or modification time) while" in err
     assert "FAIL" not in out and "PASS" not in out
+
+
+def test_verify_of_rank_files_rewritten_while_it_runs_gives_no_verdict(src, tmp_path, monkeypatch, capsys):
+    """`shard --overwrite` into CONVERTED once verify has begun (the lock refuses it only while a writer holds the
+    folder as verify starts): the ranks ran the new files, the manifest check read the new manifest and files,
+    the weights check and the replay the old files through the descriptors opened first, and verify said PASS
+    of a set a fresh verify FAILS (a helper's hunt)."""
+    other = Path(shutil.copytree(src, tmp_path / "other", symlinks=True))
+    _rewrite(other)  # a routed expert the default prompts reach: its conversion fails against src's reference
+    conv, ref = tmp_path / "conv", tmp_path / "ref.safetensors"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
+    assert run_cli(monkeypatch, capsys, "reference-logits", str(src), str(ref), "--decode-steps", "1")[0] == 0
+    real, done = __import__("dsv41_convert.verify.launch", fromlist=["launch"]).launch, []
+
+    def rewritten_first(*args, **kwargs):
+        if not done:
+            cmd = ["shard", str(other), str(conv), "--tp", "2", "--overwrite"]
+            done.append(subprocess.run([sys.executable, "-m", "dsv41_convert.cli", *cmd], capture_output=True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("dsv41_convert.verify.launch.launch", rewritten_first)
+    code, out, err = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref))
+    assert done and done[0].returncode == 0, done and done[0].stderr
+    assert code == 2, out + err
+    assert "model0-mp2.safetensors" in err and "changed (size or modification time) while this run read it" in err
+    assert "PASS" not in out
+    monkeypatch.undo()
+    code, out, _ = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref))
+    assert code == 1 and "FAIL" in out  # what the folder holds now
