@@ -833,7 +833,8 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
     """Check every file listed in OUT/manifest.json (size, then sha256) without running the model; several
     files at once (--workers).
 
-    Exit 1 naming each missing, resized or corrupt file; exit 2 while a run writes into OUT, naming it.
+    Exit 1 naming each missing, resized or corrupt file; exit 2 while a run writes into OUT, naming it, or
+    where a rank file changed while it was read.
 
     Examples:
       dsv41-convert check ./mp8
@@ -843,11 +844,15 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
     from dsv41_convert.store.lock import refuse_held
     from dsv41_convert.store.manifest import MANIFEST
     from dsv41_convert.store.manifest_check import check_folder, read_manifest
+    from dsv41_convert.store.source_stamps import require_unchanged, source_stamps
 
     refuse_held(out)  # a run writing into OUT (a share too): its files are not final, nor its manifest's absence
     manifest = read_manifest(out)  # no folder, no manifest or a damaged one: refused before the progress's title
+    stamps = source_stamps(out)  # a run that starts writing into OUT from here on is not refused by the lock
     with report.byte_progress(f"check {out}", quiet=as_json) as progress:
         result = check_folder(out, progress=progress, threads=workers or None, manifest=manifest)
+    # a rank file rewritten meanwhile (`shard --overwrite`) was named corrupt, exit 1, on a folder fine once written
+    require_unchanged(out, stamps, "no verdict; check it again once the run writing into it has ended")
     for problem in result.problems:
         report.error(problem)
     if result.unchecked:

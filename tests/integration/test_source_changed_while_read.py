@@ -118,3 +118,31 @@ def test_verify_of_rank_files_rewritten_while_it_runs_gives_no_verdict(src, tmp_
     monkeypatch.undo()
     code, out, _ = run_cli(monkeypatch, capsys, "verify", str(conv), "--reference-logits", str(ref))
     assert code == 1 and "FAIL" in out  # what the folder holds now
+
+
+def test_check_of_rank_files_rewritten_while_it_reads_gives_no_verdict(src, tmp_path, monkeypatch, capsys):
+    """`shard --overwrite` into OUT once `check OUT` has begun (the lock refuses it only while held as check starts):
+    landing mid-read, check named the rank file corrupt ("sha256 ..., manifest says ...; corrupt?"), FAILED, exit 1,
+    on a folder whole once the writer ends (a helper's hunt). Now no verdict (exit 2, the file named). Here the
+    rewrite lands before the reads (exit 0 before: check cannot tell which version it read); check again passes."""
+    other = Path(shutil.copytree(src, tmp_path / "other", symlinks=True))
+    _rewrite(other)
+    conv = tmp_path / "conv"
+    assert run_cli(monkeypatch, capsys, "shard", str(src), str(conv), "--tp", "2")[0] == 0
+    import dsv41_convert.store.manifest_check as manifest_check
+
+    real, done = manifest_check.check_folder, []
+
+    def rewritten_first(*args, **kwargs):
+        if not done:
+            cmd = ["shard", str(other), str(conv), "--tp", "2", "--overwrite"]
+            done.append(subprocess.run([sys.executable, "-m", "dsv41_convert.cli", *cmd], capture_output=True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manifest_check, "check_folder", rewritten_first)
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(conv))
+    assert done and done[0].returncode == 0, done and done[0].stderr
+    assert code == 2 and "model0-mp2.safetensors" in err and "changed (size or modification time) while" in err, err
+    assert "FAILED" not in out and "ok" not in out
+    monkeypatch.undo()
+    assert run_cli(monkeypatch, capsys, "check", str(conv))[0] == 0
