@@ -69,14 +69,16 @@ ULPS_BOUND = 2.0
 # hunt, 2026-12-07), at the bound above. Twice that noise again, still under half of the smallest fault.
 ULPS_BOUND_SPLIT_REFERENCE = 4.0
 # Indexer choices differing by more than a near-tie (TIE_ULPS), allowed per prompt and index module: 1 % of its
-# positions, at least 1. Correct conversions counted none since the candidate blocks are forced (session 49's
-# sweep below; make-tiny seeds 0 and 1 at tp 2, 4 and 8, the default prompts: none). Faults in an indexer's own
-# weights move no module's output (the teacher forces the reference's top-k) and show only here: measured on the
-# default 40-token prompts (session 50, bench/teacher_flips.py), a weights_proj head x1.25 in layer 5 differed at
-# 1-3 positions a prompt, an indexer wk row x2 at tp 4 at 1-4, a wq_b scale block doubled at 1-13; the
-# allowance before (10 %, at least 2: 4 of 40) passed the first two on every prompt.
+# positions, at least 2. Faults in an indexer's own weights move no module's output (the teacher forces the
+# reference's top-k) and show only here: measured on the default 40-token prompts (session 50,
+# bench/teacher_flips.py, 13 faults x tp 2, 4, 8), 1-27 positions a prompt; the allowance before (10 %, at least
+# 2: 4 of 40) held 9 of the 39 faulty runs on every prompt, this one 1 (a k_norm weight x1.5 at tp 8: 2, 1, 2).
+# Correct conversions: none counted on those prompts (tiny tp 2/4/8, medium tp 2/4) nor in session 49's sweep;
+# a helper's hunt of repeated-token prompts (one token x 120-199, make-tiny seeds 1-9) counted 1 in a prompt at
+# most (a tie 2.3-4 ulps of the row's largest score apart at another tp: the heads' signed terms cancel, so the
+# sum's rounding follows terms larger than the scores), so the least allowance keeps one position of margin.
 MAX_INDEXER_FLIPS = 0.01  # share of a prompt's positions, and at least MIN_INDEXER_FLIPS positions (short prompts)
-MIN_INDEXER_FLIPS = 1
+MIN_INDEXER_FLIPS = 2
 # A reference choice within this many bf16 ulps (of the row's largest score) of this run's worst chosen score is a
 # near-tie broken the other way by the reduction order, not a flip (differing_choices). Measured (a helper's sweep,
 # make-tiny seeds 10-16, tp 4 and 8, 294 prompts of 14-60 tokens): excused ties at most 2.0 ulps of the worst

@@ -132,7 +132,7 @@ def test_an_indexer_fault_still_fails_the_teacher_by_its_choices(tmp_path, monke
 def test_a_subtle_indexer_fault_fails_the_teacher(tmp_path, monkeypatch, capsys):
     """A fault in an indexer's own weights moves no module's output (the teacher forces the reference's top-k): only
     its choices show it. Head 3 of layer 5's weights_proj x1.25 on rank 0 differed at 4, 4 and 3 of the 40
-    positions of the default prompts, which the allowance of 10 % (at least 2: 4 of 40) held; at 1 % (at least 1)
+    positions of the default prompts, which the allowance of 10 % (at least 2: 4 of 40) held; at 1 % (at least 2)
     the teacher fails it (the weights check does too: the reference recorded the digests)."""
     import torch
     from safetensors.torch import load_file, save_file

@@ -37,9 +37,9 @@ def test_judge_fails_a_module_over_the_bound_and_too_many_indexer_flips():
     # the summary's worst is the NaN module, not the largest number (it named layers.0.attn at 1 ulp: an audit)
     nan = judge([ModuleDeviations({"layers.0.attn": 1.0, "layers.1.attn": float("nan"), "norm": 0.5})], ["a"])
     assert "(worst: layers.1.attn nan ulps;" in nan.note, nan.note
-    # a prompt may still differ at one position; at 1 % of a long one
-    assert not judge([ModuleDeviations({}, {"layers.1.attn.indexer": 1}, 8)], ["a"]).failures
-    assert judge([ModuleDeviations({}, {"layers.1.attn.indexer": 2}, 8)], ["a"]).failures
+    # a prompt may still differ at two positions; at 1 % of a long one
+    assert not judge([ModuleDeviations({}, {"layers.1.attn.indexer": 2}, 8)], ["a"]).failures
+    assert judge([ModuleDeviations({}, {"layers.1.attn.indexer": 3}, 8)], ["a"]).failures
     assert not judge([ModuleDeviations({}, {"layers.1.attn.indexer": 3}, 300)], ["a"]).failures
     assert judge([ModuleDeviations({}, {"layers.1.attn.indexer": 4}, 300)], ["a"]).failures
     # a held teacher check does not decide the run (an audit found a reached fault at 1.6 ulps, bound 2);
