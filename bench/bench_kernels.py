@@ -65,6 +65,31 @@ def queued_ms(fn, reps=50, warm=3):
     return start.elapsed_time(end) / reps
 
 
+def graphed_ms(fn, calls: int = 50, replays: int = 5) -> float:
+    """GPU time per call of `calls` calls of fn captured in one CUDA graph (median of `replays` replays)."""
+    fn()  # kernels compiled and loaded, workspaces made, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm on the capture's stream too (the route binds its workspace per stream)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def _compile_one(job):
     module, factory, args = job
     import importlib
@@ -368,18 +393,26 @@ def gemm_rows():
         t_bf = median_ms(functools.partial(torch.matmul, x, w.t()))
         row = {"M": m, "N": n, "K": k, "tiles_same_bytes": same, "tiles_TFLOPs": tiles}
         # back to back, as the model calls them: the host's time before a launch overlaps the kernel before it
+        gemm_calls = (
+            ("fp8_gemm", functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32)),
+            ("fp4_gemm", functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)),
+            (
+                "_scaled_mm",
+                functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            ),
+        )
         row["queued_TFLOPs"] = {
-            name: flop / queued_ms(fn) / 1e9
-            for name, fn in (
-                ("fp8_gemm", functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32)),
-                ("fp4_gemm", functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)),
-                (
-                    "_scaled_mm",
-                    functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                ),
-            )
-            if name != "_scaled_mm" or t_sm == t_sm
+            name: flop / queued_ms(fn) / 1e9 for name, fn in gemm_calls if name != "_scaled_mm" or t_sm == t_sm
         }
+        # the same calls in one CUDA graph: the GPU's time alone (a queued cuBLAS call at 128 rows is the host's pace:
+        # docs/BENCHMARKS.md, "GEMMs with the host taken out"); goal 2's figures
+        row["graphed_TFLOPs"] = {}
+        for name in row["queued_TFLOPs"]:
+            fn = dict(gemm_calls)[name]
+            try:
+                row["graphed_TFLOPs"][name] = flop / graphed_ms(fn) / 1e9
+            except Exception as exc:  # a call that cannot be captured: said, not timed
+                print(f"{name} not graphed: {exc}"[:300])
         times = (("fp8_gemm", t8), ("fp4_gemm", t4))
         for name, t in (*times, ("_scaled_mm_tensorwise", t_sm), ("bf16_matmul", t_bf)):
             row[name + "_ms"] = t
@@ -387,6 +420,13 @@ def gemm_rows():
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def _rates(row: dict, key: str) -> str:
+    """One shape's TFLOP/s of row[key] (name -> TFLOP/s), with fp8_gemm's share of _scaled_mm's where both ran."""
+    rates = row[key]
+    ratio = f" (fp8_gemm / _scaled_mm {100 * rates['fp8_gemm'] / sm:.0f}%)" if (sm := rates.get("_scaled_mm")) else ""
+    return f"{row['M']} x {row['N']} x {row['K']}: " + ", ".join(f"{n} {t:.0f}" for n, t in rates.items()) + ratio
 
 
 def markdown(quant, gemm, device, when, variants=()):
@@ -413,22 +453,12 @@ def markdown(quant, gemm, device, when, variants=()):
         "| _scaled_mm (tensorwise) TFLOP/s | fp8_gemm / _scaled_mm | bf16 matmul TFLOP/s |",
     ]
     lines += ["| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    queued = [r for r in gemm if "queued_TFLOPs" in r]
-    if queued:
-        lines[-2:-2] = [
-            "Queued (50 calls back to back between two events, as the model calls them), TFLOP/s: "
-            + "; ".join(
-                f"{r['M']} x {r['N']} x {r['K']}: "
-                + ", ".join(f"{name} {t:.0f}" for name, t in r["queued_TFLOPs"].items())
-                + (
-                    f" (fp8_gemm / _scaled_mm {100 * r['queued_TFLOPs']['fp8_gemm'] / q_sm:.0f}%)"
-                    if (q_sm := r["queued_TFLOPs"].get("_scaled_mm"))
-                    else ""
-                )
-                for r in queued
-            ),
-            "",
-        ]
+    for key, said in (
+        ("queued_TFLOPs", "Queued (50 calls back to back between two events, as the model calls them)"),
+        ("graphed_TFLOPs", "Graphed (the same 50 calls in one CUDA graph: the GPU's time alone; goal 2's figures)"),
+    ):
+        if rows := [r for r in gemm if r.get(key)]:
+            lines[-2:-2] = [f"{said}, TFLOP/s: " + "; ".join(_rates(r, key) for r in rows), ""]
     for r in gemm:
         per_tile = ", ".join(f"{t8:.0f} / {t4:.0f}" for t8, t4 in r["tiles_TFLOPs"].values())
         lines.append(

@@ -1,14 +1,14 @@
 """GPU time of the GEMMs with the host taken out (issue 19 goal 2): are the queued figures of bench_kernels.py
 the GPU's, or the host's pace of issuing calls?
 
-bench_kernels.py times CALLS calls queued back to back between two events: where the host takes longer to issue a
-call than the GPU takes to run it, that is the host's pace. cuBLAS's `torch._scaled_mm` at 128 rows gave 267 to
-541 TFLOP/s queued in rounds of sessions 41-50, while our raw-launched fp8_gemm stayed at 202-213. Here, for
-each GEMM of bench_kernels.GEMM_SHAPES, per call:
+bench_kernels.py times 50 calls queued back to back between two events: where the host takes longer to issue a
+call than the GPU takes to run it, that is the host's pace (bench_kernels now gives the graphed figures too).
+cuBLAS's `torch._scaled_mm` at 128 rows gave 267 to 541 TFLOP/s queued in rounds of sessions 41-50, while our
+raw-launched fp8_gemm stayed at 202-213. Here, for each GEMM of bench_kernels.GEMM_SHAPES, per call:
 
-  queued   CALLS calls back to back between two events (bench_kernels.queued_ms)
-  graphed  the same CALLS calls captured once in a CUDA graph, the graph replayed between two events: the GPU's
-           time alone (no host work between kernels; a graph's launches are issued by the driver)
+  queued   50 calls back to back between two events (bench_kernels.queued_ms)
+  graphed  the same 50 calls captured once in a CUDA graph (bench_kernels.graphed_ms), replayed between two
+           events: the GPU's time alone (no host work between kernels)
   host     the host's time to issue one call while the GPU is held busy (gemm_host.host_us), nothing waiting
 
 in ROUNDS rounds, the GEMMs in another order each round. fp4_gemm's graph holds its cast and the fp8 kernel.
@@ -22,37 +22,11 @@ import json
 import statistics
 
 import torch
-from bench_kernels import GEMM_SHAPES, queued_ms
+from bench_kernels import GEMM_SHAPES, graphed_ms, queued_ms
 from gemm_host import host_us
 from needs_cuda import require_cuda
 
-CALLS = 50
 ROUNDS = 5
-
-
-def graphed_ms(fn, calls: int = CALLS, replays: int = 5) -> float:
-    """GPU time per call of `calls` calls of fn captured in one CUDA graph (median of `replays` replays)."""
-    fn()  # kernels compiled and loaded, workspaces made, outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm on the capture's stream too (the route binds its workspace per stream)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def gemms(m: int, n: int, k: int) -> dict:
