@@ -591,15 +591,13 @@ def verify_cmd(
 def _refuse_a_converted_file(out: Path) -> None:
     """OutputError where reference-logits' OUT is a file the manifest.json beside it lists: --overwrite replaced a
     converted rank file with the reference, and `check` and `verify` then failed the conversion (a helper's hunt;
-    the warning said the manifest did not list it). A damaged manifest is left to the warning."""
+    the warning said the manifest did not list it). A damaged manifest is left to the warning below it."""
     from dsv41_convert.errors import OutputError, VerifyInputError
     from dsv41_convert.store.manifest_check import read_manifest
 
-    if not (out.parent / "manifest.json").is_file():
-        return
     try:
         listed = out.name in read_manifest(out.parent)["files"]
-    except VerifyInputError:
+    except VerifyInputError:  # no manifest (or folder) there, or a damaged one
         return
     if listed:
         raise OutputError(

@@ -87,7 +87,14 @@ from dsv41_convert.store.manifest_merge import (
 )
 from dsv41_convert.store.plan_claims import claimed, live_claims
 from dsv41_convert.store.rank_names import RANK_FILE
-from dsv41_convert.store.source_stamps import changed_since, differing, record_stamps, source_stamps, stamps_digest
+from dsv41_convert.store.source_stamps import (
+    Stamps,
+    changed_since,
+    differing,
+    record_stamps,
+    source_stamps,
+    stamps_digest,
+)
 
 
 @dataclass(frozen=True)
@@ -622,7 +629,7 @@ def _replaced_first_by_the_launch(
     others: frozenset[str] | None,
     overwrite: bool,
     ranks: list[int] | None,
-    stamps: dict | None = None,
+    stamps: Stamps | None = None,
 ) -> list[str]:
     """What a torchrun process with --overwrite (a share of no --ranks) removes of the other processes' ranks
     before it checks the space (_replaced_by_the_launch); [] for any other run. stamps: the source's, where
@@ -925,7 +932,7 @@ def _own_files_kept(out: Path, own: list[str], done: list[str]) -> None:
         else:
             said.append(f"{path} ({path.stat().st_size:,} bytes, not the {rec['size']:,} written)")
     raise OutputError(
-        f"{', '.join(said[:3])}{', ...' if len(said) > 3 else ''}: changed after this run finished it; no manifest "
+        f"{first_few(said)}: changed after this run finished it; no manifest "
         "was written: run again with --resume to write it again"
     )
 

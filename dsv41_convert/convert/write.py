@@ -407,7 +407,7 @@ def commit(out: Path, file: str, record: Callable[[], None] | None = None) -> No
     journal_path(out, file).unlink(missing_ok=True)
 
 
-def _no_space(final: Path, when: str, code: int | None = errno.ENOSPC) -> OutputError:
+def _no_space(final: Path, when: str, code: int) -> OutputError:
     """The error of a write the disk refused (`code`, one of _NO_SPACE): a full disk or quota, or EFBIG, a file
     larger than the file system takes (FAT32: 4 GiB) or than the process's file-size limit (`ulimit -f`), which
     no free space lifts: said as a full disk, a resume failed at the same byte."""

@@ -63,6 +63,12 @@ def kept_blocks(candidates: torch.Tensor, block_size: int) -> torch.Tensor:
     return padded.unflatten(-1, (-1, block_size)).any(dim=-1)
 
 
+def visible_rows(seqlen: int, ratio: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The compressed rows a prefill query sees at each of `seqlen` positions: a row becomes visible once the query
+    has passed its group's last token. -> [seqlen, 1] int64, (p + 1) // ratio at position p"""
+    return (torch.arange(1, seqlen + 1, device=device) // ratio).unsqueeze(-1)
+
+
 def effective_block_size(block_size: int, t: int) -> int:
     """The candidate block width over t positions: a block wider than the positions is one block of them all (the
     same blocks kept): a candidate_block_size of 10**12 padded the scores to that width, an allocator's traceback (an
@@ -168,7 +174,7 @@ class Indexer(nn.Module):
 
         # a compressed position becomes visible once the query has passed its group's last token
         if start_pos == 0:
-            compress_lens = (torch.arange(1, seqlen + 1, device=x.device) // ratio).unsqueeze(-1)
+            compress_lens = visible_rows(seqlen, ratio, x.device)
             unseen = torch.arange(seqlen // ratio, device=x.device) >= compress_lens
             scores.masked_fill_(unseen, -torch.inf)
         else:

@@ -61,7 +61,7 @@ from torch import Tensor
 from dsv41_convert.config import ModelArgs
 from dsv41_convert.errors import NOT_JSON, OutputError, VerifyInputError
 from dsv41_convert.file_kinds import refuse_non_file
-from dsv41_convert.model.indexer import effective_block_size, kept_blocks
+from dsv41_convert.model.indexer import effective_block_size, kept_blocks, visible_rows
 from dsv41_convert.numbers import ascii_int, counted
 from dsv41_convert.store.file_digest import sha256_file
 from dsv41_convert.store.machine import MAX_THREADS
@@ -437,7 +437,7 @@ def _choices(key: str, x: Tensor, lengths: Tensor, ratio: int, topk: int) -> lis
     for row, n in enumerate(lengths.tolist()):
         h = x[row, :n].long()  # [n, k or t]
         width = n // ratio if candidates else min(topk, n // ratio)
-        seen = (torch.arange(1, n + 1) // ratio)[:, None]  # [n, 1] compressed rows visible at each position
+        seen = visible_rows(n, ratio)  # [n, 1]
         cols = torch.arange(h.shape[1])[None, :]
         if candidates:
             ok = (h == 0) | (h == 1)
@@ -486,7 +486,7 @@ def _prompt_candidate_blocks(
     """_candidate_blocks of one prompt run alone. kept: [n, width] bool, True inside a kept block"""
     size = effective_block_size(block_size, kept.shape[1])
     blocks = kept_blocks(kept, size)  # [n, blocks]
-    seen = (torch.arange(1, kept.shape[0] + 1) // ratio)[:, None]  # [n, 1] compressed rows visible at each position
+    seen = visible_rows(kept.shape[0], ratio)  # [n, 1]
     partial = blocks.repeat_interleave(size, dim=-1)[:, : kept.shape[1]] != kept
     unseen = blocks & (torch.arange(blocks.shape[1])[None, :] * size >= seen)
     counts = blocks.sum(-1)
