@@ -101,17 +101,31 @@ def partial_sizes(out: Path, pattern: str = "*.partial") -> list[int]:
     return sizes
 
 
-def wait_for_a_done_file_and_a_partial(out: Path, partial_bytes: int = 20_000, timeout: float = 120) -> None:
-    """Poll a running conversion into `out` until one file is done (its done record) and a partial file
-    holds more than `partial_bytes`: the moment to kill it (raises AssertionError after `timeout` s). A
-    partial file may be renamed between the listing and its stat (another worker finishing it). Written
-    with O_DIRECT, a partial file grows one staging piece (8 MiB) at a time, at a checkpoint or at its
-    end: partial_bytes=-1 takes any partial file."""
+def kill_9_with_a_done_file_and_a_partial(
+    proc: subprocess.Popen, out: Path, partial_bytes: int = 20_000, timeout: float = 120
+) -> None:
+    """kill -9 a running conversion into `out` (started with process_group=0: its workers in its group) at a
+    moment when one file is done (its done record) and a partial file holds more than `partial_bytes`
+    (partial_bytes=-1: any partial file); raises AssertionError after `timeout` s. The group is stopped
+    (SIGSTOP) before the state is read and killed while stopped, so the state read is the state killed: a
+    poll that saw it and then killed let a partial finish in between under load (CI, once). Its workers die
+    with it (PR_SET_PDEATHSIG's SIGKILL ends a stopped process too). Written with O_DIRECT, a partial file
+    grows one staging piece (8 MiB) at a time, at a checkpoint or at its end."""
+
+    def wanted() -> bool:
+        sizes = partial_sizes(out)
+        return bool(done_records(out) and sizes and max(sizes) > partial_bytes)
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sizes = partial_sizes(out)
-        if done_records(out) and sizes and max(sizes) > partial_bytes:
-            return
+        if wanted():
+            os.killpg(proc.pid, signal.SIGSTOP)
+            if wanted():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                os.killpg(proc.pid, signal.SIGCONT)  # any process left stopped in the group goes on to its end
+                return
+            os.killpg(proc.pid, signal.SIGCONT)
         time.sleep(0.02)
     raise AssertionError(f"{out}: no done file beside a partial one over {partial_bytes} bytes in {timeout} s")
 

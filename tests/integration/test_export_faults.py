@@ -19,10 +19,10 @@ import pytest
 import torch
 from cli_run import (
     done_records,
+    kill_9_with_a_done_file_and_a_partial,
     run_cli,
     run_cli_with_file_size_limit,
     run_records,
-    wait_for_a_done_file_and_a_partial,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -239,11 +239,9 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path, io, partial_bytes):
     args = ["--format", "bf16", "--json", io]
     subprocess.run([*CLI, "export", str(src), str(clean), *args], check=True, capture_output=True)
     env = {**os.environ, "DSV41_CONVERT_TEST_THROTTLE_S": "0.01"}
-    proc = subprocess.Popen([*CLI, "export", str(src), str(killed), *args], env=env,
+    proc = subprocess.Popen([*CLI, "export", str(src), str(killed), *args], env=env, process_group=0,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    wait_for_a_done_file_and_a_partial(killed, partial_bytes)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_9_with_a_done_file_and_a_partial(proc, killed, partial_bytes)
     assert proc.returncode == -signal.SIGKILL
     for name in ("manifest.json", "config.json", "model.safetensors.index.json"):
         assert not (killed / name).exists(), name

@@ -15,10 +15,10 @@ import pytest
 import torch
 from cli_run import (
     done_records,
+    kill_9_with_a_done_file_and_a_partial,
     run_cli,
     run_cli_with_file_size_limit,
     run_records,
-    wait_for_a_done_file_and_a_partial,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -357,10 +357,8 @@ def test_kill_9_then_resume_is_byte_identical(src, tmp_path, io, partial_bytes):
     # two workers for four files: the second pair starts once the first is done, so the kill lands mid-file
     # (with four, all finished within the moment between seeing one done and the kill: seen once in CI's setting)
     cmd = [*CLI, "shard", str(src), str(killed), "--tp", "4", "--json", io, "--workers", "2"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_a_done_file_and_a_partial(killed, partial_bytes)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    kill_9_with_a_done_file_and_a_partial(proc, killed, partial_bytes)
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "manifest.json").exists()
     finished = done_records(killed)  # a file killed between its rename and its record is rewritten
