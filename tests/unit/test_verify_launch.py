@@ -744,6 +744,25 @@ def test_a_torchrun_group_that_cannot_form_stops_before_the_target(monkeypatch, 
     assert not dist.is_initialized()
 
 
+def test_a_group_failing_otherwise_raises_its_own_error_and_runs_no_target(monkeypatch):
+    """init_process_group failing for a reason other than the port (a store, a backend, a timeout): that error
+    is raised in the main thread as it came, and the target never runs outside a group (the port cases above
+    stop earlier and did not show a launch that went on after the join failed: a mutation that survived)."""
+    from dsv41_convert.verify import process_group
+
+    class NoGroup(RuntimeError):
+        pass
+
+    def fail(*_args, **_kwargs):
+        raise NoGroup("the store went away")
+
+    _in_a_torchrun_launch_of_one(monkeypatch)
+    monkeypatch.setattr(process_group.dist, "init_process_group", fail)
+    with pytest.raises(NoGroup, match="the store went away"):
+        launch(lambda _payload: pytest.fail("the target ran without its group"), None, 1, "cpu")
+    assert not dist.is_initialized()
+
+
 def test_a_spawned_rank_0_leaves_its_result_and_progress_and_a_failing_rank_its_error(tmp_path, monkeypatch):
     """The body of a spawned rank, run here as the one rank of a group of 1: rank 0 writes its result and what
     it tells into the launch's folder; a rank whose target fails leaves its error file and exits 1 at once."""
