@@ -26,11 +26,28 @@ PREFIX = "source-"  # the records' names in OUT/.dsv41-convert: source-HOST.json
 
 def source_stamps(src: Path, names: Collection[str] | None = None) -> Stamps:
     """Size and modification time of every weight shard (*.safetensors) of `src`; with `names`, of those of them."""
-    return {
-        p.name: [(st := p.stat()).st_size, st.st_mtime_ns]
-        for p in sorted(Path(src).glob("*.safetensors"))
-        if names is None or p.name in names
-    }
+    stamps = {}
+    for p in sorted(Path(src).glob("*.safetensors")):
+        if names is None or p.name in names:
+            stamp = _stamp(p)
+            if stamp is not None:
+                stamps[p.name] = stamp
+    return stamps
+
+
+def _stamp(path: Path) -> list[int] | None:
+    """[size, mtime in ns] of `path`; of the link itself where it leads to no file (its target gone, a loop), for
+    the reader to name it (check: a problem, exit 1; a plan: refused, naming it): followed, it ended check, verify
+    and reference-logits in "No such file or directory" of a name `ls` shows (an audit). None where nothing is
+    there any more (removed since the folder was listed)."""
+    try:
+        st = path.stat()
+    except OSError:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return None
+    return [st.st_size, st.st_mtime_ns]
 
 
 def stamps_digest(stamps: Stamps) -> str:

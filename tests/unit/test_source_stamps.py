@@ -59,3 +59,14 @@ def test_another_size_with_the_same_time_is_a_change(tmp_path):
     os.truncate(src / "a.safetensors", st.st_size - 1)
     os.utime(src / "a.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
     assert differing(before, source_stamps(src)) == ["a.safetensors"]
+
+
+def test_a_link_that_leads_to_no_file_is_stamped_as_the_link(tmp_path):
+    """A shard link whose blob is gone, or a link in a loop: the stamps followed it and raised "No such file or
+    directory" (check, verify, reference-logits), before the reader could name it as a link to no file."""
+    src = _source(tmp_path)
+    (src / "gone.safetensors").symlink_to(tmp_path / "deleted-blob")
+    (src / "loop.safetensors").symlink_to("loop.safetensors")
+    stamps = source_stamps(src)
+    assert sorted(stamps) == ["a.safetensors", "b.safetensors", "gone.safetensors", "loop.safetensors"]
+    assert stamps["gone.safetensors"][1] == (src / "gone.safetensors").lstat().st_mtime_ns

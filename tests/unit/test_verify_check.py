@@ -197,3 +197,23 @@ def test_the_summary_line_counts_in_the_singular_and_the_plural(tmp_path, monkey
     (folder / "a.json").write_bytes(b"{1}")
     code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
     assert code == 1 and "0 files match the manifest, 2 do not" in err, err
+
+
+def test_a_link_that_leads_to_no_file_is_a_problem_named_not_an_input_error(tmp_path, monkeypatch, capsys):
+    """A rank file replaced by a link whose target is gone (a deleted blob, a copy moved away), a stray
+    *.safetensors link beside the set, or a link in a loop: `check` said "error: .../model1-mp2.safetensors: No such
+    file or directory" (exit 2) of a name `ls` shows, before file_digest could name the link (the stat of the shards'
+    times followed it). Now each is a problem of the check, named (exit 1)."""
+    files = {"model0-mp2.safetensors": b"a" * 64, "model1-mp2.safetensors": b"b" * 64, **CONFIGS}
+    folder = _folder(tmp_path, files)
+    (folder / "model1-mp2.safetensors").unlink()
+    (folder / "model1-mp2.safetensors").symlink_to(tmp_path / "gone")
+    (folder / "stray.safetensors").symlink_to(tmp_path / "gone")
+    (folder / "loop.safetensors").symlink_to("loop.safetensors")
+    code, out, err = run_cli(monkeypatch, capsys, "check", str(folder), "--json")
+    assert code == 1 and "No such file" not in err, err
+    assert json.loads(out)["problems"] == [
+        "loop.safetensors: in the folder but not in manifest.json (another conversion's file?)",
+        "stray.safetensors: in the folder but not in manifest.json (another conversion's file?)",
+        "model1-mp2.safetensors: a broken link where manifest lists a file of 64 bytes",
+    ]
