@@ -313,7 +313,7 @@ def _merge(
     if not frags and (out / MANIFEST).is_file():  # the shares finished together: each saw every file done
         return _already_merged(out, progress)
     _nothing_to_merge(out)  # again under the lock: a share may have merged and removed them meanwhile
-    first_name, first = next(iter(frags.items()))
+    first_name, first = _reference_fragment(out, frags)
     exported = {n: f for n, f in frags.items() if f["options"].get("format") is not None}
     if (
         exported
@@ -384,6 +384,24 @@ def _merge(
     return {"out": str(out), "manifest": str(path), "rank_files": list(rank_files), "fragments": list(frags),
             "side_files": sorted(side), "side_files_unchecked": unchecked,
             "fragments_removed": drop_superseded_fragments(out)}  # fmt: skip
+
+
+def _reference_fragment(out: Path, frags: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """(name, fragment) the merge compares every other fragment with: one of the plan whose rank files `out` holds
+    the most of, then of the plan most fragments are of, then the first by name. The first by name alone let a
+    stale fragment (an earlier tp-2 attempt's, `mp2` sorting before `mp4`) be the plan: the merge called every
+    share's fragment foreign, asked for that attempt's rank files to be gathered and the ones there removed."""
+
+    def weight(item: tuple[str, dict[str, Any]]) -> tuple[int, int]:
+        frag = item[1]
+        held = sum((out / file).is_file() for file in frag["rank_files"])
+        alike = sum(
+            f.get("plan_digest") == frag.get("plan_digest") and f["rank_files"] == frag["rank_files"]
+            for f in frags.values()
+        )
+        return held, alike
+
+    return max(frags.items(), key=weight)  # the first of the heaviest: the first by name among equals
 
 
 def _not_an_export(out: Path, frags: dict[str, dict[str, Any]]) -> None:

@@ -165,3 +165,32 @@ def test_merge_refuses_a_done_record_of_another_plan_for_an_unlisted_rank(tmp_pa
         merge(out)
     assert "model1-mp2.safetensors: no fragment lists it" in str(err.value)
     assert not (out / "manifest.json").exists()
+
+
+def test_merge_names_a_stale_fragment_not_the_shares_whose_rank_files_are_there(tmp_path):
+    """A tp-4 set gathered with a fragment left from an earlier tp-2 attempt, whose name sorts first: the merge took
+    that one as the plan, called both shares' fragments foreign, asked for the tp-2 rank files to be gathered and
+    the four rank files there removed. The plan compared against is the one whose rank files the folder holds."""
+    out = tmp_path / "out"
+    (out / DONE_DIR).mkdir(parents=True)
+    ranks_4 = [f"model{r}-mp4.safetensors" for r in range(4)]
+    side = {}
+    for name, text in (("config.json", b'{"a": 1}\n'), ("hf_config.json", b'{"b": 2}\n')):
+        (out / name).write_bytes(text)
+        side[name] = _record(text)
+    data = {name: name.encode() * 9 for name in ranks_4}
+    for name, payload in data.items():
+        (out / name).write_bytes(payload)
+    for part in ("0_1", "2_3"):
+        files = {n: _record(data[n]) for n in ranks_4 if f"model{part[0]}" in n or f"model{part[-1]}" in n}
+        _fragment(out, f"manifest-fragment-mp4-r{part}.json", "tp4", ranks_4, files, side)
+    _fragment(out, "manifest-fragment-mp2-r0.json", "tp2", RANKS_2, {RANKS_2[0]: _record(b"old")}, side)
+    with pytest.raises(OutputError) as err:
+        merge(out)
+    said = str(err.value)
+    assert "manifest-fragment-mp2-r0.json: from another plan (digest tp2) than manifest-fragment-mp4-r0_1.json" in said
+    assert "mp4-r0_1.json: from another plan" not in said and "model0-mp4.safetensors: a .safetensors" not in said
+    assert "model1-mp2.safetensors: no fragment lists it" not in said
+    (out / "manifest-fragment-mp2-r0.json").unlink()
+    merge(out)
+    assert set(json.loads((out / "manifest.json").read_text())["files"]) == {*ranks_4, *side}
