@@ -23,6 +23,8 @@ from dsv41_convert.store.index import INDEX_NAME
 from dsv41_convert.store.manifest import DONE_DIR, FORMAT, FRAGMENT_GLOB, MANIFEST, REQUIRED_SIDECARS
 from dsv41_convert.store.rank_names import RANK_FILE, rank_file_name
 
+INDEX_MOST = 1 << 28  # bytes of an index read for its shard names (the published one's is 8 MB)
+
 
 @dataclass
 class CheckResult:
@@ -201,6 +203,7 @@ def unlisted(
         for name in always
         if name not in files
     ]
+    problems += _index_shards_unlisted(folder, files) if INDEX_NAME in files else []
     problems += [
         f"{p.name}: in the folder but not in {MANIFEST} (another conversion's file?)"
         for p in sorted(folder.glob("*.safetensors"))
@@ -210,6 +213,26 @@ def unlisted(
         and not (checked_tp and (m := RANK_FILE.fullmatch(p.name)) and int(m[2]) != checked_tp)
     ]
     return problems
+
+
+def _index_shards_unlisted(folder: Path, files: dict[str, Any]) -> list[str]:
+    """A line for each shard the listed index's weight_map names that `files` does not list: an export's
+    manifest edited to drop a shard (the shard removed too) passed `check`, exit 0, while a loader reading the
+    index looks for that shard (a helper's hunt). An index that is no regular file, larger than INDEX_MOST or
+    no JSON object with a weight_map object adds nothing here: its own size and sha256 check speaks for it."""
+    path = folder / INDEX_NAME
+    try:
+        if not path.is_file() or path.stat().st_size > INDEX_MOST:
+            return []
+        weight_map = json.loads(path.read_bytes()).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return []
+    named = {f for f in weight_map.values() if isinstance(f, str)} if isinstance(weight_map, dict) else set()
+    return [
+        f"{name}: {INDEX_NAME} names it, not listed in {MANIFEST}"
+        + ("" if (folder / name).exists() else " nor in the folder")
+        for name in sorted(named - set(files))
+    ]
 
 
 def _always_written(manifest: dict[str, Any], tp: Any) -> tuple[str, tuple[str, ...]]:

@@ -170,6 +170,33 @@ def test_check_names_a_config_its_manifest_leaves_out(tmp_path, kind, options, g
     assert check_folder(tmp_path / "out").problems == [problems[0] + " nor in the folder"]
 
 
+@pytest.mark.parametrize("there", [False, True])
+def test_check_names_a_shard_the_index_names_and_the_manifest_leaves_out(tmp_path, there):
+    """An export's manifest edited to drop one of its shards (the shard removed, or left unlisted) fails the check
+    naming the shard: the manifest vouches for the index, and the index sends a loader to that shard; with the
+    shard gone, check passed (exit 0; a helper's hunt). An index that is no JSON object adds no line of its own."""
+    shards = {f"model-0000{i}-of-00002.safetensors": bytes([i]) * 8 for i in (1, 2)}
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                            "b.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    files = {"config.json": b"{}", "model.safetensors.index.json": json.dumps(index).encode()} | shards
+    _manifest_folder(tmp_path / "out", files)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest["options"] = {"format": "bf16"}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    assert check_folder(tmp_path / "out").ok
+    del manifest["files"]["model-00002-of-00002.safetensors"]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    if not there:
+        (tmp_path / "out" / "model-00002-of-00002.safetensors").unlink()
+    said = "model-00002-of-00002.safetensors: model.safetensors.index.json names it, not listed in manifest.json"
+    assert check_folder(tmp_path / "out").problems == [said + ("" if there else " nor in the folder")]
+    for broken in (b"[1, 2]", b"not json", b'{"weight_map": 3}'):
+        (tmp_path / "out" / "model.safetensors.index.json").write_bytes(broken)
+        problems = check_folder(tmp_path / "out").problems
+        index_lines = [p for p in problems if p.startswith("model.safetensors.index.json:")]
+        assert len(problems) == 1 + there and index_lines and "manifest says" in index_lines[0], problems
+
+
 def test_check_names_the_rank_file_of_a_tp_1_manifest(tmp_path):
     """A tp-1 manifest that lists no model0-mp1.safetensors, and a folder without it, fails the check naming it:
     a tp-1 conversion is one rank file, and a check that skipped tp 1 passed a folder holding only config.json."""
