@@ -38,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -110,7 +111,7 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
     flat = len(main.shape) < 2  # 1-d tensors travel as [rows, 1]
     try:
         for a, inputs in zip(starts, source, strict=False):  # the source yields one block per start, in order
-            where = block_name(name, main, a, min(rows, a + step))
+            where = block_name(name, main, a, min(rows, a + step), scale_label(t, reader.src))
             if not cuda:
                 if flat:
                     inputs = [x.reshape(-1) for x in inputs]
@@ -138,14 +139,23 @@ def blocks(t: OutTensor, reader, quantizer, step: int, first: int, stages: dict 
             _unused(q.get_nowait(), reader.ahead)
 
 
-def block_name(name: str, main: Read, a: int, b: int) -> Region:
+def block_name(name: str, main: Read, a: int, b: int, scale: str = "") -> Region:
     """`name` for the messages about one row block [a, b) of main's region: with the block's source rows
     where it is not the whole tensor; a Region, so that an index in a message counts from the source
-    tensor's first row and column (a block's, or a rank's columns', said from the block's: an audit)."""
+    tensor's first row and column (a block's, or a rank's columns', said from the block's: an audit).
+    scale: where its scale is stored, when not in main's file (scale_label)."""
     r0, r1 = main.r0 + a, main.r0 + b
     text = name if (r0, r1) == (0, (main.shape or (1,))[0]) else f"{name} (source rows {r0}..{r1 - 1})"
     col = main.c0 * (2 if main.dtype in FP4_BYTES else 1)  # in values: a packed byte holds two
-    return Region(text, r0, col, main.shape)
+    return Region(text, r0, col, main.shape, scale)
+
+
+def scale_label(t: OutTensor, src: Path) -> str:
+    """The scale t's action decodes with (its second read) as "FILE: NAME", where another source file than the
+    weight's holds it (a checkpoint saved in other groupings than the published one); else "". A NaN scale
+    was said of the weight's file alone, where no scale lies."""
+    main, scale = t.reads[0], t.reads[1] if len(t.reads) > 1 else None
+    return scale.label(src) if scale is not None and scale.file != main.file else ""
 
 
 def _numpy_action(t: OutTensor):

@@ -53,15 +53,17 @@ class Region(str):
     """The name messages give a source tensor, for a region of it whose first element is [row, col] of the
     tensor (a row block of a streamed tensor, a rank's columns): an index the checks find in the region's
     arrays is said in the tensor's own coordinates (`source_index`), its shape as the tensor's. A plain str
-    names a whole tensor. row and col count values (an e2m1 pair is two)."""
+    names a whole tensor. row and col count values (an e2m1 pair is two). scale: where the tensor's scale is
+    stored ("FILE: NAME"), when another file than the tensor's holds it; else "" (the published layout)."""
 
     row: int
     col: int
     shape: tuple[int, ...]
+    scale: str
 
-    def __new__(cls, text: str, row: int = 0, col: int = 0, shape: tuple[int, ...] = ()) -> Region:
+    def __new__(cls, text: str, row: int = 0, col: int = 0, shape: tuple[int, ...] = (), scale: str = "") -> Region:
         region = super().__new__(cls, text)
-        region.row, region.col, region.shape = row, col, tuple(shape)
+        region.row, region.col, region.shape, region.scale = row, col, tuple(shape), scale
         return region
 
 
@@ -88,9 +90,11 @@ def require_scales_not_nan(s: np.ndarray, name: str, block: tuple[int, int] = (1
     s: [...]  uint8 (e8m0 bytes), one per `block` (rows, columns) of values of region `name`
     """
     if s.size and int(s.max()) == E8M0_NAN:
+        # a scale stored in another file than its weight's is named there: the weight's file holds no scale
+        held = f" (in {name.scale})" if isinstance(name, Region) and name.scale else ""
         raise FormatError(
-            f"{name}: scale is NaN (e8m0 byte {E8M0_NAN}) at {source_index(name, _first(s == E8M0_NAN), block)}; "
-            "expected a power of two; corrupt shard?"
+            f"{name}: scale is NaN (e8m0 byte {E8M0_NAN}) at {source_index(name, _first(s == E8M0_NAN), block)}"
+            f"{held}; expected a power of two; corrupt shard?"
         )
 
 

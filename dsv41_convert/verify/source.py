@@ -31,7 +31,7 @@ from torch import Tensor
 
 from dsv41_convert.config import load_model_args
 from dsv41_convert.convert.plan import QUANTIZING, ConversionPlan, OutTensor, Read, build_plan, pad_byte
-from dsv41_convert.convert.stream import block_name
+from dsv41_convert.convert.stream import block_name, scale_label
 from dsv41_convert.convert.transform import DTYPES, apply, quantizer_for
 from dsv41_convert.errors import PlanError
 from dsv41_convert.progress import Progress, counting
@@ -93,7 +93,8 @@ def _compute(
         _require_finite(src, reads[0], inputs[0])
         return {t.name: inputs[0].to(torch.bfloat16)}
     main = t.reads[0]  # the rank's region, said (and its indexes counted) as shard says it
-    results = apply(t.action, inputs, q, block_name(main.label(src), main, 0, main.r1 - main.r0), t.dtype, t.block)
+    where = block_name(main.label(src), main, 0, main.r1 - main.r0, scale_label(t, src))
+    results = apply(t.action, inputs, q, where, t.dtype, t.block)
     if t.group:
         return {t.name: results[0], t.name.removesuffix(".weight") + ".scale": results[1]}
     return {t.name: results[0]}

@@ -119,6 +119,30 @@ def test_nan_in_a_bf16_weight_to_quantize(tmp_path, monkeypatch, capsys, fmt, na
     assert_nothing_finished(out, bad_file)
 
 
+@pytest.mark.parametrize(
+    ("fmt", "scale"),
+    [("bf16", "layers.1.attn.wq_a.scale"), ("bf16", "layers.1.engram.embed.scale"),
+     ("fp8", "layers.1.ffn.experts.2.w1.scale")],
+)  # fmt: skip
+def test_a_nan_scale_in_another_file_than_its_weight_names_the_scales_file(tmp_path, monkeypatch, capsys, fmt, scale):
+    """A checkpoint saved in other groupings than the published one (write_ckpt's: a weight and its scale in two
+    files) with a NaN scale byte: the decode's error named the weight's file alone ('model-00001...: wq_a.weight:
+    scale is NaN'), where no scale lies; it names the scale and the file that holds it too."""
+    cfg = tiny_config()
+    tensors = source_tensors(cfg)
+    tensors[scale].view(torch.uint8)[0, 0] = 255
+    write_ckpt(tmp_path / "src", tensors, cfg)
+    where = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())["weight_map"]
+    weight = scale.removesuffix(".scale") + ".weight"
+    assert where[scale] != where[weight]  # the case at hand
+    out = tmp_path / "out"
+    code, _, err = run_cli(monkeypatch, capsys, "export", str(tmp_path / "src"), str(out), "--format", fmt)
+    assert code == 2, err
+    held = f"(in {tmp_path / 'src' / where[scale]}: {scale})"
+    assert f"{where[weight]}: {weight}: scale is NaN (e8m0 byte 255) at [0, 0] {held}; expected a power" in err, err
+    assert_nothing_finished(out, where[weight])
+
+
 def test_a_lossy_fp4_to_fp8_block_is_an_error_naming_the_tensor(tmp_path, monkeypatch, capsys):
     """Scales 2**20 apart in one 32x32 block: the small ones cannot be re-expressed in e4m3."""
     cfg = tiny_config()
