@@ -52,7 +52,7 @@ from dsv41_convert.convert.write import (
     write_rank_file,
 )
 from dsv41_convert.errors import OutputError, PlanError, RankFailedError, first_few
-from dsv41_convert.file_kinds import nearest_existing, refuse_non_folder, refuse_unmakeable
+from dsv41_convert.file_kinds import SPECIAL, nearest_existing, refuse_non_folder, refuse_unmakeable, special_kind
 from dsv41_convert.numbers import byte_amounts, counted
 from dsv41_convert.progress import add_seconds
 from dsv41_convert.store import journal
@@ -204,14 +204,17 @@ def _no_source_file_among(src: Path, outputs: list[Path]) -> None:
 
 
 def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
-    """An output file OUT must lie outside the source folder SRC, must not be a folder, and is replaced
-    only with --overwrite."""
+    """An output file OUT must lie outside the source folder SRC, must not be a folder, nor a FIFO, a socket or a
+    device (links followed), and is replaced only with --overwrite. The file is written beside OUT and renamed
+    over it, so a FIFO there became a regular file, and as root `/dev/null` did (a helper's hunt)."""
     if out.is_symlink() and not out.exists():  # resolve() raised RuntimeError on a loop; a rename replaced the link
         raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a file path")
     refuse_unmakeable(out, OutputError)  # as given: resolved, a dangling link above it would vanish
     out = _outside_source(src, out, "file")
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give the path of the file to write")
+    if special_kind(out):  # not "exists; pass --overwrite", which replaced it
+        raise OutputError(f"{out}: not a regular file ({SPECIAL}); the output, renamed over it, would replace it")
     _no_source_file_among(src, [out])
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: exists; pass --overwrite to replace it")

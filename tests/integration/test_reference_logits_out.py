@@ -5,6 +5,7 @@ the same bytes (the metadata's key order is fixed: store.safetensors_header.sort
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,19 @@ def test_out_that_is_a_folder_is_refused(src, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--overwrite")
     assert code == 2 and f"error: {out.resolve()}: is a folder" in err
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("overwrite", [(), ("--overwrite",)])
+def test_out_that_is_a_fifo_is_refused_and_kept(src, tmp_path, monkeypatch, capsys, overwrite):
+    """OUT a FIFO (or a socket or a device: `reference-logits SRC /dev/null`): the run computed, then renamed the
+    reference over it, so the FIFO became a regular file (as root, /dev/null did: a helper's hunt), and without
+    --overwrite it said "exists; pass --overwrite to replace it". Refused before any compute, either way."""
+    out = tmp_path / "ref.safetensors"
+    os.mkfifo(out)
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), *overwrite)
+    assert code == 2 and f"error: {out.resolve()}: not a regular file (a FIFO, a socket or a device)" in err, err
+    assert stat.S_ISFIFO(out.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["ref.safetensors"]
 
 
 def test_out_under_a_file_is_refused_naming_the_file(src, tmp_path, monkeypatch, capsys):
