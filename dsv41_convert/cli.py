@@ -714,7 +714,10 @@ def reference_logits_cmd(
         check_world(tp)
     if writes:
         _refuse_a_converted_file(out)
-    check_output_file(src, out, overwrite)  # before anything is created; again once OUT's folder is held
+    inputs = ([(prompts, "the --prompts file")] if prompts is not None else []) + [
+        (Path(p.image), f"the image of {p.origin or p.label}") for p in prompt_list if p.image is not None
+    ]
+    check_output_file(src, out, overwrite, inputs)  # before anything is created; again once OUT's folder is held
     digested = weight_digests and records_weight_digests(src, args, as_converted, stream_layers)
     for part in not_run_by(prompt_list, args) if writes else ():  # said before the compute (stderr)
         # verify compares the bytes of what the file records the digests of (a changed one fails), as its
@@ -740,7 +743,7 @@ def reference_logits_cmd(
         made_folder(out.parent) if writes else contextlib.nullcontext(),
         hold(out.parent) if writes else contextlib.nullcontext(),
     ):
-        check_output_file(src, out, overwrite)  # on every rank: all stop, not rank 0 after the compute
+        check_output_file(src, out, overwrite, inputs)  # on every rank: all stop, not rank 0 after the compute
         if writes:  # OUT.PID.partial of a run that died while saving (reffile.save's temporary), nothing else
             remove_stale_temporaries(out.parent, lambda name: name == temporary_stem(out.name))
         stamps = source_stamps(src)  # before the plan reads a header: a shard rewritten from here on is refused

@@ -26,7 +26,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager, nullcontext
@@ -203,10 +203,11 @@ def _no_source_file_among(src: Path, outputs: list[Path]) -> None:
             )
 
 
-def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
+def check_output_file(src: Path, out: Path, overwrite: bool, inputs: Sequence[tuple[Path, str]] = ()) -> None:
     """An output file OUT must lie outside the source folder SRC, must not be a folder, nor a FIFO, a socket or a
-    device (links followed), and is replaced only with --overwrite. The file is written beside OUT and renamed
-    over it, so a FIFO there became a regular file, and as root `/dev/null` did (a helper's hunt)."""
+    device (links followed), nor one of the run's `inputs` ((path, what it is) pairs: _no_input_at), and is
+    replaced only with --overwrite. The file is written beside OUT and renamed over it, so a FIFO there became a
+    regular file, and as root `/dev/null` did (a helper's hunt)."""
     if out.is_symlink() and not out.exists():  # resolve() raised RuntimeError on a loop; a rename replaced the link
         raise OutputError(f"{out}: a link to {os.readlink(out)}, which does not exist; give a file path")
     refuse_unmakeable(out, OutputError)  # as given: resolved, a dangling link above it would vanish
@@ -216,8 +217,28 @@ def check_output_file(src: Path, out: Path, overwrite: bool) -> None:
     if special_kind(out):  # not "exists; pass --overwrite", which replaced it
         raise OutputError(f"{out}: not a regular file ({SPECIAL}); the output, renamed over it, would replace it")
     _no_source_file_among(src, [out])
+    _no_input_at(out, inputs)
     if out.exists() and not overwrite:
         raise OutputError(f"{out}: exists; pass --overwrite to replace it")
+
+
+def _no_input_at(out: Path, inputs: Sequence[tuple[Path, str]]) -> None:
+    """OutputError where the entry OUT is one of the run's input files (reference-logits' --prompts file, an image
+    a prompt names; `inputs`: (path, what it is), links followed): the output renamed over it replaced the input
+    (with --overwrite, exit 0), and an image replaced so left a reference recording a sha256 that no image
+    matches any more, which verify refuses for good (a helper's hunt). OUT a link to an input is not refused:
+    the rename replaces the link."""
+    try:
+        here = out.lstat()
+    except OSError:
+        return
+    for path, what in inputs:
+        try:
+            there = path.stat()
+        except OSError:
+            continue
+        if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+            raise OutputError(f"{out}: is {what} ({path}), which this run reads; choose another OUT")
 
 
 def check_empty(

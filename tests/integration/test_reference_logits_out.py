@@ -136,6 +136,24 @@ def test_out_that_is_a_fifo_is_refused_and_kept(src, tmp_path, monkeypatch, caps
     assert stat.S_ISFIFO(out.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["ref.safetensors"]
 
 
+def test_out_that_is_an_input_of_the_run_is_refused_and_kept(src, tmp_path, monkeypatch, capsys):
+    """OUT the --prompts file, or the image a prompt names: with --overwrite the reference replaced it (exit 0), and
+    an image so replaced left a reference recording a sha256 no image matches any more, which verify refuses for
+    good (a helper's hunt). Refused before any compute, the input kept."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (90, 40, 200)).save(tmp_path / "a.png")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "look", "image": "a.png"}\n')
+    kept = _listing(tmp_path)
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", _compute_fails)
+    for out, what in ((prompts, "the --prompts file"), (tmp_path / "a.png", f"the image of {prompts}:1")):
+        code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--prompts", str(prompts),
+                               "--overwrite")  # fmt: skip
+        assert code == 2 and f"{out}: is {what} (" in err and "which this run reads; choose another OUT" in err, err
+        assert _listing(tmp_path) == kept
+
+
 def test_out_under_a_file_is_refused_naming_the_file(src, tmp_path, monkeypatch, capsys):
     """`reference-logits SRC afile/r.safetensors`: "afile: File exists" (mkdir's words; an audit), as make-tiny
     says it now for both."""
