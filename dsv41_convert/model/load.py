@@ -16,6 +16,7 @@ file, which fails for files larger than memory); data goes straight into the par
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Collection
 from pathlib import Path
 
@@ -89,11 +90,43 @@ def check_header(model: nn.Module, header: Header) -> None:
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        other = _other_ranks_experts(expected, tensors)
         raise PlanError(
             f"{path}: {counted(len(problems), 'tensor', ('does', 'do'))} not match the "
             f"model:\n  {shown}{more}\n"
-            "Was the shard written for this config and tp size by `dsv41-convert shard`?"
+            + (
+                f"It holds rank {other}'s routed experts, not this rank's: is it another rank's file renamed or copied?"
+                if other is not None
+                else "Was the shard written for this config and tp size by `dsv41-convert shard`?"
+            )
         )
+
+
+_ROUTED = re.compile(r"((?:layers|mtp)\.\d+)\.ffn\.experts\.(\d+)\.")
+
+
+def _other_ranks_experts(expected: Collection[str], tensors: Collection[str]) -> int | None:
+    """The rank whose routed experts a rank file holds in every MoE layer in place of the model's own (each rank
+    holds experts [r * n, (r + 1) * n) of a layer, n its count per rank), None where it holds no other rank's
+    whole set: rank files renamed or copied between ranks failed with a list of experts "missing from the
+    shard" and no word of the rank they are (a helper's hunt)."""
+
+    def by_layer(names: Collection[str]) -> dict[str, set[int]]:
+        layers: dict[str, set[int]] = {}
+        for name in names:
+            if m := _ROUTED.match(name):
+                layers.setdefault(m[1], set()).add(int(m[2]))
+        return layers
+
+    want, found = by_layer(expected), by_layer(tensors)
+    ranks = set()
+    for layer, own in want.items():
+        held, n = found.get(layer, set()), len(own)
+        first = min(held, default=0)
+        if first % n or held != set(range(first, first + n)):
+            return None
+        ranks.add(first // n)
+    return ranks.pop() if len(ranks) == 1 and want != found and found.keys() == want.keys() else None
 
 
 def _read_into(fd: int, t: torch.Tensor, offset: int, path: str) -> None:

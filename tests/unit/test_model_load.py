@@ -185,3 +185,31 @@ def test_the_mtp_stages_tied_embed_and_head_are_listed_once():
     assert {"embed.weight", "head.weight"} <= names
     for stage in range(args.n_mtp_layers):
         assert not {f"mtp.{stage}.embed.weight", f"mtp.{stage}.head.weight"} & names
+
+
+def test_another_ranks_file_is_named_as_that_ranks(tmp_path, state, monkeypatch):
+    """Rank 1's file at rank 0's name (rank files renamed or copied between ranks) is refused naming rank 1, whose
+    routed experts it holds: the refusal was a list of experts "missing from the shard" and "not in the model",
+    with no word of the rank they are (a helper's hunt). A file of a mixture of ranks' experts is not said to be
+    one rank's."""
+    from model_testing import shard_state_dict
+
+    from dsv41_convert.model import parallel
+
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    monkeypatch.setattr(parallel, "rank", lambda: 0)
+    ranks = shard_state_dict(state, ARGS, 2)
+    tmp_path.mkdir(exist_ok=True)
+    save_file(ranks[1], str(tmp_path / "model0-mp2.safetensors"))
+    with pytest.raises(PlanError, match=r"It holds rank 1's routed experts, not this rank's: is it another rank's"):
+        load_shards(Transformer(ARGS), tmp_path, rank=0, world_size=2)
+    mixed = dict(ranks[0])
+    expert = next(n for n in ranks[1] if ".experts." in n)
+    mixed[expert] = ranks[1][expert]
+    del mixed[expert.replace(f".experts.{expert.split('.')[4]}.", ".experts.0.")]
+    save_file(mixed, str(tmp_path / "model0-mp2.safetensors"))
+    with pytest.raises(PlanError, match=r"Was the shard written for this config and tp size") as refused:
+        load_shards(Transformer(ARGS), tmp_path, rank=0, world_size=2)
+    assert "holds rank" not in str(refused.value)
+    save_file(ranks[0], str(tmp_path / "model0-mp2.safetensors"))
+    load_shards(Transformer(ARGS), tmp_path, rank=0, world_size=2)
