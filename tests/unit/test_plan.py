@@ -538,6 +538,24 @@ def test_a_config_of_far_more_experts_than_the_checkpoint_is_refused_at_once(tmp
         build_plan(tmp_path / "s", 2)
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+def test_a_config_of_far_more_vision_blocks_than_the_checkpoint_is_refused_at_once(tmp_path, monkeypatch, quantized):
+    """vision_config.num_hidden_layers 300,000 (a typo of a 30-block tower): plan built the whole layout, eight
+    tensors a block, to list each one missing: about 30 s and 2 GB for this config, 114 s and 4.1 GB at 1,000,000,
+    and at 10,000,000 it ran for minutes until killed (an audit); the count alone refuses it, naming the key,
+    before any layout is built (a published-format source's quick comparison built one too)."""
+    from dsv41_convert.convert import validate
+
+    cfg = tiny_config(quantized=quantized)
+    tensors = source_tensors(cfg)
+    cfg["vision_config"]["num_hidden_layers"] = 300_000
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    monkeypatch.setattr(validate, "published_layout", lambda *a, **k: pytest.fail("a layout was built"))
+    refused = r"vision_config.num_hidden_layers 300,000 .* the checkpoint holds 1 vision block$"
+    with pytest.raises(PlanError, match=refused):
+        build_plan(tmp_path / "s", 2)
+
+
 def test_no_candidate_source_layer_needs_no_candidate_block_size(tmp_path):
     """candidate_block_size is read only where a layer publishes candidates: with candidate_source_layer_id
     negative (none) a 0 planned before and must still (a review: it was refused for a while)."""
