@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert import strict_json
-from dsv41_convert.engram_buckets import engram_table_rows
+from dsv41_convert.engram_buckets import engram_least_rows, engram_table_rows
 from dsv41_convert.errors import NOT_JSON, ConfigError
 from dsv41_convert.file_kinds import refuse_non_file
 
@@ -151,6 +151,8 @@ HF_QUANTIZATION_CONFIG: dict[str, Any] = {
 # ModelArgs fields that size runtime buffers rather than describe the checkpoint; they are not
 # part of config.json and are chosen by the caller.
 RUNTIME_FIELDS = ("max_batch_size", "max_seq_len", "temperature")
+
+ENGRAM_PRIMES_SEARCHED = 100_000  # bucket primes found one by one in ~2.5 s; the published config needs 48
 
 TUPLE_FIELDS = (
     "compress_ratios",
@@ -425,6 +427,18 @@ class ModelArgs:
             )
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError(f"{source}: engram_layer_ids and engram_num_embeddings differ in length")
+        # each layer's rows are the sum of its own distinct primes, each at least engram_vocab_size: where the
+        # primes are too many to search one by one (a typo of a head count, 10**7: plan ran for minutes), a config
+        # that asks for fewer rows is refused by that bound alone
+        n_primes = len(self.engram_layer_ids) * max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
+        least = engram_least_rows(self.engram_max_ngram_size, self.engram_n_heads, self.engram_vocab_size)
+        if n_primes > ENGRAM_PRIMES_SEARCHED and any(n < least for n in self.engram_num_embeddings):
+            raise ConfigError(
+                f"{source}: engram_num_embeddings {list(self.engram_num_embeddings)}, but engram_vocab_size "
+                f"{self.engram_vocab_size}, engram_max_ngram_size {self.engram_max_ngram_size} and engram_n_heads "
+                f"{self.engram_n_heads} give tables of at least {[least] * len(self.engram_layer_ids)} rows "
+                "(each layer's bucket primes summed)"
+            )
         rows = engram_table_rows(
             len(self.engram_layer_ids), self.engram_max_ngram_size, self.engram_n_heads, self.engram_vocab_size
         )

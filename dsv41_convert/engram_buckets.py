@@ -60,3 +60,10 @@ def engram_table_rows(n_layers: int, max_ngram_size: int, n_heads: int, vocab_si
     return tuple(
         sum(p for row in layer for p in row) for layer in bucket_primes(n_layers, max_ngram_size, n_heads, vocab_size)
     )
+
+
+def engram_least_rows(max_ngram_size: int, n_heads: int, vocab_size: int) -> int:
+    """A lower bound of every layer's table rows, found without a prime: the sum of its (max_ngram_size - 1) x
+    n_heads distinct bucket primes, each at least vocab_size, is at least that many consecutive ints from there."""
+    count = max(max_ngram_size - 1, 0) * n_heads
+    return count * vocab_size + count * (count - 1) // 2

@@ -460,6 +460,8 @@ def test_expert_runs_make_what_outputs_makes(tiny_sources, quantized, expert_dty
         ),
         ("engram_vocab_size", 10**15, r"engram_vocab_size 1000000000000000, .* give tables of \[4000000000000474\]"),
         ("engram_num_embeddings", [103], r"engram_num_embeddings \[103\], but .* give tables of \[102\] rows"),
+        # a typo of a head count: 20,000,000 bucket primes searched one by one, plan ran for minutes (an audit)
+        ("engram_n_heads", 10**7, r"engram_n_heads 10000000 give tables of at least \[200000\d+\] rows"),
         # the model quantizes activations per block as it runs, whatever the config says: "static" (scales stored
         # beside the weights, read instead) ran, exit 0, on a model other than the one the config describes
         (
