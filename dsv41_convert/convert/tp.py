@@ -47,7 +47,10 @@ class TpRequirement:
         return self.value % tp == 0 and (tp == 1 or (self.value // tp) % self.unit == 0)
 
     def working_tps(self) -> list[int]:
-        return [d for d in range(1, self.value + 1) if self.holds(d)]
+        """Every tp at which this holds, ascending: divisors of `value`, found in pairs up to its square root (one
+        by one up to the value, a typo of 10**9 experts took minutes before a wrong tp was said)."""
+        small = [d for d in range(1, math.isqrt(self.value) + 1) if self.value % d == 0]
+        return [d for d in sorted({*small, *(self.value // d for d in small)}) if self.holds(d)]
 
     def problem(self, tp: int) -> str:
         """`o_groups = 8: wo_a output groups per rank; 8 / 16 is not whole; works at tp 1, 2, 4, 8`."""

@@ -125,3 +125,18 @@ def test_verify_refuses_a_folder_written_for_a_tp_the_model_cannot_run(tmp_path,
     assert code == 2
     assert "cannot run at tp 4" in err and "o_groups = 2" in err and "Traceback" not in err
     shutil.rmtree(conv)
+
+
+def test_the_tps_a_large_typo_allows_are_listed_at_once():
+    """A tp that breaks n_routed_experts 10**8 (a typo of 384) is said with the tp values that would work: they
+    were found by trying every int up to the value, 11 s here (10**9: ~2 min, 10**12: hours) before plan said
+    anything; the divisors come in pairs up to the square root (the same list, checked against the loop on the
+    small values)."""
+    from dsv41_convert.convert.tp import TpRequirement
+
+    for value, unit in ((384, 1), (129280, 1), (2048, 32), (1, 1), (97, 1), (8192, 32)):
+        req = TpRequirement(("n_routed_experts",), value, unit, "")
+        assert req.working_tps() == [d for d in range(1, value + 1) if req.holds(d)]
+    args = tiny_args(n_routed_experts=10**12)
+    (line,) = [p for p in tp_problems(args, 3) if p.startswith("n_routed_experts")]
+    assert "works at tp 1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, ... (169 values)" in line
