@@ -119,3 +119,22 @@ def test_an_inference_config_missing_any_field_is_refused_naming_it():
         with pytest.raises(ConfigError, match=rf"missing keys \['{key}'\]"):
             ModelArgs.from_inference_dict(data)
     assert ModelArgs.from_inference_dict({k: v for k, v in full.items() if k != "norm_topk_prob"}).norm_topk_prob
+
+
+@pytest.mark.parametrize(("key", "value"), [("engram_n_heads", 10**7), ("engram_max_ngram_size", 10**6)])
+def test_an_engram_typo_past_the_primes_searched_is_refused_by_the_bound_alone(monkeypatch, key, value):
+    """A head count or n-gram size typed far too large needs millions of bucket primes, found one by one (minutes,
+    on every config read: a helper's hunt): refused by their least sum alone, no prime searched."""
+    from dsv41_convert import config as config_module
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import preset_files
+
+    hf, _ = preset_files(PRESETS["tiny"])
+    hf["text_config"][key] = value
+
+    def searched(*_args):
+        raise AssertionError("bucket primes searched one by one")
+
+    monkeypatch.setattr(config_module, "engram_table_rows", searched)
+    with pytest.raises(ConfigError, match=rf"{key} {value}\b.* give tables of at least \[\d+(, \d+)*\] rows"):
+        ModelArgs.from_hf_dict(hf, "config.json")
