@@ -110,9 +110,9 @@ def _earlier_demo(folder: Path, out: Path) -> list[Path]:
     """The conversions an earlier demo wrote in `folder` (its MARK lists them), which --overwrite removes with
     its reference (src/ is left to make-tiny's --overwrite, which replaces only its own files), once checked:
     OutputError unless none holds a file shard does not write, `out` (this run's conversion) is absent or one
-    of them, src/ is no link and holds only make-tiny's files, and the reference's name is no folder:
-    --overwrite removed every mp<N>/ with shard's records (a user's own conversion too) and src/ with whatever
-    was in it, and wrote through a src/ link (audits). Removes nothing."""
+    of them (a folder, no link), src/ is no link and holds only make-tiny's files, and the reference's name is
+    no folder: --overwrite removed every mp<N>/ with shard's records (a user's own conversion too) and src/ with
+    whatever was in it, and wrote through a src/ link (audits). Removes nothing."""
     from dsv41_convert.convert.execute import shard_writes
     from dsv41_convert.synth.staged import check_out
 
@@ -135,6 +135,12 @@ def _earlier_demo(folder: Path, out: Path) -> list[Path]:
         raise OutputError(
             f"{out}: not a conversion an earlier demo wrote (a shard of yours?); demo --overwrite replaces only its "
             "own output: move it, or run the demo with another --tp"
+        )
+    if out.is_symlink() or (out.exists() and not out.is_dir()):  # not removed below: the shard step failed on it,
+        # after the reference was removed and src/ written (an audit)
+        raise OutputError(
+            f"{out}: a {'link' if out.is_symlink() else 'file'}, where the demo writes its conversion; --overwrite "
+            "replaces only its own output: move it, or run the demo with another --tp"
         )
     if (folder / "src").is_symlink():
         raise OutputError(f"{folder / 'src'}: a link; the demo writes a src/ of its own: remove the link, or choose "

@@ -283,6 +283,30 @@ def test_demo_overwrite_with_a_folder_at_the_references_name_removes_nothing(tmp
     assert tree(demo) == before
 
 
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_demo_overwrite_with_its_conversion_a_link_or_a_file_removes_nothing(kind, tmp_path, monkeypatch, capsys):
+    """The conversion the mark lists, at this run's mp<tp>, replaced by a link (to a folder of the user's) or a
+    file: `demo DIR --tp 2 --overwrite` removed the earlier reference and wrote DIR/src, then failed in its
+    shard step (`not empty`, or not a folder): half of the clearing done, against "refuses before removing
+    anything". Now refused first, naming it."""
+    from dsv41_convert.app.demo import MARK, REFERENCE
+
+    demo, theirs = tmp_path / "demo", tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "model0-mp2.safetensors").write_bytes(b"mine")
+    demo.mkdir()
+    if kind == "link":
+        (demo / "mp2").symlink_to(theirs)
+    else:
+        (demo / "mp2").write_bytes(b"mine")
+    (demo / REFERENCE).write_bytes(b"earlier reference")
+    (demo / MARK).write_text(json.dumps({"wrote": ["mp2"]}) + "\n")
+    before, before_theirs = tree(demo), tree(theirs)
+    code, _, err = run_cli(monkeypatch, capsys, "demo", str(demo), "--tp", "2", "--threads", "1", "--overwrite")
+    assert code == 2 and f"{demo / 'mp2'}:" in err, err
+    assert tree(demo) == before and tree(theirs) == before_theirs and not (demo / "src").exists()
+
+
 def test_resume_refuses_a_source_changed_since_the_run_began(src, tmp_path, monkeypatch, capsys):
     """A shard fetched again (or edited) in place, then --resume: the finished rank files were skipped,
     holding the old bytes, and `check` passed them."""
