@@ -17,16 +17,28 @@ from torch import Tensor
 
 from dsv41_convert.convert.tp import rank_file_tps
 from dsv41_convert.convert.unshard import RankFiles, replica_mismatches, unshard_tensors
-from dsv41_convert.errors import VerifyInputError
+from dsv41_convert.errors import VerifyInputError, first_few
 from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES
+from dsv41_convert.store.index import INDEX_NAME
+from dsv41_convert.store.rank_names import rank_file_name, rank_files_in
 from dsv41_convert.store.safetensors_header import Header, pread_exact
 
 
 def rank_file_tp(folder: Path) -> int | None:
-    """The tp of the rank files in `folder`, None when it holds none (an HF source)."""
+    """The tp of the rank files in `folder`, None when it holds none (an HF source). VerifyInputError where it
+    holds rank files beside a Hugging Face checkpoint's index: the rank files were replayed and the checkpoint
+    ignored, a reference of whatever model they hold said to be the folder's (an audit), where the whole-model
+    reference reads the checkpoint (and refuses the rank files' tensors held twice)."""
     tps = rank_file_tps(folder)
     if len(tps) > 1:
         raise VerifyInputError(f"{folder}: rank files of several tp sizes {tps}; keep one set")
+    if tps and (folder / INDEX_NAME).exists():
+        found = first_few([rank_file_name(r, tps[0]) for r in sorted(rank_files_in(folder)[tps[0]])], 2)
+        raise VerifyInputError(
+            f"{folder}: a Hugging Face checkpoint ({INDEX_NAME}) with rank files beside it ({found}): which "
+            "of them to run is not clear; move the rank files to a folder of their own (a reference of the "
+            "checkpoint, or of the rank files: give that folder)"
+        )
     return tps[0] if tps else None
 
 

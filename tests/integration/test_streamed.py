@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ import torch
 from stream_testing import assert_bit_identical, expected_param_bytes, whole_model_runs, write_sources
 
 from dsv41_convert.synth.presets import TINY
+from dsv41_convert.synth.write import write_checkpoint
 from dsv41_convert.verify.prompts import default_prompts, load_prompts
 from dsv41_convert.verify.reference import pick_max_seq_len
 from dsv41_convert.verify.runner import draft_block, model_input
@@ -427,6 +429,30 @@ def test_rank_files_that_disagree_on_a_replicated_tensor_are_refused(sources, tm
     said = rf"not one conversion \({name}: replicated, but ranks 0 and 1 hold different copies"
     with pytest.raises(VerifyInputError, match=said):
         RankWeights(mp2)
+
+
+def test_a_checkpoint_holding_rank_files_beside_its_shards_is_refused(sources, tmp_path, monkeypatch, capsys):
+    """A Hugging Face checkpoint (its index, its shards) with rank files copied in beside them: `reference-logits
+    SRC OUT --stream-layers` replayed the rank files and ignored the checkpoint, exit 0, a reference of whatever
+    model the rank files hold (another seed's here) said to be SRC's, while the same command without
+    --stream-layers refuses the folder (the rank files' tensors are also in the shards). Now refused, naming
+    both, before any compute."""
+    from cli_run import run_cli
+
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["fp8"], src)
+    other = write_checkpoint(tmp_path / "other", TINY, seed=1, quantized=True)["out"]
+    execute(build_plan(Path(other), 2), tmp_path / "mp2")
+    for rank_file in sorted((tmp_path / "mp2").glob("model*-mp2.safetensors")):
+        shutil.copy(rank_file, src / rank_file.name)
+    out = tmp_path / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--stream-layers",
+                           "--decode-steps", "0")  # fmt: skip
+    assert code == 2 and "model.safetensors.index.json" in err and "model0-mp2.safetensors" in err, err
+    assert not out.exists()
 
 
 def test_rank_files_changed_since_their_manifest_are_not_replayed(sources, tmp_path, monkeypatch, capsys):
