@@ -113,11 +113,16 @@ class RankFiles:
         """Rank `rank`'s file, open for reading."""
         return self._fds[rank]
 
+    def where(self, rank: int, name: str) -> str:
+        """Rank `rank`'s file and tensor `name`, for a read's error: a file cut short after it was opened was
+        named without the tensor being read."""
+        return f"{self.headers[rank].path}: tensor {name}"
+
     def raw(self, rank: int, info: TensorInfo) -> bytearray:
         """The bytes of tensor `info` of rank `rank`'s file."""
         buf = bytearray(info.nbytes)
         if buf:
-            pread_exact(self.fd(rank), memoryview(buf), info.begin, self.headers[rank].path)
+            pread_exact(self.fd(rank), memoryview(buf), info.begin, self.where(rank, info.name))
         return buf
 
     def read(self, rank: int, name: str) -> Tensor:
@@ -361,7 +366,7 @@ def _row_bytes(info: TensorInfo) -> int:
 def _piece_blocks(ranks: RankFiles, rank: int, info: TensorInfo, block: int, length: int) -> Iterator[memoryview]:
     """The first `length` bytes of tensor `info` of rank `rank`'s file, whole rows of about `block` bytes at
     a time (pread_blocks)."""
-    return pread_blocks(ranks.fd(rank), info.begin, length, _row_bytes(info), block, ranks.headers[rank].path)
+    return pread_blocks(ranks.fd(rank), info.begin, length, _row_bytes(info), block, ranks.where(rank, info.name))
 
 
 def _first_copy(ranks: RankFiles, name: str) -> TensorInfo:
@@ -384,7 +389,7 @@ def _replica_blocks(
             other = bytearray(len(view))
         for r, info in copies.items():
             if r != r0 and r not in differ:  # one differing block names a rank; the rest of its copy is not read
-                pread_exact(ranks.fd(r), memoryview(other), info.begin + at, ranks.headers[r].path)
+                pread_exact(ranks.fd(r), memoryview(other), info.begin + at, ranks.where(r, name))
                 if other != view:
                     differ.add(r)
         at += len(view)
@@ -423,7 +428,8 @@ def _interleaved(ranks: RankFiles, merge: Merge, infos: dict[int, TensorInfo], b
     for r0 in range(0, merge.rows, rows_per_block):
         n = min(rows_per_block, merge.rows - r0)
         for r in merge.holders:
-            pread_exact(ranks.fd(r), memoryview(part[:n]).cast("B"), infos[r].begin + r0 * piece, ranks.headers[r].path)
+            at = infos[r].begin + r0 * piece
+            pread_exact(ranks.fd(r), memoryview(part[:n]).cast("B"), at, ranks.where(r, merge.name))
             out[:n, r * piece : (r + 1) * piece] = part[:n]
         yield memoryview(out[:n]).cast("B")
 
@@ -466,7 +472,7 @@ def _check_padding(ranks: RankFiles, merge: Merge) -> None:
     for r in range(merge.rows // k, ranks.tp):
         first = max(merge.rows - r * k, 0)  # this rank's first padding row
         pad = bytearray((k - first) * row)
-        pread_exact(ranks.fd(r), memoryview(pad), infos[r].begin + first * row, ranks.headers[r].path)
+        pread_exact(ranks.fd(r), memoryview(pad), infos[r].begin + first * row, ranks.where(r, merge.name))
         if pad != bytes([fill]) * len(pad):
             where = f"padding rows {merge.rows}..{k * ranks.tp - 1} (ranks {merge.rows // k}..{ranks.tp - 1})"
             raise ShardConsistencyError(f"{merge.name}: {where} are not the fill byte {fill_text(merge.dtype)}")

@@ -91,7 +91,8 @@ class RankWeights:
                 r, local = divmod(row, per_rank)
                 info = self.headers[r].tensors[name]
                 at = info.begin + local * row_bytes
-                pread_exact(self.ranks.fd(r), view[i * row_bytes : (i + 1) * row_bytes], at, self.headers[r].path)
+                row_view = view[i * row_bytes : (i + 1) * row_bytes]
+                pread_exact(self.ranks.fd(r), row_view, at, self.ranks.where(r, name))
             raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
             out[name] = raw.view(rows.numel(), row_bytes).view(dtype)
         return out

@@ -63,7 +63,8 @@ def _read(src: Path, rd: Read, fds: dict[str, int], alloc: Callable[[int], Tenso
         buf = bytearray(n)
         raw = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
     if n:
-        pread_exact(fd, memoryview(buf), rd.offset + rd.r0 * row_bytes, str(src / rd.file))
+        # the file and the tensor: a file cut short after it was opened named no tensor
+        pread_exact(fd, memoryview(buf), rd.offset + rd.r0 * row_bytes, f"{src / rd.file}: tensor {rd.name}")
     dtype = DTYPES[rd.dtype]
     t = raw.view(dtype).reshape(rd.r1 - rd.r0, *shape[1:])
     if rd.c1 >= 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -453,6 +455,37 @@ def test_a_checkpoint_holding_rank_files_beside_its_shards_is_refused(sources, t
                            "--decode-steps", "0")  # fmt: skip
     assert code == 2 and "model.safetensors.index.json" in err and "model0-mp2.safetensors" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["source", "rank files"])
+def test_a_file_truncated_mid_stream_is_named_with_the_tensor(kind, sources, tmp_path):
+    """A shard (or rank file) cut short after the run opened it, before a unit read from it: the error named
+    the file and a byte offset only ("unexpected end of file at byte N"), not the tensor the unit was
+    reading. Now both."""
+    from dsv41_convert.convert.execute import execute
+    from dsv41_convert.convert.plan import build_plan
+    from dsv41_convert.errors import HeaderError
+    from dsv41_convert.store.safetensors_header import read_header
+    from dsv41_convert.verify.rank_weights import RankWeights
+
+    if kind == "source":
+        folder = tmp_path / "src"
+        shutil.copytree(sources["fp8"], folder)
+        weights = SourceWeights(folder)
+        victim = folder / "model-00004-of-00014.safetensors"
+    else:
+        folder = tmp_path / "mp2"
+        execute(build_plan(sources["fp8"], 2), folder)
+        weights = RankWeights(folder)
+        victim = folder / "model1-mp2.safetensors"
+    tensors = read_header(victim).tensors
+    name = next(n for n in sorted(tensors) if re.fullmatch(r"layers\.\d+\.attn\.wq_b\.weight", n))
+    os.truncate(victim, tensors[name].begin + 1)  # after the run opened the file, before the unit reads it
+    try:
+        with pytest.raises(HeaderError, match=rf"{victim.name}: tensor {re.escape(name)}: unexpected end of file"):
+            weights([name])
+    finally:
+        weights.close()
 
 
 def test_rank_files_changed_since_their_manifest_are_not_replayed(sources, tmp_path, monkeypatch, capsys):
