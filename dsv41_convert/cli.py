@@ -734,11 +734,11 @@ def reference_logits_cmd(
             f"{out.parent} holds a manifest.json (a converted folder?): `check` will name {out.name} as a file it "
             "does not list (verify with this reference ignores it there)"
         )
-    if not writes:
-        out.parent.mkdir(parents=True, exist_ok=True)
     # the process that saves holds OUT's folder from the start, so a second writer is refused before minutes
     # of compute, and torchrun's ranks do not contend; the folders it made for OUT go again where nothing is
-    # saved (Ctrl-C, non-finite outputs, a full disk: they stayed, empty)
+    # saved (Ctrl-C, non-finite outputs, a full disk: they stayed, empty). It alone makes them: torchrun's other
+    # processes, which never write OUT, made them too, and a launch stopped in the compute left them, empty (rank 0
+    # found them there and kept them as not its own: a helper's hunt)
     with (
         made_folder(out.parent) if writes else contextlib.nullcontext(),
         hold(out.parent) if writes else contextlib.nullcontext(),

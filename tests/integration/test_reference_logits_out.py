@@ -489,3 +489,23 @@ def test_a_digest_flag_given_that_records_nothing_is_warned(src, tmp_path, monke
     assert code == 0 and "warning: --weight-digests: nothing recorded (they are of converted weights" in err, err
     code, _, err = run_cli(monkeypatch, capsys, *run)
     assert code == 0 and "nothing recorded" not in err, err
+
+
+def test_a_torchrun_process_that_saves_nothing_leaves_no_folder(src, tmp_path, monkeypatch, capsys):
+    """README: a folder a run made and leaves empty, stopped before its first byte, is removed again. Under torchrun
+    the processes other than rank 0, which never write OUT, made its folder too (mkdir -p), so a launch stopped in
+    the compute (SIGTERM from a scheduler, Ctrl-C) left new/sub/ behind, empty: rank 0 found it there and kept it as
+    not its own (a helper's hunt, two processes by hand). Only the process that saves makes OUT's folder."""
+
+    def compute_stops(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dsv41_convert.verify.reference.compute_reference_ranks", compute_stops)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    out = tmp_path / "new" / "sub" / "ref.safetensors"
+    code, _, err = run_cli(monkeypatch, capsys, "reference-logits", str(src), str(out), "--tp", "2")
+    assert code == 130, err
+    assert list(tmp_path.iterdir()) == []
