@@ -102,7 +102,8 @@ def launch(
 ) -> Any:
     """Run `target(payload)` on tp ranks; -> rank 0's return value (None on other torchrun ranks).
 
-    threads:   torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1)
+    threads:   torch intra-op threads per spawned rank (default: CPU cores / tp, at least 1); under torchrun this
+               process's own (default: left as they are)
     progress:  what rank 0's target `tell`s, reported in this process (from a spawned rank 0 through a file
                in the launch's folder, read while the ranks run)
     timeout_s: the group's timeout, how long a rank waits in a collective for a peer that does not answer
@@ -112,7 +113,9 @@ def launch(
     backend = backend_for(device)
     check_world(tp)
     timeout = TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    if torchrun.world() is not None:
+    if torchrun.world() is not None:  # this process is the rank: the threads asked are its own
+        if threads is not None and device == "cpu":  # dropped, a reference's recorded threads FAILED a correct set
+            torch.set_num_threads(threads)
         with _telling(progress if torchrun.rank() == 0 else None):
             return run_in_group(target, payload, backend, device, timeout)
     if tp == 1:

@@ -796,3 +796,22 @@ def test_a_spawned_rank_0_leaves_its_result_and_progress_and_a_failing_rank_its_
         torch.set_num_threads(threads)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def threads_in_the_rank(_payload) -> int:
+    return torch.get_num_threads()
+
+
+def test_a_torchrun_process_runs_its_rank_with_the_threads_asked(monkeypatch):
+    """Under torchrun this process is the rank, so launch's `threads` (verify: the reference's recorded threads,
+    which its sums' order needs) are this process's. They were dropped: `verify --reference-logits FILE` of a tp-2
+    reference computed at 2 threads, run by torchrun where cores / tp gave 1, expected bit equality and FAILED a
+    correct conversion (exit 1, the drafts off by 7e-07), which spawned ranks at the same command passed."""
+    _in_a_torchrun_launch_of_one(monkeypatch)
+    before = torch.get_num_threads()
+    asked = 1 if before > 1 else 2
+    try:
+        assert launch(threads_in_the_rank, None, 1, "cpu", threads=asked) == asked
+        assert launch(threads_in_the_rank, None, 1, "cpu") == asked  # none asked: the process's own, untouched
+    finally:
+        torch.set_num_threads(before)
