@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from dsv41_convert.config import load_model_args
@@ -42,7 +43,14 @@ def work(tmp_path_factory) -> dict[str, Path]:
     write_checkpoint(src, TINY, seed=0, vision=False)
     for tp in (1, 2):
         execute(build_plan(src, tp), root / f"mp{tp}")
-    ref = compute_reference(src, PROMPTS, n_decode=1, capture_hidden=False).reference
+    # at the one thread _verify runs with (bit equality follows the sums' order): in process, the reference ran at
+    # whatever count an earlier test's run left (reference-logits sets its own), and the logits differed (CI)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = compute_reference(src, PROMPTS, n_decode=1, capture_hidden=False).reference
+    finally:
+        torch.set_num_threads(before)
     reffile.save(ref, root / "ref.safetensors")
     return {"src": src, "mp1": root / "mp1", "mp2": root / "mp2", "ref": root / "ref.safetensors"}
 
