@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from dsv41_convert.errors import PlanError
+from dsv41_convert.expert_names import ROUTED_EXPERT
 
 
 class Split(StrEnum):
@@ -113,7 +114,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 _COMPILED = tuple((re.compile(r.pattern), r) for r in RULES)
-_EXPERT = re.compile(r"(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.")
 _SCALED = (Op.FP8, Op.AS_FP4, Op.ENGRAM_ROWS, Op.DEQUANT_BF16)  # published with a `.scale` beside
 
 
@@ -189,8 +189,8 @@ def has_scale(op: Op) -> bool:
 
 def expert_index(name: str) -> tuple[bool, int] | None:
     """(is_mtp, expert id) of a routed-expert tensor name, None for any other name."""
-    m = _EXPERT.match(name)
-    return None if m is None else (m.group(1) == "mtp", int(m.group(3)))
+    m = ROUTED_EXPERT.match(name)
+    return None if m is None else (m["stack"] == "mtp", int(m["expert"]))
 
 
 def expert_prefix(name: str) -> str | None:

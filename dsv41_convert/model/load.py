@@ -16,7 +16,6 @@ file, which fails for files larger than memory); data goes straight into the par
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Collection
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from dsv41_convert.errors import PlanError
+from dsv41_convert.expert_names import ROUTED_EXPERT
 from dsv41_convert.model import parallel
 from dsv41_convert.numbers import counted
 from dsv41_convert.quant.file_dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
@@ -102,9 +102,6 @@ def check_header(model: nn.Module, header: Header) -> None:
         )
 
 
-_ROUTED = re.compile(r"((?:layers|mtp)\.\d+)\.ffn\.experts\.(\d+)\.")
-
-
 def _other_ranks_experts(expected: Collection[str], tensors: Collection[str]) -> int | None:
     """The rank whose routed experts a rank file holds in every MoE layer in place of the model's own (each rank
     holds experts [r * n, (r + 1) * n) of a layer, n its count per rank), None where it holds no other rank's
@@ -114,8 +111,8 @@ def _other_ranks_experts(expected: Collection[str], tensors: Collection[str]) ->
     def by_layer(names: Collection[str]) -> dict[str, set[int]]:
         layers: dict[str, set[int]] = {}
         for name in names:
-            if m := _ROUTED.match(name):
-                layers.setdefault(m[1], set()).add(int(m[2]))
+            if m := ROUTED_EXPERT.match(name):
+                layers.setdefault(m["layer"], set()).add(int(m["expert"]))
         return layers
 
     want, found = by_layer(expected), by_layer(tensors)
