@@ -20,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread_again():
+    """Every test starts at the one intra-op thread set above: commands run in process (reference-logits,
+    verify at tp 1, the demo) set their own count and keep it, and logits are bit-equal only at equal counts
+    (the sums' order), so a count left by one test made a later one's comparison depend on the order."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
