@@ -3,7 +3,8 @@
 `build_export_plan(src, fmt)` reads config.json, the index and the headers only, validates them as
 `plan` does (validate.py), and lays out one output file per source file, in the source's grouping:
 source file k of n (sorted by name) becomes `model-0000k-of-0000n.safetensors`, holding the same
-tensor names (scales dropped or added beside their weights, export_rules.py says which). The result is
+tensor names (scales dropped or added beside their weights, export_rules.py says which); a source file
+whose every tensor is dropped gives no shard, and k and n count the files that give one. The result is
 an ordinary ConversionPlan (tp 1, one "rank" per output file), so `execute` writes it: streaming,
 bounded memory, `*.partial` files, journals, --resume, workers, done records, manifest.json.
 
@@ -85,12 +86,14 @@ def build_export_plan(src: Path, fmt: str) -> ExportPlan:
     by_file: dict[str, list[str]] = {f: [] for f in files}
     for canon in sorted(sources):
         by_file[sources[canon].file].append(canon)
-    shards = []
-    for k, f in enumerate(files):
+    outputs = []
+    for f in files:
         saved = in_save_file_order([sources[c] for c in by_file[f]])
         canons = by_file[f] if saved else sorted(by_file[f], key=lambda c: sources[c].offset)
         tensors = [t for c in canons for t in _outputs(sources, c, fmt)]
-        shards.append(lay_out(k, shard_name(k, len(files)), tensors, sort=saved))
+        if tensors:  # a file of only dropped tensors (bf16: scales) gives no shard, not an empty one
+            outputs.append((tensors, saved))
+    shards = [lay_out(k, shard_name(k, len(outputs)), t, sort=saved) for k, (t, saved) in enumerate(outputs)]
     weight_map_out = {t.name: f.file for f in shards for t in f.tensors}
     total = sum(nbytes(t.dtype, t.shape) for f in shards for t in f.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map_out.items()))}

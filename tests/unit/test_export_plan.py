@@ -219,3 +219,30 @@ def test_bf16_export_writes_each_float_tensor_in_the_catalogs_dtype(tmp_path):
     for name, (dtype, _) in got.items():
         hits = [d for rx, d in want.items() if re.fullmatch(rx, name)]
         assert hits == [dtype], (name, dtype, hits)
+
+
+def test_a_source_file_of_only_dropped_tensors_gives_no_shard(tmp_path):
+    """A source file holding only scales (their weights in other files) has nothing left at bf16. It wrote an
+    empty shard (a `{}` header) that the index did not list, numbered among the others (`-of-00004` with three
+    files in the index): the output shards are now the index's files exactly, numbered among themselves."""
+    from safetensors.torch import save_file
+
+    from dsv41_convert.convert.export import export
+
+    cfg = tiny_config(vision=False)
+    tensors = source_tensors(cfg)
+    scales = {n: t for n, t in tensors.items() if n.endswith(".scale")}
+    src = write_ckpt(tmp_path / "src", {n: t for n, t in tensors.items() if n not in scales}, cfg)
+    last = "model-00004-of-00004.safetensors"  # sorts after write_ckpt's three
+    save_file(scales, src / last)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(scales, last))
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    ep = build_export_plan(src, "bf16")
+    assert [f.file for f in ep.plan.files] == [shard_name(k, 3) for k in range(3)]
+    assert all(f.tensors for f in ep.plan.files)
+    export(ep, tmp_path / "out")
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    listed = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"].values()
+    assert written == sorted(set(listed)) == [shard_name(k, 3) for k in range(3)]
+    assert [f.file for f in build_export_plan(src, "fp8").plan.files] == [shard_name(k, 4) for k in range(4)]
