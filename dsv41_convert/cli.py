@@ -862,15 +862,19 @@ def check_cmd(out: opts.OutArg, workers: opts.HashWorkersOpt = "auto", as_json: 
         report.print_json(result.to_json())
     else:
         report.line(f"{'ok' if result.ok else 'FAILED'}: {out}")
-        report.info(_matched(len(result.checked), len(result.problems)))
+        report.info(_matched(len(result.checked), result.mismatched, result.not_listed))
     if not result.ok:
         raise typer.Exit(1)
 
 
-def _matched(good: int, bad: int) -> str:
+def _matched(good: int, bad: int, not_listed: int = 0) -> str:
     """check's summary, each count with its own verb: "1 file matches the manifest, 2 do not" (it said "1 files
-    match ..., 1 do not")."""
-    return f"{counted(good, 'file', ('matches', 'match'))} the manifest, {bad} {'does' if bad == 1 else 'do'} not"
+    match ..., 1 do not"), and the problems with what it does not list apart: a .safetensors file it leaves out
+    was counted among the listed files that do not match ("6 files match the manifest, 1 does not" of 6 listed)."""
+    said = f"{counted(good, 'file', ('matches', 'match'))} the manifest, {bad} {'does' if bad == 1 else 'do'} not"
+    if not_listed:
+        said += f"; {counted(not_listed, 'problem')} with what it does not list (named above)"
+    return said
 
 
 @app.command("demo")

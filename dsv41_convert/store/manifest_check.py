@@ -32,10 +32,16 @@ class CheckResult:
     checked: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # one line per bad file, naming it
     unchecked: list[str] = field(default_factory=list)  # other entries of the folder (`NAME/` a folder): see others
+    not_listed: int = 0  # the first lines of problems: what the manifest should list and does not (unlisted)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def mismatched(self) -> int:
+        """How many listed files are missing or differ from their record (the problems past `not_listed`)."""
+        return len(self.problems) - self.not_listed
 
     def to_json(self) -> dict[str, Any]:
         """`check --json`'s document; its `exit_code` as verify's carries one (a torchrun launch's reader takes a
@@ -160,6 +166,7 @@ def check_folder(
     }
     result = CheckResult(str(folder))
     result.problems += unlisted(folder, manifest, tp, besides)
+    result.not_listed = len(result.problems)
     result.unchecked = others(folder, manifest, besides)
     for name, problem in mismatches(listed, threads, progress).items():
         (result.problems if problem else result.checked).append(problem or name)

@@ -199,6 +199,24 @@ def test_the_summary_line_counts_in_the_singular_and_the_plural(tmp_path, monkey
     assert code == 1 and "0 files match the manifest, 2 do not" in err, err
 
 
+def test_the_summary_counts_what_the_manifest_does_not_list_apart_from_the_files_that_differ(
+    tmp_path, monkeypatch, capsys
+):
+    """A .safetensors file the manifest does not list, beside two listed files that match: `check` said "2 files
+    match the manifest, 1 does not", counting it among the listed files that differ. It still fails the check
+    (exit 1, named), counted apart; a listed file that differs is still counted as one."""
+    folder = _folder(tmp_path, {"a.json": b"{}", "b.json": b"[]"})
+    (folder / "model-extra.safetensors").write_bytes(b"x" * 16)
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert code == 1 and "model-extra.safetensors: in the folder but not in manifest.json" in err, err
+    assert "2 files match the manifest, 0 do not; 1 problem with what it does not list (named above)" in err, err
+    (folder / "b.json").write_bytes(b"[1]")
+    code, _, err = run_cli(monkeypatch, capsys, "check", str(folder))
+    assert code == 1 and "1 file matches the manifest, 1 does not; 1 problem with what it does not list" in err, err
+    result = check_folder(folder)
+    assert (result.not_listed, result.mismatched, len(result.problems)) == (1, 1, 2)
+
+
 def test_a_link_that_leads_to_no_file_is_a_problem_named_not_an_input_error(tmp_path, monkeypatch, capsys):
     """A rank file replaced by a link whose target is gone (a deleted blob, a copy moved away), a stray
     *.safetensors link beside the set, or a link in a loop: `check` said "error: .../model1-mp2.safetensors: No such
