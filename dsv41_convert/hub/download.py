@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub import HfApi
-from huggingface_hub._local_folder import get_local_download_paths
+from huggingface_hub._local_folder import LocalDownloadFilePaths
 from huggingface_hub.utils import WeakFileLock
 
 from dsv41_convert import interrupts
@@ -55,6 +55,7 @@ from dsv41_convert.hub.fetch import (
     remove_file,
     xet_refusal,
 )
+from dsv41_convert.hub.hf_metadata import METADATA_DIR
 from dsv41_convert.hub.hub_errors import NoRoom
 from dsv41_convert.hub.integrity import (
     EVERY_FILE,
@@ -507,11 +508,18 @@ def _blob_held(place: Place, file: RemoteFile) -> bool:
 def _remove_stale_temporaries(local_dir: Path, files: list[RemoteFile]) -> None:
     """huggingface_hub's temporaries of `files` in a --local-dir (`.cache/huggingface/download/...incomplete`,
     of files hf-xet fetches) that a killed run left: huggingface_hub never continues them. Those of a file
-    whose huggingface_hub lock another process holds (an `hf download` into the same folder) stay."""
-    if not (local_dir / ".cache" / "huggingface" / "download").is_dir():
+    whose huggingface_hub lock another process holds (an `hf download` into the same folder) stay. The paths
+    are get_local_download_paths's, made without its mkdir of each file's folders: called for every selected
+    file, it left an empty folder in the --local-dir and under .cache/ for each folder of the revision, there
+    for good where the run was then refused (no room) or the file held no temporary."""
+    root = local_dir / METADATA_DIR
+    if not root.is_dir():
         return
     for f in files:
-        paths = get_local_download_paths(local_dir, f.path)
+        metadata = root / f"{f.path}.metadata"
+        if not metadata.parent.is_dir():
+            continue
+        paths = LocalDownloadFilePaths(local_dir / f.path, metadata.with_suffix(".lock"), metadata)
         stem = paths.incomplete_path("E").name.removesuffix(".E.incomplete")
         found = list(paths.metadata_path.parent.glob(f"{glob.escape(stem)}.*.incomplete"))
         if not found:

@@ -179,6 +179,33 @@ def test_stale_huggingface_hub_temporaries_in_the_local_dir_are_removed(hub, tmp
     assert not stale.exists() and busy.exists()
 
 
+def test_removing_stale_temporaries_makes_no_folders(hub, tmp_path, monkeypatch):
+    """The removal of huggingface_hub's temporaries asked huggingface_hub for each selected file's paths, which
+    made that file's folders: a run into a --local-dir holding a temporary, refused for room, left an empty
+    `encoding/deep/` in it and under .cache/huggingface/download/, and a finished run the latter (its files
+    fetched here, not by huggingface_hub). A stale temporary in a subfolder is still removed."""
+    hub.repos[REPO].commits[C1] = dict(FILES1) | {"encoding/deep/enc.py": b"x = 1\n", "encoding/top.py": b"y\n"}
+    local = tmp_path / "v41"
+    top, _ = _temporary(local, SHARD1)
+    stale, _ = _temporary(local, "encoding/top.py")
+    for path in (top, stale):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\0" * 4096)
+    (local / "encoding").rmdir()  # made by _temporary's get_local_download_paths, as the run made it
+
+    def empty_folders() -> list[str]:
+        return sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_dir() and not any(p.iterdir()))
+
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
+    with pytest.raises(DownloadError, match="bytes free there"):
+        fetch(hub, local_dir=local)
+    assert not top.exists() and not stale.exists()
+    assert not (local / "encoding").exists() and empty_folders() == []
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 40})())
+    assert fetch(hub, local_dir=local).ok
+    assert (local / "encoding" / "deep" / "enc.py").read_bytes() == b"x = 1\n" and empty_folders() == []
+
+
 def test_blobs_another_revision_holds_need_no_free_space(hub, tmp_path, monkeypatch):
     """In the HF cache, a revision that changes config.json alone shares its shards' blobs with the cached
     one: the free-space check asked for room for every shard again (510 GB for a config fix)."""
