@@ -577,7 +577,12 @@ def verify_cmd(
         rank_timeout=rank_timeout,
     )  # fmt: skip
     speaks = not as_json and torchrun.shared_rank() in (None, 0)  # one process of a torchrun launch speaks
-    result = verify(opts, progress=report.info if speaks else None, shown=report.byte_progress if speaks else None)
+    result = verify(
+        opts,
+        progress=report.info if speaks else None,
+        shown=report.byte_progress if speaks else None,
+        warn=report.warn if torchrun.shared_rank() in (None, 0) else None,
+    )
     if result is None:  # a torchrun rank other than 0
         return
     if as_json:

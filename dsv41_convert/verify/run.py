@@ -217,14 +217,19 @@ def _config_fits_rank_files(ranks: RankFiles, args: ModelArgs) -> None:
 
 
 def verify(
-    opts: VerifyOptions, progress: Progress | None = None, shown: Callable[[str], Shown] | None = None
+    opts: VerifyOptions,
+    progress: Progress | None = None,
+    shown: Callable[[str], Shown] | None = None,
+    warn: Progress | None = None,
 ) -> VerifyResult | None:
     """Run the check; None on a torchrun rank other than 0. Raises VerifyInputError / ConfigError / HeaderError
     for unusable inputs (exit 2; a rank file whose header does not parse or tile its bytes among them); a
     mismatch, including a rank file a rank fails to load, is a failed result.
     shown(title): a context giving a progress (progress.Progress) for the manifest and weights checks, which
-    read every rank file, and for the prompts rank 0 runs (app/report.byte_progress)."""
+    read every rank file, and for the prompts rank 0 runs (app/report.byte_progress).
+    warn(message): an option given that this run does not use, and why, said before the run (also with --json)."""
     say = progress or (lambda _msg: None)
+    warn = warn or (lambda _msg: None)
     shown = shown or (lambda _title: contextlib.nullcontext(None))
     conv = Path(opts.converted)
     if (opts.reference is None) == (opts.reference_logits is None):
@@ -259,7 +264,7 @@ def verify(
     stamps = source_stamps(conv, names := {rank_file_name(r, tp) for r in range(tp)})  # another tp's are not read
     with RankFiles(conv, opts.tp) as ranks:  # the set, its headers read once
         _config_fits_rank_files(ranks, conv_args)
-        result = _verify_ranks(opts, ranks, conv_args, say, shown)
+        result = _verify_ranks(opts, ranks, conv_args, say, shown, warn)
     require_unchanged(conv, stamps, f"no verdict; run again once the run writing into {conv} has ended", names)
     return result
 
@@ -360,7 +365,12 @@ def _replays(opts: VerifyOptions, ref: reffile.Reference, tp: int) -> bool:
 
 
 def _verify_ranks(
-    opts: VerifyOptions, ranks: RankFiles, conv_args: ModelArgs, say: Progress, shown: Callable[[str], Shown]
+    opts: VerifyOptions,
+    ranks: RankFiles,
+    conv_args: ModelArgs,
+    say: Progress,
+    shown: Callable[[str], Shown],
+    warn: Progress,
 ) -> VerifyResult | None:
     conv, tp = ranks.folder, ranks.tp
     launcher.backend_for(opts.device)
@@ -426,6 +436,12 @@ def _verify_ranks(
         config_note = provenance.config_unchecked(ref.provenance, conv, Path(ref_name))
         if opts.stream_layers:  # the replay runs here, as the whole one does: with the reference's threads
             threads = replay_threads(ref, opts.threads)
+            if opts.device == "cpu" and opts.threads not in (None, threads):  # the replay is the only run
+                warn(
+                    f"--threads {opts.threads}: not used: --stream-layers replays the rank files at the "
+                    f"{counted(threads, 'CPU thread')} {ref_name} records (bit for bit only with its sums in its "
+                    "order), and runs nothing else"
+                )
         elif opts.threads is None and opts.device == "cpu" and ref.tp == tp and ref.threads:
             threads = ref.threads  # the reference's sums, in the reference's order
         if (opts.stream_layers or tp == 1) and opts.device == "cpu":

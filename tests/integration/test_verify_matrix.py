@@ -913,6 +913,27 @@ def test_streamed_replay_refuses_what_it_cannot_decide(m, monkeypatch, capsys):
     assert code == 0 and doc["decisive"] == ["replay", "weights"] and "replay" in doc["seconds"], err
 
 
+def test_streamed_replay_says_it_does_not_use_threads_the_reference_did_not_run(m, monkeypatch, capsys):
+    """--threads beside --stream-layers: the replay, the only run, runs at the threads the file records (bit for
+    bit only so), and said nothing of the count given (a helper's hunt: `--threads 2` against a 1-thread file
+    ran 1 thread without a word). Now a warning says so before the run, with --json too; the count the file
+    records, or a file that records none (the external one: --threads says them), is used and not warned of."""
+    from cli_run import run_cli
+
+    args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tp1", 2)), "--stream-layers", "--json")
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--threads", "2")
+    assert code == 0 and json.loads(out)["decisive"] == ["replay", "weights"], err
+    assert "warning: --threads 2: not used: --stream-layers replays the rank files at the 1 CPU thread" in err, err
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--threads", "1")
+    assert code == 0 and "warning" not in err, err
+    said: list[str] = []
+    result = verify(
+        VerifyOptions(m.shard(2), reference_logits=m.reference("external", 2), threads=1, stream_layers=True),
+        warn=said.append,
+    )
+    assert result.verdict == "PASS" and not said, (said, result.checks)
+
+
 def test_streamed_replay_judges_what_no_prompt_reads_as_the_whole_load_does(m):
     """The streamed run reads only what the prompts reach: a tensor the model lacks, or an expert no prompt
     routes to stored with another shape, was never bound, and the weights check then blamed the FILE's
