@@ -934,6 +934,29 @@ def test_streamed_replay_says_it_does_not_use_threads_the_reference_did_not_run(
     assert result.verdict == "PASS" and not said, (said, result.checks)
 
 
+def test_bounds_given_to_an_exact_run_are_said_not_to_apply(m, monkeypatch, capsys):
+    """--atol, --max-kl and the other statistical bounds judge a run that cannot be exact; against a file of this
+    tp, device and threads the run is bit for bit, and they were dropped without a word (a helper's hunt:
+    `--atol 0.5 --max-kl 2`, mode exact, nothing said). Now a warning names them before the run, with --json too;
+    where they apply (a tp-1 file against tp-2 ranks) they set the bounds and nothing is said."""
+    from cli_run import run_cli
+
+    args = ("verify", str(m.shard(2)), "--reference-logits", str(m.reference("tpN", 2)), "--threads", "1", "--json")
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--atol", "0.5", "--max-kl", "2")
+    doc = json.loads(out)
+    assert code == 0 and doc["mode"] == "exact" and doc["thresholds"]["bounds"]["last"]["atol"] == 0, err
+    assert "warning: --atol 0.5, --max-kl 2: not applied: this run is exact" in err, err
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and "warning" not in err, err
+    said: list[str] = []
+    ref = m.reference("tp1", 2)
+    result = verify(
+        VerifyOptions(m.shard(2), reference_logits=ref, threads=1, overrides={"max_kl": 2.5}), warn=said.append
+    )
+    assert result.thresholds.mode.endswith("+overrides") and result.thresholds.bounds["last"].max_kl == 2.5
+    assert not said, said
+
+
 def test_streamed_replay_judges_what_no_prompt_reads_as_the_whole_load_does(m):
     """The streamed run reads only what the prompts reach: a tensor the model lacks, or an expert no prompt
     routes to stored with another shape, was never bound, and the weights check then blamed the FILE's
