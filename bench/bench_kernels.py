@@ -18,6 +18,7 @@ import os
 import platform
 import statistics
 import subprocess
+from types import SimpleNamespace
 
 import torch
 from needs_cuda import require_cuda
@@ -348,29 +349,53 @@ def compile_phase(rows, cases, every=False):
         print(row, flush=True)
 
 
-def gemm_rows():
+def gemm_operands(m: int, n: int, k: int) -> SimpleNamespace:
+    """Random operands of one GEMM shape: x [m, k] and w [n, k] bf16; a [m, k] e4m3 with a_s [m, k / 32] e8m0
+    (act_quant 1x32); b [n, k] e4m3 with b_s [n / 32, k / 32] e8m0 (32x32 blocks); b4 [n, k / 2] e2m1 pairs
+    with b4_s [n, k / 32] e8m0 (mxfp4)."""
     from dsv41_convert.kernels import quant_ops
-    from dsv41_convert.kernels.block_gemm import block_gemm_kernel
+    from dsv41_convert.quant import act, fp8
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    a, a_s = act.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    b, b_s = fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
+    b4, b4_s = quant_ops.encode_mxfp4(w, 32, "w")
+    return SimpleNamespace(x=x, w=w, a=a, a_s=a_s, b=b, b_s=b_s, b4=b4, b4_s=b4_s)
+
+
+def gemm_calls(o: SimpleNamespace) -> dict[str, functools.partial]:
+    """name -> one call of that GEMM on gemm_operands `o`: ours (fp8_gemm, fp4_gemm), cuBLAS's fp8 (_scaled_mm,
+    one tensorwise scale) and bf16 (matmul)."""
     from dsv41_convert.kernels.fp4_gemm import fp4_gemm
     from dsv41_convert.kernels.fp8_gemm import fp8_gemm
-    from dsv41_convert.quant import act, fp8
+
+    one = torch.ones((), device="cuda")
+    return {
+        "fp8_gemm": functools.partial(fp8_gemm, o.a, o.a_s, o.b, o.b_s, torch.float8_e8m0fnu, 32),
+        "fp4_gemm": functools.partial(fp4_gemm, o.a, o.a_s, o.b4, o.b4_s, torch.float8_e8m0fnu, 32),
+        "_scaled_mm": functools.partial(
+            torch._scaled_mm, o.a, o.b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+        ),
+        "bf16_matmul": functools.partial(torch.matmul, o.x, o.w.t()),
+    }
+
+
+def gemm_rows():
+    from dsv41_convert.kernels.block_gemm import block_gemm_kernel
 
     rows = []
     for m, n, k in GEMM_SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-        a, a_s = act.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-        b, b_s = fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
-        b4, b4_s = quant_ops.encode_mxfp4(w, 32, "w")
-        one = torch.ones((), device="cuda")
+        o = gemm_operands(m, n, k)
+        a, a_s, b, b_s, b4, b4_s = o.a, o.a_s, o.b, o.b_s, o.b4, o.b4_s
+        calls = gemm_calls(o)
         flop = 2 * m * n * k
-        t8 = median_ms(functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32))
-        t4 = median_ms(functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32))
+        t8 = median_ms(calls["fp8_gemm"])
+        t4 = median_ms(calls["fp4_gemm"])
         # each tile as a raw launch; with e8m0 scales every tile computes the same bytes
         u8 = torch.uint8
         c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        want8 = fp8_gemm(a, a_s, b, b_s, torch.float8_e8m0fnu, 32)
-        want4 = fp4_gemm(a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)
+        want8, want4 = calls["fp8_gemm"](), calls["fp4_gemm"]()
         tiles, same = {}, True
         for tname, tile in GEMM_TILES.items():
             k8 = block_gemm_kernel(n, k, 32, 32, 32, False, True, True, 4, tile)
@@ -384,33 +409,21 @@ def gemm_rows():
             k4(a, a_s.view(u8), b4.view(u8), b4_s.view(u8), c)
             same &= bool(torch.equal(c, want4))
         try:
-            t_sm = median_ms(
-                functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            )
+            t_sm = median_ms(calls["_scaled_mm"])
         except Exception as exc:
             print(f"_scaled_mm failed: {exc}"[:300])
             t_sm = float("nan")
-        t_bf = median_ms(functools.partial(torch.matmul, x, w.t()))
+        t_bf = median_ms(calls["bf16_matmul"])
         row = {"M": m, "N": n, "K": k, "tiles_same_bytes": same, "tiles_TFLOPs": tiles}
         # back to back, as the model calls them: the host's time before a launch overlaps the kernel before it
-        gemm_calls = (
-            ("fp8_gemm", functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32)),
-            ("fp4_gemm", functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32)),
-            (
-                "_scaled_mm",
-                functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-            ),
-        )
-        row["queued_TFLOPs"] = {
-            name: flop / queued_ms(fn) / 1e9 for name, fn in gemm_calls if name != "_scaled_mm" or t_sm == t_sm
-        }
+        queued = ("fp8_gemm", "fp4_gemm") + (("_scaled_mm",) if t_sm == t_sm else ())
+        row["queued_TFLOPs"] = {name: flop / queued_ms(calls[name]) / 1e9 for name in queued}
         # the same calls in one CUDA graph: the GPU's time alone (a queued cuBLAS call at 128 rows is the host's pace:
         # docs/BENCHMARKS.md, "GEMMs with the host taken out"); goal 2's figures
         row["graphed_TFLOPs"] = {}
         for name in row["queued_TFLOPs"]:
-            fn = dict(gemm_calls)[name]
             try:
-                row["graphed_TFLOPs"][name] = flop / graphed_ms(fn) / 1e9
+                row["graphed_TFLOPs"][name] = flop / graphed_ms(calls[name]) / 1e9
             except Exception as exc:  # a call that cannot be captured: said, not timed
                 print(f"{name} not graphed: {exc}"[:300])
         times = (("fp8_gemm", t8), ("fp4_gemm", t4))

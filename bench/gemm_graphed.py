@@ -17,37 +17,15 @@ Usage (on the GPU machine):  python bench/gemm_graphed.py [--json out.json]
 """
 
 import argparse
-import functools
 import json
 import statistics
 
 import torch
-from bench_kernels import GEMM_SHAPES, graphed_ms, queued_ms
+from bench_kernels import GEMM_SHAPES, gemm_calls, gemm_operands, graphed_ms, queued_ms
 from gemm_host import host_us
 from needs_cuda import require_cuda
 
 ROUNDS = 5
-
-
-def gemms(m: int, n: int, k: int) -> dict:
-    """name -> a call of that GEMM on random operands [m, k] x [n, k] (as bench_kernels.gemm_rows makes them)."""
-    from dsv41_convert.kernels.fp4_gemm import fp4_gemm
-    from dsv41_convert.kernels.fp8_gemm import fp8_gemm
-    from dsv41_convert.kernels.quant_ops import encode_mxfp4
-    from dsv41_convert.quant import act, fp8
-
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    a, a_s = act.act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    b, b_s = fp8.encode_fp8_blocks(w, (32, 32), "ue8m0", "w")
-    b4, b4_s = encode_mxfp4(w, 32, "w")
-    one = torch.ones((), device="cuda")
-    return {
-        "_scaled_mm": functools.partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-        "fp8_gemm": functools.partial(fp8_gemm, a, a_s, b, b_s, torch.float8_e8m0fnu, 32),
-        "fp4_gemm": functools.partial(fp4_gemm, a, a_s, b4, b4_s, torch.float8_e8m0fnu, 32),
-        "bf16_matmul": functools.partial(torch.matmul, x, w.t()),
-    }
 
 
 def main() -> None:
@@ -58,7 +36,7 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
     for m, n, k in GEMM_SHAPES:
         flop = 2 * m * n * k
-        fns = gemms(m, n, k)
+        fns = gemm_calls(gemm_operands(m, n, k))
         names = list(fns)
         runs: dict[str, dict[str, list[float]]] = {name: {"queued": [], "graphed": [], "host_us": []} for name in names}
         for r in range(ROUNDS):
