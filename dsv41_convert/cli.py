@@ -307,6 +307,8 @@ def shard_cmd(
         _warn_of_the_source(Path(plan.src), out)
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
+        shared = "rank files" if rank_list is None else "--ranks rank files"  # the run's warning: one share listed
+        _warn_of_a_share_without_torchrun(shared, advise_ranks=rank_list is None)
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     mine = check_out(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
@@ -1110,6 +1112,7 @@ def export_cmd(
         )
     if dry_run:
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
+        _warn_of_a_share_without_torchrun("shards", advise_ranks=False)  # the run's warning: one share listed
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
     mine = check_out(ep.plan, out, resume, overwrite, None, device, RECORDS)  # refused before the progress's title

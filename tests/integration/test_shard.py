@@ -217,6 +217,31 @@ def test_a_share_without_torchrun_says_so(fp8_src, tmp_path, monkeypatch, capsys
         assert "the other shares write them all" not in err and not (tmp_path / "out3").exists()
 
 
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_a_dry_run_of_a_share_without_torchrun_says_so(fp8_src, tmp_path, monkeypatch, capsys, command):
+    """RANK and WORLD_SIZE left in the environment (no MASTER_ADDR, MASTER_PORT): the run warns that it writes
+    one share only, and its --dry-run listed that share's files (half of them here) without a word, exit 0,
+    for a pipeline to take as the whole run. The dry run says the run's warning (stderr; stdout stays one
+    document of that share's files), writes nothing, and under torchrun (all four set) says nothing."""
+    from cli_run import run_cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = ["--tp", "4"] if command == "shard" else ["--format", "fp8"]
+    warned = "RANK=1 and WORLD_SIZE=2 are set without MASTER_ADDR and MASTER_PORT (torchrun sets all of them): this " \
+        f"process writes share 1 of 2 of the {'rank files' if command == 'shard' else 'shards'} only"  # fmt: skip
+    for launched in (False, True):
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            monkeypatch.setenv(name, value) if launched else monkeypatch.delenv(name, raising=False)
+        out = tmp_path / f"out-{launched}"
+        code, doc, err = run_cli(monkeypatch, capsys, command, str(fp8_src), str(out), *args, "--dry-run", "--json")
+        assert code == 0, err
+        summary = json.loads(doc)  # one document, the rank first
+        assert summary["rank"] == 1 and summary["files"], doc
+        assert (warned in err) is not launched, err
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_timeline_names_each_file_its_process_and_stages(bf16_src, tmp_path, workers):
     """--json's timeline: every written file once, in order of start, each inside the run's seconds,
