@@ -307,12 +307,12 @@ def shard_cmd(
         _warn_of_the_source(Path(plan.src), out)
     if dry_run:
         mine = {f.rank for f in check_destination(plan, out, resume, overwrite, rank_list, device=device)}
-        shared = "rank files" if rank_list is None else "--ranks rank files"  # the run's warning: one share listed
-        _warn_of_a_share_without_torchrun(shared, advise_ranks=rank_list is None)
+    else:
+        mine = check_out(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
+    _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files", rank_list is None)
+    if dry_run:  # a dry run's listing is of one share too: the warning above is said before it
         summary = summarize(plan, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    mine = check_out(plan, out, resume, overwrite, rank_list, device)  # refused before the progress's title
-    _warn_of_a_share_without_torchrun("rank files" if rank_list is None else "--ranks rank files", rank_list is None)
     # a share of no file shows no progress (its title and an empty bar came before "no files in this share")
     with report.byte_progress(f"shard {src} -> {out} (tp {tp})", quiet=as_json or not mine) as progress:
         summary = execute(
@@ -1112,11 +1112,12 @@ def export_cmd(
         )
     if dry_run:
         mine = {f.file for f in check_destination(ep.plan, out, resume, overwrite, records=RECORDS, device=device)}
-        _warn_of_a_share_without_torchrun("shards", advise_ranks=False)  # the run's warning: one share listed
+    else:
+        mine = check_out(ep.plan, out, resume, overwrite, None, device, RECORDS)  # refused before the progress's title
+    _warn_of_a_share_without_torchrun("shards", False)
+    if dry_run:  # a dry run's listing is of one share too: the warning above is said before it
         summary = summarize_export(ep, mine)  # what this run would write
         return report.print_json(summary) if as_json else _plan_table(summary)
-    mine = check_out(ep.plan, out, resume, overwrite, None, device, RECORDS)  # refused before the progress's title
-    _warn_of_a_share_without_torchrun("shards", False)
     with report.byte_progress(f"export {src} -> {out} ({fmt})", quiet=as_json or not mine) as progress:
         summary = export(
             ep, out, workers=workers, resume=resume, overwrite=overwrite, device=device, progress=progress,
