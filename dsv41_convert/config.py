@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41_convert import strict_json
-from dsv41_convert.engram_buckets import engram_least_rows, engram_table_rows
+from dsv41_convert.engram_buckets import engram_least_rows, engram_primes_searchable, engram_table_rows
 from dsv41_convert.errors import NOT_JSON, ConfigError
 from dsv41_convert.file_kinds import refuse_non_file
 
@@ -152,7 +152,7 @@ HF_QUANTIZATION_CONFIG: dict[str, Any] = {
 # part of config.json and are chosen by the caller.
 RUNTIME_FIELDS = ("max_batch_size", "max_seq_len", "temperature")
 
-ENGRAM_PRIMES_SEARCHED = 100_000  # bucket primes found one by one in ~2.5 s; the published config needs 48
+ENGRAM_PRIMES_SEARCHED = 100_000  # bucket primes of 24 bits found one by one in ~2.5 s (larger: fewer); published: 48
 
 TUPLE_FIELDS = (
     "compress_ratios",
@@ -438,6 +438,16 @@ class ModelArgs:
                 f"{self.engram_vocab_size}, engram_max_ngram_size {self.engram_max_ngram_size} and engram_n_heads "
                 f"{self.engram_n_heads} give tables of at least {[least] * len(self.engram_layer_ids)} rows "
                 "(each layer's bucket primes summed)"
+            )
+        # a config of as many rows as that bound asks (or of huge engram_vocab_size: primes near 2**62, each found
+        # in tens of numbers tested) still searched them one by one: minutes on every config read (a helper's hunt)
+        searchable = engram_primes_searchable(ENGRAM_PRIMES_SEARCHED, self.engram_vocab_size)
+        if n_primes > searchable:
+            raise ConfigError(
+                f"{source}: engram_layer_ids ({len(self.engram_layer_ids)} layers) x (engram_max_ngram_size "
+                f"{self.engram_max_ngram_size} - 1) x engram_n_heads {self.engram_n_heads} = {n_primes:,} bucket "
+                f"primes above engram_vocab_size {self.engram_vocab_size:,}: more than this tool searches (at most "
+                f"{searchable:,} primes of that size; the published config needs 48 above 16,000,000)"
             )
         rows = engram_table_rows(
             len(self.engram_layer_ids), self.engram_max_ngram_size, self.engram_n_heads, self.engram_vocab_size

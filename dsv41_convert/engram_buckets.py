@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+# the bits of the published engram_vocab_size (16,000,000): the size at which ENGRAM_PRIMES_SEARCHED was timed
+SEARCH_BITS = 24
+
 # bases that make Miller-Rabin deterministic for every n < 3.3e24 (far above any bucket count)
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
 
@@ -67,3 +70,13 @@ def engram_least_rows(max_ngram_size: int, n_heads: int, vocab_size: int) -> int
     n_heads distinct bucket primes, each at least vocab_size, is at least that many consecutive ints from there."""
     count = max(max_ngram_size - 1, 0) * n_heads
     return count * vocab_size + count * (count - 1) // 2
+
+
+def engram_primes_searchable(most: int, vocab_size: int) -> int:
+    """How many bucket primes above `vocab_size` are found in the time `most` primes of SEARCH_BITS bits take.
+
+    Each prime is dearer the larger it is (about as the cube of its bits: more numbers tested between primes,
+    each test on longer ints; 10,000 primes above 2**62 took 2.4 s, as long as 90,000 above 16,000,000).
+    """
+    bits = max(vocab_size.bit_length(), SEARCH_BITS)
+    return most * SEARCH_BITS**3 // bits**3

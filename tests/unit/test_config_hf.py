@@ -138,3 +138,45 @@ def test_an_engram_typo_past_the_primes_searched_is_refused_by_the_bound_alone(m
     monkeypatch.setattr(config_module, "engram_table_rows", searched)
     with pytest.raises(ConfigError, match=rf"{key} {value}\b.* give tables of at least \[\d+(, \d+)*\] rows"):
         ModelArgs.from_hf_dict(hf, "config.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "searchable"),
+    [
+        ({"engram_n_heads": 10**6}, "100,000"),  # as many rows as the least bound asks: it passes that bound
+        ({"engram_n_heads": 1000, "engram_vocab_size": 2**62}, "5,528"),  # 6,000 primes near 2**62
+    ],
+)
+def test_engram_bucket_primes_past_what_is_searched_are_refused_without_a_search(monkeypatch, text, searchable):
+    """A config of far too many bucket primes whose rows pass the least bound (or of primes so large that each
+    costs tens of numbers tested) searched them all one by one: minutes on every config read, then a refusal
+    or not. Refused at once, naming the counts; no prime searched."""
+    from dsv41_convert import config as config_module
+    from dsv41_convert.engram_buckets import engram_least_rows
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import preset_files
+
+    hf, _ = preset_files(PRESETS["tiny"])
+    tc = hf["text_config"]
+    tc.update(text)
+    least = engram_least_rows(tc["engram_max_ngram_size"], tc["engram_n_heads"], tc["engram_vocab_size"])
+    tc["engram_num_embeddings"] = [min(least, 2**63 - 1)] * len(tc["engram_layer_ids"])  # no tensor holds more
+
+    def searched(*_args):
+        raise AssertionError("bucket primes searched one by one")
+
+    monkeypatch.setattr(config_module, "engram_table_rows", searched)
+    with pytest.raises(ConfigError, match=rf"config.json: .* bucket primes above .*at most {searchable} primes"):
+        ModelArgs.from_hf_dict(hf, "config.json")
+
+
+def test_engram_bucket_primes_within_what_is_searched_are_checked():
+    """The bound refuses nothing the tool can search: 5,000 primes near 2**62 are found and the rows compared."""
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import preset_files
+
+    hf, _ = preset_files(PRESETS["tiny"])
+    hf["text_config"].update(engram_layer_ids=[0], engram_num_embeddings=[1], engram_max_ngram_size=2)
+    hf["text_config"].update(engram_n_heads=5000, engram_vocab_size=2**62)
+    with pytest.raises(ConfigError, match=r"engram_num_embeddings \[1\], but .* give tables of \[\d+\] rows"):
+        ModelArgs.from_hf_dict(hf, "config.json")
