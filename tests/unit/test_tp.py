@@ -140,3 +140,80 @@ def test_the_tps_a_large_typo_allows_are_listed_at_once():
     args = tiny_args(n_routed_experts=10**12)
     (line,) = [p for p in tp_problems(args, 3) if p.startswith("n_routed_experts")]
     assert "works at tp 1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, ... (169 values)" in line
+
+
+def _tried_one_by_one_at_most(monkeypatch, most: int) -> None:
+    """tp.py's `range` refuses a span of more than `most` ints: a divisor search that tries ints one by one."""
+    from dsv41_convert.convert import tp as tp_module
+
+    def bounded(*args):
+        span = range(*args)
+        assert len(span) <= most, f"{len(span)} ints tried one by one"
+        return span
+
+    monkeypatch.setattr(tp_module, "range", bounded, raising=False)
+
+
+# every value the tps divide, 2**40 each: the largest tp the model runs is 2**40
+BIG = ("num_attention_heads", "o_groups", "head_dim", "vocab_size", "n_routed_experts", "index_n_heads")
+BIG += ("dspark_n_routed_experts",)
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        (  # a square root of 10**9 ints tried one by one: 55 s at plan --tp 3
+            {"vocab_size": 10**18},
+            "vocab_size = 1000000000000000000: embed and head rows per rank, DSpark markov_head embed and head; "
+            "1000000000000000000 / 3 is not whole; works at tp 1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, ... "
+            "(361 values)",
+        ),
+        (  # a prime near 2**63: its only divisors are found without trying 3 * 10**9 ints
+            {"n_routed_experts": 2**63 - 25},
+            "n_routed_experts = 9223372036854775783: routed experts per rank, backbone; 9223372036854775783 / 3 is "
+            "not whole; works at tp 1, 9223372036854775783",
+        ),
+        (  # a product of two values near 2**40 (2**80): hours; every per-rank share a power of two
+            dict.fromkeys(BIG, 2**40),
+            "x head_dim = 1208925819614629174706176: wq_b rows per rank, in whole 32-row scale blocks; "
+            "1208925819614629174706176 / 3 = 4.02975e+23 is not a multiple of 32; works at tp 1, 2, 4, 8, 16, 32, "
+            "64, 128, 256, 512, 1024, 2048, ... (76 values)",
+        ),
+    ],
+    ids=["vocab 10**18", "prime experts", "heads x head_dim 2**80"],
+)
+def test_a_tp_refused_of_config_values_near_2_63_lists_the_working_tps_at_once(monkeypatch, text, line):
+    """The tps each value allows came from trying every int up to its square root, and those the model can run
+    from every int up to the values' gcd: vocab_size 10**18 at --tp 3 took 55 s before plan said a word, heads
+    of 2**40 never ended. Now from the prime factors: no span of more than 10**5 ints is tried."""
+    args = tiny_args(**text)
+    _tried_one_by_one_at_most(monkeypatch, 10**5)
+    with pytest.raises(PlanError) as info:
+        check_tp(args, 3, "config.json")
+    assert line in str(info.value)
+    if "o_groups" in text:
+        assert runnable_tps(args)[-3:] == [2**38, 2**39, 2**40]
+
+
+def test_the_tps_from_prime_factors_are_those_tried_one_by_one(monkeypatch):
+    """The factored path (every value, LOOPED 0) gives what trying each int gives, for values with and without
+    the 32-block unit, square and prime values, and products of two fields."""
+    from dsv41_convert.convert import tp as tp_module
+    from dsv41_convert.convert.tp import TpRequirement
+
+    cases = [(v, u, ()) for v in (1, 2, 97, 384, 1024, 2048, 8192, 129280, 3 * 2**7 * 7**2) for u in (1, 32)]
+    cases += [(64 * 48, 32, (64, 48)), (12 * 160, 32, (12, 160)), (9 * 35, 1, (9, 35)), (8 * 3, 32, (8, 3))]
+    looped = {}
+    for value, unit, parts in cases:
+        req = TpRequirement(("n_heads", "head_dim"), value, unit, "", parts)
+        looped[value, unit] = ([d for d in range(1, value + 1) if req.holds(d)], req.problem(value + 1))
+    monkeypatch.setattr(tp_module, "LOOPED", 0)
+    for value, unit, parts in cases:
+        req = TpRequirement(("n_heads", "head_dim"), value, unit, "", parts)
+        assert (req.working_tps(), req.problem(value + 1)) == looped[value, unit], (value, unit)
+    for text in ({}, {"o_groups": 2, "o_lora_rank": 128}, {"num_attention_heads": 3, "head_dim": 64}):
+        args = tiny_args(**text)
+        monkeypatch.setattr(tp_module, "LOOPED", 10**5)
+        want = runnable_tps(args)
+        monkeypatch.setattr(tp_module, "LOOPED", 0)
+        assert runnable_tps(args) == want
