@@ -199,6 +199,7 @@ def validate_sources(
     # a published-format source holds its experts and Engram rows with a scale per 32 inputs, as a quantizing output
     require_block_dims(args, config, expert_dtype, quantized or quantizes)
     _check_vision_blocks(sources, args, config)  # before any layout: _same_layout's holds every vision block too
+    _check_layer_count(sources, args, config)  # the same of the backbone layers and MTP stages
     # the real checkpoint's 96k tensors match without a 96k-entry layout; only a mismatch needs the wording loops
     if not (quantized and _same_layout(sources, args)):
         if quantized:
@@ -285,6 +286,24 @@ def _check_vision_blocks(sources: dict[str, Source], args: ModelArgs, config: Pa
         f"{config.parent}: checkpoint does not match {config.name}: its vision_config.num_hidden_layers "
         f"{args.vision_n_layers:,} makes more vision blocks than the checkpoint holds tensors ({len(sources):,}); "
         f"the checkpoint holds {counted(held, 'vision block')}"
+    )
+
+
+def _check_layer_count(sources: dict[str, Source], args: ModelArgs, config: Path) -> None:
+    """PlanError where config.json's backbone layers and MTP stages are more than the checkpoint holds tensors in
+    all (each holds dozens): num_hidden_layers 1,000,000 (its compress_ratios as long) built a layout of
+    60,000,000 tensors before the expert count refused it, over two minutes, as did 10,000,000 MTP stages (a
+    helper's hunt)."""
+    stages = args.n_mtp_layers if args.dspark_block_size else 0  # as the catalogue: no DSpark, no mtp stages
+    if args.n_layers + stages <= len(sources):
+        return  # its layout is no larger than a few dozen times the checkpoint's: compared and listed as usual
+    held = {".".join(n.split(".", 2)[:2]) for n in sources if n.startswith(("layers.", "mtp."))}
+    n_held = sum(h.startswith("layers.") for h in held)
+    raise PlanError(
+        f"{config.parent}: checkpoint does not match {config.name}: its text_config.num_hidden_layers "
+        f"{args.n_layers:,} and num_nextn_predict_layers {args.n_mtp_layers:,} make more layers than the checkpoint "
+        f"holds tensors ({len(sources):,}); the checkpoint holds {counted(n_held, 'backbone layer')} and "
+        f"{counted(len(held) - n_held, 'MTP stage')}"
     )
 
 

@@ -558,6 +558,28 @@ def test_a_config_of_far_more_vision_blocks_than_the_checkpoint_is_refused_at_on
         build_plan(tmp_path / "s", 2)
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+@pytest.mark.parametrize("key", ["num_hidden_layers", "num_nextn_predict_layers"])
+def test_a_config_of_far_more_layers_than_the_checkpoint_is_refused_at_once(tmp_path, monkeypatch, quantized, key):
+    """num_hidden_layers 1,000,000 (its compress_ratios as long): plan built a layout of 60,000,000 tensors before
+    the expert count refused it, over two minutes, as did 10,000,000 MTP stages (a helper's hunt). Each layer
+    holds dozens of tensors: the count alone refuses it, naming the keys, before any layout is built."""
+    from dsv41_convert.convert import validate
+
+    cfg = tiny_config(quantized=quantized)
+    tensors = source_tensors(cfg)
+    text = cfg["text_config"]
+    text[key] += 100_000
+    at = text["num_hidden_layers"] if key == "num_hidden_layers" else len(text["compress_ratios"])
+    text["compress_ratios"] = [*text["compress_ratios"][:at], *[0] * 100_000, *text["compress_ratios"][at:]]
+    write_ckpt(tmp_path / "s", tensors, cfg)
+    monkeypatch.setattr(validate, "published_layout", lambda *a, **k: pytest.fail("a layout was built"))
+    refused = r"config.json: its text_config.num_hidden_layers [\d,]+ and num_nextn_predict_layers [\d,]+ make "
+    refused += r"more layers than the checkpoint holds tensors \([\d,]+\); the checkpoint holds \d+ backbone layers"
+    with pytest.raises(PlanError, match=refused):
+        build_plan(tmp_path / "s", 2)
+
+
 def test_no_candidate_source_layer_needs_no_candidate_block_size(tmp_path):
     """candidate_block_size is read only where a layer publishes candidates: with candidate_source_layer_id
     negative (none) a 0 planned before and must still (a review: it was refused for a while)."""
