@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 import os
 import re
@@ -54,6 +55,7 @@ from dsv41_convert.store.safetensors_header import (
 )
 
 _ENGRAM = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|scale)")
+MISSING_NAMED = 32  # rank files named as missing at most; past it, counted
 
 
 def rank_tp(folder: Path, tp: int | None = None) -> int:
@@ -69,11 +71,16 @@ def rank_tp(folder: Path, tp: int | None = None) -> int:
     if tp is None and len(found) != 1:
         raise VerifyInputError(f"{folder}: rank files for tp {found}; pass --tp to pick one")
     tp = tp if tp is not None else found[0]
-    missing = [rank_file_name(r, tp) for r in range(tp) if r not in sets[tp]]
+    # the ranks below tp not held, the first MISSING_NAMED of them: a file named model0-mp1000000000000000000
+    # listed every rank up to 10**18 as missing, and verify ran until killed (a helper's hunt)
+    n_missing = tp - sum(r < tp for r in sets[tp])
+    absent = (r for r in itertools.count() if r not in sets[tp])
+    missing = [rank_file_name(r, tp) for r in itertools.islice(absent, min(n_missing, MISSING_NAMED))]
     for name in missing:  # a folder at the name was said "missing", where check said what it is (an audit)
         refuse_non_file(folder / name, VerifyInputError)
     if missing:
-        raise VerifyInputError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}")
+        more = f", ... ({n_missing:,} in all)" if n_missing > len(missing) else ""
+        raise VerifyInputError(f"{folder}: tp {tp} needs {tp} rank files; missing {', '.join(missing)}{more}")
     stray = [rank_file_name(r, tp) for r in sorted(sets[tp]) if r >= tp]
     if stray:
         raise VerifyInputError(f"{folder}: {', '.join(stray)}: no such rank in a tp-{tp} conversion; remove it")

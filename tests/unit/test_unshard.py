@@ -517,3 +517,27 @@ def test_a_split_tensor_without_the_dim_it_is_cut_on_is_a_consistency_error_not_
     want = load_file(str(shards[1] / "model0-mp1.safetensors"))
     (diff,) = [d for d in localize.diff_tensors(pieces, want, ()) if d.name == name]
     assert diff.ranks == (0, 1) and f"split cuts dim {dim}; found rank 0: [" in diff.what, diff
+
+
+def test_a_rank_file_of_a_huge_tp_names_the_first_missing_at_once(tmp_path, monkeypatch):
+    """A lone model0-mp1000000000000000000.safetensors (a typo, or a hostile name): every rank below 10**18 was
+    listed as missing, and verify ran until killed (a helper's hunt). The first MISSING_NAMED are named and the
+    rest counted; no span of ranks is walked one by one."""
+    from dsv41_convert.convert import unshard
+    from dsv41_convert.convert.unshard import rank_tp
+
+    tp = 10**18
+    (tmp_path / f"model0-mp{tp}.safetensors").write_bytes(b"")
+    (tmp_path / f"model2-mp{tp}.safetensors").write_bytes(b"")
+
+    def bounded(*args):
+        span = range(*args)
+        assert len(span) <= 10**5, f"{len(span)} ranks walked one by one"
+        return span
+
+    monkeypatch.setattr(unshard, "range", bounded, raising=False)
+    names = [f"model{r}-mp{tp}.safetensors" for r in (1, 3, 4)]
+    with pytest.raises(VerifyInputError, match=rf"tp {tp} needs {tp} rank files; missing {', '.join(names)}, "):
+        rank_tp(tmp_path)
+    with pytest.raises(VerifyInputError, match=r"-mp\d+\.safetensors, \.\.\. \(999,999,999,999,999,998 in all\)$"):
+        rank_tp(tmp_path)
