@@ -182,6 +182,23 @@ def test_engram_bucket_primes_within_what_is_searched_are_checked():
         ModelArgs.from_hf_dict(hf, "config.json")
 
 
+def test_engram_bucket_primes_exactly_as_many_as_searched_are_searched(monkeypatch):
+    """The bound is the most primes searched: a config of exactly that many is searched and its rows compared,
+    one of a prime more is refused."""
+    from dsv41_convert import config as config_module
+    from dsv41_convert.synth.presets import PRESETS
+    from dsv41_convert.synth.write import preset_files
+
+    hf, _ = preset_files(PRESETS["tiny"])
+    tc = hf["text_config"]
+    n = len(tc["engram_layer_ids"]) * (tc["engram_max_ngram_size"] - 1) * tc["engram_n_heads"]
+    monkeypatch.setattr(config_module, "engram_primes_searchable", lambda *_args: n)
+    ModelArgs.from_hf_dict(copy.deepcopy(hf), "config.json")  # the tiny preset's own rows: searched, equal
+    monkeypatch.setattr(config_module, "engram_primes_searchable", lambda *_args: n - 1)
+    with pytest.raises(ConfigError, match=rf"= {n:,} bucket primes above .*at most {n - 1:,} primes"):
+        ModelArgs.from_hf_dict(hf, "config.json")
+
+
 class _Compared(int):
     """A layer id that counts the comparisons made of it (json gives ints; an int subclass is one to the checks)."""
 
