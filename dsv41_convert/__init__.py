@@ -2,6 +2,7 @@
 
 The package, bottom to top (imports point downward only):
     errors.py, config.py, progress.py   what every layer shares: error types, ModelArgs, the progress callback
+    expert_names.py   the routed-expert tensor name pattern (convert's rules and model's loader read it)
     engram_buckets.py   Engram's bucket primes and the table rows they give (no torch: config checks with them)
     engram_tokens.py   Engram's compressed token map of a tokenizer (no torch: plan checks a source's with it)
     interrupts.py   Ctrl-C and SIGTERM postponed while a file's writer threads run

@@ -14,6 +14,7 @@ LAYERS = [
     "numbers",
     "file_kinds",
     "strict_json",
+    "expert_names",
     "engram_buckets",
     "config",
     "engram_tokens",
