@@ -21,8 +21,10 @@ leaves tp 1, 2, 4, 8.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -146,8 +148,9 @@ def runnable_tps(args: ModelArgs) -> list[int]:
     bound = math.gcd(*(r.value for r in reqs))
     if bound > LOOPED:  # every requirement holds at the divisors of the gcd of their per-rank shares
         shares = [r._share_factors() for r in reqs]
-        share = math.gcd(*(math.prod(p**e for p, e in f.items()) if f is not None else 1 for f in shares))
-        return _divisors_up_to(_prime_factors((share,)), None)
+        if any(f is None for f in shares):
+            return [1]
+        return _divisors_up_to(functools.reduce(operator.and_, shares), None)  # & of factors: those of the gcd
     return [tp for tp in range(1, bound + 1) if all(r.holds(tp) for r in reqs)]
 
 
